@@ -1,0 +1,27 @@
+"""The ``stargrpc`` command line: one module per group of commands."""
+
+from __future__ import annotations
+
+import click
+
+from stargrpc import __version__
+from stargrpc.cli.calls import call, tools
+from stargrpc.cli.serve import serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """stargrpc: run tools for AI agents over gRPC, and talk to a running server."""
+
+
+@main.command()
+def version() -> None:
+    """Print the stargrpc version."""
+    click.echo(__version__)
+
+
+main.add_command(serve)
+main.add_command(tools)
+main.add_command(call)
+
+__all__ = ["main"]

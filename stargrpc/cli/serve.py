@@ -1,0 +1,59 @@
+"""``stargrpc serve``: run the server in the foreground until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+import structlog
+from pydantic import ValidationError
+
+from stargrpc.errors import ToolDefinitionError
+from stargrpc.logs import configure_logging
+from stargrpc.server import StargrpcServer
+from stargrpc.settings import Settings
+
+
+@click.command()
+@click.option("--host", default=None, help="Address to listen on [env STARGRPC_HOST; "
+              "default 127.0.0.1].")
+@click.option("--port", type=int, default=None, help="Port [env STARGRPC_PORT; default 50051].")
+@click.option("--tools-dir", "tools_dir", multiple=True, type=click.Path(path_type=Path),
+              help="Add a tools directory (repeatable) [env STARGRPC_TOOLS_DIR].")
+@click.option("--config", "config_file", type=click.Path(path_type=Path, exists=True),
+              default=None, help="A TOML settings file [env STARGRPC_CONFIG].")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default=None, help="[env STARGRPC_LOG_LEVEL; default info]")
+@click.option("--log-format", type=click.Choice(["auto", "json", "console"]), default=None,
+              help="[env STARGRPC_LOG_FORMAT; default auto]")
+@click.option("--shutdown-grace", "shutdown_grace_seconds", type=float, default=None,
+              help="Seconds runs in flight get after SIGTERM [env "
+              "STARGRPC_SHUTDOWN_GRACE_SECONDS; default 30].")
+def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object) -> None:
+    """Run the stargrpc server."""
+    overrides = dict(flags)
+    if tools_dir:
+        overrides["tools_dir"] = list(tools_dir)
+    try:
+        settings = Settings.load(config_file, **overrides)
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings:\n{exc}") from exc
+    configure_logging(settings.log_level, settings.log_format)
+    log = structlog.get_logger("stargrpc.cli")
+    log.info("settings", **settings.masked())
+    try:
+        asyncio.run(_serve(settings))
+    except ToolDefinitionError as exc:
+        log.error("tools_failed_to_load", error=str(exc))
+        click.echo(f"stargrpc: cannot start: {exc}", err=True)
+        sys.exit(3)
+    except OSError as exc:
+        click.echo(f"stargrpc: cannot start: {exc}", err=True)
+        sys.exit(4)
+
+
+async def _serve(settings: Settings) -> None:
+    server = StargrpcServer(settings)
+    await server.serve_forever()

@@ -1,0 +1,268 @@
+"""What a tool sees while it runs: :class:`ToolContext` and its steps.
+
+A tool reports progress through its context — ``ctx.step()``, ``step.delta()``,
+``ctx.heartbeat()`` — and hands things back through the write-back channels —
+``ctx.send_file()``, ``ctx.inject_tool()``, ``ctx.send_rich_message()``. Every call becomes
+an event in the run's log, which is what the Execute and WatchRun streams carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import mimetypes
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from stargrpc.principal import Principal
+
+if TYPE_CHECKING:
+    from stargrpc.run import Run
+
+
+@dataclass(frozen=True)
+class SentFileRecord:
+    """A file handed back by a tool."""
+
+    file_id: str
+    name: str
+    mime_type: str
+    data: bytes
+    sha256: str
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class InjectedToolRecord:
+    """A tool the run asks the agent to add to its palette."""
+
+    name: str
+    description: str
+    input_schema: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RichMessageRecord:
+    """A rich message (card, chart, …) the tool posted."""
+
+    kind: str
+    payload: Mapping[str, Any]
+
+
+@dataclass
+class WriteBack:
+    """The write-back channels a run accumulates; they travel in ``Result.writeback``."""
+
+    sent_files: list[SentFileRecord] = field(default_factory=list)
+    injected_tools: list[InjectedToolRecord] = field(default_factory=list)
+    rich_messages: list[RichMessageRecord] = field(default_factory=list)
+
+
+# The innermost open step of the running task, so nested steps find their parent.
+_current_step: ContextVar[Step | None] = ContextVar("stargrpc_current_step", default=None)
+
+
+class Step:
+    """An open step of a run. Use it as ``async with ctx.step("Title") as step:``.
+
+    Leaving the block normally ends the step COMPLETE; leaving it with an exception ends it
+    ERROR. The run ends any step still open when the tool stops.
+    """
+
+    id: str
+    parent_id: str
+    kind: str
+    title: str
+    summary: str
+    detail: dict[str, Any] | None
+    _run: Run
+    _token: Any
+
+    def __init__(self, run: Run, step_id: str, parent_id: str, title: str, kind: str,
+                 detail: Mapping[str, Any] | None = None) -> None:
+        self._run = run
+        self.id = step_id
+        self.parent_id = parent_id
+        self.title = title
+        self.kind = kind
+        self.summary = ""
+        self.detail = dict(detail) if detail else None
+        self._token = None
+
+    async def delta(self, text: str, *, channel: str = "") -> None:
+        """Streams partial output of this step. Empty text is not sent.
+
+        Args:
+            text: The new output.
+            channel: Which output it belongs to, e.g. "stdout" or "stderr".
+        """
+        if text:
+            await self._run.emit_delta(self, text, channel)
+
+    async def __aenter__(self) -> Step:
+        await self._run.start_step(self)
+        self._token = _current_step.set(self)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._token is not None:
+            _current_step.reset(self._token)
+        if exc_type is None:
+            await self._run.end_step(self, error=False)
+        elif not issubclass(exc_type, asyncio.CancelledError):
+            await self._run.end_step(self, error=True)
+        # On cancellation the run closes the step itself once the tool task is gone.
+
+
+class ToolContext:
+    """The handle a tool gets for one run.
+
+    Attributes:
+        run_id: The run's id, as every event carries it.
+        tool_name: The tool being run.
+        principal: The authenticated caller (never taken from the request body).
+        invocation: The invocation context of the request (end user, channel, labels …).
+        logger: A structlog logger bound with the run id and tool name.
+    """
+
+    run_id: str
+    tool_name: str
+    principal: Principal
+    invocation: Mapping[str, Any]
+    logger: Any
+    _run: Run
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+        self.run_id = run.run_id
+        self.tool_name = run.spec.name
+        self.principal = run.principal
+        self.invocation = run.invocation
+        self.logger = structlog.get_logger("stargrpc.tool").bind(
+            run_id=run.run_id, tool=run.spec.name)
+
+    def step(self, title: str, *, kind: str | None = None, parent: Step | None = None,
+             detail: Mapping[str, Any] | None = None) -> Step:
+        """A new step, nested under ``parent`` or the innermost open step.
+
+        Args:
+            title: What the step does, for people.
+            kind: Step kind; defaults to the tool's kind.
+            parent: Explicit parent step; defaults to the innermost open one, else the
+                run's top-level step.
+            detail: Structured details shown with the step.
+        """
+        parent_step = parent or _current_step.get() or self._run.root_step
+        return Step(self._run, self._run.next_step_id(), parent_step.id, title,
+                    kind if kind is not None else (self._run.spec.kind or "tool"), detail)
+
+    async def delta(self, text: str, *, channel: str = "") -> None:
+        """Streams partial output on the innermost open step (or the top-level step)."""
+        if text:
+            step = _current_step.get() or self._run.root_step
+            await self._run.emit_delta(step, text, channel)
+
+    async def heartbeat(self, message: str = "", *, progress: float | None = None) -> None:
+        """Says the tool is alive. A changed message or a rising progress value counts as
+        progress for the supervisor; a bare repeated heartbeat does not."""
+        await self._run.emit_heartbeat(message, progress)
+
+    def send_file(self, name: str, data: bytes, mime_type: str | None = None) -> SentFileRecord:
+        """Hands a file back to the caller (``Result.writeback.sent_files``).
+
+        Args:
+            name: File name shown to the caller.
+            data: The content.
+            mime_type: Defaults to a guess from the name.
+        """
+        record = SentFileRecord(
+            file_id=f"{self.run_id}-f{len(self._run.writeback.sent_files) + 1}",
+            name=name,
+            mime_type=mime_type or mimetypes.guess_type(name)[0] or "application/octet-stream",
+            data=bytes(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        self._run.writeback.sent_files.append(record)
+        return record
+
+    def inject_tool(self, name: str, description: str, schema: Mapping[str, Any]) -> None:
+        """Asks the agent to add a tool to its palette (``writeback.injected_tools``)."""
+        self._run.writeback.injected_tools.append(
+            InjectedToolRecord(name, description, dict(schema)))
+
+    def send_rich_message(self, kind: str, payload: Mapping[str, Any]) -> None:
+        """Posts a rich message such as a card (``writeback.sent_rich_messages``)."""
+        self._run.writeback.rich_messages.append(RichMessageRecord(kind, dict(payload)))
+
+    def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
+                   result: str | None = None) -> None:
+        """Replaces what the audit record shows for this run's arguments and/or result, for a
+        tool whose real arguments or output hold a secret the audit must not keep."""
+        if arguments is not None:
+            self._run.audit_arguments = dict(arguments)
+        if result is not None:
+            self._run.audit_result = result
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the run has been asked to stop."""
+        return self._run.stop_requested
+
+
+class SyncToolContext:
+    """The context of a plain ``def`` tool, which runs in a worker thread: the same methods,
+    blocking until the event loop has recorded each event."""
+
+    _ctx: ToolContext
+    _loop: asyncio.AbstractEventLoop
+
+    def __init__(self, ctx: ToolContext, loop: asyncio.AbstractEventLoop) -> None:
+        self._ctx = ctx
+        self._loop = loop
+        self.run_id = ctx.run_id
+        self.tool_name = ctx.tool_name
+        self.principal = ctx.principal
+        self.invocation = ctx.invocation
+        self.logger = ctx.logger
+
+    def _call(self, make: Callable[[], Awaitable[None]]) -> None:
+        async def run() -> None:
+            await make()
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+
+    def delta(self, text: str, *, channel: str = "") -> None:
+        """Streams partial output on the top-level step."""
+        self._call(lambda: self._ctx.delta(text, channel=channel))
+
+    def heartbeat(self, message: str = "", *, progress: float | None = None) -> None:
+        """Says the tool is alive."""
+        self._call(lambda: self._ctx.heartbeat(message, progress=progress))
+
+    def send_file(self, name: str, data: bytes, mime_type: str | None = None) -> SentFileRecord:
+        """See :meth:`ToolContext.send_file`."""
+        return self._ctx.send_file(name, data, mime_type)
+
+    def inject_tool(self, name: str, description: str, schema: Mapping[str, Any]) -> None:
+        """See :meth:`ToolContext.inject_tool`."""
+        self._ctx.inject_tool(name, description, schema)
+
+    def send_rich_message(self, kind: str, payload: Mapping[str, Any]) -> None:
+        """See :meth:`ToolContext.send_rich_message`."""
+        self._ctx.send_rich_message(kind, payload)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the run has been asked to stop; a thread cannot be interrupted, so a
+        long-running sync tool should check this."""
+        return self._ctx.cancelled

@@ -1,0 +1,203 @@
+"""Errors of stargrpc and their one mapping to gRPC statuses.
+
+Hierarchy::
+
+    StargrpcError
+    ├── RequestError            refused before a run starts; becomes a gRPC status
+    │   ├── InvalidArgument         INVALID_ARGUMENT + google.rpc.BadRequest
+    │   ├── Unauthenticated         UNAUTHENTICATED (no detail that helps an attacker)
+    │   ├── PermissionDenied        PERMISSION_DENIED + google.rpc.ErrorInfo
+    │   ├── NotFound                NOT_FOUND + google.rpc.ErrorInfo (unknown tool, run)
+    │   ├── FailedPrecondition      FAILED_PRECONDITION + google.rpc.ErrorInfo
+    │   │   └── CatalogStale            reason CATALOG_STALE
+    │   ├── ResourceExhausted       RESOURCE_EXHAUSTED + google.rpc.RetryInfo
+    │   └── Unavailable             UNAVAILABLE (draining, a backing store down)
+    ├── ToolDefinitionError     a tool module is broken; stops start-up
+    └── ToolOutcomeError        raised *by a tool* to end its run with an outcome
+        ├── ToolFailed              Result{OUTCOME_FAILED}
+        └── ToolDenied              Result{OUTCOME_DENIED}
+
+Anything else a tool raises becomes Result{OUTCOME_ERROR} with a user-safe message; the
+traceback goes to the server log only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+#: The ErrorInfo domain of every error this service reports.
+ERROR_DOMAIN = "stargrpc"
+
+
+class StargrpcError(Exception):
+    """Base of every error stargrpc raises on purpose."""
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One bad field of a request: where (a dotted path) and why."""
+
+    field: str
+    description: str
+
+
+class RequestError(StargrpcError):
+    """A request refused before any run started; maps to a gRPC status with details."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    reason: str = "INVALID_REQUEST"
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+        self.metadata = dict(metadata or {})
+
+    def details(self) -> list[object]:
+        """The google.rpc detail messages attached to the status."""
+        return [error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN,
+                                            metadata=self.metadata)]
+
+    def to_status(self) -> grpc.Status:
+        """The gRPC status (code, message, rich details in trailing metadata)."""
+        packed = []
+        for detail in self.details():
+            container = any_pb2.Any()
+            container.Pack(detail)
+            packed.append(container)
+        status = status_pb2.Status(code=_CODE_NUMBERS[self.code], message=self.message,
+                                   details=packed)
+        return rpc_status.to_status(status)
+
+
+class InvalidArgument(RequestError):
+    """The request is malformed; each bad field is named."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, violations: Sequence[FieldViolation] = ()) -> None:
+        super().__init__(message)
+        self.violations = list(violations)
+
+    def details(self) -> list[object]:
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in self.violations
+        ])
+        return [bad, *super().details()]
+
+
+class Unauthenticated(RequestError):
+    """No valid credentials. The message stays generic on purpose."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+    def details(self) -> list[object]:
+        return []
+
+
+class PermissionDenied(RequestError):
+    """The caller is known but may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class NotFound(RequestError):
+    """The named tool or run does not exist (for this caller)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+
+class FailedPrecondition(RequestError):
+    """The request is well-formed but the system is not in a state to serve it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class CatalogStale(FailedPrecondition):
+    """The caller planned with an old catalog; it should reload and retry once."""
+
+    reason = "CATALOG_STALE"
+
+
+class ResourceExhausted(RequestError):
+    """A limit was hit; the caller may retry after ``retry_after`` seconds."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, reason: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, reason=reason, metadata=metadata)
+        self.retry_after = retry_after
+
+    def details(self) -> list[object]:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(self.retry_after * 1e9))
+        return [error_details_pb2.RetryInfo(retry_delay=delay), *super().details()]
+
+
+class Unavailable(RequestError):
+    """The server cannot take the call now (draining, a backing store is down)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
+class ToolDefinitionError(StargrpcError):
+    """A tool module or tool definition is broken; start-up stops with this message."""
+
+
+class ToolOutcomeError(StargrpcError):
+    """Raised by a tool to end its run with a specific outcome and a user-safe message."""
+
+    outcome_name = "FAILED"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or f"TOOL_{self.outcome_name}"
+
+
+class ToolFailed(ToolOutcomeError):
+    """The tool ran and could not do what was asked (Result{OUTCOME_FAILED})."""
+
+    outcome_name = "FAILED"
+
+
+class ToolDenied(ToolOutcomeError):
+    """The tool, or a system behind it, refused the caller (Result{OUTCOME_DENIED})."""
+
+    outcome_name = "DENIED"
+
+
+_CODE_NUMBERS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND: code_pb2.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
+}
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: RequestError) -> None:
+    """Ends the call with the status of ``error``; never returns."""
+    status = error.to_status()
+    await context.abort(status.code, status.details, status.trailing_metadata)

@@ -1,0 +1,53 @@
+"""Logging: structlog, JSON lines on stdout (a console renderer on a terminal).
+
+``merge_contextvars`` comes first so interceptors and runs can
+``structlog.contextvars.bind_contextvars(run_id=…, tool=…)`` and every line of a call
+carries them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None) -> None:
+    """Configures structlog (and routes the standard library's logging through it).
+
+    Args:
+        level: Minimum level: debug, info, warning or error.
+        fmt: "json", "console", or "auto" (console when the stream is a terminal).
+        stream: Where to write; standard output by default.
+    """
+    out = stream if stream is not None else sys.stdout
+    console = fmt == "console" or (fmt == "auto" and hasattr(out, "isatty") and out.isatty())
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any
+    if console:
+        renderer = structlog.dev.ConsoleRenderer()
+    else:
+        shared.append(structlog.processors.dict_tracebacks)
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=False,
+    )
+    # grpc and other libraries log through the standard library: give them the same sink.
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processor=renderer, foreign_pre_chain=shared))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(_LEVELS[level], logging.WARNING))

@@ -1,0 +1,343 @@
+"""One run of one tool: its lifecycle and the events it produces.
+
+A run emits, in order: the START of its top-level step (the tool call itself), whatever the
+tool reports (its own steps nested under the top-level one, deltas, heartbeats), notices
+from the supervisor, the END of any step left open, the END of the top-level step with the
+final status, and exactly one Result. Every event goes through the run's log, which assigns
+the gapless ``seq``. Whatever happens to the tool — a clean return, an exception, a
+cancellation, a supervisor stop — the run still ends with that Result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from google.protobuf import json_format
+from pydantic import BaseModel
+
+from stargrpc.context import Step, SyncToolContext, ToolContext, WriteBack
+from stargrpc.errors import ToolOutcomeError
+from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
+from stargrpc.principal import Principal
+from stargrpc.registry import ToolSpec
+from stargrpc.runlog import RunLog
+from stargrpc.v1 import events_pb2
+
+log = structlog.get_logger("stargrpc.run")
+
+#: How much of the streamed output a run keeps to return when the tool never returns
+#: (timeout, cancellation); the tail is kept.
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+#: Called with every event just before it is appended: observers may read it (progress
+#: tracking) or stamp fields on it (time left before the supervisor stops the run).
+EventObserver = Callable[[events_pb2.RunEvent], None]
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why a run was asked to stop before the tool returned."""
+
+    outcome: Outcome
+    code: str
+    message: str
+
+
+class Run:
+    """A tool run in progress (or finished, until its log expires).
+
+    Attributes:
+        run_id: Unique id of the run.
+        spec: The tool being run.
+        args: Validated arguments.
+        principal: Who started it.
+        invocation: The request's invocation context as a dict.
+        log: The run's event log.
+        writeback: Files, injected tools and rich messages the tool handed back.
+        root_step: The top-level step, the tool call itself.
+        observers: Hooks called with each event before it is appended.
+        result: The Result, once the run has ended.
+    """
+
+    run_id: str
+    spec: ToolSpec
+    args: BaseModel
+    principal: Principal
+    invocation: Mapping[str, Any]
+    log: RunLog
+    writeback: WriteBack
+    root_step: Step
+    observers: list[EventObserver]
+    result: events_pb2.Result | None
+    audit_arguments: dict[str, Any] | None
+    audit_result: str | None
+    started_monotonic: float
+    _open_steps: dict[str, Step]
+    _step_started: dict[str, Any]
+    _step_counter: int
+    _output_tail: list[str]
+    _output_tail_size: int
+    _stop: StopRequest | None
+    _tool_task: asyncio.Task[Any] | None
+    _main_task: asyncio.Task[None] | None
+    _done: asyncio.Event
+
+    def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
+                 invocation: Mapping[str, Any], log: RunLog) -> None:
+        self.run_id = run_id
+        self.spec = spec
+        self.args = args
+        self.principal = principal
+        self.invocation = invocation
+        self.log = log
+        self.writeback = WriteBack()
+        self.observers = []
+        self.result = None
+        self.audit_arguments = None
+        self.audit_result = None
+        self.started_monotonic = time.monotonic()
+        self._open_steps = {}
+        self._step_started = {}
+        self._step_counter = 0
+        self._output_tail = []
+        self._output_tail_size = 0
+        self._stop = None
+        self._tool_task = None
+        self._main_task = None
+        self._done = asyncio.Event()
+        self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task[None]:
+        """Starts the run in its own task; the events appear in :attr:`log`."""
+        if self._main_task is None:
+            # A fresh context: the tool must not inherit (or leak into) the caller's
+            # context variables beyond what the run sets up itself.
+            self._main_task = asyncio.create_task(self._main(), name=f"run-{self.run_id}",
+                                                  context=contextvars.copy_context())
+        return self._main_task
+
+    @property
+    def finished(self) -> bool:
+        """Whether the Result has been emitted."""
+        return self.result is not None
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether someone asked the run to stop."""
+        return self._stop is not None
+
+    @property
+    def stop_reason(self) -> StopRequest | None:
+        """Why the run was stopped, if it was."""
+        return self._stop
+
+    def stop(self, outcome: Outcome, code: str, message: str) -> bool:
+        """Asks the run to stop: the tool is cancelled and the run ends with ``outcome``.
+
+        Returns:
+            False when the run had already ended or was already stopping.
+        """
+        if self.finished or self._stop is not None:
+            return False
+        self._stop = StopRequest(outcome, code, message)
+        if self._tool_task is not None and not self._tool_task.done():
+            self._tool_task.cancel(message)
+        return True
+
+    async def wait(self) -> events_pb2.Result:
+        """Waits for the run to end and returns its Result."""
+        await self._done.wait()
+        assert self.result is not None
+        return self.result
+
+    async def _main(self) -> None:
+        started = time.monotonic()
+        try:
+            await self.start_step(self.root_step)
+            outcome = await self._run_tool()
+        except Exception:  # the run's own machinery broke; still end the run
+            log.exception("run_machinery_failed", run_id=self.run_id, tool=self.spec.name)
+            outcome = ToolResult(outcome=Outcome.ERROR, error_code="INTERNAL",
+                                 error_message="the server failed while running the tool")
+        await self._finish(outcome, time.monotonic() - started)
+
+    async def _run_tool(self) -> ToolResult:
+        ctx = ToolContext(self)
+        structlog.contextvars.bind_contextvars(run_id=self.run_id, tool=self.spec.name)
+        if self.spec.is_async:
+            coro = self.spec.fn(ctx, self.args) if self.spec.takes_args else self.spec.fn(ctx)
+        else:
+            sync_ctx = SyncToolContext(ctx, asyncio.get_running_loop())
+            call = (
+                (lambda: self.spec.fn(sync_ctx, self.args)) if self.spec.takes_args
+                else (lambda: self.spec.fn(sync_ctx))
+            )
+            coro = asyncio.to_thread(call)
+        self._tool_task = asyncio.ensure_future(coro)
+        if self._stop is not None:  # stopped before the tool even started
+            self._tool_task.cancel()
+        try:
+            value = await self._tool_task
+        except asyncio.CancelledError:
+            if not self._tool_task.done():
+                # This run's own task was cancelled (the server is going down hard):
+                # take the tool down with it and still end the run properly.
+                self._stop = self._stop or StopRequest(
+                    Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
+                self._tool_task.cancel()
+                await asyncio.gather(self._tool_task, return_exceptions=True)
+            return self._stopped_result()
+        except ToolOutcomeError as exc:
+            return classify_exception(exc)
+        except Exception:
+            log.exception("tool_raised", run_id=self.run_id, tool=self.spec.name)
+            return ToolResult(
+                outcome=Outcome.ERROR, error_code="TOOL_EXCEPTION",
+                error_message=f"the tool failed with an internal error (run {self.run_id})",
+            )
+        if self._stop is not None:
+            # The tool returned even though it was asked to stop (e.g. it swallowed the
+            # cancellation): the stop still decides the outcome.
+            return self._stopped_result()
+        try:
+            return classify_return(value)
+        except Exception:
+            log.exception("tool_return_unusable", run_id=self.run_id, tool=self.spec.name)
+            return ToolResult(outcome=Outcome.ERROR, error_code="TOOL_BAD_RETURN",
+                              error_message="the tool returned a value that cannot be sent")
+
+    def _stopped_result(self) -> ToolResult:
+        stop = self._stop or StopRequest(Outcome.CANCELLED, "CANCELLED", "the run was cancelled")
+        return ToolResult(outcome=stop.outcome, output="".join(self._output_tail),
+                          error_code=stop.code, error_message=stop.message)
+
+    async def _finish(self, outcome: ToolResult, duration: float) -> None:
+        ok = outcome.outcome is Outcome.OK
+        for step in reversed(list(self._open_steps.values())):
+            if step is not self.root_step:
+                await self.end_step(step, error=not ok)
+        if outcome.error_message:
+            self.root_step.summary = outcome.error_message
+        await self.end_step(self.root_step, error=not ok)
+        result = self._result_message(outcome, duration)
+        event = events_pb2.RunEvent(result=result)
+        await self._emit(event)
+        self.result = result
+        self._done.set()
+
+    def _result_message(self, outcome: ToolResult, duration: float) -> events_pb2.Result:
+        result = events_pb2.Result(output=outcome.output)
+        result.outcome = outcome.outcome.value  # type: ignore[assignment]
+        if outcome.structured is not None:
+            json_format.ParseDict(outcome.structured, result.structured_output)
+        if outcome.outcome is not Outcome.OK:
+            result.error.code = outcome.error_code or outcome.outcome.name
+            result.error.message = outcome.error_message or outcome.outcome.name.lower()
+        result.duration.FromNanoseconds(int(duration * 1e9))
+        for record in self.writeback.sent_files:
+            result.writeback.sent_files.add(
+                file_id=record.file_id, name=record.name, mime_type=record.mime_type,
+                size=record.size, sha256=record.sha256, content=record.data)
+        for injected in self.writeback.injected_tools:
+            item = result.writeback.injected_tools.add(
+                name=injected.name, description=injected.description)
+            item.input_schema.update(injected.input_schema)
+        for message in self.writeback.rich_messages:
+            item = result.writeback.sent_rich_messages.add(kind=message.kind)
+            item.payload.update(message.payload)
+        return result
+
+    # -- events ----------------------------------------------------------------------------
+
+    def next_step_id(self) -> str:
+        """A step id unique within this run."""
+        step_id = f"s{self._step_counter}"
+        self._step_counter += 1
+        return step_id
+
+    async def start_step(self, step: Step) -> None:
+        """Emits the START of ``step``."""
+        event = events_pb2.RunEvent()
+        event.time.GetCurrentTime()
+        message = event.step
+        message.phase = events_pb2.STEP_PHASE_START
+        _fill_step(message.step, step, events_pb2.STEP_STATUS_RUNNING)
+        message.step.started_at.CopyFrom(event.time)
+        self._open_steps[step.id] = step
+        self._step_started[step.id] = event.time
+        await self._emit(event)
+
+    async def end_step(self, step: Step, *, error: bool) -> None:
+        """Emits the END of ``step`` (once; later calls do nothing)."""
+        if self._open_steps.pop(step.id, None) is None:
+            return
+        event = events_pb2.RunEvent()
+        event.time.GetCurrentTime()
+        message = event.step
+        message.phase = events_pb2.STEP_PHASE_END
+        status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE
+        _fill_step(message.step, step, status)
+        message.step.started_at.CopyFrom(self._step_started.pop(step.id))
+        message.step.ended_at.CopyFrom(event.time)
+        await self._emit(event)
+
+    async def emit_delta(self, step: Step, text: str, channel: str) -> None:
+        """Emits partial output of ``step``."""
+        event = events_pb2.RunEvent()
+        message = event.step
+        message.phase = events_pb2.STEP_PHASE_DELTA
+        message.step.id = step.id
+        message.step.parent_id = step.parent_id
+        message.delta = text
+        message.channel = channel
+        self._remember_output(text)
+        await self._emit(event)
+
+    async def emit_heartbeat(self, message: str, progress: float | None) -> None:
+        """Emits a heartbeat."""
+        event = events_pb2.RunEvent()
+        event.heartbeat.message = message
+        if progress is not None:
+            event.heartbeat.progress = progress
+        await self._emit(event)
+
+    async def emit_notice(self, code: str, message: str, *, warning: bool = True) -> None:
+        """Emits a notice from the server, such as a supervisor warning."""
+        if self.finished:
+            return
+        event = events_pb2.RunEvent()
+        event.notice.level = (events_pb2.NOTICE_LEVEL_WARNING if warning
+                              else events_pb2.NOTICE_LEVEL_INFO)
+        event.notice.code = code
+        event.notice.message = message
+        await self._emit(event)
+
+    async def _emit(self, event: events_pb2.RunEvent) -> None:
+        for observer in self.observers:
+            observer(event)
+        await self.log.append(event)
+
+    def _remember_output(self, text: str) -> None:
+        self._output_tail.append(text)
+        self._output_tail_size += len(text)
+        while self._output_tail_size > OUTPUT_TAIL_BYTES and len(self._output_tail) > 1:
+            self._output_tail_size -= len(self._output_tail.pop(0))
+
+
+def _fill_step(message: events_pb2.Step, step: Step, status: int) -> None:
+    message.id = step.id
+    message.parent_id = step.parent_id
+    message.kind = step.kind
+    message.title = step.title
+    message.summary = step.summary
+    message.status = status  # type: ignore[assignment]
+    if step.detail:
+        message.detail.update(step.detail)

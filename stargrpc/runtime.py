@@ -1,0 +1,171 @@
+"""The runtime: the current catalog, the runs in flight and how a run is started.
+
+It owns everything between a decoded request and a running :class:`~stargrpc.run.Run`:
+tool lookup, the catalog-hash check, argument validation, the permission check and the
+run's event log. It knows nothing of protobuf requests; ``service.py`` maps those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from stargrpc.arguments import ArgumentLimits, validate
+from stargrpc.errors import CatalogStale, FieldViolation, InvalidArgument, NotFound, Unavailable
+from stargrpc.outcome import Outcome
+from stargrpc.permissions import AllowAll, ToolPolicy
+from stargrpc.principal import Principal
+from stargrpc.registry import Registry, ToolSpec
+from stargrpc.run import Run
+from stargrpc.runlog import MemoryRunStore, RunStore
+
+log = structlog.get_logger("stargrpc.runtime")
+
+
+@dataclass(frozen=True)
+class ExecuteCall:
+    """A decoded Execute request."""
+
+    tool_name: str
+    arguments: dict[str, Any]
+    catalog_hash: str = ""
+    idempotency_key: str = ""
+    invocation: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Runtime:
+    """Starts runs and keeps track of them.
+
+    Attributes:
+        store: Where run event logs live.
+        policy: Who may run which tool.
+        limits: Bounds on arguments.
+        runs: Runs in flight in this process, by id.
+        draining: Set during shutdown; new runs are refused with UNAVAILABLE.
+    """
+
+    store: RunStore
+    policy: ToolPolicy
+    limits: ArgumentLimits
+    runs: dict[str, Run]
+    draining: bool
+    _registry: Registry
+    _catalog_changed: asyncio.Event
+
+    def __init__(self, registry: Registry, *, store: RunStore | None = None,
+                 policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None) -> None:
+        self._registry = registry
+        self.store = store if store is not None else MemoryRunStore()
+        self.policy = policy if policy is not None else AllowAll()
+        self.limits = limits or ArgumentLimits()
+        self.runs = {}
+        self.draining = False
+        self._catalog_changed = asyncio.Event()
+
+    # -- catalog ---------------------------------------------------------------------------
+
+    @property
+    def registry(self) -> Registry:
+        """The current catalog."""
+        return self._registry
+
+    def replace_registry(self, registry: Registry) -> bool:
+        """Swaps in a new catalog (after a reload) and wakes catalog watchers.
+
+        Returns:
+            Whether the catalog hash changed.
+        """
+        changed = registry.catalog_hash != self._registry.catalog_hash
+        self._registry = registry
+        if changed:
+            wakeup, self._catalog_changed = self._catalog_changed, asyncio.Event()
+            wakeup.set()
+            log.info("catalog_changed", catalog_hash=registry.catalog_hash, tools=len(registry))
+        return changed
+
+    async def catalog_updates(self, known_hash: str = "") -> AsyncIterator[Registry]:
+        """The current catalog (unless its hash is ``known_hash``), then each new one."""
+        last = known_hash
+        while True:
+            registry = self._registry
+            if registry.catalog_hash != last:
+                last = registry.catalog_hash
+                yield registry
+                continue
+            await self._catalog_changed.wait()
+
+    def lookup(self, tool_name: str) -> ToolSpec:
+        """The tool named ``tool_name``.
+
+        Raises:
+            InvalidArgument: The name is empty.
+            NotFound: No such tool.
+        """
+        if not tool_name:
+            raise InvalidArgument("tool_name is required",
+                                  [FieldViolation("tool_name", "must not be empty")])
+        spec = self._registry.get(tool_name)
+        if spec is None:
+            shown = tool_name if len(tool_name) <= 64 else tool_name[:64] + "…"
+            raise NotFound(f"unknown tool {shown!r}", reason="TOOL_NOT_FOUND",
+                           metadata={"tool_name": shown})
+        return spec
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def prepare(self, call: ExecuteCall, principal: Principal) -> Run:
+        """Checks a call and builds its run, without starting it.
+
+        Raises:
+            RequestError: Any reason to refuse the call before it runs.
+        """
+        if self.draining:
+            raise Unavailable("the server is shutting down; retry on another replica",
+                              reason="DRAINING")
+        spec = self.lookup(call.tool_name)
+        if call.catalog_hash and call.catalog_hash != self._registry.catalog_hash:
+            raise CatalogStale(
+                "the catalog has changed since the caller loaded it; reload it with ListTools",
+                metadata={"current_catalog_hash": self._registry.catalog_hash,
+                          "given_catalog_hash": call.catalog_hash[:80]})
+        self.policy.check(principal, spec)
+        args = validate(spec.args_model, call.arguments)
+        run_id = uuid.uuid4().hex
+        return Run(run_id, spec, args, principal, call.invocation, self.store.create(run_id))
+
+    def launch(self, run: Run) -> Run:
+        """Starts a prepared run and tracks it until it ends."""
+        self.runs[run.run_id] = run
+        task = run.start()
+        task.add_done_callback(lambda _: self.runs.pop(run.run_id, None))
+        return run
+
+    def execute(self, call: ExecuteCall, principal: Principal) -> Run:
+        """Checks a call and starts its run.
+
+        Raises:
+            RequestError: Any reason to refuse the call before it runs.
+        """
+        return self.launch(self.prepare(call, principal))
+
+    def get(self, run_id: str) -> Run | None:
+        """A run in flight in this process."""
+        return self.runs.get(run_id)
+
+    async def drain(self, grace: float) -> None:
+        """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
+        what is left (each still ends with its Result)."""
+        self.draining = True
+        tasks = [run.start() for run in self.runs.values()]
+        if tasks:
+            log.info("draining", runs=len(tasks), grace_seconds=grace)
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            for run in list(self.runs.values()):
+                run.stop(Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
+            if pending:
+                await asyncio.wait(pending, timeout=5)

@@ -1,0 +1,151 @@
+"""The gRPC server: ToolService, health, reflection, and an orderly shutdown.
+
+Shutdown (SIGTERM or SIGINT) goes: health flips to NOT_SERVING, new Executes are refused
+with UNAVAILABLE, runs in flight get the grace period to finish (then are cancelled, still
+ending with their Result), and the transport stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from stargrpc.arguments import ArgumentLimits
+from stargrpc.errors import ToolDefinitionError
+from stargrpc.interceptors import build_chain
+from stargrpc.registry import Registry, load_registry
+from stargrpc.runlog import MemoryRunStore
+from stargrpc.runtime import Runtime
+from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
+from stargrpc.settings import Settings
+
+log = structlog.get_logger("stargrpc.server")
+
+# After the runs have drained, how long the transport gets to flush their last messages.
+_TRANSPORT_GRACE_SECONDS = 2.0
+
+
+def load_tools(settings: Settings) -> Registry:
+    """The catalog the settings describe.
+
+    Raises:
+        ToolDefinitionError: A broken tool module or a duplicate tool name.
+    """
+    return load_registry(settings.tools_dir, bundled=settings.bundled_tools,
+                         entry_points=settings.entry_point_tools)
+
+
+class StargrpcServer:
+    """One stargrpc server process.
+
+    Attributes:
+        settings: The settings it runs with.
+        runtime: Runs and catalog.
+        port: The bound port, once started.
+    """
+
+    settings: Settings
+    runtime: Runtime
+    port: int
+    _server: grpc.aio.Server
+    _health: health.aio.HealthServicer
+    _stopping: asyncio.Event
+    _stopped: asyncio.Event
+
+    def __init__(self, settings: Settings, *, registry: Registry | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None) -> None:
+        self.settings = settings
+        self.runtime = Runtime(
+            registry if registry is not None else load_tools(settings),
+            store=MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs),
+            limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
+        )
+        self.port = 0
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._server = grpc.aio.server(
+            interceptors=list(interceptors if interceptors is not None
+                              else build_chain(settings)),
+            options=self._channel_options(),
+        )
+        self._health = health.aio.HealthServicer()
+        add_to_server(ToolService(self.runtime), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+
+    def _channel_options(self) -> list[tuple[str, int]]:
+        s = self.settings
+        return [
+            ("grpc.max_receive_message_length", s.max_receive_message_bytes),
+            ("grpc.max_send_message_length", s.max_send_message_bytes),
+            # Long streams: ping idle connections so dead peers are noticed, and let
+            # clients ping us as often as every 10 s without being cut off.
+            ("grpc.keepalive_time_ms", int(s.keepalive_time_seconds * 1000)),
+            ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_seconds * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    async def start(self) -> int:
+        """Binds, starts serving and marks every service SERVING.
+
+        Returns:
+            The bound port.
+        """
+        address = f"{self.settings.host}:{self.settings.port}"
+        self.port = self._server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"cannot listen on {address}")
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", address=f"{self.settings.host}:{self.port}",
+                 tools=sorted(self.runtime.registry),
+                 catalog_hash=self.runtime.registry.catalog_hash)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drains and stops; safe to call more than once."""
+        if self._stopping.is_set():
+            await self._stopped.wait()
+            return
+        self._stopping.set()
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
+        await self._health.enter_graceful_shutdown()
+        await self.runtime.drain(grace)
+        await self._server.stop(_TRANSPORT_GRACE_SECONDS)
+        log.info("stopped")
+        self._stopped.set()
+
+    def reload_tools(self) -> None:
+        """Reloads the catalog; a broken module keeps the current catalog and is logged."""
+        try:
+            registry = load_tools(self.settings)
+        except ToolDefinitionError as exc:
+            log.error("reload_failed", error=str(exc))
+            return
+        self.runtime.replace_registry(registry)
+
+    async def serve_forever(self) -> None:
+        """Starts, handles SIGTERM/SIGINT (stop) and SIGHUP (reload), returns once stopped."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop_tasks: set[asyncio.Task[None]] = set()
+
+        def request_stop() -> None:
+            task = loop.create_task(self.stop())
+            stop_tasks.add(task)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_tools)
+        await self._stopped.wait()

@@ -1,0 +1,197 @@
+"""ToolService: maps the protobuf contract onto the runtime, and nothing else.
+
+Failures before a run starts end the call with a gRPC status carrying rich details
+(:mod:`stargrpc.errors`); once a run has started every failure is its Result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+
+from stargrpc.arguments import decode_json, decode_struct
+from stargrpc.errors import FieldViolation, InvalidArgument, NotFound, RequestError, abort_with
+from stargrpc.outcome import Outcome
+from stargrpc.principal import current_principal
+from stargrpc.registry import Registry, ToolSpec
+from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.v1 import catalog_pb2, tool_service_pb2
+
+SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes could not be decoded, so the handler can answer
+    INVALID_ARGUMENT with details instead of the transport's bare INTERNAL."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def to_error(self) -> InvalidArgument:
+        """The status to answer with."""
+        return InvalidArgument(
+            f"the {self.message_type} could not be decoded",
+            [FieldViolation("request", "malformed protobuf, or nested more deeply than the "
+                            "decoder allows (100 levels)")])
+
+
+def _tolerant(message_class: type[Message]) -> Callable[[bytes], Any]:
+    name = message_class.DESCRIPTOR.name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except (DecodeError, RecursionError, ValueError) as exc:
+            return MalformedRequest(name, exc)
+
+    return deserialize
+
+
+class ToolService:
+    """The stargrpc.v1.ToolService implementation."""
+
+    runtime: Runtime
+    _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._tool_messages = ("", {})
+
+    # -- catalog ---------------------------------------------------------------------------
+
+    async def ListTools(self, request: Any, context: grpc.aio.ServicerContext
+                        ) -> tool_service_pb2.ListToolsResponse:
+        await _refuse_malformed(request, context)
+        registry = self.runtime.registry
+        if request.known_catalog_hash and request.known_catalog_hash == registry.catalog_hash:
+            return tool_service_pb2.ListToolsResponse(catalog_hash=registry.catalog_hash,
+                                                      not_modified=True)
+        return tool_service_pb2.ListToolsResponse(tools=self._tools_for_caller(registry),
+                                                  catalog_hash=registry.catalog_hash)
+
+    async def WatchCatalog(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[tool_service_pb2.WatchCatalogResponse]:
+        await _refuse_malformed(request, context)
+        async for registry in self.runtime.catalog_updates(request.known_catalog_hash):
+            yield tool_service_pb2.WatchCatalogResponse(
+                tools=self._tools_for_caller(registry), catalog_hash=registry.catalog_hash)
+
+    def _tools_for_caller(self, registry: Registry) -> list[catalog_pb2.Tool]:
+        cached_hash, messages = self._tool_messages
+        if cached_hash != registry.catalog_hash:
+            messages = {name: tool_message(spec) for name, spec in registry.items()}
+            self._tool_messages = (registry.catalog_hash, messages)
+        principal = current_principal.get()
+        tools = []
+        for name, spec in registry.items():
+            message = catalog_pb2.Tool()
+            message.CopyFrom(messages[name])
+            message.permissions.callable = self.runtime.policy.can_run(principal, spec)
+            tools.append(message)
+        return tools
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def Execute(self, request: Any, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[tool_service_pb2.ExecuteResponse]:
+        await _refuse_malformed(request, context)
+        try:
+            run = self.runtime.execute(self._decode_execute(request), current_principal.get())
+        except RequestError as error:
+            await abort_with(context, error)
+            return
+        try:
+            async for event in run.log.follow(0):
+                yield tool_service_pb2.ExecuteResponse(event=event)
+        except asyncio.CancelledError:
+            run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED", "the client cancelled the call")
+            raise
+
+    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest) -> ExecuteCall:
+        limits = self.runtime.limits
+        which = request.WhichOneof("args")
+        if which == "arguments_json":
+            arguments = decode_json(request.arguments_json, limits)
+        elif which == "arguments":
+            arguments = decode_struct(request.arguments, limits)
+        else:
+            arguments = {}
+        invocation = json_format.MessageToDict(request.context, preserving_proto_field_name=True)
+        return ExecuteCall(tool_name=request.tool_name, arguments=arguments,
+                           catalog_hash=request.catalog_hash,
+                           idempotency_key=request.idempotency_key, invocation=invocation)
+
+    async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[tool_service_pb2.WatchRunResponse]:
+        await _refuse_malformed(request, context)
+        log = self.runtime.store.get(request.run_id) if request.run_id else None
+        if log is None:
+            await abort_with(context, NotFound("unknown run", reason="RUN_NOT_FOUND"))
+            return
+        async for event in log.follow(request.after_seq):
+            yield tool_service_pb2.WatchRunResponse(event=event)
+
+    async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
+                        ) -> tool_service_pb2.CancelRunResponse:
+        await _refuse_malformed(request, context)
+        run = self.runtime.get(request.run_id) if request.run_id else None
+        if run is None:
+            if self.runtime.store.get(request.run_id) is not None:
+                return tool_service_pb2.CancelRunResponse(cancelled=False)
+            await abort_with(context, NotFound("unknown run", reason="RUN_NOT_FOUND"))
+        assert run is not None
+        reason = request.reason[:500] or "cancelled by the caller"
+        return tool_service_pb2.CancelRunResponse(
+            cancelled=run.stop(Outcome.CANCELLED, "CANCELLED", reason))
+
+
+async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, MalformedRequest):
+        await abort_with(context, request.to_error())
+
+
+def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
+    """The catalog entry of one tool."""
+    message = catalog_pb2.Tool(name=spec.name, description=spec.description, kind=spec.kind,
+                               categories=list(spec.categories))
+    message.input_schema.update(spec.input_schema())
+    output_schema = spec.output_schema()
+    if output_schema is not None:
+        message.output_schema.update(output_schema)
+    annotations = spec.annotations
+    message.annotations.read_only = annotations.read_only
+    message.annotations.destructive = annotations.destructive
+    message.annotations.idempotent = annotations.idempotent
+    message.annotations.open_world = annotations.open_world
+    message.permissions.privileged = spec.privileged
+    message.permissions.allowed_roles.extend(spec.allowed_roles)
+    return message
+
+
+def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
+    """Registers ``service`` on ``server`` with request decoding that tolerates bad bytes."""
+    pb = tool_service_pb2
+
+    def serializer(message: Message) -> bytes:
+        return message.SerializeToString()
+
+    handlers = {
+        "ListTools": grpc.unary_unary_rpc_method_handler(
+            service.ListTools, _tolerant(pb.ListToolsRequest), serializer),
+        "WatchCatalog": grpc.unary_stream_rpc_method_handler(
+            service.WatchCatalog, _tolerant(pb.WatchCatalogRequest), serializer),
+        "Execute": grpc.unary_stream_rpc_method_handler(
+            service.Execute, _tolerant(pb.ExecuteRequest), serializer),
+        "WatchRun": grpc.unary_stream_rpc_method_handler(
+            service.WatchRun, _tolerant(pb.WatchRunRequest), serializer),
+        "CancelRun": grpc.unary_unary_rpc_method_handler(
+            service.CancelRun, _tolerant(pb.CancelRunRequest), serializer),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -1,0 +1,111 @@
+from google.protobuf import struct_pb2 as _struct_pb2
+from stargrpc.v1 import catalog_pb2 as _catalog_pb2
+from stargrpc.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListToolsRequest(_message.Message):
+    __slots__ = ("known_catalog_hash",)
+    KNOWN_CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    known_catalog_hash: str
+    def __init__(self, known_catalog_hash: _Optional[str] = ...) -> None: ...
+
+class ListToolsResponse(_message.Message):
+    __slots__ = ("tools", "catalog_hash", "not_modified")
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[_catalog_pb2.Tool]
+    catalog_hash: str
+    not_modified: bool
+    def __init__(self, tools: _Optional[_Iterable[_Union[_catalog_pb2.Tool, _Mapping]]] = ..., catalog_hash: _Optional[str] = ..., not_modified: _Optional[bool] = ...) -> None: ...
+
+class WatchCatalogRequest(_message.Message):
+    __slots__ = ("known_catalog_hash",)
+    KNOWN_CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    known_catalog_hash: str
+    def __init__(self, known_catalog_hash: _Optional[str] = ...) -> None: ...
+
+class WatchCatalogResponse(_message.Message):
+    __slots__ = ("tools", "catalog_hash")
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedCompositeFieldContainer[_catalog_pb2.Tool]
+    catalog_hash: str
+    def __init__(self, tools: _Optional[_Iterable[_Union[_catalog_pb2.Tool, _Mapping]]] = ..., catalog_hash: _Optional[str] = ...) -> None: ...
+
+class InvocationContext(_message.Message):
+    __slots__ = ("end_user", "channel", "trace_id", "session_id", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    END_USER_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    end_user: str
+    channel: str
+    trace_id: str
+    session_id: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context")
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    tool_name: str
+    arguments: _struct_pb2.Struct
+    arguments_json: str
+    idempotency_key: str
+    catalog_hash: str
+    context: InvocationContext
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.RunEvent
+    def __init__(self, event: _Optional[_Union[_events_pb2.RunEvent, _Mapping]] = ...) -> None: ...
+
+class WatchRunRequest(_message.Message):
+    __slots__ = ("run_id", "after_seq")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after_seq: int
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class WatchRunResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.RunEvent
+    def __init__(self, event: _Optional[_Union[_events_pb2.RunEvent, _Mapping]] = ...) -> None: ...
+
+class CancelRunRequest(_message.Message):
+    __slots__ = ("run_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelRunResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,54 @@
+"""Shared fixtures: a real grpc.aio server on 127.0.0.1:0 and a real channel to it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from stargrpc.registry import Registry
+from stargrpc.server import StargrpcServer
+from stargrpc.settings import Settings
+from stargrpc.v1 import tool_service_pb2_grpc
+
+ServerFactory = Callable[..., Awaitable[StargrpcServer]]
+
+
+@pytest.fixture
+async def make_server() -> AsyncIterator[ServerFactory]:
+    """Starts servers on ephemeral ports: ``await make_server(registry=…, **settings)``.
+    Every server it started is stopped at the end of the test."""
+    started: list[StargrpcServer] = []
+
+    async def factory(registry: Registry | None = None, **overrides: Any) -> StargrpcServer:
+        settings = Settings.load(**{"host": "127.0.0.1", "port": 0, "log_format": "json",
+                                    "shutdown_grace_seconds": 2.0, **overrides})
+        server = StargrpcServer(settings, registry=registry)
+        await server.start()
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        await server.stop(grace=1.0)
+
+
+@pytest.fixture
+async def server(make_server: ServerFactory) -> StargrpcServer:
+    """A server with the bundled tools."""
+    return await make_server()
+
+
+@pytest.fixture
+async def channel(server: StargrpcServer) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to :func:`server`."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as chan:
+        yield chan
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> tool_service_pb2_grpc.ToolServiceStub:
+    """A ToolService stub on :func:`channel`."""
+    return tool_service_pb2_grpc.ToolServiceStub(channel)

@@ -1,0 +1,66 @@
+"""Small helpers the tests share."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.rpc import error_details_pb2, status_pb2
+
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+
+
+async def run_tool(stub: tool_service_pb2_grpc.ToolServiceStub, tool_name: str,
+                   arguments: dict[str, Any] | None = None, **fields: Any
+                   ) -> list[events_pb2.RunEvent]:
+    """Executes a tool and returns every event of the stream."""
+    request = tool_service_pb2.ExecuteRequest(tool_name=tool_name, **fields)
+    if arguments is not None:
+        request.arguments_json = json.dumps(arguments)
+    return [response.event async for response in stub.Execute(request)]
+
+
+def phases(events: list[events_pb2.RunEvent]) -> list[str]:
+    """A compact picture of a stream: "START s0", "DELTA s1 '1\\n'", "END s0 COMPLETE", …"""
+    shown = []
+    for event in events:
+        kind = event.WhichOneof("kind")
+        if kind == "step":
+            phase = events_pb2.StepPhase.Name(event.step.phase).removeprefix("STEP_PHASE_")
+            item = f"{phase} {event.step.step.id}"
+            if phase == "DELTA":
+                item += f" {event.step.delta!r}"
+            if phase == "END":
+                item += " " + events_pb2.StepStatus.Name(event.step.step.status).removeprefix(
+                    "STEP_STATUS_")
+            shown.append(item)
+        elif kind == "result":
+            shown.append("RESULT " + events_pb2.Outcome.Name(event.result.outcome).removeprefix(
+                "OUTCOME_"))
+        else:
+            shown.append(kind.upper())
+    return shown
+
+
+def status_details(error: grpc.aio.AioRpcError) -> list[Any]:
+    """The google.rpc detail messages of a failed call, unpacked."""
+    raw = dict(error.trailing_metadata() or ()).get("grpc-status-details-bin")
+    if raw is None:
+        return []
+    status = status_pb2.Status.FromString(raw)
+    unpacked = []
+    for detail in status.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo,
+                    error_details_pb2.RetryInfo):
+            if detail.Is(cls.DESCRIPTOR):
+                message = cls()
+                detail.Unpack(message)
+                unpacked.append(message)
+    return unpacked
+
+
+def as_dict(message: Any) -> dict[str, Any]:
+    """A protobuf message as a dict with proto field names."""
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
