@@ -62,6 +62,7 @@ class Run:
         writeback: Files, injected tools and rich messages the tool handed back.
         root_step: The top-level step, the tool call itself.
         observers: Hooks called with each event before it is appended.
+        finish_hooks: Hooks called once with the run after its Result is in the log.
         result: The Result, once the run has ended.
     """
 
@@ -74,6 +75,7 @@ class Run:
     writeback: WriteBack
     root_step: Step
     observers: list[EventObserver]
+    finish_hooks: list[Callable[[Run], None]]
     result: events_pb2.Result | None
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
@@ -98,6 +100,7 @@ class Run:
         self.log = log
         self.writeback = WriteBack()
         self.observers = []
+        self.finish_hooks = []
         self.result = None
         self.audit_arguments = None
         self.audit_result = None
@@ -232,6 +235,11 @@ class Run:
         await self._emit(event)
         self.result = result
         self._done.set()
+        for hook in self.finish_hooks:
+            try:
+                hook(self)
+            except Exception:
+                log.exception("finish_hook_failed", run_id=self.run_id)
 
     def _result_message(self, outcome: ToolResult, duration: float) -> events_pb2.Result:
         result = events_pb2.Result(output=outcome.output)

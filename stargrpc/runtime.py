@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from stargrpc.arguments import ArgumentLimits, validate
+from stargrpc.calls import current_call
 from stargrpc.errors import CatalogStale, FieldViolation, InvalidArgument, NotFound, Unavailable
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
@@ -54,6 +55,7 @@ class Runtime:
     limits: ArgumentLimits
     runs: dict[str, Run]
     draining: bool
+    launch_hooks: list[Callable[[Run], None]]
     _registry: Registry
     _catalog_changed: asyncio.Event
 
@@ -65,6 +67,8 @@ class Runtime:
         self.limits = limits or ArgumentLimits()
         self.runs = {}
         self.draining = False
+        # Called with each run just before it starts: supervisors attach here, metrics count.
+        self.launch_hooks = []
         self._catalog_changed = asyncio.Event()
 
     # -- catalog ---------------------------------------------------------------------------
@@ -133,14 +137,24 @@ class Runtime:
                 "the catalog has changed since the caller loaded it; reload it with ListTools",
                 metadata={"current_catalog_hash": self._registry.catalog_hash,
                           "given_catalog_hash": call.catalog_hash[:80]})
+        record = current_call.get()
+        if record is not None:
+            record.tool = spec.name
+            record.privileged = spec.privileged
+            record.idempotency_key = call.idempotency_key
+            record.arguments = call.arguments
         self.policy.check(principal, spec)
         args = validate(spec.args_model, call.arguments)
         run_id = uuid.uuid4().hex
+        if record is not None:
+            record.run_id = run_id
         return Run(run_id, spec, args, principal, call.invocation, self.store.create(run_id))
 
     def launch(self, run: Run) -> Run:
         """Starts a prepared run and tracks it until it ends."""
         self.runs[run.run_id] = run
+        for hook in self.launch_hooks:
+            hook(run)
         task = run.start()
         task.add_done_callback(lambda _: self.runs.pop(run.run_id, None))
         return run
