@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from stargrpc.principal import Principal
+from stargrpc.settings import Settings
 
 if TYPE_CHECKING:
     from stargrpc.run import Run
@@ -133,6 +134,7 @@ class ToolContext:
         principal: The authenticated caller (never taken from the request body).
         invocation: The invocation context of the request (end user, channel, labels …).
         logger: A structlog logger bound with the run id and tool name.
+        settings: The server's settings, for tools that are configured there.
     """
 
     run_id: str
@@ -140,6 +142,7 @@ class ToolContext:
     principal: Principal
     invocation: Mapping[str, Any]
     logger: Any
+    settings: Settings
     _run: Run
 
     def __init__(self, run: Run) -> None:
@@ -148,6 +151,7 @@ class ToolContext:
         self.tool_name = run.spec.name
         self.principal = run.principal
         self.invocation = run.invocation
+        self.settings = run.settings
         self.logger = structlog.get_logger("stargrpc.tool").bind(
             run_id=run.run_id, tool=run.spec.name)
 
@@ -233,6 +237,7 @@ class SyncToolContext:
         self.tool_name = ctx.tool_name
         self.principal = ctx.principal
         self.invocation = ctx.invocation
+        self.settings = ctx.settings
         self.logger = ctx.logger
 
     def _call(self, make: Callable[[], Awaitable[None]]) -> None:

@@ -27,6 +27,7 @@ from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_r
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
 from stargrpc.runlog import RunLog
+from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.run")
@@ -64,9 +65,11 @@ class Run:
         observers: Hooks called with each event before it is appended.
         finish_hooks: Hooks called once with the run after its Result is in the log.
         result: The Result, once the run has ended.
+        settings: The server's settings.
     """
 
     run_id: str
+    settings: Settings
     spec: ToolSpec
     args: BaseModel
     principal: Principal
@@ -91,8 +94,10 @@ class Run:
     _done: asyncio.Event
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
-                 invocation: Mapping[str, Any], log: RunLog) -> None:
+                 invocation: Mapping[str, Any], log: RunLog,
+                 settings: Settings | None = None) -> None:
         self.run_id = run_id
+        self.settings = settings if settings is not None else Settings()
         self.spec = spec
         self.args = args
         self.principal = principal

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
 from stargrpc.calls import current_call
 from stargrpc.errors import CatalogStale, FieldViolation, InvalidArgument, NotFound, Unavailable
@@ -24,6 +25,8 @@ from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import Run
 from stargrpc.runlog import MemoryRunStore, RunStore
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.runtime")
 
@@ -39,10 +42,20 @@ class ExecuteCall:
     invocation: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _count_finished(run: Run) -> None:
+    assert run.result is not None
+    metrics.RUNS_IN_FLIGHT.dec()
+    outcome = events_pb2.Outcome.Name(run.result.outcome).removeprefix("OUTCOME_").lower()
+    metrics.TASKS_TOTAL.labels(run.spec.name, outcome).inc()
+    metrics.DURATION_SECONDS.labels(run.spec.name).observe(
+        run.result.duration.ToNanoseconds() / 1e9)
+
+
 class Runtime:
     """Starts runs and keeps track of them.
 
     Attributes:
+        settings: The server's settings (tools read them through ``ctx.settings``).
         store: Where run event logs live.
         policy: Who may run which tool.
         limits: Bounds on arguments.
@@ -50,6 +63,7 @@ class Runtime:
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
     """
 
+    settings: Settings
     store: RunStore
     policy: ToolPolicy
     limits: ArgumentLimits
@@ -60,8 +74,10 @@ class Runtime:
     _catalog_changed: asyncio.Event
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
-                 policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None) -> None:
+                 policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
+                 settings: Settings | None = None) -> None:
         self._registry = registry
+        self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
         self.policy = policy if policy is not None else AllowAll()
         self.limits = limits or ArgumentLimits()
@@ -148,13 +164,16 @@ class Runtime:
         run_id = uuid.uuid4().hex
         if record is not None:
             record.run_id = run_id
-        return Run(run_id, spec, args, principal, call.invocation, self.store.create(run_id))
+        return Run(run_id, spec, args, principal, call.invocation, self.store.create(run_id),
+                   settings=self.settings)
 
     def launch(self, run: Run) -> Run:
         """Starts a prepared run and tracks it until it ends."""
         self.runs[run.run_id] = run
         for hook in self.launch_hooks:
             hook(run)
+        metrics.RUNS_IN_FLIGHT.inc()
+        run.finish_hooks.append(_count_finished)
         task = run.start()
         task.add_done_callback(lambda _: self.runs.pop(run.run_id, None))
         return run

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import grpc
 import structlog
@@ -29,6 +30,18 @@ log = structlog.get_logger("stargrpc.server")
 
 # After the runs have drained, how long the transport gets to flush their last messages.
 _TRANSPORT_GRACE_SECONDS = 2.0
+
+
+@runtime_checkable
+class Lifecycle(Protocol):
+    """A component (typically an interceptor) with work to start and to flush: the server
+    starts it before serving and closes it after the last call has ended."""
+
+    async def start(self) -> None:
+        """Called once before the server accepts calls."""
+
+    async def aclose(self) -> None:
+        """Called once after the server has stopped; flush everything here."""
 
 
 def load_tools(settings: Settings) -> Registry:
@@ -53,6 +66,7 @@ class StargrpcServer:
     settings: Settings
     runtime: Runtime
     port: int
+    interceptors: list[grpc.aio.ServerInterceptor]
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
@@ -65,13 +79,15 @@ class StargrpcServer:
             registry if registry is not None else load_tools(settings),
             store=MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs),
             limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
+            settings=settings,
         )
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
+        self.interceptors = list(interceptors if interceptors is not None
+                                 else build_chain(settings))
         self._server = grpc.aio.server(
-            interceptors=list(interceptors if interceptors is not None
-                              else build_chain(settings)),
+            interceptors=self.interceptors,
             options=self._channel_options(),
         )
         self._health = health.aio.HealthServicer()
@@ -100,6 +116,9 @@ class StargrpcServer:
         Returns:
             The bound port.
         """
+        for component in self.interceptors:
+            if isinstance(component, Lifecycle):
+                await component.start()
         address = f"{self.settings.host}:{self.settings.port}"
         self.port = self._server.add_insecure_port(address)
         if not self.port:
@@ -123,6 +142,9 @@ class StargrpcServer:
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
+        for component in reversed(self.interceptors):
+            if isinstance(component, Lifecycle):
+                await component.aclose()
         log.info("stopped")
         self._stopped.set()
 

@@ -14,6 +14,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
+from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
 from stargrpc.errors import FieldViolation, InvalidArgument, NotFound, RequestError, abort_with
 from stargrpc.outcome import Outcome
@@ -21,6 +22,9 @@ from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.v1 import catalog_pb2, tool_service_pb2
+
+_EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
+_WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
@@ -109,6 +113,7 @@ class ToolService:
         try:
             async for event in run.log.follow(0):
                 yield tool_service_pb2.ExecuteResponse(event=event)
+                _EXECUTE_EVENTS.inc()
         except asyncio.CancelledError:
             run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED", "the client cancelled the call")
             raise
@@ -136,6 +141,7 @@ class ToolService:
             return
         async for event in log.follow(request.after_seq):
             yield tool_service_pb2.WatchRunResponse(event=event)
+            _WATCH_EVENTS.inc()
 
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
                         ) -> tool_service_pb2.CancelRunResponse:

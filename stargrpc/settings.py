@@ -32,6 +32,12 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
 
+    # -- state -----------------------------------------------------------------------------
+    state_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME")
+                                     or Path.home() / ".local" / "state") / "stargrpc",
+        description="Where the server keeps its files (keys file, audit database, indexes).")
+
     # -- tools -----------------------------------------------------------------------------
     tools_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,

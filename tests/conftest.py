@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,14 +18,15 @@ ServerFactory = Callable[..., Awaitable[StargrpcServer]]
 
 
 @pytest.fixture
-async def make_server() -> AsyncIterator[ServerFactory]:
+async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
     """Starts servers on ephemeral ports: ``await make_server(registry=…, **settings)``.
     Every server it started is stopped at the end of the test."""
     started: list[StargrpcServer] = []
 
     async def factory(registry: Registry | None = None, **overrides: Any) -> StargrpcServer:
         settings = Settings.load(**{"host": "127.0.0.1", "port": 0, "log_format": "json",
-                                    "shutdown_grace_seconds": 2.0, **overrides})
+                                    "shutdown_grace_seconds": 2.0,
+                                    "state_dir": tmp_path / "state", **overrides})
         server = StargrpcServer(settings, registry=registry)
         await server.start()
         started.append(server)

@@ -1,7 +1,12 @@
 """Server interceptors, composed in one chain.
 
-The order is the way of one call: authentication establishes the principal, audit records
-the attempt (also when authentication failed), the critic supervises the run.
+Order, outermost first, and why:
+
+1. **audit** — opens the call's :class:`~stargrpc.calls.CallRecord` and writes it when the
+   call ends, so it sees *every* attempt, including those authentication refuses.
+2. **auth** — establishes the principal from credentials (never from the request body) or
+   ends the call UNAUTHENTICATED.
+3. **critic** — supervises the run an Execute starts: a deadline that extends on progress.
 """
 
 from __future__ import annotations
@@ -15,5 +20,6 @@ from stargrpc.settings import Settings
 
 def build_chain(settings: Settings) -> Sequence[grpc.aio.ServerInterceptor]:
     """The interceptors of a server with ``settings``, outermost first."""
+    chain: list[grpc.aio.ServerInterceptor] = []
     del settings  # each interceptor reads its own settings as it lands
-    return []
+    return chain

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite needs on a fresh machine, then runs the whole suite.
+# Usage: bash scripts/test.sh [pytest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+apt_updated=0
+apt_install() {
+  if [ $apt_updated = 0 ]; then as_root apt-get update -qq; apt_updated=1; fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Redis and PostgreSQL: the fleet-mode tests talk to real servers on loopback.
+command -v redis-server >/dev/null || apt_install redis-server
+command -v pg_ctlcluster >/dev/null || apt_install postgresql
+port_open 6379 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+port_open 5432 || as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start
+for _ in $(seq 100); do port_open 6379 && port_open 5432 && break; sleep 0.2; done
+port_open 6379 || { echo "redis did not start" >&2; exit 1; }
+port_open 5432 || { echo "postgresql did not start" >&2; exit 1; }
+
+# The Python environment.
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q -e '.[dev]'
+
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the server, on one registry of their own.
+
+Every module that has something to count imports its metric from here, so the names are
+defined once. Serving them over HTTP (``serve --metrics-port``) lives elsewhere.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: The registry every stargrpc metric is on (not the process-global default registry, so a
+#: test can run several servers in one process without name clashes).
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+TASKS_TOTAL = Counter(
+    "tool_executor_tasks", "Runs finished, by tool and outcome.", ["tool", "outcome"],
+    registry=REGISTRY)
+DURATION_SECONDS = Histogram(
+    "tool_executor_duration_seconds", "Wall time of runs, by tool.", ["tool"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+    registry=REGISTRY)
+RUNS_IN_FLIGHT = Gauge(
+    "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY)
+EVENTS_STREAMED = Counter(
+    "tool_executor_events_streamed", "Run events sent to clients, by RPC.", ["rpc"],
+    registry=REGISTRY)
+CRITIC_EXTENSIONS = Counter(
+    "tool_executor_critic_extensions", "Soft deadlines restarted by progress.",
+    registry=REGISTRY)
+CRITIC_WARNINGS = Counter(
+    "tool_executor_critic_warnings", "No-progress warnings sent at half the soft deadline.",
+    registry=REGISTRY)
+CRITIC_KILLS = Counter(
+    "tool_executor_critic_kills", "Runs stopped by the critic, by reason.", ["reason"],
+    registry=REGISTRY)
+AUTH_FAILURES = Counter(
+    "tool_executor_auth_failures", "Calls refused by authentication or permissions, by reason.",
+    ["reason"], registry=REGISTRY)
+AUDIT_QUEUE_DEPTH = Gauge(
+    "tool_executor_audit_queue_depth", "Audit records waiting to be written.",
+    registry=REGISTRY)
