@@ -1,0 +1,184 @@
+"""Hostile and malformed Execute requests: each answered by a clear status with details,
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from stargrpc.v1 import events_pb2, tool_service_pb2
+from tests.helpers import run_tool, status_details
+
+
+async def _refused(stub, request: tool_service_pb2.ExecuteRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Execute(request):
+            pass
+    return caught.value
+
+
+def _violations(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    found = {}
+    for detail in status_details(error):
+        if isinstance(detail, error_details_pb2.BadRequest):
+            found.update({v.field: v.description for v in detail.field_violations})
+    return found
+
+
+async def _still_serving(stub) -> None:
+    events = await run_tool(stub, "echo", {"text": "still here"})
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_unknown_tool_is_not_found_with_error_info(stub) -> None:
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(tool_name="no_such_tool"))
+
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    info = [d for d in status_details(error) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert info[0].reason == "TOOL_NOT_FOUND"
+    assert info[0].metadata["tool_name"] == "no_such_tool"
+    await _still_serving(stub)
+
+
+async def test_empty_tool_name_is_invalid(stub) -> None:
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest())
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tool_name" in _violations(error)
+    await _still_serving(stub)
+
+
+@pytest.mark.parametrize("raw", ["[1, 2]", '"text"', "3", "null"])
+async def test_arguments_that_are_not_an_object(stub, raw: str) -> None:
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(tool_name="echo",
+                                                                 arguments_json=raw))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expected a JSON object" in _violations(error)["arguments_json"]
+    await _still_serving(stub)
+
+
+async def test_wrong_types_missing_and_unknown_fields_are_each_named(stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(tool_name="count")
+    request.arguments.update({"delay": "soon", "colour": "blue"})
+
+    error = await _refused(stub, request)
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    violations = _violations(error)
+    assert violations["arguments.to"] == "Field required"
+    assert "valid number" in violations["arguments.delay"]
+    assert violations["arguments.colour"] == "unknown field"
+    await _still_serving(stub)
+
+
+async def test_lenient_coercion_of_struct_doubles_and_strings(stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(tool_name="count")
+    request.arguments.update({"to": 2.0, "delay": "0"})  # a Struct carries every number as a double
+
+    events = [r.event async for r in stub.Execute(request)]
+
+    assert events[-1].result.output == "counted to 2"
+    events = await run_tool(stub, "count", {"to": "2"})
+    assert events[-1].result.output == "counted to 2"
+
+
+async def test_fractional_integer_is_refused(stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(tool_name="count")
+    request.arguments.update({"to": 2.5})
+
+    error = await _refused(stub, request)
+
+    assert "fractional" in _violations(error)["arguments.to"]
+
+
+async def test_five_megabyte_arguments_are_refused_with_the_limit(stub) -> None:
+    big = "x" * (5 * 1024 * 1024)
+    request = tool_service_pb2.ExecuteRequest(tool_name="echo",
+                                              arguments_json=json.dumps({"text": big}))
+    error = await _refused(stub, request)
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the limit" in _violations(error)["arguments_json"]
+    await _still_serving(stub)
+
+
+async def test_five_megabyte_struct_is_refused_with_the_limit(stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(tool_name="echo")
+    request.arguments.update({"text": "x" * (5 * 1024 * 1024)})
+
+    error = await _refused(stub, request)
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the limit" in _violations(error)["arguments"]
+    await _still_serving(stub)
+
+
+async def test_json_nested_a_thousand_deep(stub) -> None:
+    deep = '{"text": ' + "[" * 1000 + "]" * 1000 + "}"
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(tool_name="echo",
+                                                                 arguments_json=deep))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nested" in _violations(error)["arguments_json"]
+    await _still_serving(stub)
+
+
+async def test_struct_nested_a_thousand_deep(channel, stub) -> None:
+    # Encoded by hand: the protobuf library itself refuses to build (or decode) such depth,
+    # so the server must answer for a request it cannot even decode.
+    value = b"\x1a\x04leaf"  # Value{string_value: "leaf"}
+    for _ in range(1000):
+        list_value = b"\x0a" + _varint(len(value)) + value  # ListValue{values: [value]}
+        value = b"\x32" + _varint(len(list_value)) + list_value  # Value{list_value: ...}
+    entry = b"\x0a\x04text\x12" + _varint(len(value)) + value  # map entry "text" -> value
+    struct = b"\x0a" + _varint(len(entry)) + entry
+    raw = tool_service_pb2.ExecuteRequest(tool_name="echo").SerializeToString()
+    raw += b"\x12" + _varint(len(struct)) + struct  # ExecuteRequest.arguments
+    raw_execute = channel.unary_stream("/stargrpc.v1.ToolService/Execute")
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in raw_execute(raw):
+            pass
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not be decoded" in caught.value.details()
+    await _still_serving(stub)
+
+
+async def test_invalid_raw_json(stub) -> None:
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(tool_name="echo",
+                                                                 arguments_json='{"text": '))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid JSON" in _violations(error)["arguments_json"]
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(
+        tool_name="echo", arguments_json='{"text": NaN}'))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await _still_serving(stub)
+
+
+async def test_garbage_bytes_are_invalid_argument(channel, stub) -> None:
+    raw_execute = channel.unary_stream("/stargrpc.v1.ToolService/Execute")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in raw_execute(b"\xff\xff\xff\xff\x0f"):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await _still_serving(stub)
+
+
+async def test_big_integers_survive_the_raw_json_form(stub) -> None:
+    events = await run_tool(stub, "echo", None, arguments_json='{"text": "12345678901234567890"}')
+    assert events[-1].result.output == "12345678901234567890"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
