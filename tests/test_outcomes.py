@@ -1,0 +1,139 @@
+"""Outcome classification through a real server, and cancellation by the client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from pydantic import BaseModel
+
+from stargrpc import ToolContext, ToolDenied, ToolResult, tool
+from stargrpc.outcome import Outcome
+from stargrpc.registry import Registry, spec_of
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import phases, run_tool
+
+
+class Nothing(BaseModel):
+    pass
+
+
+@tool()
+async def explode(ctx: ToolContext, args: Nothing) -> str:
+    """Raise an unexpected exception carrying an internal detail."""
+    async with ctx.step("about to fail"):
+        raise RuntimeError("db password is hunter2 at /srv/secret.py line 12")
+
+
+@tool()
+async def legacy_failure(ctx: ToolContext, args: Nothing) -> dict[str, object]:
+    """Return a legacy-shaped failure dict."""
+    return {"success": False, "error": "the upstream service timed out"}
+
+
+@tool()
+async def legacy_denial(ctx: ToolContext, args: Nothing) -> dict[str, object]:
+    """Return a legacy-shaped denial."""
+    return {"success": False,
+        "error": "user bob does not have the ADMIN privilege on project x"}
+
+
+@tool()
+async def refuses(ctx: ToolContext, args: Nothing) -> str:
+    """Raise ToolDenied."""
+    raise ToolDenied("not authorized to read that mailbox")
+
+
+@tool()
+async def explicit(ctx: ToolContext, args: Nothing) -> ToolResult:
+    """Return an explicit FAILED result."""
+    return ToolResult(output="half done", outcome=Outcome.FAILED, error_message="quota reached")
+
+
+@tool()
+async def structured(ctx: ToolContext, args: Nothing) -> dict[str, object]:
+    """Return structured data and use every write-back channel."""
+    ctx.send_file("report.csv", b"a,b\n1,2\n")
+    ctx.inject_tool("follow_up", "Ask a follow-up question.", {"type": "object"})
+    ctx.send_rich_message("card", {"title": "Done", "items": [1, 2]})
+    return {"success": True, "rows": 2}
+
+
+CANCELLED = asyncio.Event()
+STARTED = asyncio.Event()
+
+
+@tool()
+async def waits_forever(ctx: ToolContext, args: Nothing) -> str:
+    """Wait until cancelled, noting the cancellation."""
+    STARTED.set()
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        CANCELLED.set()
+        raise
+    return "unreachable"
+
+
+TOOLS = [explode, legacy_failure, legacy_denial, refuses, explicit, structured, waits_forever]
+
+
+@pytest.fixture
+async def stub(make_server) -> AsyncIterator[tool_service_pb2_grpc.ToolServiceStub]:
+    server = await make_server(registry=Registry(spec_of(t) for t in TOOLS))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+async def test_exception_becomes_error_without_traceback(stub) -> None:
+    events = await run_tool(stub, "explode", {})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_ERROR
+    assert result.error.code == "TOOL_EXCEPTION"
+    assert phases(events) == ["START s0", "START s1", "END s1 ERROR", "END s0 ERROR",
+                          "RESULT ERROR"]
+    everything = "".join(str(e) for e in events)
+    assert "hunter2" not in everything and "Traceback" not in everything
+
+
+async def test_legacy_dicts_are_classified(stub) -> None:
+    failed = (await run_tool(stub, "legacy_failure", {}))[-1].result
+    denied = (await run_tool(stub, "legacy_denial", {}))[-1].result
+    raised = (await run_tool(stub, "refuses", {}))[-1].result
+    explicit_result = (await run_tool(stub, "explicit", {}))[-1].result
+
+    assert failed.outcome == events_pb2.OUTCOME_FAILED
+    assert failed.error.message == "the upstream service timed out"
+    assert denied.outcome == events_pb2.OUTCOME_DENIED
+    assert raised.outcome == events_pb2.OUTCOME_DENIED
+    assert raised.error.message == "not authorized to read that mailbox"
+    assert explicit_result.outcome == events_pb2.OUTCOME_FAILED
+    assert explicit_result.output == "half done"
+
+
+async def test_writeback_channels_and_structured_output(stub) -> None:
+    result = (await run_tool(stub, "structured", {}))[-1].result
+
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert result.structured_output.struct_value["rows"] == 2
+    sent = result.writeback.sent_files[0]
+    assert (sent.name, sent.mime_type, sent.size, sent.content) == (
+    "report.csv", "text/csv", 8, b"a,b\n1,2\n")
+    assert len(sent.sha256) == 64
+    assert result.writeback.injected_tools[0].name == "follow_up"
+    assert result.writeback.sent_rich_messages[0].payload["title"] == "Done"
+
+
+async def test_client_cancel_reaches_the_tool_promptly(stub) -> None:
+    STARTED.clear()
+    CANCELLED.clear()
+    call = stub.Execute(tool_service_pb2.ExecuteRequest(tool_name="waits_forever"))
+    await call.read()
+    await asyncio.wait_for(STARTED.wait(), 10)
+    call.cancel()
+    await asyncio.wait_for(CANCELLED.wait(), 1.0)
+    events = await run_tool(stub, "legacy_failure", {})
+    assert events[-1].HasField("result")
