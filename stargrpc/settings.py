@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -20,6 +20,17 @@ from pydantic_settings import (
 )
 
 MiB = 1024 * 1024
+
+
+class ToolAccess(BaseModel):
+    """Who may run one tool (an entry of ``Settings.tool_permissions``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    roles: list[str] = Field(default_factory=list, description="Allowed roles; '*' = any.")
+    principals: list[str] = Field(default_factory=list, description="Allowed principal "
+                                  "ids; '*' = any authenticated caller.")
+    privileged: bool = Field(False, description="Also require the privileged role.")
 
 
 class Settings(BaseSettings):
@@ -59,6 +70,13 @@ class Settings(BaseSettings):
                                          "stays watchable.")
     max_finished_runs: int = Field(10_000, ge=0, description="Finished runs kept at most.")
 
+    # -- critic supervision (supervisor.py, interceptors/critic.py) ------------------------
+    critic_soft_timeout: float = Field(
+        90.0, gt=0, description="Seconds a run may go without progress before the critic "
+        "stops it (a tool's own soft_timeout takes precedence); restarted by progress.")
+    critic_hard_timeout: float = Field(
+        900.0, gt=0, description="Seconds a run may take at most, progress or not.")
+
     # -- lifecycle -------------------------------------------------------------------------
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="How long in-flight runs "
                                           "may take to finish after SIGTERM.")
@@ -71,6 +89,87 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON otherwise.")
+
+    # -- HTTP gateway, metrics and traces (stargrpc/gateway, metrics_http.py, tracing.py) --
+    http_port: int | None = Field(None, ge=0, le=65535, description="Serve the HTTP gateway "
+                                  "and the progress page on this port (0 picks a free one); "
+                                  "off when unset.")
+    http_host: str | None = Field(None, description="Address of the HTTP gateway; defaults "
+                                  "to host.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus "
+                                     "metrics at /metrics on this port; off when unset.")
+    metrics_host: str | None = Field(None, description="Address of the metrics endpoint; "
+                                     "defaults to host.")
+    tracing: bool = Field(False, description="Record OpenTelemetry traces: a span per call, "
+                          "a span per run, a span per step.")
+    tracing_exporter: Literal["otlp", "console", "none"] = Field(
+        "otlp", description="Where traces go: OTLP/gRPC (configured by the standard "
+        "OTEL_EXPORTER_OTLP_* variables), the console, or nowhere here (a program that "
+        "embeds the server installs its own tracer provider).")
+    tracing_service_name: str = Field("stargrpc", description="service.name of the traces.")
+
+    # -- authentication and permissions (stargrpc/auth, interceptors/auth.py) -------------
+    insecure_no_auth: bool = Field(
+        False, description="Turn authentication OFF (local experiments only): every caller "
+        "is the local principal, which holds every role.")
+    keys_file: Path | None = Field(None, description="The API keys file (hashes only); "
+                                   "default <state_dir>/keys.json.")
+    auth_bootstrap_key: bool = Field(
+        True, description="`stargrpc serve` with no API keys (and no JWT or client "
+        "certificates configured) creates one admin key on first start and prints it once.")
+    auth_open_health: bool = Field(True, description="Health checks need no credentials.")
+    auth_open_reflection: bool = Field(True, description="Server reflection needs no "
+                                       "credentials.")
+    admin_role: str = Field("admin", description="Holders may run every tool (privileged "
+                            "ones still need the privileged role).")
+    privileged_role: str = Field("privileged", description="The role privileged tools "
+                                 "need, held explicitly (no wildcard grants it).")
+    delegation_role: str = Field("delegate", description="Holders may name an end user "
+                                 "(channel, session) in ExecuteRequest.context.")
+    permission_default: Literal["allow", "deny"] = Field(
+        "allow", description="Tools without a tool_permissions entry: allow = the roles the "
+        "tool declares (default every authenticated caller); deny = admins only.")
+    tool_permissions: dict[str, ToolAccess] = Field(
+        default_factory=dict, description="Per tool: allowed roles and principals ('*' for "
+        "any authenticated caller); overrides what the tool declares.")
+    list_tools_show_uncallable: bool = Field(
+        False, description="ListTools also lists tools the caller may not run, marked "
+        "permissions.callable = false (default: they are left out).")
+    jwt_secret: SecretStr | None = Field(None, description="HS256 shared secret for JWTs.")
+    jwt_public_key_file: Path | None = Field(None, description="PEM public key for RS256/"
+                                             "ES256 JWTs.")
+    jwt_jwks_file: Path | None = Field(None, description="A JWKS file of RS256/ES256 keys "
+                                       "(picked by kid; re-read when it changes).")
+    jwt_issuer: str = Field("", description="Required iss of JWTs (required with JWT).")
+    jwt_audience: str = Field("", description="Required aud of JWTs (required with JWT).")
+    jwt_principal_claim: str = Field("sub", description="Claim naming the principal.")
+    jwt_roles_claim: str = Field("roles", description="Claim holding roles/scopes: a list or "
+                                 "a space-separated string; dots reach nested claims.")
+    jwt_leeway_seconds: float = Field(30.0, ge=0, le=600, description="Clock skew allowed "
+                                      "on exp/nbf/iat.")
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain: serve TLS.")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle: verify client certificates (mTLS); the subject's "
+        "common name becomes the principal.")
+    tls_require_client_cert: bool = Field(True, description="With tls_client_ca_file, refuse "
+                                          "connections without a client certificate.")
+    mtls_roles: dict[str, list[str]] = Field(
+        default_factory=dict, description="Roles per client-certificate principal; '*' "
+        "applies to every certificate.")
+
+    @model_validator(mode="after")
+    def _check_auth(self) -> Settings:
+        jwt_keys = [self.jwt_secret, self.jwt_public_key_file, self.jwt_jwks_file]
+        if sum(k is not None for k in jwt_keys) > 1:
+            raise ValueError("give one of jwt_secret, jwt_public_key_file, jwt_jwks_file")
+        if any(k is not None for k in jwt_keys) and not (self.jwt_issuer and self.jwt_audience):
+            raise ValueError("JWT needs jwt_issuer and jwt_audience (both are checked)")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
 
     @field_validator("tools_dir", mode="before")
     @classmethod

@@ -16,6 +16,9 @@ from stargrpc.v1 import tool_service_pb2_grpc
 
 ServerFactory = Callable[..., Awaitable[StargrpcServer]]
 
+# Settings that mean "this test configures authentication itself".
+_AUTH_SETTING_PREFIXES = ("insecure_no_auth", "keys_file", "auth_", "jwt_", "tls_", "mtls_")
+
 
 @pytest.fixture
 async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
@@ -24,6 +27,9 @@ async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
     started: list[StargrpcServer] = []
 
     async def factory(registry: Registry | None = None, **overrides: Any) -> StargrpcServer:
+        # Authentication is off unless the test configures it (see make_auth_server).
+        if not any(name.startswith(_AUTH_SETTING_PREFIXES) for name in overrides):
+            overrides["insecure_no_auth"] = True
         settings = Settings.load(**{"host": "127.0.0.1", "port": 0, "log_format": "json",
                                     "shutdown_grace_seconds": 2.0,
                                     "state_dir": tmp_path / "state", **overrides})

@@ -31,6 +31,17 @@ from stargrpc.settings import Settings
 @click.option("--shutdown-grace", "shutdown_grace_seconds", type=float, default=None,
               help="Seconds runs in flight get after SIGTERM [env "
               "STARGRPC_SHUTDOWN_GRACE_SECONDS; default 30].")
+@click.option("--critic-soft-timeout", "critic_soft_timeout", type=float, default=None,
+              help="Seconds a run may go without progress before it is stopped [env "
+              "STARGRPC_CRITIC_SOFT_TIMEOUT; default 90].")
+@click.option("--critic-hard-timeout", "critic_hard_timeout", type=float, default=None,
+              help="Seconds a run may take at most [env STARGRPC_CRITIC_HARD_TIMEOUT; "
+              "default 900].")
+@click.option("--insecure-no-auth", "insecure_no_auth", is_flag=True, default=None,
+              help="Turn authentication OFF for local experiments: every caller holds every "
+              "role [env STARGRPC_INSECURE_NO_AUTH].")
+@click.option("--keys-file", "keys_file", type=click.Path(path_type=Path), default=None,
+              help="API keys file [env STARGRPC_KEYS_FILE; default <state_dir>/keys.json].")
 def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object) -> None:
     """Run the stargrpc server."""
     overrides = dict(flags)
