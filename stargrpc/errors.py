@@ -9,9 +9,12 @@ Hierarchy::
     │   ├── PermissionDenied        PERMISSION_DENIED + google.rpc.ErrorInfo
     │   ├── NotFound                NOT_FOUND + google.rpc.ErrorInfo (unknown tool, run)
     │   ├── FailedPrecondition      FAILED_PRECONDITION + google.rpc.ErrorInfo
-    │   │   └── CatalogStale            reason CATALOG_STALE
+    │   │   ├── CatalogStale            reason CATALOG_STALE
+    │   │   └── IdempotencyKeyReused    reason IDEMPOTENCY_KEY_REUSED
     │   ├── ResourceExhausted       RESOURCE_EXHAUSTED + google.rpc.RetryInfo
-    │   └── Unavailable             UNAVAILABLE (draining, a backing store down)
+    │   ├── Unavailable             UNAVAILABLE (draining, a backing store down)
+    │   └── Aborted                 ABORTED + google.rpc.ErrorInfo
+    │       └── WatcherTooSlow          a watcher fell behind; resume from a seq
     ├── ToolDefinitionError     a tool module is broken; stops start-up
     └── ToolOutcomeError        raised *by a tool* to end its run with an outcome
         ├── ToolFailed              Result{OUTCOME_FAILED}
@@ -133,6 +136,12 @@ class CatalogStale(FailedPrecondition):
     reason = "CATALOG_STALE"
 
 
+class IdempotencyKeyReused(FailedPrecondition):
+    """The idempotency key was first used for another tool or other arguments."""
+
+    reason = "IDEMPOTENCY_KEY_REUSED"
+
+
 class ResourceExhausted(RequestError):
     """A limit was hit; the caller may retry after ``retry_after`` seconds."""
 
@@ -155,6 +164,26 @@ class Unavailable(RequestError):
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = "UNAVAILABLE"
+
+
+class Aborted(RequestError):
+    """The call was cut short; the caller may retry it (ErrorInfo says how)."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "ABORTED"
+
+
+class WatcherTooSlow(Aborted):
+    """A WatchRun stream fell too far behind its live run; resume from ``resume_after``."""
+
+    reason = "WATCHER_TOO_SLOW"
+
+    def __init__(self, run_id: str, resume_after: int, lag: int) -> None:
+        super().__init__(
+            f"the watcher fell {lag} events behind run {run_id}; resume with WatchRun "
+            f"after_seq={resume_after}",
+            metadata={"run_id": run_id, "resume_after_seq": str(resume_after)})
+        self.resume_after = resume_after
 
 
 class ToolDefinitionError(StargrpcError):
@@ -192,6 +221,7 @@ _CODE_NUMBERS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.ABORTED: code_pb2.ABORTED,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
     grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
 }

@@ -2,7 +2,12 @@
 
 The Execute stream, WatchRun streams and idempotent replays all read a run through its log,
 so a run can outlive the stream that started it. :class:`MemoryRunStore` is the embedded
-default; a shared store (Redis) implements the same two protocols for a fleet.
+default; :class:`stargrpc.stores.redis.RedisRunStore` implements the same protocols for a
+fleet of replicas sharing Redis.
+
+A store holds three things: the run logs, who owns each run (only the owner, or a role with
+watch rights, may watch or cancel it), and idempotency claims — ``(principal, key)`` →
+the run that key started, with a fingerprint of the tool and arguments it was used for.
 
 Events are kept as ``RunEvent`` protobuf messages rather than a parallel Python model: they
 are built once, stored once and sent as they are, which keeps the per-event cost low.
@@ -14,15 +19,25 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from stargrpc.errors import WatcherTooSlow
 from stargrpc.v1 import events_pb2
 
 
 class RunLog(Protocol):
-    """The event log of one run."""
+    """The event log of one run.
+
+    Attributes:
+        run_id: The run.
+        owner: The id of the principal the run belongs to.
+        tool: The tool being run.
+    """
 
     run_id: str
+    owner: str
+    tool: str
 
     @property
     def finished(self) -> bool:
@@ -42,20 +57,79 @@ class RunLog(Protocol):
         """
         ...
 
-    def follow(self, after_seq: int = 0) -> AsyncIterator[events_pb2.RunEvent]:
-        """Yields the events after ``after_seq``, then new ones as they come, until the Result."""
+    def follow(self, after_seq: int = 0, *, max_lag: int = 0
+               ) -> AsyncIterator[events_pb2.RunEvent]:
+        """Yields the events after ``after_seq``, then new ones as they come, until the Result.
+
+        Args:
+            after_seq: Replay from the event after this one.
+            max_lag: When non-zero, a follower that had caught up with the live run and then
+                fell more than this many events behind ends with :class:`WatcherTooSlow`.
+        """
         ...
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer to an idempotency claim.
+
+    Attributes:
+        run_id: The run the key belongs to: the caller's own when it ``won``.
+        fingerprint: What the key was first used for (tool and arguments).
+        won: Whether the caller's run now holds the key (and must run).
+    """
+
+    run_id: str
+    fingerprint: str
+    won: bool
 
 
 class RunStore(Protocol):
-    """Where run logs live."""
+    """Where run logs, their owners and idempotency claims live."""
 
-    def create(self, run_id: str) -> RunLog:
-        """A new, empty log for ``run_id``."""
+    def create(self, run_id: str, owner: str = "", tool: str = "") -> RunLog:
+        """A new, empty log for ``run_id``, owned by principal ``owner``."""
         ...
 
-    def get(self, run_id: str) -> RunLog | None:
-        """The log of ``run_id``, or None when unknown or expired."""
+    async def open(self, run_id: str) -> RunLog | None:
+        """The log of ``run_id`` wherever the run lives, or None when unknown or expired.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def publish(self, log: RunLog) -> None:
+        """Makes a new run visible to every replica before it starts.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
+        """Claims idempotency key ``key`` of ``owner`` for the run of ``log``, or returns the
+        run that holds it (an unfinished run whose replica died loses its claim).
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def discard(self, log: RunLog) -> None:
+        """Forgets a published run that will not start after all (it lost its claim)."""
+        ...
+
+    async def request_cancel(self, run_id: str, reason: str) -> bool:
+        """Asks the replica running ``run_id`` to cancel it.
+
+        Returns:
+            Whether the run was still going.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Releases connections and background tasks."""
         ...
 
 
@@ -63,14 +137,19 @@ class MemoryRunLog:
     """A run log held in this process."""
 
     run_id: str
+    owner: str
+    tool: str
     _events: list[events_pb2.RunEvent]
     _wakeup: asyncio.Event
     _finished: bool
     finished_at: float | None
 
     def __init__(self, run_id: str,
-                 on_finish: Callable[[MemoryRunLog], None] | None = None) -> None:
+                 on_finish: Callable[[MemoryRunLog], None] | None = None, *,
+                 owner: str = "", tool: str = "") -> None:
         self.run_id = run_id
+        self.owner = owner
+        self.tool = tool
         self._on_finish = on_finish
         self._events = []
         self._wakeup = asyncio.Event()
@@ -108,10 +187,17 @@ class MemoryRunLog:
         wakeup.set()
         return event
 
-    async def follow(self, after_seq: int = 0) -> AsyncIterator[events_pb2.RunEvent]:
+    async def follow(self, after_seq: int = 0, *, max_lag: int = 0
+                     ) -> AsyncIterator[events_pb2.RunEvent]:
         position = max(0, after_seq)
+        caught_up = False
         while True:
             if position < len(self._events):
+                lag = len(self._events) - position
+                # Only a follower that had been live and fell back is too slow; one
+                # replaying a long run from the start is not.
+                if max_lag and caught_up and lag > max_lag and not self._finished:
+                    raise WatcherTooSlow(self.run_id, position, lag)
                 batch = self._events[position:]
                 position += len(batch)
                 for event in batch:
@@ -119,33 +205,73 @@ class MemoryRunLog:
                 continue
             if self._finished:
                 return
+            caught_up = True
             await self._wakeup.wait()
 
 
 class MemoryRunStore:
-    """Run logs in memory. A finished run is dropped ``retention`` seconds after its Result,
-    or earlier (oldest first) while more than ``max_finished`` finished runs are kept."""
+    """Run logs and idempotency claims in memory, for one process.
+
+    A finished run is dropped ``retention`` seconds after its Result, or earlier (oldest
+    first) while more than ``max_finished`` finished runs are kept; its idempotency claim
+    goes with it.
+    """
 
     retention: float
     max_finished: int
     _logs: dict[str, MemoryRunLog]
     _finished: deque[tuple[float, str]]
+    _claims: dict[tuple[str, str], tuple[str, str]]
+    _claim_of_run: dict[str, tuple[str, str]]
+    cancel_handler: Callable[[str, str], bool] | None
 
     def __init__(self, retention: float = 600.0, max_finished: int = 10_000) -> None:
         self.retention = retention
         self.max_finished = max_finished
         self._logs = {}
         self._finished = deque()
+        self._claims = {}
+        self._claim_of_run = {}
+        # Set by the runtime: stops a run of this process (run_id, reason) -> was running.
+        self.cancel_handler = None
 
-    def create(self, run_id: str) -> MemoryRunLog:
+    def create(self, run_id: str, owner: str = "", tool: str = "") -> MemoryRunLog:
         self._expire()
-        log = MemoryRunLog(run_id, on_finish=self._record_finish)
+        log = MemoryRunLog(run_id, on_finish=self._record_finish, owner=owner, tool=tool)
         self._logs[run_id] = log
         return log
 
     def get(self, run_id: str) -> MemoryRunLog | None:
+        """The log of ``run_id`` (this process only)."""
         self._expire()
         return self._logs.get(run_id)
+
+    async def open(self, run_id: str) -> MemoryRunLog | None:
+        return self.get(run_id)
+
+    async def publish(self, log: RunLog) -> None:
+        return None  # created logs are already visible to this process
+
+    async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
+        # No suspension point: check-and-set is atomic on the event loop.
+        self._expire()
+        held = self._claims.get((owner, key))
+        if held is not None and held[1] in self._logs:
+            return Claim(run_id=held[1], fingerprint=held[0], won=False)
+        self._claims[(owner, key)] = (fingerprint, log.run_id)
+        self._claim_of_run[log.run_id] = (owner, key)
+        return Claim(run_id=log.run_id, fingerprint=fingerprint, won=True)
+
+    async def discard(self, log: RunLog) -> None:
+        self._logs.pop(log.run_id, None)
+
+    async def request_cancel(self, run_id: str, reason: str) -> bool:
+        if self.cancel_handler is None:
+            return False
+        return self.cancel_handler(run_id, reason)
+
+    async def aclose(self) -> None:
+        return None
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -160,3 +286,6 @@ class MemoryRunStore:
         ):
             _, run_id = self._finished.popleft()
             self._logs.pop(run_id, None)
+            claim_key = self._claim_of_run.pop(run_id, None)
+            if claim_key is not None and self._claims.get(claim_key, ("", ""))[1] == run_id:
+                del self._claims[claim_key]

@@ -70,6 +70,36 @@ class Settings(BaseSettings):
                                          "stays watchable.")
     max_finished_runs: int = Field(10_000, ge=0, description="Finished runs kept at most.")
 
+    # -- runs, retries and replicas (runlog.py, stores/, idempotency.py, limits.py) --------
+    redis_url: str = Field("", description="redis://… of the run store shared by replicas; "
+                           "empty keeps runs in this process.")
+    redis_key_prefix: str = Field("stargrpc:", description="Prefix of every Redis key.")
+    redis_timeout_seconds: float = Field(2.0, gt=0, description="Connect/command timeout "
+                                         "for Redis; calls fail UNAVAILABLE after it.")
+    run_lease_seconds: float = Field(10.0, ge=1, description="A replica's claim on its "
+                                     "runs; runs of a replica dead this long are lost.")
+    run_max_events: int = Field(100_000, ge=100, description="Events kept per run in Redis "
+                                "(older ones are trimmed).")
+    max_watch_lag_events: int = Field(10_000, ge=0, description="A live watcher further "
+                                      "behind than this is ended (ABORTED, resume from its "
+                                      "seq); 0 never.")
+    run_admin_roles: list[str] = Field(["admin"], description="Roles that may watch and "
+                                       "cancel anyone's runs.")
+    run_watch_roles: list[str] = Field(["watch"], description="Roles that may watch "
+                                       "anyone's runs.")
+    max_concurrent_runs: int = Field(1024, ge=0, description="Runs in flight per replica; "
+                                     "0 = unlimited.")
+    max_concurrent_runs_per_principal: int = Field(256, ge=0, description="Runs in flight "
+                                                   "per principal per replica; 0 = unlimited.")
+    max_concurrent_runs_per_tool: int = Field(0, ge=0, description="Runs in flight per tool "
+                                              "per replica; 0 = unlimited.")
+    limit_retry_after_seconds: float = Field(1.0, gt=0, description="RetryInfo delay "
+                                             "suggested when a limit refuses a call.")
+    inline_file_bytes: int = Field(1 * MiB, ge=0, description="Sent files up to this size "
+                                   "travel inside the Result; larger ones as FileChunks.")
+    file_chunk_bytes: int = Field(256 * 1024, ge=1024, le=4 * MiB, description="Size of "
+                                  "one FileChunk event.")
+
     # -- critic supervision (supervisor.py, interceptors/critic.py) ------------------------
     critic_soft_timeout: float = Field(
         90.0, gt=0, description="Seconds a run may go without progress before the critic "
