@@ -25,6 +25,7 @@ from stargrpc.runlog import MemoryRunStore
 from stargrpc.runtime import Runtime
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
+from stargrpc.supervisor import supervise_launched_run
 
 log = structlog.get_logger("stargrpc.server")
 
@@ -81,6 +82,9 @@ class StargrpcServer:
             limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
             settings=settings,
         )
+        # The critic interceptor sets each Execute's supervision policy; this hook applies
+        # it to the run the call launches (see stargrpc.supervisor).
+        self.runtime.launch_hooks.append(supervise_launched_run)
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()

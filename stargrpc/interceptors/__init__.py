@@ -15,11 +15,12 @@ from collections.abc import Sequence
 
 import grpc
 
+from stargrpc.interceptors.critic import CriticInterceptor
 from stargrpc.settings import Settings
 
 
 def build_chain(settings: Settings) -> Sequence[grpc.aio.ServerInterceptor]:
     """The interceptors of a server with ``settings``, outermost first."""
     chain: list[grpc.aio.ServerInterceptor] = []
-    del settings  # each interceptor reads its own settings as it lands
+    chain.append(CriticInterceptor(settings))  # innermost: closest to the run
     return chain
