@@ -104,6 +104,15 @@ async def test_cli_tools_and_call(server: StargrpcServer) -> None:
     assert lines[-1]["result"]["outcome"] == "OUTCOME_OK"
 
 
+async def test_cli_health(server: StargrpcServer) -> None:
+    code, out, _ = await _run(*_stargrpc("health", "--target", f"127.0.0.1:{server.port}"))
+    assert (code, out.strip()) == (0, "SERVING")
+    await server.stop(grace=0)
+    code, _, err = await _run(*_stargrpc("health", "--target", f"127.0.0.1:{server.port}"))
+    assert code == 1
+    assert "unhealthy" in err
+
+
 async def test_cli_call_renders_live_and_exits_nonzero_unless_ok(server: StargrpcServer
                                                                  ) -> None:
     target = f"127.0.0.1:{server.port}"

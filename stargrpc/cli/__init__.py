@@ -6,6 +6,7 @@ import click
 
 from stargrpc import __version__
 from stargrpc.cli.calls import call, tools
+from stargrpc.cli.health import health
 from stargrpc.cli.serve import serve
 
 
@@ -23,5 +24,6 @@ def version() -> None:
 main.add_command(serve)
 main.add_command(tools)
 main.add_command(call)
+main.add_command(health)
 
 __all__ = ["main"]
