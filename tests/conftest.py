@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +22,21 @@ _AUTH_SETTING_PREFIXES = ("insecure_no_auth", "keys_file", "auth_", "jwt_", "tls
 
 @pytest.fixture
 async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
-    """Starts servers on ephemeral ports: ``await make_server(registry=…, **settings)``.
+    """Starts servers on ephemeral ports: ``await make_server(registry=…, interceptors=…,
+    **settings)`` (interceptors replace the configured chain).
     Every server it started is stopped at the end of the test."""
     started: list[StargrpcServer] = []
 
-    async def factory(registry: Registry | None = None, **overrides: Any) -> StargrpcServer:
+    async def factory(registry: Registry | None = None,
+                      interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+                      **overrides: Any) -> StargrpcServer:
         # Authentication is off unless the test configures it (see make_auth_server).
         if not any(name.startswith(_AUTH_SETTING_PREFIXES) for name in overrides):
             overrides["insecure_no_auth"] = True
         settings = Settings.load(**{"host": "127.0.0.1", "port": 0, "log_format": "json",
                                     "shutdown_grace_seconds": 2.0,
                                     "state_dir": tmp_path / "state", **overrides})
-        server = StargrpcServer(settings, registry=registry)
+        server = StargrpcServer(settings, registry=registry, interceptors=interceptors)
         await server.start()
         started.append(server)
         return server
