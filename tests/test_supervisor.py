@@ -1,0 +1,230 @@
+"""The critic's supervisor on real runs (no server): progress detection, the time left
+stamped on every event, the half-time notice, the three limits and the counters."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from pydantic import BaseModel
+
+from stargrpc import ToolContext, metrics, tool
+from stargrpc.outcome import Outcome
+from stargrpc.principal import Principal
+from stargrpc.registry import NoArguments, spec_of
+from stargrpc.run import Run
+from stargrpc.runlog import MemoryRunLog
+from stargrpc.supervisor import (
+    CLIENT_DEADLINE,
+    HARD_TIMEOUT,
+    NO_PROGRESS,
+    SupervisionPolicy,
+    Supervisor,
+    current_supervision,
+    supervise_launched_run,
+)
+from stargrpc.v1 import events_pb2
+from tests.helpers import phases
+
+WAIT = 30.0  # generous bound on any wait for a run to end; never a performance claim
+
+
+@tool()
+async def hangs(ctx: ToolContext) -> str:
+    """Say something, then wait forever."""
+    await ctx.delta("partial output")
+    await asyncio.Event().wait()
+    return "unreachable"
+
+
+@tool()
+async def ticks(ctx: ToolContext) -> str:
+    """Make progress every 50 ms, 20 times."""
+    async with ctx.step("ticking") as step:
+        for i in range(20):
+            await asyncio.sleep(0.05)
+            await step.delta(f"{i} ")
+    return "done"
+
+
+@tool(soft_timeout=0.3)
+async def hangs_briefly_allowed(ctx: ToolContext) -> str:
+    """A tool with its own, short soft timeout."""
+    await asyncio.Event().wait()
+    return "unreachable"
+
+
+def make_run(fn: object) -> Run:
+    spec = spec_of(fn)
+    assert spec is not None
+    args: BaseModel = spec.args_model() if spec.takes_args else NoArguments()
+    run_id = uuid.uuid4().hex
+    return Run(run_id, spec, args, Principal("tester"), {}, MemoryRunLog(run_id))
+
+
+async def supervised_events(fn: object, policy: SupervisionPolicy
+                            ) -> tuple[Supervisor, list[events_pb2.RunEvent]]:
+    run = make_run(fn)
+    supervisor = Supervisor(run, policy)
+    supervisor.start()
+    run.start()
+    await asyncio.wait_for(run.wait(), WAIT)
+    return supervisor, [event async for event in run.log.follow(0)]
+
+
+def sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels or None) or 0.0
+
+
+def heartbeat(message: str = "", progress: float | None = None) -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.heartbeat.message = message
+    if progress is not None:
+        event.heartbeat.progress = progress
+    return event
+
+
+def step_event(phase: int, delta: str = "") -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.step.phase = phase  # type: ignore[assignment]
+    event.step.delta = delta
+    return event
+
+
+async def test_only_real_progress_counts() -> None:
+    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(10, 100))
+
+    def counts(event: events_pb2.RunEvent) -> bool:
+        before = supervisor.progress_events
+        supervisor.observe(event)
+        return supervisor.progress_events > before
+
+    # Bare heartbeats, repeated, are not progress.
+    assert not counts(heartbeat())
+    assert not counts(heartbeat())
+    # A heartbeat whose message changed is; the same message again is not.
+    assert counts(heartbeat("fetching page 1"))
+    assert not counts(heartbeat("fetching page 1"))
+    assert counts(heartbeat("fetching page 2"))
+    # A rising progress value is; the same or a lower one is not.
+    assert counts(heartbeat("fetching page 2", 0.1))
+    assert not counts(heartbeat("fetching page 2", 0.1))
+    assert not counts(heartbeat("fetching page 2", 0.05))
+    assert counts(heartbeat("fetching page 2", 0.2))
+    # Steps starting and ending, and deltas with content, are; an empty delta and the
+    # critic's own notices are not.
+    assert counts(step_event(events_pb2.STEP_PHASE_START))
+    assert counts(step_event(events_pb2.STEP_PHASE_DELTA, "x"))
+    assert not counts(step_event(events_pb2.STEP_PHASE_DELTA, ""))
+    assert counts(step_event(events_pb2.STEP_PHASE_END))
+    notice = events_pb2.RunEvent()
+    notice.notice.code = NO_PROGRESS
+    assert not counts(notice)
+    chunk = events_pb2.RunEvent()
+    chunk.file_chunk.data = b"abc"
+    assert counts(chunk)
+
+
+async def test_every_event_carries_the_time_left() -> None:
+    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(10, 100))
+    events = [heartbeat(), step_event(events_pb2.STEP_PHASE_DELTA, "x"), heartbeat()]
+    for event in events:
+        supervisor.observe(event)
+
+    lefts = [event.critic_time_left.ToNanoseconds() / 1e9 for event in events]
+    assert all(event.HasField("critic_time_left") for event in events)
+    assert all(0 < left <= 10 for left in lefts)
+    # A bare heartbeat after the delta does not give time back.
+    assert lefts[2] <= lefts[1]
+
+
+async def test_hard_cap_and_deadline_bound_the_time_left() -> None:
+    loop = asyncio.get_running_loop()
+    capped = Supervisor(make_run(hangs), SupervisionPolicy(10, 2))
+    assert 0 < capped.time_left() <= 2
+    deadline = Supervisor(make_run(hangs), SupervisionPolicy(10, 100, loop.time() + 1))
+    assert 0 < deadline.time_left() <= 1
+
+
+async def test_hung_run_is_warned_at_half_time_then_stopped_with_its_output() -> None:
+    warnings = sample("tool_executor_critic_warnings_total")
+    kills = sample("tool_executor_critic_kills_total", reason="no_progress")
+
+    supervisor, events = await supervised_events(hangs, SupervisionPolicy(0.6, 30))
+
+    assert phases(events) == ["START s0", "DELTA s0 'partial output'", "NOTICE",
+                              "END s0 ERROR", "RESULT TIMEOUT"]
+    notice = events[2].notice
+    assert notice.code == NO_PROGRESS
+    assert notice.level == events_pb2.NOTICE_LEVEL_WARNING
+    assert notice.message.endswith("; stopping at 0.6 s")
+    result = events[-1].result
+    assert result.error.code == NO_PROGRESS
+    assert result.error.message == "no progress for 0.6 s"
+    assert result.output == "partial output"
+    assert result.duration.ToNanoseconds() >= 0.6e9  # not stopped before its time
+    # Once the run is stopping, nothing is left.
+    assert events[-1].critic_time_left.ToNanoseconds() == 0
+    assert supervisor.warned
+    assert sample("tool_executor_critic_warnings_total") == warnings + 1
+    assert sample("tool_executor_critic_kills_total", reason="no_progress") == kills + 1
+
+
+async def test_progress_extends_the_soft_deadline() -> None:
+    extensions = sample("tool_executor_critic_extensions_total")
+
+    _, events = await supervised_events(ticks, SupervisionPolicy(0.4, 30))
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert events[-1].result.output == "done"
+    # 20 ticks of 50 ms: the run lasted well past its 0.4 s soft timeout.
+    assert events[-1].result.duration.ToNanoseconds() > 0.4e9
+    assert sample("tool_executor_critic_extensions_total") > extensions
+
+
+async def test_hard_cap_stops_a_progressing_run() -> None:
+    kills = sample("tool_executor_critic_kills_total", reason="hard_timeout")
+
+    _, events = await supervised_events(ticks, SupervisionPolicy(30, 0.3))
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_TIMEOUT
+    assert result.error.code == HARD_TIMEOUT
+    assert result.error.message == "the run reached its 0.3 s cap"
+    assert sample("tool_executor_critic_kills_total", reason="hard_timeout") == kills + 1
+
+
+async def test_client_deadline_wins_over_the_critic() -> None:
+    deadline = asyncio.get_running_loop().time() + 0.3
+
+    _, events = await supervised_events(ticks, SupervisionPolicy(30, 60, deadline))
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_TIMEOUT
+    assert result.error.code == CLIENT_DEADLINE
+
+
+async def test_tool_soft_timeout_overrides_the_default() -> None:
+    supervisor, events = await supervised_events(hangs_briefly_allowed,
+                                                 SupervisionPolicy(60, 600))
+
+    assert supervisor.soft_timeout == 0.3
+    assert events[-1].result.error.message == "no progress for 0.3 s"
+
+
+async def test_launch_hook_supervises_only_calls_with_a_policy() -> None:
+    unsupervised = make_run(hangs)
+    supervise_launched_run(unsupervised)
+    assert unsupervised.observers == []
+
+    supervised = make_run(hangs)
+    token = current_supervision.set(SupervisionPolicy(5, 50))
+    try:
+        supervise_launched_run(supervised)
+    finally:
+        current_supervision.reset(token)
+    assert len(supervised.observers) == 1
+    supervised.stop(Outcome.CANCELLED, "TEST", "done")
+    supervised.start()
+    await asyncio.wait_for(supervised.wait(), WAIT)
+
