@@ -24,17 +24,10 @@ from stargrpc.supervisor import (
     supervise_launched_run,
 )
 from stargrpc.v1 import events_pb2
+from tests.critic_tools import hangs, impatient
 from tests.helpers import phases
 
 WAIT = 30.0  # generous bound on any wait for a run to end; never a performance claim
-
-
-@tool()
-async def hangs(ctx: ToolContext) -> str:
-    """Say something, then wait forever."""
-    await ctx.delta("partial output")
-    await asyncio.Event().wait()
-    return "unreachable"
 
 
 @tool()
@@ -45,13 +38,6 @@ async def ticks(ctx: ToolContext) -> str:
             await asyncio.sleep(0.05)
             await step.delta(f"{i} ")
     return "done"
-
-
-@tool(soft_timeout=0.3)
-async def hangs_briefly_allowed(ctx: ToolContext) -> str:
-    """A tool with its own, short soft timeout."""
-    await asyncio.Event().wait()
-    return "unreachable"
 
 
 def make_run(fn: object) -> Run:
@@ -205,11 +191,10 @@ async def test_client_deadline_wins_over_the_critic() -> None:
 
 
 async def test_tool_soft_timeout_overrides_the_default() -> None:
-    supervisor, events = await supervised_events(hangs_briefly_allowed,
-                                                 SupervisionPolicy(60, 600))
+    supervisor, events = await supervised_events(impatient, SupervisionPolicy(60, 600))
 
-    assert supervisor.soft_timeout == 0.3
-    assert events[-1].result.error.message == "no progress for 0.3 s"
+    assert supervisor.soft_timeout == 0.4
+    assert events[-1].result.error.message == "no progress for 0.4 s"
 
 
 async def test_launch_hook_supervises_only_calls_with_a_policy() -> None:

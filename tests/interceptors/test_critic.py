@@ -19,6 +19,7 @@ from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.critic_tools import hangs, impatient
 from tests.helpers import phases, run_tool
 
 WAIT = 30.0  # generous bound on waits for a run to end; never a performance claim
@@ -51,14 +52,6 @@ async def climbs(ctx: ToolContext, args: Ticks) -> str:
 
 
 @tool()
-async def hangs(ctx: ToolContext) -> str:
-    """Say something, then wait forever."""
-    await ctx.delta("partial output")
-    await asyncio.Event().wait()
-    return "unreachable"
-
-
-@tool()
 async def pings(ctx: ToolContext) -> str:
     """Stuck, but heartbeats forever with the same message."""
     for _ in range(MAX_ITERATIONS):
@@ -73,13 +66,6 @@ async def chatty(ctx: ToolContext) -> str:
     for i in range(MAX_ITERATIONS):
         await ctx.delta(f"line {i}\n")
         await asyncio.sleep(0.02)
-    return "unreachable"
-
-
-@tool(soft_timeout=0.4)
-async def impatient(ctx: ToolContext) -> str:
-    """Hangs, with a short soft timeout of its own."""
-    await asyncio.Event().wait()
     return "unreachable"
 
 
