@@ -85,7 +85,14 @@ class Claim:
 
 
 class RunStore(Protocol):
-    """Where run logs, their owners and idempotency claims live."""
+    """Where run logs, their owners and idempotency claims live.
+
+    Attributes:
+        cancel_handler: Set by the runtime: stops a run of this process, given its id and
+            the reason, and says whether it was still going.
+    """
+
+    cancel_handler: Callable[[str, str], bool] | None
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> RunLog:
         """A new, empty log for ``run_id``, owned by principal ``owner``."""

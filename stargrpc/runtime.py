@@ -19,12 +19,14 @@ from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
 from stargrpc.calls import current_call
 from stargrpc.errors import CatalogStale, FieldViolation, InvalidArgument, NotFound, Unavailable
+from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.limits import ConcurrencyLimits
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import Run
-from stargrpc.runlog import MemoryRunStore, RunStore
+from stargrpc.runlog import MemoryRunStore, RunLog, RunStore
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -40,6 +42,20 @@ class ExecuteCall:
     catalog_hash: str = ""
     idempotency_key: str = ""
     invocation: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What an Execute reads: the run's log, and the run itself when this call started it.
+
+    Attributes:
+        log: The event log to stream from seq 1.
+        run: The run this call started; None when it attached to (or replays) the run that
+            already holds the idempotency key.
+    """
+
+    log: RunLog
+    run: Run | None
 
 
 def _count_finished(run: Run) -> None:
@@ -59,6 +75,7 @@ class Runtime:
         store: Where run event logs live.
         policy: Who may run which tool.
         limits: Bounds on arguments.
+        concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
     """
@@ -67,6 +84,7 @@ class Runtime:
     store: RunStore
     policy: ToolPolicy
     limits: ArgumentLimits
+    concurrency: ConcurrencyLimits
     runs: dict[str, Run]
     draining: bool
     launch_hooks: list[Callable[[Run], None]]
@@ -75,13 +93,17 @@ class Runtime:
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None,
+                 concurrency: ConcurrencyLimits | None = None) -> None:
         self._registry = registry
         self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
         self.policy = policy if policy is not None else AllowAll()
         self.limits = limits or ArgumentLimits()
+        self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
+        # CancelRun and a shared store's remote cancels reach runs of this process here.
+        self.store.cancel_handler = self.cancel_local
         self.draining = False
         # Called with each run just before it starts: supervisors attach here, metrics count.
         self.launch_hooks = []
@@ -164,7 +186,8 @@ class Runtime:
         run_id = uuid.uuid4().hex
         if record is not None:
             record.run_id = run_id
-        return Run(run_id, spec, args, principal, call.invocation, self.store.create(run_id),
+        return Run(run_id, spec, args, principal, call.invocation,
+                   self.store.create(run_id, owner=principal.id, tool=spec.name),
                    settings=self.settings)
 
     def launch(self, run: Run) -> Run:
@@ -193,6 +216,56 @@ class Runtime:
     async def drain(self, grace: float) -> None:
         """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
         what is left (each still ends with its Result)."""
+    async def submit(self, call: ExecuteCall, principal: Principal) -> Submission:
+        """Checks a call, then starts its run — or, when its idempotency key is already
+        held, returns the log of the run that holds it (attach while it runs, replay after).
+
+        Raises:
+            RequestError: Any reason to refuse the call before it runs, including a key
+                reused for another tool or arguments, a concurrency limit, or a shared
+                store that cannot be reached.
+        """
+        key = call.idempotency_key
+        if len(key) > MAX_KEY_LENGTH:
+            raise InvalidArgument("idempotency_key is too long", [FieldViolation(
+                "idempotency_key", f"at most {MAX_KEY_LENGTH} characters")])
+        run = self.prepare(call, principal)
+        # Reserve a place first so that a refused call leaves no claim behind; a call that
+        # turns out to attach gives its place back at once.
+        permit = self.concurrency.acquire(principal.id, run.spec.name)
+        try:
+            await self.store.publish(run.log)
+            if key:
+                wanted = fingerprint(run.spec.name, call.arguments)
+                claim = await self.store.claim(principal.id, key, wanted, run.log)
+                if not claim.won:
+                    await self.store.discard(run.log)
+                    check_reuse(key, claim.fingerprint, wanted, claim.run_id)
+                    held = await self.store.open(claim.run_id)
+                    if held is None:  # expired between the claim and now
+                        raise Unavailable("the run holding this idempotency key just expired; "
+                                          "retry", reason="IDEMPOTENT_RUN_EXPIRED")
+                    record = current_call.get()
+                    if record is not None:
+                        record.run_id = claim.run_id
+                        record.extra["idempotent"] = "replayed" if held.finished else "attached"
+                    permit.release()
+                    return Submission(log=held, run=None)
+        except BaseException:
+            permit.release()
+            raise
+        run.finish_hooks.append(lambda _: permit.release())
+        return Submission(log=run.log, run=self.launch(run))
+
+    def cancel_local(self, run_id: str, reason: str) -> bool:
+        """Stops a run of this process with Result{CANCELLED}.
+
+        Returns:
+            Whether the run was still going.
+        """
+        run = self.runs.get(run_id)
+        return run is not None and run.stop(Outcome.CANCELLED, "CANCELLED", reason)
+
         self.draining = True
         tasks = [run.start() for run in self.runs.values()]
         if tasks:

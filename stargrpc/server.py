@@ -20,11 +20,12 @@ from grpc_reflection.v1alpha import reflection
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.errors import ToolDefinitionError
 from stargrpc.interceptors import build_chain
+from stargrpc.limits import ConcurrencyLimits
 from stargrpc.registry import Registry, load_registry
-from stargrpc.runlog import MemoryRunStore
 from stargrpc.runtime import Runtime
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
+from stargrpc.stores import make_store
 from stargrpc.supervisor import supervise_launched_run
 
 log = structlog.get_logger("stargrpc.server")
@@ -78,9 +79,13 @@ class StargrpcServer:
         self.settings = settings
         self.runtime = Runtime(
             registry if registry is not None else load_tools(settings),
-            store=MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs),
+            store=make_store(settings),
             limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
             settings=settings,
+            concurrency=ConcurrencyLimits(
+                settings.max_concurrent_runs, settings.max_concurrent_runs_per_principal,
+                settings.max_concurrent_runs_per_tool,
+                retry_after=settings.limit_retry_after_seconds),
         )
         # The critic interceptor sets each Execute's supervision policy; this hook applies
         # it to the run the call launches (see stargrpc.supervisor).
@@ -146,6 +151,7 @@ class StargrpcServer:
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
+        await self.runtime.store.aclose()
         for component in reversed(self.interceptors):
             if isinstance(component, Lifecycle):
                 await component.aclose()

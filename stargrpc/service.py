@@ -7,7 +7,7 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -20,7 +20,9 @@ from stargrpc.errors import FieldViolation, InvalidArgument, NotFound, RequestEr
 from stargrpc.outcome import Outcome
 from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
+from stargrpc.runlog import RunLog
 from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.settings import Settings
 from stargrpc.v1 import catalog_pb2, tool_service_pb2
 
 _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
@@ -106,16 +108,23 @@ class ToolService:
                       ) -> AsyncIterator[tool_service_pb2.ExecuteResponse]:
         await _refuse_malformed(request, context)
         try:
-            run = self.runtime.execute(self._decode_execute(request), current_principal.get())
+            call = self._decode_execute(request)
+            submitted = await self.runtime.submit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
             return
         try:
-            async for event in run.log.follow(0):
-                yield tool_service_pb2.ExecuteResponse(event=event)
+            async for event in submitted.log.follow(0):
+                yield response(event=event)
                 _EXECUTE_EVENTS.inc()
+        response = tool_service_pb2.ExecuteResponse
         except asyncio.CancelledError:
-            run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED", "the client cancelled the call")
+            # A run with an idempotency key outlives its stream (resume with WatchRun or a
+            # retry with the key); one without a key has no way back, so it is cancelled
+            # when the stream that started it goes away.
+            if submitted.run is not None and not call.idempotency_key:
+                submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
+                                   "the client cancelled the call")
             raise
 
     def _decode_execute(self, request: tool_service_pb2.ExecuteRequest) -> ExecuteCall:
@@ -135,26 +144,57 @@ class ToolService:
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[tool_service_pb2.WatchRunResponse]:
         await _refuse_malformed(request, context)
-        log = self.runtime.store.get(request.run_id) if request.run_id else None
-        if log is None:
-            await abort_with(context, NotFound("unknown run", reason="RUN_NOT_FOUND"))
+        try:
+            log = await self._visible_run(request.run_id, self.settings.run_watch_roles)
+        except RequestError as error:
+            await abort_with(context, error)
             return
-        async for event in log.follow(request.after_seq):
-            yield tool_service_pb2.WatchRunResponse(event=event)
-            _WATCH_EVENTS.inc()
+        response = tool_service_pb2.WatchRunResponse
+        try:
+            async for event in log.follow(request.after_seq,
+                                          max_lag=self.settings.max_watch_lag_events):
+                yield response(event=event)
+                _WATCH_EVENTS.inc()
+        except RequestError as error:  # fell too far behind, or the store went away
+            await abort_with(context, error)
 
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
                         ) -> tool_service_pb2.CancelRunResponse:
         await _refuse_malformed(request, context)
-        run = self.runtime.get(request.run_id) if request.run_id else None
-        if run is None:
-            if self.runtime.store.get(request.run_id) is not None:
+        try:
+            log = await self._visible_run(request.run_id, ())
+            if log.finished:
                 return tool_service_pb2.CancelRunResponse(cancelled=False)
-            await abort_with(context, NotFound("unknown run", reason="RUN_NOT_FOUND"))
-        assert run is not None
-        reason = request.reason[:500] or "cancelled by the caller"
-        return tool_service_pb2.CancelRunResponse(
-            cancelled=run.stop(Outcome.CANCELLED, "CANCELLED", reason))
+            reason = request.reason[:500] or "cancelled by the caller"
+            cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
+
+    async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
+        """The log of ``run_id`` when the caller may see it: its owner, an admin, or a
+        holder of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly as for an
+        unknown run, so run ids of other principals cannot be probed.
+
+        Raises:
+            NotFound: Unknown, expired, or not the caller's.
+            Unavailable: The shared run store cannot be reached.
+        """
+        log = await self.runtime.store.open(run_id) if run_id else None
+        principal = current_principal.get()
+        if log is not None and (
+            log.owner == principal.id
+            or any(principal.has_role(role) for role in self.settings.run_admin_roles)
+            or any(principal.has_role(role) for role in extra_roles)
+        ):
+            return log
+        raise NotFound("unknown run (or expired, or not yours)", reason="RUN_NOT_FOUND")
+
+    @property
+    def settings(self) -> Settings:
+        """The server's settings."""
+        return self.runtime.settings
 
 
 async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -37,6 +37,9 @@ from stargrpc.settings import Settings
 @click.option("--critic-hard-timeout", "critic_hard_timeout", type=float, default=None,
               help="Seconds a run may take at most [env STARGRPC_CRITIC_HARD_TIMEOUT; "
               "default 900].")
+@click.option("--redis-url", "redis_url", default=None, help="Share runs, idempotency keys "
+              "and leases with other replicas through this Redis (redis://host:6379/0) [env "
+              "STARGRPC_REDIS_URL; default: in this process only].")
 @click.option("--insecure-no-auth", "insecure_no_auth", is_flag=True, default=None,
               help="Turn authentication OFF for local experiments: every caller holds every "
               "role [env STARGRPC_INSECURE_NO_AUTH].")

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.critic_tools import hangs, impatient
 from tests.helpers import phases, run_tool
+from tests.procs import serve
 
 WAIT = 30.0  # generous bound on waits for a run to end; never a performance claim
 # Upper bound on the loops of the endless test tools, so none can spin forever.
@@ -253,3 +255,18 @@ async def test_other_methods_pass_through(make_server) -> None:
         listed = await stub.ListTools(tool_service_pb2.ListToolsRequest(), timeout=WAIT)
 
     assert {tool.name for tool in listed.tools} == {fn.__name__ for fn in TOOLS}
+
+
+async def test_serve_takes_the_critic_flags_and_environment(tmp_path: Path) -> None:
+    with serve(tmp_path, "--critic-soft-timeout", "0.5",
+               STARGRPC_CRITIC_HARD_TIMEOUT="60") as server:
+        shown = server.wait_for(lambda line: line.get("event") == "settings", WAIT)
+        assert shown["critic_soft_timeout"] == 0.5
+        assert shown["critic_hard_timeout"] == 60
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            # The bundled sleep heartbeats only every 30 s: no progress in between.
+            events = await asyncio.wait_for(
+                run_tool(stub, "sleep", {"seconds": 120, "heartbeat_every": 30}), WAIT)
+
+    assert result_of(events).error.message == "no progress for 0.5 s"

@@ -1,0 +1,23 @@
+"""Run stores: where run event logs, run owners and idempotency claims live.
+
+:class:`~stargrpc.runlog.MemoryRunStore` is the embedded default (one process);
+:class:`~stargrpc.stores.redis.RedisRunStore` is shared by a fleet of replicas. One setting
+picks between them: ``redis_url`` (``serve --redis-url`` / ``STARGRPC_REDIS_URL``).
+"""
+
+from __future__ import annotations
+
+from stargrpc.runlog import MemoryRunStore, RunStore
+from stargrpc.settings import Settings
+
+
+def make_store(settings: Settings) -> RunStore:
+    """The run store ``settings`` describe: Redis when ``redis_url`` is set, else memory."""
+    if settings.redis_url:
+        from stargrpc.stores.redis import RedisRunStore  # only a fleet needs the client
+
+        return RedisRunStore.from_settings(settings)
+    return MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs)
+
+
+__all__ = ["make_store"]

@@ -1,0 +1,500 @@
+"""The run store of a fleet: run logs, owners, idempotency claims and leases in Redis.
+
+Keys (all under ``redis_key_prefix``)::
+
+    run:{id}          hash    owner, tool, replica, state (running | finished | lost)
+    run:{id}:events   stream  one entry per event, entry id "{seq}-0", field e = RunEvent bytes
+    run:{id}:lease    string  the running replica's token; expires unless renewed
+    run:{id}:cancel   string  a CancelRun reason for the replica running the run
+    idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
+
+A run is written by exactly one replica, which holds its **lease** and renews it (every
+second or so, and with every batch of events). Events are appended to an in-process log
+first — the Execute stream on the same replica reads them from memory, so the hot path never
+waits for Redis — and flushed to the stream in order, in batches, by a background task.
+Watchers on any replica read the stream with blocking XREAD. When a run's lease has expired
+without a Result (its replica died), the first replica to notice appends a
+``Result{ERROR, RUN_LOST}`` so every watcher ends, and a retry with the same idempotency key
+takes the claim over and runs the tool again.
+
+Idempotency claims are ``SET NX`` with a TTL (the retention, renewed while the run goes).
+Streams are trimmed to ``run_max_events`` and expire ``run_retention_seconds`` after the
+Result. Any Redis error becomes :class:`~stargrpc.errors.Unavailable`: the call fails fast
+with UNAVAILABLE, and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+from stargrpc.errors import Aborted, Unavailable
+from stargrpc.runlog import Claim, MemoryRunLog, RunLog
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
+
+log = structlog.get_logger("stargrpc.stores.redis")
+
+#: A flush sends at most this many bytes of events in one script call.
+_FLUSH_BATCH_BYTES = 4 * 1024 * 1024
+#: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
+_READ_COUNT = 64
+
+# Append a batch of events, if this replica still holds the run's lease.
+# KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
+# retention_ms, running_ttl_ms, then (entry id, bytes) pairs.
+_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 7, #ARGV, 2 do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], ARGV[i], 'e', ARGV[i + 1])
+end
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[3], 'state', 'finished')
+  redis.call('DEL', KEYS[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+  if KEYS[4] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[5]) end
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[6])
+end
+return 1
+"""
+
+# Renew the lease of a running run; report a pending cancel.
+# KEYS: lease, events, meta, claim (or ""), cancel · ARGV: token, lease_ms, running_ttl_ms
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+if KEYS[4] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[3]) end
+local reason = redis.call('GET', KEYS[5])
+if reason then return {1, reason} end
+return {0}
+"""
+
+# End a run whose replica died: append its RUN_LOST Result, once.
+# KEYS: lease, events, meta · ARGV: expected last entry id, new entry id, bytes, retention_ms
+_MARK_LOST = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HGET', KEYS[3], 'state') ~= 'running' then return 0 end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local last_id = '0-0'
+if #last > 0 then last_id = last[1][1] end
+if last_id ~= ARGV[1] then return -2 end
+redis.call('XADD', KEYS[2], ARGV[2], 'e', ARGV[3])
+redis.call('HSET', KEYS[3], 'state', 'lost')
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+return 1
+"""
+
+# Take an idempotency claim over from a lost or expired run, if it still names that run.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+@contextlib.contextmanager
+def _reachable(action: str) -> Iterator[None]:
+    """Turns a Redis failure into UNAVAILABLE with a message a caller can act on."""
+    try:
+        yield
+    except RedisError as exc:
+        log.warning("redis_unavailable", action=action, error=str(exc))
+        raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
+                          "shortly", reason="RUN_STORE_UNAVAILABLE") from exc
+
+
+class RedisRunLog(MemoryRunLog):
+    """The log of a run executing on this replica: in memory for local readers, flushed to
+    the Redis stream in order for everyone else."""
+
+    claim_key: str
+    _store: RedisRunStore
+    _pending: list[tuple[int, bytes, bool]]
+    _flush_wanted: asyncio.Event
+    _flusher: asyncio.Task[None] | None
+    lease_lost: bool
+
+    def __init__(self, store: RedisRunStore, run_id: str, owner: str, tool: str) -> None:
+        super().__init__(run_id, owner=owner, tool=tool)
+        self._store = store
+        self.claim_key = ""
+        self._pending = []
+        self._flush_wanted = asyncio.Event()
+        self._flusher = None
+        self.lease_lost = False
+
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        event = super().append_nowait(event)
+        if self._flusher is not None and not self.lease_lost:
+            self._pending.append((event.seq, event.SerializeToString(), self.finished))
+            self._flush_wanted.set()
+        return event
+
+    def start_flushing(self) -> None:
+        """Starts the task that copies events to Redis (once the run is published)."""
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop(),
+                                                name=f"flush-{self.run_id}")
+
+    async def flushed(self, within: float) -> None:
+        """Waits until every event is in Redis, or ``within`` seconds."""
+        if self._flusher is not None:
+            await asyncio.wait({self._flusher}, timeout=within)
+
+    async def _flush_loop(self) -> None:
+        delay = 0.05
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            while self._pending:
+                batch: list[tuple[int, bytes, bool]] = []
+                size = 0
+                for item in self._pending:
+                    if batch and size + len(item[1]) > _FLUSH_BATCH_BYTES:
+                        break
+                    batch.append(item)
+                    size += len(item[1])
+                try:
+                    written = await self._store._append(self, batch)
+                except RedisError as exc:
+                    # Keep the events and try again: local readers are unaffected, remote
+                    # watchers wait, and the lease (renewed by these writes) is at stake.
+                    log.warning("redis_flush_failed", run_id=self.run_id, error=str(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                delay = 0.05
+                if not written:
+                    log.error("run_lease_lost", run_id=self.run_id,
+                              detail="another replica declared this run lost")
+                    self.lease_lost = True
+                    self._pending.clear()
+                    return
+                del self._pending[:len(batch)]
+                if batch[-1][2]:  # the Result is in Redis: done
+                    self._store._forget(self)
+                    return
+
+
+class RemoteRunLog:
+    """A run's log as any replica reads it from Redis."""
+
+    run_id: str
+    owner: str
+    tool: str
+    _store: RedisRunStore
+    _finished: bool
+    _last_seq: int
+
+    def __init__(self, store: RedisRunStore, run_id: str, owner: str, tool: str,
+                 finished: bool, last_seq: int) -> None:
+        self._store = store
+        self.run_id = run_id
+        self.owner = owner
+        self.tool = tool
+        self._finished = finished
+        self._last_seq = last_seq
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    async def append(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        raise RuntimeError(f"run {self.run_id} is written by the replica running it")
+
+    async def follow(self, after_seq: int = 0, *, max_lag: int = 0
+                     ) -> AsyncIterator[events_pb2.RunEvent]:
+        # Reading from Redis holds nothing per watcher, so ``max_lag`` is not needed here;
+        # the stream's own trimming is what a slow watcher can fall behind.
+        del max_lag
+        store = self._store
+        key = store._key(self.run_id, "events")
+        expected = max(0, after_seq) + 1
+        last_id = f"{expected - 1}-0"
+        while True:
+            with _reachable("reading run events"):
+                # The client's reply types are loose; the shape is [[key, [(id, fields)]]].
+                reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
+                                                     block=store.block_ms)
+            if not reply:
+                # Quiet for a while: make sure the run is still alive somewhere.
+                with _reachable("checking the run's lease"):
+                    await store._end_if_lost(self.run_id)
+                continue
+            for entry_id, fields in reply[0][1]:
+                seq = int(entry_id.split(b"-", 1)[0])
+                if seq != expected:
+                    raise Aborted(
+                        f"events {expected}..{seq - 1} of run {self.run_id} were trimmed "
+                        f"(run_max_events); resume with after_seq={seq - 1} to skip them",
+                        reason="EVENTS_TRIMMED",
+                        metadata={"run_id": self.run_id, "first_kept_seq": str(seq)})
+                event = events_pb2.RunEvent.FromString(fields[b"e"])
+                yield event
+                expected += 1
+                last_id = entry_id
+                if event.HasField("result"):
+                    return
+
+
+class RedisRunStore:
+    """Run logs, owners, idempotency claims and leases in Redis, shared by replicas.
+
+    Attributes:
+        redis: The client.
+        prefix: Prefix of every key.
+        replica: This replica's id, recorded with the runs it executes.
+        cancel_handler: Set by the runtime; stops a run of this process.
+    """
+
+    redis: Redis
+    prefix: str
+    replica: str
+    retention_ms: int
+    lease_ms: int
+    max_events: int
+    block_ms: int
+    cancel_handler: Callable[[str, str], bool] | None
+    _local: dict[str, RedisRunLog]
+    _renewer: asyncio.Task[None] | None
+
+    def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
+                 lease: float = 10.0, max_events: int = 100_000,
+                 block_seconds: float = 1.0) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.retention_ms = max(1, int(retention * 1000))
+        self.lease_ms = int(lease * 1000)
+        self.max_events = max_events
+        self.block_ms = max(10, int(block_seconds * 1000))
+        self.cancel_handler = None
+        self._local = {}
+        self._renewer = None
+        self._append_script = redis.register_script(_APPEND)
+        self._renew_script = redis.register_script(_RENEW)
+        self._lost_script = redis.register_script(_MARK_LOST)
+        self._take_over_script = redis.register_script(_TAKE_OVER)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RedisRunStore:
+        """A store for ``settings.redis_url`` with fail-fast timeouts."""
+        timeout = settings.redis_timeout_seconds
+        client = Redis.from_url(
+            settings.redis_url, socket_timeout=timeout + 1.0, socket_connect_timeout=timeout,
+            # One quick retry: a pooled connection broken by a Redis restart is replaced
+            # transparently; a Redis that is really down fails the call fast.
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
+        return cls(client, prefix=settings.redis_key_prefix,
+                   retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
+                   max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2))
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def _key(self, run_id: str, part: str = "") -> str:
+        return f"{self.prefix}run:{run_id}" + (f":{part}" if part else "")
+
+    def _claim_key(self, owner: str, key: str) -> str:
+        # Hashed so that neither part can contain the separator of the other.
+        digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()
+        return f"{self.prefix}idem:{digest}"
+
+    @property
+    def _running_ttl_ms(self) -> int:
+        return self.retention_ms + self.lease_ms
+
+    # -- RunStore --------------------------------------------------------------------------
+
+    def create(self, run_id: str, owner: str = "", tool: str = "") -> RedisRunLog:
+        return RedisRunLog(self, run_id, owner, tool)
+
+    async def open(self, run_id: str) -> RunLog | None:
+        local = self._local.get(run_id)
+        if local is not None:
+            return local
+        with _reachable("looking up the run"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self._key(run_id))
+                pipe.xrevrange(self._key(run_id, "events"), count=1)
+                meta, last = await pipe.execute()
+        if not meta:
+            return None
+        last_seq = int(last[0][0].split(b"-", 1)[0]) if last else 0
+        return RemoteRunLog(self, run_id, meta.get(b"owner", b"").decode(),
+                            meta.get(b"tool", b"").decode(),
+                            finished=meta.get(b"state") != b"running", last_seq=last_seq)
+
+    async def publish(self, log: RunLog) -> None:
+        assert isinstance(log, RedisRunLog)
+        with _reachable("registering the run"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._key(log.run_id, "lease"), self._token(log.run_id),
+                         px=self.lease_ms)
+                pipe.hset(self._key(log.run_id), mapping={
+                    "owner": log.owner, "tool": log.tool, "replica": self.replica,
+                    "state": "running"})
+                pipe.pexpire(self._key(log.run_id), self._running_ttl_ms)
+                await pipe.execute()
+        self._local[log.run_id] = log
+        log.start_flushing()
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew_loop(), name="redis-lease-renewal")
+
+    async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
+        assert isinstance(log, RedisRunLog)
+        claim_key = self._claim_key(owner, key)
+        mine = json.dumps({"fp": fingerprint, "run": log.run_id})
+        with _reachable("claiming the idempotency key"):
+            for _ in range(5):
+                if await self.redis.set(claim_key, mine, nx=True, px=self._running_ttl_ms):
+                    log.claim_key = claim_key
+                    return Claim(log.run_id, fingerprint, won=True)
+                raw = await self.redis.get(claim_key)
+                if raw is None:
+                    continue  # expired in between; try again
+                held = json.loads(raw)
+                if held["fp"] != fingerprint:
+                    return Claim(held["run"], held["fp"], won=False)
+                state = await self._state(held["run"])
+                if state in ("running", "finished"):
+                    return Claim(held["run"], held["fp"], won=False)
+                if state == "orphaned":
+                    await self._end_if_lost(held["run"])
+                # Lost, or expired: the key is free for this run, if nobody took it first.
+                if await self._take_over_script(keys=[claim_key],
+                                                args=[raw, mine, self._running_ttl_ms]):
+                    log.claim_key = claim_key
+                    return Claim(log.run_id, fingerprint, won=True)
+        raise Unavailable("the idempotency key is contended; retry", reason="CLAIM_CONTENDED")
+
+    async def discard(self, log: RunLog) -> None:
+        local = self._local.pop(log.run_id, None)
+        if local is not None and local._flusher is not None:
+            local._flusher.cancel()
+        with _reachable("discarding the run"):
+            await self.redis.delete(self._key(log.run_id), self._key(log.run_id, "lease"),
+                                    self._key(log.run_id, "events"))
+
+    async def request_cancel(self, run_id: str, reason: str) -> bool:
+        if run_id in self._local and self.cancel_handler is not None:
+            return self.cancel_handler(run_id, reason)
+        with _reachable("requesting the cancel"):
+            if await self._state(run_id) != "running":
+                return False
+            # The replica running it sees this at its next lease renewal (about a second).
+            await self.redis.set(self._key(run_id, "cancel"), reason, px=self._running_ttl_ms)
+        return True
+
+    async def aclose(self) -> None:
+        """Flushes what runs of this replica still hold, stops renewing, disconnects."""
+        logs = list(self._local.values())
+        await asyncio.gather(*(run_log.flushed(5.0) for run_log in logs))
+        tasks = [t for t in (self._renewer, *(x._flusher for x in logs)) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.redis.aclose()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _token(self, run_id: str) -> str:
+        return f"{self.replica}/{run_id}"
+
+    def _forget(self, log: RedisRunLog) -> None:
+        # The run is finished and fully in Redis: readers from now on read it there.
+        self._local.pop(log.run_id, None)
+
+    async def _append(self, log: RedisRunLog, batch: list[tuple[int, bytes, bool]]) -> bool:
+        args: list[Any] = [self._token(log.run_id), self.lease_ms, self.max_events,
+                           "1" if batch[-1][2] else "0", self.retention_ms,
+                           self._running_ttl_ms]
+        for seq, data, _ in batch:
+            args.extend((f"{seq}-0", data))
+        keys = [self._key(log.run_id, "lease"), self._key(log.run_id, "events"),
+                self._key(log.run_id), log.claim_key]
+        return bool(await self._append_script(keys=keys, args=args) == 1)
+
+    async def _state(self, run_id: str) -> str:
+        """running | finished | lost | orphaned (running, lease expired) | missing."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self._key(run_id), "state")
+            pipe.exists(self._key(run_id, "lease"))
+            state, leased = await pipe.execute()
+        if state is None:
+            return "missing"
+        if state == b"running":
+            return "running" if leased else "orphaned"
+        return str(state.decode())
+
+    async def _end_if_lost(self, run_id: str) -> None:
+        """Appends ``Result{ERROR, RUN_LOST}`` to a run whose replica stopped renewing its
+        lease without writing a Result; does nothing to a live or finished run."""
+        for _ in range(5):
+            if await self._state(run_id) != "orphaned":
+                return
+            last: Any = await self.redis.xrevrange(self._key(run_id, "events"), count=1)
+            last_id = last[0][0].decode() if last else "0-0"
+            seq = int(last_id.split("-", 1)[0]) + 1
+            event = events_pb2.RunEvent(run_id=run_id, seq=seq)
+            event.time.GetCurrentTime()
+            event.result.outcome = events_pb2.OUTCOME_ERROR
+            event.result.error.code = "RUN_LOST"
+            event.result.error.message = ("the replica running this run stopped responding; "
+                                          "retry with the same idempotency key to run it again")
+            done = await self._lost_script(
+                keys=[self._key(run_id, "lease"), self._key(run_id, "events"),
+                      self._key(run_id)],
+                args=[last_id, f"{seq}-0", event.SerializeToString(), self.retention_ms])
+            if done != -2:  # -2: an event landed in between; look again
+                if done == 1:
+                    log.warning("run_lost", run_id=run_id)
+                return
+
+    async def _renew_loop(self) -> None:
+        interval = min(1.0, self.lease_ms / 3000)
+        while True:
+            await asyncio.sleep(interval)
+            for run_log in list(self._local.values()):
+                if run_log.finished:
+                    continue
+                try:
+                    reply: Any = await self._renew_script(
+                        keys=[self._key(run_log.run_id, "lease"),
+                              self._key(run_log.run_id, "events"), self._key(run_log.run_id),
+                              run_log.claim_key, self._key(run_log.run_id, "cancel")],
+                        args=[self._token(run_log.run_id), self.lease_ms,
+                              self._running_ttl_ms])
+                except RedisError as exc:
+                    log.warning("redis_lease_renewal_failed", error=str(exc))
+                    break
+                if reply[0] == -1 and not run_log.lease_lost:
+                    run_log.lease_lost = True
+                    log.error("run_lease_lost", run_id=run_log.run_id)
+                elif reply[0] == 1 and self.cancel_handler is not None:
+                    self.cancel_handler(run_log.run_id, reply[1].decode(errors="replace"))
