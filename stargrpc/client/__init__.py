@@ -1,0 +1,79 @@
+"""The Python client SDK of stargrpc.
+
+Async::
+
+    from stargrpc.client import AsyncClient, StepDelta
+
+    async with AsyncClient.connect("localhost:50051", api_key=key) as client:
+        catalog = await client.list_tools()
+        async for event in client.execute("count", {"to": 3}):
+            if isinstance(event, StepDelta):
+                print(event.text, end="")
+        result = await client.call("echo", {"text": "hi"})
+
+Blocking::
+
+    from stargrpc.client import Client
+
+    with Client("localhost:50051", api_key=key) as client:
+        print(client.call("echo", {"text": "hi"}).output)
+
+Both clients send the credentials, give every call an idempotency key, retry refused calls
+with backoff (honouring RetryInfo), reload a stale catalog once, and resume a broken stream
+with WatchRun from the last event seen — see :mod:`stargrpc.client.aio`.
+"""
+
+from __future__ import annotations
+
+from stargrpc.client.aio import AsyncClient
+from stargrpc.client.channel import open_channel
+from stargrpc.client.errors import CallError, ClientError, ResumeError, ToolRunError, Violation
+from stargrpc.client.events import (
+    Catalog,
+    Event,
+    FileChunk,
+    Heartbeat,
+    InjectedTool,
+    Notice,
+    Result,
+    RichMessage,
+    SentFile,
+    Step,
+    StepDelta,
+    StepEnded,
+    StepStarted,
+    ToolInfo,
+    event_from_proto,
+)
+from stargrpc.client.retry import NO_RETRY, RetryPolicy
+from stargrpc.client.sync import Client
+from stargrpc.outcome import Outcome
+
+__all__ = [
+    "NO_RETRY",
+    "AsyncClient",
+    "CallError",
+    "Catalog",
+    "Client",
+    "ClientError",
+    "Event",
+    "FileChunk",
+    "Heartbeat",
+    "InjectedTool",
+    "Notice",
+    "Outcome",
+    "Result",
+    "ResumeError",
+    "RetryPolicy",
+    "RichMessage",
+    "SentFile",
+    "Step",
+    "StepDelta",
+    "StepEnded",
+    "StepStarted",
+    "ToolInfo",
+    "ToolRunError",
+    "Violation",
+    "event_from_proto",
+    "open_channel",
+]

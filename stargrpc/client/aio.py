@@ -1,0 +1,380 @@
+"""The asyncio client: :class:`AsyncClient`.
+
+What it does for every caller, so none re-implements it:
+
+- **credentials**: an API key or JWT as ``authorization: Bearer …`` on every call;
+- **an idempotency key per call**, generated when not given, and kept across retries;
+- **retries** with exponential backoff on UNAVAILABLE (and on RESOURCE_EXHAUSTED when the
+  server says when to come back); a server's ``google.rpc.RetryInfo`` delay is honoured;
+- **CATALOG_STALE**: when the caller planned with an old catalog, reload it and retry once;
+- **resume**: a stream that breaks after the run started is resumed with WatchRun from the
+  last ``seq`` seen, so the caller sees every event exactly once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from stargrpc.client.channel import bearer_metadata, open_channel
+from stargrpc.client.errors import CallError, ResumeError
+from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
+from stargrpc.client.retry import RESUMABLE, RetryPolicy
+from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+
+T = TypeVar("T")
+
+Metadata = Sequence[tuple[str, str]]
+
+#: An ``InvocationContext`` as a message or as a dict with its field names
+#: (``end_user``, ``channel``, ``trace_id``, ``session_id``, ``labels``).
+InvocationContext = tool_service_pb2.InvocationContext | Mapping[str, Any]
+
+
+class _Deadline:
+    """The caller's overall timeout, shared by every attempt of one operation."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left; raises once none are."""
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return left
+
+    async def sleep(self, delay: float, error: CallError) -> None:
+        """Waits ``delay`` seconds, or raises ``error`` when the deadline comes first."""
+        left = self.remaining()
+        if left is not None and delay >= left:
+            raise error
+        await asyncio.sleep(delay)
+
+
+@dataclass
+class _Cursor:
+    """Where a caller is in one run's event log."""
+
+    run_id: str = ""
+    last_seq: int = 0
+    finished: bool = False
+
+
+class AsyncClient:
+    """An asyncio client of a stargrpc server.
+
+    Example::
+
+        async with AsyncClient.connect("localhost:50051", api_key=key) as client:
+            async for event in client.execute("count", {"to": 3}):
+                print(event)
+            result = await client.call("echo", {"text": "hi"})
+
+    Args:
+        channel: A grpc.aio channel to the server (injected: the client does not close it
+            unless ``own_channel`` is set).
+        api_key: An API key, sent as ``authorization: Bearer …``.
+        token: A JWT, sent the same way (give one of the two).
+        metadata: Extra metadata sent with every call.
+        retry: When to retry and how long to wait.
+        own_channel: Close the channel in :meth:`close`.
+
+    Attributes:
+        catalog: The last catalog loaded with :meth:`list_tools`. While it is set, Execute
+            sends its hash, and a CATALOG_STALE refusal reloads it and retries once.
+    """
+
+    catalog: Catalog | None
+
+    def __init__(self, channel: grpc.aio.Channel, *, api_key: str | None = None,
+                 token: str | None = None, metadata: Metadata = (),
+                 retry: RetryPolicy | None = None, own_channel: bool = False) -> None:
+        self._metadata = (*bearer_metadata(api_key, token), *metadata)
+        self._channel = channel
+        self._stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._own_channel = own_channel
+        self.catalog = None
+
+    @classmethod
+    def connect(cls, target: str, *, api_key: str | None = None, token: str | None = None,
+                tls: bool = False, ca_file: str | Path | None = None,
+                cert_file: str | Path | None = None, key_file: str | Path | None = None,
+                metadata: Metadata = (), retry: RetryPolicy | None = None,
+                options: Sequence[tuple[str, Any]] = ()) -> AsyncClient:
+        """A client on a channel of its own to ``target`` (closed by :meth:`close`).
+
+        Args:
+            target: ``host:port``.
+            api_key: An API key (or ``token``: a JWT).
+            tls: Use TLS with the system's root certificates (or ``ca_file``).
+            ca_file: PEM roots to verify the server with; implies TLS.
+            cert_file: A client certificate (PEM) for mutual TLS, with ``key_file``.
+            key_file: The client certificate's private key (PEM).
+            metadata: Extra metadata for every call.
+            retry: The retry policy.
+            options: Extra grpc channel options.
+        """
+        channel = open_channel(target, tls=tls, ca_file=ca_file, cert_file=cert_file,
+                               key_file=key_file, options=options)
+        return cls(channel, api_key=api_key, token=token, metadata=metadata, retry=retry,
+                   own_channel=True)
+
+    async def close(self) -> None:
+        """Closes the channel if the client opened it."""
+        if self._own_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    def _call_metadata(self, extra: Metadata | None) -> tuple[tuple[str, str], ...]:
+        return (*self._metadata, *(extra or ()))
+
+    async def _unary(self, send: Callable[[float | None], Awaitable[T]],
+                     timeout: float | None) -> T:  # noqa: ASYNC109 (a gRPC deadline)
+        """One unary call with the retry policy applied."""
+        deadline = _Deadline(timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await send(deadline.remaining())
+            except grpc.aio.AioRpcError as exc:
+                error = CallError.from_rpc_error(exc)
+            delay = (self._retry.delay(attempt, error)
+                     if self._retry.should_retry_call(error) else None)
+            if delay is None:
+                raise error
+            await deadline.sleep(delay, error)
+
+    # -- catalog ---------------------------------------------------------------------------
+
+    async def list_tools(self, *, timeout: float | None = None,  # noqa: ASYNC109
+                         metadata: Metadata | None = None) -> Catalog:
+        """The tools the caller may see, with the catalog hash; kept as :attr:`catalog`.
+
+        Raises:
+            CallError: The server refused the call.
+        """
+        known = self.catalog.catalog_hash if self.catalog is not None else ""
+        reply = await self._unary(
+            lambda left: self._stub.ListTools(
+                tool_service_pb2.ListToolsRequest(known_catalog_hash=known),
+                metadata=self._call_metadata(metadata), timeout=left),
+            timeout)
+        if reply.not_modified and self.catalog is not None:
+            return self.catalog
+        self.catalog = Catalog(tools=[ToolInfo.from_proto(t) for t in reply.tools],
+                               catalog_hash=reply.catalog_hash)
+        return self.catalog
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def execute(self, tool: str, arguments: Mapping[str, Any] | str | None = None, *,
+                      idempotency_key: str | None = None, catalog_hash: str | None = None,
+                      context: InvocationContext | None = None,
+                      timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                      metadata: Metadata | None = None) -> AsyncIterator[Event]:
+        """Runs a tool and yields its events as they happen; the last one is the Result.
+
+        Args:
+            tool: The tool's name.
+            arguments: A JSON-ready mapping, or raw JSON text (kept as written, for exact
+                numbers).
+            idempotency_key: Repeating a key attaches to (or replays) the first run instead
+                of running the tool again; one is generated when not given.
+            catalog_hash: The catalog hash the caller planned with; defaults to that of
+                :attr:`catalog` when one was loaded. Empty skips the check.
+            context: The invocation context (end user, channel, trace id, labels).
+            timeout: Seconds for the whole call, retries and resumes included.
+            metadata: Extra metadata for this call.
+
+        Yields:
+            Typed events, each exactly once and in ``seq`` order, ending with a
+            :class:`Result`.
+
+        Raises:
+            CallError: The call was refused before the run started (and retrying did not
+                help), or the deadline passed.
+            ResumeError: The stream broke and the run could not be resumed without a gap.
+        """
+        request = tool_service_pb2.ExecuteRequest(
+            tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex)
+        if isinstance(arguments, str):
+            request.arguments_json = arguments
+        elif arguments is not None:
+            request.arguments_json = json.dumps(dict(arguments))
+        if context is not None:
+            if isinstance(context, tool_service_pb2.InvocationContext):
+                request.context.CopyFrom(context)
+            else:
+                json_format.ParseDict(dict(context), request.context)
+        if catalog_hash is None and self.catalog is not None:
+            catalog_hash = self.catalog.catalog_hash
+        request.catalog_hash = catalog_hash or ""
+        call_metadata = self._call_metadata(metadata)
+        deadline = _Deadline(timeout)
+        cursor = _Cursor()
+        attempt = 0
+        reloaded = False
+        while True:
+            attempt += 1
+            call = self._stub.Execute(request, metadata=call_metadata,
+                                      timeout=deadline.remaining())
+            error: CallError | None = None
+            try:
+                async for event in self._read(call, cursor):
+                    attempt = 0
+                    yield event
+            except grpc.aio.AioRpcError as exc:
+                error = CallError.from_rpc_error(exc)
+            if cursor.finished:
+                return
+            if cursor.run_id:  # the run started: never run it again, resume it
+                if error is not None and error.code not in RESUMABLE:
+                    raise error
+                async for event in self._follow(cursor, deadline, call_metadata):
+                    yield event
+                return
+            if error is None:
+                error = CallError(grpc.StatusCode.UNAVAILABLE,
+                                  "the stream ended before the run started")
+            if (error.reason == "CATALOG_STALE" and request.catalog_hash and not reloaded):
+                reloaded = True
+                fresh = await self.list_tools(timeout=deadline.remaining(), metadata=metadata)
+                request.catalog_hash = fresh.catalog_hash
+                attempt -= 1  # the reload is not a failed try
+                continue
+            delay = (self._retry.delay(attempt, error)
+                     if self._retry.should_retry_call(error) else None)
+            if delay is None:
+                raise error
+            await deadline.sleep(delay, error)
+
+    async def call(self, tool: str, arguments: Mapping[str, Any] | str | None = None, *,
+                   on_event: Callable[[Event], object] | None = None,
+                   **options: Any) -> Result:
+        """Runs a tool and returns just its Result (every event passes ``on_event`` first).
+
+        Takes the same options as :meth:`execute`. A run that ends badly is a Result with
+        that outcome, not an exception; see :meth:`Result.raise_for_outcome`.
+        """
+        async for event in self.execute(tool, arguments, **options):
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, Result):
+                return event
+        raise AssertionError("execute() always ends with a Result")  # pragma: no cover
+
+    async def watch(self, run_id: str, after_seq: int = 0, *,
+                    timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                    metadata: Metadata | None = None) -> AsyncIterator[Event]:
+        """Replays a run's events after ``after_seq``, then follows it until its Result.
+        A broken stream is resumed, as with :meth:`execute`.
+
+        Raises:
+            CallError: The run is unknown (NOT_FOUND), not the caller's, or the deadline
+                passed.
+            ResumeError: The stream broke and could not be resumed without a gap.
+        """
+        cursor = _Cursor(run_id=run_id, last_seq=after_seq)
+        async for event in self._follow(cursor, _Deadline(timeout),
+                                        self._call_metadata(metadata), first=True):
+            yield event
+
+    async def cancel(self, run_id: str, reason: str = "", *,
+                     timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                     metadata: Metadata | None = None) -> bool:
+        """Asks a run to stop; it ends with Result{CANCELLED} and ``reason``.
+
+        Returns:
+            Whether the run was still going (False: it had already ended).
+
+        Raises:
+            CallError: Unknown run, or not the caller's.
+        """
+        reply = await self._unary(
+            lambda left: self._stub.CancelRun(
+                tool_service_pb2.CancelRunRequest(run_id=run_id, reason=reason),
+                metadata=self._call_metadata(metadata), timeout=left),
+            timeout)
+        return bool(reply.cancelled)
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def _read(self, call: Any, cursor: _Cursor) -> AsyncIterator[Event]:
+        """The new events of one stream: what the cursor has seen is skipped (an attach
+        replays from seq 1), a gap is an error, and the call ends with the Result."""
+        try:
+            async for response in call:
+                raw = response.event
+                if cursor.run_id and raw.run_id != cursor.run_id:
+                    raise ResumeError(f"the server switched from run {cursor.run_id} to "
+                                      f"{raw.run_id}", run_id=cursor.run_id,
+                                      last_seq=cursor.last_seq)
+                if raw.seq <= cursor.last_seq:
+                    continue
+                if raw.seq != cursor.last_seq + 1:
+                    raise ResumeError(f"events {cursor.last_seq + 1}..{raw.seq - 1} of run "
+                                      f"{raw.run_id} are missing", run_id=raw.run_id,
+                                      last_seq=cursor.last_seq)
+                cursor.run_id, cursor.last_seq = raw.run_id, raw.seq
+                event = event_from_proto(raw)
+                cursor.finished = isinstance(event, Result)
+                yield event
+                if cursor.finished:
+                    return
+        finally:
+            call.cancel()
+
+    async def _follow(self, cursor: _Cursor, deadline: _Deadline, metadata: Metadata,
+                      *, first: bool = False) -> AsyncIterator[Event]:
+        """WatchRun from the cursor until the Result, resuming as often as the retry policy
+        allows in a row (any delivered event resets the count)."""
+        attempt = 0
+        while True:
+            attempt += 1
+            call = self._stub.WatchRun(
+                tool_service_pb2.WatchRunRequest(run_id=cursor.run_id,
+                                                 after_seq=cursor.last_seq),
+                metadata=metadata, timeout=deadline.remaining())
+            try:
+                async for event in self._read(call, cursor):
+                    attempt, first = 0, False
+                    yield event
+                if cursor.finished:
+                    return
+                error = CallError(grpc.StatusCode.UNAVAILABLE,
+                                  "the stream ended before the run's Result")
+            except grpc.aio.AioRpcError as exc:
+                error = CallError.from_rpc_error(exc)
+            if error.code not in RESUMABLE:
+                if first or error.code is not grpc.StatusCode.NOT_FOUND:
+                    raise error
+                raise ResumeError(f"run {cursor.run_id} can no longer be watched: "
+                                  f"{error.message}", run_id=cursor.run_id,
+                                  last_seq=cursor.last_seq) from error
+            delay = self._retry.delay(attempt, error)
+            if delay is None:
+                raise ResumeError(f"run {cursor.run_id} could not be resumed after "
+                                  f"{attempt} tries: {error}", run_id=cursor.run_id,
+                                  last_seq=cursor.last_seq) from error
+            await deadline.sleep(delay, error)

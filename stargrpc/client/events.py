@@ -1,0 +1,352 @@
+"""Typed views of the contract's messages: run events, the Result and catalog entries.
+
+Each event keeps the protobuf message it was built from as ``raw``, so nothing the server
+sent is out of reach, while the common fields read as plain Python values.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from stargrpc.outcome import Outcome
+from stargrpc.v1 import catalog_pb2, events_pb2
+
+
+def _time(stamp: Timestamp, present: bool) -> dt.datetime | None:
+    return stamp.ToDatetime(tzinfo=dt.UTC) if present else None
+
+
+def _seconds(duration: Duration) -> float:
+    return duration.ToNanoseconds() / 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """A unit of visible work inside a run; the tool call itself is the top-level step.
+
+    Attributes:
+        id: Step id, unique within the run.
+        parent_id: The enclosing step; empty for the top-level step.
+        kind: A short family name.
+        title: What the step does.
+        summary: A one-line summary, usually set when the step ends.
+        status: ``"RUNNING"``, ``"COMPLETE"`` or ``"ERROR"``.
+        detail: Free-form structured details.
+        started_at: When the step started.
+        ended_at: When it ended, once it has.
+    """
+
+    id: str
+    parent_id: str
+    kind: str
+    title: str
+    summary: str
+    status: str
+    detail: dict[str, Any]
+    started_at: dt.datetime | None
+    ended_at: dt.datetime | None
+
+    @classmethod
+    def from_proto(cls, step: events_pb2.Step) -> Step:
+        """The typed view of a ``stargrpc.v1.Step``."""
+        return cls(id=step.id, parent_id=step.parent_id, kind=step.kind, title=step.title,
+                   summary=step.summary,
+                   status=events_pb2.StepStatus.Name(step.status).removeprefix("STEP_STATUS_"),
+                   detail=json_format.MessageToDict(step.detail),
+                   started_at=_time(step.started_at, step.HasField("started_at")),
+                   ended_at=_time(step.ended_at, step.HasField("ended_at")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One event of a run, as Execute and WatchRun stream them.
+
+    Attributes:
+        run_id: The run.
+        seq: Position in the run's log: 1, 2, 3, ... without gaps.
+        time: When the server recorded it.
+        critic_time_left: Seconds before the supervisor stops the run for lack of
+            progress; None when the run is not supervised.
+        raw: The ``stargrpc.v1.RunEvent`` itself.
+    """
+
+    run_id: str
+    seq: int
+    time: dt.datetime | None
+    critic_time_left: float | None
+    raw: events_pb2.RunEvent = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStarted(Event):
+    """A step began."""
+
+    step: Step
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDelta(Event):
+    """A step produced partial output.
+
+    Attributes:
+        text: The output.
+        channel: Which output it belongs to ("stdout", "stderr"); empty for plain text.
+    """
+
+    step: Step
+    text: str
+    channel: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEnded(Event):
+    """A step ended; ``step.status`` says how."""
+
+    step: Step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Event):
+    """A sign of life, with the tool's progress (0..1) when it knows it."""
+
+    message: str
+    progress: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Notice(Event):
+    """A message from the server about the run, such as a supervisor warning.
+
+    Attributes:
+        level: ``"INFO"`` or ``"WARNING"``.
+        code: A stable code such as ``"CRITIC_NO_PROGRESS"``.
+    """
+
+    level: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileChunk(Event):
+    """A piece of a large file; the Result lists the file with ``streamed`` set."""
+
+    file_id: str
+    offset: int
+    data: bytes
+    last: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class SentFile:
+    """A file the tool produced. ``content`` is empty when it travelled as FileChunks."""
+
+    file_id: str
+    name: str
+    mime_type: str
+    size: int
+    sha256: str
+    content: bytes
+    streamed: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class InjectedTool:
+    """A tool the run wants added to the agent's palette."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RichMessage:
+    """A rich message the tool posted, such as a card."""
+
+    kind: str
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result(Event):
+    """The last event of every run.
+
+    Attributes:
+        outcome: How the run ended.
+        output: Text for the model.
+        structured_output: JSON-ready structured output, or None.
+        error_code: A stable code when the outcome is not OK; else empty.
+        error_message: A user-safe reason when the outcome is not OK; else empty.
+        duration: Wall time of the run in seconds.
+        files: Files the tool sent back.
+        injected_tools: Tools the run wants injected.
+        rich_messages: Rich messages the tool posted.
+    """
+
+    outcome: Outcome
+    output: str
+    structured_output: Any
+    error_code: str
+    error_message: str
+    duration: float
+    files: list[SentFile]
+    injected_tools: list[InjectedTool]
+    rich_messages: list[RichMessage]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the outcome is OK."""
+        return self.outcome is Outcome.OK
+
+    def raise_for_outcome(self) -> Result:
+        """Returns the Result when it is OK.
+
+        Raises:
+            ToolRunError: The outcome is anything but OK.
+        """
+        if not self.ok:
+            from stargrpc.client.errors import ToolRunError
+
+            raise ToolRunError(self)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolInfo:
+    """One entry of the catalog.
+
+    Attributes:
+        name: What to pass to ``execute``.
+        description: What the tool does.
+        input_schema: JSON Schema of the arguments.
+        output_schema: JSON Schema of the structured output, when declared.
+        kind: A short family name.
+        categories: Free-form categories.
+        privileged: The tool needs an explicit privileged role.
+        callable: Whether the caller may run it.
+        read_only: Hint: changes nothing outside itself.
+        destructive: Hint: may delete or overwrite data.
+        idempotent: Hint: calling twice has the effect of calling once.
+        open_world: Hint: reaches systems outside the server.
+        raw: The ``stargrpc.v1.Tool`` itself.
+    """
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None
+    kind: str
+    categories: list[str]
+    privileged: bool
+    callable: bool
+    read_only: bool
+    destructive: bool
+    idempotent: bool
+    open_world: bool
+    raw: catalog_pb2.Tool = field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, tool: catalog_pb2.Tool) -> ToolInfo:
+        """The typed view of a ``stargrpc.v1.Tool``."""
+        hints = tool.annotations
+        return cls(
+            name=tool.name, description=tool.description,
+            input_schema=json_format.MessageToDict(tool.input_schema),
+            output_schema=(json_format.MessageToDict(tool.output_schema)
+                           if tool.HasField("output_schema") else None),
+            kind=tool.kind, categories=list(tool.categories),
+            privileged=tool.permissions.privileged, callable=tool.permissions.callable,
+            read_only=hints.read_only, destructive=hints.destructive,
+            idempotent=hints.idempotent, open_world=hints.open_world, raw=tool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Catalog:
+    """The tools a server offers the caller, and the catalog's hash."""
+
+    tools: list[ToolInfo]
+    catalog_hash: str
+
+    def __getitem__(self, name: str) -> ToolInfo:
+        for item in self.tools:
+            if item.name == name:
+                return item
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return any(item.name == name for item in self.tools)
+
+    @property
+    def names(self) -> list[str]:
+        """The tool names, in catalog order."""
+        return [item.name for item in self.tools]
+
+
+def _result(event: events_pb2.RunEvent, common: dict[str, Any]) -> Result:
+    result = event.result
+    writeback = result.writeback
+    structured = (json_format.MessageToDict(result.structured_output)
+                  if result.HasField("structured_output") else None)
+    return Result(
+        **common,
+        outcome=Outcome(result.outcome) if result.outcome else Outcome.ERROR,
+        output=result.output, structured_output=structured,
+        error_code=result.error.code, error_message=result.error.message,
+        duration=_seconds(result.duration),
+        files=[SentFile(file_id=f.file_id, name=f.name, mime_type=f.mime_type, size=f.size,
+                        sha256=f.sha256, content=f.content, streamed=f.streamed)
+               for f in writeback.sent_files],
+        injected_tools=[InjectedTool(name=t.name, description=t.description,
+                                     input_schema=json_format.MessageToDict(t.input_schema))
+                        for t in writeback.injected_tools],
+        rich_messages=[RichMessage(kind=m.kind, payload=json_format.MessageToDict(m.payload))
+                       for m in writeback.sent_rich_messages],
+    )
+
+
+def event_from_proto(event: events_pb2.RunEvent) -> Event:
+    """The typed view of a ``stargrpc.v1.RunEvent``.
+
+    An event of a kind this client does not know yet (a newer server) comes back as a
+    plain :class:`Event`, so old clients keep working.
+    """
+    common: dict[str, Any] = {
+        "run_id": event.run_id, "seq": event.seq,
+        "time": _time(event.time, event.HasField("time")),
+        "critic_time_left": (_seconds(event.critic_time_left)
+                             if event.HasField("critic_time_left") else None),
+        "raw": event,
+    }
+    kind = event.WhichOneof("kind")
+    if kind == "step":
+        step_event = event.step
+        step = Step.from_proto(step_event.step)
+        if step_event.phase == events_pb2.STEP_PHASE_START:
+            return StepStarted(**common, step=step)
+        if step_event.phase == events_pb2.STEP_PHASE_DELTA:
+            return StepDelta(**common, step=step, text=step_event.delta,
+                             channel=step_event.channel)
+        if step_event.phase == events_pb2.STEP_PHASE_END:
+            return StepEnded(**common, step=step)
+    elif kind == "heartbeat":
+        beat = event.heartbeat
+        return Heartbeat(**common, message=beat.message,
+                         progress=beat.progress if beat.HasField("progress") else None)
+    elif kind == "notice":
+        notice = event.notice
+        return Notice(**common,
+                      level=events_pb2.NoticeLevel.Name(notice.level).removeprefix("NOTICE_LEVEL_"),
+                      code=notice.code, message=notice.message)
+    elif kind == "file_chunk":
+        chunk = event.file_chunk
+        return FileChunk(**common, file_id=chunk.file_id, offset=chunk.offset, data=chunk.data,
+                         last=chunk.last)
+    elif kind == "result":
+        return _result(event, common)
+    return Event(**common)
