@@ -113,11 +113,11 @@ class ToolService:
         except RequestError as error:
             await abort_with(context, error)
             return
+        response = tool_service_pb2.ExecuteResponse
         try:
             async for event in submitted.log.follow(0):
                 yield response(event=event)
                 _EXECUTE_EVENTS.inc()
-        response = tool_service_pb2.ExecuteResponse
         except asyncio.CancelledError:
             # A run with an idempotency key outlives its stream (resume with WatchRun or a
             # retry with the key); one without a key has no way back, so it is cancelled
