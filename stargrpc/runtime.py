@@ -209,13 +209,6 @@ class Runtime:
         """
         return self.launch(self.prepare(call, principal))
 
-    def get(self, run_id: str) -> Run | None:
-        """A run in flight in this process."""
-        return self.runs.get(run_id)
-
-    async def drain(self, grace: float) -> None:
-        """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
-        what is left (each still ends with its Result)."""
     async def submit(self, call: ExecuteCall, principal: Principal) -> Submission:
         """Checks a call, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
@@ -266,6 +259,13 @@ class Runtime:
         run = self.runs.get(run_id)
         return run is not None and run.stop(Outcome.CANCELLED, "CANCELLED", reason)
 
+    def get(self, run_id: str) -> Run | None:
+        """A run in flight in this process."""
+        return self.runs.get(run_id)
+
+    async def drain(self, grace: float) -> None:
+        """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
+        what is left (each still ends with its Result)."""
         self.draining = True
         tasks = [run.start() for run in self.runs.values()]
         if tasks:
