@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class Run:
     _output_tail: list[str]
     _output_tail_size: int
     _stop: StopRequest | None
+    _streamed_sizes: dict[str, int]
     _tool_task: asyncio.Task[Any] | None
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
@@ -116,6 +118,7 @@ class Run:
         self._output_tail = []
         self._output_tail_size = 0
         self._stop = None
+        self._streamed_sizes = {}
         self._tool_task = None
         self._main_task = None
         self._done = asyncio.Event()
@@ -235,6 +238,7 @@ class Run:
         if outcome.error_message:
             self.root_step.summary = outcome.error_message
         await self.end_step(self.root_step, error=not ok)
+        await self._stream_large_files()
         result = self._result_message(outcome, duration)
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
@@ -256,6 +260,12 @@ class Run:
             result.error.message = outcome.error_message or outcome.outcome.name.lower()
         result.duration.FromNanoseconds(int(duration * 1e9))
         for record in self.writeback.sent_files:
+            streamed_size = self._streamed_sizes.get(record.file_id)
+            if streamed_size is not None:  # its bytes went ahead as FileChunk events
+                result.writeback.sent_files.add(
+                    file_id=record.file_id, name=record.name, mime_type=record.mime_type,
+                    size=streamed_size, sha256=record.sha256, streamed=True)
+                continue
             result.writeback.sent_files.add(
                 file_id=record.file_id, name=record.name, mime_type=record.mime_type,
                 size=record.size, sha256=record.sha256, content=record.data)
@@ -267,6 +277,29 @@ class Run:
             item = result.writeback.sent_rich_messages.add(kind=message.kind)
             item.payload.update(message.payload)
         return result
+
+    async def _stream_large_files(self) -> None:
+        """Sends each sent file over the inline limit as ordered FileChunk events (before the
+        Result, which then lists it as ``streamed``), and lets go of its bytes: the chunks
+        in the log are then the only copy."""
+        limit = self.settings.inline_file_bytes
+        chunk_size = self.settings.file_chunk_bytes
+        files = self.writeback.sent_files
+        for index, record in enumerate(files):
+            if record.size <= limit or record.file_id in self._streamed_sizes:
+                continue
+            data = memoryview(record.data)
+            self._streamed_sizes[record.file_id] = len(data)
+            files[index] = dataclasses.replace(record, data=b"")
+            for offset in range(0, len(data), chunk_size):
+                event = events_pb2.RunEvent()
+                chunk = event.file_chunk
+                chunk.file_id = record.file_id
+                chunk.offset = offset
+                chunk.data = bytes(data[offset:offset + chunk_size])
+                chunk.last = offset + chunk_size >= len(data)
+                await self._emit(event)
+            del data
 
     # -- events ----------------------------------------------------------------------------
 
