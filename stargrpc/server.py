@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.errors import ToolDefinitionError
 from stargrpc.interceptors import build_chain
+from stargrpc.http_serving import HttpEndpoints
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
@@ -72,6 +73,7 @@ class StargrpcServer:
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
+    http: HttpEndpoints
     _stopped: asyncio.Event
 
     def __init__(self, settings: Settings, *, registry: Registry | None = None,
@@ -94,6 +96,8 @@ class StargrpcServer:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self.interceptors = list(interceptors if interceptors is not None
+        # The HTTP gateway and the metrics endpoint, each when its port is set.
+        self.http = HttpEndpoints(settings)
                                  else build_chain(settings))
         self._server = grpc.aio.server(
             interceptors=self.interceptors,
@@ -139,6 +143,7 @@ class StargrpcServer:
                  tools=sorted(self.runtime.registry),
                  catalog_hash=self.runtime.registry.catalog_hash)
         return self.port
+        await self.http.start(self.port)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drains and stops; safe to call more than once."""
@@ -158,6 +163,9 @@ class StargrpcServer:
         log.info("stopped")
         self._stopped.set()
 
+        # After the drain, so HTTP followers saw every run's Result; before the transport
+        # stops, so the gateway's own gRPC calls end cleanly.
+        await self.http.stop()
     def reload_tools(self) -> None:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""
         try:

@@ -1,0 +1,345 @@
+"""The HTTP gateway: JSON and Server-Sent Events in front of the ToolService.
+
+Routes:
+
+- ``GET  /``                              the live progress page (static HTML + JS)
+- ``GET  /v1/tools``                      the catalog (``ETag`` = catalog hash)
+- ``POST /v1/tools/{name}:execute``       start a run: 202 with its URLs; ``?wait=true``:
+  200 with the Result; ``Accept: text/event-stream``: the run's events as SSE
+- ``GET  /v1/runs/{run_id}/events``       the run's events as SSE, replayed after
+  ``Last-Event-ID`` (or ``?after_seq=``), then live until the Result
+- ``POST /v1/runs/{run_id}:cancel``       CancelRun
+
+Credentials travel in ``Authorization`` (or ``X-API-Key``) exactly as for gRPC; the
+gateway forwards them and never looks at them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, json_format
+from google.rpc import error_details_pb2
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stargrpc.gateway.client import FORWARDED_HEADERS, GatewayClient, Metadata
+from stargrpc.gateway.http_errors import error_body, http_error, rpc_error_response
+from stargrpc.gateway.sse import (
+    EventSource,
+    QueueSource,
+    WatchSource,
+    event_json,
+    sse_stream,
+)
+from stargrpc.v1 import tool_service_pb2
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+#: How long GET /events waits for the first event (or the refusal) before it answers
+#: 200 and starts streaming: an unknown run or a refused caller gets a proper HTTP error;
+#: a run that is quiet right now gets its stream (a later failure is an ``error`` event).
+FIRST_EVENT_WAIT_SECONDS = 2.0
+
+#: On shutdown, how long open event streams get to deliver what is in flight (the Results of
+#: the runs the drain just ended) before they are cut.
+STREAM_CLOSE_GRACE_SECONDS = 3.0
+
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+    "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
+class ExecuteBody(BaseModel):
+    """The JSON body of ``POST /v1/tools/{name}:execute`` (ExecuteRequest without the name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    idempotency_key: str = ""
+    catalog_hash: str = ""
+    context: dict[str, Any] = Field(default_factory=dict)
+
+
+class CancelBody(BaseModel):
+    """The JSON body of ``POST /v1/runs/{run_id}:cancel`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = ""
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, violations: list[tuple[str, str]] | None = None,
+                 status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.violations = violations or []
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        details = []
+        if self.violations:
+            packed = any_pb2.Any()
+            packed.Pack(error_details_pb2.BadRequest(field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                for f, d in self.violations]))
+            details.append(json_format.MessageToDict(packed))
+        code = "INVALID_ARGUMENT" if self.status == 400 else "RESOURCE_EXHAUSTED"
+        return JSONResponse(error_body(self.status, code, self.message, details),
+                            status_code=self.status)
+
+
+class SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every HTTP response (page and API alike)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers.setdefault(name, value)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def call_metadata(request: Request) -> Metadata:
+    """The gRPC metadata of a call made for ``request``: its credentials and trace context,
+    and the HTTP client's address for the audit."""
+    metadata = [(name, value) for name in FORWARDED_HEADERS
+                if (value := request.headers.get(name))]
+    if request.client is not None:
+        metadata.append(("x-forwarded-for", request.client.host))
+    return metadata
+
+
+class Gateway:
+    """The HTTP gateway of one server: a gRPC client of it plus the Starlette app.
+
+    Attributes:
+        client: The loopback gRPC client.
+        app: The ASGI app.
+    """
+
+    client: GatewayClient
+    app: Starlette
+    _closing: asyncio.Event
+    _max_body_bytes: int
+    _open_streams: int
+    _no_open_streams: asyncio.Event
+
+    def __init__(self, grpc_target: str, *, max_body_bytes: int = 8 * 1024 * 1024) -> None:
+        self.client = GatewayClient(grpc_target)
+        self._closing = asyncio.Event()
+        self._max_body_bytes = max_body_bytes
+        self._open_streams = 0
+        self._no_open_streams = asyncio.Event()
+        self._no_open_streams.set()
+        self.app = Starlette(
+            routes=[
+                Route("/", self.page, methods=["GET"]),
+                Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+                Route("/v1/tools", self.list_tools, methods=["GET"]),
+                Route("/v1/tools/{name}:execute", self.execute, methods=["POST"]),
+                Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
+                Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
+            ],
+            middleware=[Middleware(SecurityHeaders)],
+        )
+
+    async def start(self) -> None:
+        """Opens the gRPC channel."""
+        await self.client.start()
+
+    async def aclose(self, grace: float = STREAM_CLOSE_GRACE_SECONDS) -> None:
+        """Lets open event streams finish for up to ``grace`` seconds, ends the rest
+        (their clients reconnect elsewhere with Last-Event-ID) and closes the channel."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_open_streams.wait(), grace)
+        self._closing.set()
+        await self.client.aclose()
+
+    def _stream(self, source: EventSource) -> StreamingResponse:
+        async def counted() -> AsyncIterator[bytes]:
+            self._open_streams += 1
+            self._no_open_streams.clear()
+            try:
+                async for chunk in sse_stream(source, self._closing):
+                    yield chunk
+            finally:
+                self._open_streams -= 1
+                if not self._open_streams:
+                    self._no_open_streams.set()
+
+        return StreamingResponse(counted(), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    # -- page ------------------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        """The live progress page."""
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    # -- API -------------------------------------------------------------------------------
+
+    async def list_tools(self, request: Request) -> Response:
+        """``GET /v1/tools``; ``If-None-Match`` with the current hash answers 304."""
+        known = request.headers.get("if-none-match", "").removeprefix("W/").strip('"')
+        try:
+            reply = await self.client.list_tools(call_metadata(request), known)
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        etag = {"ETag": f'"{reply.catalog_hash}"'}
+        if reply.not_modified:
+            return Response(status_code=304, headers=etag)
+        return JSONResponse(json_format.MessageToDict(reply, preserving_proto_field_name=True),
+                            headers=etag)
+
+    async def execute(self, request: Request) -> Response:
+        """``POST /v1/tools/{name}:execute``."""
+        try:
+            body = ExecuteBody.model_validate(await self._json_body(request))
+            grpc_request = self._execute_request(request, body)
+        except _BadRequest as bad:
+            return bad.response()
+        except ValidationError as exc:
+            return _validation_response(exc)
+        wants_stream = "text/event-stream" in request.headers.get("accept", "")
+        metadata = call_metadata(request)
+        try:
+            started = await self.client.start_run(grpc_request, metadata, listen=wants_stream)
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        urls = {"run_id": started.run_id,
+                "events_url": f"/v1/runs/{started.run_id}/events",
+                "cancel_url": f"/v1/runs/{started.run_id}:cancel"}
+        if wants_stream:
+            return self._stream(QueueSource(started))
+        if request.query_params.get("wait", "").lower() in ("1", "true", "yes"):
+            try:
+                final = await started.result
+            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                return http_error(502, "UNAVAILABLE", f"lost the run's stream ({exc}); "
+                                  f"follow it at {urls['events_url']}")
+            shown = event_json(final)
+            return JSONResponse({**urls, "seq": shown.get("seq"), "result": shown["result"]})
+        return JSONResponse(urls, status_code=202, headers={"Location": urls["events_url"]})
+
+    async def events(self, request: Request) -> Response:
+        """``GET /v1/runs/{run_id}/events``: Server-Sent Events."""
+        try:
+            after_seq = _after_seq(request)
+        except _BadRequest as bad:
+            return bad.response()
+        call = self.client.watch(request.path_params["run_id"], after_seq,
+                                 call_metadata(request))
+        source = WatchSource(call)
+        first = source.next_event()
+        await asyncio.wait({first}, timeout=FIRST_EVENT_WAIT_SECONDS)
+        if first.done():
+            try:
+                event = first.result()
+            except grpc.aio.AioRpcError as error:
+                source.close()
+                return rpc_error_response(error)
+            if event is None:
+                # Nothing after Last-Event-ID and the run is over: 204 tells an
+                # EventSource to stop reconnecting.
+                source.close()
+                return Response(status_code=204)
+        return self._stream(source)
+
+    async def cancel(self, request: Request) -> Response:
+        """``POST /v1/runs/{run_id}:cancel``."""
+        try:
+            body = CancelBody.model_validate(await self._json_body(request))
+        except _BadRequest as bad:
+            return bad.response()
+        except ValidationError as exc:
+            return _validation_response(exc)
+        try:
+            cancelled = await self.client.cancel(request.path_params["run_id"], body.reason,
+                                                 call_metadata(request))
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        return JSONResponse({"cancelled": cancelled})
+
+    # -- request decoding ------------------------------------------------------------------
+
+    async def _json_body(self, request: Request) -> Any:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self._max_body_bytes:
+                raise _BadRequest(f"the body is larger than {self._max_body_bytes} bytes",
+                                  status=413)
+        if not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise _BadRequest("the body is not valid JSON",
+                              [("body", str(exc))]) from exc
+
+    @staticmethod
+    def _execute_request(request: Request, body: ExecuteBody
+                         ) -> tool_service_pb2.ExecuteRequest:
+        message = tool_service_pb2.ExecuteRequest(
+            tool_name=request.path_params["name"],
+            arguments_json=json.dumps(body.arguments),
+            idempotency_key=body.idempotency_key or request.headers.get("idempotency-key", ""),
+            catalog_hash=body.catalog_hash)
+        try:
+            json_format.ParseDict(body.context, message.context)
+        except json_format.ParseError as exc:
+            raise _BadRequest("context is not a valid InvocationContext",
+                              [("context", str(exc))]) from exc
+        return message
+
+
+def _after_seq(request: Request) -> int:
+    given = request.headers.get("last-event-id") or request.query_params.get("after_seq") or "0"
+    try:
+        after_seq = int(given)
+    except ValueError:
+        after_seq = -1
+    if after_seq < 0:
+        raise _BadRequest("Last-Event-ID / after_seq must be a seq (a whole number >= 0)",
+                          [("Last-Event-ID", f"not a seq: {given[:40]!r}")])
+    return after_seq
+
+
+def _validation_response(exc: ValidationError) -> JSONResponse:
+    violations = [(".".join(str(p) for p in error["loc"]) or "body", error["msg"])
+                  for error in exc.errors()]
+    hint = ""
+    if any(error["type"] == "extra_forbidden" for error in exc.errors()):
+        hint = ' (the tool\'s arguments go under "arguments")'
+    return _BadRequest("the body is not a valid request" + hint, violations).response()

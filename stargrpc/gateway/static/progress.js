@@ -1,0 +1,1 @@
+// Last-Event-ID

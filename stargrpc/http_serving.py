@@ -1,0 +1,163 @@
+"""Serving ASGI apps (the HTTP gateway, the metrics endpoint) inside the server process.
+
+Both run on uvicorn in the server's own event loop. The socket is bound and listening before
+uvicorn gets it, so port 0 works without a bind-release race and a client may connect as
+soon as :meth:`AsgiServer.start` returns. uvicorn's own ``serve()`` is not used: it would
+take over SIGTERM/SIGINT, which belong to :class:`~stargrpc.server.StargrpcServer`.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import structlog
+import uvicorn
+
+from stargrpc.gateway import Gateway
+from stargrpc.metrics_http import metrics_app
+from stargrpc.settings import Settings
+
+log = structlog.get_logger("stargrpc.http")
+
+#: How long open HTTP connections get to finish once an HTTP server stops.
+HTTP_SHUTDOWN_GRACE_SECONDS = 3
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class AsgiServer:
+    """One ASGI app served by uvicorn on one address, in the running event loop.
+
+    Attributes:
+        name: What it serves, for the logs.
+        port: The bound port, once started.
+    """
+
+    name: str
+    port: int
+    _app: Any
+    _host: str
+    _requested_port: int
+    _server: uvicorn.Server | None
+    _socket: socket.socket | None
+
+    def __init__(self, name: str, app: Any, host: str, port: int) -> None:
+        self.name = name
+        self.port = 0
+        self._app = app
+        self._host = host
+        self._requested_port = port
+        self._server = None
+        self._socket = None
+
+    async def start(self) -> int:
+        """Binds and starts serving.
+
+        Returns:
+            The bound port.
+
+        Raises:
+            OSError: The address cannot be bound.
+        """
+        self._socket = _bind(self._host, self._requested_port)
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            self._app, lifespan="off", log_config=None, access_log=False,
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_SECONDS,
+            # The event loop is the server's; uvicorn must not install another.
+            loop="none", http="h11", ws="none",
+        )
+        config.load()
+        server = uvicorn.Server(config)
+        server.lifespan = config.lifespan_class(config)
+        await server.startup(sockets=[self._socket])
+        self._server = server
+        log.info("http_serving", what=self.name, address=f"{self._host}:{self.port}")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting, lets open requests finish briefly, then closes; idempotent."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.should_exit = True
+        await server.shutdown(sockets=[self._socket] if self._socket else None)
+        self._socket = None
+
+
+def grpc_target(settings: Settings, port: int) -> str:
+    """The loopback address at which this process's gRPC server is reached."""
+    host = settings.host
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class HttpEndpoints:
+    """The HTTP side of a server: the gateway (``http_port``) and the metrics endpoint
+    (``metrics_port``), each only when its port is set.
+
+    Attributes:
+        gateway: The gateway, when enabled.
+        gateway_port: Its bound port, once started (0 when off).
+        metrics_port: The metrics endpoint's bound port, once started (0 when off).
+    """
+
+    gateway: Gateway | None
+    _settings: Settings
+    _servers: list[AsgiServer]
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self.gateway = None
+        self._servers = []
+        self.gateway_port = 0
+        self.metrics_port = 0
+
+    async def start(self, grpc_port: int) -> None:
+        """Starts what is enabled; ``grpc_port`` is where the gateway's calls go.
+
+        Raises:
+            OSError: A port cannot be bound (whatever had started is stopped again).
+        """
+        s = self._settings
+        try:
+            if s.metrics_port is not None:
+                metrics = AsgiServer("metrics", metrics_app(), s.metrics_host or s.host,
+                                     s.metrics_port)
+                self._servers.append(metrics)
+                self.metrics_port = await metrics.start()
+            if s.http_port is not None:
+                self.gateway = Gateway(grpc_target(s, grpc_port),
+                                       max_body_bytes=s.max_receive_message_bytes)
+                await self.gateway.start()
+                web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
+                                 s.http_port)
+                self._servers.append(web)
+                self.gateway_port = await web.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Ends the gateway's streams, then stops the HTTP servers; idempotent."""
+        if self.gateway is not None:
+            await self.gateway.aclose()
+        for server in reversed(self._servers):
+            await server.stop()
+        self._servers = []

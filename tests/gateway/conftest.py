@@ -1,0 +1,76 @@
+"""Gateway fixtures: a real server with the HTTP gateway on an ephemeral port, an HTTP
+client to it, and a tool that waits at a gate the test opens (so "while the run is still
+going" is a fact of the test, not a matter of timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+
+from stargrpc import ToolContext, tool
+from stargrpc.registry import Registry, load_registry, spec_of
+from stargrpc.server import StargrpcServer
+from tests.conftest import ServerFactory
+
+#: Gates by name; a test opens its gate to let the ``staged`` tool finish.
+GATES: dict[str, asyncio.Event] = {}
+
+
+class StagedArgs(BaseModel):
+    gate: str = Field(description="The gate to wait at between the second and third step.")
+
+
+@tool(kind="test")
+async def staged(ctx: ToolContext, args: StagedArgs) -> str:
+    """Two steps, a wait (inside the second) until the test opens the gate, a third step,
+    then a file."""
+    async with ctx.step("Fetching sources") as step:
+        await step.delta("fetched 3 sources\n")
+    async with ctx.step("Thinking") as step:
+        await step.delta("considering…\n")
+        await GATES[args.gate].wait()
+        await step.delta("decided\n")
+    async with ctx.step("Writing the report") as step:
+        await step.delta("report written\n")
+    ctx.send_file("report.txt", b"the report\n", "text/plain")
+    return "staged run done"
+
+
+def gateway_registry() -> Registry:
+    """The bundled tools plus ``staged``."""
+    bundled = load_registry(bundled=True, entry_points=False)
+    extra = spec_of(staged)
+    assert extra is not None
+    return Registry([*bundled.values(), extra])
+
+
+@dataclass
+class GatewayUnderTest:
+    server: StargrpcServer
+    base_url: str
+    http: httpx.AsyncClient
+
+
+@pytest.fixture
+async def gateway(make_server: ServerFactory) -> AsyncIterator[GatewayUnderTest]:
+    """A server with the gateway on, and an HTTP client pointed at it."""
+    server = await make_server(registry=gateway_registry(), http_port=0)
+    base_url = f"http://127.0.0.1:{server.http.gateway_port}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        yield GatewayUnderTest(server, base_url, http)
+
+
+@pytest.fixture
+def gate() -> Iterator[tuple[str, asyncio.Event]]:
+    """A fresh gate for the ``staged`` tool; opened at teardown so no run is left waiting."""
+    name = uuid.uuid4().hex
+    event = GATES[name] = asyncio.Event()
+    yield name, event
+    event.set()
+    GATES.pop(name, None)

@@ -1,0 +1,265 @@
+"""The HTTP gateway through a real server: JSON, Server-Sent Events, resumption, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from httpx_sse import aconnect_sse
+
+from tests.gateway.conftest import GatewayUnderTest
+
+
+async def read_sse(http: httpx.AsyncClient, method: str, url: str, *, limit: int = 1000,
+                   **kwargs: Any) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every (id, event, data) of an SSE response, until the server ends it."""
+    seen = []
+    async with aconnect_sse(http, method, url, **kwargs) as source:
+        assert source.response.status_code == 200
+        async for message in source.aiter_sse():
+            seen.append((message.id, message.event, json.loads(message.data)))
+            assert len(seen) <= limit
+    return seen
+
+
+def shape(events: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """A compact picture of an SSE stream, like tests.helpers.phases for gRPC."""
+    shown = []
+    for _, kind, data in events:
+        if kind == "step":
+            phase = data["step"]["phase"].removeprefix("STEP_PHASE_")
+            item = f"{phase} {data['step']['step']['id']}"
+            if phase == "DELTA":
+                item += f" {data['step']['delta']!r}"
+            shown.append(item)
+        elif kind == "result":
+            shown.append("RESULT " + data["result"]["outcome"].removeprefix("OUTCOME_"))
+        else:
+            shown.append(kind.upper())
+    return shown
+
+
+async def start(gw: GatewayUnderTest, tool: str, arguments: dict[str, Any]) -> str:
+    reply = await gw.http.post(f"/v1/tools/{tool}:execute", json={"arguments": arguments})
+    assert reply.status_code == 202, reply.text
+    body = reply.json()
+    assert reply.headers["location"] == body["events_url"] == f"/v1/runs/{body['run_id']}/events"
+    return str(body["run_id"])
+
+
+async def test_tools_lists_the_catalog_with_its_hash_as_etag(gateway) -> None:
+    reply = await gateway.http.get("/v1/tools")
+
+    assert reply.status_code == 200
+    body = reply.json()
+    names = [t["name"] for t in body["tools"]]
+    assert {"echo", "count", "staged"} <= set(names)
+    assert reply.headers["etag"] == f'"{body["catalog_hash"]}"'
+    assert body["catalog_hash"] == gateway.server.runtime.registry.catalog_hash
+    echo = next(t for t in body["tools"] if t["name"] == "echo")
+    assert echo["input_schema"]["properties"]["text"]["type"] == "string"
+
+    again = await gateway.http.get("/v1/tools", headers={"If-None-Match": reply.headers["etag"]})
+    assert again.status_code == 304
+
+
+async def test_execute_with_wait_answers_the_result(gateway) -> None:
+    reply = await gateway.http.post("/v1/tools/echo:execute?wait=true",
+                                    json={"arguments": {"text": "hi there"}})
+
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["result"]["outcome"] == "OUTCOME_OK"
+    assert body["result"]["output"] == "hi there"
+    assert body["seq"] == "4"  # START, DELTA, END, then the Result
+    assert body["events_url"] == f"/v1/runs/{body['run_id']}/events"
+
+
+async def test_events_replay_a_run_as_sse_with_seq_ids(gateway) -> None:
+    run_id = await start(gateway, "count", {"to": 3})
+
+    events = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
+
+    assert shape(events) == [
+        "START s0", "START s1", "DELTA s1 '1\\n'", "DELTA s1 '2\\n'", "DELTA s1 '3\\n'",
+        "END s1", "END s0", "RESULT OK"]
+    assert [int(i) for i, _, _ in events] == list(range(1, 9))
+    assert all(int(d["seq"]) == int(i) for i, _, d in events)
+    assert {d["run_id"] for _, _, d in events} == {run_id}
+    assert events[-1][2]["result"]["output"] == "counted to 3"
+
+
+async def test_last_event_id_resumes_exactly_after_it(gateway) -> None:
+    run_id = await start(gateway, "count", {"to": 3})
+    everything = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
+
+    resumed = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events",
+                             headers={"Last-Event-ID": "3"})
+    by_query = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events?after_seq=5")
+
+    assert resumed == everything[3:]
+    assert by_query == everything[5:]
+    # Nothing after the Result: 204, which tells an EventSource to stop reconnecting.
+    done = await gateway.http.get(f"/v1/runs/{run_id}/events",
+                                  headers={"Last-Event-ID": everything[-1][0]})
+    assert done.status_code == 204
+
+
+async def test_events_follow_a_live_run_until_its_result(gateway, gate) -> None:
+    name, opened = gate
+    run_id = await start(gateway, "staged", {"gate": name})
+    seen: list[tuple[str, str, dict[str, Any]]] = []
+
+    async with aconnect_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events") as source:
+        messages = source.aiter_sse()
+        async for message in messages:
+            seen.append((message.id, message.event, json.loads(message.data)))
+            if shape(seen)[-1] == "DELTA s2 'considering…\\n'":
+                break
+        # The run is parked at the gate: what we have is all there is so far.
+        assert "RESULT OK" not in shape(seen)
+        opened.set()
+        async for message in messages:
+            seen.append((message.id, message.event, json.loads(message.data)))
+
+    assert shape(seen)[-7:] == [
+        "DELTA s2 'decided\\n'", "END s2", "START s3", "DELTA s3 'report written\\n'",
+        "END s3", "END s0", "RESULT OK"]
+    assert [int(i) for i, _, _ in seen] == list(range(1, len(seen) + 1))
+    files = seen[-1][2]["result"]["writeback"]["sent_files"]
+    assert [(f["name"], f["mime_type"], f["size"]) for f in files] == [
+        ("report.txt", "text/plain", "11")]
+
+
+async def test_execute_can_stream_its_own_events(gateway) -> None:
+    events = await read_sse(gateway.http, "POST", "/v1/tools/count:execute",
+                            json={"arguments": {"to": 2}},
+                            headers={"Accept": "text/event-stream"})
+
+    assert shape(events) == ["START s0", "START s1", "DELTA s1 '1\\n'", "DELTA s1 '2\\n'",
+                             "END s1", "END s0", "RESULT OK"]
+    assert [int(i) for i, _, _ in events] == list(range(1, 8))
+
+
+async def test_a_dropped_http_stream_does_not_cancel_the_run(gateway, gate) -> None:
+    name, opened = gate
+    async with aconnect_sse(gateway.http, "POST", "/v1/tools/staged:execute",
+                            json={"arguments": {"gate": name}},
+                            headers={"Accept": "text/event-stream"}) as source:
+        first = await anext(source.aiter_sse())
+        run_id = json.loads(first.data)["run_id"]
+    # The browser went away; the run goes on and ends on its own.
+    opened.set()
+
+    events = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
+
+    assert shape(events)[-1] == "RESULT OK"
+    assert events[-1][2]["result"]["output"] == "staged run done"
+
+
+async def test_cancel_stops_a_run(gateway, gate) -> None:
+    name, _ = gate
+    run_id = await start(gateway, "staged", {"gate": name})
+
+    reply = await gateway.http.post(f"/v1/runs/{run_id}:cancel", json={"reason": "enough"})
+    events = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
+    again = await gateway.http.post(f"/v1/runs/{run_id}:cancel")
+
+    assert reply.status_code == 200 and reply.json() == {"cancelled": True}
+    assert shape(events)[-1] == "RESULT CANCELLED"
+    assert events[-1][2]["result"]["error"]["message"] == "enough"
+    assert again.json() == {"cancelled": False}
+
+
+def detail(body: dict[str, Any], type_suffix: str) -> dict[str, Any]:
+    return next(d for d in body["error"]["details"] if d["@type"].endswith(type_suffix))
+
+
+async def test_refusals_are_http_errors_with_the_grpc_details(gateway) -> None:
+    http = gateway.http
+
+    unknown = await http.post("/v1/tools/nope:execute", json={})
+    bad_args = await http.post("/v1/tools/count:execute", json={"arguments": {"to": "many"}})
+    stale = await http.post("/v1/tools/echo:execute",
+                            json={"arguments": {"text": "x"}, "catalog_hash": "old"})
+    no_run = await http.get("/v1/runs/doesnotexist/events")
+    no_run_cancel = await http.post("/v1/runs/doesnotexist:cancel")
+
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["status"] == "NOT_FOUND"
+    assert detail(unknown.json(), "ErrorInfo")["reason"] == "TOOL_NOT_FOUND"
+    assert bad_args.status_code == 400
+    violations = detail(bad_args.json(), "BadRequest")["fieldViolations"]
+    assert [v["field"] for v in violations] == ["arguments.to"]
+    assert stale.status_code == 400
+    assert stale.json()["error"]["status"] == "FAILED_PRECONDITION"
+    assert detail(stale.json(), "ErrorInfo")["reason"] == "CATALOG_STALE"
+    assert no_run.status_code == 404
+    assert detail(no_run.json(), "ErrorInfo")["reason"] == "RUN_NOT_FOUND"
+    assert no_run_cancel.status_code == 404
+
+
+async def test_malformed_http_requests_get_clear_400s(gateway) -> None:
+    http = gateway.http
+
+    not_json = await http.post("/v1/tools/echo:execute", content=b"{oops",
+                               headers={"Content-Type": "application/json"})
+    flat_args = await http.post("/v1/tools/echo:execute", json={"text": "hi"})
+    bad_context = await http.post("/v1/tools/echo:execute",
+                                  json={"arguments": {"text": "x"}, "context": {"nope": 1}})
+    bad_seq = await http.get("/v1/runs/x/events", headers={"Last-Event-ID": "-4"})
+    too_big = await http.post("/v1/tools/echo:execute",
+                              content=b" " * (gateway.server.settings.max_receive_message_bytes
+                                              + 1))
+
+    for reply in (not_json, flat_args, bad_context, bad_seq):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["status"] == "INVALID_ARGUMENT"
+    assert 'go under "arguments"' in flat_args.json()["error"]["message"]
+    assert detail(flat_args.json(), "BadRequest")["fieldViolations"][0]["field"] == "text"
+    assert too_big.status_code == 413
+
+
+async def test_idempotency_key_header_attaches_to_the_same_run(gateway, gate) -> None:
+    name, opened = gate
+    headers = {"Idempotency-Key": "gw-key-1"}
+    first = await gateway.http.post("/v1/tools/staged:execute", headers=headers,
+                                    json={"arguments": {"gate": name}})
+    second = await gateway.http.post("/v1/tools/staged:execute", headers=headers,
+                                     json={"arguments": {"gate": name}})
+    opened.set()
+
+    assert first.status_code == second.status_code == 202
+    assert first.json()["run_id"] == second.json()["run_id"]
+
+
+async def test_page_and_api_carry_security_headers(gateway) -> None:
+    page = await gateway.http.get("/")
+    script = await gateway.http.get("/static/progress.js")
+
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert script.status_code == 200
+    assert "EventSource" in script.text or "Last-Event-ID" in script.text
+
+
+async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:
+    from tests.gateway.conftest import gateway_registry
+
+    name, _ = gate
+    server = await make_server(registry=gateway_registry(), http_port=0)
+    base = f"http://127.0.0.1:{server.http.gateway_port}"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        run_id = (await http.post("/v1/tools/staged:execute",
+                                  json={"arguments": {"gate": name}})).json()["run_id"]
+        streamed = asyncio.create_task(read_sse(http, "GET", f"/v1/runs/{run_id}/events"))
+        assert run_id in server.runtime.runs  # parked at the gate
+        await server.stop(grace=0.1)
+        events = await asyncio.wait_for(streamed, 30)
+
+    # The drain cancelled the parked run; the follower saw its Result before the end.
+    assert shape(events)[-1] == "RESULT CANCELLED"
