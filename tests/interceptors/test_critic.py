@@ -198,27 +198,31 @@ async def test_a_tool_can_shorten_its_soft_timeout(make_server) -> None:
     assert result_of(events).error.message == "no progress for 0.4 s"
 
 
-async def test_the_callers_deadline_wins(make_server) -> None:
+@pytest.mark.parametrize("idempotency_key", ["", "deadline-test"])
+async def test_the_callers_deadline_wins(make_server, idempotency_key: str) -> None:
     server = await make_server(registry=registry(), critic_soft_timeout=60,
                                critic_hard_timeout=600)
     async with connect(server) as channel:
         stub = tool_service_pb2_grpc.ToolServiceStub(channel)
         events: list[events_pb2.RunEvent] = []
+        request = tool_service_pb2.ExecuteRequest(tool_name="chatty",
+                                                  idempotency_key=idempotency_key)
         with contextlib.suppress(grpc.aio.AioRpcError):
-            async for response in stub.Execute(
-                    tool_service_pb2.ExecuteRequest(tool_name="chatty"), timeout=1.0):
+            async for response in stub.Execute(request, timeout=1.0):
                 events.append(response.event)
         assert events, "the run started"
         # Whether or not its Result made it before the deadline, the run has ended: its log
-        # (read through WatchRun) holds the Result, and the tool is no longer running.
+        # (read through WatchRun) holds the Result, though the tool would never stop.
         watched = [response.event async for response in stub.WatchRun(
             tool_service_pb2.WatchRunRequest(run_id=events[0].run_id), timeout=WAIT)]
 
     result = result_of(watched)
-    assert result.outcome in (events_pb2.OUTCOME_TIMEOUT, events_pb2.OUTCOME_CANCELLED)
-    if result.outcome == events_pb2.OUTCOME_TIMEOUT:
+    if idempotency_key:
+        # A run with a key outlives its stream, so only the critic can have stopped it.
+        assert result.outcome == events_pb2.OUTCOME_TIMEOUT
         assert result.error.code == "CLIENT_DEADLINE"
-    assert server.runtime.get(events[0].run_id) is None
+    else:  # the critic, or the stream's cancellation, whichever came first
+        assert result.outcome in (events_pb2.OUTCOME_TIMEOUT, events_pb2.OUTCOME_CANCELLED)
 
 
 @pytest.mark.parametrize("stopper", ["critic", "caller"])
