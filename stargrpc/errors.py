@@ -6,6 +6,7 @@ Hierarchy::
     ├── RequestError            refused before a run starts; becomes a gRPC status
     │   ├── InvalidArgument         INVALID_ARGUMENT + google.rpc.BadRequest
     │   ├── Unauthenticated         UNAUTHENTICATED (no detail that helps an attacker)
+    │   │   └── CredentialsRejected     why, for the server log only
     │   ├── PermissionDenied        PERMISSION_DENIED + google.rpc.ErrorInfo
     │   ├── NotFound                NOT_FOUND + google.rpc.ErrorInfo (unknown tool, run)
     │   ├── FailedPrecondition      FAILED_PRECONDITION + google.rpc.ErrorInfo
@@ -16,6 +17,8 @@ Hierarchy::
     │   └── Aborted                 ABORTED + google.rpc.ErrorInfo
     │       └── WatcherTooSlow          a watcher fell behind; resume from a seq
     ├── ToolDefinitionError     a tool module is broken; stops start-up
+    ├── AuthConfigError         authentication is misconfigured; stops start-up
+    │   └── KeysFileError           the API keys file is unreadable, or a keys command is wrong
     └── ToolOutcomeError        raised *by a tool* to end its run with an outcome
         ├── ToolFailed              Result{OUTCOME_FAILED}
         └── ToolDenied              Result{OUTCOME_DENIED}
@@ -109,6 +112,15 @@ class Unauthenticated(RequestError):
         return []
 
 
+class CredentialsRejected(Unauthenticated):
+    """Credentials were missing, malformed, unknown, expired or revoked. ``cause`` says which
+    for the server log and metrics; the caller only ever sees the same generic message."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__("missing or invalid credentials")
+        self.cause = cause
+
+
 class PermissionDenied(RequestError):
     """The caller is known but may not do this."""
 
@@ -188,6 +200,14 @@ class WatcherTooSlow(Aborted):
 
 class ToolDefinitionError(StargrpcError):
     """A tool module or tool definition is broken; start-up stops with this message."""
+
+
+class AuthConfigError(StargrpcError):
+    """Authentication is misconfigured (an unusable JWT key, a broken keys file)."""
+
+
+class KeysFileError(AuthConfigError):
+    """The API keys file cannot be read or written, or a keys command got bad input."""
 
 
 class ToolOutcomeError(StargrpcError):

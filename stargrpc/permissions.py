@@ -1,12 +1,32 @@
-"""Who may run which tool. The runtime asks a :class:`ToolPolicy` before every run and
-ListTools asks it which tools a caller may run."""
+"""Who may run which tool, and who may act for someone else.
+
+The runtime asks the server's :class:`ToolPolicy` on every Execute, before the tool runs
+(:meth:`ToolPolicy.delegate`, then :meth:`ToolPolicy.check`); ListTools asks
+:meth:`ToolPolicy.can_run` to leave out the tools a caller may not run.
+
+:class:`RolePolicy` is the configured policy. For a tool it takes the allow lists of the
+tool's ``tool_permissions`` entry (roles and principal ids, ``"*"`` for any authenticated
+caller); a tool without an entry keeps the roles it declares itself when
+``permission_default`` is "allow" (by default ``"*"``), and admits admins only when it is
+"deny". Holders of ``admin_role`` pass every allow list. A privileged tool (declared so,
+or marked in its entry) also needs ``privileged_role``, held explicitly: no wildcard and no
+admin role grants it.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+from stargrpc import metrics
+from stargrpc.errors import PermissionDenied
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
+from stargrpc.settings import Settings, ToolAccess
+
+#: Fields of the invocation context that speak for someone other than the caller.
+IDENTITY_FIELDS = ("end_user", "channel", "session_id")
 
 
 class ToolPolicy(Protocol):
@@ -24,12 +44,108 @@ class ToolPolicy(Protocol):
         """
         ...
 
+    def delegate(self, principal: Principal, invocation: Mapping[str, Any]) -> Principal:
+        """The principal a call runs as, given the identity fields of its invocation context.
+
+        Returns:
+            ``principal``, with ``acting_for`` set when it names an end user and may.
+
+        Raises:
+            PermissionDenied: The request names an end user (or channel, session) and the
+                caller may not act for others.
+        """
+        ...
+
+
+def _named(invocation: Mapping[str, Any]) -> list[str]:
+    return [name for name in IDENTITY_FIELDS if invocation.get(name)]
+
+
+def _acting_for(principal: Principal, invocation: Mapping[str, Any]) -> Principal:
+    end_user = str(invocation.get("end_user") or "")
+    return dataclasses.replace(principal, acting_for=end_user) if end_user else principal
+
 
 class AllowAll:
-    """Every caller may run every tool: for an unauthenticated local server only."""
+    """Every caller may run every tool and act for anyone: for tests of a runtime without
+    authentication. A server always builds a :class:`RolePolicy` (with authentication off
+    its caller holds every role, which has the same effect)."""
 
     def can_run(self, principal: Principal, spec: ToolSpec) -> bool:
         return True
 
     def check(self, principal: Principal, spec: ToolSpec) -> None:
         return None
+
+    def delegate(self, principal: Principal, invocation: Mapping[str, Any]) -> Principal:
+        return _acting_for(principal, invocation)
+
+
+class RolePolicy:
+    """Per-tool allow lists by role and principal; see the module docstring."""
+
+    def __init__(self, *, rules: Mapping[str, ToolAccess] | None = None,
+                 default: str = "allow", admin_role: str = "admin",
+                 privileged_role: str = "privileged", delegation_role: str = "delegate"
+                 ) -> None:
+        self._rules = dict(rules or {})
+        self._default = default
+        self._admin_role = admin_role
+        self._privileged_role = privileged_role
+        self._delegation_role = delegation_role
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RolePolicy:
+        """The policy ``settings`` configure."""
+        return cls(rules=settings.tool_permissions, default=settings.permission_default,
+                   admin_role=settings.admin_role, privileged_role=settings.privileged_role,
+                   delegation_role=settings.delegation_role)
+
+    def refusal(self, principal: Principal, spec: ToolSpec) -> PermissionDenied | None:
+        """Why ``principal`` may not run ``spec``, or None when it may."""
+        rule = self._rules.get(spec.name)
+        metadata = {"tool_name": spec.name, "principal": principal.id}
+        if not self._allowed(principal, spec, rule):
+            return PermissionDenied(f"{principal.id!r} may not run tool {spec.name!r}",
+                                    reason="TOOL_NOT_ALLOWED", metadata=metadata)
+        privileged = spec.privileged or (rule is not None and rule.privileged)
+        if privileged and not principal.has_role(self._privileged_role):
+            return PermissionDenied(
+                f"tool {spec.name!r} is privileged: it needs the role "
+                f"{self._privileged_role!r}",
+                reason="PRIVILEGED_ROLE_REQUIRED",
+                metadata={**metadata, "required_role": self._privileged_role})
+        return None
+
+    def _allowed(self, principal: Principal, spec: ToolSpec, rule: ToolAccess | None) -> bool:
+        if principal.has_role(self._admin_role):
+            return True
+        if rule is not None:
+            roles, principals = rule.roles, rule.principals
+        elif self._default == "allow":
+            roles, principals = list(spec.allowed_roles), []
+        else:
+            return False
+        return ("*" in roles or "*" in principals or principal.id in principals
+                or any(principal.has_role(role) for role in roles))
+
+    def can_run(self, principal: Principal, spec: ToolSpec) -> bool:
+        return self.refusal(principal, spec) is None
+
+    def check(self, principal: Principal, spec: ToolSpec) -> None:
+        refusal = self.refusal(principal, spec)
+        if refusal is not None:
+            metrics.AUTH_FAILURES.labels(refusal.reason.lower()).inc()
+            raise refusal
+
+    def delegate(self, principal: Principal, invocation: Mapping[str, Any]) -> Principal:
+        named = _named(invocation)
+        if named and not principal.has_role(self._delegation_role):
+            metrics.AUTH_FAILURES.labels("delegation_not_allowed").inc()
+            raise PermissionDenied(
+                f"{', '.join(named)} in the invocation context may only be given by a caller "
+                f"with the role {self._delegation_role!r}",
+                reason="DELEGATION_NOT_ALLOWED",
+                metadata={"fields": ",".join(f"context.{name}" for name in named),
+                          "principal": principal.id, "required_role": self._delegation_role})
+        return _acting_for(principal, invocation)

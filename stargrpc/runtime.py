@@ -193,6 +193,9 @@ class Runtime:
     def launch(self, run: Run) -> Run:
         """Starts a prepared run and tracks it until it ends."""
         self.runs[run.run_id] = run
+        record = current_call.get()
+        if record is not None:
+            record.extra["run"] = run  # the audit reads the tool's audit_view from it
         for hook in self.launch_hooks:
             hook(run)
         metrics.RUNS_IN_FLIGHT.inc()

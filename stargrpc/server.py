@@ -18,10 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from stargrpc.arguments import ArgumentLimits
+from stargrpc.auth.mtls import server_credentials
 from stargrpc.errors import ToolDefinitionError
 from stargrpc.interceptors import build_chain
 from stargrpc.http_serving import HttpEndpoints
 from stargrpc.limits import ConcurrencyLimits
+from stargrpc.permissions import RolePolicy
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
@@ -83,6 +85,7 @@ class StargrpcServer:
             registry if registry is not None else load_tools(settings),
             store=make_store(settings),
             limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
+            policy=RolePolicy.from_settings(settings),
             settings=settings,
             concurrency=ConcurrencyLimits(
                 settings.max_concurrent_runs, settings.max_concurrent_runs_per_principal,
@@ -133,7 +136,9 @@ class StargrpcServer:
             if isinstance(component, Lifecycle):
                 await component.start()
         address = f"{self.settings.host}:{self.settings.port}"
-        self.port = self._server.add_insecure_port(address)
+        credentials = server_credentials(self.settings)  # TLS (and mTLS) when configured
+        self.port = (self._server.add_secure_port(address, credentials) if credentials
+                     else self._server.add_insecure_port(address))
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()

@@ -95,10 +95,14 @@ class ToolService:
             self._tool_messages = (registry.catalog_hash, messages)
         principal = current_principal.get()
         tools = []
+        show_all = self.runtime.settings.list_tools_show_uncallable
         for name, spec in registry.items():
+            may_run = self.runtime.policy.can_run(principal, spec)
+            if not may_run and not show_all:
+                continue  # by default a caller sees only the tools it may run
             message = catalog_pb2.Tool()
             message.CopyFrom(messages[name])
-            message.permissions.callable = self.runtime.policy.can_run(principal, spec)
+            message.permissions.callable = may_run
             tools.append(message)
         return tools
 

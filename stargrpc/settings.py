@@ -188,6 +188,23 @@ class Settings(BaseSettings):
         default_factory=dict, description="Roles per client-certificate principal; '*' "
         "applies to every certificate.")
 
+    # -- audit (stargrpc/audit, interceptors/audit.py, cli/audit.py) -----------------------
+    audit_store: str = Field("", description="Where audit records go: sqlite:///PATH or "
+                             "postgresql://…; default sqlite:///<state_dir>/audit.db.")
+    audit_max_batch: int = Field(500, ge=1, le=10_000, description="Most audit records "
+                                 "written in one transaction.")
+    audit_commit_timeout_seconds: float = Field(
+        10.0, ge=0, description="How long an Execute's Result waits for its audit record to "
+        "be committed before it is sent anyway (the record stays queued).")
+    audit_close_timeout_seconds: float = Field(30.0, ge=0, description="How long shutdown "
+                                               "keeps trying to write queued audit records.")
+    audit_max_value_chars: int = Field(1000, ge=16, description="Longest argument value kept "
+                                       "whole in an audit record; longer ones are cut.")
+    audit_max_arguments_chars: int = Field(8000, ge=64, description="Longest arguments JSON "
+                                           "kept in an audit record.")
+    audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
+                                        "an audit record.")
+
     @model_validator(mode="after")
     def _check_auth(self) -> Settings:
         jwt_keys = [self.jwt_secret, self.jwt_public_key_file, self.jwt_jwks_file]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from stargrpc import __version__
-from stargrpc.cli.calls import call, tools
+from stargrpc.cli.calls import call, cancel, tools, watch
 from stargrpc.cli.health import health
 from stargrpc.cli.serve import serve
 
@@ -24,6 +24,8 @@ def version() -> None:
 main.add_command(serve)
 main.add_command(tools)
 main.add_command(call)
+main.add_command(watch)
+main.add_command(cancel)
 main.add_command(health)
 
 __all__ = ["main"]

@@ -1,96 +1,189 @@
-"""``stargrpc tools`` and ``stargrpc call``: talk to a running server."""
+"""``stargrpc tools``, ``call``, ``watch`` and ``cancel``: talk to a running server through
+the Python SDK (:mod:`stargrpc.client`), so the CLI gets its retries, catalog reload and
+stream resume for free."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import sys
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import click
-import grpc
 from google.protobuf import json_format
 
-from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.client import CallError, Client, ClientError, Event, Result
+from stargrpc.outcome import Outcome
+from stargrpc.v1 import events_pb2
 
 #: Exit status of ``stargrpc call`` per outcome; 0 only for OK.
 EXIT_CODES = {
-    events_pb2.OUTCOME_OK: 0,
-    events_pb2.OUTCOME_DENIED: 3,
-    events_pb2.OUTCOME_FAILED: 4,
-    events_pb2.OUTCOME_ERROR: 5,
-    events_pb2.OUTCOME_TIMEOUT: 6,
-    events_pb2.OUTCOME_CANCELLED: 7,
+    Outcome.OK: 0,
+    Outcome.DENIED: 3,
+    Outcome.FAILED: 4,
+    Outcome.ERROR: 5,
+    Outcome.TIMEOUT: 6,
+    Outcome.CANCELLED: 7,
 }
 EXIT_RPC_ERROR = 1
+EXIT_INTERRUPTED = 130
 
-target_option = click.option(
-    "--target", envvar="STARGRPC_TARGET", default="localhost:50051", show_default=True,
-    help="Server address [env STARGRPC_TARGET].")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _rpc_error(exc: grpc.RpcError) -> None:
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    click.echo(f"error: {code.name if code else 'RPC'}: {details}", err=True)
+def connection_options(command: F) -> F:
+    """The options every command that talks to a server takes, collected into a
+    ``client_options`` dict for :class:`~stargrpc.client.Client`."""
+    options = [
+        click.option("--target", envvar="STARGRPC_TARGET", default="localhost:50051",
+                     show_default=True, help="Server address [env STARGRPC_TARGET]."),
+        click.option("--api-key", envvar="STARGRPC_API_KEY", default=None,
+                     help="API key or JWT, sent as a bearer token [env STARGRPC_API_KEY]."),
+        click.option("--tls", is_flag=True, help="Connect with TLS (system root certificates "
+                     "unless --ca-file)."),
+        click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="PEM root certificates to verify the server; implies "
+                     "--tls."),
+        click.option("--cert-file", type=click.Path(exists=True, dir_okay=False,
+                                                    path_type=Path),
+                     default=None, help="Client certificate (PEM) for mutual TLS."),
+        click.option("--key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="The client certificate's private key (PEM)."),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, target: str, api_key: str | None, tls: bool,
+                ca_file: Path | None, cert_file: Path | None, key_file: Path | None,
+                **kwargs: Any) -> Any:
+        if (cert_file is None) != (key_file is None):
+            raise click.UsageError("--cert-file and --key-file go together")
+        client_options = {"target": target, "api_key": api_key or None, "tls": tls,
+                          "ca_file": ca_file, "cert_file": cert_file, "key_file": key_file}
+        return command(*args, client_options=client_options, **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper  # type: ignore[return-value]
+
+
+def _fail(error: ClientError) -> NoReturn:
+    click.echo(f"error: {error}", err=True)
+    if isinstance(error, CallError):
+        for violation in error.violations:
+            click.echo(f"  {violation.field}: {violation.description}", err=True)
     sys.exit(EXIT_RPC_ERROR)
 
 
 @click.command()
-@target_option
+@connection_options
 @click.option("--json", "as_json", is_flag=True, help="Print the catalog as JSON.")
-def tools(target: str, as_json: bool) -> None:
+def tools(client_options: dict[str, Any], as_json: bool) -> None:
     """List the tools of a running server."""
-    with grpc.insecure_channel(target) as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+    with Client(**client_options) as client:
         try:
-            reply = stub.ListTools(tool_service_pb2.ListToolsRequest(), timeout=30)
-        except grpc.RpcError as exc:
-            _rpc_error(exc)
-            return
+            catalog = client.list_tools(timeout=30)
+        except ClientError as exc:
+            _fail(exc)
     if as_json:
-        click.echo(json_format.MessageToJson(reply, preserving_proto_field_name=True))
+        click.echo(json.dumps({
+            "tools": [json_format.MessageToDict(t.raw, preserving_proto_field_name=True)
+                      for t in catalog.tools],
+            "catalog_hash": catalog.catalog_hash,
+        }, indent=2))
         return
-    width = max((len(t.name) for t in reply.tools), default=4)
-    for item in reply.tools:
-        flags = " [privileged]" if item.permissions.privileged else ""
+    width = max((len(t.name) for t in catalog.tools), default=4)
+    for item in catalog.tools:
+        flags = " [privileged]" if item.privileged else ""
+        flags += "" if item.callable else " [not allowed]"
         click.echo(f"{item.name.ljust(width)}  {item.description}{flags}")
-    click.echo(f"catalog {reply.catalog_hash}", err=True)
+    click.echo(f"catalog {catalog.catalog_hash}", err=True)
 
 
 @click.command()
-@target_option
+@connection_options
 @click.argument("tool_name")
 @click.option("--args", "arguments", default="{}", show_default=True,
               help="Arguments as a JSON object.")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
-@click.option("--idempotency-key", default="", help="Repeat a key to attach to or replay a run.")
+@click.option("--idempotency-key", default="",
+              help="Repeat a key to attach to or replay a run; one is generated when empty.")
 @click.option("--timeout", type=float, default=None, help="gRPC deadline in seconds.")
-def call(target: str, tool_name: str, arguments: str, as_json: bool, idempotency_key: str,
-         timeout: float | None) -> None:
-    """Run a tool and show its steps and output live. Exits 0 only when the outcome is OK."""
+def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json: bool,
+         idempotency_key: str, timeout: float | None) -> None:
+    """Run a tool and show its steps and output live. Exits 0 only when the outcome is OK.
+
+    A broken connection is resumed where it left off; Ctrl-C cancels the run.
+    """
     try:
         parsed = json.loads(arguments)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--args") from exc
     if not isinstance(parsed, dict):
         raise click.BadParameter("must be a JSON object", param_hint="--args")
-    request = tool_service_pb2.ExecuteRequest(tool_name=tool_name, arguments_json=arguments,
-                                              idempotency_key=idempotency_key)
-    renderer = JsonRenderer(sys.stdout) if as_json else TextRenderer(sys.stdout)
-    outcome = None
-    with grpc.insecure_channel(target) as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+    with Client(**client_options) as client:
+        _follow(client, client.execute(tool_name, arguments,
+                                       idempotency_key=idempotency_key or None,
+                                       timeout=timeout), as_json)
+
+
+@click.command()
+@connection_options
+@click.argument("run_id")
+@click.option("--after-seq", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Show only the events after this seq.")
+@click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
+def watch(client_options: dict[str, Any], run_id: str, after_seq: int, as_json: bool) -> None:
+    """Replay a run's events, then follow it live until its Result. Exits like ``call``."""
+    with Client(**client_options) as client:
+        _follow(client, client.watch(run_id, after_seq), as_json, cancel_on_interrupt=False)
+
+
+@click.command()
+@connection_options
+@click.argument("run_id")
+@click.option("--reason", default="", help="Why; shown in the run's Result.")
+def cancel(client_options: dict[str, Any], run_id: str, reason: str) -> None:
+    """Ask a run to stop. Exits 0 when it was still going, 2 when it had already ended."""
+    with Client(**client_options) as client:
         try:
-            for response in stub.Execute(request, timeout=timeout):
-                renderer.render(response.event)
-                if response.event.HasField("result"):
-                    outcome = response.event.result.outcome
-        except grpc.RpcError as exc:
-            renderer.close()
-            _rpc_error(exc)
-            return
+            stopped = client.cancel(run_id, reason, timeout=30)
+        except ClientError as exc:
+            _fail(exc)
+    click.echo("cancelled" if stopped else "already ended", err=True)
+    sys.exit(0 if stopped else 2)
+
+
+def _follow(client: Client, events: Iterator[Event], as_json: bool, *,
+            cancel_on_interrupt: bool = True) -> NoReturn:
+    """Renders a stream and exits with the status of its outcome."""
+    renderer = JsonRenderer(sys.stdout) if as_json else TextRenderer(sys.stdout)
+    run_id = ""
+    result: Result | None = None
+    try:
+        for event in events:
+            if not run_id:
+                run_id = event.run_id
+                if not as_json:
+                    click.echo(f"run {run_id}", err=True)
+            renderer.render(event.raw)
+            if isinstance(event, Result):
+                result = event
+    except ClientError as exc:
+        renderer.close()
+        _fail(exc)
+    except KeyboardInterrupt:
+        renderer.close()
+        # Runs outlive their stream: stop this one rather than leave it running unseen.
+        if cancel_on_interrupt and run_id:
+            with contextlib.suppress(ClientError):
+                client.cancel(run_id, "interrupted from the command line", timeout=5)
+            click.echo(f"interrupted; run {run_id} cancelled", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     renderer.close()
-    sys.exit(EXIT_CODES.get(outcome, EXIT_RPC_ERROR) if outcome is not None else EXIT_RPC_ERROR)
+    sys.exit(EXIT_CODES.get(result.outcome, EXIT_RPC_ERROR) if result else EXIT_RPC_ERROR)
 
 
 class JsonRenderer:

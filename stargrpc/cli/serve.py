@@ -10,7 +10,8 @@ import click
 import structlog
 from pydantic import ValidationError
 
-from stargrpc.errors import ToolDefinitionError
+from stargrpc.cli.keys import announce_first_key
+from stargrpc.errors import AuthConfigError, ToolDefinitionError
 from stargrpc.logs import configure_logging
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
@@ -58,7 +59,11 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     log = structlog.get_logger("stargrpc.cli")
     log.info("settings", **settings.masked())
     try:
+        announce_first_key(settings)
         asyncio.run(_serve(settings))
+    except AuthConfigError as exc:
+        click.echo(f"stargrpc: cannot start: {exc}", err=True)
+        sys.exit(4)
     except ToolDefinitionError as exc:
         log.error("tools_failed_to_load", error=str(exc))
         click.echo(f"stargrpc: cannot start: {exc}", err=True)

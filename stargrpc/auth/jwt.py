@@ -1,0 +1,156 @@
+"""JWT bearer tokens, verified with PyJWT.
+
+One key source is configured: an HS256 shared secret, a PEM public key (RS256 or ES256, by
+the key's type) or a JWKS file (the key picked by the token's ``kid``; the file is re-read
+when it changes, so keys rotate without a restart). The accepted algorithms follow from the
+key, never from the token, so a token cannot pick a weaker check. Issuer, audience and
+expiry are required and checked, not-before when present, with a small leeway for clock skew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.principal import Principal
+from stargrpc.settings import Settings
+
+# Which PyJWT errors mean what, for the server log and the auth-failure metric.
+_CAUSES: tuple[tuple[type[Exception], str], ...] = (
+    (jwt.ExpiredSignatureError, "token_expired"),
+    (jwt.ImmatureSignatureError, "token_not_yet_valid"),
+    (jwt.InvalidIssuerError, "token_wrong_issuer"),
+    (jwt.InvalidAudienceError, "token_wrong_audience"),
+    (jwt.MissingRequiredClaimError, "token_missing_claim"),
+    (jwt.InvalidSignatureError, "token_bad_signature"),
+)
+
+
+def _algorithms_for(key: Any) -> list[str]:
+    if isinstance(key, rsa.RSAPublicKey):
+        return ["RS256"]
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return ["ES256"]
+    raise ValueError(f"unsupported JWT public key type {type(key).__name__}; "
+                     "give an RSA or EC P-256 key")
+
+
+class _JwksFile:
+    """A JWKS file, re-read when its modification time changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._keys: dict[str, jwt.PyJWK] = {}
+
+    def refresh(self) -> None:
+        """Re-reads the file if it changed.
+
+        Raises:
+            OSError: The file cannot be read.
+            jwt.PyJWKSetError: It holds no usable key.
+        """
+        info = self.path.stat()
+        stamp = (info.st_mtime_ns, info.st_size)
+        if stamp != self._stamp:
+            keys = jwt.PyJWKSet.from_json(self.path.read_text(encoding="utf-8")).keys
+            self._keys = {k.key_id or "": k for k in keys}
+            self._stamp = stamp
+
+    def key(self, kid: str | None) -> jwt.PyJWK:
+        """The key with id ``kid`` (or the only key, for a token without one)."""
+        self.refresh()
+        if kid is None and len(self._keys) == 1:
+            return next(iter(self._keys.values()))
+        found = self._keys.get(kid or "")
+        if found is None:
+            raise CredentialsRejected("token_unknown_kid")
+        return found
+
+
+class JwtVerifier:
+    """Turns a bearer JWT into a :class:`Principal` (method "jwt")."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Reads the configured key.
+
+        Raises:
+            AuthConfigError: No JWT key is configured, or the key is unusable.
+            OSError: The key file cannot be read.
+        """
+        self._issuer = settings.jwt_issuer
+        self._audience = settings.jwt_audience
+        self._leeway = settings.jwt_leeway_seconds
+        self._principal_claim = settings.jwt_principal_claim
+        self._roles_claim = settings.jwt_roles_claim
+        self._jwks: _JwksFile | None = None
+        self._key: Any = None
+        self._algorithms: list[str] = []
+        if settings.jwt_secret is not None:
+            secret = settings.jwt_secret.get_secret_value()
+            if len(secret) < 32:
+                # RFC 7518 §3.2: an HS256 key must be at least as long as the hash.
+                raise AuthConfigError("jwt_secret must be at least 32 characters")
+            self._key, self._algorithms = secret, ["HS256"]
+        elif settings.jwt_public_key_file is not None:
+            try:
+                self._key = load_pem_public_key(settings.jwt_public_key_file.read_bytes())
+                self._algorithms = _algorithms_for(self._key)
+            except ValueError as exc:
+                raise AuthConfigError(f"{settings.jwt_public_key_file}: {exc}") from exc
+        elif settings.jwt_jwks_file is not None:
+            self._jwks = _JwksFile(settings.jwt_jwks_file)
+            try:
+                self._jwks.refresh()  # a broken file stops start-up rather than every call
+            except jwt.PyJWKSetError as exc:
+                raise AuthConfigError(f"{settings.jwt_jwks_file}: {exc}") from exc
+        else:
+            raise AuthConfigError("no JWT key configured")
+
+    def verify(self, token: str) -> Principal:
+        """The principal ``token`` names.
+
+        Raises:
+            CredentialsRejected: Bad signature, wrong issuer/audience, expired, not yet valid,
+                missing claims, or an unknown key id.
+        """
+        try:
+            key, algorithms = self._key, self._algorithms
+            if self._jwks is not None:
+                jwk = self._jwks.key(jwt.get_unverified_header(token).get("kid"))
+                key = jwk.key
+                algorithms = [jwk.algorithm_name] if jwk.algorithm_name in ("RS256", "ES256") \
+                    else _algorithms_for(key)
+            claims = jwt.decode(
+                token, key, algorithms=algorithms, audience=self._audience,
+                issuer=self._issuer, leeway=self._leeway,
+                options={"require": ["exp", "iss", "aud", self._principal_claim]})
+        except CredentialsRejected:
+            raise
+        except (jwt.PyJWTError, OSError, ValueError) as exc:
+            cause = next((c for cls, c in _CAUSES if isinstance(exc, cls)), "token_invalid")
+            raise CredentialsRejected(cause) from exc
+        subject = claims[self._principal_claim]
+        if not isinstance(subject, str) or not subject:
+            raise CredentialsRejected("token_missing_claim")
+        return Principal(id=subject, roles=frozenset(roles_from(claims, self._roles_claim)),
+                         method="jwt")
+
+
+def roles_from(claims: Mapping[str, Any], claim: str) -> list[str]:
+    """The roles in ``claims[claim]``: a list of strings or a space-separated string (the
+    OAuth ``scope`` style). Dots reach nested claims (``realm_access.roles``)."""
+    value: Any = claims
+    for part in claim.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, str) and item]
+    return []

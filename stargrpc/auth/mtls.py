@@ -1,0 +1,55 @@
+"""TLS serving and mutual TLS: server credentials from settings, and the principal named by
+a verified client certificate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import grpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from stargrpc.principal import Principal
+from stargrpc.settings import Settings
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials for the listening port, or None to serve plaintext.
+
+    With ``tls_client_ca_file`` every client must present a certificate signed by that CA
+    (grpcio offers no "optional client certificate" mode).
+
+    Raises:
+        OSError: A certificate or key file cannot be read.
+    """
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    pair = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+    client_ca = (settings.tls_client_ca_file.read_bytes()
+                 if settings.tls_client_ca_file is not None else None)
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+class CertificateIdentity:
+    """Maps the client certificate gRPC verified to a :class:`Principal` (method "mtls").
+
+    The principal id is the subject's common name, or the whole subject (RFC 4514) when it
+    has none. Roles come from ``mtls_roles`` (by principal id, plus the ``"*"`` entry).
+    """
+
+    def __init__(self, roles: Mapping[str, Sequence[str]]) -> None:
+        self._roles = {name: frozenset(given) for name, given in roles.items()}
+
+    def principal(self, auth_context: Mapping[str, Sequence[bytes]]) -> Principal | None:
+        """The principal of the verified client certificate, if the peer presented one."""
+        pem = auth_context.get("x509_pem_cert")
+        if not pem:
+            return None
+        subject = x509.load_pem_x509_certificate(pem[0]).subject
+        names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        principal_id = str(names[0].value) if names else subject.rfc4514_string()
+        if not principal_id:
+            return None
+        roles = self._roles.get(principal_id, frozenset()) | self._roles.get("*", frozenset())
+        return Principal(id=principal_id, roles=roles, method="mtls")

@@ -1,0 +1,188 @@
+"""The authentication interceptor: every call gets a principal or ends UNAUTHENTICATED.
+
+It wraps the handler of every method (all four call shapes, and methods that do not exist,
+so probing for them needs credentials too) with a check that runs first inside the call:
+it reads the ``authorization`` metadata and the TLS peer, sets
+:data:`stargrpc.principal.current_principal` (and binds ``principal`` for the logs), and
+fills the open :class:`~stargrpc.calls.CallRecord`. Refusals are UNAUTHENTICATED with the
+same generic message whatever went wrong; the cause goes to the log and the
+``tool_executor_auth_failures`` metric only. Health checks and reflection are open by
+default (``auth_open_health``, ``auth_open_reflection``). Which tools a principal may run
+is decided later, by :mod:`stargrpc.permissions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+import structlog
+
+from stargrpc import metrics
+from stargrpc.auth.authenticator import Authenticator
+from stargrpc.calls import current_call
+from stargrpc.errors import CredentialsRejected, abort_with
+from stargrpc.principal import Principal, current_principal
+from stargrpc.settings import Settings
+
+log = structlog.get_logger("stargrpc.auth")
+
+_HEALTH = frozenset({"grpc.health.v1.Health"})
+_REFLECTION = frozenset({"grpc.reflection.v1alpha.ServerReflection",
+                         "grpc.reflection.v1.ServerReflection"})
+_LOOPBACK = ("127.", "::1", "[::1]", "localhost")
+
+Admit = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call before its handler runs."""
+
+    def __init__(self, settings: Settings, *, authenticator: Authenticator | None = None
+                 ) -> None:
+        """Builds the credential checks the settings configure.
+
+        Raises:
+            AuthConfigError: A JWT key is unusable.
+            OSError: A JWT key file cannot be read.
+        """
+        self._settings = settings
+        self._authenticator = (authenticator if authenticator is not None
+                               else Authenticator(settings))
+        open_services: set[str] = set()
+        if settings.auth_open_health:
+            open_services |= _HEALTH
+        if settings.auth_open_reflection:
+            open_services |= _REFLECTION
+        self._open_services = frozenset(open_services)
+
+    async def start(self) -> None:
+        """Says loudly when authentication is off; reads the keys file once, so a broken
+        one stops start-up instead of refusing every call."""
+        settings = self._settings
+        if settings.insecure_no_auth:
+            exposed = not settings.host.startswith(_LOOPBACK)
+            log.warning(
+                "AUTHENTICATION IS OFF (--insecure-no-auth): every caller is the local "
+                "principal and may run every tool, privileged ones included. For local "
+                "experiments only." + (" The server listens beyond loopback!" if exposed
+                                       else ""),
+                host=settings.host)
+            return
+        keys = self._authenticator.keys.keys()
+        log.info("authentication", keys_file=str(self._authenticator.keys.path),
+                 api_keys=sum(not k.revoked for k in keys),
+                 jwt=self._authenticator.jwt is not None,
+                 mtls=self._authenticator.certificates is not None,
+                 open_services=sorted(self._open_services))
+
+    async def aclose(self) -> None:
+        """Nothing to flush."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails],
+                                     Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if method.lstrip("/").rpartition("/")[0] in self._open_services:
+            return handler
+
+        async def admit(context: grpc.aio.ServicerContext) -> Principal:
+            return await self._admit(context, method)
+
+        if handler is None:
+            return _unknown_method(admit)
+        return guard(handler, admit)
+
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
+        record = current_call.get()
+        try:
+            principal = self._authenticator.authenticate(
+                tuple(context.invocation_metadata() or ()),
+                context.auth_context() if self._authenticator.certificates else {})
+        except CredentialsRejected as error:
+            metrics.AUTH_FAILURES.labels(error.cause).inc()
+            if record is not None:
+                record.outcome = "unauthenticated"
+                record.detail = f"credentials refused: {error.cause}"
+            log.info("unauthenticated", cause=error.cause, method=method, peer=context.peer())
+            await abort_with(context, error)
+            raise  # abort_with raises; this keeps type checkers and readers sure of it
+        # Each call runs in its own task, so this never leaks into another call.
+        current_principal.set(principal)
+        structlog.contextvars.bind_contextvars(principal=principal.id)
+        if record is not None:
+            record.principal = principal
+        return principal
+
+
+def guard(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHandler:
+    """``handler`` with ``admit`` awaited before its behaviour, for any call shape.
+
+    Async generators stay async generators and writer-style coroutines stay coroutines,
+    since grpc.aio serves the two differently; plain functions run in a worker thread.
+    """
+    deserialize, serialize = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            _unary_response(handler.unary_unary, admit), deserialize, serialize)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            _unary_response(handler.stream_unary, admit), deserialize, serialize)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            _stream_response(handler.unary_stream, admit), deserialize, serialize)
+    assert handler.stream_stream is not None
+    return grpc.stream_stream_rpc_method_handler(
+        _stream_response(handler.stream_stream, admit), deserialize, serialize)
+
+
+def _unary_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
+    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await admit(context)
+        if inspect.iscoroutinefunction(inner):
+            return await inner(request, context)
+        return await asyncio.to_thread(inner, request, context)
+
+    return behaviour
+
+
+def _stream_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(inner):  # writer style: context.write(), returns None
+        async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await admit(context)
+            await inner(request, context)
+
+        return writer
+
+    async def generator(request: Any, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[Any]:
+        await admit(context)
+        if inspect.isasyncgenfunction(inner):
+            async for response in inner(request, context):
+                yield response
+            return
+        responses: Iterator[Any] = await asyncio.to_thread(inner, request, context)
+        while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+            yield response
+
+    return generator
+
+
+_END = object()
+
+
+def _unknown_method(admit: Admit) -> grpc.RpcMethodHandler:
+    """A handler for a method that does not exist: UNAUTHENTICATED without credentials,
+    UNIMPLEMENTED with them. Raw bytes in, so it fits a call of any shape."""
+
+    async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await admit(context)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    return grpc.stream_stream_rpc_method_handler(behaviour)

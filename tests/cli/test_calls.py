@@ -1,0 +1,84 @@
+"""``stargrpc tools/call/watch/cancel`` as a user runs them: a child process against a real
+server, through the Python SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from stargrpc.client import AsyncClient
+from stargrpc.errors import Unavailable
+from stargrpc.server import StargrpcServer
+from tests.client.conftest import recorded_server, recorder  # noqa: F401 - fixtures
+from tests.client.faults import Recorder
+
+TIMEOUT = 60
+
+
+async def _stargrpc(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_call_json_sends_the_api_key_and_retries_a_refusal(
+        recorded_server: StargrpcServer, recorder: Recorder) -> None:
+    recorder.fail("Execute", Unavailable("draining"))
+    target = f"127.0.0.1:{recorded_server.port}"
+
+    code, out, _ = await _stargrpc("call", "--target", target, "count", "--args", '{"to": 2}',
+                                   "--json", env={"STARGRPC_API_KEY": "from-env"})
+
+    assert code == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [int(line["seq"]) for line in lines] == list(range(1, len(lines) + 1))
+    assert lines[-1]["result"]["outcome"] == "OUTCOME_OK"
+    attempts = recorder.seen("Execute")
+    assert len(attempts) == 2
+    assert attempts[0].request.idempotency_key == attempts[1].request.idempotency_key != ""
+    assert {a.metadata["authorization"] for a in attempts} == {"Bearer from-env"}
+
+
+async def test_tools_json_and_refusals_with_their_details(
+        recorded_server: StargrpcServer, recorder: Recorder) -> None:
+    target = f"127.0.0.1:{recorded_server.port}"
+
+    (code, out, _), (bad_code, _, err) = await asyncio.gather(
+        _stargrpc("tools", "--target", target, "--json", "--api-key", "k"),
+        _stargrpc("call", "--target", target, "count", "--args", '{"to": "many"}'))
+
+    assert code == 0
+    catalog = json.loads(out)
+    assert catalog["catalog_hash"] == recorded_server.runtime.registry.catalog_hash
+    assert {"count", "echo", "sleep"} <= {t["name"] for t in catalog["tools"]}
+    assert recorder.seen("ListTools")[0].metadata["authorization"] == "Bearer k"
+    assert bad_code == 1
+    assert "INVALID_ARGUMENT" in err
+    assert "arguments.to:" in err
+
+
+async def test_watch_and_cancel_a_run(recorded_server: StargrpcServer) -> None:
+    target = f"127.0.0.1:{recorded_server.port}"
+    async with AsyncClient.connect(target) as client:
+        stream = client.execute("sleep", {"seconds": 30, "heartbeat_every": 0.05})
+        run_id = (await anext(stream)).run_id
+        watcher = asyncio.create_task(
+            _stargrpc("watch", "--target", target, run_id, "--after-seq", "1", "--json"))
+
+        code, _, err = await _stargrpc("cancel", "--target", target, run_id, "--reason",
+                                       "from the shell")
+        assert (code, err.strip()) == (0, "cancelled")
+        code, out, _ = await watcher
+        rest = [event async for event in stream]
+
+    assert code == 7  # the outcome was CANCELLED
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert int(lines[0]["seq"]) == 2
+    assert lines[-1]["result"]["outcome"] == "OUTCOME_CANCELLED"
+    assert "from the shell" in lines[-1]["result"]["error"]["message"]
+    assert int(lines[-1]["seq"]) == rest[-1].seq
