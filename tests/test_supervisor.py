@@ -40,6 +40,16 @@ async def ticks(ctx: ToolContext) -> str:
     return "done"
 
 
+@tool()
+async def lulls(ctx: ToolContext) -> str:
+    """Progress, a lull of 0.6 s, progress again, then a hang."""
+    await ctx.delta("before")
+    await asyncio.sleep(0.6)
+    await ctx.delta("after")
+    await asyncio.Event().wait()
+    return "unreachable"
+
+
 def make_run(fn: object) -> Run:
     spec = spec_of(fn)
     assert spec is not None
@@ -166,6 +176,16 @@ async def test_progress_extends_the_soft_deadline() -> None:
     # 20 ticks of 50 ms: the run lasted well past its 0.4 s soft timeout.
     assert events[-1].result.duration.ToNanoseconds() > 0.4e9
     assert sample("tool_executor_critic_extensions_total") > extensions
+
+
+async def test_progress_after_a_warning_starts_over() -> None:
+    _, events = await supervised_events(lulls, SupervisionPolicy(0.8, 30))
+
+    # Warned in the lull, rescued by the second delta, warned again, then stopped.
+    assert phases(events) == ["START s0", "DELTA s0 'before'", "NOTICE", "DELTA s0 'after'",
+                              "NOTICE", "END s0 ERROR", "RESULT TIMEOUT"]
+    assert events[-1].result.output == "beforeafter"
+    assert events[-1].result.duration.ToNanoseconds() >= 1.4e9  # 0.6 s lull + 0.8 s
 
 
 async def test_hard_cap_stops_a_progressing_run() -> None:
