@@ -181,6 +181,10 @@ class Runtime:
             record.privileged = spec.privileged
             record.idempotency_key = call.idempotency_key
             record.arguments = call.arguments
+        # Identity fields in the request count only for callers that may act for others.
+        principal = self.policy.delegate(principal, call.invocation)
+        if record is not None:
+            record.principal = principal
         self.policy.check(principal, spec)
         args = validate(spec.args_model, call.arguments)
         run_id = uuid.uuid4().hex

@@ -180,10 +180,8 @@ class Settings(BaseSettings):
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain: serve TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
     tls_client_ca_file: Path | None = Field(
-        None, description="PEM CA bundle: verify client certificates (mTLS); the subject's "
-        "common name becomes the principal.")
-    tls_require_client_cert: bool = Field(True, description="With tls_client_ca_file, refuse "
-                                          "connections without a client certificate.")
+        None, description="PEM CA bundle: require and verify client certificates (mTLS); "
+        "the subject's common name becomes the principal.")
     mtls_roles: dict[str, list[str]] = Field(
         default_factory=dict, description="Roles per client-certificate principal; '*' "
         "applies to every certificate.")

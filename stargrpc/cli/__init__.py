@@ -7,6 +7,7 @@ import click
 from stargrpc import __version__
 from stargrpc.cli.calls import call, cancel, tools, watch
 from stargrpc.cli.health import health
+from stargrpc.cli.keys import keys
 from stargrpc.cli.serve import serve
 
 
@@ -27,5 +28,6 @@ main.add_command(call)
 main.add_command(watch)
 main.add_command(cancel)
 main.add_command(health)
+main.add_command(keys)
 
 __all__ = ["main"]
