@@ -11,7 +11,6 @@ import sys
 from stargrpc.client import AsyncClient
 from stargrpc.errors import Unavailable
 from stargrpc.server import StargrpcServer
-from tests.client.conftest import recorded_server, recorder  # noqa: F401 - fixtures
 from tests.client.faults import Recorder
 
 TIMEOUT = 60
