@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from stargrpc import __version__
+from stargrpc.cli.audit import audit
 from stargrpc.cli.calls import call, cancel, tools, watch
 from stargrpc.cli.health import health
 from stargrpc.cli.keys import keys
@@ -23,6 +24,7 @@ def version() -> None:
 
 
 main.add_command(serve)
+main.add_command(audit)
 main.add_command(tools)
 main.add_command(call)
 main.add_command(watch)

@@ -46,6 +46,9 @@ from stargrpc.settings import Settings
               "role [env STARGRPC_INSECURE_NO_AUTH].")
 @click.option("--keys-file", "keys_file", type=click.Path(path_type=Path), default=None,
               help="API keys file [env STARGRPC_KEYS_FILE; default <state_dir>/keys.json].")
+@click.option("--audit-store", "audit_store", default=None,
+              help="Where audit records go: sqlite:///PATH or postgresql://… [env "
+              "STARGRPC_AUDIT_STORE; default sqlite:///<state_dir>/audit.db].")
 def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object) -> None:
     """Run the stargrpc server."""
     overrides = dict(flags)

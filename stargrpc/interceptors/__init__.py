@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.critic import CriticInterceptor
 from stargrpc.settings import Settings
@@ -23,6 +24,7 @@ from stargrpc.settings import Settings
 def build_chain(settings: Settings) -> Sequence[grpc.aio.ServerInterceptor]:
     """The interceptors of a server with ``settings``, outermost first."""
     chain: list[grpc.aio.ServerInterceptor] = []
+    chain.append(AuditInterceptor(settings))  # outermost: sees every attempt
     chain.append(AuthInterceptor(settings))  # the principal, before anything runs
     chain.append(CriticInterceptor(settings))  # innermost: closest to the run
     return chain

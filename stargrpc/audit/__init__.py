@@ -1,0 +1,36 @@
+"""The audit trail: one tamper-evident record per call attempt.
+
+- :mod:`~stargrpc.audit.record` — the record and the names of outcomes;
+- :mod:`~stargrpc.audit.redact` — secret-looking keys redacted, long values cut;
+- :mod:`~stargrpc.audit.chain` — the hash chain and its verification;
+- :mod:`~stargrpc.audit.store` — the store protocol and :func:`open_store` (SQLite by
+  default, PostgreSQL for a fleet);
+- :mod:`~stargrpc.audit.writer` — the batched writer, off the calls' path.
+
+The interceptor that produces the records is :mod:`stargrpc.interceptors.audit`; the
+``stargrpc audit`` commands that read them are in :mod:`stargrpc.cli.audit`.
+"""
+
+from __future__ import annotations
+
+from stargrpc.audit.chain import VerifyReport, verify
+from stargrpc.audit.record import OUTCOMES, AuditRecord
+from stargrpc.audit.redact import REDACTED, RedactionLimits, redact, redacted_json
+from stargrpc.audit.store import AuditStore, Query, default_store_url, open_store
+from stargrpc.audit.writer import AuditWriter
+
+__all__ = [
+    "OUTCOMES",
+    "REDACTED",
+    "AuditRecord",
+    "AuditStore",
+    "AuditWriter",
+    "Query",
+    "RedactionLimits",
+    "VerifyReport",
+    "default_store_url",
+    "open_store",
+    "redact",
+    "redacted_json",
+    "verify",
+]

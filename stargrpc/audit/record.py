@@ -1,0 +1,141 @@
+"""The audit record: one row per call attempt, and how a call's outcome is named.
+
+Outcomes are the closed set :data:`OUTCOMES`. A call refused before a run gets its outcome
+from the gRPC status (:func:`outcome_for_status`); an Execute that ran gets it from the
+run's Result (:func:`outcome_for_result`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from stargrpc.v1 import events_pb2
+
+#: Every outcome an audit record can have.
+OUTCOMES = ("ok", "denied", "failed", "error", "timeout", "cancelled", "unauthenticated",
+            "invalid")
+
+#: The previous hash of the first record of a store.
+GENESIS_HASH = "0" * 64
+
+_STATUS_OUTCOMES: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.OK: "ok",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "denied",
+    # The request itself was wrong: a bad field, an unknown tool or run, a stale catalog.
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.NOT_FOUND: "invalid",
+    grpc.StatusCode.FAILED_PRECONDITION: "invalid",
+    grpc.StatusCode.OUT_OF_RANGE: "invalid",
+    grpc.StatusCode.UNIMPLEMENTED: "invalid",
+    grpc.StatusCode.ALREADY_EXISTS: "invalid",
+    # Well-formed, but it could not be served now (limits, draining, a store down).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "failed",
+    grpc.StatusCode.UNAVAILABLE: "failed",
+    grpc.StatusCode.ABORTED: "failed",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.CANCELLED: "cancelled",
+}
+
+
+def outcome_for_status(code: grpc.StatusCode | None) -> str:
+    """The outcome of a call that ended with gRPC status ``code`` (None counts as OK)."""
+    if code is None:
+        return "ok"
+    return _STATUS_OUTCOMES.get(code, "error")
+
+
+def outcome_for_result(result: events_pb2.Result) -> str:
+    """The outcome of a run, from its Result: "ok", "denied", "failed", … ."""
+    name = events_pb2.Outcome.Name(result.outcome).removeprefix("OUTCOME_").lower()
+    return name if name in OUTCOMES else "error"
+
+
+def utc_now() -> str:
+    """The current time as the store keeps it: fixed-width ISO 8601 in UTC, so that text
+    order is time order."""
+    return format_time(datetime.now(UTC))
+
+
+def format_time(moment: datetime) -> str:
+    """``moment`` as ``2026-01-02T03:04:05.678901Z``."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One call attempt, as the audit trail keeps it.
+
+    The store assigns ``seq``, ``prev_hash`` and ``hash`` when it appends the record; every
+    other field is final when the record is submitted.
+
+    Attributes:
+        id: Unique id of the record.
+        time: When the call started (see :func:`utc_now`).
+        method: Full gRPC method name.
+        peer: The caller's address as gRPC reports it.
+        principal: Who called ("" when authentication did not establish anyone).
+        acting_for: The end user a delegating caller acted for, when honoured.
+        auth_method: How the caller authenticated (api_key, jwt, mtls, none).
+        tool: The tool named by an Execute.
+        run_id: The run the call started, attached to, watched or cancelled.
+        arguments: The arguments as JSON text, secrets redacted and long values truncated
+            (or what the tool chose to show instead).
+        result: What the run returned, redacted and truncated (or the tool's substitute).
+        outcome: One of :data:`OUTCOMES`.
+        detail: A short, user-safe detail (an error code and message).
+        duration_ms: How long the call took.
+        idempotency_key: The request's idempotency key.
+        privileged: Whether the tool is privileged.
+        seq: Position in the store, from 1, gapless.
+        prev_hash: The hash of the record before (:data:`GENESIS_HASH` for the first).
+        hash: SHA-256 over this record's fields and ``prev_hash``.
+    """
+
+    id: str
+    time: str
+    method: str
+    peer: str = ""
+    principal: str = ""
+    acting_for: str = ""
+    auth_method: str = ""
+    tool: str = ""
+    run_id: str = ""
+    arguments: str = ""
+    result: str = ""
+    outcome: str = "ok"
+    detail: str = ""
+    duration_ms: float = 0.0
+    idempotency_key: str = ""
+    privileged: bool = False
+    seq: int = 0
+    prev_hash: str = ""
+    hash: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AuditRecord:
+        """A record from a store row (column names are the field names)."""
+        values = {name: data[name] for name in FIELDS if name in data}
+        values["privileged"] = bool(values.get("privileged", False))
+        values["duration_ms"] = float(values.get("duration_ms", 0.0))
+        values["seq"] = int(values.get("seq", 0))
+        return cls(**values)
+
+    @property
+    def who(self) -> str:
+        """"alice", or "alice acting for bob"."""
+        return f"{self.principal} acting for {self.acting_for}" if self.acting_for \
+            else self.principal
+
+
+#: Field names in storage order.
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AuditRecord))

@@ -1,0 +1,172 @@
+"""Where audit records are kept: the :class:`AuditStore` protocol and :func:`open_store`.
+
+One setting picks the store: ``sqlite:///PATH`` (the default, under the state directory)
+or ``postgresql://…`` (for a fleet of replicas sharing one trail). Either way the store
+numbers and chains the records as it appends them, inside one transaction that excludes
+other writers, so a trail written by several processes is still one chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from stargrpc.audit.record import FIELDS, AuditRecord
+
+
+@dataclass(frozen=True)
+class Query:
+    """Which records to read.
+
+    Attributes:
+        tool: Only this tool.
+        principal: Only calls by this principal, or made on behalf of this end user.
+        outcome: Only this outcome.
+        since: Only records at or after this time (the store's ISO 8601 UTC format).
+        after_seq: Only records after this seq.
+        limit: At most this many (None: all).
+        newest_first: Newest first instead of oldest first.
+    """
+
+    tool: str | None = None
+    principal: str | None = None
+    outcome: str | None = None
+    since: str | None = None
+    after_seq: int = 0
+    limit: int | None = None
+    newest_first: bool = False
+
+
+class AuditStore(Protocol):
+    """A durable, append-only, hash-chained audit trail."""
+
+    url: str
+
+    async def open(self) -> None:
+        """Connects and creates the table if needed."""
+        ...
+
+    async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        """Numbers, chains and writes ``records`` in one transaction.
+
+        Returns:
+            The records as stored (with seq, prev_hash and hash).
+        """
+        ...
+
+    async def query(self, query: Query) -> list[AuditRecord]:
+        """Records matching ``query``."""
+        ...
+
+    def scan(self, batch: int = 1000) -> AsyncIterator[AuditRecord]:
+        """Every record in seq order, read in batches."""
+        ...
+
+    async def aclose(self) -> None:
+        """Closes the connection."""
+        ...
+
+
+def default_store_url(state_dir: Path) -> str:
+    """The store used when none is configured: SQLite under the state directory."""
+    return f"sqlite:///{(state_dir / 'audit.db').as_posix()}"
+
+
+def open_store(url: str) -> AuditStore:
+    """The store a URL names (not yet opened).
+
+    Args:
+        url: ``sqlite:///relative/or//absolute/path.db`` or ``postgresql://user@host/db``
+            (``postgres://`` too; extra query parameters such as ``search_path`` are passed
+            to the server as settings).
+
+    Raises:
+        ValueError: The URL names no supported store.
+    """
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "sqlite":
+        from stargrpc.audit.sqlite import SqliteAuditStore
+
+        return SqliteAuditStore(url)
+    if scheme in ("postgresql", "postgres"):
+        from stargrpc.audit.postgres import PostgresAuditStore
+
+        return PostgresAuditStore(url)
+    raise ValueError(f"unsupported audit store {url.split('://')[0]!r}: use sqlite:///PATH "
+                     "or postgresql://…")
+
+
+def sqlite_path(url: str) -> Path:
+    """The file a SQLite URL names, as SQLAlchemy reads it: ``sqlite:///audit.db`` is
+    relative to the working directory, ``sqlite:////var/lib/stargrpc/audit.db`` absolute.
+
+    Raises:
+        ValueError: The URL names no file.
+    """
+    rest = url.split("://", 1)[1].removeprefix("/")
+    if not rest:
+        raise ValueError("the sqlite audit store URL names no file: use sqlite:///PATH")
+    return Path(rest)
+
+
+#: The table both stores keep records in.
+TABLE = "audit_records"
+
+
+def schema_sql(column_types: dict[str, str]) -> list[str]:
+    """CREATE statements of the table and its indexes.
+
+    Args:
+        column_types: SQL types of the columns that are not plain required text.
+    """
+    columns = ", ".join(f"{name} {column_types.get(name, 'TEXT NOT NULL')}" for name in FIELDS)
+    return [f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns})",
+            *(f"CREATE INDEX IF NOT EXISTS {TABLE}_{column} ON {TABLE} ({column})"
+              for column in ("time", "tool", "principal", "run_id"))]
+
+
+def select_sql(table: str, query: Query, placeholder: str) -> tuple[str, list[object]]:
+    """The SELECT statement for ``query`` and its parameters.
+
+    Args:
+        table: The table name (trusted, never from a request).
+        query: What to select.
+        placeholder: "?" for SQLite, "$" for PostgreSQL (numbered ``$1``, ``$2``, …).
+    """
+    params: list[object] = []
+
+    def param(value: object) -> str:
+        params.append(value)
+        return "?" if placeholder == "?" else f"${len(params)}"
+
+    conditions = [f"seq > {param(query.after_seq)}"]
+    if query.tool:
+        conditions.append(f"tool = {param(query.tool)}")
+    if query.principal:
+        conditions.append(f"(principal = {param(query.principal)} "
+                          f"OR acting_for = {param(query.principal)})")
+    if query.outcome:
+        conditions.append(f"outcome = {param(query.outcome)}")
+    if query.since:
+        conditions.append(f"time >= {param(query.since)}")
+    sql = (f"SELECT {', '.join(FIELDS)} FROM {table} WHERE {' AND '.join(conditions)} "
+           f"ORDER BY seq {'DESC' if query.newest_first else 'ASC'}")
+    if query.limit is not None:
+        sql += f" LIMIT {param(query.limit)}"
+    return sql, params
+
+
+async def scan_in_batches(query: Callable[[Query], Awaitable[list[AuditRecord]]],
+                          batch: int) -> AsyncIterator[AuditRecord]:
+    """Every record in seq order, ``batch`` at a time, through a store's ``query``."""
+    after = 0
+    while True:
+        records = await query(Query(after_seq=after, limit=batch))
+        for record in records:
+            yield record
+        if len(records) < batch:
+            return
+        after = records[-1].seq

@@ -1,0 +1,314 @@
+"""The audit interceptor, outermost in the chain: one audit record for every call attempt.
+
+It opens the call's :class:`~stargrpc.calls.CallRecord` before anything else runs, so the
+record exists even for calls that authentication refuses; the inner parts fill it in
+(authentication the principal, ``Runtime.prepare`` the tool, run id and arguments). When
+the call ends the interceptor names the outcome — from the run's Result for an Execute that
+ran, otherwise from the gRPC status the call ended with — and hands the record to the
+batched writer.
+
+An Execute's Result is held back until its record is committed, so that every Result a
+client has seen has its record in the store even if the process is killed right after
+(bounded by ``audit_commit_timeout_seconds``; concurrent calls share one commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf import json_format
+
+from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
+from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
+from stargrpc.audit.store import AuditStore, default_store_url, open_store
+from stargrpc.audit.writer import AuditWriter
+from stargrpc.calls import CallRecord, current_call
+from stargrpc.principal import current_principal
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2, tool_service_pb2
+
+log = structlog.get_logger("stargrpc.audit")
+
+#: Longest ``detail`` kept in a record.
+MAX_DETAIL_CHARS = 300
+
+_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+
+
+@dataclass
+class _Call:
+    """One call being audited: its record, when it began, and whether it is written."""
+
+    record: CallRecord
+    time: str = field(default_factory=utc_now)
+    written: bool = False
+    result: events_pb2.Result | None = None
+
+
+class AuditInterceptor(grpc.aio.ServerInterceptor):
+    """Writes one audit record per call attempt (see the module docstring).
+
+    Attributes:
+        writer: The batched writer records go to.
+        limits: How much of arguments and results a record keeps.
+        max_result_chars: Longest result text kept.
+        commit_timeout: Longest an Execute's Result waits for its record to be committed.
+    """
+
+    writer: AuditWriter
+    limits: RedactionLimits
+    max_result_chars: int
+    commit_timeout: float
+
+    def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
+        if store is None:
+            store = open_store(settings.audit_store or default_store_url(settings.state_dir))
+        self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
+                                  close_timeout=settings.audit_close_timeout_seconds)
+        self.limits = RedactionLimits(max_value_chars=settings.audit_max_value_chars,
+                                      max_total_chars=settings.audit_max_arguments_chars)
+        self.max_result_chars = settings.audit_max_result_chars
+        self.commit_timeout = settings.audit_commit_timeout_seconds
+
+    # -- lifecycle (the server calls these) ------------------------------------------------
+
+    async def start(self) -> None:
+        """Opens the store and starts the writer."""
+        await self.writer.start()
+
+    async def aclose(self) -> None:
+        """Writes every queued record, then closes the store."""
+        await self.writer.aclose()
+
+    # -- the interceptor -------------------------------------------------------------------
+
+    async def intercept_service(self, continuation: _Continuation,
+                                handler_call_details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler | None:
+        call = _Call(CallRecord(method=handler_call_details.method))
+        # grpc.aio serves each call in a task of its own: inner interceptors and the
+        # handler see this record, and nothing else does.
+        current_call.set(call.record)
+        try:
+            handler = await continuation(handler_call_details)
+        except BaseException as exc:
+            self._conclude(call, None, exc)
+            raise
+        if handler is None:
+            call.record.outcome = "invalid"
+            call.record.detail = "unknown method"
+            self._write(call)
+            return None
+        return self._wrap(handler, call)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
+        codec = {"request_deserializer": handler.request_deserializer,
+                 "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, call, peek=True), **codec)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, call, peek=True), **codec)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.stream_unary, call, peek=False), **codec)
+        return grpc.stream_stream_rpc_method_handler(
+            self._stream(handler.stream_stream, call, peek=False), **codec)
+
+    def _unary(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
+               ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self._begin(call, request if peek else None, context)
+            try:
+                if inspect.iscoroutinefunction(behavior):
+                    response = await behavior(request, context)
+                else:  # a plain function: grpc.aio would run it off the event loop too
+                    response = await asyncio.to_thread(behavior, request, context)
+            except BaseException as exc:
+                self._conclude(call, context, exc)
+                raise
+            self._conclude(call, context, None)
+            return response
+
+        return audited
+
+    def _stream(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
+                ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+        # grpc.aio serves a coroutine (which calls context.write) and an async generator
+        # differently, so the wrapper keeps the shape of what it wraps.
+        if inspect.iscoroutinefunction(behavior):
+            return self._unary(behavior, call, peek=peek)
+
+        async def audited(request: Any, context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[Any]:
+            self._begin(call, request if peek else None, context)
+            try:
+                async for response in _responses(behavior, request, context):
+                    if isinstance(response, tool_service_pb2.ExecuteResponse) and \
+                            response.event.HasField("result"):
+                        call.result = response.event.result
+                        await self._commit(call, context)
+                    yield response
+            except BaseException as exc:
+                self._conclude(call, context, exc)
+                raise
+            self._conclude(call, context, None)
+
+        return audited
+
+    # -- the record ------------------------------------------------------------------------
+
+    def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
+        current_call.set(call.record)
+        record = call.record
+        record.peer = context.peer() or ""
+        if request is None:
+            return
+        # What the request names, so that even a call refused before the runtime looked at
+        # it is recorded with its tool, run or key (cut: it is unchecked input).
+        for name in ("tool", "run_id", "idempotency_key"):
+            value = getattr(request, "tool_name" if name == "tool" else name, "")
+            if isinstance(value, str) and value and not getattr(record, name):
+                setattr(record, name, cut(value, 200))
+
+    async def _commit(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """Writes the record of an Execute whose Result is about to be sent, and waits (a
+        bounded time) until it is committed."""
+        future = self._conclude(call, context, None)
+        if future is None or self.commit_timeout <= 0:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.commit_timeout)
+        except TimeoutError:
+            log.warning("audit_commit_slow", run_id=call.record.run_id,
+                        waited_seconds=self.commit_timeout)
+        except RuntimeError:
+            pass  # the writer closed; _write logged it
+
+    def _conclude(self, call: _Call, context: grpc.aio.ServicerContext | None,
+                  exc: BaseException | None) -> asyncio.Future[AuditRecord] | None:
+        """Names the outcome of the call and writes its record (once)."""
+        if call.written:
+            return None
+        record = call.record
+        if call.result is not None:
+            record.outcome = outcome_for_result(call.result)
+            if call.result.HasField("error"):
+                record.detail = record.detail or \
+                    f"{call.result.error.code}: {call.result.error.message}"
+        elif not record.outcome:
+            record.outcome, detail = _outcome_of_call(context, exc)
+            record.detail = record.detail or detail
+        if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
+            record.detail = f"idempotent call {record.extra['idempotent']} an earlier run"
+        return self._write(call)
+
+    def _write(self, call: _Call) -> asyncio.Future[AuditRecord] | None:
+        call.written = True
+        record = self._audit_record(call)
+        self._log(record)
+        try:
+            return self.writer.submit(record)
+        except RuntimeError:
+            log.error("audit_record_not_stored", reason="the audit writer is closed",
+                      record=record.as_dict())
+            return None
+
+    def _audit_record(self, call: _Call) -> AuditRecord:
+        record = call.record
+        principal = record.principal
+        if principal is None and record.outcome != "unauthenticated":
+            principal = current_principal.get()
+        run = record.extra.get("run")
+        arguments = getattr(run, "audit_arguments", None)
+        if arguments is None:
+            arguments = record.arguments
+        return AuditRecord(
+            id=uuid.uuid4().hex,
+            time=call.time,
+            method=record.method,
+            peer=record.peer,
+            principal=principal.id if principal else "",
+            acting_for=principal.acting_for if principal else "",
+            auth_method=principal.method if principal else "",
+            tool=record.tool,
+            run_id=record.run_id,
+            arguments=redacted_json(arguments, self.limits) if arguments is not None else "",
+            result=self._result_text(call, getattr(run, "audit_result", None)),
+            outcome=record.outcome,
+            detail=cut(record.detail, MAX_DETAIL_CHARS),
+            duration_ms=round((time.monotonic() - record.started) * 1000, 3),
+            idempotency_key=record.idempotency_key,
+            privileged=record.privileged,
+        )
+
+    def _result_text(self, call: _Call, substitute: str | None) -> str:
+        if substitute is not None:  # the tool chose what the audit shows
+            return cut(substitute, self.max_result_chars)
+        if call.record.result_view is not None:
+            return cut(call.record.result_view, self.max_result_chars)
+        result = call.result
+        if result is None:
+            return ""
+        if result.HasField("structured_output"):
+            structured = json_format.MessageToDict(result.structured_output)
+            limits = RedactionLimits(self.limits.max_value_chars, self.limits.max_items,
+                                     self.limits.max_depth, self.max_result_chars)
+            return redacted_json(structured, limits)
+        return cut(result.output, self.max_result_chars)
+
+    def _log(self, record: AuditRecord) -> None:
+        fields: dict[str, Any] = {
+            "method": record.method, "tool": record.tool, "principal": record.who,
+            "peer": record.peer, "outcome": record.outcome, "detail": record.detail,
+            "duration_ms": record.duration_ms, "privileged": record.privileged,
+            "idempotency_key": record.idempotency_key, "audit_id": record.id,
+        }
+        if record.privileged:
+            fields["arguments"] = record.arguments
+        warn = record.privileged or record.outcome != "ok"
+        with structlog.contextvars.bound_contextvars(run_id=record.run_id):
+            if warn:
+                log.warning("audit", **fields)
+            else:
+                log.info("audit", **fields)
+
+
+async def _responses(behavior: Callable[..., Any], request: Any,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """The responses of a streaming handler: an async generator, or a plain generator run
+    off the event loop."""
+    if inspect.isasyncgenfunction(behavior):
+        async for response in behavior(request, context):
+            yield response
+        return
+    responses = await asyncio.to_thread(behavior, request, context)
+    end = object()
+    while (response := await asyncio.to_thread(next, responses, end)) is not end:
+        yield response
+
+
+def _outcome_of_call(context: grpc.aio.ServicerContext | None,
+                     exc: BaseException | None) -> tuple[str, str]:
+    """The outcome and detail of a call that did not end with a Result."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is not None and remaining <= 0:
+            return "timeout", "the caller's deadline expired"
+        return "cancelled", "the caller cancelled the call"
+    code = context.code() if context is not None else None
+    if code is None and exc is not None:
+        return "error", f"the handler failed ({type(exc).__name__})"
+    details = context.details() if context is not None else ""
+    if isinstance(details, bytes):
+        details = details.decode("utf-8", errors="replace")
+    return outcome_for_status(code), details or ""

@@ -1,0 +1,77 @@
+"""Redaction of secret-looking keys at any depth, and truncation that says what it cut."""
+
+from __future__ import annotations
+
+import json
+
+from stargrpc.audit.redact import REDACTED, RedactionLimits, is_secret_key, redact, redacted_json
+
+
+def test_secret_keys_are_redacted_at_any_depth() -> None:
+    arguments = {
+        "query": "weather",
+        "password": "hunter2",
+        "config": {"db": {"hosts": [{"name": "a", "db_pass": "p1"},
+                                    {"name": "b", "credentials": {"user": "u"}}]}},
+        "headers": {"Authorization": "Bearer abc", "X-Api-Key": "k1", "Cookie": "c=1"},
+        "apiKey": "k2", "private_key": "-----BEGIN", "client_secret": "s", "sessionId": "x",
+        "refresh_token": "t",
+    }
+
+    shown = redact(arguments)
+
+    assert shown["query"] == "weather"
+    assert shown["password"] == REDACTED
+    assert shown["config"]["db"]["hosts"][0] == {"name": "a", "db_pass": REDACTED}
+    assert shown["config"]["db"]["hosts"][1]["credentials"] == REDACTED
+    assert shown["headers"] == {"Authorization": REDACTED, "X-Api-Key": REDACTED,
+                                "Cookie": REDACTED}
+    for key in ("apiKey", "private_key", "client_secret", "sessionId", "refresh_token"):
+        assert shown[key] == REDACTED, key
+    text = json.dumps(shown)
+    for secret in ("hunter2", "p1", "Bearer abc", "k1", "k2", "BEGIN"):
+        assert secret not in text
+    assert arguments["password"] == "hunter2"  # the caller's value is left alone
+
+
+def test_ordinary_keys_that_merely_contain_a_fragment_are_kept() -> None:
+    for key in ("author", "authors", "passenger", "compass", "bypass_cache", "text"):
+        assert not is_secret_key(key), key
+    assert redact({"author": "ann", "passenger": 3}) == {"author": "ann", "passenger": 3}
+
+
+def test_long_values_are_cut_with_the_count_of_what_was_cut() -> None:
+    limits = RedactionLimits(max_value_chars=10, max_items=3)
+
+    shown = redact({"text": "x" * 25, "items": list(range(5))}, limits)
+
+    assert shown["text"] == "x" * 10 + "…[+15 chars]"
+    assert shown["items"] == [0, 1, 2, "…[+2 items]"]
+
+
+def test_deep_nesting_is_replaced_by_a_marker() -> None:
+    value: dict[str, object] = {"leaf": 1}
+    for _ in range(30):
+        value = {"inner": value}
+
+    text = json.dumps(redact(value, RedactionLimits(max_depth=5)))
+
+    assert "nested deeper than 5 levels" in text
+    assert '"leaf"' not in text
+
+
+def test_the_whole_text_is_capped() -> None:
+    text = redacted_json({"a": "y" * 900, "b": "z" * 900},
+                         RedactionLimits(max_value_chars=1000, max_total_chars=100))
+
+    assert text.startswith('{"a":"yyy')
+    assert text.endswith("chars]")
+    assert len(text) < 130
+    cut = int(text.rsplit("+", 1)[1].split(" ")[0])
+    assert cut == len(json.dumps({"a": "y" * 900, "b": "z" * 900},
+                                 separators=(",", ":"))) - 100
+
+
+def test_values_that_are_not_json_are_shown_as_text() -> None:
+    assert json.loads(redacted_json({"when": object.__new__(type("T", (), {
+        "__str__": lambda self: "a T"}))})) == {"when": "a T"}

@@ -1,0 +1,109 @@
+"""The batched writer: group commit, retries without loss, flush on close, queue depth."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stargrpc import metrics
+from stargrpc.audit.chain import verify
+from stargrpc.audit.record import AuditRecord
+from stargrpc.audit.store import AuditStore, open_store
+from stargrpc.audit.writer import AuditWriter
+from tests.audit.records import make_record
+
+
+class CountingStore:
+    """A real store that counts transactions and can refuse the first few."""
+
+    def __init__(self, store: AuditStore, failures: int = 0) -> None:
+        self.inner = store
+        self.url = store.url
+        self.transactions = 0
+        self.failures = failures
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("store unreachable")
+        self.transactions += 1
+        return await self.inner.append(records)
+
+    async def query(self, query):  # type: ignore[no-untyped-def]
+        return await self.inner.query(query)
+
+    def scan(self, batch: int = 1000):  # type: ignore[no-untyped-def]
+        return self.inner.scan(batch)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _depth() -> float:
+    return metrics.REGISTRY.get_sample_value("tool_executor_audit_queue_depth") or 0.0
+
+
+async def test_records_submitted_together_share_one_transaction(sqlite_url: str) -> None:
+    store = CountingStore(open_store(sqlite_url))
+    writer = AuditWriter(store, max_batch=500)
+    await writer.start()
+    before = _depth()
+
+    futures = [writer.submit(make_record()) for _ in range(100)]
+    assert _depth() == before + 100
+    stored = [await future for future in futures]
+    await writer.flush()
+
+    assert store.transactions == 1
+    assert [r.seq for r in stored] == list(range(1, 101))
+    assert _depth() == before
+    await writer.aclose()
+
+
+async def test_batches_are_bounded(sqlite_url: str) -> None:
+    store = CountingStore(open_store(sqlite_url))
+    writer = AuditWriter(store, max_batch=10)
+    await writer.start()
+    for _ in range(35):
+        writer.submit(make_record())
+    await writer.flush()
+    await writer.aclose()
+
+    assert store.transactions == 4
+
+
+async def test_a_failing_store_loses_nothing(sqlite_url: str) -> None:
+    store = CountingStore(open_store(sqlite_url), failures=3)
+    writer = AuditWriter(store)
+    await writer.start()
+
+    records = [make_record() for _ in range(5)]
+    futures = [writer.submit(record) for record in records]
+    stored = [await future for future in futures]
+    await writer.aclose()
+
+    assert [r.id for r in stored] == [r.id for r in records]
+    reopened = open_store(sqlite_url)
+    await reopened.open()
+    assert [r.id async for r in reopened.scan()] == [r.id for r in records]
+    assert (await verify(reopened.scan())).intact
+    await reopened.aclose()
+
+
+async def test_close_writes_everything_queued(store_url: str) -> None:
+    writer = AuditWriter(open_store(store_url))
+    await writer.start()
+    for _ in range(50):
+        writer.submit(make_record())
+    assert writer.pending == 50
+
+    await writer.aclose()
+
+    reopened = open_store(store_url)
+    await reopened.open()
+    count = len([r async for r in reopened.scan()])
+    await reopened.aclose()
+    assert count == 50
+    assert writer.pending == 0

@@ -1,0 +1,316 @@
+"""The audit interceptor through a real server: one record per call attempt, whatever its
+fate, with secrets redacted, the tool's own audit view honoured, the outcome named, the log
+line at the right level with the run id, and every record flushed on a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import jwt
+import pytest
+import structlog
+from pydantic import BaseModel, Field
+
+from stargrpc import ToolContext, ToolFailed, tool
+from stargrpc.audit.chain import verify
+from stargrpc.audit.record import AuditRecord
+from stargrpc.audit.store import Query, default_store_url, open_store
+from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.logs import configure_logging
+from stargrpc.registry import Registry, spec_of
+from stargrpc.server import StargrpcServer
+from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from tests.conftest import ServerFactory
+from tests.helpers import run_tool
+
+WAIT = 30.0  # generous bound on waits; never a claim about speed
+JWT_SECRET = "an-hs256-test-secret-that-is-long-enough-0123456789"
+EXECUTE = "/stargrpc.v1.ToolService/Execute"
+
+
+class Login(BaseModel):
+    user: str
+    password: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+@tool()
+async def login(ctx: ToolContext, args: Login) -> dict[str, Any]:
+    """Pretends to log in; returns a session token."""
+    return {"user": args.user, "session_token": "tok-SECRET-RESULT"}
+
+
+class Paste(BaseModel):
+    text: str
+
+
+@tool()
+async def paste(ctx: ToolContext, args: Paste) -> str:
+    """Returns a link whose fragment is a key: the model needs it, the audit must not."""
+    ctx.audit_view(arguments={"text": f"<{len(args.text)} chars>"}, result="paste created")
+    return "https://paste.example/p/1#key-SECRET-FRAGMENT"
+
+
+class Command(BaseModel):
+    command: str
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+@tool(privileged=True, allowed_roles=("ops",))
+async def run_command(ctx: ToolContext, args: Command) -> str:
+    """A privileged tool."""
+    return "done"
+
+
+@tool(allowed_roles=("ops",))
+async def ops_only(ctx: ToolContext) -> str:
+    """Only for the ops role."""
+    return "ok"
+
+
+@tool()
+async def fails(ctx: ToolContext) -> str:
+    """Ends FAILED."""
+    raise ToolFailed("the backend said no")
+
+
+@tool()
+async def crashes(ctx: ToolContext) -> str:
+    """Ends ERROR."""
+    raise RuntimeError("boom")
+
+
+@tool()
+async def waits(ctx: ToolContext) -> str:
+    """Runs until cancelled (bounded)."""
+    await ctx.delta("started")
+    await asyncio.sleep(WAIT)
+    return "never"
+
+
+def _registry() -> Registry:
+    specs = (spec_of(fn) for fn in (login, paste, run_command, ops_only, fails, crashes,
+                                    waits))
+    return Registry(spec for spec in specs if spec is not None)
+
+
+async def _records(server: StargrpcServer) -> list[AuditRecord]:
+    """Every record of the server's store, once the writer has caught up."""
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    await audit.writer.flush()
+    return [r async for r in audit.writer.store.scan()]
+
+
+@pytest.fixture
+async def server(make_server: ServerFactory) -> StargrpcServer:
+    return await make_server(registry=_registry())
+
+
+@pytest.fixture
+async def stub(server: StargrpcServer) -> AsyncIterator[tool_service_pb2_grpc.ToolServiceStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+@pytest.fixture
+def log_lines() -> Iterator[io.StringIO]:
+    """The server's log as JSON lines in a buffer (logging restored afterwards)."""
+    buffer = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    configure_logging("info", "json", stream=buffer)
+    yield buffer
+    structlog.reset_defaults()
+    root.handlers[:], root.level = handlers, level
+
+
+def _parsed(buffer: io.StringIO, event: str) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in buffer.getvalue().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == event]
+
+
+async def test_an_execute_leaves_one_complete_record(server, stub) -> None:
+    events = await run_tool(stub, "login", {"user": "ann", "password": "pw"},
+                            idempotency_key="k-1")
+
+    [record] = await _records(server)
+    assert record.method == EXECUTE
+    assert record.outcome == "ok"
+    assert record.tool == "login"
+    assert record.run_id == events[-1].run_id
+    assert record.peer.startswith("ipv4:127.0.0.1:")
+    assert record.principal == "local"
+    assert record.auth_method == "none"
+    assert record.idempotency_key == "k-1"
+    assert record.privileged is False
+    assert record.duration_ms > 0
+    assert record.seq == 1 and record.hash
+    assert json.loads(record.arguments) == {"user": "ann", "password": "<redacted>"}
+    assert json.loads(record.result) == {"user": "ann", "session_token": "<redacted>"}
+
+
+async def test_secrets_never_reach_the_store_or_the_log(server, stub, log_lines) -> None:
+    arguments = {"user": "ann", "password": "hunter2-SECRET",
+                 "options": {"hosts": [{"name": "db", "api_key": "ak-SECRET"}],
+                             "headers": {"Authorization": "Bearer SECRET-TOKEN"},
+                             "note": "n" * 3000}}
+    await run_tool(stub, "login", arguments)
+    await run_tool(stub, "run_command", {"command": "ls", "env": {"DB_PASSWORD": "pw-SECRET"}})
+
+    records = await _records(server)
+    stored = json.dumps([r.as_dict() for r in records])
+    assert "SECRET" not in stored
+    assert "SECRET" not in log_lines.getvalue()
+    shown = json.loads(records[0].arguments)
+    assert shown["options"]["hosts"] == [{"name": "db", "api_key": "<redacted>"}]
+    assert shown["options"]["headers"] == {"Authorization": "<redacted>"}
+    assert shown["options"]["note"] == "n" * 1000 + "…[+2000 chars]"
+
+
+async def test_a_tool_can_choose_what_its_record_shows(server, stub) -> None:
+    events = await run_tool(stub, "paste", {"text": "my diary"})
+
+    assert "SECRET-FRAGMENT" in events[-1].result.output  # the model gets it
+    [record] = await _records(server)
+    assert json.loads(record.arguments) == {"text": "<8 chars>"}
+    assert record.result == "paste created"
+
+
+async def test_refused_calls_are_recorded_with_their_outcome(server, stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await run_tool(stub, "no_such_tool", {})
+    with pytest.raises(grpc.aio.AioRpcError) as invalid:
+        await run_tool(stub, "login", {"user": "ann"})
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    records = await _records(server)
+    assert [(r.tool, r.outcome) for r in records] == [("no_such_tool", "invalid"),
+                                                      ("login", "invalid")]
+    assert "unknown tool" in records[0].detail
+    assert records[1].run_id == ""
+
+
+async def test_outcomes_of_runs(server, stub) -> None:
+    await run_tool(stub, "fails")
+    await run_tool(stub, "crashes")
+
+    failed, crashed = await _records(server)
+    assert failed.outcome == "failed"
+    assert "the backend said no" in failed.detail
+    assert crashed.outcome == "error"
+    assert "boom" not in crashed.detail  # user-safe detail only
+
+
+async def test_a_cancelled_call_and_an_expired_deadline(server, stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(tool_name="waits")
+    call = stub.Execute(request)
+    async for _ in call:  # the run has started once the first event arrives
+        break
+    call.cancel()
+    # The critic ends the run at the caller's deadline (Result{TIMEOUT}) unless the
+    # transport's DEADLINE_EXCEEDED gets there first; either way the record says timeout.
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for _ in stub.Execute(request, timeout=0.5):
+            pass
+
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    deadline = time.monotonic() + WAIT
+    while len(await audit.writer.store.query(Query())) < 2 and time.monotonic() < deadline:
+        await audit.writer.flush()
+        await asyncio.sleep(0.05)  # the server notices a gone client on its own schedule
+    records = await _records(server)
+    assert sorted(r.outcome for r in records) == ["cancelled", "timeout"]
+    assert all(r.tool == "waits" and r.run_id for r in records)
+
+
+async def test_watch_and_cancel_name_their_run(server, stub) -> None:
+    events = await run_tool(stub, "login", {"user": "a", "password": "b"})
+    run_id = events[-1].run_id
+    watched = [r async for r in stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=run_id))]
+    await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+    assert watched[-1].event.HasField("result")
+
+    records = await _records(server)
+    assert [r.method.rsplit("/", 1)[1] for r in records] == ["Execute", "WatchRun", "CancelRun"]
+    assert {r.run_id for r in records} == {run_id}
+    assert all(r.outcome == "ok" for r in records)
+
+
+async def test_log_levels_and_the_bound_run_id(server, stub, log_lines) -> None:
+    ok = await run_tool(stub, "login", {"user": "a", "password": "b"})
+    privileged = await run_tool(stub, "run_command", {"command": "uptime"})
+    await run_tool(stub, "fails")
+
+    lines = _parsed(log_lines, "audit")
+    assert [(line["tool"], line["level"]) for line in lines] == [
+        ("login", "info"), ("run_command", "warning"), ("fails", "warning")]
+    assert lines[0]["run_id"] == ok[-1].run_id
+    assert lines[1]["run_id"] == privileged[-1].run_id
+    assert json.loads(lines[1]["arguments"]) == {"command": "uptime"}
+    assert "arguments" not in lines[0]  # only privileged calls log their arguments
+
+
+def _token(sub: str, roles: list[str], **claims: Any) -> str:
+    now = int(time.time())
+    payload = {"sub": sub, "roles": roles, "iss": "test-issuer", "aud": "stargrpc",
+               "iat": now, "nbf": now, "exp": now + 300, **claims}
+    return jwt.encode(payload, JWT_SECRET, algorithm="HS256")
+
+
+async def test_unauthenticated_and_denied_calls_are_recorded(make_server: ServerFactory
+                                                             ) -> None:
+    server = await make_server(registry=_registry(), jwt_secret=JWT_SECRET,
+                               jwt_issuer="test-issuer", jwt_audience="stargrpc")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        async def execute(tool_name: str, token: str = "", **arguments: Any) -> None:
+            request = tool_service_pb2.ExecuteRequest(tool_name=tool_name,
+                                                      arguments_json=json.dumps(arguments))
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            async for _ in stub.Execute(request, metadata=metadata):
+                pass
+
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await execute("ops_only")
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await execute("ops_only", _token("rita", ["reader"]))
+        await execute("run_command", _token("olga", ["ops", "privileged"]), command="id")
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    unauthenticated, refused, privileged = await _records(server)
+    assert (unauthenticated.outcome, unauthenticated.principal) == ("unauthenticated", "")
+    assert unauthenticated.tool == "ops_only"
+    assert (refused.outcome, refused.principal, refused.tool) == ("denied", "rita", "ops_only")
+    assert (privileged.outcome, privileged.principal) == ("ok", "olga")
+    assert privileged.privileged is True
+    assert privileged.auth_method == "jwt"
+
+
+async def test_a_clean_shutdown_writes_every_record(make_server: ServerFactory) -> None:
+    # Results do not wait for their records here: only the shutdown flush can save them.
+    server = await make_server(registry=_registry(), audit_commit_timeout_seconds=0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        runs = await asyncio.gather(*(run_tool(stub, "login", {"user": f"u{i}", "password": "p"})
+                                      for i in range(40)))
+    await server.stop(grace=5)
+
+    store = open_store(default_store_url(server.settings.state_dir))
+    await store.open()
+    try:
+        records = [r async for r in store.scan()]
+        report = await verify(store.scan())
+    finally:
+        await store.aclose()
+    assert {r.run_id for r in records} == {events[-1].run_id for events in runs}
+    assert report.intact and report.checked == 40
