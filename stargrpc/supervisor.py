@@ -62,6 +62,10 @@ CLIENT_DEADLINE = "CLIENT_DEADLINE"
 #: Result can still reach the caller instead of a bare DEADLINE_EXCEEDED.
 CLIENT_DEADLINE_MARGIN = 0.05
 
+# The longest time left stamped on an event (a Duration holds at most ~10,000 years; absurd
+# configured timeouts must not make stamping fail).
+_MAX_TIME_LEFT = 10 * 365 * 24 * 3600.0
+
 # Timers may fire a hair early (the loop's clock resolution); a limit this close counts as
 # reached, so the timer never re-arms itself for a few nanoseconds in a loop.
 _SLACK = 1e-3
@@ -174,7 +178,8 @@ class Supervisor:
             self._last_progress = now
             self.progress_events += 1
         # Whole milliseconds: plenty for a countdown, and shorter on the wire.
-        event.critic_time_left.FromMilliseconds(round(self.time_left(now) * 1000))
+        left = min(self.time_left(now), _MAX_TIME_LEFT)
+        event.critic_time_left.FromMilliseconds(round(left * 1000))
 
     def _is_progress(self, event: events_pb2.RunEvent) -> bool:
         kind = event.WhichOneof("kind")

@@ -233,3 +233,13 @@ async def test_launch_hook_supervises_only_calls_with_a_policy() -> None:
     supervised.start()
     await asyncio.wait_for(supervised.wait(), WAIT)
 
+
+
+async def test_huge_timeouts_still_stamp_a_valid_time_left() -> None:
+    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(1e300, 1e300))
+    event = heartbeat("working")
+
+    supervisor.observe(event)
+
+    assert event.critic_time_left.seconds >= 365 * 24 * 3600
+    assert event.SerializeToString()  # a valid Duration
