@@ -26,6 +26,7 @@ from stargrpc.limits import ConcurrencyLimits
 from stargrpc.permissions import RolePolicy
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
+from stargrpc.sandbox import log_isolation
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores import make_store
@@ -147,6 +148,8 @@ class StargrpcServer:
         log.info("serving", address=f"{self.settings.host}:{self.port}",
                  tools=sorted(self.runtime.registry),
                  catalog_hash=self.runtime.registry.catalog_hash)
+        if any(spec.kind == "sandbox" for spec in self.runtime.registry.values()):
+            await asyncio.to_thread(log_isolation, self.settings)  # says which mode, once
         return self.port
         await self.http.start(self.port)
 

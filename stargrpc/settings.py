@@ -203,6 +203,55 @@ class Settings(BaseSettings):
     audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
                                         "an audit record.")
 
+    # -- sandbox and bundled tools (stargrpc/sandbox, http_guard.py, kb/, tools/) ----------
+    sandbox_isolation: Literal["auto", "bwrap", "unshare", "rlimits"] = Field(
+        "auto", description="How sandboxed commands are isolated: auto picks the strongest "
+        "that works here (bwrap, then unshare, then rlimits only).")
+    sandbox_root: Path | None = Field(None, description="Where run working directories are "
+                                      "made; default <tmp>/stargrpc-sandbox.")
+    sandbox_keep_workdir: bool = Field(False, description="Keep each run's working directory "
+                                       "(for debugging) instead of removing it.")
+    sandbox_user: str = Field("nobody", description="When the server runs as root, sandboxed "
+                              "commands run as this user (so process limits apply).")
+    sandbox_cpu_seconds: int = Field(10, ge=1, le=3600, description="CPU time limit per run.")
+    sandbox_memory_mb: int = Field(512, ge=16, description="Address-space limit per process.")
+    sandbox_file_size_mb: int = Field(64, ge=1, description="Largest file a run may write.")
+    sandbox_max_processes: int = Field(64, ge=1, description="Processes (threads) the "
+                                       "sandbox user may have at once.")
+    sandbox_max_open_files: int = Field(256, ge=16, description="Open files per process.")
+    sandbox_wall_clock_seconds: float = Field(60.0, gt=0, description="Wall-clock limit of "
+                                              "a run.")
+    sandbox_output_bytes: int = Field(1 * MiB, ge=1024, description="stdout+stderr streamed "
+                                      "per run; the rest is cut with a marker.")
+    sandbox_sent_file_bytes: int = Field(8 * MiB, ge=0, description="Total size of the "
+                                         "output-folder files returned as sent files.")
+    sandbox_env_allowlist: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["LANG", "LC_ALL", "TZ"], description="Server environment "
+        "variables passed to sandboxed commands (comma-separated); nothing else is.")
+    sandbox_python: str = Field("python3", description="Interpreter of the python tool, "
+                                "looked up on the sandbox PATH.")
+    http_fetch_allowlist: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Hosts http_fetch may reach (comma-separated; "
+        "'*.example.com' for subdomains); empty refuses every host.")
+    http_fetch_allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="CIDRs http_fetch may reach although they are "
+        "private, loopback or link-local (an escape hatch for tests and intranets).")
+    http_fetch_max_bytes: int = Field(5 * MiB, ge=1, description="Largest response body.")
+    http_fetch_timeout_seconds: float = Field(30.0, gt=0, description="Total time per fetch.")
+    http_fetch_max_redirects: int = Field(5, ge=0, le=20, description="Redirects followed.")
+    kb_dir: Path | None = Field(None, description="Folder of Markdown/text documents that "
+                                "knowledge_search searches.")
+    kb_index_path: Path | None = Field(None, description="The SQLite FTS5 index; default "
+                                       "<state_dir>/kb/index.sqlite3.")
+
+    @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
+                     "http_fetch_allowed_networks", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
     @model_validator(mode="after")
     def _check_auth(self) -> Settings:
         jwt_keys = [self.jwt_secret, self.jwt_public_key_file, self.jwt_jwks_file]

@@ -1,0 +1,33 @@
+"""The sandbox: run a command in a child process with limits, isolation and a clean end.
+
+- :mod:`stargrpc.sandbox.runner` — :class:`Sandbox`, one run from working directory to
+  collected output files.
+- :mod:`stargrpc.sandbox.limits` — the rlimits and how a run that hit one is recognised.
+- :mod:`stargrpc.sandbox.isolation` — bubblewrap / unshare / rlimits-only, and detection.
+- :mod:`stargrpc.sandbox.tooling` — :func:`run_in_sandbox`, the one call a tool makes.
+"""
+
+from __future__ import annotations
+
+from stargrpc.sandbox.isolation import Isolation
+from stargrpc.sandbox.limits import Limits, Verdict
+from stargrpc.sandbox.runner import (
+    OutputFile,
+    Sandbox,
+    SandboxResult,
+    isolation_for,
+    log_isolation,
+)
+from stargrpc.sandbox.tooling import run_in_sandbox
+
+__all__ = [
+    "Isolation",
+    "Limits",
+    "OutputFile",
+    "Sandbox",
+    "SandboxResult",
+    "Verdict",
+    "isolation_for",
+    "log_isolation",
+    "run_in_sandbox",
+]

@@ -1,0 +1,135 @@
+"""Isolation modes: which wrapper a sandboxed command runs in, and how that is detected.
+
+- ``bwrap`` (bubblewrap): private network (loopback only), private PID namespace (the
+  whole tree dies with the run), a read-only view of the system folders only (``/usr``,
+  ``/etc`` …; no ``/home``, ``/root``, ``/var``, ``/srv``, host ``/tmp``), a private
+  ``/tmp`` and ``/dev``, the run's working directory the only writable place.
+- ``unshare`` (util-linux, needs root): private network and PID namespace; the file
+  system is the host's, protected only by running as the unprivileged sandbox user.
+- ``rlimits``: resource limits, a scrubbed environment, its own session, the sandbox user
+  when the server is root; no namespace at all.
+
+Each mode is probed once per process by actually running ``true`` in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Host folders shown read-only inside bubblewrap (symlinks are recreated as symlinks).
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+                 "/opt")
+
+#: Where the run's working directory appears inside bubblewrap.
+BWRAP_WORKDIR = "/work"
+
+MODES = ("bwrap", "unshare", "rlimits")
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """An isolation mode that works on this machine.
+
+    Attributes:
+        mode: "bwrap", "unshare" or "rlimits".
+        description: What it protects, one line, for the start-up log.
+    """
+
+    mode: str
+    description: str
+
+    def command(self, argv: Sequence[str], workdir: Path, *, limits: Sequence[str],
+                uid: int | None, gid: int | None) -> list[str]:
+        """The full command line that runs ``argv`` in this mode.
+
+        The sandbox user is taken with ``setpriv`` on the command line rather than by the
+        forking process: changing ids makes Python fork() instead of vfork(), and a fork of
+        a process full of gRPC threads can crash before it reaches exec.
+
+        Args:
+            argv: The command.
+            workdir: The run's working directory on the host.
+            limits: The ``prlimit`` prefix.
+            uid: The sandbox user, when the server is root.
+            gid: The sandbox group.
+        """
+        drop: list[str] = []
+        if uid is not None and gid is not None:
+            drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                    "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
+        if self.mode == "bwrap":
+            return [*drop, *limits, *_bwrap_prefix(workdir), "--", *argv]
+        if self.mode == "unshare":
+            # unshare needs root to make the namespaces; the ids are dropped inside.
+            return [*limits, "unshare", "--net", "--pid", "--fork", "--kill-child",
+                    "--mount-proc", "--", *drop, *argv]
+        return [*drop, *limits, *argv]
+
+    def workdir_inside(self, workdir: Path) -> str:
+        """The path of the working directory as the command sees it."""
+        return BWRAP_WORKDIR if self.mode == "bwrap" else str(workdir)
+
+
+def _bwrap_prefix(workdir: Path) -> list[str]:
+    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--hostname", "sandbox"]
+    for path in _SYSTEM_PATHS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+             "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR]
+    return args
+
+
+_DESCRIPTIONS = {
+    "bwrap": "bubblewrap: private network, private PID namespace, read-only system folders, "
+             "only the run's working directory writable; plus rlimits",
+    "unshare": "unshare: private network and PID namespace; host file system protected only "
+               "by the sandbox user's permissions; plus rlimits",
+    "rlimits": "rlimits only: resource limits, scrubbed environment, own session; NO network "
+               "or file-system isolation",
+}
+
+
+def _probe(mode: str, probe_dir: Path, uid: int | None, gid: int | None) -> bool:
+    candidate = Isolation(mode, "")
+    if mode != "rlimits" and shutil.which(mode) is None:
+        return False
+    if mode == "unshare" and os.geteuid() != 0:
+        return False
+    argv = candidate.command(["true"], probe_dir, limits=[], uid=uid, gid=gid)
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=10,
+                              cwd=probe_dir, env={"PATH": SANDBOX_PATH}, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+#: PATH inside the sandbox.
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@functools.cache
+def detect(wanted: str, probe_dir: Path, uid: int | None, gid: int | None) -> Isolation:
+    """The strongest mode that works (``wanted="auto"``) or the wanted one.
+
+    Raises:
+        RuntimeError: The wanted mode does not work on this machine.
+    """
+    for needed in ("prlimit", "setpriv"):
+        if shutil.which(needed) is None:
+            raise RuntimeError(f"the sandbox needs {needed} (util-linux)")
+    candidates = MODES if wanted == "auto" else (wanted,)
+    for mode in candidates:
+        if mode == "rlimits" or _probe(mode, probe_dir, uid, gid):
+            return Isolation(mode, _DESCRIPTIONS[mode])
+    raise RuntimeError(f"sandbox isolation {wanted!r} does not work on this machine")

@@ -1,0 +1,103 @@
+""":func:`run_in_sandbox`: what a tool calls to run a command in the sandbox and report it.
+
+It opens a step, streams stdout/stderr as DELTAs on it (``channel="stdout"``/``"stderr"``),
+heartbeats while the command runs, hands the output-folder files back as sent files and
+turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
+TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stargrpc.context import ToolContext
+from stargrpc.outcome import Outcome, ToolResult
+from stargrpc.sandbox.runner import Sandbox, SandboxResult
+
+#: How much of each stream the Result's text repeats (the DELTAs carry all of it).
+_RESULT_TAIL_CHARS = 8 * 1024
+
+
+class _CommandFailed(Exception):
+    """Raised inside the step so it ends with status ERROR; never leaves this module."""
+
+
+async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
+                         files: Mapping[str, str | bytes] | None = None,
+                         env: Mapping[str, str] | None = None) -> ToolResult:
+    """Runs ``argv`` in the sandbox configured in ``ctx.settings`` and reports it.
+
+    Args:
+        ctx: The tool's context.
+        argv: The command, looked up on the sandbox PATH.
+        title: Title of the step the command runs in.
+        files: Input files for the working directory.
+        env: Extra environment variables.
+
+    Returns:
+        The tool's result, with structured output ``{exit_status, signal, verdict, reason,
+        cpu_seconds, duration_seconds, output_truncated, isolation, files, skipped_files}``.
+    """
+    sandbox = Sandbox(ctx.settings)
+    wall_clock = sandbox.limits.wall_clock_seconds
+
+    async def on_tick(elapsed: float) -> None:
+        await ctx.heartbeat(f"running for {elapsed:.0f} s", progress=min(elapsed / wall_clock,
+                                                                          1.0))
+
+    result: SandboxResult | None = None
+    try:
+        async with ctx.step(title, kind="sandbox",
+                            detail={"isolation": sandbox.isolation.mode}) as step:
+
+            async def on_output(channel: str, text: str) -> None:
+                await step.delta(text, channel=channel)
+
+            result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
+                                       on_tick=on_tick)
+            step.summary = result.verdict.message
+            if not result.verdict.ok:
+                raise _CommandFailed
+    except _CommandFailed:
+        pass
+    assert result is not None
+    for sent in result.files:
+        ctx.send_file(sent.name, sent.data, sent.mime_type)
+    return _tool_result(result)
+
+
+def _tool_result(result: SandboxResult) -> ToolResult:
+    parts = []
+    if result.stdout_tail:
+        parts.append(_tail(result.stdout_tail))
+    if result.stderr_tail:
+        parts.append("[stderr]\n" + _tail(result.stderr_tail))
+    if result.output_truncated:
+        parts.append("[output truncated]")
+    parts.append(f"[{result.verdict.message}]")
+    structured: dict[str, Any] = {
+        "exit_status": result.exit_status,
+        "signal": result.exit_signal,
+        "verdict": result.verdict.code,
+        "reason": result.verdict.message,
+        "cpu_seconds": round(result.cpu_seconds, 3),
+        "duration_seconds": round(result.duration, 3),
+        "output_truncated": result.output_truncated,
+        "isolation": result.isolation,
+        "files": [sent.name for sent in result.files],
+        "skipped_files": result.skipped_files,
+    }
+    text = "\n".join(part.rstrip("\n") for part in parts)
+    if result.verdict.ok:
+        return ToolResult(output=text, structured=structured)
+    outcome = Outcome.TIMEOUT if result.verdict.code == "WALL_CLOCK_LIMIT" else Outcome.FAILED
+    return ToolResult(output=text, outcome=outcome, structured=structured,
+                      error_message=result.verdict.message, error_code=result.verdict.code)
+
+
+def _tail(text: str) -> str:
+    if len(text) <= _RESULT_TAIL_CHARS:
+        return text
+    return "…" + text[-_RESULT_TAIL_CHARS:]
+

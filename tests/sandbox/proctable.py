@@ -1,0 +1,48 @@
+"""The process table, for tests that check a sandboxed run left nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+
+def marker() -> str:
+    """A token unique to one test, to put on the command lines it starts."""
+    return f"sbxmark{uuid.uuid4().hex[:12]}"
+
+
+def processes_with(token: str) -> list[int]:
+    """Pids of live (non-zombie) processes whose command line contains ``token``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token.encode() in cmdline and state != b"Z":
+            found.append(int(entry.name))
+    return found
+
+
+async def wait_until_gone(token: str, within: float = 10.0) -> list[int]:
+    """Waits for every process carrying ``token`` to be gone; returns the survivors."""
+    deadline = time.monotonic() + within
+    # The process table has no event to await: poll it, bounded.
+    while (left := processes_with(token)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return left
+
+
+async def wait_until_running(token: str, within: float = 10.0) -> list[int]:
+    """Waits for a process carrying ``token`` to exist."""
+    deadline = time.monotonic() + within
+    while not (found := processes_with(token)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return found

@@ -1,0 +1,179 @@
+"""The sandbox runner on its own: streaming, caps, scrubbed environment, isolation, kill."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stargrpc.sandbox import Limits, Sandbox, isolation_for
+from stargrpc.settings import MiB, Settings
+from tests.sandbox.proctable import marker, wait_until_gone, wait_until_running
+
+SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
+               max_processes=32, wall_clock_seconds=10, output_bytes=64 * 1024)
+
+
+def exists(path: str | Path) -> bool:
+    """Whether a path exists (a quick stat; fine inside a test's event loop)."""
+    return os.path.lexists(path)
+
+
+def settings(tmp_path: Path, **overrides: Any) -> Settings:
+    return Settings.load(state_dir=tmp_path / "state", **overrides)
+
+
+def sandbox(tmp_path: Path, limits: Limits = SMALL, **overrides: Any) -> Sandbox:
+    return Sandbox(settings(tmp_path, **overrides), limits)
+
+
+class Recorder:
+    """Collects (channel, text) as the runner streams it."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[str, str]] = []
+        self.first = asyncio.Event()
+
+    async def __call__(self, channel: str, text: str) -> None:
+        self.pieces.append((channel, text))
+        self.first.set()
+
+    def text(self, channel: str) -> str:
+        return "".join(t for c, t in self.pieces if c == channel)
+
+
+def sleeper(token: str) -> str:
+    """A shell command for a process that sleeps long, with ``token`` on its command line
+    and SIGTERM ignored."""
+    return (f"python3 -I -c 'import signal, time; signal.signal(signal.SIGTERM, "
+            f"signal.SIG_IGN); time.sleep(600)' {token}")
+
+
+bwrap_only = pytest.mark.skipif(
+    isolation_for(Settings.load()).mode != "bwrap",
+    reason="bubblewrap isolation is not available on this machine")
+
+
+async def test_streams_stdout_and_stderr_apart_and_returns_output_files(tmp_path) -> None:
+    out = Recorder()
+    result = await sandbox(tmp_path).run(
+        ["sh", "-c", "echo one; echo oops >&2; echo two; printf 'a,b\\n' > $OUTPUT_DIR/t.csv"],
+        on_output=out)
+
+    assert result.verdict.ok
+    assert out.text("stdout") == "one\ntwo\n"
+    assert out.text("stderr") == "oops\n"
+    assert [(f.name, f.data, f.mime_type) for f in result.files] == [
+        ("t.csv", b"a,b\n", "text/csv")]
+
+
+async def test_workdir_is_fresh_and_removed_afterwards(tmp_path) -> None:
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")  # shows the real path
+    first = await box.run(["sh", "-c", "touch left-behind; pwd"])
+    second = await box.run(["sh", "-c", "ls -A"])
+
+    workdir = Path(first.stdout_tail.strip())
+    assert workdir.name.startswith("run-")
+    assert not exists(workdir)
+    assert sorted(second.stdout_tail.split()) == ["out", "tmp"]
+
+
+async def test_environment_is_scrubbed(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("STARGRPC_TEST_SECRET", "s3cr3t-value")
+    monkeypatch.setenv("TZ", "UTC")
+    result = await sandbox(tmp_path).run(
+        ["sh", "-c", f"env; cat /proc/{os.getpid()}/environ; cat /proc/$PPID/environ; true"])
+
+    assert "s3cr3t-value" not in result.stdout_tail
+    assert "s3cr3t-value" not in result.stderr_tail
+    assert "TZ=UTC" in result.stdout_tail  # allowlisted by default
+    assert "OUTPUT_DIR=" in result.stdout_tail
+
+
+async def test_output_past_the_cap_is_cut_with_a_marker(tmp_path) -> None:
+    out = Recorder()
+    limits = Limits(cpu_seconds=5, wall_clock_seconds=20, output_bytes=4096)
+    result = await sandbox(tmp_path, limits).run(
+        ["sh", "-c", "i=0; while [ $i -lt 2000 ]; do echo line $i; i=$((i+1)); done; echo done"],
+        on_output=out)
+
+    shown = out.text("stdout")
+    assert result.verdict.ok
+    assert result.output_truncated
+    assert shown.endswith("[output truncated: more than 4096 bytes; the rest was discarded]\n")
+    assert len(shown.encode()) < 4096 + 200
+    assert result.stdout_tail.endswith("done\n")  # the tail still saw the end
+
+
+async def test_wall_clock_kills_a_process_that_ignores_sigterm(tmp_path) -> None:
+    token = marker()
+    limits = Limits(cpu_seconds=5, wall_clock_seconds=1.5)
+    result = await sandbox(tmp_path, limits).run(
+        ["sh", "-c", f"trap '' TERM; {sleeper(token)} & wait"])
+
+    assert result.verdict.code == "WALL_CLOCK_LIMIT"
+    assert result.verdict.message == "killed: wall-clock limit of 1.5 s exceeded"
+    assert await wait_until_gone(token) == []
+
+
+@pytest.mark.parametrize("mode", ["rlimits", "unshare", "bwrap"])
+async def test_cancellation_kills_the_whole_group(tmp_path, mode) -> None:
+    try:
+        box = sandbox(tmp_path, sandbox_isolation=mode)
+    except RuntimeError:
+        pytest.skip(f"{mode} isolation does not work here")
+    token = marker()
+    out = Recorder()
+    task = asyncio.create_task(box.run(
+        ["sh", "-c", f"{sleeper(token)} & {sleeper(token)} & echo started; wait"],
+        on_output=out))
+    await asyncio.wait_for(out.first.wait(), 30)
+    assert await wait_until_running(token)
+
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await wait_until_gone(token) == []
+    assert box.isolation.mode == mode
+
+
+@bwrap_only
+async def test_bwrap_has_no_network_and_a_read_only_system(tmp_path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    host_marker = Path("/tmp") / f"escape-{marker()}"
+    try:
+        result = await sandbox(tmp_path).run(["sh", "-c", (
+            f"echo x > /etc/owned; echo x > {host_marker}; ls /root /home; "
+            f"python3 -I -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2)\""
+        )])
+    finally:
+        listener.close()
+
+    assert "Read-only file system" in result.stderr_tail  # /etc
+    assert not exists(host_marker)  # /tmp is private
+    assert not exists("/etc/owned")
+    assert "ConnectionRefusedError" in result.stderr_tail  # its own empty loopback
+    assert result.isolation == "bwrap"
+
+
+async def test_rlimits_mode_says_what_it_is(tmp_path) -> None:
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")
+    result = await box.run(["sh", "-c", "echo ok"])
+
+    assert result.stdout_tail == "ok\n"
+    assert "NO network or file-system isolation" in box.isolation.description
+
+
+async def test_symlinks_in_the_output_folder_are_not_followed(tmp_path) -> None:
+    secret = tmp_path / "server-secret.txt"
+    secret.write_text("do not send")
+    result = await sandbox(tmp_path, sandbox_isolation="rlimits").run(
+        ["sh", "-c", f"ln -s {secret} $OUTPUT_DIR/link.txt; echo fine > $OUTPUT_DIR/ok.txt"])
+
+    assert [f.name for f in result.files] == ["ok.txt"]
+    assert result.skipped_files == ["link.txt: not a plain file"]

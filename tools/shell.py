@@ -1,0 +1,25 @@
+"""shell: runs a command line with ``sh -c`` in the sandbox. Privileged: the most
+dangerous bundled tool, so callers need the privileged role to run it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from stargrpc import ToolContext, ToolResult, tool
+from stargrpc.sandbox import run_in_sandbox
+
+
+class ShellArgs(BaseModel):
+    command: str = Field(min_length=1, max_length=20_000,
+                         description="A POSIX shell command line, run with sh -c.")
+
+
+@tool(kind="sandbox", categories=("code",), privileged=True, destructive=True)
+async def shell(ctx: ToolContext, args: ShellArgs) -> ToolResult:
+    """Run a shell command line in a sandbox and return its output and exit status.
+
+    Files written to $OUTPUT_DIR are returned as files. Limits on CPU time, memory, file
+    size, processes and wall-clock time apply.
+    """
+    return await run_in_sandbox(ctx, ["sh", "-c", args.command],
+                                title=f"$ {args.command[:80]}")
