@@ -6,7 +6,6 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -118,18 +117,21 @@ class ToolService:
             await abort_with(context, error)
             return
         response = tool_service_pb2.ExecuteResponse
+        streamed_to_end = False
         try:
             async for event in submitted.log.follow(0):
                 yield response(event=event)
                 _EXECUTE_EVENTS.inc()
-        except asyncio.CancelledError:
-            # A run with an idempotency key outlives its stream (resume with WatchRun or a
-            # retry with the key); one without a key has no way back, so it is cancelled
-            # when the stream that started it goes away.
-            if submitted.run is not None and not call.idempotency_key:
+            streamed_to_end = True
+        except RequestError as error:  # an attached run's shared store went away
+            await abort_with(context, error)
+        finally:
+            # The stream went away early (cancelled, or closed at a yield). A run with an
+            # idempotency key outlives it (resume with WatchRun or retry with the key); one
+            # without a key has no way back, so it is cancelled.
+            if not streamed_to_end and submitted.run is not None and not call.idempotency_key:
                 submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
-            raise
 
     def _decode_execute(self, request: tool_service_pb2.ExecuteRequest) -> ExecuteCall:
         limits = self.runtime.limits
