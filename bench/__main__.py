@@ -1,0 +1,596 @@
+"""``python -m bench``: stargrpc against bare grpc.aio, measured in the same run.
+
+Starts the bare baseline (``bench/baseline_server.py``) and stargrpc (``stargrpc serve
+--tools-dir bench/tools``, every layer that has landed switched on) as separate processes,
+drives both with the same client (``bench/client.py``, its own process per measurement),
+and prints one table of absolute numbers and ratios. Then it measures the server CPU per
+call with each layer (auth, audit, critic, run log) switched off in turn.
+
+    python -m bench             # full run, a few minutes
+    python -m bench --quick     # reduced pass, under a minute
+    python -m bench --profile   # also py-spy profiles of the hot paths
+
+Each run is saved in ``bench/results/`` (JSON with every figure, and the table as Markdown)
+with a description of the machine. Only 127.0.0.1 is ever used; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import profiling
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+#: Server start-up (imports, tool loading) may take this long on a busy machine.
+START_TIMEOUT = 90.0
+
+
+class BenchFailure(RuntimeError):
+    """A server or a measurement did not do what the benchmark needs."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of each measurement a mode runs."""
+
+    latency_calls: int
+    latency_warmup: int
+    stream_n: int
+    stream_runs: int
+    slow_n: int
+    slow_every: int
+    slow_ms: float
+    concurrency: int
+    concurrency_rounds: int
+    held: int
+    held_seconds: float
+    held_open_timeout: float
+    held_fresh_server: bool
+    cpu_calls: int
+    cpu_warmup: int
+    cpu_repeats: int
+    layers: bool
+
+
+MODES = {
+    "full": Sizes(latency_calls=2000, latency_warmup=200, stream_n=20_000, stream_runs=3,
+                  slow_n=20_000, slow_every=10, slow_ms=1.0, concurrency=200,
+                  concurrency_rounds=5, held=5000, held_seconds=30.0, held_open_timeout=25.0,
+                  held_fresh_server=True, cpu_calls=2000, cpu_warmup=200, cpu_repeats=2,
+                  layers=True),
+    "quick": Sizes(latency_calls=300, latency_warmup=50, stream_n=5000, stream_runs=1,
+                   slow_n=2000, slow_every=10, slow_ms=1.0, concurrency=200,
+                   concurrency_rounds=2, held=500, held_seconds=30.0, held_open_timeout=15.0,
+                   held_fresh_server=False, cpu_calls=300, cpu_warmup=50, cpu_repeats=1,
+                   layers=True),
+    # The tiniest pass, for the smoke test: every code path, no meaningful numbers.
+    "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
+                   slow_every=10, slow_ms=1.0, concurrency=5, concurrency_rounds=1, held=5,
+                   held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
+                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, layers=False),
+}
+
+
+# -- processes -----------------------------------------------------------------------------
+
+@dataclass
+class Server:
+    """A server process started for the benchmark."""
+
+    name: str
+    pid: int
+    address: str
+    log: Path
+
+
+def _port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def server_process(name: str, argv: list[str], env: dict[str, str], workdir: Path
+                   ) -> Iterator[Server]:
+    """Starts a server, waits for its ``serving`` log line, stops it (SIGTERM) on exit."""
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   cwd=ROOT, start_new_session=True)
+    try:
+        address = _wait_serving(process, log)
+        yield Server(name, process.pid, address, log)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_serving(process: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") == "serving":
+                    return str(record["address"])
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise BenchFailure(f"server exited with {process.returncode} before serving:\n"
+                               f"{tail}")
+        time.sleep(0.05)  # polling a log file: there is no event to wait on
+    raise BenchFailure(f"server did not start within {START_TIMEOUT:.0f} s (see {log})")
+
+
+def run_client(server: Server, measure: str, *args: object, token: str = "",
+               timeout: float = 300.0) -> dict[str, Any]:
+    """Runs one measurement in a client process and returns its figures."""
+    env = dict(os.environ)
+    env["BENCH_TOKEN"] = token  # in the environment, not on a command line others can read
+    argv = [sys.executable, "-m", "bench.client", "--target", server.address, measure,
+            *(str(a) for a in args)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=ROOT, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise BenchFailure(f"{measure} on {server.name}: no answer in {timeout:.0f} s") from exc
+    lines = done.stdout.strip().splitlines()
+    figures = json.loads(lines[-1]) if lines else {}
+    if done.returncode != 0 or "error" in figures:
+        raise BenchFailure(f"{measure} on {server.name} failed: "
+                           f"{figures.get('error') or done.stderr[-1500:]}")
+    return dict(figures)
+
+
+# -- the servers ---------------------------------------------------------------------------
+
+@dataclass
+class Stack:
+    """How stargrpc is started "with everything on", as far as the layers have landed."""
+
+    env: dict[str, str]
+    token: str
+    layers: dict[str, str] = field(default_factory=dict)  # layer -> "on …" / "not present …"
+
+
+def _settings_fields() -> set[str]:
+    from stargrpc.settings import Settings
+
+    return set(Settings.model_fields)
+
+
+def chain_layers(env: dict[str, str]) -> list[str]:
+    """The interceptor layers ``build_chain`` gives with the settings in ``env``."""
+    done = subprocess.run([sys.executable, "-m", "bench.launch", "--list-layers"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                          check=False)
+    if done.returncode != 0:
+        raise BenchFailure(f"cannot build the interceptor chain:\n{done.stderr[-2000:]}")
+    return list(json.loads(done.stdout.strip().splitlines()[-1])["layers"])
+
+
+def _create_key(env: dict[str, str]) -> str:
+    """An API key made with the stargrpc CLI; empty when the CLI has no key command."""
+    argv = [sys.executable, "-m", "stargrpc.cli", "keys", "create", "--name", "bench",
+            "--role", "admin"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                          check=False)
+    lines = done.stdout.strip().splitlines()
+    return lines[-1].strip() if done.returncode == 0 and lines else ""
+
+
+def stargrpc_stack(workdir: Path) -> Stack:
+    """The environment that switches every landed layer on, and a key for the client."""
+    fields = _settings_fields()
+    env = dict(os.environ)
+    env.update({
+        "STARGRPC_HOST": "127.0.0.1",
+        "STARGRPC_PORT": "0",
+        "STARGRPC_STATE_DIR": str(workdir / "state"),
+        "STARGRPC_LOG_FORMAT": "json",
+        "STARGRPC_SHUTDOWN_GRACE_SECONDS": "1",
+    })
+    env.pop("STARGRPC_CONFIG", None)
+    layers: dict[str, str] = {}
+    token = ""
+    # The held-streams measurement opens thousands of runs from one caller: lift the
+    # admission limits (a deployment expecting that many open runs would too).
+    for limit in ("max_concurrent_runs", "max_concurrent_runs_per_principal"):
+        if limit in fields:
+            env[f"STARGRPC_{limit.upper()}"] = "0"
+    if "redis_url" in fields and _port_open("127.0.0.1", 6379):
+        env["STARGRPC_REDIS_URL"] = REDIS_URL
+        layers["run log"] = "on: Redis (off: the in-memory log)"
+    elif "redis_url" in fields:
+        layers["run log"] = "not measured: Redis is not running on 127.0.0.1:6379"
+    else:
+        layers["run log"] = "not present: only the in-memory log exists"
+    if "insecure_no_auth" in fields:
+        env["STARGRPC_INSECURE_NO_AUTH"] = "false"
+        token = _create_key(env)
+        if token:
+            layers["auth"] = "on: API key (off: --insecure-no-auth)"
+        else:
+            env["STARGRPC_INSECURE_NO_AUTH"] = "true"
+            layers["auth"] = "not measured: no `stargrpc keys create` to make a key"
+    chain = chain_layers(env)
+    for layer in ("auth", "audit", "critic"):
+        if layer in chain:
+            layers.setdefault(layer, "on (off: left out of the interceptor chain)")
+        else:
+            layers.setdefault(layer, "not present: no such interceptor in the chain")
+    return Stack(env, token, layers)
+
+
+def stargrpc_argv(without: list[str] | None = None) -> list[str]:
+    """``stargrpc serve`` with the bench tools, or the launcher when layers are left out."""
+    if without is None:
+        return [sys.executable, "-m", "stargrpc.cli", "serve", "--tools-dir", "bench/tools"]
+    argv = [sys.executable, "-m", "bench.launch", "--tools-dir", "bench/tools"]
+    for layer in without:
+        argv += ["--without", layer]
+    return argv
+
+
+def baseline_argv() -> list[str]:
+    return [sys.executable, "-m", "bench.baseline_server", "--host", "127.0.0.1", "--port", "0"]
+
+
+# -- the measurements ----------------------------------------------------------------------
+
+def server_plan(sizes: Sizes) -> list[dict[str, Any]]:
+    """Latency, throughput (fast and slow reader) and concurrency, for one client process."""
+    return [
+        {"measure": "latency", "calls": sizes.latency_calls, "warmup": sizes.latency_warmup},
+        {"measure": "stream", "n": sizes.stream_n, "runs": sizes.stream_runs},
+        {"measure": "stream", "name": "stream_slow", "n": sizes.slow_n, "runs": 1,
+         "slow_every": sizes.slow_every, "slow_ms": sizes.slow_ms},
+        {"measure": "concurrency", "concurrent": sizes.concurrency,
+         "rounds": sizes.concurrency_rounds},
+    ]
+
+
+def cpu_step(sizes: Sizes, server: Server) -> dict[str, Any]:
+    return {"measure": "cpu", "calls": sizes.cpu_calls, "warmup": sizes.cpu_warmup,
+            "server_pid": server.pid}
+
+
+def held_step(sizes: Sizes, server: Server) -> dict[str, Any]:
+    return {"measure": "held", "streams": sizes.held, "seconds": sizes.held_seconds,
+            "server_pid": server.pid, "open_timeout": sizes.held_open_timeout}
+
+
+def run_suite(server: Server, plan: list[dict[str, Any]], token: str) -> dict[str, Any]:
+    """Runs ``plan`` in one client process against ``server``."""
+    return run_client(server, "suite", "--plan", json.dumps(plan), token=token,
+                      timeout=600.0)
+
+
+def run_pair(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
+    """The headline measurements, stargrpc and the baseline, in the same run."""
+    results: dict[str, Any] = {}
+    for name in ("baseline", "stargrpc"):
+        argv = baseline_argv() if name == "baseline" else stargrpc_argv()
+        env = stack.env if name == "stargrpc" else dict(os.environ)
+        token = stack.token if name == "stargrpc" else ""
+        say(f"{name}: latency, throughput, concurrency, CPU per call"
+            + ("" if sizes.held_fresh_server else f", {sizes.held} held streams"))
+        with server_process(name, argv, env, workdir) as server:
+            plan = [*server_plan(sizes), cpu_step(sizes, server)]
+            if not sizes.held_fresh_server:
+                plan.append(held_step(sizes, server))
+            figures = run_suite(server, plan, token)
+        if sizes.held_fresh_server:
+            say(f"{name}: {sizes.held} held streams (fresh server)")
+            with server_process(f"{name}-held", argv, env, workdir) as server:
+                figures.update(run_suite(server, [held_step(sizes, server)], token))
+        results[name] = figures
+    return results
+
+
+LAYER_SWITCHES = {"auth": "auth", "audit": "audit", "critic": "critic", "run log": "runlog"}
+
+
+def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
+    """Server CPU per call with everything on, then with each present layer off in turn.
+
+    Configurations are interleaved over the repeats and the least CPU of each is kept: CPU
+    time only grows with noise (cache misses, frequency), so the minimum is the honest one.
+    """
+    present = [layer for layer, state in stack.layers.items() if state.startswith("on")]
+    # Every configuration starts through the launcher, "all on" included, so they differ
+    # only in the layer switched off.
+    configs: dict[str, tuple[list[str], dict[str, str]]] = {"all on": ([], stack.env)}
+    for layer in present:
+        env = dict(stack.env)
+        without: list[str] = []
+        if layer == "run log":
+            env.pop("STARGRPC_REDIS_URL", None)
+        elif layer == "auth" and "STARGRPC_INSECURE_NO_AUTH" in env:
+            env["STARGRPC_INSECURE_NO_AUTH"] = "true"
+        else:
+            without = [layer]
+        configs[f"{layer} off"] = (without, env)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for repeat in range(sizes.cpu_repeats):
+        for name, (without, env) in configs.items():
+            say(f"cpu per call, {name} ({repeat + 1}/{sizes.cpu_repeats})")
+            token = stack.token if env.get("STARGRPC_INSECURE_NO_AUTH") == "false" else ""
+            argv = stargrpc_argv(without)
+            with server_process(f"cpu-{name.replace(' ', '-')}", argv, env, workdir) as server:
+                figures = run_suite(server, [cpu_step(sizes, server)], token)
+                samples[name].append(figures["cpu"]["cpu_us_per_call"])
+    best = {name: min(values) for name, values in samples.items()}
+    return {"cpu_us_per_call": best, "samples": samples}
+
+
+def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, stamp: str,
+                 say: Any) -> dict[str, Any]:
+    """py-spy profiles of stargrpc and the baseline under the latency and stream loads."""
+    if profiling.py_spy() is None:
+        return {"skipped": "py-spy is not installed: pip install -r bench/requirements.txt"}
+    found: dict[str, Any] = {}
+    loads = {
+        "latency": ("latency", "--calls", max(500, sizes.latency_calls), "--warmup", 20),
+        "stream": ("stream", "--n", sizes.stream_n, "--runs", max(2, sizes.stream_runs)),
+    }
+    for name in ("stargrpc", "baseline"):
+        argv = stargrpc_argv() if name == "stargrpc" else baseline_argv()
+        env = stack.env if name == "stargrpc" else dict(os.environ)
+        token = stack.token if name == "stargrpc" else ""
+        with server_process(f"profile-{name}", argv, env, workdir) as server:
+            run_client(server, "latency", "--calls", 50, "--warmup", 0, token=token)
+            for load, args in loads.items():
+                say(f"profiling {name} under the {load} load")
+                raw = results_dir / f"{stamp}-profile-{name}-{load}.txt"
+                recorder = profiling.Recorder(server.pid, raw)
+                try:
+                    run_client(server, *args, token=token)
+                finally:
+                    written = recorder.stop()
+                if written is None:
+                    found[f"{name}/{load}"] = {"error": "py-spy wrote no profile"}
+                    continue
+                summary = profiling.summarize(written)
+                summary_path = raw.with_name(raw.stem + "-summary.txt")
+                summary_path.write_text(summary.render(40))
+                found[f"{name}/{load}"] = {"raw": raw.name, "summary": summary_path.name,
+                                           "samples": summary.samples,
+                                           "self_top": summary.self_share[:15],
+                                           "inclusive_top": summary.inclusive_share[:30]}
+    return found
+
+
+# -- the report ----------------------------------------------------------------------------
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_kb = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    import google.protobuf
+    import grpc
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "stargrpc"],
+                           capture_output=True, text=True, cwd=ROOT, check=False).stdout.strip()
+    return {
+        "cpu": model, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 1024 / 1024, 1),
+        "kernel": platform.release(), "python": platform.python_version(),
+        "grpcio": grpc.__version__, "protobuf": google.protobuf.__version__,
+        "commit": commit + (" + uncommitted changes in stargrpc/" if dirty else ""),
+        "load_average": os.getloadavg(),
+    }
+
+
+@dataclass
+class Row:
+    measure: str
+    stargrpc: float | None
+    baseline: float | None
+    unit: str
+    ratio: float | None = None
+    target: str = ""
+    met: bool | None = None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def build_rows(pair: dict[str, Any], sizes: Sizes) -> list[Row]:
+    """The table: one row per figure, with its ratio and target."""
+    sg, bl = pair["stargrpc"], pair["baseline"]
+    rows: list[Row] = []
+
+    def add(measure: str, a: float | None, b: float | None, unit: str, target: str = "",
+            check: Any = None, ratio: bool = True) -> None:
+        r = _ratio(a, b) if ratio else None
+        subject = r if ratio else a
+        met = check(subject) if check is not None and subject is not None else None
+        rows.append(Row(measure, a, b, unit, r, target, met))
+
+    add("Call latency p50 (START, END, Result)", sg["latency"]["p50_ms"],
+        bl["latency"]["p50_ms"], "ms", "≤ 1.25x", lambda r: r <= 1.25)
+    add("Call latency p99", sg["latency"]["p99_ms"], bl["latency"]["p99_ms"], "ms",
+        "≤ 1.5x", lambda r: r <= 1.5)
+    add(f"Stream throughput, {sizes.stream_n} deltas", sg["stream"]["median_events_per_s"],
+        bl["stream"]["median_events_per_s"], "events/s", "≥ 0.8x", lambda r: r >= 0.8)
+    add("  the tool's own emission rate", sg["stream"]["best"]["tool_events_per_s"],
+        None, "events/s", ratio=False)
+    add(f"Slow reader ({sizes.slow_ms:g} ms pause per {sizes.slow_every} messages): events",
+        sg["stream_slow"]["median_events_per_s"], bl["stream_slow"]["median_events_per_s"],
+        "events/s", "> 1x (coalescing)", lambda r: r > 1.0)
+    add("  messages carrying them", sg["stream_slow"]["median_messages_per_s"],
+        bl["stream_slow"]["median_messages_per_s"], "msgs/s")
+    add(f"Concurrency, {sizes.concurrency} runs of a 10 ms tool",
+        sg["concurrency"]["calls_per_s"], bl["concurrency"]["calls_per_s"], "calls/s",
+        "≥ 0.85x", lambda r: r >= 0.85)
+    add("  wall time per round", sg["concurrency"]["median_wall_s"],
+        bl["concurrency"]["median_wall_s"], "s")
+    held_sg, held_bl = sg["held"], bl["held"]
+    add(f"Held streams ({held_sg['opened']} open): server memory per open run",
+        held_sg["kb_per_open_run"], held_bl["kb_per_open_run"], "KiB", "≤ 50 KiB",
+        lambda v: v <= 50, ratio=False)
+    add("  a normal call meanwhile, slowest of probes", held_sg["probe_max_ms"],
+        held_bl["probe_max_ms"], "ms", "≪ 1 s (≤ 250 ms)", lambda v: v <= 250, ratio=False)
+    add("Server CPU per trivial call", sg["cpu"]["cpu_us_per_call"],
+        bl["cpu"]["cpu_us_per_call"], "µs")
+    for row in rows:
+        if row.ratio is None and row.stargrpc is not None and row.baseline:
+            row.ratio = row.stargrpc / row.baseline
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: dict[str, Any],
+           mode: str) -> str:
+    """The Markdown report: the table, the layer costs, the machine."""
+    lines = [f"### {info['date']} — `python -m bench{'' if mode == 'full' else ' --' + mode}`",
+             "",
+             "| measure | stargrpc | bare grpc.aio | unit | ratio | target | met |",
+             "|---|---:|---:|---|---:|---|---|"]
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "—"
+        met = {True: "yes", False: "**no**", None: ""}[row.met]
+        lines.append(f"| {row.measure} | {_fmt(row.stargrpc)} | {_fmt(row.baseline)} | "
+                     f"{row.unit} | {ratio} | {row.target} | {met} |")
+    lines += ["", "Layers of stargrpc in this run: " + "; ".join(
+        f"**{k}** {v}" for k, v in stack.layers.items()), ""]
+    if layers:
+        cpu = layers["cpu_us_per_call"]
+        base = cpu["all on"]
+        lines += ["| layer | server CPU per call, all on | with the layer off | cost | share | "
+                  "target | met |", "|---|---:|---:|---:|---:|---|---|"]
+        for layer, state in stack.layers.items():
+            key = f"{layer} off"
+            if key not in cpu:
+                lines.append(f"| {layer} | {_fmt(base)} µs | — | — | — | "
+                             f"{'< 10%' if layer != 'auth' else ''} | {state} |")
+                continue
+            cost = base - cpu[key]
+            share = cost / base if base else 0.0
+            target = "< 10%" if layer != "auth" else ""
+            met = "" if layer == "auth" else ("yes" if share < 0.10 else "**no**")
+            lines.append(f"| {layer} | {_fmt(base)} µs | {_fmt(cpu[key])} µs | {_fmt(cost)} µs "
+                         f"| {share:.0%} | {target} | {met} |")
+        lines.append("")
+    m = info["machine"]
+    lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "
+              f"{m['kernel']}, Python {m['python']}, grpcio {m['grpcio']}, protobuf "
+              f"{m['protobuf']}; commit {m['commit']}; load average at start "
+              f"{', '.join(f'{x:.2f}' for x in m['load_average'])} (a shared machine: the "
+              f"ratios are what count).", ""]
+    return "\n".join(lines)
+
+
+def render_profiles(profiles: dict[str, Any], top: int = 12) -> str:
+    """The busiest functions of each profile, for the report."""
+    if "skipped" in profiles:
+        return f"Profiles: skipped ({profiles['skipped']}).\n"
+    lines = ["Profiles (py-spy, share of busy samples; full summaries beside the results):", ""]
+    for name, found in profiles.items():
+        if "error" in found:
+            lines.append(f"- {name}: {found['error']}")
+            continue
+        lines.append(f"- **{name}** ({found['samples']} samples, {found['summary']}); "
+                     "inclusive: " + ", ".join(
+                         f"{share:.0%} {func}" for func, share in found["inclusive_top"][:top]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="A reduced pass, under a minute.")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="Also record py-spy profiles of the hot paths.")
+    parser.add_argument("--no-layers", action="store_true",
+                        help="Skip the per-layer CPU measurements.")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS,
+                        help="Where to save the run [default: bench/results].")
+    parser.add_argument("--no-save", action="store_true", help="Print only.")
+    args = parser.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = MODES[mode]
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    info: dict[str, Any] = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                            "mode": mode, "sizes": asdict(sizes), "machine": machine()}
+    with tempfile.TemporaryDirectory(prefix="stargrpc-bench-") as tmp:
+        workdir = Path(tmp)
+        try:
+            stack = stargrpc_stack(workdir)
+            info["layers"] = stack.layers
+            pair = run_pair(sizes, stack, workdir, say)
+            layers = (run_layers(sizes, stack, workdir, say)
+                      if sizes.layers and not args.no_layers else None)
+            if args.profile or not args.no_save:
+                args.results_dir.mkdir(parents=True, exist_ok=True)
+            profiles = (run_profiles(sizes, stack, workdir, args.results_dir, stamp, say)
+                        if args.profile else None)
+        except BenchFailure as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            return 1
+    rows = build_rows(pair, sizes)
+    info["machine"]["load_average_end"] = os.getloadavg()
+    info["seconds"] = round(time.monotonic() - started, 1)
+    report = render(rows, layers, stack, info, mode)
+    if profiles:
+        report += render_profiles(profiles)
+    print(report)
+    if not args.no_save:
+        base = args.results_dir / f"{stamp}-{mode}"
+        base.with_suffix(".md").write_text(report)
+        base.with_suffix(".json").write_text(json.dumps(
+            {**info, "rows": [asdict(r) for r in rows], "raw": pair, "layers_cpu": layers,
+             "profiles": profiles}, indent=1, default=str))
+        say(f"saved {base}.md and .json")
+    say(f"done in {info['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The benchmark client: the SAME code drives stargrpc and the bare baseline.
+
+Each measurement is a subcommand that talks to one server over one channel and prints its
+figures as one JSON object on standard output::
+
+    python -m bench.client latency     --target 127.0.0.1:PORT --calls 2000
+    python -m bench.client stream      --target … --n 20000 --runs 3 [--slow-every 100]
+    python -m bench.client concurrency --target … --concurrency 200 --rounds 5
+    python -m bench.client held        --target … --streams 5000 --server-pid PID
+    python -m bench.client cpu         --target … --calls 2000 --server-pid PID
+    python -m bench.client suite       --target … --plan '[{"measure": "latency", …}, …]'
+
+It runs in its own process (the orchestrator, ``python -m bench``, starts it), so client and
+server never share an interpreter. Every loop is bounded in count and in time, and the only
+address ever used is the ``--target`` on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+
+#: Width of one streamed delta, as the benchmark tools send them ("0000001\n").
+DELTA_WIDTH = 8
+#: No single call may take longer than this, whatever the machine is doing.
+CALL_TIMEOUT = 60.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+class BenchError(RuntimeError):
+    """A call did not produce what the benchmark expects."""
+
+
+@dataclass
+class Call:
+    """What one Execute delivered."""
+
+    seconds: float
+    messages: int
+    wire_bytes: int
+    result: events_pb2.Result
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def server_rss_kb(pid: int) -> int:
+    """Resident set size of a process in KiB, from /proc."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_KB
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """The value below which ``share`` of ``values`` lie (nearest rank)."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(share * len(ordered)) - 1))
+    return ordered[rank]
+
+
+class Client:
+    """One channel to one server, and the Execute calls the measurements make."""
+
+    def __init__(self, target: str, token: str = "") -> None:
+        # Many streams on one connection: lift the client's own per-connection limits so the
+        # server, not the client, is what is measured.
+        self.channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ])
+        self.stub = tool_service_pb2_grpc.ToolServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    def start(self, tool_name: str, arguments: dict[str, Any] | None = None,
+              timeout: float = CALL_TIMEOUT) -> Any:
+        """Starts an Execute call and returns it unread."""
+        request = tool_service_pb2.ExecuteRequest(tool_name=tool_name,
+                                                  arguments_json=json.dumps(arguments or {}))
+        return self.stub.Execute(request, metadata=self.metadata, timeout=timeout)
+
+    async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
+                      expect_messages: int | None = None,
+                      rpc_timeout: float = CALL_TIMEOUT) -> Call:
+        """Runs one call to its Result."""
+        started = time.perf_counter()
+        messages = wire = 0
+        last = None
+        async for response in self.start(tool_name, arguments, rpc_timeout):
+            messages += 1
+            wire += response.ByteSize()
+            last = response
+        seconds = time.perf_counter() - started
+        if last is None or not last.event.HasField("result"):
+            raise BenchError(f"{tool_name}: the stream ended without a Result")
+        if last.event.result.outcome != events_pb2.OUTCOME_OK:
+            raise BenchError(f"{tool_name}: outcome {last.event.result.outcome} "
+                             f"{last.event.result.error.message}")
+        if expect_messages is not None and messages != expect_messages:
+            raise BenchError(f"{tool_name}: {messages} messages, expected {expect_messages}")
+        return Call(seconds, messages, wire, last.event.result)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def latency(client: Client, calls: int, warmup: int) -> dict[str, Any]:
+    """Sequential trivial calls (START, END, Result): latency percentiles after warm-up."""
+    for _ in range(warmup):
+        await client.execute("bench_trivial", expect_messages=3)
+    seconds = []
+    wire = 0
+    for _ in range(calls):
+        call = await client.execute("bench_trivial", expect_messages=3)
+        seconds.append(call.seconds)
+        wire = call.wire_bytes
+    return {"calls": calls, "p50_ms": percentile(seconds, 0.5) * 1e3,
+            "p99_ms": percentile(seconds, 0.99) * 1e3,
+            "mean_ms": statistics.fmean(seconds) * 1e3, "bytes_per_call": wire}
+
+
+async def stream(client: Client, n: int, runs: int, slow_every: int = 0,
+                 slow_ms: float = 1.0) -> dict[str, Any]:
+    """Runs streaming ``n`` deltas each; counts messages and the events inside them.
+
+    With ``slow_every`` the client pauses ``slow_ms`` after every ``slow_every`` messages:
+    a reader slower than the tool, so the server is under backpressure. Events are counted
+    in the delta text (fixed width) and checked to arrive complete and in order, so a
+    server that coalesces deltas is counted, and checked, event by event.
+    """
+    figures: list[dict[str, float]] = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        messages = events = wire = 0
+        expected = 1
+        result = None
+        async for response in client.start("bench_stream", {"n": n}):
+            messages += 1
+            wire += response.ByteSize()
+            event = response.event
+            if event.HasField("result"):
+                result = event.result
+            elif event.step.phase == events_pb2.STEP_PHASE_DELTA:
+                text = event.step.delta
+                for k in range(0, len(text), DELTA_WIDTH):
+                    if text[k:k + DELTA_WIDTH] != f"{expected:07d}\n":
+                        raise BenchError(f"delta {expected} missing or out of order")
+                    expected += 1
+                    events += 1
+            if slow_every and messages % slow_every == 0:
+                await asyncio.sleep(slow_ms / 1000)
+        seconds = time.perf_counter() - started
+        if result is None or events != n:
+            raise BenchError(f"stream: {events} of {n} deltas, result={result is not None}")
+        tool_seconds = result.duration.ToNanoseconds() / 1e9
+        figures.append({
+            "seconds": seconds, "messages": messages, "events": events, "bytes": wire,
+            "messages_per_s": messages / seconds, "events_per_s": events / seconds,
+            # How fast the tool could emit: its events over its own run time.
+            "tool_events_per_s": n / tool_seconds if tool_seconds > 0 else 0.0,
+        })
+    best = max(figures, key=lambda f: f["events_per_s"])
+    return {"n": n, "runs": runs, "slow_every": slow_every, "slow_ms": slow_ms,
+            "median_events_per_s": statistics.median(f["events_per_s"] for f in figures),
+            "median_messages_per_s": statistics.median(f["messages_per_s"] for f in figures),
+            "best": best, "all": figures}
+
+
+async def concurrency(client: Client, concurrent: int, rounds: int, ms: float = 10.0
+                      ) -> dict[str, Any]:
+    """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``."""
+
+    async def one_round() -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(client.execute("bench_wait", {"ms": ms}, expect_messages=3)
+                               for _ in range(concurrent)))
+        return time.perf_counter() - started
+
+    await one_round()  # warm-up: connections, code paths, allocator
+    walls = [await one_round() for _ in range(rounds)]
+    wall = statistics.median(walls)
+    return {"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
+            "median_wall_s": wall, "calls_per_s": concurrent / wall,
+            "best_calls_per_s": concurrent / min(walls), "walls_s": walls}
+
+
+async def held(client: Client, streams: int, seconds: float, server_pid: int,
+               open_timeout: float, probes: int = 5, probe_timeout: float = 5.0,
+               batch_size: int = 250) -> dict[str, Any]:
+    """Holds ``streams`` runs open on a sleeping tool; measures the server's memory per open
+    run and how fast a normal call is answered meanwhile."""
+    for _ in range(20):  # warm-up, so the baseline RSS already holds the code paths
+        await client.execute("bench_trivial", expect_messages=3)
+    rss_before = server_rss_kb(server_pid)
+    calls: list[Any] = []
+    reads: list[asyncio.Future[Any]] = []
+    open_started = time.perf_counter()
+    deadline = open_started + open_timeout
+    # Open the runs in batches, each once the previous batch's STARTs have arrived: a burst
+    # of thousands of calls in one instant overflows gRPC core's queue of calls not yet
+    # picked up by the application (1,000 soft, 3,000 hard by default), which cancels them.
+    while len(calls) < streams and time.perf_counter() < deadline:
+        batch = [client.start("bench_hold", {"seconds": seconds}, timeout=seconds + 60)
+                 for _ in range(min(batch_size, streams - len(calls)))]
+        batch_reads = [asyncio.ensure_future(call.read()) for call in batch]
+        calls.extend(batch)
+        reads.extend(batch_reads)
+        await asyncio.wait(batch_reads, timeout=max(0.0, deadline - time.perf_counter()))
+    open_seconds = time.perf_counter() - open_started
+    opened = sum(1 for r in reads if r.done() and not r.cancelled() and r.exception() is None)
+    pending = [r for r in reads if not r.done()]
+    rss_held = server_rss_kb(server_pid)
+    probe_seconds = []
+    probe_errors = []
+    for _ in range(probes):
+        try:
+            call = await client.execute("bench_trivial", expect_messages=3,
+                                        rpc_timeout=probe_timeout)
+            probe_seconds.append(call.seconds)
+        except (grpc.aio.AioRpcError, BenchError) as exc:
+            probe_errors.append(str(exc)[:200])
+    # Runs that already ended would make the memory figure meaningless: count them.
+    ended_early = sum(1 for call in calls if call.done())
+    failed = [r.exception() for r in reads if r.done() and not r.cancelled() and r.exception()]
+    for task in pending:
+        task.cancel()
+    for call in calls:
+        call.cancel()
+    await asyncio.gather(*reads, return_exceptions=True)
+    return {
+        "streams": streams, "opened": opened, "open_seconds": open_seconds,
+        "ended_early": ended_early, "open_errors": len(failed),
+        "first_open_error": str(failed[0])[:200] if failed else None,
+        "rss_before_kb": rss_before, "rss_held_kb": rss_held,
+        "kb_per_open_run": (rss_held - rss_before) / opened if opened else None,
+        "probe_ms": [s * 1e3 for s in probe_seconds],
+        "probe_max_ms": max(probe_seconds) * 1e3 if probe_seconds else None,
+        "probe_errors": probe_errors,
+    }
+
+
+async def cpu(client: Client, calls: int, warmup: int, server_pid: int) -> dict[str, Any]:
+    """The server's CPU time per sequential trivial call (user + system, from /proc)."""
+    for _ in range(warmup):
+        await client.execute("bench_trivial", expect_messages=3)
+    cpu_before = server_cpu_seconds(server_pid)
+    started = time.perf_counter()
+    for _ in range(calls):
+        await client.execute("bench_trivial", expect_messages=3)
+    wall = time.perf_counter() - started
+    used = server_cpu_seconds(server_pid) - cpu_before
+    return {"calls": calls, "cpu_us_per_call": used / calls * 1e6, "server_cpu_s": used,
+            "wall_s": wall}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.client", description=__doc__)
+    parser.add_argument("--target", required=True, help="host:port, on 127.0.0.1")
+    parser.add_argument("--token", default=os.environ.get("BENCH_TOKEN", ""),
+                        help="Bearer token [env BENCH_TOKEN]")
+    sub = parser.add_subparsers(dest="measure", required=True)
+    p = sub.add_parser("latency")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p = sub.add_parser("stream")
+    p.add_argument("--n", type=int, default=20_000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--slow-every", type=int, default=0)
+    p.add_argument("--slow-ms", type=float, default=1.0)
+    p = sub.add_parser("concurrency")
+    p.add_argument("--concurrency", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ms", type=float, default=10.0)
+    p = sub.add_parser("held")
+    p.add_argument("--streams", type=int, default=5000)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--server-pid", type=int, required=True)
+    p.add_argument("--open-timeout", type=float, default=25.0)
+    p.add_argument("--probes", type=int, default=5)
+    p.add_argument("--probe-timeout", type=float, default=5.0)
+    p.add_argument("--batch", type=int, default=250, help="Runs opened at a time.")
+    p = sub.add_parser("suite", help="Several measurements in one process, in order.")
+    p.add_argument("--plan", required=True,
+                   help='JSON list of {"measure": NAME, ARGUMENT: VALUE, …}')
+    p = sub.add_parser("cpu")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--server-pid", type=int, required=True)
+    return parser
+
+
+MEASURES: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
+    "latency": latency, "stream": stream, "concurrency": concurrency, "held": held, "cpu": cpu,
+}
+
+
+async def suite(client: Client, plan: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs each planned measurement in turn; the figures by the plan's ``name`` (or
+    measure)."""
+    figures = {}
+    for entry in plan:
+        arguments = dict(entry)
+        measure = arguments.pop("measure")
+        name = arguments.pop("name", measure)
+        figures[name] = await MEASURES[measure](client, **arguments)
+    return figures
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.target.startswith(("127.", "localhost:")):
+        raise SystemExit("the benchmark only talks to 127.0.0.1")
+    client = Client(args.target, args.token)
+    try:
+        if args.measure == "suite":
+            return await suite(client, json.loads(args.plan))
+        if args.measure == "latency":
+            return await latency(client, args.calls, args.warmup)
+        if args.measure == "stream":
+            return await stream(client, args.n, args.runs, args.slow_every, args.slow_ms)
+        if args.measure == "concurrency":
+            return await concurrency(client, args.concurrency, args.rounds, args.ms)
+        if args.measure == "held":
+            return await held(client, args.streams, args.seconds, args.server_pid,
+                              args.open_timeout, args.probes, args.probe_timeout,
+                              args.batch)
+        return await cpu(client, args.calls, args.warmup, args.server_pid)
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        figures = asyncio.run(_run(args))
+    except (BenchError, grpc.aio.AioRpcError) as exc:
+        print(json.dumps({"error": str(exc)[:500]}))
+        sys.exit(1)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

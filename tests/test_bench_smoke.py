@@ -1,0 +1,34 @@
+"""The benchmark's tiniest pass, so the bench code cannot rot: ``python -m bench --smoke``.
+
+It starts the bare baseline and stargrpc as processes, drives both with the bench client and
+writes its results. Only that numbers were produced is checked — never their values: these
+machines are shared, and performance is judged by ``python -m bench``, not by tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--results-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    [saved] = tmp_path.glob("*-smoke.json")
+    results = json.loads(saved.read_text())
+    assert results["machine"]["cores"] >= 1
+    for row in results["rows"]:
+        assert isinstance(row["stargrpc"], float), row
+    for server in ("stargrpc", "baseline"):
+        figures = results["raw"][server]
+        assert figures["held"]["opened"] == figures["held"]["streams"]
+        assert figures["stream"]["best"]["events"] == results["sizes"]["stream_n"]
+    assert "| Call latency p50" in done.stdout
+    assert (tmp_path / saved.name.replace(".json", ".md")).exists()
