@@ -23,6 +23,10 @@ for _ in $(seq 100); do port_open 6379 && port_open 5432 && break; sleep 0.2; do
 port_open 6379 || { echo "redis did not start" >&2; exit 1; }
 port_open 5432 || { echo "postgresql did not start" >&2; exit 1; }
 
+# A real headless browser for the progress-page tests (Debian's chromium, driven by
+# Playwright; Playwright's own browser download is never used).
+command -v chromium >/dev/null || apt_install chromium
+
 # The Python environment.
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
