@@ -17,6 +17,8 @@ apt_install() {
 # Redis and PostgreSQL: the fleet-mode tests talk to real servers on loopback.
 command -v redis-server >/dev/null || apt_install redis-server
 command -v pg_ctlcluster >/dev/null || apt_install postgresql
+# The sandbox: bubblewrap is its strongest isolation (util-linux gives prlimit and setpriv).
+command -v bwrap >/dev/null || apt_install bubblewrap
 port_open 6379 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 port_open 5432 || as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start
 for _ in $(seq 100); do port_open 6379 && port_open 5432 && break; sleep 0.2; done

@@ -1,0 +1,143 @@
+"""http_fetch: GET or POST a URL on the allowlist, with every hop's address vetted.
+
+Configuration (settings): ``http_fetch_allowlist`` (hosts; empty refuses all),
+``http_fetch_allowed_networks`` (private networks allowed anyway), ``http_fetch_max_bytes``,
+``http_fetch_timeout_seconds``, ``http_fetch_max_redirects``. Private, loopback, link-local
+and metadata addresses are refused after DNS resolution, on every redirect hop, and the
+connection goes to the address that was checked (see ``stargrpc.http_guard``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, Field
+
+from stargrpc import ToolContext, ToolDenied, ToolFailed, ToolResult, tool
+from stargrpc.http_guard import HttpPolicy, Refused, vet_url
+
+#: Headers a caller may not set: the server decides where the request goes.
+_RESERVED_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+#: A heartbeat at most every this many bytes received.
+_PROGRESS_EVERY = 64 * 1024
+
+
+class HttpFetchArgs(BaseModel):
+    url: str = Field(max_length=8192, description="http:// or https:// URL on the allowlist.")
+    method: Literal["GET", "POST", "HEAD"] = Field("GET", description="HTTP method.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Request headers.")
+    body: str = Field("", max_length=1_000_000, description="Request body (POST).")
+
+
+@tool(kind="http", categories=("web",), open_world=True, read_only=True)
+async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
+    """Fetch a URL (GET/POST/HEAD) from an allowlisted host; returns status, headers and
+    body (text, or a file for binary content)."""
+    settings = ctx.settings
+    policy = HttpPolicy.from_settings(settings)
+    headers = {k: v for k, v in args.headers.items() if k.lower() not in _RESERVED_HEADERS}
+    method, body, url = args.method, args.body, args.url
+    redirects: list[str] = []
+    # trust_env=False: no proxy from the environment may take the request elsewhere.
+    async with httpx.AsyncClient(follow_redirects=False, trust_env=False,
+                                 timeout=settings.http_fetch_timeout_seconds) as client:
+        try:
+            async with asyncio.timeout(settings.http_fetch_timeout_seconds):
+                for _ in range(settings.http_fetch_max_redirects + 1):
+                    async with ctx.step(f"{method} {url}", kind="http") as step:
+                        target = await vet_url(url, policy)
+                        request = client.build_request(
+                            method, target.request_url, content=body.encode() or None,
+                            headers={**headers, "Host": target.host_header},
+                            extensions=target.extensions)
+                        response = await client.send(request, stream=True)
+                        try:
+                            await step.delta(f"HTTP {response.status_code} "
+                                             f"{response.reason_phrase}\n")
+                            if response.is_redirect and "location" in response.headers:
+                                following = target.url.join(response.headers["location"])
+                                redirects.append(str(following))
+                                if following.host != target.url.host:
+                                    headers = {}  # credentials stay with their origin
+                                if response.status_code in (301, 302, 303) and method == "POST":
+                                    method, body = "GET", ""
+                                url = str(following)
+                                continue
+                            data = await _read_body(ctx, response, settings.http_fetch_max_bytes)
+                        finally:
+                            await response.aclose()
+                    return _result(ctx, target.url, response, data, redirects)
+        except Refused as exc:
+            where = f" (redirect hop {len(redirects)})" if redirects else ""
+            raise ToolDenied(f"{exc}{where}", code=exc.code) from exc
+        except TimeoutError as exc:
+            raise ToolFailed(f"timed out after {settings.http_fetch_timeout_seconds:g} s",
+                             code="HTTP_TIMEOUT") from exc
+        except httpx.HTTPError as exc:
+            raise ToolFailed(f"request failed: {type(exc).__name__}: {exc}",
+                             code="HTTP_ERROR") from exc
+    raise ToolFailed(f"more than {settings.http_fetch_max_redirects} redirects",
+                     code="TOO_MANY_REDIRECTS")
+
+
+async def _read_body(ctx: ToolContext, response: httpx.Response, cap: int) -> bytes:
+    total = int(response.headers.get("content-length", "0") or 0) or None
+    if total is not None and total > cap:
+        raise ToolFailed(f"the response body ({total} bytes) is over the {cap} byte cap",
+                         code="HTTP_TOO_LARGE")
+    chunks: list[bytes] = []
+    received = reported = 0
+    async for chunk in response.aiter_bytes():
+        received += len(chunk)
+        if received > cap:
+            raise ToolFailed(f"the response body is over the {cap} byte cap",
+                             code="HTTP_TOO_LARGE")
+        chunks.append(chunk)
+        if received - reported >= _PROGRESS_EVERY:
+            reported = received
+            await ctx.heartbeat(f"received {received} bytes",
+                                progress=received / total if total else None)
+    await ctx.heartbeat(f"received {received} bytes", progress=1.0)
+    return b"".join(chunks)
+
+
+def _result(ctx: ToolContext, url: httpx.URL, response: httpx.Response, data: bytes,
+            redirects: list[str]) -> ToolResult:
+    content_type = response.headers.get("content-type", "")
+    text = _as_text(data, content_type, response.charset_encoding)
+    structured: dict[str, Any] = {
+        "url": str(url),
+        "status": response.status_code,
+        "headers": dict(response.headers),
+        "redirects": redirects,
+        "bytes": len(data),
+        "body": text,
+        "file": None,
+    }
+    status_line = f"HTTP {response.status_code} {response.reason_phrase}"
+    if text is not None:
+        output = f"{status_line}\n\n{text}"
+    else:
+        name = url.path.rsplit("/", 1)[-1] or "download"
+        sent = ctx.send_file(name, data, content_type.split(";")[0].strip() or None)
+        structured["file"] = sent.name
+        output = (f"{status_line}\n\nbinary body ({sent.mime_type}, {len(data)} bytes) "
+                  f"sent as file {sent.name}")
+    return ToolResult(output=output, structured=structured)
+
+
+def _as_text(data: bytes, content_type: str, charset: str | None) -> str | None:
+    """The body as text when it is textual and decodes cleanly, else None."""
+    kind = content_type.split(";")[0].strip().lower()
+    textual = (not kind or kind.startswith("text/") or kind.endswith(("+json", "+xml"))
+               or kind in ("application/json", "application/xml", "application/javascript"))
+    if not textual or b"\0" in data:
+        return None
+    try:
+        codecs.lookup(charset or "utf-8")
+        return data.decode(charset or "utf-8")
+    except (LookupError, UnicodeDecodeError):
+        return None
