@@ -1,0 +1,133 @@
+"""The Redis run store with two replicas in one process: runs watched, replayed and cancelled
+from the other replica, idempotency across replicas, retention, and keys per principal."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.runs_support import as_principal, collect, execute_request, key, stripped
+
+ALICE = as_principal("alice")
+BOB = as_principal("bob")
+
+
+@pytest.fixture
+async def pair(replicas):
+    """Stubs of two replicas, A and B."""
+    servers = [await replicas(), await replicas()]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    yield [tool_service_pb2_grpc.ToolServiceStub(c) for c in channels]
+    for channel in channels:
+        await channel.close()
+
+
+def runs_in(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+async def test_a_run_on_a_is_watched_live_and_after_the_fact_on_b(pair, tmp_path: Path) -> None:
+    a, b = pair
+    gate = tmp_path / "gate"
+    call = a.Execute(execute_request("tally", {"path": str(tmp_path / "t"), "deltas": 3,
+                                               "gate": str(gate)}, idempotency_key=key()),
+                     metadata=ALICE)
+    head = [(await call.read()).event for _ in range(3)]
+    live = b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=head[0].run_id), metadata=ALICE)
+    live_head = [(await live.read()).event for _ in range(3)]
+    gate.touch()
+    executed = head + await collect(call)
+    watched_live = live_head + await collect(live)
+    after = await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=head[0].run_id, after_seq=2), metadata=ALICE))
+
+    assert stripped(watched_live) == stripped(executed)
+    assert stripped(after) == stripped(executed[2:])
+    assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_an_idempotent_retry_on_b_replays_the_run_of_a(pair, tmp_path: Path) -> None:
+    a, b = pair
+    tally = tmp_path / "t"
+    request = execute_request("tally", {"path": str(tally)}, idempotency_key=key())
+
+    on_a = await collect(a.Execute(request, metadata=ALICE))
+    on_b = await collect(b.Execute(request, metadata=ALICE))
+    bob_on_b = await collect(b.Execute(request, metadata=BOB))
+
+    assert stripped(on_b) == stripped(on_a)
+    assert bob_on_b[0].run_id != on_a[0].run_id
+    assert len(runs_in(tally)) == 2  # alice once, bob once
+
+
+async def test_fifty_simultaneous_executes_across_replicas_run_once(pair, tmp_path: Path
+                                                                   ) -> None:
+    tally = tmp_path / "t"
+    request = execute_request("tally", {"path": str(tally), "deltas": 10},
+                              idempotency_key=key())
+
+    streams = await asyncio.gather(*(collect(pair[i % 2].Execute(request, metadata=ALICE))
+                                     for i in range(50)))
+
+    assert len(runs_in(tally)) == 1
+    assert all(stripped(s) == stripped(streams[0]) for s in streams)
+
+
+async def test_cancel_on_b_stops_the_run_on_a(pair, tmp_path: Path) -> None:
+    a, b = pair
+    call = a.Execute(execute_request("tally", {"path": str(tmp_path / "t"),
+                                               "gate": str(tmp_path / "never")},
+                                     idempotency_key=key()), metadata=ALICE)
+    run_id = (await call.read()).event.run_id
+    with pytest.raises(grpc.aio.AioRpcError) as not_bobs:
+        await b.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id), metadata=BOB)
+
+    reply = await b.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id, reason="stop"),
+                              metadata=ALICE)
+    rest = await collect(call)
+
+    assert not_bobs.value.code() == grpc.StatusCode.NOT_FOUND
+    assert reply.cancelled
+    assert rest[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert rest[-1].result.error.message == "stop"
+
+
+async def test_the_reused_key_check_holds_across_replicas(pair) -> None:
+    a, b = pair
+    same = key()
+    await collect(a.Execute(execute_request("echo", {"text": "a"}, idempotency_key=same),
+                            metadata=ALICE))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(b.Execute(execute_request("echo", {"text": "b"}, idempotency_key=same),
+                                metadata=ALICE))
+
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_unknown_and_expired_runs_are_not_found(replicas) -> None:
+    server = await replicas(run_retention_seconds=0.2)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        run_id = (await collect(stub.Execute(execute_request("echo", {"text": "x"}),
+                                             metadata=ALICE)))[0].run_id
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id="nope"),
+                                        metadata=ALICE))
+        # Redis expires the keys itself; wait for that, bounded.
+        for _ in range(100):
+            try:
+                await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=run_id),
+                                            metadata=ALICE))
+            except grpc.aio.AioRpcError as error:
+                expired = error
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the finished run never expired")
+
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert expired.code() == grpc.StatusCode.NOT_FOUND
