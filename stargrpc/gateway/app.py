@@ -10,8 +10,8 @@ Routes:
   ``Last-Event-ID`` (or ``?after_seq=``), then live until the Result
 - ``POST /v1/runs/{run_id}:cancel``       CancelRun
 
-Credentials travel in ``Authorization`` (or ``X-API-Key``) exactly as for gRPC; the
-gateway forwards them and never looks at them.
+Credentials travel in ``Authorization: Bearer …`` exactly as in gRPC metadata; the gateway
+forwards them (with the W3C trace context) and never looks at them.
 """
 
 from __future__ import annotations

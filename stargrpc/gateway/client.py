@@ -24,8 +24,7 @@ log = structlog.get_logger("stargrpc.gateway")
 Metadata = Sequence[tuple[str, str]]
 
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
-FORWARDED_HEADERS = ("authorization", "x-api-key", "traceparent", "tracestate",
-                     "x-request-id")
+FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-request-id")
 
 
 @dataclass

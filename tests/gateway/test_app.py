@@ -263,3 +263,38 @@ async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:
 
     # The drain cancelled the parked run; the follower saw its Result before the end.
     assert shape(events)[-1] == "RESULT CANCELLED"
+
+
+async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
+    from stargrpc.auth.keys import KeyStore
+    from tests.gateway.conftest import gateway_registry
+
+    keys = KeyStore(tmp_path / "keys.json")
+    admin = keys.create("web-admin", ["admin"])[1]
+    nobody = keys.create("web-nobody", ["no-such-role"])[1]
+    server = await make_server(registry=gateway_registry(), http_port=0,
+                               insecure_no_auth=False, keys_file=tmp_path / "keys.json",
+                               tool_permissions={"echo": {"roles": ["admin"]}})
+    base = f"http://127.0.0.1:{server.http.gateway_port}"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        anonymous = await http.get("/v1/tools")
+        wrong = await http.get("/v1/tools", headers={"Authorization": "Bearer nope"})
+        as_admin = {"Authorization": f"Bearer {admin}"}
+        listed = await http.get("/v1/tools", headers=as_admin)
+        ran = await http.post("/v1/tools/echo:execute?wait=true", headers=as_admin,
+                              json={"arguments": {"text": "hi"}})
+        denied = await http.post("/v1/tools/echo:execute",
+                                 headers={"Authorization": f"Bearer {nobody}"},
+                                 json={"arguments": {"text": "hi"}})
+        events_url = ran.json()["events_url"]
+        events_anonymous = await http.get(events_url)
+        events = await read_sse(http, "GET", events_url, headers=as_admin)
+
+    assert anonymous.status_code == wrong.status_code == 401
+    assert anonymous.headers["www-authenticate"].startswith("Bearer")
+    assert listed.status_code == 200
+    assert ran.status_code == 200 and ran.json()["result"]["output"] == "hi"
+    assert denied.status_code == 403
+    assert denied.json()["error"]["status"] == "PERMISSION_DENIED"
+    assert events_anonymous.status_code == 401
+    assert shape(events)[-1] == "RESULT OK"
