@@ -314,3 +314,13 @@ async def test_a_clean_shutdown_writes_every_record(make_server: ServerFactory) 
         await store.aclose()
     assert {r.run_id for r in records} == {events[-1].run_id for events in runs}
     assert report.intact and report.checked == 40
+
+
+async def test_a_method_that_does_not_exist_is_recorded(server) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await channel.unary_unary("/stargrpc.v1.ToolService/Nope")(b"")
+    assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    [record] = await _records(server)
+    assert (record.method, record.outcome) == ("/stargrpc.v1.ToolService/Nope", "invalid")
