@@ -6,9 +6,10 @@ Every supervised run has three limits, and the first one reached stops it:
   restarts whenever the run shows *progress*: a step starting or ending, a DELTA with
   content, a file chunk, a heartbeat whose progress value rises above the highest seen, or a
   heartbeat whose message differs from the previous one. A bare repeated heartbeat keeps the
-  stream alive but is not progress — a stuck tool that pings forever is still caught. At
-  half the soft deadline without progress the run gets a warning notice; at the deadline it
-  is stopped with ``Result{TIMEOUT}`` and code ``CRITIC_NO_PROGRESS``;
+  stream alive but is not progress — a stuck tool that pings forever is still caught. The
+  run's first event (the START of its top-level step) is progress, so the count begins when
+  the run does. At half the soft deadline without progress the run gets a warning notice;
+  at the deadline it is stopped with ``Result{TIMEOUT}`` and code ``CRITIC_NO_PROGRESS``;
 - a **hard cap** (``critic_hard_timeout``) on the total run time, progress or not
   (code ``CRITIC_HARD_TIMEOUT``);
 - the **caller's gRPC deadline**, which always wins: the run is stopped just before it
@@ -65,10 +66,6 @@ CLIENT_DEADLINE_MARGIN = 0.05
 # The longest time left stamped on an event (a Duration holds at most ~10,000 years; absurd
 # configured timeouts must not make stamping fail).
 _MAX_TIME_LEFT = 10 * 365 * 24 * 3600.0
-
-# Timers may fire a hair early (the loop's clock resolution); a limit this close counts as
-# reached, so the timer never re-arms itself for a few nanoseconds in a loop.
-_SLACK = 1e-3
 
 _KILLS_BY_REASON = {
     NO_PROGRESS: metrics.CRITIC_KILLS.labels("no_progress"),
@@ -215,7 +212,9 @@ class Supervisor:
         self._timer = None
         if self.run.finished or self.run.stop_requested:
             return
-        now = self._loop.time() + _SLACK
+        # A timer may fire a hair early (the loop's clock resolution); then nothing below
+        # is reached yet and it simply re-arms for the same moment.
+        now = self._loop.time()
         if self._last_progress != self._seen_progress:
             # Progress since the last check pushed the soft deadline out.
             self._seen_progress = self._last_progress
