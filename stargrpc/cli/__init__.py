@@ -8,6 +8,7 @@ from stargrpc import __version__
 from stargrpc.cli.audit import audit
 from stargrpc.cli.calls import call, cancel, tools, watch
 from stargrpc.cli.health import health
+from stargrpc.cli.kb import kb
 from stargrpc.cli.keys import keys
 from stargrpc.cli.serve import serve
 
@@ -31,5 +32,6 @@ main.add_command(watch)
 main.add_command(cancel)
 main.add_command(health)
 main.add_command(keys)
+main.add_command(kb)
 
 __all__ = ["main"]

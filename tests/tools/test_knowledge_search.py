@@ -1,0 +1,57 @@
+"""knowledge_search through a real server."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.helpers import as_dict, phases, run_tool
+from tests.kb.corpus import write_corpus
+
+
+@pytest.fixture
+async def docs_and_stub(make_server, tmp_path):
+    docs = write_corpus(tmp_path / "docs")
+    server = await make_server(kb_dir=docs)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield docs, tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+async def test_ranks_the_relevant_document_first_with_snippets(docs_and_stub) -> None:
+    _, stub = docs_and_stub
+    events = await run_tool(stub, "knowledge_search", {"query": "restore a backup", "limit": 2})
+
+    assert phases(events) == [
+        "START s0", "START s1",
+        "DELTA s1 '4 documents indexed: 4 added, 0 updated, 0 removed, 0 unchanged\\n'",
+        "END s1 COMPLETE", "START s2",
+        "DELTA s2 '1. ops/backups.md > Backups > Restoring a backup\\n'",
+        "DELTA s2 '2. ops/backups.md > Backups\\n'",
+        "END s2 COMPLETE", "END s0 COMPLETE", "RESULT OK"]
+    structured = as_dict(events[-1].result)["structured_output"]
+    first = structured["passages"][0]
+    assert (first["rank"], first["path"]) == (1, "ops/backups.md")
+    assert "**restore**" in first["snippet"].lower()
+
+
+async def test_an_edited_file_is_found_on_the_next_call(docs_and_stub) -> None:
+    docs, stub = docs_and_stub
+    await run_tool(stub, "knowledge_search", {"query": "soup"})
+    (docs / "team/lunch.txt").write_text("Lunch moved: tacos every Thursday.\n")
+
+    events = await run_tool(stub, "knowledge_search", {"query": "tacos"})
+
+    assert "1 updated" in events[2].step.delta
+    passages = as_dict(events[-1].result)["structured_output"]["passages"]
+    assert [p["path"] for p in passages] == ["team/lunch.txt"]
+
+
+async def test_without_a_configured_folder_it_fails_clearly(make_server) -> None:
+    server = await make_server()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        events = await run_tool(stub, "knowledge_search", {"query": "x"})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_FAILED
+    assert events[-1].result.error.message == "no knowledge base is configured (set kb_dir)"
