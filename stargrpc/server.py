@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
 from stargrpc.errors import ToolDefinitionError
-from stargrpc.interceptors import build_chain
 from stargrpc.http_serving import HttpEndpoints
+from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.permissions import RolePolicy
 from stargrpc.registry import Registry, load_registry
@@ -31,6 +31,7 @@ from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores import make_store
 from stargrpc.supervisor import supervise_launched_run
+from stargrpc.tracing import trace_run
 
 log = structlog.get_logger("stargrpc.server")
 
@@ -73,10 +74,10 @@ class StargrpcServer:
     runtime: Runtime
     port: int
     interceptors: list[grpc.aio.ServerInterceptor]
+    http: HttpEndpoints
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
-    http: HttpEndpoints
     _stopped: asyncio.Event
 
     def __init__(self, settings: Settings, *, registry: Registry | None = None,
@@ -96,12 +97,14 @@ class StargrpcServer:
         # The critic interceptor sets each Execute's supervision policy; this hook applies
         # it to the run the call launches (see stargrpc.supervisor).
         self.runtime.launch_hooks.append(supervise_launched_run)
+        # The HTTP gateway and the metrics endpoint, each when its port is set.
+        self.http = HttpEndpoints(settings)
+        if settings.tracing:  # the run's span and its steps' (see stargrpc.tracing)
+            self.runtime.launch_hooks.append(trace_run)
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self.interceptors = list(interceptors if interceptors is not None
-        # The HTTP gateway and the metrics endpoint, each when its port is set.
-        self.http = HttpEndpoints(settings)
                                  else build_chain(settings))
         self._server = grpc.aio.server(
             interceptors=self.interceptors,
@@ -143,6 +146,7 @@ class StargrpcServer:
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
+        await self.http.start(self.port)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", address=f"{self.settings.host}:{self.port}",
@@ -151,7 +155,6 @@ class StargrpcServer:
         if any(spec.kind == "sandbox" for spec in self.runtime.registry.values()):
             await asyncio.to_thread(log_isolation, self.settings)  # says which mode, once
         return self.port
-        await self.http.start(self.port)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drains and stops; safe to call more than once."""
@@ -163,6 +166,9 @@ class StargrpcServer:
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
+        # After the drain, so HTTP followers saw every run's Result; before the transport
+        # stops, so the gateway's own gRPC calls end cleanly.
+        await self.http.stop()
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
         await self.runtime.store.aclose()
         for component in reversed(self.interceptors):
@@ -171,9 +177,6 @@ class StargrpcServer:
         log.info("stopped")
         self._stopped.set()
 
-        # After the drain, so HTTP followers saw every run's Result; before the transport
-        # stops, so the gateway's own gRPC calls end cleanly.
-        await self.http.stop()
     def reload_tools(self) -> None:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""
         try:

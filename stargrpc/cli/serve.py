@@ -49,6 +49,15 @@ from stargrpc.settings import Settings
 @click.option("--audit-store", "audit_store", default=None,
               help="Where audit records go: sqlite:///PATH or postgresql://… [env "
               "STARGRPC_AUDIT_STORE; default sqlite:///<state_dir>/audit.db].")
+@click.option("--http-port", "http_port", type=int, default=None,
+              help="Serve the HTTP gateway and the live progress page on this port [env "
+              "STARGRPC_HTTP_PORT; default off].")
+@click.option("--metrics-port", "metrics_port", type=int, default=None,
+              help="Serve Prometheus metrics at /metrics on this port [env "
+              "STARGRPC_METRICS_PORT; default off].")
+@click.option("--tracing/--no-tracing", "tracing", default=None,
+              help="Record OpenTelemetry traces (OTLP, set up by the OTEL_EXPORTER_OTLP_* "
+              "variables) [env STARGRPC_TRACING; default off].")
 def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object) -> None:
     """Run the stargrpc server."""
     overrides = dict(flags)

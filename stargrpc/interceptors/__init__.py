@@ -2,6 +2,8 @@
 
 Order, outermost first, and why:
 
+0. **tracing** (``tracing = true`` only; :mod:`stargrpc.tracing`) — the call's span, parented
+   by the caller's trace context, so that it covers everything below.
 1. **audit** — opens the call's :class:`~stargrpc.calls.CallRecord` and writes it when the
    call ends, so it sees *every* attempt, including those authentication refuses.
 2. **auth** — establishes the principal from credentials (never from the request body) or
@@ -19,11 +21,14 @@ from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.critic import CriticInterceptor
 from stargrpc.settings import Settings
+from stargrpc.tracing import TracingInterceptor
 
 
 def build_chain(settings: Settings) -> Sequence[grpc.aio.ServerInterceptor]:
     """The interceptors of a server with ``settings``, outermost first."""
     chain: list[grpc.aio.ServerInterceptor] = []
+    if settings.tracing:
+        chain.append(TracingInterceptor(settings))  # outermost: its span covers the call
     chain.append(AuditInterceptor(settings))  # outermost: sees every attempt
     chain.append(AuthInterceptor(settings))  # the principal, before anything runs
     chain.append(CriticInterceptor(settings))  # innermost: closest to the run

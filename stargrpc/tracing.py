@@ -1,0 +1,255 @@
+"""OpenTelemetry traces (``tracing = true``): a span per call, a span per run, a span per step.
+
+- :class:`TracingInterceptor`, outermost in the chain, takes the W3C trace context
+  (``traceparent``/``tracestate``) from the call's metadata and wraps each ToolService call in
+  a SERVER span named like ``stargrpc.v1.ToolService/Execute``, current for the call's task.
+  The HTTP gateway forwards these headers, so a browser's or proxy's trace continues here.
+- :func:`trace_run`, a ``Runtime.launch_hooks`` hook, opens the run's span (``run <tool>``)
+  as a child of the call's span and follows the run through ``run.observers``: each step
+  the tool opens becomes a child span of its parent step (the top-level step is the run span
+  itself), a failed step or run gets status ERROR, notices become span events, and the
+  Result ends the run span with its outcome. The run span is also current inside the tool,
+  so spans a tool makes (say, an instrumented HTTP client) nest under the run.
+- :func:`configure_tracing` installs the SDK tracer provider with the configured exporter,
+  once per process; with ``tracing_exporter = "none"`` whatever provider the embedding
+  program installed is used (tests install an in-memory one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from stargrpc.run import Run
+from stargrpc.service import SERVICE_NAME
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
+
+log = structlog.get_logger("stargrpc.tracing")
+
+TRACER_NAME = "stargrpc"
+
+# gRPC codes that mark a server span as failed (OpenTelemetry's RPC conventions): the
+# others (NOT_FOUND, PERMISSION_DENIED, …) are the caller's problem, not the server's.
+_SERVER_ERROR_CODES = frozenset({
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
+})
+
+
+def tracer() -> trace.Tracer:
+    """stargrpc's tracer, from the global tracer provider."""
+    return trace.get_tracer(TRACER_NAME)
+
+
+def configure_tracing(settings: Settings) -> None:
+    """Installs a tracer provider exporting to ``settings.tracing_exporter`` (once per
+    process; a provider installed before is kept)."""
+    if settings.tracing_exporter == "none":
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SpanExporter,
+    )
+
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        log.info("tracing_provider_kept", reason="a tracer provider is already installed")
+        return
+    exporter: SpanExporter
+    if settings.tracing_exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()  # endpoint etc. from the OTEL_EXPORTER_OTLP_* variables
+    else:
+        exporter = ConsoleSpanExporter()
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": settings.tracing_service_name}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    log.info("tracing_on", exporter=settings.tracing_exporter)
+
+
+# -- calls -------------------------------------------------------------------------------------
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """A SERVER span per ToolService call, parented by the caller's trace context.
+
+    Other services (health, reflection) pass through untraced: they are noise in a trace.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        configure_tracing(settings)
+
+    async def start(self) -> None:
+        """Nothing to start (see :class:`stargrpc.server.Lifecycle`)."""
+
+    async def aclose(self) -> None:
+        """Flushes spans not exported yet."""
+        flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+        if flush is not None:
+            await asyncio.to_thread(flush)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        name = method.lstrip("/")
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with _call_span(name, context):
+                    return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext
+                                   ) -> AsyncIterator[Any]:
+                # grpc.aio serves each call in a task of its own, which iterates this
+                # generator: the span is current for the whole call and for nothing else.
+                with _call_span(name, context):
+                    async for response in stream(request, context):
+                        yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # ToolService has no client-streaming methods
+
+
+@contextmanager
+def _call_span(name: str, context: grpc.aio.ServicerContext) -> Iterator[Span]:
+    carrier = {key: value for key, value in (context.invocation_metadata() or ())
+               if isinstance(value, str)}
+    service, _, method = name.partition("/")
+    with tracer().start_as_current_span(
+            name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+            record_exception=False, set_status_on_exception=False) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            code = context.code() if isinstance(exc, grpc.aio.AbortError) else None
+            if code is None:  # a real fault (or a cancelled call), not a refusal
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            code = context.code()
+            if isinstance(code, grpc.StatusCode):
+                span.set_attribute("rpc.grpc.status_code", code.value[0])
+                if code in _SERVER_ERROR_CODES:
+                    span.set_status(Status(StatusCode.ERROR, code.name))
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+def trace_run(run: Run) -> None:
+    """``Runtime.launch_hooks`` hook: traces ``run`` (see the module docstring)."""
+    RunTracer(run, tracer())
+
+
+class RunTracer:
+    """The spans of one run, driven by its events."""
+
+    run_span: Span
+    _tracer: trace.Tracer
+    _root_step_id: str
+    _steps: dict[str, Span]
+    _deltas: dict[str, int]
+
+    def __init__(self, run: Run, run_tracer: trace.Tracer) -> None:
+        self._tracer = run_tracer
+        self._root_step_id = run.root_step.id
+        self._steps = {}
+        self._deltas = {}
+        attributes: dict[str, Any] = {
+            "stargrpc.run_id": run.run_id,
+            "stargrpc.tool": run.spec.name,
+            "stargrpc.principal": run.principal.id,
+        }
+        invocation_trace = run.invocation.get("trace_id")
+        if invocation_trace:
+            attributes["stargrpc.invocation.trace_id"] = str(invocation_trace)[:128]
+        self.run_span = run_tracer.start_span(f"run {run.spec.name}", kind=SpanKind.INTERNAL,
+                                              attributes=attributes)
+        run.observers.append(self.observe)
+        # Current from here on in the launching task, whose context the run's task copies
+        # when it starts; the call's span (TracingInterceptor) restores its own on exit.
+        otel_context.attach(trace.set_span_in_context(self.run_span))
+
+    def observe(self, event: events_pb2.RunEvent) -> None:
+        """``run.observers`` callback; never raises into the run."""
+        try:
+            self._observe(event)
+        except Exception:
+            log.exception("tracing_observer_failed")
+
+    def _observe(self, event: events_pb2.RunEvent) -> None:
+        kind = event.WhichOneof("kind")
+        when = event.time.ToNanoseconds() if event.HasField("time") else None
+        if kind == "step":
+            self._on_step(event.step, when)
+        elif kind == "notice":
+            self.run_span.add_event("notice", {
+                "code": event.notice.code, "message": event.notice.message,
+                "level": events_pb2.NoticeLevel.Name(event.notice.level)})
+        elif kind == "result":
+            self._on_result(event.result)
+
+    def _on_step(self, message: events_pb2.StepEvent, when: int | None) -> None:
+        step = message.step
+        if step.id == self._root_step_id:  # the top-level step is the run span itself
+            if message.phase == events_pb2.STEP_PHASE_END and step.summary:
+                self.run_span.set_attribute("stargrpc.summary", step.summary[:500])
+            return
+        if message.phase == events_pb2.STEP_PHASE_START:
+            parent = self._steps.get(step.parent_id, self.run_span)
+            self._steps[step.id] = self._tracer.start_span(
+                step.title or step.id, context=trace.set_span_in_context(parent),
+                start_time=when,
+                attributes={"stargrpc.step.id": step.id, "stargrpc.step.kind": step.kind})
+        elif message.phase == events_pb2.STEP_PHASE_DELTA:
+            self._deltas[step.id] = self._deltas.get(step.id, 0) + 1
+        elif message.phase == events_pb2.STEP_PHASE_END:
+            span = self._steps.pop(step.id, None)
+            if span is None:
+                return
+            span.set_attribute("stargrpc.step.deltas", self._deltas.pop(step.id, 0))
+            if step.status == events_pb2.STEP_STATUS_ERROR:
+                span.set_status(Status(StatusCode.ERROR, step.summary or None))
+            span.end(end_time=when)
+
+    def _on_result(self, result: events_pb2.Result) -> None:
+        for span in self._steps.values():  # the run ends every step first; just in case
+            span.end()
+        self._steps.clear()
+        outcome = events_pb2.Outcome.Name(result.outcome).removeprefix("OUTCOME_").lower()
+        self.run_span.set_attribute("stargrpc.outcome", outcome)
+        if result.outcome != events_pb2.OUTCOME_OK:
+            self.run_span.set_attribute("stargrpc.error_code", result.error.code)
+            self.run_span.set_status(Status(StatusCode.ERROR,
+                                            f"{result.error.code}: {result.error.message}"))
+        self.run_span.end()
