@@ -188,15 +188,13 @@ class StargrpcServer:
 
     async def serve_forever(self) -> None:
         """Starts, handles SIGTERM/SIGINT (stop) and SIGHUP (reload), returns once stopped."""
-        await self.start()
         loop = asyncio.get_running_loop()
-        stop_tasks: set[asyncio.Task[None]] = set()
-
-        def request_stop() -> None:
-            task = loop.create_task(self.stop())
-            stop_tasks.add(task)
-
+        stop_requested = asyncio.Event()
+        # The handlers go in before start(): a SIGTERM that arrives while the server is still
+        # starting must drain it, not kill the process with the default action.
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, request_stop)
+            loop.add_signal_handler(sig, stop_requested.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload_tools)
-        await self._stopped.wait()
+        await self.start()
+        await stop_requested.wait()
+        await self.stop()
