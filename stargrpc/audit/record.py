@@ -87,6 +87,8 @@ class AuditRecord:
         arguments: The arguments as JSON text, secrets redacted and long values truncated
             (or what the tool chose to show instead).
         result: What the run returned, redacted and truncated (or the tool's substitute).
+        invocation: The request's invocation context (end user, channel, trace id, session,
+            labels) as JSON text, redacted; "" when the request had none.
         outcome: One of :data:`OUTCOMES`.
         detail: A short, user-safe detail (an error code and message).
         duration_ms: How long the call took.
@@ -108,6 +110,7 @@ class AuditRecord:
     run_id: str = ""
     arguments: str = ""
     result: str = ""
+    invocation: str = ""
     outcome: str = "ok"
     detail: str = ""
     duration_ms: float = 0.0

@@ -51,6 +51,7 @@ class _Call:
     time: str = field(default_factory=utc_now)
     written: bool = False
     result: events_pb2.Result | None = None
+    invocation: dict[str, Any] | None = None
 
 
 class AuditInterceptor(grpc.aio.ServerInterceptor):
@@ -179,6 +180,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             value = getattr(request, "tool_name" if name == "tool" else name, "")
             if isinstance(value, str) and value and not getattr(record, name):
                 setattr(record, name, cut(value, 200))
+        if isinstance(request, tool_service_pb2.ExecuteRequest) and request.HasField("context"):
+            call.invocation = json_format.MessageToDict(request.context,
+                                                        preserving_proto_field_name=True)
 
     async def _commit(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
         """Writes the record of an Execute whose Result is about to be sent, and waits (a
@@ -209,7 +213,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
         if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
-            record.detail = f"idempotent call {record.extra['idempotent']} an earlier run"
+            # The idempotency key was already held: this call attached to (or replayed) the
+            # run that holds it instead of running the tool again.
+            record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
         return self._write(call)
 
     def _write(self, call: _Call) -> asyncio.Future[AuditRecord] | None:
@@ -244,6 +250,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             run_id=record.run_id,
             arguments=redacted_json(arguments, self.limits) if arguments is not None else "",
             result=self._result_text(call, getattr(run, "audit_result", None)),
+            invocation=redacted_json(call.invocation, self.limits) if call.invocation else "",
             outcome=record.outcome,
             detail=cut(record.detail, MAX_DETAIL_CHARS),
             duration_ms=round((time.monotonic() - record.started) * 1000, 3),
@@ -275,6 +282,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         }
         if record.privileged:
             fields["arguments"] = record.arguments
+        if record.invocation:
+            fields["invocation"] = record.invocation
         warn = record.privileged or record.outcome != "ok"
         with structlog.contextvars.bound_contextvars(run_id=record.run_id):
             if warn:

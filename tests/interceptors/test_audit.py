@@ -324,3 +324,27 @@ async def test_a_method_that_does_not_exist_is_recorded(server) -> None:
 
     [record] = await _records(server)
     assert (record.method, record.outcome) == ("/stargrpc.v1.ToolService/Nope", "invalid")
+
+
+async def test_acting_for_and_the_invocation_context_are_recorded(server, stub) -> None:
+    await run_tool(stub, "login", {"user": "a", "password": "b"},
+                   context=tool_service_pb2.InvocationContext(
+                       end_user="bob", channel="slack", trace_id="t-1",
+                       labels={"team": "blue", "session_token": "SECRET"}))
+
+    [record] = await _records(server)
+    assert (record.principal, record.acting_for) == ("local", "bob")
+    assert record.who == "local acting for bob"
+    assert json.loads(record.invocation) == {
+        "end_user": "bob", "channel": "slack", "trace_id": "t-1",
+        "labels": {"team": "blue", "session_token": "<redacted>"}}
+
+
+async def test_a_repeated_idempotency_key_is_recorded_as_such(server, stub) -> None:
+    first = await run_tool(stub, "login", {"user": "a", "password": "b"}, idempotency_key="k")
+    again = await run_tool(stub, "login", {"user": "a", "password": "b"}, idempotency_key="k")
+
+    original, replay = await _records(server)
+    assert original.run_id == replay.run_id == first[-1].run_id == again[-1].run_id
+    assert replay.outcome == "ok"
+    assert "replayed" in replay.detail
