@@ -1,0 +1,94 @@
+"""Redis unreachable: calls that need it fail fast with UNAVAILABLE and a clear message, and
+the server recovers by itself when Redis comes back (a redis-server started by the test)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import status_details
+from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class OwnRedis:
+    """A throw-away redis-server on ``port`` that the test starts and stops."""
+
+    def __init__(self, port: int, folder: Path) -> None:
+        self.port = port
+        self.folder = folder
+
+    def start(self) -> None:
+        subprocess.run(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                        "--save", "", "--appendonly", "no", "--daemonize", "yes",
+                        "--dir", str(self.folder),
+                        "--pidfile", str(self.folder / "redis.pid")], check=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # up once it answers PING
+            if self._cli("ping").stdout.strip() == "PONG":
+                return
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not come up")
+
+    def stop(self) -> None:
+        self._cli("shutdown", "nosave")
+
+    def _cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["redis-cli", "-p", str(self.port), *args],
+                              capture_output=True, text=True, timeout=10)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    redis = OwnRedis(_free_port(), tmp_path)
+    yield redis
+    redis.stop()
+
+
+async def test_redis_down_is_unavailable_fast_and_recovers_when_it_returns(
+        make_server, own_redis: OwnRedis) -> None:
+    server = await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
+                               redis_url=f"redis://127.0.0.1:{own_redis.port}/0",
+                               redis_timeout_seconds=0.5)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def echo() -> list[events_pb2.RunEvent]:
+            return await collect(stub.Execute(
+                execute_request("echo", {"text": "hi"}, idempotency_key=key()), timeout=20))
+
+        with pytest.raises(grpc.aio.AioRpcError) as down:
+            await echo()
+        with pytest.raises(grpc.aio.AioRpcError) as watch_down:
+            await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id="x"),
+                                        timeout=20))
+        own_redis.start()
+        back = await echo()
+        own_redis.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as down_again:
+            await echo()
+        serving = await health.Check(health_pb2.HealthCheckRequest())
+        own_redis.start()
+        back_again = await echo()
+
+    for error in (down.value, watch_down.value, down_again.value):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Redis" in (error.details() or "")
+        assert status_details(error)[0].reason == "RUN_STORE_UNAVAILABLE"
+    assert back[-1].result.output == "hi"
+    assert back_again[-1].result.output == "hi"
+    assert serving.status == health_pb2.HealthCheckResponse.SERVING
