@@ -1,0 +1,102 @@
+"""The in-memory run store: gapless logs, replay and follow, retention, claims that expire
+with their run, and the slow-follower rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stargrpc.errors import WatcherTooSlow
+from stargrpc.runlog import MemoryRunStore
+from stargrpc.v1 import events_pb2
+
+
+def heartbeat(text: str = "") -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.heartbeat.message = text
+    return event
+
+
+def result() -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.result.outcome = events_pb2.OUTCOME_OK
+    return event
+
+
+async def test_seq_is_gapless_and_nothing_follows_the_result() -> None:
+    log = MemoryRunStore().create("r1", owner="alice", tool="t")
+    for i in range(3):
+        await log.append(heartbeat(str(i)))
+    await log.append(result())
+
+    with pytest.raises(RuntimeError):
+        await log.append(heartbeat())
+    events = [e async for e in log.follow(0)]
+    assert [e.seq for e in events] == [1, 2, 3, 4]
+    assert {e.run_id for e in events} == {"r1"}
+    assert [e.seq async for e in log.follow(2)] == [3, 4]
+    assert [e async for e in log.follow(99)] == []
+    assert (log.owner, log.tool, log.finished, log.last_seq) == ("alice", "t", True, 4)
+
+
+async def test_a_follower_gets_live_events_until_the_result() -> None:
+    log = MemoryRunStore().create("r1")
+    await log.append(heartbeat("before"))
+    got: list[int] = []
+
+    async def follow() -> None:
+        async for event in log.follow(0):
+            got.append(event.seq)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0)  # let it catch up and wait
+    await log.append(heartbeat("live"))
+    await log.append(result())
+    await asyncio.wait_for(task, 5)
+
+    assert got == [1, 2, 3]
+
+
+async def test_finished_runs_expire_and_take_their_claim_with_them() -> None:
+    store = MemoryRunStore(retention=0)
+    first = store.create("r1", owner="alice")
+    claim = await store.claim("alice", "k", "fp", first)
+    again = await store.claim("alice", "k", "fp", store.create("r2", owner="alice"))
+    other = await store.claim("bob", "k", "fp", store.create("r3", owner="bob"))
+    await first.append(result())
+
+    assert claim.won and not again.won and again.run_id == "r1" and other.won
+    assert await store.open("r1") is None  # retention 0: gone at the next look
+    renewed = await store.claim("alice", "k", "fp", store.create("r4", owner="alice"))
+    assert renewed.won and renewed.run_id == "r4"
+
+
+async def test_at_most_max_finished_runs_are_kept() -> None:
+    store = MemoryRunStore(max_finished=2)
+    for i in range(4):
+        await store.create(f"r{i}").append(result())
+    store.create("live")
+
+    assert [await store.open(f"r{i}") is not None for i in range(4)] == [
+        False, False, True, True]
+    assert len(store) == 3
+
+
+async def test_a_follower_that_falls_behind_a_live_run_is_told_where_to_resume() -> None:
+    log = MemoryRunStore().create("r1")
+    follower = log.follow(0, max_lag=5)
+    await log.append(heartbeat())
+    assert (await anext(follower)).seq == 1
+    waiting = asyncio.ensure_future(anext(follower))
+    await asyncio.sleep(0)  # let it catch up and wait
+    await log.append(heartbeat())
+    assert (await waiting).seq == 2
+    for _ in range(10):  # the follower is not reading now
+        await log.append(heartbeat())
+
+    with pytest.raises(WatcherTooSlow) as caught:
+        await anext(follower)
+    assert caught.value.resume_after == 2
+    replay = log.follow(0, max_lag=5)  # replaying from the start is not "too slow"
+    assert [(await anext(replay)).seq for _ in range(12)] == list(range(1, 13))
