@@ -203,6 +203,14 @@ class Settings(BaseSettings):
     audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
                                         "an audit record.")
 
+    @field_validator("audit_store")
+    @classmethod
+    def _check_audit_store(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+        if value and scheme not in ("sqlite", "postgresql", "postgres"):
+            raise ValueError("use sqlite:///PATH or postgresql://user@host/db")
+        return value
+
     # -- sandbox and bundled tools (stargrpc/sandbox, http_guard.py, kb/, tools/) ----------
     sandbox_isolation: Literal["auto", "bwrap", "unshare", "rlimits"] = Field(
         "auto", description="How sandboxed commands are isolated: auto picks the strongest "

@@ -27,7 +27,9 @@ from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server import StargrpcServer
+from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from tests.audit.conftest import pg_schema
 from tests.conftest import ServerFactory
 from tests.helpers import run_tool
 
@@ -348,3 +350,25 @@ async def test_a_repeated_idempotency_key_is_recorded_as_such(server, stub) -> N
     assert original.run_id == replay.run_id == first[-1].run_id == again[-1].run_id
     assert replay.outcome == "ok"
     assert "replayed" in replay.detail
+
+
+async def test_records_go_to_postgresql_when_configured(make_server: ServerFactory) -> None:
+    async with pg_schema() as url:
+        server = await make_server(registry=_registry(), audit_store=url)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            events = await run_tool(stub, "login", {"user": "a", "password": "b"})
+        await server.stop(grace=5)
+
+        store = open_store(url)
+        await store.open()
+        try:
+            [record] = [r async for r in store.scan()]
+        finally:
+            await store.aclose()
+    assert (record.run_id, record.outcome) == (events[-1].run_id, "ok")
+
+
+def test_an_unknown_store_is_refused_with_the_settings() -> None:
+    with pytest.raises(ValueError, match="sqlite:///PATH or postgresql://"):
+        Settings(audit_store="mysql://db/audit")
