@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from stargrpc.auth import KeyStore
 from stargrpc.registry import Registry
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
@@ -44,6 +46,45 @@ async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
     yield factory
     for server in started:
         await server.stop(grace=1.0)
+
+
+@dataclass
+class AuthServer:
+    """A server with API-key authentication on, and a key (``roles`` of the factory) to call
+    it with: ``async with key_channel(auth.target, auth.key) as chan`` (tests.helpers)."""
+
+    server: StargrpcServer
+    key: str
+    keys: KeyStore
+
+    @property
+    def target(self) -> str:
+        """``127.0.0.1:PORT``."""
+        return f"127.0.0.1:{self.server.port}"
+
+    def add_key(self, name: str, *roles: str) -> str:
+        """Another key in the server's keys file (the server sees it on the next call)."""
+        return self.keys.create(name, roles)[1]
+
+
+AuthServerFactory = Callable[..., Awaitable[AuthServer]]
+
+
+@pytest.fixture
+async def make_auth_server(make_server: ServerFactory, tmp_path: Path) -> AuthServerFactory:
+    """Starts servers with authentication ON: ``auth = await make_auth_server(registry=…,
+    roles=("admin",), **settings)``; the key (named "tester") is ``auth.key``."""
+
+    async def factory(registry: Registry | None = None, *, roles: Sequence[str] = ("admin",),
+                      **overrides: Any) -> AuthServer:
+        keys_file = Path(overrides.pop("keys_file", tmp_path / "keys.json"))
+        store = KeyStore(keys_file)
+        key = store.create("tester", roles)[1]
+        server = await make_server(registry, insecure_no_auth=False, keys_file=keys_file,
+                                   **overrides)
+        return AuthServer(server, key, store)
+
+    return factory
 
 
 @pytest.fixture

@@ -64,3 +64,48 @@ def status_details(error: grpc.aio.AioRpcError) -> list[Any]:
 def as_dict(message: Any) -> dict[str, Any]:
     """A protobuf message as a dict with proto field names."""
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+class _Bearer:
+    """Adds ``authorization: Bearer <key>`` to every call of a channel."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+    def _with_key(self, details: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add("authorization", f"Bearer {self._key}")
+        return details._replace(metadata=metadata)
+
+
+class _UnaryUnaryBearer(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_key(details), request)
+
+
+class _UnaryStreamBearer(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_key(details), request)
+
+
+class _StreamUnaryBearer(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any,
+                                     requests: Any) -> Any:
+        return await continuation(self._with_key(details), requests)
+
+
+class _StreamStreamBearer(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any,
+                                      requests: Any) -> Any:
+        return await continuation(self._with_key(details), requests)
+
+
+def key_channel(target: str, key: str,
+                credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A channel whose every call carries ``key`` as a bearer token (TLS with
+    ``credentials``); use it as ``async with key_channel(...) as channel``."""
+    interceptors = [cls(key) for cls in (_UnaryUnaryBearer, _UnaryStreamBearer,
+                                         _StreamUnaryBearer, _StreamStreamBearer)]
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, interceptors=interceptors)

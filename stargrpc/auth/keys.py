@@ -88,7 +88,7 @@ class KeyStore:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def keys(self) -> list[ApiKey]:
+    def records(self) -> list[ApiKey]:
         """Every key in the file, revoked ones included, oldest first.
 
         Raises:

@@ -70,7 +70,7 @@ def list_keys(keys_file: Path | None, as_json: bool) -> None:
     """List keys (never the keys themselves: they are not stored)."""
     store = _store(keys_file)
     try:
-        records = store.keys()
+        records = store.records()
     except KeysFileError as exc:
         _fail(exc)
         return

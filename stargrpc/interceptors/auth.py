@@ -72,7 +72,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                                        else ""),
                 host=settings.host)
             return
-        keys = self._authenticator.keys.keys()
+        keys = self._authenticator.keys.records()
         log.info("authentication", keys_file=str(self._authenticator.keys.path),
                  api_keys=sum(not k.revoked for k in keys),
                  jwt=self._authenticator.jwt is not None,

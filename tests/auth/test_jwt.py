@@ -1,0 +1,173 @@
+"""JWT bearer tokens: HS256 with a secret, RS256 with a PEM key, ES256 from a JWKS file."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from pydantic import ValidationError
+
+from stargrpc.auth.jwt import JwtVerifier, roles_from
+from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.auth_tools import auth_registry
+from tests.helpers import key_channel, run_tool
+
+SECRET = "a-test-secret-that-is-long-enough-for-hs256"
+ISSUER, AUDIENCE = "https://idp.example", "stargrpc"
+
+
+def claims(**changes: Any) -> dict[str, Any]:
+    now = int(time.time())
+    base = {"sub": "user-1", "iss": ISSUER, "aud": AUDIENCE, "iat": now, "exp": now + 300,
+            "roles": ["ops", "reader"]}
+    base.update(changes)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def hs256(**changes: Any) -> str:
+    return jwt.encode(claims(**changes), SECRET, algorithm="HS256")
+
+
+async def whoami(target: str, token: str) -> str:
+    """whoami's output, or the status code name when the call is refused."""
+    async with key_channel(target, token) as channel:
+        try:
+            events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), "whoami", {})
+        except grpc.aio.AioRpcError as error:
+            assert error.details() == "missing or invalid credentials"
+            return error.code().name
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    return events[-1].result.output
+
+
+async def test_hs256_tokens_are_checked_for_signature_issuer_audience_and_time(
+        make_auth_server) -> None:
+    auth = await make_auth_server(auth_registry(), jwt_secret=SECRET, jwt_issuer=ISSUER,
+                                  jwt_audience=AUDIENCE, jwt_leeway_seconds=5)
+    now = int(time.time())
+    refused = {
+        "expired": hs256(exp=now - 60),
+        "not yet valid": hs256(nbf=now + 600),
+        "wrong issuer": hs256(iss="https://evil.example"),
+        "wrong audience": hs256(aud="another-service"),
+        "no expiry": hs256(exp=None),
+        "no subject": hs256(sub=None),
+        "wrong secret": jwt.encode(claims(), "another-secret-that-is-long-enough-too!",
+                                   algorithm="HS256"),
+        "unsigned": jwt.encode(claims(), None, algorithm="none"),
+    }
+
+    assert await whoami(auth.target, hs256()) == "user-1 jwt ops,reader"
+    assert await whoami(auth.target, auth.key) == "tester api_key admin"  # keys still work
+    for name, token in refused.items():
+        assert await whoami(auth.target, token) == "UNAUTHENTICATED", name
+
+
+def pem(public_key: Any) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.PEM,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+async def test_rs256_with_a_public_key_file(make_auth_server, tmp_path: Path) -> None:
+    key, other = (rsa.generate_private_key(public_exponent=65537, key_size=2048)
+                  for _ in range(2))
+    key_file = tmp_path / "idp.pem"
+    key_file.write_bytes(pem(key.public_key()))
+    auth = await make_auth_server(auth_registry(), jwt_public_key_file=key_file,
+                                  jwt_issuer=ISSUER, jwt_audience=AUDIENCE)
+
+    assert await whoami(auth.target, jwt.encode(claims(), key, algorithm="RS256")) == \
+        "user-1 jwt ops,reader"
+    assert await whoami(auth.target, jwt.encode(claims(), other, algorithm="RS256")) == \
+        "UNAUTHENTICATED"
+    assert await whoami(auth.target, hmac_forgery(pem(key.public_key()))) == "UNAUTHENTICATED"
+
+
+def hmac_forgery(public_pem: bytes) -> str:
+    """The classic algorithm-confusion forgery: HS256 with the public key as the secret
+    (made by hand, since PyJWT refuses to make it)."""
+    def part(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    signing_input = (part(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "."
+                     + part(json.dumps(claims()).encode()))
+    signature = hmac.new(public_pem, signing_input.encode(), hashlib.sha256).digest()
+    return signing_input + "." + part(signature)
+
+
+def jwks(*keys: tuple[str, ec.EllipticCurvePrivateKey]) -> str:
+    entries = []
+    for kid, private in keys:
+        entry = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(private.public_key()))
+        entries.append({**entry, "kid": kid, "alg": "ES256", "use": "sig"})
+    return json.dumps({"keys": entries})
+
+
+async def test_es256_from_a_jwks_file_that_rotates(make_auth_server, tmp_path: Path) -> None:
+    first, second = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    jwks_file = tmp_path / "jwks.json"
+    jwks_file.write_text(jwks(("k1", first)))
+    auth = await make_auth_server(auth_registry(), jwt_jwks_file=jwks_file, jwt_issuer=ISSUER,
+                                  jwt_audience=AUDIENCE, jwt_roles_claim="scope")
+    scoped = claims(roles=None, scope="tools:read tools:run")
+
+    def token(kid: str, key: ec.EllipticCurvePrivateKey) -> str:
+        return jwt.encode(scoped, key, algorithm="ES256", headers={"kid": kid})
+
+    assert await whoami(auth.target, token("k1", first)) == "user-1 jwt tools:read,tools:run"
+    assert await whoami(auth.target, token("k2", second)) == "UNAUTHENTICATED"
+
+    jwks_file.write_text(jwks(("k2", second)) + "\n")  # rotated: k1 retired, k2 in use
+
+    assert await whoami(auth.target, token("k2", second)) == "user-1 jwt tools:read,tools:run"
+    assert await whoami(auth.target, token("k1", first)) == "UNAUTHENTICATED"
+
+
+def verifier(**settings: Any) -> JwtVerifier:
+    return JwtVerifier(Settings(jwt_secret=SECRET, jwt_issuer=ISSUER, jwt_audience=AUDIENCE,
+                                jwt_leeway_seconds=0, **settings))
+
+
+@pytest.mark.parametrize(("token", "cause"), [
+    (hs256(exp=1), "token_expired"),
+    (hs256(nbf=int(time.time()) + 600), "token_not_yet_valid"),
+    (hs256(iss="other"), "token_wrong_issuer"),
+    (hs256(aud="other"), "token_wrong_audience"),
+    (hs256(exp=None), "token_missing_claim"),
+    ("not-a-jwt", "token_invalid"),
+])
+def test_each_refusal_has_a_cause_for_the_log(token: str, cause: str) -> None:
+    with pytest.raises(CredentialsRejected) as caught:
+        verifier().verify(token)
+    assert caught.value.cause == cause
+
+
+def test_roles_come_from_a_configurable_claim() -> None:
+    token = hs256(roles=None, realm_access={"roles": ["a", "b"]}, email="u@example")
+
+    principal = verifier(jwt_roles_claim="realm_access.roles",
+                         jwt_principal_claim="email").verify(token)
+
+    assert (principal.id, sorted(principal.roles)) == ("u@example", ["a", "b"])
+    assert roles_from({"scope": "x y"}, "scope") == ["x", "y"]
+    assert roles_from({"roles": ["r"]}, "missing") == []
+
+
+def test_jwt_settings_are_checked_at_start() -> None:
+    with pytest.raises(ValidationError, match="jwt_issuer and jwt_audience"):
+        Settings(jwt_secret=SECRET)
+    with pytest.raises(AuthConfigError, match="at least 32"):
+        JwtVerifier(Settings(jwt_secret="short", jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
