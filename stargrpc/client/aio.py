@@ -215,6 +215,9 @@ class AsyncClient:
             CallError: The call was refused before the run started (and retrying did not
                 help), or the deadline passed.
             ResumeError: The stream broke and the run could not be resumed without a gap.
+
+        Leaving the iteration early closes the stream but does not stop the run (it has an
+        idempotency key, so the server keeps it for WatchRun); call :meth:`cancel` for that.
         """
         request = tool_service_pb2.ExecuteRequest(
             tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex)
