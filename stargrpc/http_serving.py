@@ -11,8 +11,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import grpc
 import structlog
 import uvicorn
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from stargrpc.gateway import Gateway
 from stargrpc.metrics_http import metrics_app
@@ -108,6 +111,36 @@ def grpc_target(settings: Settings, port: int) -> str:
     return f"{host}:{port}"
 
 
+def gateway_tls(settings: Settings) -> tuple[grpc.ChannelCredentials | None, str | None]:
+    """How the gateway reaches a server that serves TLS: the roots it trusts and the name
+    it expects in the certificate; (None, None) for plaintext.
+
+    Raises:
+        OSError: A certificate file cannot be read.
+    """
+    if settings.tls_cert_file is None:
+        return None, None
+    served = settings.tls_cert_file.read_bytes()
+    roots = (settings.http_grpc_ca_file.read_bytes() if settings.http_grpc_ca_file
+             else served)
+    return (grpc.ssl_channel_credentials(root_certificates=roots),
+            settings.http_grpc_server_name or certificate_name(served))
+
+
+def certificate_name(pem: bytes) -> str | None:
+    """The first DNS name of a PEM certificate, else its common name."""
+    cert = x509.load_pem_x509_certificate(pem)
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = names.get_values_for_type(x509.DNSName)
+        if dns:
+            return str(dns[0])
+    except x509.ExtensionNotFound:
+        pass
+    common = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(common[0].value) if common else None
+
+
 class HttpEndpoints:
     """The HTTP side of a server: the gateway (``http_port``) and the metrics endpoint
     (``metrics_port``), each only when its port is set.
@@ -143,7 +176,9 @@ class HttpEndpoints:
                 self._servers.append(metrics)
                 self.metrics_port = await metrics.start()
             if s.http_port is not None:
-                self.gateway = Gateway(grpc_target(s, grpc_port),
+                credentials, server_name = gateway_tls(s)
+                self.gateway = Gateway(grpc_target(s, grpc_port), credentials=credentials,
+                                       server_name=server_name,
                                        max_body_bytes=s.max_receive_message_bytes)
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,

@@ -137,6 +137,22 @@ class Settings(BaseSettings):
         "OTEL_EXPORTER_OTLP_* variables), the console, or nowhere here (a program that "
         "embeds the server installs its own tracer provider).")
     tracing_service_name: str = Field("stargrpc", description="service.name of the traces.")
+    http_grpc_ca_file: Path | None = Field(
+        None, description="With TLS on: the CA the gateway trusts for its loopback calls to "
+        "this server; default tls_cert_file (right for a self-signed certificate).")
+    http_grpc_server_name: str | None = Field(
+        None, description="With TLS on: the name the gateway expects in the server "
+        "certificate; default its first DNS name (or common name).")
+
+    @model_validator(mode="after")
+    def _check_gateway(self) -> Settings:
+        # Behind client-certificate auth every HTTP request would reach the service as the
+        # gateway's own certificate: refuse rather than let anonymous callers in as it.
+        if self.http_port is not None and self.tls_client_ca_file is not None:
+            raise ValueError("the HTTP gateway (http_port) cannot be used with client "
+                             "certificates (tls_client_ca_file): HTTP callers would all "
+                             "reach the service as the gateway")
+        return self
 
     # -- authentication and permissions (stargrpc/auth, interceptors/auth.py) -------------
     insecure_no_auth: bool = Field(

@@ -155,8 +155,11 @@ class Gateway:
     _open_streams: int
     _no_open_streams: asyncio.Event
 
-    def __init__(self, grpc_target: str, *, max_body_bytes: int = 8 * 1024 * 1024) -> None:
-        self.client = GatewayClient(grpc_target)
+    def __init__(self, grpc_target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None,
+                 max_body_bytes: int = 8 * 1024 * 1024) -> None:
+        self.client = GatewayClient(grpc_target, credentials=credentials,
+                                    server_name=server_name)
         self._closing = asyncio.Event()
         self._max_body_bytes = max_body_bytes
         self._open_streams = 0

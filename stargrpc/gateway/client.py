@@ -53,8 +53,12 @@ class GatewayClient:
     _stub: tool_service_pb2_grpc.ToolServiceStub | None
     _pumps: set[asyncio.Task[None]]
 
-    def __init__(self, target: str, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.target = target
+        self._credentials = credentials
+        self._server_name = server_name
         self._max_message_bytes = max_message_bytes
         self._channel = None
         self._stub = None
@@ -62,10 +66,18 @@ class GatewayClient:
 
     async def start(self) -> None:
         """Opens the channel (in the running event loop)."""
-        self._channel = grpc.aio.insecure_channel(self.target, options=[
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),
-        ])
+        ]
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        else:
+            if self._server_name:
+                # The loopback address is not the name in the server's certificate.
+                options.append(("grpc.ssl_target_name_override", self._server_name))
+            self._channel = grpc.aio.secure_channel(self.target, self._credentials,
+                                                    options=options)
         self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
 
     async def aclose(self) -> None:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from httpx_sse import aconnect_sse
 
 from tests.gateway.conftest import GatewayUnderTest
@@ -298,3 +299,31 @@ async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
     assert denied.json()["error"]["status"] == "PERMISSION_DENIED"
     assert events_anonymous.status_code == 401
     assert shape(events)[-1] == "RESULT OK"
+
+
+async def test_gateway_reaches_a_server_that_serves_tls(make_server, tmp_path) -> None:
+    from tests.auth.certs import TestCA
+    from tests.gateway.conftest import gateway_registry
+
+    ca = TestCA()
+    files = ca.server_files(tmp_path)
+    ca_file = files.pop("tls_client_ca_file")  # TLS without client certificates
+    server = await make_server(registry=gateway_registry(), http_port=0, insecure_no_auth=True,
+                               http_grpc_ca_file=ca_file, **files)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http.gateway_port}",
+                                 timeout=30) as http:
+        reply = await http.post("/v1/tools/echo:execute?wait=true",
+                                json={"arguments": {"text": "over TLS"}})
+
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["result"]["output"] == "over TLS"
+
+
+def test_gateway_refuses_to_front_client_certificate_auth(tmp_path) -> None:
+    from pydantic import ValidationError
+
+    from stargrpc.settings import Settings
+
+    with pytest.raises(ValidationError, match="client certificates"):
+        Settings(http_port=8080, tls_cert_file=tmp_path / "c", tls_key_file=tmp_path / "k",
+                 tls_client_ca_file=tmp_path / "ca")
