@@ -43,7 +43,7 @@ class QuotaWithoutRetryInfo(RequestError):
     reason = "QUOTA"
 
 
-def _count_phases(n: int) -> list[str]:
+def count_phases(n: int) -> list[str]:
     deltas = [f"DELTA s1 '{i}\\n'" for i in range(1, n + 1)]
     return ["START s0", "START s1", *deltas, "END s1 COMPLETE", "END s0 COMPLETE", "RESULT OK"]
 
@@ -234,7 +234,7 @@ async def test_broken_stream_resumes_through_watch_run_without_gap_or_duplicate(
             if event.seq == 3:
                 proxy.cut()  # the network fails; the server does not notice
 
-    assert phases([e.raw for e in events]) == _count_phases(8)
+    assert phases([e.raw for e in events]) == count_phases(8)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert len({e.run_id for e in events}) == 1
     assert len(recorder.seen("Execute")) == 1  # the tool ran once
@@ -254,7 +254,7 @@ async def test_watch_replays_after_a_seq_then_follows(client: AsyncClient) -> No
     rest = [event async for event in stream]
 
     assert [e.seq for e in watched] == [e.seq for e in rest] == list(range(3, 3 + len(rest)))
-    assert phases([e.raw for e in first + watched]) == _count_phases(4)
+    assert phases([e.raw for e in first + watched]) == count_phases(4)
     assert [e.raw for e in watched] == [e.raw for e in rest]
 
 

@@ -12,7 +12,7 @@ from stargrpc.client import CallError, Client, Outcome, Result
 from stargrpc.server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
-from tests.client.test_aio import COUNT_TO_3, _count_phases
+from tests.client.test_aio import COUNT_TO_3, count_phases
 from tests.helpers import phases
 
 
@@ -71,7 +71,7 @@ async def test_injected_channel_and_resume_after_a_broken_stream(
 
     events = await asyncio.to_thread(session)
 
-    assert phases([e.raw for e in events]) == _count_phases(6)
+    assert phases([e.raw for e in events]) == count_phases(6)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert len(recorder.seen("Execute")) == 1
     assert recorder.seen("WatchRun")
