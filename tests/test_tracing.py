@@ -48,6 +48,14 @@ async def nested(ctx: ToolContext, args: NoArgs) -> str:
 
 
 @tool()
+async def instrumented(ctx: ToolContext, args: NoArgs) -> str:
+    """Makes a span of its own, as an instrumented library would."""
+    with trace.get_tracer("some.library").start_as_current_span("library call"):
+        pass
+    return "ok"
+
+
+@tool()
 async def crashes(ctx: ToolContext, args: NoArgs) -> str:
     """Raises inside a step."""
     async with ctx.step("Doomed"):
@@ -73,7 +81,7 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 def registry() -> Registry:
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(nested), spec_of(crashes)]
+    extra = [spec_of(nested), spec_of(crashes), spec_of(instrumented)]
     return Registry([*bundled.values(), *(s for s in extra if s is not None)])
 
 
@@ -141,6 +149,13 @@ async def test_a_failed_run_is_an_error_span(stub, spans) -> None:
     # No caller trace: the call starts a new one, and the run still belongs to it.
     assert named["stargrpc.v1.ToolService/Execute"].parent is None
     assert run.context.trace_id == named["stargrpc.v1.ToolService/Execute"].context.trace_id
+
+
+async def test_spans_a_tool_makes_nest_under_its_run(stub, spans) -> None:
+    await run_tool(stub, "instrumented")
+
+    named = by_name(spans.get_finished_spans())
+    assert parent_of(named["library call"]) == named["run instrumented"].context.span_id
 
 
 async def test_refused_calls_are_traced_without_a_run(stub, spans) -> None:
