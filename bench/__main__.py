@@ -76,10 +76,10 @@ MODES = {
                   concurrency_rounds=5, held=5000, held_seconds=30.0, held_open_timeout=25.0,
                   held_fresh_server=True, cpu_calls=2000, cpu_warmup=200, cpu_repeats=2,
                   layers=True),
-    "quick": Sizes(latency_calls=300, latency_warmup=50, stream_n=5000, stream_runs=1,
+    "quick": Sizes(latency_calls=200, latency_warmup=30, stream_n=5000, stream_runs=1,
                    slow_n=2000, slow_every=10, slow_ms=1.0, concurrency=200,
                    concurrency_rounds=2, held=500, held_seconds=30.0, held_open_timeout=15.0,
-                   held_fresh_server=False, cpu_calls=300, cpu_warmup=50, cpu_repeats=1,
+                   held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
                    layers=True),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers.
     "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
@@ -107,20 +107,34 @@ def _port_open(host: str, port: int) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
 @contextlib.contextmanager
-def server_process(name: str, argv: list[str], env: dict[str, str], workdir: Path
-                   ) -> Iterator[Server]:
-    """Starts a server, waits for its ``serving`` log line, stops it (SIGTERM) on exit."""
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=ROOT, start_new_session=True)
+def servers(specs: list[ServerSpec], workdir: Path) -> Iterator[list[Server]]:
+    """Starts the servers all at once, waits until each logs ``serving``, and stops them
+    (SIGTERM, then SIGKILL after 20 s) on exit."""
+    processes: list[tuple[ServerSpec, subprocess.Popen[bytes], Path]] = []
     try:
-        address = _wait_serving(process, log)
-        yield Server(name, process.pid, address, log)
+        for spec in specs:
+            log = workdir / f"{spec.name}.log"
+            with log.open("wb") as out:
+                processes.append((spec, subprocess.Popen(
+                    spec.argv, stdout=out, stderr=subprocess.STDOUT, env=spec.env, cwd=ROOT,
+                    start_new_session=True), log))
+        yield [Server(spec.name, process.pid, _wait_serving(process, log), log)
+               for spec, process, log in processes]
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        for _, process, _ in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process, _ in processes:
             try:
                 process.wait(20)
             except subprocess.TimeoutExpired:
@@ -144,22 +158,28 @@ def _wait_serving(process: subprocess.Popen[bytes], log: Path) -> str:
     raise BenchFailure(f"server did not start within {START_TIMEOUT:.0f} s (see {log})")
 
 
-def run_client(server: Server, measure: str, *args: object, token: str = "",
-               timeout: float = 300.0) -> dict[str, Any]:
-    """Runs one measurement in a client process and returns its figures."""
+def run_plan(targets: list[Server], plan: list[dict[str, Any]], token: str = "",
+             timeout: float = 900.0) -> dict[str, list[dict[str, Any]]]:
+    """Runs a plan of measurements in one client process, the servers taking turns.
+
+    Returns:
+        The figures by measurement name, one entry per server in the order given.
+    """
     env = dict(os.environ)
     env["BENCH_TOKEN"] = token  # in the environment, not on a command line others can read
-    argv = [sys.executable, "-m", "bench.client", "--target", server.address, measure,
-            *(str(a) for a in args)]
+    argv = [sys.executable, "-m", "bench.client", "--plan", json.dumps(plan)]
+    for server in targets:
+        argv += ["--target", server.address]
+    names = ", ".join(s.name for s in targets)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=ROOT, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise BenchFailure(f"{measure} on {server.name}: no answer in {timeout:.0f} s") from exc
+        raise BenchFailure(f"the client got no answer from {names} in {timeout:.0f} s") from exc
     lines = done.stdout.strip().splitlines()
     figures = json.loads(lines[-1]) if lines else {}
     if done.returncode != 0 or "error" in figures:
-        raise BenchFailure(f"{measure} on {server.name} failed: "
+        raise BenchFailure(f"measuring {names} failed: "
                            f"{figures.get('error') or done.stderr[-1500:]}")
     return dict(figures)
 
@@ -261,7 +281,7 @@ def baseline_argv() -> list[str]:
 # -- the measurements ----------------------------------------------------------------------
 
 def server_plan(sizes: Sizes) -> list[dict[str, Any]]:
-    """Latency, throughput (fast and slow reader) and concurrency, for one client process."""
+    """Latency, throughput (fast and slow reader) and concurrency."""
     return [
         {"measure": "latency", "calls": sizes.latency_calls, "warmup": sizes.latency_warmup},
         {"measure": "stream", "n": sizes.stream_n, "runs": sizes.stream_runs},
@@ -272,57 +292,52 @@ def server_plan(sizes: Sizes) -> list[dict[str, Any]]:
     ]
 
 
-def cpu_step(sizes: Sizes, server: Server) -> dict[str, Any]:
+def cpu_step(sizes: Sizes, targets: list[Server]) -> dict[str, Any]:
     return {"measure": "cpu", "calls": sizes.cpu_calls, "warmup": sizes.cpu_warmup,
-            "server_pid": server.pid}
+            "server_pids": [s.pid for s in targets]}
 
 
-def held_step(sizes: Sizes, server: Server) -> dict[str, Any]:
+def held_step(sizes: Sizes, targets: list[Server]) -> dict[str, Any]:
     return {"measure": "held", "streams": sizes.held, "seconds": sizes.held_seconds,
-            "server_pid": server.pid, "open_timeout": sizes.held_open_timeout}
+            "server_pids": [s.pid for s in targets], "open_timeout": sizes.held_open_timeout}
 
 
-def run_suite(server: Server, plan: list[dict[str, Any]], token: str) -> dict[str, Any]:
-    """Runs ``plan`` in one client process against ``server``."""
-    return run_client(server, "suite", "--plan", json.dumps(plan), token=token,
-                      timeout=600.0)
+def pair_specs(stack: Stack, suffix: str = "") -> list[ServerSpec]:
+    """The bare baseline and stargrpc with everything on."""
+    return [ServerSpec(f"baseline{suffix}", baseline_argv(), dict(os.environ)),
+            ServerSpec(f"stargrpc{suffix}", stargrpc_argv(), stack.env)]
 
 
 def run_pair(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
-    """The headline measurements, stargrpc and the baseline, in the same run."""
-    results: dict[str, Any] = {}
-    for name in ("baseline", "stargrpc"):
-        argv = baseline_argv() if name == "baseline" else stargrpc_argv()
-        env = stack.env if name == "stargrpc" else dict(os.environ)
-        token = stack.token if name == "stargrpc" else ""
-        say(f"{name}: latency, throughput, concurrency, CPU per call"
+    """The headline measurements: stargrpc and the baseline running side by side, taking
+    turns under the same client. The baseline ignores the credentials it is sent."""
+    say("starting the baseline and stargrpc")
+    with servers(pair_specs(stack), workdir) as pair:
+        plan = [*server_plan(sizes), cpu_step(sizes, pair)]
+        if not sizes.held_fresh_server:
+            plan.append(held_step(sizes, pair))
+        say("latency, throughput, concurrency, CPU per call"
             + ("" if sizes.held_fresh_server else f", {sizes.held} held streams"))
-        with server_process(name, argv, env, workdir) as server:
-            plan = [*server_plan(sizes), cpu_step(sizes, server)]
-            if not sizes.held_fresh_server:
-                plan.append(held_step(sizes, server))
-            figures = run_suite(server, plan, token)
-        if sizes.held_fresh_server:
-            say(f"{name}: {sizes.held} held streams (fresh server)")
-            with server_process(f"{name}-held", argv, env, workdir) as server:
-                figures.update(run_suite(server, [held_step(sizes, server)], token))
-        results[name] = figures
-    return results
-
-
-LAYER_SWITCHES = {"auth": "auth", "audit": "audit", "critic": "critic", "run log": "runlog"}
+        figures = run_plan(pair, plan, stack.token)
+    if sizes.held_fresh_server:
+        say(f"{sizes.held} held streams, on fresh servers")
+        with servers(pair_specs(stack, "-held"), workdir) as pair:
+            figures.update(run_plan(pair, [held_step(sizes, pair)], stack.token))
+    return {name: {measure: values[k] for measure, values in figures.items()}
+            for k, name in enumerate(("baseline", "stargrpc"))}
 
 
 def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
-    """Server CPU per call with everything on, then with each present layer off in turn.
+    """Server CPU per call with everything on, and with each present layer off in turn.
 
-    Configurations are interleaved over the repeats and the least CPU of each is kept: CPU
-    time only grows with noise (cache misses, frequency), so the minimum is the honest one.
+    All configurations run side by side and take turns call by call, so the machine's noise
+    falls on each alike; over the repeats the least CPU of each is kept (noise only ever adds
+    CPU time: cache misses, frequency, other tenants).
     """
     present = [layer for layer, state in stack.layers.items() if state.startswith("on")]
     # Every configuration starts through the launcher, "all on" included, so they differ
     # only in the layer switched off.
-    configs: dict[str, tuple[list[str], dict[str, str]]] = {"all on": ([], stack.env)}
+    specs = [ServerSpec("all on", stargrpc_argv([]), stack.env)]
     for layer in present:
         env = dict(stack.env)
         without: list[str] = []
@@ -332,16 +347,17 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
             env["STARGRPC_INSECURE_NO_AUTH"] = "true"
         else:
             without = [layer]
-        configs[f"{layer} off"] = (without, env)
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    for repeat in range(sizes.cpu_repeats):
-        for name, (without, env) in configs.items():
-            say(f"cpu per call, {name} ({repeat + 1}/{sizes.cpu_repeats})")
-            token = stack.token if env.get("STARGRPC_INSECURE_NO_AUTH") == "false" else ""
-            argv = stargrpc_argv(without)
-            with server_process(f"cpu-{name.replace(' ', '-')}", argv, env, workdir) as server:
-                figures = run_suite(server, [cpu_step(sizes, server)], token)
-                samples[name].append(figures["cpu"]["cpu_us_per_call"])
+        specs.append(ServerSpec(f"{layer} off", stargrpc_argv(without), env))
+    samples: dict[str, list[float]] = {spec.name: [] for spec in specs}
+    say(f"starting {len(specs)} stargrpc servers: " + ", ".join(s.name for s in specs))
+    with servers([ServerSpec(s.name.replace(" ", "-"), s.argv, s.env) for s in specs],
+                 workdir) as running:
+        for repeat in range(sizes.cpu_repeats):
+            say(f"CPU per call, layers off in turn ({repeat + 1}/{sizes.cpu_repeats})")
+            # A server with auth off ignores the credentials the others need.
+            figures = run_plan(running, [cpu_step(sizes, running)], stack.token)["cpu"]
+            for spec, figure in zip(specs, figures, strict=True):
+                samples[spec.name].append(figure["cpu_us_per_call"])
     best = {name: min(values) for name, values in samples.items()}
     return {"cpu_us_per_call": best, "samples": samples}
 
@@ -353,21 +369,19 @@ def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, s
         return {"skipped": "py-spy is not installed: pip install -r bench/requirements.txt"}
     found: dict[str, Any] = {}
     loads = {
-        "latency": ("latency", "--calls", max(500, sizes.latency_calls), "--warmup", 20),
-        "stream": ("stream", "--n", sizes.stream_n, "--runs", max(2, sizes.stream_runs)),
+        "latency": {"measure": "latency", "calls": max(500, sizes.latency_calls),
+                    "warmup": 0},
+        "stream": {"measure": "stream", "n": sizes.stream_n, "runs": max(2, sizes.stream_runs)},
     }
-    for name in ("stargrpc", "baseline"):
-        argv = stargrpc_argv() if name == "stargrpc" else baseline_argv()
-        env = stack.env if name == "stargrpc" else dict(os.environ)
-        token = stack.token if name == "stargrpc" else ""
-        with server_process(f"profile-{name}", argv, env, workdir) as server:
-            run_client(server, "latency", "--calls", 50, "--warmup", 0, token=token)
-            for load, args in loads.items():
+    with servers(pair_specs(stack, "-profile"), workdir) as pair:
+        run_plan(pair, [{"measure": "latency", "calls": 50, "warmup": 0}], stack.token)
+        for server, name in zip(pair, ("baseline", "stargrpc"), strict=True):
+            for load, step in loads.items():
                 say(f"profiling {name} under the {load} load")
                 raw = results_dir / f"{stamp}-profile-{name}-{load}.txt"
                 recorder = profiling.Recorder(server.pid, raw)
                 try:
-                    run_client(server, *args, token=token)
+                    run_plan([server], [step], stack.token)
                 finally:
                     written = recorder.stop()
                 if written is None:

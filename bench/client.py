@@ -1,14 +1,15 @@
 """The benchmark client: the SAME code drives stargrpc and the bare baseline.
 
-Each measurement is a subcommand that talks to one server over one channel and prints its
-figures as one JSON object on standard output::
+It runs a plan of measurements against one or more servers over one channel each, the
+servers taking turns call by call (or run by run), so that the noise of a shared machine
+falls on all of them alike; it prints the figures as one JSON object::
 
-    python -m bench.client latency     --target 127.0.0.1:PORT --calls 2000
-    python -m bench.client stream      --target … --n 20000 --runs 3 [--slow-every 100]
-    python -m bench.client concurrency --target … --concurrency 200 --rounds 5
-    python -m bench.client held        --target … --streams 5000 --server-pid PID
-    python -m bench.client cpu         --target … --calls 2000 --server-pid PID
-    python -m bench.client suite       --target … --plan '[{"measure": "latency", …}, …]'
+    python -m bench.client --target 127.0.0.1:A --target 127.0.0.1:B \\
+        --plan '[{"measure": "latency", "calls": 2000, "warmup": 200}]'
+
+Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms), concurrency
+(concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
+warmup, server_pids).
 
 It runs in its own process (the orchestrator, ``python -m bench``, starts it), so client and
 server never share an interpreter. Every loop is bounded in count and in time, and the only
@@ -117,91 +118,121 @@ class Client:
         await self.channel.close()
 
 
-async def latency(client: Client, calls: int, warmup: int) -> dict[str, Any]:
-    """Sequential trivial calls (START, END, Result): latency percentiles after warm-up."""
-    for _ in range(warmup):
-        await client.execute("bench_trivial", expect_messages=3)
-    seconds = []
-    wire = 0
-    for _ in range(calls):
-        call = await client.execute("bench_trivial", expect_messages=3)
-        seconds.append(call.seconds)
-        wire = call.wire_bytes
-    return {"calls": calls, "p50_ms": percentile(seconds, 0.5) * 1e3,
-            "p99_ms": percentile(seconds, 0.99) * 1e3,
-            "mean_ms": statistics.fmean(seconds) * 1e3, "bytes_per_call": wire}
+def _turns(index: int, count: int) -> list[int]:
+    """The order servers take their turn in round ``index``: alternating, so neither always
+    goes first (right after the other one's load)."""
+    order = list(range(count))
+    return order if index % 2 == 0 else order[::-1]
 
 
-async def stream(client: Client, n: int, runs: int, slow_every: int = 0,
-                 slow_ms: float = 1.0) -> dict[str, Any]:
-    """Runs streaming ``n`` deltas each; counts messages and the events inside them.
+async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[str, Any]]:
+    """Sequential trivial calls (START, END, Result), the servers taking turns call by call:
+    latency percentiles after warm-up."""
+    for client in clients:
+        for _ in range(warmup):
+            await client.execute("bench_trivial", expect_messages=3)
+    seconds: list[list[float]] = [[] for _ in clients]
+    wire = [0 for _ in clients]
+    for i in range(calls):
+        for k in _turns(i, len(clients)):
+            call = await clients[k].execute("bench_trivial", expect_messages=3)
+            seconds[k].append(call.seconds)
+            wire[k] = call.wire_bytes
+    return [{"calls": calls, "p50_ms": percentile(s, 0.5) * 1e3,
+             "p99_ms": percentile(s, 0.99) * 1e3, "mean_ms": statistics.fmean(s) * 1e3,
+             "bytes_per_call": w} for s, w in zip(seconds, wire, strict=True)]
+
+
+async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float
+                       ) -> dict[str, float]:
+    started = time.perf_counter()
+    messages = events = wire = 0
+    expected = 1
+    result = None
+    async for response in client.start("bench_stream", {"n": n}):
+        messages += 1
+        wire += response.ByteSize()
+        event = response.event
+        if event.HasField("result"):
+            result = event.result
+        elif event.step.phase == events_pb2.STEP_PHASE_DELTA:
+            text = event.step.delta
+            for k in range(0, len(text), DELTA_WIDTH):
+                if text[k:k + DELTA_WIDTH] != f"{expected:07d}\n":
+                    raise BenchError(f"delta {expected} missing or out of order")
+                expected += 1
+                events += 1
+        if slow_every and messages % slow_every == 0:
+            await asyncio.sleep(slow_ms / 1000)
+    seconds = time.perf_counter() - started
+    if result is None or events != n:
+        raise BenchError(f"stream: {events} of {n} deltas, result={result is not None}")
+    tool_seconds = result.duration.ToNanoseconds() / 1e9
+    return {
+        "seconds": seconds, "messages": messages, "events": events, "bytes": wire,
+        "messages_per_s": messages / seconds, "events_per_s": events / seconds,
+        # How fast the tool could emit: its events over its own run time.
+        "tool_events_per_s": n / tool_seconds if tool_seconds > 0 else 0.0,
+    }
+
+
+async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
+                 slow_ms: float = 1.0) -> list[dict[str, Any]]:
+    """Runs streaming ``n`` deltas each, the servers taking turns run by run; counts
+    messages and the events inside them.
 
     With ``slow_every`` the client pauses ``slow_ms`` after every ``slow_every`` messages:
     a reader slower than the tool, so the server is under backpressure. Events are counted
     in the delta text (fixed width) and checked to arrive complete and in order, so a
     server that coalesces deltas is counted, and checked, event by event.
     """
-    figures: list[dict[str, float]] = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        messages = events = wire = 0
-        expected = 1
-        result = None
-        async for response in client.start("bench_stream", {"n": n}):
-            messages += 1
-            wire += response.ByteSize()
-            event = response.event
-            if event.HasField("result"):
-                result = event.result
-            elif event.step.phase == events_pb2.STEP_PHASE_DELTA:
-                text = event.step.delta
-                for k in range(0, len(text), DELTA_WIDTH):
-                    if text[k:k + DELTA_WIDTH] != f"{expected:07d}\n":
-                        raise BenchError(f"delta {expected} missing or out of order")
-                    expected += 1
-                    events += 1
-            if slow_every and messages % slow_every == 0:
-                await asyncio.sleep(slow_ms / 1000)
-        seconds = time.perf_counter() - started
-        if result is None or events != n:
-            raise BenchError(f"stream: {events} of {n} deltas, result={result is not None}")
-        tool_seconds = result.duration.ToNanoseconds() / 1e9
-        figures.append({
-            "seconds": seconds, "messages": messages, "events": events, "bytes": wire,
-            "messages_per_s": messages / seconds, "events_per_s": events / seconds,
-            # How fast the tool could emit: its events over its own run time.
-            "tool_events_per_s": n / tool_seconds if tool_seconds > 0 else 0.0,
-        })
-    best = max(figures, key=lambda f: f["events_per_s"])
-    return {"n": n, "runs": runs, "slow_every": slow_every, "slow_ms": slow_ms,
-            "median_events_per_s": statistics.median(f["events_per_s"] for f in figures),
-            "median_messages_per_s": statistics.median(f["messages_per_s"] for f in figures),
-            "best": best, "all": figures}
+    figures: list[list[dict[str, float]]] = [[] for _ in clients]
+    for run in range(runs):
+        for k in _turns(run, len(clients)):
+            figures[k].append(await _stream_once(clients[k], n, slow_every, slow_ms))
+    return [{"n": n, "runs": runs, "slow_every": slow_every, "slow_ms": slow_ms,
+             "median_events_per_s": statistics.median(f["events_per_s"] for f in runs_),
+             "median_messages_per_s": statistics.median(f["messages_per_s"] for f in runs_),
+             "best": max(runs_, key=lambda f: f["events_per_s"]), "all": runs_}
+            for runs_ in figures]
 
 
-async def concurrency(client: Client, concurrent: int, rounds: int, ms: float = 10.0
-                      ) -> dict[str, Any]:
-    """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``."""
+async def concurrency(clients: list[Client], concurrent: int, rounds: int, ms: float = 10.0
+                      ) -> list[dict[str, Any]]:
+    """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``, the servers
+    taking turns round by round."""
 
-    async def one_round() -> float:
+    async def one_round(client: Client) -> float:
         started = time.perf_counter()
         await asyncio.gather(*(client.execute("bench_wait", {"ms": ms}, expect_messages=3)
                                for _ in range(concurrent)))
         return time.perf_counter() - started
 
-    await one_round()  # warm-up: connections, code paths, allocator
-    walls = [await one_round() for _ in range(rounds)]
-    wall = statistics.median(walls)
-    return {"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
-            "median_wall_s": wall, "calls_per_s": concurrent / wall,
-            "best_calls_per_s": concurrent / min(walls), "walls_s": walls}
+    for client in clients:
+        await one_round(client)  # warm-up: connections, code paths, allocator
+    walls: list[list[float]] = [[] for _ in clients]
+    for r in range(rounds):
+        for k in _turns(r, len(clients)):
+            walls[k].append(await one_round(clients[k]))
+    return [{"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
+             "median_wall_s": statistics.median(w), "calls_per_s":
+             concurrent / statistics.median(w), "best_calls_per_s": concurrent / min(w),
+             "walls_s": w} for w in walls]
 
 
-async def held(client: Client, streams: int, seconds: float, server_pid: int,
+async def held(clients: list[Client], streams: int, seconds: float, server_pids: list[int],
                open_timeout: float, probes: int = 5, probe_timeout: float = 5.0,
-               batch_size: int = 250) -> dict[str, Any]:
-    """Holds ``streams`` runs open on a sleeping tool; measures the server's memory per open
-    run and how fast a normal call is answered meanwhile."""
+               batch_size: int = 250) -> list[dict[str, Any]]:
+    """Holds ``streams`` runs open on a sleeping tool, one server after the other; measures
+    each server's memory per open run and how fast a normal call is answered meanwhile."""
+    return [await _held_one(client, streams, seconds, pid, open_timeout, probes,
+                            probe_timeout, batch_size)
+            for client, pid in zip(clients, server_pids, strict=True)]
+
+
+async def _held_one(client: Client, streams: int, seconds: float, server_pid: int,
+                    open_timeout: float, probes: int, probe_timeout: float,
+                    batch_size: int) -> dict[str, Any]:
     for _ in range(20):  # warm-up, so the baseline RSS already holds the code paths
         await client.execute("bench_trivial", expect_messages=3)
     rss_before = server_rss_kb(server_pid)
@@ -252,93 +283,64 @@ async def held(client: Client, streams: int, seconds: float, server_pid: int,
     }
 
 
-async def cpu(client: Client, calls: int, warmup: int, server_pid: int) -> dict[str, Any]:
-    """The server's CPU time per sequential trivial call (user + system, from /proc)."""
-    for _ in range(warmup):
-        await client.execute("bench_trivial", expect_messages=3)
-    cpu_before = server_cpu_seconds(server_pid)
+async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[int]
+              ) -> list[dict[str, Any]]:
+    """Each server's CPU time per sequential trivial call (user + system, from /proc), the
+    servers taking turns call by call."""
+    for client in clients:
+        for _ in range(warmup):
+            await client.execute("bench_trivial", expect_messages=3)
+    before = [server_cpu_seconds(pid) for pid in server_pids]
     started = time.perf_counter()
-    for _ in range(calls):
-        await client.execute("bench_trivial", expect_messages=3)
+    for i in range(calls):
+        for k in _turns(i, len(clients)):
+            await clients[k].execute("bench_trivial", expect_messages=3)
     wall = time.perf_counter() - started
-    used = server_cpu_seconds(server_pid) - cpu_before
-    return {"calls": calls, "cpu_us_per_call": used / calls * 1e6, "server_cpu_s": used,
-            "wall_s": wall}
+    used = [server_cpu_seconds(pid) - b for pid, b in zip(server_pids, before, strict=True)]
+    return [{"calls": calls, "cpu_us_per_call": u / calls * 1e6, "server_cpu_s": u,
+             "wall_s": wall} for u in used]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.client", description=__doc__)
-    parser.add_argument("--target", required=True, help="host:port, on 127.0.0.1")
+    parser = argparse.ArgumentParser(prog="python -m bench.client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", action="append", required=True,
+                        help="host:port on 127.0.0.1 (repeat to measure servers in turns)")
     parser.add_argument("--token", default=os.environ.get("BENCH_TOKEN", ""),
                         help="Bearer token [env BENCH_TOKEN]")
-    sub = parser.add_subparsers(dest="measure", required=True)
-    p = sub.add_parser("latency")
-    p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=200)
-    p = sub.add_parser("stream")
-    p.add_argument("--n", type=int, default=20_000)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--slow-every", type=int, default=0)
-    p.add_argument("--slow-ms", type=float, default=1.0)
-    p = sub.add_parser("concurrency")
-    p.add_argument("--concurrency", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--ms", type=float, default=10.0)
-    p = sub.add_parser("held")
-    p.add_argument("--streams", type=int, default=5000)
-    p.add_argument("--seconds", type=float, default=30.0)
-    p.add_argument("--server-pid", type=int, required=True)
-    p.add_argument("--open-timeout", type=float, default=25.0)
-    p.add_argument("--probes", type=int, default=5)
-    p.add_argument("--probe-timeout", type=float, default=5.0)
-    p.add_argument("--batch", type=int, default=250, help="Runs opened at a time.")
-    p = sub.add_parser("suite", help="Several measurements in one process, in order.")
-    p.add_argument("--plan", required=True,
-                   help='JSON list of {"measure": NAME, ARGUMENT: VALUE, …}')
-    p = sub.add_parser("cpu")
-    p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--server-pid", type=int, required=True)
+    parser.add_argument("--plan", required=True,
+                        help='JSON list of {"measure": NAME, ARGUMENT: VALUE, …}')
     return parser
 
 
-MEASURES: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
+MEASURES: dict[str, Callable[..., Awaitable[list[dict[str, Any]]]]] = {
     "latency": latency, "stream": stream, "concurrency": concurrency, "held": held, "cpu": cpu,
 }
 
 
-async def suite(client: Client, plan: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs each planned measurement in turn; the figures by the plan's ``name`` (or
-    measure)."""
+async def run_plan(clients: list[Client], plan: list[dict[str, Any]]
+                   ) -> dict[str, list[dict[str, Any]]]:
+    """Runs each planned measurement in turn on every client; the figures by the plan's
+    ``name`` (default: the measure), one entry per client in the order given."""
     figures = {}
     for entry in plan:
         arguments = dict(entry)
         measure = arguments.pop("measure")
         name = arguments.pop("name", measure)
-        figures[name] = await MEASURES[measure](client, **arguments)
+        figures[name] = await MEASURES[measure](clients, **arguments)
     return figures
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    if not args.target.startswith(("127.", "localhost:")):
-        raise SystemExit("the benchmark only talks to 127.0.0.1")
-    client = Client(args.target, args.token)
+    for target in args.target:
+        if not target.startswith(("127.", "localhost:")):
+            raise SystemExit("the benchmark only talks to 127.0.0.1")
+    clients = [Client(target, args.token) for target in args.target]
     try:
-        if args.measure == "suite":
-            return await suite(client, json.loads(args.plan))
-        if args.measure == "latency":
-            return await latency(client, args.calls, args.warmup)
-        if args.measure == "stream":
-            return await stream(client, args.n, args.runs, args.slow_every, args.slow_ms)
-        if args.measure == "concurrency":
-            return await concurrency(client, args.concurrency, args.rounds, args.ms)
-        if args.measure == "held":
-            return await held(client, args.streams, args.seconds, args.server_pid,
-                              args.open_timeout, args.probes, args.probe_timeout,
-                              args.batch)
-        return await cpu(client, args.calls, args.warmup, args.server_pid)
+        return await run_plan(clients, json.loads(args.plan))
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME_LINE = re.compile(r":\d+\)$")
+#: Frames on (nearly) every stack, which say nothing about where the time goes.
+_PLUMBING = ("asyncio/", "click/", "<frozen runpy>", "threading.py", "selectors.py",
+             "stargrpc/cli/", "bench/launch.py", "<module> (")
 
 
 def py_spy() -> str | None:
@@ -37,8 +40,10 @@ class Recorder:
             raise RuntimeError("py-spy is not installed: pip install -r bench/requirements.txt")
         self.output = output
         self._process = subprocess.Popen(
+            # --gil: only samples holding the GIL, i.e. Python actually running; an event
+            # loop waiting in epoll, or a worker thread waiting on its queue, is not CPU.
             [executable, "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate),
-             "--nonblocking", "--output", str(output)],
+             "--nonblocking", "--gil", "--output", str(output)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def stop(self, timeout: float = 30.0) -> Path | None:
@@ -77,7 +82,8 @@ def _frame_name(frame: str) -> str:
 
 
 def summarize(raw: Path) -> Summary:
-    """Aggregates a py-spy raw profile by function."""
+    """Aggregates a py-spy raw profile by function (inclusive shares leave out the event
+    loop, runner and CLI frames that are on every stack)."""
     self_counts: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     samples = 0
@@ -92,7 +98,8 @@ def summarize(raw: Path) -> Summary:
         samples += count
         self_counts[frames[-1]] += count
         for name in set(frames):
-            inclusive[name] += count
+            if not any(part in name for part in _PLUMBING):
+                inclusive[name] += count
     total = samples or 1
     return Summary(
         samples=samples,
