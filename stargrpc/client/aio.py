@@ -186,6 +186,38 @@ class AsyncClient:
                                catalog_hash=reply.catalog_hash)
         return self.catalog
 
+    async def watch_catalog(self, *, metadata: Metadata | None = None
+                            ) -> AsyncIterator[Catalog]:
+        """The current catalog (unless :attr:`catalog` is already current), then each new
+        one as the server's tools change; each is kept as :attr:`catalog`. Runs until the
+        caller stops iterating; a broken stream is reopened with the retry policy.
+
+        Raises:
+            CallError: The server refused the call, or kept failing.
+        """
+        attempt = 0
+        while True:
+            attempt += 1
+            known = self.catalog.catalog_hash if self.catalog is not None else ""
+            call = self._stub.WatchCatalog(
+                tool_service_pb2.WatchCatalogRequest(known_catalog_hash=known),
+                metadata=self._call_metadata(metadata))
+            try:
+                async for reply in call:
+                    attempt = 0
+                    self.catalog = Catalog(tools=[ToolInfo.from_proto(t) for t in reply.tools],
+                                           catalog_hash=reply.catalog_hash)
+                    yield self.catalog
+                error = CallError(grpc.StatusCode.UNAVAILABLE, "the catalog stream ended")
+            except grpc.aio.AioRpcError as exc:
+                error = CallError.from_rpc_error(exc)
+            finally:
+                call.cancel()
+            delay = self._retry.delay(attempt, error) if error.code in RESUMABLE else None
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
+
     # -- runs ------------------------------------------------------------------------------
 
     async def execute(self, tool: str, arguments: Mapping[str, Any] | str | None = None, *,

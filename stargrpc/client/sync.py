@@ -138,6 +138,10 @@ class Client:
         """See :meth:`AsyncClient.list_tools`."""
         return self._run(self._client.list_tools(**options))
 
+    def watch_catalog(self, **options: Any) -> Iterator[Catalog]:
+        """See :meth:`AsyncClient.watch_catalog`."""
+        return self._iterate(lambda: self._client.watch_catalog(**options))
+
     def execute(self, tool: str, arguments: Mapping[str, Any] | str | None = None,
                 **options: Any) -> Iterator[Event]:
         """See :meth:`AsyncClient.execute`; events as a (blocking) iterator."""

@@ -212,6 +212,26 @@ async def test_stale_catalog_is_reloaded_and_the_call_retried_once(
     assert client.catalog.catalog_hash == registry.catalog_hash
 
 
+async def test_watch_catalog_follows_changes(client: AsyncClient,
+                                             recorded_server: StargrpcServer) -> None:
+    @tool()
+    async def extra(ctx) -> str:
+        """Added while the client watches."""
+        return "x"
+
+    catalogs = client.watch_catalog()
+    first = await anext(catalogs)
+    registry = Registry([*recorded_server.runtime.registry.values(),
+                         *_registry(extra).values()])
+    recorded_server.runtime.replace_registry(registry)
+    second = await anext(catalogs)
+    await catalogs.aclose()
+
+    assert "extra" not in first and "extra" in second
+    assert second.catalog_hash == registry.catalog_hash
+    assert client.catalog is second
+
+
 async def test_stale_twice_is_an_error(client: AsyncClient, recorder: Recorder) -> None:
     await client.list_tools()
     recorder.fail("Execute", CatalogStale("stale"), times=2)
