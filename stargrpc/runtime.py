@@ -209,7 +209,8 @@ class Runtime:
         return run
 
     def execute(self, call: ExecuteCall, principal: Principal) -> Run:
-        """Checks a call and starts its run.
+        """Checks a call and starts its run, in this process only: no idempotency claim,
+        no concurrency limit, not published to a shared store (Execute uses :meth:`submit`).
 
         Raises:
             RequestError: Any reason to refuse the call before it runs.

@@ -191,6 +191,7 @@ class RedisRunLog(MemoryRunLog):
                               detail="another replica declared this run lost")
                     self.lease_lost = True
                     self._pending.clear()
+                    self._store._forget(self)
                     return
                 del self._pending[:len(batch)]
                 if batch[-1][2]:  # the Result is in Redis: done
@@ -243,9 +244,14 @@ class RemoteRunLog:
                 reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
                                                      block=store.block_ms)
             if not reply:
-                # Quiet for a while: make sure the run is still alive somewhere.
-                with _reachable("checking the run's lease"):
+                # Quiet for a while: make sure the run is still alive somewhere, and stop
+                # when it has ended and nothing is left after ``last_id`` (a watcher that
+                # asked for events past the Result).
+                with _reachable("checking the run's state"):
                     await store._end_if_lost(self.run_id)
+                    if (await store._state(self.run_id) not in ("running", "orphaned")
+                            and not await store.redis.xrange(key, f"({last_id}", count=1)):
+                        return
                 continue
             for entry_id, fields in reply[0][1]:
                 seq = int(entry_id.split(b"-", 1)[0])

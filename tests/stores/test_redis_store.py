@@ -131,3 +131,16 @@ async def test_unknown_and_expired_runs_are_not_found(replicas) -> None:
 
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     assert expired.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_watching_past_the_end_of_a_finished_run_ends_at_once(pair) -> None:
+    a, b = pair
+    executed = await collect(a.Execute(execute_request("echo", {"text": "x"}), metadata=ALICE))
+    # The run's events are in Redis once the Result is; B reads them there.
+    replay = await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=executed[0].run_id), metadata=ALICE))
+    past = await asyncio.wait_for(collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=executed[0].run_id, after_seq=len(executed) + 5), metadata=ALICE)), 10)
+
+    assert stripped(replay) == stripped(executed)
+    assert past == []
