@@ -85,6 +85,10 @@ async def test_page_follows_a_run_live_survives_a_reload_and_shows_the_result(
     await expect(thinking.locator(":scope > pre.step-output")).to_have_text("considering…\n")
     await expect(page.locator("#result")).to_be_hidden()
     await expect(page.locator("#run-state")).to_have_text("running")
+    # The countdown survives the reload: counted from the events' own times.
+    await expect(page.locator("#time-left")).to_contain_text("critic stops it in")
+    left = float(await page.locator("#time-left").get_attribute("data-seconds") or "-1")
+    assert 0 < left <= gateway.server.settings.critic_soft_timeout
 
     # The run goes on: the rest streams in, then the Result with its file.
     opened.set()

@@ -16,7 +16,7 @@
     runId: null,        // the run shown
     lastSeq: 0,         // the newest seq rendered
     finished: false,    // its Result has arrived
-    deadline: null,     // performance.now() when the critic would stop the run
+    deadline: null,     // Date.now() value when the critic would stop the run
     retryMs: 1000,      // reconnection delay, from the server's "retry:" field
     failures: 0,        // consecutive failed connections
     abort: null,        // AbortController of the open stream
@@ -245,7 +245,10 @@
     state.lastSeq = seq;
     $("event-count").textContent = String(seq);
     if (payload.critic_time_left !== undefined) {
-      state.deadline = performance.now() + seconds(payload.critic_time_left) * 1000;
+      // Counted from the event's own time, so a replayed event (after a reload) does not
+      // restart the countdown.
+      const stamped = payload.time ? Date.parse(payload.time) : Date.now();
+      state.deadline = stamped + seconds(payload.critic_time_left) * 1000;
     }
     if (payload.step) onStep(payload.step);
     else if (payload.heartbeat) onHeartbeat(payload.heartbeat);
@@ -384,7 +387,7 @@
       node.hidden = true;
       return;
     }
-    const left = Math.max(0, (state.deadline - performance.now()) / 1000);
+    const left = Math.max(0, (state.deadline - Date.now()) / 1000);
     node.hidden = false;
     node.dataset.seconds = left.toFixed(1);
     node.textContent = `critic stops it in ${left.toFixed(1)} s without progress`;
