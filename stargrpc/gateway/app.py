@@ -29,6 +29,7 @@ from google.rpc import error_details_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -175,6 +176,7 @@ class Gateway:
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
             ],
             middleware=[Middleware(SecurityHeaders)],
+            exception_handlers={HTTPException: _http_exception},
         )
 
     async def start(self) -> None:
@@ -325,6 +327,16 @@ class Gateway:
             raise _BadRequest("context is not a valid InvocationContext",
                               [("context", str(exc))]) from exc
         return message
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (unknown path, wrong method) in the gateway's error shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(
+        exc.status_code, "INTERNAL" if exc.status_code >= 500 else "INVALID_ARGUMENT")
+    response = http_error(exc.status_code, code, str(exc.detail))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def _after_seq(request: Request) -> int:

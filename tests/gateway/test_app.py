@@ -223,6 +223,16 @@ async def test_malformed_http_requests_get_clear_400s(gateway) -> None:
     assert too_big.status_code == 413
 
 
+async def test_unknown_routes_and_methods_answer_json_errors(gateway) -> None:
+    missing = await gateway.http.get("/v1/nothing-here")
+    wrong_method = await gateway.http.get("/v1/tools/echo:execute")
+
+    assert missing.status_code == 404
+    assert missing.json()["error"]["status"] == "NOT_FOUND"
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+
+
 async def test_idempotency_key_header_attaches_to_the_same_run(gateway, gate) -> None:
     name, opened = gate
     headers = {"Idempotency-Key": "gw-key-1"}
