@@ -277,6 +277,7 @@ async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:
 
 
 async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
+    from stargrpc.audit.store import default_store_url, open_store
     from stargrpc.auth.keys import KeyStore
     from tests.gateway.conftest import gateway_registry
 
@@ -309,6 +310,20 @@ async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
     assert denied.json()["error"]["status"] == "PERMISSION_DENIED"
     assert events_anonymous.status_code == 401
     assert shape(events)[-1] == "RESULT OK"
+
+    # The same audit trail as gRPC calls: one record per call, with the key's principal.
+    await server.stop(grace=5)
+    store = open_store(default_store_url(server.settings.state_dir))
+    await store.open()
+    try:
+        records = [r async for r in store.scan()]
+    finally:
+        await store.aclose()
+    executes = [(r.principal, r.tool, r.outcome) for r in records
+                if r.method.endswith("/Execute")]
+    assert executes == [("web-admin", "echo", "ok"), ("web-nobody", "echo", "denied")]
+    watches = [(r.principal, r.outcome) for r in records if r.method.endswith("/WatchRun")]
+    assert watches == [("", "unauthenticated"), ("web-admin", "ok")]
 
 
 async def test_gateway_reaches_a_server_that_serves_tls(make_server, tmp_path) -> None:
