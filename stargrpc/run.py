@@ -37,6 +37,9 @@ log = structlog.get_logger("stargrpc.run")
 #: (timeout, cancellation); the tail is kept.
 OUTPUT_TAIL_BYTES = 64 * 1024
 
+#: How long a stopped tool gets to honour its cancellation before the run ends without it.
+STOP_GRACE_SECONDS = 2.0
+
 #: Called with every event just before it is appended: observers may read it (progress
 #: tracking) or stamp fields on it (time left before the supervisor stops the run).
 EventObserver = Callable[[events_pb2.RunEvent], None]
@@ -92,6 +95,7 @@ class Run:
     _stop: StopRequest | None
     _streamed_sizes: dict[str, int]
     _tool_task: asyncio.Task[Any] | None
+    _abandoned: bool
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
 
@@ -120,6 +124,7 @@ class Run:
         self._stop = None
         self._streamed_sizes = {}
         self._tool_task = None
+        self._abandoned = False
         self._main_task = None
         self._done = asyncio.Event()
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
@@ -161,6 +166,9 @@ class Run:
         self._stop = StopRequest(outcome, code, message)
         if self._tool_task is not None and not self._tool_task.done():
             self._tool_task.cancel(message)
+            # A tool that swallows its cancellation must not keep the run (and every stream
+            # following it) hanging: after a grace period the run ends without it.
+            asyncio.get_running_loop().call_later(STOP_GRACE_SECONDS, self._abandon_tool)
         return True
 
     async def wait(self) -> events_pb2.Result:
@@ -196,15 +204,21 @@ class Run:
         if self._stop is not None:  # stopped before the tool even started
             self._tool_task.cancel()
         try:
-            value = await self._tool_task
+            # Shielded: cancelling this run's own task (abandoning a tool that ignores its
+            # cancellation, or a hard shutdown) must wake the run up even when the tool
+            # does not end.
+            value = await asyncio.shield(self._tool_task)
         except asyncio.CancelledError:
-            if not self._tool_task.done():
+            if self._abandoned:
+                log.warning("tool_ignored_cancellation", run_id=self.run_id,
+                            tool=self.spec.name, grace_seconds=STOP_GRACE_SECONDS)
+            elif not self._tool_task.done():
                 # This run's own task was cancelled (the server is going down hard):
                 # take the tool down with it and still end the run properly.
                 self._stop = self._stop or StopRequest(
                     Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
                 self._tool_task.cancel()
-                await asyncio.gather(self._tool_task, return_exceptions=True)
+                await asyncio.wait({self._tool_task}, timeout=STOP_GRACE_SECONDS)
             return self._stopped_result()
         except ToolOutcomeError as exc:
             return classify_exception(exc)
@@ -224,6 +238,12 @@ class Run:
             log.exception("tool_return_unusable", run_id=self.run_id, tool=self.spec.name)
             return ToolResult(outcome=Outcome.ERROR, error_code="TOOL_BAD_RETURN",
                               error_message="the tool returned a value that cannot be sent")
+
+    def _abandon_tool(self) -> None:
+        if self._tool_task is None or self._tool_task.done() or self._main_task is None:
+            return
+        self._abandoned = True
+        self._main_task.cancel()
 
     def _stopped_result(self) -> ToolResult:
         stop = self._stop or StopRequest(Outcome.CANCELLED, "CANCELLED", "the run was cancelled")

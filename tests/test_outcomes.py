@@ -137,3 +137,40 @@ async def test_client_cancel_reaches_the_tool_promptly(stub) -> None:
     await asyncio.wait_for(CANCELLED.wait(), 1.0)
     events = await run_tool(stub, "legacy_failure", {})
     assert events[-1].HasField("result")
+
+
+RELEASE = asyncio.Event()
+
+
+@tool()
+async def stubborn(ctx: ToolContext, args: Nothing) -> str:
+    """Swallow every cancellation until released."""
+    STARTED.set()
+    while not RELEASE.is_set():
+        try:
+            await RELEASE.wait()
+        except asyncio.CancelledError:
+            continue
+    return "released"
+
+
+TOOLS.append(stubborn)
+
+
+async def test_a_tool_that_swallows_cancellation_does_not_hold_its_run(stub) -> None:
+    STARTED.clear()
+    RELEASE.clear()
+    try:
+        call = stub.Execute(tool_service_pb2.ExecuteRequest(tool_name="stubborn"))
+        first = await call.read()
+        await asyncio.wait_for(STARTED.wait(), 10)
+        reply = await stub.CancelRun(tool_service_pb2.CancelRunRequest(
+            run_id=first.event.run_id, reason="enough"))
+        assert reply.cancelled
+        events = []
+        while (response := await asyncio.wait_for(call.read(), 10)) is not grpc.aio.EOF:
+            events.append(response.event)
+    finally:
+        RELEASE.set()  # let the stubborn task end, or the event loop cannot close
+    assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert events[-1].result.error.message == "enough"
