@@ -34,8 +34,11 @@ class HttpFetchArgs(BaseModel):
 
 @tool(kind="http", categories=("web",), open_world=True, read_only=True)
 async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
-    """Fetch a URL (GET/POST/HEAD) from an allowlisted host; returns status, headers and
-    body (text, or a file for binary content)."""
+    """Fetch a URL from an allowlisted host: status, headers and body (text, or a file).
+
+    GET, POST or HEAD; private, loopback, link-local and metadata addresses are refused,
+    on every redirect hop; size, time and redirects are capped.
+    """
     settings = ctx.settings
     policy = HttpPolicy.from_settings(settings)
     headers = {k: v for k, v in args.headers.items() if k.lower() not in _RESERVED_HEADERS}

@@ -38,8 +38,11 @@ class KnowledgeSearchResult(BaseModel):
 @tool(kind="search", categories=("knowledge",), read_only=True, idempotent=True,
       output_model=KnowledgeSearchResult)
 async def knowledge_search(ctx: ToolContext, args: KnowledgeSearchArgs) -> KnowledgeSearchResult:
-    """Search the knowledge base (Markdown/text documents) and return the best passages,
-    with their source paths and snippets, best first."""
+    """Search the knowledge base and return the best passages with paths and snippets.
+
+    Full-text search (BM25) over the configured folder of Markdown/text documents; the
+    index is refreshed incrementally first, so edited files are found.
+    """
     folder = ctx.settings.kb_dir
     if folder is None:
         raise ToolFailed("no knowledge base is configured (set kb_dir)", code="KB_NOT_CONFIGURED")

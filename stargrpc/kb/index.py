@@ -183,7 +183,7 @@ class KnowledgeBase:
                 (SNIPPET_OPEN, SNIPPET_CLOSE, SNIPPET_TOKENS, *_BM25_WEIGHTS, expression,
                  limit)).fetchall()
         # FTS5's bm25() is "lower is better"; flip it so a higher score means more relevant.
-        return [Hit(path, heading, snippet or heading, round(-rank, 4), int(ordinal))
+        return [Hit(path, heading, snippet or heading, -rank, int(ordinal))
                 for path, heading, snippet, rank, ordinal in rows]
 
 

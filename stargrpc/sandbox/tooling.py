@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stargrpc.context import ToolContext
+from stargrpc.errors import ToolFailed
 from stargrpc.outcome import Outcome, ToolResult
 from stargrpc.sandbox.runner import Sandbox, SandboxResult
 
@@ -39,7 +40,11 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         The tool's result, with structured output ``{exit_status, signal, verdict, reason,
         cpu_seconds, duration_seconds, output_truncated, isolation, files, skipped_files}``.
     """
-    sandbox = Sandbox(ctx.settings)
+    try:
+        sandbox = Sandbox(ctx.settings)
+    except (RuntimeError, OSError) as exc:  # the configured isolation does not work here
+        raise ToolFailed(f"the sandbox is unavailable: {exc}", code="SANDBOX_UNAVAILABLE") \
+            from exc
     wall_clock = sandbox.limits.wall_clock_seconds
 
     async def on_tick(elapsed: float) -> None:

@@ -8,10 +8,13 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from stargrpc.sandbox import Limits, Sandbox, isolation_for
 from stargrpc.settings import MiB, Settings
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.helpers import run_tool
 from tests.sandbox.proctable import marker, wait_until_gone, wait_until_running
 
 SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
@@ -177,3 +180,18 @@ async def test_symlinks_in_the_output_folder_are_not_followed(tmp_path) -> None:
 
     assert [f.name for f in result.files] == ["ok.txt"]
     assert result.skipped_files == ["link.txt: not a plain file"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a sandbox user to fail the probe")
+async def test_a_mode_that_does_not_work_is_refused_not_weakened(make_server, tmp_path) -> None:
+    # bubblewrap, running as the sandbox user, cannot reach a root directory inside the
+    # test's private (0700) temporary folder, so the explicit bwrap mode fails its probe.
+    server = await make_server(sandbox_isolation="bwrap", sandbox_root=tmp_path / "box")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), "python",
+                                {"code": "print(1)"})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_FAILED
+    assert result.error.code == "SANDBOX_UNAVAILABLE"
+    assert "'bwrap' does not work on this machine" in result.error.message
