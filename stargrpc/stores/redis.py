@@ -39,7 +39,9 @@ import structlog
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from stargrpc.errors import Aborted, Unavailable
 from stargrpc.runlog import Claim, MemoryRunLog, RunLog
@@ -119,10 +121,14 @@ def _reachable(action: str) -> Iterator[None]:
     """Turns a Redis failure into UNAVAILABLE with a message a caller can act on."""
     try:
         yield
-    except RedisError as exc:
+    except (RedisConnectionError, RedisTimeoutError) as exc:
         log.warning("redis_unavailable", action=action, error=str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
                           "shortly", reason="RUN_STORE_UNAVAILABLE") from exc
+    except RedisError as exc:  # Redis answered with an error: still not the caller's fault
+        log.error("redis_failed", action=action, error=str(exc))
+        raise Unavailable(f"the shared run store (Redis) failed ({action}); retry shortly",
+                          reason="RUN_STORE_FAILED") from exc
 
 
 class RedisRunLog(MemoryRunLog):
@@ -264,7 +270,7 @@ class RemoteRunLog:
                 event = events_pb2.RunEvent.FromString(fields[b"e"])
                 yield event
                 expected += 1
-                last_id = entry_id
+                last_id = entry_id.decode()
                 if event.HasField("result"):
                     return
 
