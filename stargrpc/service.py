@@ -179,9 +179,9 @@ class ToolService:
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
     async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
-        """The log of ``run_id`` when the caller may see it: its owner, an admin, or a
-        holder of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly as for an
-        unknown run, so run ids of other principals cannot be probed.
+        """The log of ``run_id`` when the caller may see it: its owner, a holder of
+        ``admin_role``, or of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly
+        as for an unknown run, so run ids of other principals cannot be probed.
 
         Raises:
             NotFound: Unknown, expired, or not the caller's.
@@ -191,7 +191,7 @@ class ToolService:
         principal = current_principal.get()
         if log is not None and (
             log.owner == principal.id
-            or any(principal.has_role(role) for role in self.settings.run_admin_roles)
+            or principal.has_role(self.settings.admin_role)
             or any(principal.has_role(role) for role in extra_roles)
         ):
             return log

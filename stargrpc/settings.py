@@ -83,10 +83,8 @@ class Settings(BaseSettings):
     max_watch_lag_events: int = Field(10_000, ge=0, description="A live watcher further "
                                       "behind than this is ended (ABORTED, resume from its "
                                       "seq); 0 never.")
-    run_admin_roles: list[str] = Field(["admin"], description="Roles that may watch and "
-                                       "cancel anyone's runs.")
     run_watch_roles: list[str] = Field(["watch"], description="Roles that may watch "
-                                       "anyone's runs.")
+                                       "anyone's runs (admin_role may also cancel them).")
     max_concurrent_runs: int = Field(1024, ge=0, description="Runs in flight per replica; "
                                      "0 = unlimited.")
     max_concurrent_runs_per_principal: int = Field(256, ge=0, description="Runs in flight "
