@@ -99,6 +99,11 @@ def sandbox_root(settings: Settings) -> Path:
     """The folder run working directories are made in (created 0711 if missing)."""
     root = settings.sandbox_root or Path(tempfile.gettempdir()) / "stargrpc-sandbox"
     root.mkdir(parents=True, exist_ok=True)
+    info = root.lstat()
+    # In a shared /tmp someone else could have made the folder (or a symlink) first.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise RuntimeError(f"sandbox root {root} is not a directory owned by the server's "
+                           "user; remove it or set sandbox_root")
     # The sandbox user must be able to traverse it, but not list it.
     root.chmod(0o711)
     return root

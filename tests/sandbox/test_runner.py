@@ -195,3 +195,11 @@ async def test_a_mode_that_does_not_work_is_refused_not_weakened(make_server, tm
     assert result.outcome == events_pb2.OUTCOME_FAILED
     assert result.error.code == "SANDBOX_UNAVAILABLE"
     assert "'bwrap' does not work on this machine" in result.error.message
+
+
+def test_a_sandbox_root_planted_as_a_symlink_is_refused(tmp_path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root").symlink_to(tmp_path / "elsewhere")
+
+    with pytest.raises(RuntimeError, match="is not a directory owned by the server's user"):
+        sandbox(tmp_path, sandbox_root=tmp_path / "root")
