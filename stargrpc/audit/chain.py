@@ -1,10 +1,11 @@
 """The hash chain that makes the audit trail tamper-evident.
 
 Each record's ``hash`` is SHA-256 over its canonical JSON (every field but ``hash``,
-including ``seq`` and ``prev_hash``), and ``prev_hash`` is the hash of the record before it.
-Changing a record breaks its own hash; deleting or reordering records breaks the ``seq``
-sequence or the link to the previous hash. (Cutting records off the *end* leaves a shorter,
-intact chain: compare the head hash with one kept elsewhere to catch that.)
+including ``seq`` and ``prev_hash``; empty text fields left out), and ``prev_hash`` is the
+hash of the record before it. Changing a record breaks its own hash; deleting or reordering
+records breaks the ``seq`` sequence or the link to the previous hash. (Cutting records off
+the *end* leaves a shorter, intact chain: compare the head hash with one kept elsewhere to
+catch that.)
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from stargrpc.audit.record import GENESIS_HASH, AuditRecord
 
 
 def record_hash(record: AuditRecord) -> str:
-    """The hash ``record`` must carry, given its fields and ``prev_hash``."""
-    content = record.as_dict()
-    content.pop("hash")
+    """The hash ``record`` must carry, given its fields and ``prev_hash``.
+
+    Empty text fields are left out of the hashed content, so that a text column added in a
+    later version (empty in older rows) leaves the hashes of older records valid.
+    """
+    content = {name: value for name, value in record.as_dict().items()
+               if name != "hash" and value != ""}
     canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

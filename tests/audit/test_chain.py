@@ -83,3 +83,10 @@ async def test_a_rehashed_forgery_still_breaks_the_next_link() -> None:
     report = await verify(scan())
 
     assert report.bad_seq == 3
+
+
+def test_emptying_a_field_changes_the_hash() -> None:
+    [record] = seal([make_record(detail="refused")], 0, GENESIS_HASH)
+
+    assert record_hash(dataclasses.replace(record, detail="")) != record.hash
+    assert record_hash(record) == record.hash

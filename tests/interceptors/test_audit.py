@@ -372,3 +372,9 @@ async def test_records_go_to_postgresql_when_configured(make_server: ServerFacto
 def test_an_unknown_store_is_refused_with_the_settings() -> None:
     with pytest.raises(ValueError, match="sqlite:///PATH or postgresql://"):
         Settings(audit_store="mysql://db/audit")
+
+
+def test_the_store_password_is_masked_in_the_logged_settings() -> None:
+    shown = Settings(audit_store="postgresql://audit:s3cret@db:5432/audit").masked()
+
+    assert shown["audit_store"] == "postgresql://audit:***@db:5432/audit"
