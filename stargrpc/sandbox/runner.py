@@ -160,7 +160,13 @@ class _Output:
 
     async def emit(self, channel: str, text: str) -> None:
         if text and self.on_output is not None:
-            await self.on_output(channel, text)
+            try:
+                await self.on_output(channel, text)
+            except Exception:
+                # Stop forwarding but keep draining: a pipe nobody reads would block the
+                # command until the wall clock.
+                log.exception("sandbox_output_callback_failed")
+                self.on_output = None
 
     async def pump(self, reader: asyncio.StreamReader, channel: str) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -322,6 +328,10 @@ class Sandbox:
         return result
 
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> Path:
+        for name in files:
+            if not name or name.startswith(".") or Path(name).name != name or name in (
+                    "out", "tmp"):
+                raise ValueError(f"input file name {name!r} must be a plain file name")
         workdir = self._root / f"run-{secrets.token_hex(8)}"
         workdir.mkdir(mode=0o700)
         made = [workdir, workdir / "out", workdir / "tmp"]
@@ -329,8 +339,6 @@ class Sandbox:
             path.mkdir(mode=0o700)
         for name, content in files.items():
             target = workdir / name
-            if target.parent != workdir or not name or name.startswith("."):
-                raise ValueError(f"input file name {name!r} must be a plain file name")
             target.write_bytes(content.encode() if isinstance(content, str) else content)
             made.append(target)
         if self._uid is not None and self._gid is not None:
