@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -131,3 +133,24 @@ async def test_verify_on_postgresql() -> None:
 
     assert code == 0, out
     assert "3 records" in out
+
+
+def test_tail_follow_prints_records_as_they_arrive(db: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stargrpc.cli", "audit", "tail", "--store", db, "-n", "1",
+         "--follow", "--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "#5" in proc.stdout.readline()  # the newest record that was already there
+
+        async def add() -> None:
+            store = open_store(db)
+            await store.open()
+            await store.append([make_record(run_id="later")])
+            await store.aclose()
+
+        asyncio.run(add())
+        assert "run=later" in proc.stdout.readline()  # blocks until it is printed
+    finally:
+        proc.terminate()
+        proc.wait(10)
