@@ -25,6 +25,7 @@ class Query:
         tool: Only this tool.
         principal: Only calls by this principal, or made on behalf of this end user.
         outcome: Only this outcome.
+        method: Only this gRPC method: its full name or its last part ("Execute").
         since: Only records at or after this time (the store's ISO 8601 UTC format).
         after_seq: Only records after this seq.
         limit: At most this many (None: all).
@@ -34,6 +35,7 @@ class Query:
     tool: str | None = None
     principal: str | None = None
     outcome: str | None = None
+    method: str | None = None
     since: str | None = None
     after_seq: int = 0
     limit: int | None = None
@@ -150,6 +152,9 @@ def select_sql(table: str, query: Query, placeholder: str) -> tuple[str, list[ob
                           f"OR acting_for = {param(query.principal)})")
     if query.outcome:
         conditions.append(f"outcome = {param(query.outcome)}")
+    if query.method:
+        conditions.append(f"(method = {param(query.method)} "
+                          f"OR method LIKE {param('%/' + query.method)})")
     if query.since:
         conditions.append(f"time >= {param(query.since)}")
     sql = (f"SELECT {', '.join(FIELDS)} FROM {table} WHERE {' AND '.join(conditions)} "

@@ -182,20 +182,23 @@ def tail(store_url: str | None, config_file: Path | None, count: int, follow: bo
 @click.option("--principal", default=None, help="Only calls by this principal, or made on "
               "behalf of this end user.")
 @click.option("--outcome", type=click.Choice(OUTCOMES), default=None, help="Only this outcome.")
+@click.option("--method", default=None, help="Only calls of this gRPC method (full name or "
+              "last part, e.g. Execute).")
 @click.option("--since", default=None, help="Only records since an ISO 8601 time or an age "
               "(15m, 2h, 7d).")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True,
               help="At most this many records (the newest).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def query(store_url: str | None, config_file: Path | None, tool: str | None,
-          principal: str | None, outcome: str | None, since: str | None, limit: int,
-          as_json: bool) -> None:
+          principal: str | None, outcome: str | None, method: str | None, since: str | None,
+          limit: int, as_json: bool) -> None:
     """Print the records that match, oldest first."""
     since_time = parse_since(since) if since else None
 
     async def work(store: AuditStore) -> None:
         records = await store.query(Query(tool=tool, principal=principal, outcome=outcome,
-                                          since=since_time, limit=limit, newest_first=True))
+                                          method=method, since=since_time, limit=limit,
+                                          newest_first=True))
         _show(list(reversed(records)), as_json)
 
     _run(store_url, config_file, work)

@@ -44,6 +44,10 @@ async def test_query_filters(store: AuditStore) -> None:
     assert seqs(await store.query(Query(since="2026-01-02T00:00:00.000000Z"))) == [2, 3]
     assert seqs(await store.query(Query(limit=2, newest_first=True))) == [3, 2]
     assert seqs(await store.query(Query(tool="echo", outcome="ok"))) == [1]
+    await store.append([make_record(method="/grpc.health.v1.Health/Check", tool="")])
+    assert seqs(await store.query(Query(method="Check"))) == [4]
+    assert seqs(await store.query(Query(method="/grpc.health.v1.Health/Check"))) == [4]
+    assert len(await store.query(Query(method="Execute"))) == 3
 
 
 async def test_writers_sharing_a_store_build_one_chain(store_url: str) -> None:
