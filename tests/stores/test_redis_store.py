@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.run_tools.blob import blob_bytes
 from tests.runs_support import as_principal, collect, execute_request, key, stripped
 
 ALICE = as_principal("alice")
@@ -144,3 +145,18 @@ async def test_watching_past_the_end_of_a_finished_run_ends_at_once(pair) -> Non
 
     assert stripped(replay) == stripped(executed)
     assert past == []
+
+
+async def test_a_large_file_of_a_run_on_a_arrives_intact_through_b(pair) -> None:
+    a, b = pair
+    size = 5 * 1024 * 1024 + 123  # several chunks and more than one flush batch
+    executed = await collect(a.Execute(execute_request("blob", {"size": size, "seed": 3}),
+                                       metadata=ALICE))
+    watched = await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=executed[0].run_id), metadata=ALICE))
+
+    data = b"".join(e.file_chunk.data for e in watched if e.HasField("file_chunk"))
+    sent = watched[-1].result.writeback.sent_files[0]
+    assert stripped(watched) == stripped(executed)
+    assert data == blob_bytes(size, 3)
+    assert sent.streamed and sent.size == size
