@@ -58,6 +58,7 @@ class Sizes:
     slow_n: int
     slow_every: int
     slow_ms: float
+    coalesce: int
     concurrency: int
     concurrency_rounds: int
     held: int
@@ -71,20 +72,20 @@ class Sizes:
 
 
 MODES = {
-    "full": Sizes(latency_calls=2000, latency_warmup=200, stream_n=20_000, stream_runs=3,
-                  slow_n=20_000, slow_every=10, slow_ms=1.0, concurrency=200,
-                  concurrency_rounds=5, held=5000, held_seconds=30.0, held_open_timeout=25.0,
-                  held_fresh_server=True, cpu_calls=2000, cpu_warmup=200, cpu_repeats=2,
+    "full": Sizes(latency_calls=1000, latency_warmup=100, stream_n=20_000, stream_runs=3,
+                  slow_n=10_000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
+                  concurrency_rounds=5, held=5000, held_seconds=120.0, held_open_timeout=100.0,
+                  held_fresh_server=True, cpu_calls=600, cpu_warmup=60, cpu_repeats=2,
                   layers=True),
     "quick": Sizes(latency_calls=200, latency_warmup=30, stream_n=5000, stream_runs=1,
-                   slow_n=2000, slow_every=10, slow_ms=1.0, concurrency=200,
-                   concurrency_rounds=2, held=500, held_seconds=30.0, held_open_timeout=15.0,
+                   slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
+                   concurrency_rounds=2, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
                    layers=True),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers.
     "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
-                   slow_every=10, slow_ms=1.0, concurrency=5, concurrency_rounds=1, held=5,
-                   held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
+                   slow_every=10, slow_ms=1.0, coalesce=10, concurrency=5, concurrency_rounds=1,
+                   held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
                    cpu_calls=10, cpu_warmup=2, cpu_repeats=1, layers=False),
 }
 
@@ -280,11 +281,12 @@ def baseline_argv() -> list[str]:
 
 # -- the measurements ----------------------------------------------------------------------
 
-def server_plan(sizes: Sizes) -> list[dict[str, Any]]:
+def server_plan(sizes: Sizes, targets: list[Server]) -> list[dict[str, Any]]:
     """Latency, throughput (fast and slow reader) and concurrency."""
     return [
         {"measure": "latency", "calls": sizes.latency_calls, "warmup": sizes.latency_warmup},
-        {"measure": "stream", "n": sizes.stream_n, "runs": sizes.stream_runs},
+        {"measure": "stream", "n": sizes.stream_n, "runs": sizes.stream_runs,
+         "server_pids": [s.pid for s in targets]},
         {"measure": "stream", "name": "stream_slow", "n": sizes.slow_n, "runs": 1,
          "slow_every": sizes.slow_every, "slow_ms": sizes.slow_ms},
         {"measure": "concurrency", "concurrent": sizes.concurrency,
@@ -313,18 +315,24 @@ def run_pair(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, A
     turns under the same client. The baseline ignores the credentials it is sent."""
     say("starting the baseline and stargrpc")
     with servers(pair_specs(stack), workdir) as pair:
-        plan = [*server_plan(sizes), cpu_step(sizes, pair)]
+        plan = [*server_plan(sizes, pair), cpu_step(sizes, pair)]
         if not sizes.held_fresh_server:
             plan.append(held_step(sizes, pair))
         say("latency, throughput, concurrency, CPU per call"
             + ("" if sizes.held_fresh_server else f", {sizes.held} held streams"))
         figures = run_plan(pair, plan, stack.token)
+        say(f"the bare baseline with {sizes.coalesce} deltas per message")
+        coalesced = run_plan(pair[:1], [{
+            "measure": "stream", "n": sizes.slow_n, "runs": 1, "slow_every": sizes.slow_every,
+            "slow_ms": sizes.slow_ms, "coalesce": sizes.coalesce}])["stream"][0]
     if sizes.held_fresh_server:
         say(f"{sizes.held} held streams, on fresh servers")
         with servers(pair_specs(stack, "-held"), workdir) as pair:
             figures.update(run_plan(pair, [held_step(sizes, pair)], stack.token))
-    return {name: {measure: values[k] for measure, values in figures.items()}
-            for k, name in enumerate(("baseline", "stargrpc"))}
+    results = {name: {measure: values[k] for measure, values in figures.items()}
+               for k, name in enumerate(("baseline", "stargrpc"))}
+    results["baseline"]["stream_slow_coalesced"] = coalesced
+    return results
 
 
 def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
@@ -349,6 +357,7 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
             without = [layer]
         specs.append(ServerSpec(f"{layer} off", stargrpc_argv(without), env))
     samples: dict[str, list[float]] = {spec.name: [] for spec in specs}
+    p50: dict[str, list[float]] = {spec.name: [] for spec in specs}
     say(f"starting {len(specs)} stargrpc servers: " + ", ".join(s.name for s in specs))
     with servers([ServerSpec(s.name.replace(" ", "-"), s.argv, s.env) for s in specs],
                  workdir) as running:
@@ -358,8 +367,10 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
             figures = run_plan(running, [cpu_step(sizes, running)], stack.token)["cpu"]
             for spec, figure in zip(specs, figures, strict=True):
                 samples[spec.name].append(figure["cpu_us_per_call"])
-    best = {name: min(values) for name, values in samples.items()}
-    return {"cpu_us_per_call": best, "samples": samples}
+                p50[spec.name].append(figure["p50_ms"])
+    return {"cpu_us_per_call": {name: min(values) for name, values in samples.items()},
+            "p50_ms": {name: min(values) for name, values in p50.items()},
+            "samples": samples}
 
 
 def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, stamp: str,
@@ -461,11 +472,16 @@ def build_rows(pair: dict[str, Any], sizes: Sizes) -> list[Row]:
         bl["stream"]["median_events_per_s"], "events/s", "≥ 0.8x", lambda r: r >= 0.8)
     add("  the tool's own emission rate", sg["stream"]["best"]["tool_events_per_s"],
         None, "events/s", ratio=False)
+    add("  server CPU per event", sg["stream"]["server_cpu_us_per_event"],
+        bl["stream"]["server_cpu_us_per_event"], "µs")
     add(f"Slow reader ({sizes.slow_ms:g} ms pause per {sizes.slow_every} messages): events",
         sg["stream_slow"]["median_events_per_s"], bl["stream_slow"]["median_events_per_s"],
         "events/s", "> 1x (coalescing)", lambda r: r > 1.0)
     add("  messages carrying them", sg["stream_slow"]["median_messages_per_s"],
         bl["stream_slow"]["median_messages_per_s"], "msgs/s")
+    coalesced = bl["stream_slow_coalesced"]
+    add(f"  bare grpc.aio packing {sizes.coalesce} deltas per message (what coalescing "
+        "reaches)", None, coalesced["median_events_per_s"], "events/s")
     add(f"Concurrency, {sizes.concurrency} runs of a 10 ms tool",
         sg["concurrency"]["calls_per_s"], bl["concurrency"]["calls_per_s"], "calls/s",
         "≥ 0.85x", lambda r: r >= 0.85)
@@ -512,20 +528,23 @@ def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: d
     if layers:
         cpu = layers["cpu_us_per_call"]
         base = cpu["all on"]
-        lines += ["| layer | server CPU per call, all on | with the layer off | cost | share | "
-                  "target | met |", "|---|---:|---:|---:|---:|---|---|"]
+        p50 = layers["p50_ms"]
+        lines += ["| layer | server CPU per call, all on | with the layer off | cost | share "
+                  "| target | met | latency p50 all on / off |",
+                  "|---|---:|---:|---:|---:|---|---|---|"]
         for layer, state in stack.layers.items():
             key = f"{layer} off"
+            target = "< 10%" if layer != "auth" else ""
             if key not in cpu:
-                lines.append(f"| {layer} | {_fmt(base)} µs | — | — | — | "
-                             f"{'< 10%' if layer != 'auth' else ''} | {state} |")
+                lines.append(f"| {layer} | {_fmt(base)} µs | — | — | — | {target} | {state} "
+                             "| |")
                 continue
             cost = base - cpu[key]
             share = cost / base if base else 0.0
-            target = "< 10%" if layer != "auth" else ""
             met = "" if layer == "auth" else ("yes" if share < 0.10 else "**no**")
             lines.append(f"| {layer} | {_fmt(base)} µs | {_fmt(cpu[key])} µs | {_fmt(cost)} µs "
-                         f"| {share:.0%} | {target} | {met} |")
+                         f"| {share:.0%} | {target} | {met} | {_fmt(p50['all on'])} / "
+                         f"{_fmt(p50[key])} ms |")
         lines.append("")
     m = info["machine"]
     lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "

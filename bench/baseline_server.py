@@ -47,6 +47,9 @@ class _Events:
         event.run_id = self.run_id
         event.seq = self.seq
         event.time.GetCurrentTime()
+        # stargrpc's events carry the critic's countdown: the same field, the same size.
+        event.critic_time_left.seconds = 89
+        event.critic_time_left.nanos = 999_000_000
         return response
 
     def _root(self, step: events_pb2.Step, status: int) -> None:
@@ -99,8 +102,12 @@ async def execute(request: tool_service_pb2.ExecuteRequest,
     output = ""
     if request.tool_name == "bench_stream":
         n = int(arguments.get("n", 20_000))
-        for i in range(1, n + 1):
-            yield events.delta(f"{i:07d}\n")
+        # coalesce > 1 packs that many deltas into one message: what a server coalescing
+        # deltas under backpressure could reach, measured on the bare transport.
+        per_message = max(1, int(arguments.get("coalesce", 1)))
+        for first in range(1, n + 1, per_message):
+            last = min(n, first + per_message - 1)
+            yield events.delta("".join(f"{i:07d}\n" for i in range(first, last + 1)))
         output = f"streamed {n}"
     elif request.tool_name == "bench_wait":
         await asyncio.sleep(float(arguments.get("ms", 10.0)) / 1000)

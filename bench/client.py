@@ -7,7 +7,8 @@ falls on all of them alike; it prints the figures as one JSON object::
     python -m bench.client --target 127.0.0.1:A --target 127.0.0.1:B \\
         --plan '[{"measure": "latency", "calls": 2000, "warmup": 200}]'
 
-Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms), concurrency
+Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms, coalesce,
+server_pids), concurrency
 (concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
 warmup, server_pids).
 
@@ -143,13 +144,17 @@ async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[s
              "bytes_per_call": w} for s, w in zip(seconds, wire, strict=True)]
 
 
-async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float
-                       ) -> dict[str, float]:
+async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
+                       coalesce: int, server_pid: int | None) -> dict[str, float]:
+    cpu_before = server_cpu_seconds(server_pid) if server_pid else 0.0
     started = time.perf_counter()
     messages = events = wire = 0
     expected = 1
     result = None
-    async for response in client.start("bench_stream", {"n": n}):
+    arguments: dict[str, Any] = {"n": n}
+    if coalesce > 1:
+        arguments["coalesce"] = coalesce  # understood by the bare baseline only
+    async for response in client.start("bench_stream", arguments):
         messages += 1
         wire += response.ByteSize()
         event = response.event
@@ -165,6 +170,7 @@ async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float
         if slow_every and messages % slow_every == 0:
             await asyncio.sleep(slow_ms / 1000)
     seconds = time.perf_counter() - started
+    cpu_used = server_cpu_seconds(server_pid) - cpu_before if server_pid else 0.0
     if result is None or events != n:
         raise BenchError(f"stream: {events} of {n} deltas, result={result is not None}")
     tool_seconds = result.duration.ToNanoseconds() / 1e9
@@ -173,26 +179,33 @@ async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float
         "messages_per_s": messages / seconds, "events_per_s": events / seconds,
         # How fast the tool could emit: its events over its own run time.
         "tool_events_per_s": n / tool_seconds if tool_seconds > 0 else 0.0,
+        "server_cpu_us_per_event": cpu_used / n * 1e6,
     }
 
 
 async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
-                 slow_ms: float = 1.0) -> list[dict[str, Any]]:
+                 slow_ms: float = 1.0, coalesce: int = 1,
+                 server_pids: list[int] | None = None) -> list[dict[str, Any]]:
     """Runs streaming ``n`` deltas each, the servers taking turns run by run; counts
     messages and the events inside them.
 
     With ``slow_every`` the client pauses ``slow_ms`` after every ``slow_every`` messages:
     a reader slower than the tool, so the server is under backpressure. Events are counted
     in the delta text (fixed width) and checked to arrive complete and in order, so a
-    server that coalesces deltas is counted, and checked, event by event.
+    server that coalesces deltas is counted, and checked, event by event. ``coalesce`` asks
+    the bare baseline for that many deltas per message. With ``server_pids`` the servers' CPU
+    per event is measured too.
     """
+    pids = server_pids or [0 for _ in clients]
     figures: list[list[dict[str, float]]] = [[] for _ in clients]
     for run in range(runs):
         for k in _turns(run, len(clients)):
-            figures[k].append(await _stream_once(clients[k], n, slow_every, slow_ms))
+            figures[k].append(await _stream_once(clients[k], n, slow_every, slow_ms, coalesce,
+                                                 pids[k] or None))
     return [{"n": n, "runs": runs, "slow_every": slow_every, "slow_ms": slow_ms,
              "median_events_per_s": statistics.median(f["events_per_s"] for f in runs_),
              "median_messages_per_s": statistics.median(f["messages_per_s"] for f in runs_),
+             "server_cpu_us_per_event": min(f["server_cpu_us_per_event"] for f in runs_),
              "best": max(runs_, key=lambda f: f["events_per_s"]), "all": runs_}
             for runs_ in figures]
 
@@ -291,14 +304,15 @@ async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[
         for _ in range(warmup):
             await client.execute("bench_trivial", expect_messages=3)
     before = [server_cpu_seconds(pid) for pid in server_pids]
-    started = time.perf_counter()
+    seconds: list[list[float]] = [[] for _ in clients]
     for i in range(calls):
         for k in _turns(i, len(clients)):
-            await clients[k].execute("bench_trivial", expect_messages=3)
-    wall = time.perf_counter() - started
+            seconds[k].append((await clients[k].execute("bench_trivial",
+                                                        expect_messages=3)).seconds)
     used = [server_cpu_seconds(pid) - b for pid, b in zip(server_pids, before, strict=True)]
     return [{"calls": calls, "cpu_us_per_call": u / calls * 1e6, "server_cpu_s": u,
-             "wall_s": wall} for u in used]
+             "p50_ms": percentile(s, 0.5) * 1e3}
+            for u, s in zip(used, seconds, strict=True)]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME_LINE = re.compile(r":\d+\)$")
 #: Frames on (nearly) every stack, which say nothing about where the time goes.
 _PLUMBING = ("asyncio/", "click/", "<frozen runpy>", "threading.py", "selectors.py",
-             "stargrpc/cli/", "bench/launch.py", "<module> (")
+             "stargrpc/cli/", "bench/launch.py", "<module> (", "main (bench/")
 
 
 def py_spy() -> str | None:
