@@ -40,9 +40,9 @@ async def wait_until_gone(token: str, within: float = 10.0) -> list[int]:
     return left
 
 
-async def wait_until_running(token: str, within: float = 10.0) -> list[int]:
-    """Waits for a process carrying ``token`` to exist."""
+async def wait_until_running(token: str, within: float = 10.0, count: int = 1) -> list[int]:
+    """Waits for ``count`` processes carrying ``token`` to exist; returns those found."""
     deadline = time.monotonic() + within
-    while not (found := processes_with(token)) and time.monotonic() < deadline:  # noqa: ASYNC110
+    while len(found := processes_with(token)) < count and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     return found

@@ -131,7 +131,7 @@ async def test_cancel_run_kills_the_snippet_and_its_children(stub) -> None:
         events.append(response.event)
         if response.event.step.delta == "started\n":
             break
-    assert len(await wait_until_running(token)) == 2
+    assert len(await wait_until_running(token, count=2)) == 2
 
     reply = await stub.CancelRun(tool_service_pb2.CancelRunRequest(
         run_id=events[0].run_id, reason="test"))
