@@ -44,6 +44,11 @@ class ToolPolicy(Protocol):
         """
         ...
 
+    def access(self, spec: ToolSpec) -> ToolAccess:
+        """Who may run ``spec`` as configured (what ListTools shows in ``Tool.permissions``);
+        holders of the admin role, where there is one, pass as well."""
+        ...
+
     def delegate(self, principal: Principal, invocation: Mapping[str, Any]) -> Principal:
         """The principal a call runs as, given the identity fields of its invocation context.
 
@@ -77,6 +82,9 @@ class AllowAll:
     def check(self, principal: Principal, spec: ToolSpec) -> None:
         return None
 
+    def access(self, spec: ToolSpec) -> ToolAccess:
+        return ToolAccess(roles=["*"], privileged=spec.privileged)
+
     def delegate(self, principal: Principal, invocation: Mapping[str, Any]) -> Principal:
         return _acting_for(principal, invocation)
 
@@ -103,13 +111,15 @@ class RolePolicy:
 
     def refusal(self, principal: Principal, spec: ToolSpec) -> PermissionDenied | None:
         """Why ``principal`` may not run ``spec``, or None when it may."""
-        rule = self._rules.get(spec.name)
+        access = self.access(spec)
         metadata = {"tool_name": spec.name, "principal": principal.id}
-        if not self._allowed(principal, spec, rule):
+        allowed = principal.has_role(self._admin_role) or (
+            "*" in access.roles or "*" in access.principals or principal.id in access.principals
+            or any(principal.has_role(role) for role in access.roles))
+        if not allowed:
             return PermissionDenied(f"{principal.id!r} may not run tool {spec.name!r}",
                                     reason="TOOL_NOT_ALLOWED", metadata=metadata)
-        privileged = spec.privileged or (rule is not None and rule.privileged)
-        if privileged and not principal.has_role(self._privileged_role):
+        if access.privileged and not principal.has_role(self._privileged_role):
             return PermissionDenied(
                 f"tool {spec.name!r} is privileged: it needs the role "
                 f"{self._privileged_role!r}",
@@ -117,17 +127,15 @@ class RolePolicy:
                 metadata={**metadata, "required_role": self._privileged_role})
         return None
 
-    def _allowed(self, principal: Principal, spec: ToolSpec, rule: ToolAccess | None) -> bool:
-        if principal.has_role(self._admin_role):
-            return True
+    def access(self, spec: ToolSpec) -> ToolAccess:
+        rule = self._rules.get(spec.name)
+        privileged = spec.privileged or (rule is not None and rule.privileged)
         if rule is not None:
-            roles, principals = rule.roles, rule.principals
-        elif self._default == "allow":
-            roles, principals = list(spec.allowed_roles), []
-        else:
-            return False
-        return ("*" in roles or "*" in principals or principal.id in principals
-                or any(principal.has_role(role) for role in roles))
+            return ToolAccess(roles=rule.roles, principals=rule.principals,
+                              privileged=privileged)
+        if self._default == "allow":
+            return ToolAccess(roles=list(spec.allowed_roles), privileged=privileged)
+        return ToolAccess(roles=[self._admin_role], privileged=privileged)
 
     def can_run(self, principal: Principal, spec: ToolSpec) -> bool:
         return self.refusal(principal, spec) is None

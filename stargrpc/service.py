@@ -101,7 +101,14 @@ class ToolService:
                 continue  # by default a caller sees only the tools it may run
             message = catalog_pb2.Tool()
             message.CopyFrom(messages[name])
-            message.permissions.callable = may_run
+            # Who may run it as configured, which may differ from what the tool declares.
+            access = self.runtime.policy.access(spec)
+            permissions = message.permissions
+            del permissions.allowed_roles[:]
+            permissions.allowed_roles.extend(access.roles)
+            permissions.allowed_principals.extend(access.principals)
+            permissions.privileged = access.privileged
+            permissions.callable = may_run
             tools.append(message)
         return tools
 

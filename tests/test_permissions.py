@@ -176,3 +176,20 @@ async def test_list_tools_can_mark_instead_of_hide(make_auth_server) -> None:
 
     assert await list_tools(auth.target, auth.key) == {"whoami": True, "danger": False,
                                                        "ops_only": False}
+
+
+async def test_list_tools_shows_who_may_run_each_tool_as_configured(make_auth_server) -> None:
+    auth = await make_auth_server(
+        TOOLS, roles=["admin", "privileged"], permission_default="deny",
+        tool_permissions={"ops_only": {"roles": ["ops"], "principals": ["ci-bot"],
+                                       "privileged": True}})
+
+    async with key_channel(auth.target, auth.key) as channel:
+        reply = await tool_service_pb2_grpc.ToolServiceStub(channel).ListTools(
+            tool_service_pb2.ListToolsRequest())
+    shown = {t.name: (list(t.permissions.allowed_roles), list(t.permissions.allowed_principals),
+                      t.permissions.privileged) for t in reply.tools}
+
+    assert shown == {"whoami": (["admin"], [], False),  # no entry, default deny: admins only
+                     "danger": (["admin"], [], True),
+                     "ops_only": (["ops"], ["ci-bot"], True)}
