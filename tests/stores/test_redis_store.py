@@ -8,10 +8,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from redis.asyncio import Redis
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.run_tools.blob import blob_bytes
 from tests.runs_support import as_principal, collect, execute_request, key, stripped
+from tests.stores.conftest import REDIS_URL
 
 ALICE = as_principal("alice")
 BOB = as_principal("bob")
@@ -160,3 +162,20 @@ async def test_a_large_file_of_a_run_on_a_arrives_intact_through_b(pair) -> None
     assert stripped(watched) == stripped(executed)
     assert data == blob_bytes(size, 3)
     assert sent.streamed and sent.size == size
+
+
+async def test_every_key_a_run_leaves_in_redis_expires(pair, redis_prefix: str) -> None:
+    a, b = pair
+    request = execute_request("echo", {"text": "x"}, idempotency_key=key())
+    await collect(a.Execute(request, metadata=ALICE))
+    await collect(b.Execute(request, metadata=ALICE))
+    await collect(b.Execute(execute_request("count", {"to": 2}), metadata=BOB))
+
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in redis.scan_iter(match=f"{redis_prefix}*")]
+        ttls = {k: await redis.pttl(k) for k in keys}
+    finally:
+        await redis.aclose()
+    assert len(keys) >= 5  # two runs (hash + stream each) and one claim, at least
+    assert all(ttl > 0 for ttl in ttls.values()), ttls
