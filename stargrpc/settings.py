@@ -342,6 +342,9 @@ class Settings(BaseSettings):
                 shown[name] = str(value)
             elif isinstance(value, list):
                 shown[name] = [str(v) for v in value]
+            elif isinstance(value, dict):  # e.g. tool_permissions: entries as plain dicts
+                shown[name] = {k: v.model_dump() if isinstance(v, BaseModel) else v
+                               for k, v in value.items()}
             else:
                 shown[name] = value
         return shown
