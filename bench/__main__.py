@@ -356,6 +356,15 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
         else:
             without = [layer]
         specs.append(ServerSpec(f"{layer} off", stargrpc_argv(without), env))
+    if present:
+        # Every layer off at once: what the framework itself costs, next to the baseline.
+        env = dict(stack.env)
+        env.pop("STARGRPC_REDIS_URL", None)
+        if "STARGRPC_INSECURE_NO_AUTH" in env:
+            env["STARGRPC_INSECURE_NO_AUTH"] = "true"
+        chain_off = [layer for layer in present if layer in ("audit", "critic")
+                     or (layer == "auth" and "STARGRPC_INSECURE_NO_AUTH" not in env)]
+        specs.append(ServerSpec("all off", stargrpc_argv(chain_off), env))
     samples: dict[str, list[float]] = {spec.name: [] for spec in specs}
     p50: dict[str, list[float]] = {spec.name: [] for spec in specs}
     say(f"starting {len(specs)} stargrpc servers: " + ", ".join(s.name for s in specs))
@@ -401,7 +410,8 @@ def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, s
                 summary = profiling.summarize(written)
                 summary_path = raw.with_name(raw.stem + "-summary.txt")
                 summary_path.write_text(summary.render(40))
-                found[f"{name}/{load}"] = {"raw": raw.name, "summary": summary_path.name,
+                packed = profiling.compress(written)
+                found[f"{name}/{load}"] = {"raw": packed.name, "summary": summary_path.name,
                                            "samples": summary.samples,
                                            "self_top": summary.self_share[:15],
                                            "inclusive_top": summary.inclusive_share[:30]}
@@ -545,6 +555,11 @@ def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: d
             lines.append(f"| {layer} | {_fmt(base)} µs | {_fmt(cpu[key])} µs | {_fmt(cost)} µs "
                          f"| {share:.0%} | {target} | {met} | {_fmt(p50['all on'])} / "
                          f"{_fmt(p50[key])} ms |")
+        if "all off" in cpu:
+            lines.append(f"| *every layer off: the framework alone* | {_fmt(base)} µs | "
+                         f"{_fmt(cpu['all off'])} µs | {_fmt(base - cpu['all off'])} µs | "
+                         f"{(base - cpu['all off']) / base:.0%} | | | {_fmt(p50['all on'])} / "
+                         f"{_fmt(p50['all off'])} ms |")
         lines.append("")
     m = info["machine"]
     lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "

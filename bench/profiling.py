@@ -8,6 +8,7 @@ and inclusive time (anywhere on the stack). Only samples where Python was runnin
 
 from __future__ import annotations
 
+import gzip
 import re
 import shutil
 import signal
@@ -81,13 +82,23 @@ def _frame_name(frame: str) -> str:
     return name.replace("/work/main/", "").split("site-packages/")[-1]
 
 
+def compress(raw: Path) -> Path:
+    """Gzips a raw profile in place (they run to megabytes); returns the ``.gz`` path."""
+    packed = raw.with_name(raw.name + ".gz")
+    packed.write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
+    return packed
+
+
 def summarize(raw: Path) -> Summary:
     """Aggregates a py-spy raw profile by function (inclusive shares leave out the event
     loop, runner and CLI frames that are on every stack)."""
     self_counts: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     samples = 0
-    for line in raw.read_text().splitlines():
+    data = raw.read_bytes()
+    text = (gzip.decompress(data) if raw.suffix == ".gz" else data).decode(errors="replace")
+    for line in text.splitlines():
         match = _LINE.match(line.strip())
         if not match:
             continue
