@@ -21,14 +21,18 @@ from stargrpc.settings import Settings
 
 
 def _keys_file_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
+    fn = click.option(
         "--keys-file", "keys_file", type=click.Path(path_type=Path), default=None,
         help="The keys file [env STARGRPC_KEYS_FILE; default <state_dir>/keys.json].")(fn)
+    return click.option(
+        "--config", "config_file", type=click.Path(path_type=Path, exists=True), default=None,
+        help="The server's TOML settings file, for its keys_file or state_dir "
+        "[env STARGRPC_CONFIG].")(fn)
 
 
-def _store(keys_file: Path | None) -> KeyStore:
+def _store(keys_file: Path | None, config_file: Path | None) -> KeyStore:
     try:
-        settings = Settings.load(keys_file=keys_file)
+        settings = Settings.load(config_file, keys_file=keys_file)
     except ValidationError as exc:
         raise click.UsageError(f"invalid settings:\n{exc}") from exc
     return KeyStore(keys_path(settings))
@@ -49,9 +53,10 @@ def keys() -> None:
               "authenticates as.")
 @click.option("--role", "roles", multiple=True, help="A role to grant (repeatable).")
 @_keys_file_option
-def create(name: str, roles: tuple[str, ...], keys_file: Path | None) -> None:
+def create(name: str, roles: tuple[str, ...], keys_file: Path | None,
+           config_file: Path | None) -> None:
     """Create a key and print it once, alone on the last line."""
-    store = _store(keys_file)
+    store = _store(keys_file, config_file)
     try:
         record, key = store.create(name, roles)
     except KeysFileError as exc:
@@ -66,9 +71,9 @@ def create(name: str, roles: tuple[str, ...], keys_file: Path | None) -> None:
 @keys.command(name="list")
 @_keys_file_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per key.")
-def list_keys(keys_file: Path | None, as_json: bool) -> None:
+def list_keys(keys_file: Path | None, config_file: Path | None, as_json: bool) -> None:
     """List keys (never the keys themselves: they are not stored)."""
-    store = _store(keys_file)
+    store = _store(keys_file, config_file)
     try:
         records = store.records()
     except KeysFileError as exc:
@@ -93,9 +98,9 @@ def _row(record: ApiKey) -> str:
 @keys.command()
 @click.argument("name_or_id")
 @_keys_file_option
-def revoke(name_or_id: str, keys_file: Path | None) -> None:
+def revoke(name_or_id: str, keys_file: Path | None, config_file: Path | None) -> None:
     """Revoke the live key(s) with this name or id; exits 1 when none matched."""
-    store = _store(keys_file)
+    store = _store(keys_file, config_file)
     try:
         revoked = store.revoke(name_or_id)
     except KeysFileError as exc:

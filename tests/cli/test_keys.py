@@ -105,3 +105,14 @@ async def test_serve_makes_one_admin_key_on_first_start_and_prints_it_once(
     assert key not in (tmp_path / "keys.json").read_text()
     assert not any(key in json.dumps(line) for line in server.lines
                    if line.get("event") != "raw")  # never in a log record
+
+
+def test_keys_read_the_keys_file_from_the_server_config(tmp_path: Path) -> None:
+    config = tmp_path / "stargrpc.toml"
+    config.write_text(f'keys_file = "{tmp_path / "from-config.json"}"\n')
+
+    created = stargrpc("keys", "create", "--name", "ci", "--config", str(config),
+                       state_dir=tmp_path / "state")
+
+    assert created.exit_code == 0, created.output
+    assert "ci" in (tmp_path / "from-config.json").read_text()
