@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
+
 import grpc
 import pytest
 
@@ -72,3 +75,20 @@ async def test_tls_without_client_certificates_serves_api_keys(
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await run_tool(tool_service_pb2_grpc.ToolServiceStub(plaintext), "whoami", {})
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_stargrpc_health_speaks_mtls(make_auth_server, tmp_path) -> None:
+    ca = TestCA()
+    auth = await make_auth_server(auth_registry(), **ca.server_files(tmp_path))
+    agent = ca.client("probe")
+    (tmp_path / "ca.pem").write_bytes(ca.cert)
+    (tmp_path / "probe.pem").write_bytes(agent.cert)
+    (tmp_path / "probe.key").write_bytes(agent.key)
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", "health", "--target", auth.target,
+        "--ca-file", str(tmp_path / "ca.pem"), "--cert-file", str(tmp_path / "probe.pem"),
+        "--key-file", str(tmp_path / "probe.key"), stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+
+    assert (proc.returncode, out.decode().strip()) == (0, "SERVING")
