@@ -21,6 +21,9 @@ from tests.conftest import ServerFactory
 #: Gates by name; a test opens its gate to let the ``staged`` tool finish.
 GATES: dict[str, asyncio.Event] = {}
 
+#: A file too big to travel inline with the gateway fixture's settings (4 FileChunk events).
+NUMBERS = ("n\n" + "\n".join(str(i) for i in range(800)) + "\n").encode()
+
 
 class StagedArgs(BaseModel):
     gate: str = Field(description="The gate to wait at between the second and third step.")
@@ -29,7 +32,7 @@ class StagedArgs(BaseModel):
 @tool(kind="test")
 async def staged(ctx: ToolContext, args: StagedArgs) -> str:
     """Two steps, a wait (inside the second) until the test opens the gate, a third step,
-    then a file."""
+    then two files."""
     async with ctx.step("Fetching sources") as step:
         await step.delta("fetched 3 sources\n")
     async with ctx.step("Thinking") as step:
@@ -39,6 +42,7 @@ async def staged(ctx: ToolContext, args: StagedArgs) -> str:
     async with ctx.step("Writing the report") as step:
         await step.delta("report written\n")
     ctx.send_file("report.txt", b"the report\n", "text/plain")
+    ctx.send_file("numbers.csv", NUMBERS, "text/csv")  # over the inline limit: streamed
     return "staged run done"
 
 
@@ -60,7 +64,8 @@ class GatewayUnderTest:
 @pytest.fixture
 async def gateway(make_server: ServerFactory) -> AsyncIterator[GatewayUnderTest]:
     """A server with the gateway on, and an HTTP client pointed at it."""
-    server = await make_server(registry=gateway_registry(), http_port=0)
+    server = await make_server(registry=gateway_registry(), http_port=0,
+                               inline_file_bytes=1024, file_chunk_bytes=1024)
     base_url = f"http://127.0.0.1:{server.http.gateway_port}"
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
         yield GatewayUnderTest(server, base_url, http)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-from tests.gateway.conftest import GatewayUnderTest
+from tests.gateway.conftest import NUMBERS, GatewayUnderTest
 
 
 async def read_sse(http: httpx.AsyncClient, method: str, url: str, *, limit: int = 1000,
@@ -125,13 +126,17 @@ async def test_events_follow_a_live_run_until_its_result(gateway, gate) -> None:
         async for message in messages:
             seen.append((message.id, message.event, json.loads(message.data)))
 
-    assert shape(seen)[-7:] == [
+    assert shape(seen)[-11:] == [
         "DELTA s2 'decided\\n'", "END s2", "START s3", "DELTA s3 'report written\\n'",
-        "END s3", "END s0", "RESULT OK"]
+        "END s3", "END s0", "FILE_CHUNK", "FILE_CHUNK", "FILE_CHUNK", "FILE_CHUNK", "RESULT OK"]
     assert [int(i) for i, _, _ in seen] == list(range(1, len(seen) + 1))
     files = seen[-1][2]["result"]["writeback"]["sent_files"]
-    assert [(f["name"], f["mime_type"], f["size"]) for f in files] == [
-        ("report.txt", "text/plain", "11")]
+    assert [(f["name"], f["mime_type"], f["size"], f.get("streamed", False)) for f in files] == [
+        ("report.txt", "text/plain", "11", False),
+        ("numbers.csv", "text/csv", str(len(NUMBERS)), True)]
+    chunks = [base64.b64decode(d["file_chunk"].get("data", "")) for _, k, d in seen
+              if k == "file_chunk"]
+    assert b"".join(chunks) == NUMBERS
 
 
 async def test_execute_can_stream_its_own_events(gateway) -> None:

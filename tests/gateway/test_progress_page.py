@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from tests.gateway.conftest import GatewayUnderTest
+from tests.gateway.conftest import NUMBERS, GatewayUnderTest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
@@ -100,14 +100,15 @@ async def test_page_follows_a_run_live_survives_a_reload_and_shows_the_result(
         "considering…\ndecided\n")
     await expect(page.locator("#result-output")).to_have_text("staged run done")
     await expect(page.locator("#time-left")).to_be_hidden()
-    link = page.locator("#result-files a.download")
-    await expect(link).to_have_text("report.txt")
-    async with page.expect_download() as download_info:
-        await link.click()
-    download = await download_info.value
-    assert download.suggested_filename == "report.txt"
-    saved = Path(await download.path())
-    assert await asyncio.to_thread(saved.read_bytes) == b"the report\n"
+    links = page.locator("#result-files a.download")
+    await expect(links).to_have_text(["report.txt", "numbers.csv"])
+    # Both download: one came inline in the Result, the other as FileChunk events.
+    for index, expected in enumerate((b"the report\n", NUMBERS)):
+        async with page.expect_download() as download_info:
+            await links.nth(index).click()
+        download = await download_info.value
+        saved = Path(await download.path())
+        assert await asyncio.to_thread(saved.read_bytes) == expected
 
     await page.screenshot(path=str(ARTIFACTS / "progress-page.png"), full_page=True)
     assert errors == []
