@@ -81,6 +81,7 @@ async def test_page_follows_a_run_live_survives_a_reload_and_shows_the_result(
     # A reload mid-run re-joins the same run and shows everything so far.
     await page.reload()
     await expect(page.locator("#run-id")).to_have_text(run_id)
+    await expect(page.locator("#tool")).to_have_value("staged")
     await expect(titles).to_have_text(["staged", "Fetching sources", "Thinking"])
     await expect(thinking.locator(":scope > pre.step-output")).to_have_text("considering…\n")
     await expect(page.locator("#result")).to_be_hidden()

@@ -108,6 +108,8 @@
       select.append(option);
     }
     $("form-error").textContent = "";
+    const runTool = $("run-title").textContent;  // a run re-joined before the list came
+    if (runTool && state.tools.has(runTool)) select.value = runTool;
     showTool(select.value);
   }
 
@@ -277,7 +279,7 @@
                            el("ul", "steps children"));
       const parent = step.parent_id ? stepNode(step.parent_id) : null;
       (parent ? parent.querySelector(":scope > ul.children") : $("steps")).append(node);
-      if (!step.parent_id && !$("run-title").textContent) $("run-title").textContent = step.title;
+      if (!step.parent_id) showRunTool(step.title);
       setStepStatus(node, "RUNNING");
     }
     if (phase === "DELTA") {
@@ -291,6 +293,17 @@
         const took = (Date.parse(step.ended_at) - Date.parse(step.started_at)) / 1000;
         node.querySelector(":scope > .step-head > .step-time").textContent = `${took.toFixed(2)} s`;
       }
+    }
+  }
+
+  // The top-level step is the tool call: name the run after it and, when the run was
+  // re-joined from the URL, put its tool in the form.
+  function showRunTool(name) {
+    if ($("run-title").textContent) return;
+    $("run-title").textContent = name;
+    if (state.tools.has(name) && $("tool").value !== name) {
+      $("tool").value = name;
+      showTool(name);
     }
   }
 
