@@ -272,13 +272,19 @@ async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         run_id = (await http.post("/v1/tools/staged:execute",
                                   json={"arguments": {"gate": name}})).json()["run_id"]
-        streamed = asyncio.create_task(read_sse(http, "GET", f"/v1/runs/{run_id}/events"))
         assert run_id in server.runtime.runs  # parked at the gate
-        await server.stop(grace=0.1)
-        events = await asyncio.wait_for(streamed, 30)
+        seen: list[tuple[str, str, dict[str, Any]]] = []
+        async with aconnect_sse(http, "GET", f"/v1/runs/{run_id}/events") as source:
+            messages = source.aiter_sse()
+            async for message in messages:
+                seen.append((message.id, message.event, json.loads(message.data)))
+                if len(seen) == 1:  # the follower is connected: now stop the server
+                    stopping = asyncio.create_task(server.stop(grace=0.1))
+        await asyncio.wait_for(stopping, 30)
 
     # The drain cancelled the parked run; the follower saw its Result before the end.
-    assert shape(events)[-1] == "RESULT CANCELLED"
+    assert shape(seen)[0] == "START s0"
+    assert shape(seen)[-1] == "RESULT CANCELLED"
 
 
 async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
