@@ -183,11 +183,20 @@ class Gateway:
         """Opens the gRPC channel."""
         await self.client.start()
 
+    @property
+    def open_streams(self) -> int:
+        """Event streams being served right now."""
+        return self._open_streams
+
+    async def streams_closed(self) -> None:
+        """Returns once no event stream is open."""
+        await self._no_open_streams.wait()
+
     async def aclose(self, grace: float = STREAM_CLOSE_GRACE_SECONDS) -> None:
         """Lets open event streams finish for up to ``grace`` seconds, ends the rest
         (their clients reconnect elsewhere with Last-Event-ID) and closes the channel."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._no_open_streams.wait(), grace)
+            await asyncio.wait_for(self.streams_closed(), grace)
         self._closing.set()
         await self.client.aclose()
 

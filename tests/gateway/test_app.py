@@ -156,7 +156,11 @@ async def test_a_dropped_http_stream_does_not_cancel_the_run(gateway, gate) -> N
                             headers={"Accept": "text/event-stream"}) as source:
         first = await anext(source.aiter_sse())
         run_id = json.loads(first.data)["run_id"]
-    # The browser went away; the run goes on and ends on its own.
+    # The browser went away, and the gateway has seen it go; the run goes on regardless.
+    gateway_app = gateway.server.http.gateway
+    assert gateway_app is not None
+    await asyncio.wait_for(gateway_app.streams_closed(), 30)
+    assert run_id in gateway.server.runtime.runs
     opened.set()
 
     events = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
