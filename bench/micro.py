@@ -1,14 +1,27 @@
 """Micro-measurements behind the optimisation proposals in ``bench/README.md``:
-``python -m bench.micro``. Each line is the cost of one per-event operation of the hot path
-as it is written now, next to the cheaper way the proposal suggests. In-process, bounded
-(a fixed number of repetitions), and never used by a test.
+``python -m bench.micro``. Each line is the cost of one operation of the hot path as it is
+written now, next to the cheaper way a proposal suggests: per-event protobuf work, an audit
+transaction on SQLite, and the Redis round trips of a run (against 127.0.0.1:6379, under a
+key prefix of its own that it deletes). In-process, bounded (a fixed number of repetitions),
+and never used by a test.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import sqlite3
+import tempfile
 import time
 import timeit
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiosqlite
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -78,9 +91,120 @@ def main() -> None:
         ("10 delta events built and serialized", ten_messages),
         ("1 event carrying the same 10 deltas (coalesced)", one_coalesced),
     ]
-    width = max(len(name) for name, _ in rows)
+    width = 64
     for name, fn in rows:
-        print(f"{name:<{width}}  {_us(fn):7.2f} µs")
+        print(f"{name:<{width}}  {_us(fn):8.2f} µs")
+    for name, cpu, wall in asyncio.run(_io_costs()):
+        print(f"{name:<{width}}  {cpu:8.1f} µs CPU  {wall:8.1f} µs wall")
+
+
+ROUNDS = 300
+
+
+async def _per_op(op: Callable[[], Awaitable[object]]) -> tuple[float, float]:
+    """CPU (every thread of the process) and wall time per call of ``op``, in µs."""
+    for _ in range(20):
+        await op()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(ROUNDS):
+        await op()
+    return ((time.process_time() - cpu) / ROUNDS * 1e6,
+            (time.perf_counter() - wall) / ROUNDS * 1e6)
+
+
+_TABLE = "CREATE TABLE audit (seq INTEGER PRIMARY KEY, hash TEXT, record TEXT)"
+_RECORD = '{"method": "/stargrpc.v1.ToolService/Execute", "tool": "bench_trivial"}' * 4
+
+
+async def _audit_costs(folder: Path) -> list[tuple[str, float, float]]:
+    """One audit record per transaction, as sequential calls make them: the statements
+    awaited one by one through aiosqlite (now), or the whole transaction in one hop to a
+    writer thread that remembers the chain's last hash (proposal 1)."""
+    db = await aiosqlite.connect(folder / "now.db", isolation_level=None)
+    await db.execute("PRAGMA journal_mode=WAL")
+    await db.execute("PRAGMA synchronous=NORMAL")
+    await db.execute(_TABLE)
+
+    async def now() -> None:
+        await db.execute("BEGIN IMMEDIATE")
+        async with db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1") as cur:
+            last = await cur.fetchone()
+        seq = (last[0] if last else 0) + 1
+        await db.executemany("INSERT INTO audit VALUES (?, ?, ?)", [(seq, "h", _RECORD)])
+        await db.execute("COMMIT")
+
+    conn = sqlite3.connect(folder / "one_hop.db", isolation_level=None,
+                           check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(_TABLE)
+    state = {"seq": 0}
+
+    def transaction() -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        state["seq"] += 1
+        conn.executemany("INSERT INTO audit VALUES (?, ?, ?)", [(state["seq"], "h", _RECORD)])
+        conn.execute("COMMIT")
+
+    writer = concurrent.futures.ThreadPoolExecutor(1)
+    loop = asyncio.get_running_loop()
+
+    async def one_hop() -> None:
+        await loop.run_in_executor(writer, transaction)
+
+    try:
+        return [("audit: a 1-record transaction, 5 aiosqlite awaits (now)", *await _per_op(now)),
+                ("audit: the same in one hop to a writer thread (proposed)",
+                 *await _per_op(one_hop))]
+    finally:
+        await db.close()
+        writer.shutdown()
+        conn.close()
+
+
+async def _redis_costs() -> list[tuple[str, float, float]]:
+    """The client-side cost of the Redis round trips a run makes: registering it (a MULTI of
+    three commands, now) and appending events with a script, next to one bare round trip."""
+    redis = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
+    prefix = f"stargrpc-bench-micro:{uuid.uuid4().hex}:"
+    append = redis.register_script(
+        "for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'e', ARGV[i]) end return 1")
+    event = _delta_event().SerializeToString()
+    counter = {"n": 0}
+
+    async def publish() -> None:
+        counter["n"] += 1
+        key = f"{prefix}{counter['n']}"
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.set(key + ":lease", "token", px=60_000)
+            pipe.hset(key, mapping={"owner": "bench", "tool": "bench_trivial",
+                                    "replica": "r", "state": "running"})
+            pipe.pexpire(key, 60_000)
+            await pipe.execute()
+
+    async def flush() -> None:
+        await append(keys=[f"{prefix}events"], args=[event, event, event])
+
+    async def ping() -> None:
+        await redis.ping()
+
+    try:
+        return [("redis: register a run, MULTI of SET+HSET+PEXPIRE (now)", *await _per_op(publish)),
+                ("redis: append 3 events with EVALSHA (now)", *await _per_op(flush)),
+                ("redis: one bare round trip (PING), the floor", *await _per_op(ping))]
+    finally:
+        keys = [key async for key in redis.scan_iter(match=prefix + "*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await redis.delete(*keys[start:start + 500])
+        await redis.aclose()
+
+
+async def _io_costs() -> list[tuple[str, float, float]]:
+    with tempfile.TemporaryDirectory(prefix="stargrpc-micro-") as folder:
+        rows = await _audit_costs(Path(folder))
+    with contextlib.suppress(RedisError, OSError):
+        rows += await _redis_costs()
+    return rows
 
 
 if __name__ == "__main__":
