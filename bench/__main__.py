@@ -580,7 +580,9 @@ def render_profiles(profiles: dict[str, Any], top: int = 12) -> str:
             lines.append(f"- {name}: {found['error']}")
             continue
         lines.append(f"- **{name}** ({found['samples']} samples, {found['summary']}); "
-                     "inclusive: " + ", ".join(
+                     "self: " + ", ".join(f"{share:.0%} {func}"
+                                          for func, share in found["self_top"][:3])
+                     + "; inclusive: " + ", ".join(
                          f"{share:.0%} {func}" for func, share in found["inclusive_top"][:top]))
     return "\n".join(lines) + "\n"
 
