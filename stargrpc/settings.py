@@ -114,7 +114,8 @@ class Settings(BaseSettings):
                                              "keepalive ack.")
 
     # -- logging ---------------------------------------------------------------------------
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Minimum level of log lines written.")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON otherwise.")
 
