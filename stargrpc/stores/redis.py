@@ -12,6 +12,14 @@ A run is written by exactly one replica, which holds its **lease** and renews it
 second or so, and with every batch of events). Events are appended to an in-process log
 first — the Execute stream on the same replica reads them from memory, so the hot path never
 waits for Redis — and flushed to the stream in order, in batches, by a background task.
+
+A run costs Redis **one** script call when it can: a run without an idempotency key is
+registered (lease and meta hash) by the same script call that appends its first batch of
+events, after the run has started, so nothing of it is on the call's critical path. A run
+with a key is registered by the script that wins its claim, before it starts (a replica
+that sees the claim must find the run). Either way a call fails fast with UNAVAILABLE when
+Redis is down: a claim needs Redis, and a run without a key is refused while the store's last
+attempt to reach Redis failed (checked with a PING until Redis answers again).
 Watchers on any replica read the stream with blocking XREAD. When a run's lease has expired
 without a Result (its replica died), the first replica to notice appends a
 ``Result{ERROR, RUN_LOST}`` so every watcher ends, and a retry with the same idempotency key
@@ -54,13 +62,33 @@ log = structlog.get_logger("stargrpc.stores.redis")
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
 _READ_COUNT = 64
+#: How long a flush waits for more events of an unfinished run before it writes: a short
+#: call's START, END and Result then go in one script call instead of two or three.
+_FLUSH_LINGER = 0.002
 
-# Append a batch of events, if this replica still holds the run's lease.
+# Registers a run of this replica: its lease and its meta hash (state running). Prepended to
+# the scripts that register; they take KEYS[1] = lease and KEYS[3] = meta.
+_REGISTER = """
+local function register(token, lease_ms, ttl_ms, owner, tool, replica)
+  redis.call('SET', KEYS[1], token, 'PX', lease_ms)
+  redis.call('HSET', KEYS[3], 'owner', owner, 'tool', tool, 'replica', replica,
+             'state', 'running')
+  redis.call('PEXPIRE', KEYS[3], ttl_ms)
+end
+"""
+
+# Append a batch of events, if this replica still holds the run's lease — or register the run
+# first (its first batch: it has no lease yet).
 # KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
-# retention_ms, running_ttl_ms, then (entry id, bytes) pairs.
-_APPEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-for i = 7, #ARGV, 2 do
+# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, then
+# (entry id, bytes) pairs.
+_APPEND = _REGISTER + """
+if ARGV[7] == '1' then
+  register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
+elseif redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+for i = 11, #ARGV, 2 do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], ARGV[i], 'e', ARGV[i + 1])
 end
 if ARGV[4] == '1' then
@@ -106,13 +134,21 @@ redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return 1
 """
 
-# Take an idempotency claim over from a lost or expired run, if it still names that run.
-_TAKE_OVER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
+# Claim an idempotency key for a run and register the run, in one step: when the key is free
+# (expected "") or still names the lost or expired run the caller saw (expected = that value).
+# Returns {1} when claimed, else {0, the value the key holds (nil when none)}.
+# KEYS: lease, events, meta, claim · ARGV: token, lease_ms, running_ttl_ms, owner, tool,
+# replica, expected, mine
+_CLAIM = _REGISTER + """
+local held = redis.call('GET', KEYS[4])
+if ARGV[7] == '' then
+  if held then return {0, held} end
+elseif held ~= ARGV[7] then
+  return {0, held}
 end
-return 0
+redis.call('SET', KEYS[4], ARGV[8], 'PX', ARGV[3])
+register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+return {1}
 """
 
 
@@ -136,33 +172,39 @@ class RedisRunLog(MemoryRunLog):
     the Redis stream in order for everyone else."""
 
     claim_key: str
+    registered: bool
     _store: RedisRunStore
     _pending: list[tuple[int, bytes, bool]]
     _flush_wanted: asyncio.Event
     _flusher: asyncio.Task[None] | None
+    _flushing: bool
     lease_lost: bool
 
     def __init__(self, store: RedisRunStore, run_id: str, owner: str, tool: str) -> None:
         super().__init__(run_id, owner=owner, tool=tool)
         self._store = store
         self.claim_key = ""
+        # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
+        self.registered = False
         self._pending = []
         self._flush_wanted = asyncio.Event()
         self._flusher = None
+        self._flushing = False
         self.lease_lost = False
 
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         event = super().append_nowait(event)
-        if self._flusher is not None and not self.lease_lost:
+        if self._flushing and not self.lease_lost:
             self._pending.append((event.seq, event.SerializeToString(), self.finished))
             self._flush_wanted.set()
+            if self._flusher is None:  # started with the first event: a run that never
+                self._flusher = asyncio.create_task(  # starts costs no task
+                    self._flush_loop(), name=f"flush-{self.run_id}")
         return event
 
     def start_flushing(self) -> None:
-        """Starts the task that copies events to Redis (once the run is published)."""
-        if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush_loop(),
-                                                name=f"flush-{self.run_id}")
+        """Copies events to Redis from now on (once the run is published)."""
+        self._flushing = True
 
     async def flushed(self, within: float) -> None:
         """Waits until every event is in Redis, or ``within`` seconds."""
@@ -173,6 +215,8 @@ class RedisRunLog(MemoryRunLog):
         delay = 0.05
         while True:
             await self._flush_wanted.wait()
+            if not self.finished:
+                await asyncio.sleep(_FLUSH_LINGER)
             self._flush_wanted.clear()
             while self._pending:
                 batch: list[tuple[int, bytes, bool]] = []
@@ -187,11 +231,14 @@ class RedisRunLog(MemoryRunLog):
                 except RedisError as exc:
                     # Keep the events and try again: local readers are unaffected, remote
                     # watchers wait, and the lease (renewed by these writes) is at stake.
+                    # New runs are refused until Redis answers again.
+                    self._store.healthy = False
                     log.warning("redis_flush_failed", run_id=self.run_id, error=str(exc))
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     continue
                 delay = 0.05
+                self.registered = True
                 if not written:
                     log.error("run_lease_lost", run_id=self.run_id,
                               detail="another replica declared this run lost")
@@ -293,6 +340,7 @@ class RedisRunStore:
     max_events: int
     block_ms: int
     cancel_handler: Callable[[str, str], bool] | None
+    healthy: bool
     _local: dict[str, RedisRunLog]
     _renewer: asyncio.Task[None] | None
 
@@ -307,12 +355,16 @@ class RedisRunStore:
         self.max_events = max_events
         self.block_ms = max(10, int(block_seconds * 1000))
         self.cancel_handler = None
+        # False until Redis has answered, and again after a background write failed: then a
+        # new run without a key (which would reach Redis only after it started) is refused
+        # unless a PING gets through.
+        self.healthy = False
         self._local = {}
         self._renewer = None
         self._append_script = redis.register_script(_APPEND)
         self._renew_script = redis.register_script(_RENEW)
         self._lost_script = redis.register_script(_MARK_LOST)
-        self._take_over_script = redis.register_script(_TAKE_OVER)
+        self._claim_script = redis.register_script(_CLAIM)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisRunStore:
@@ -363,16 +415,12 @@ class RedisRunStore:
                             finished=meta.get(b"state") != b"running", last_seq=last_seq)
 
     async def publish(self, log: RunLog) -> None:
+        # No round trip: the run is registered by its claim or by its first flush.
         assert isinstance(log, RedisRunLog)
-        with _reachable("registering the run"):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._key(log.run_id, "lease"), self._token(log.run_id),
-                         px=self.lease_ms)
-                pipe.hset(self._key(log.run_id), mapping={
-                    "owner": log.owner, "tool": log.tool, "replica": self.replica,
-                    "state": "running"})
-                pipe.pexpire(self._key(log.run_id), self._running_ttl_ms)
-                await pipe.execute()
+        if not self.healthy:
+            with _reachable("registering the run"):
+                await self.redis.ping()
+            self.healthy = True
         self._local[log.run_id] = log
         log.start_flushing()
         if self._renewer is None or self._renewer.done():
@@ -382,12 +430,19 @@ class RedisRunStore:
         assert isinstance(log, RedisRunLog)
         claim_key = self._claim_key(owner, key)
         mine = json.dumps({"fp": fingerprint, "run": log.run_id})
+        # What the key must hold for this run to take it: nothing, or a lost or expired run.
+        expected: bytes | str = ""
         with _reachable("claiming the idempotency key"):
-            for _ in range(5):
-                if await self.redis.set(claim_key, mine, nx=True, px=self._running_ttl_ms):
+            for _ in range(10):
+                reply: Any = await self._claim_script(
+                    keys=[*self._run_keys(log.run_id), claim_key],
+                    args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
+                          log.owner, log.tool, self.replica, expected, mine])
+                if reply[0] == 1:  # claimed, and the run registered with it
                     log.claim_key = claim_key
+                    log.registered = True
                     return Claim(log.run_id, fingerprint, won=True)
-                raw = await self.redis.get(claim_key)
+                raw, expected = reply[1], ""
                 if raw is None:
                     continue  # expired in between; try again
                 held = json.loads(raw)
@@ -399,16 +454,15 @@ class RedisRunStore:
                 if state == "orphaned":
                     await self._end_if_lost(held["run"])
                 # Lost, or expired: the key is free for this run, if nobody took it first.
-                if await self._take_over_script(keys=[claim_key],
-                                                args=[raw, mine, self._running_ttl_ms]):
-                    log.claim_key = claim_key
-                    return Claim(log.run_id, fingerprint, won=True)
+                expected = raw
         raise Unavailable("the idempotency key is contended; retry", reason="CLAIM_CONTENDED")
 
     async def discard(self, log: RunLog) -> None:
         local = self._local.pop(log.run_id, None)
         if local is not None and local._flusher is not None:
             local._flusher.cancel()
+        if isinstance(log, RedisRunLog) and not log.registered:
+            return  # never reached Redis (it lost its claim): nothing to delete
         with _reachable("discarding the run"):
             await self.redis.delete(self._key(log.run_id), self._key(log.run_id, "lease"),
                                     self._key(log.run_id, "events"))
@@ -442,15 +496,24 @@ class RedisRunStore:
         # The run is finished and fully in Redis: readers from now on read it there.
         self._local.pop(log.run_id, None)
 
+    def _run_keys(self, run_id: str) -> list[str]:
+        """The keys of a run as the scripts take them: lease, events, meta."""
+        return [self._key(run_id, "lease"), self._key(run_id, "events"), self._key(run_id)]
+
     async def _append(self, log: RedisRunLog, batch: list[tuple[int, bytes, bool]]) -> bool:
         args: list[Any] = [self._token(log.run_id), self.lease_ms, self.max_events,
                            "1" if batch[-1][2] else "0", self.retention_ms,
                            self._running_ttl_ms]
+        if log.registered:
+            args.extend(("0", "", "", ""))
+        else:
+            args.extend(("1", log.owner, log.tool, self.replica))
         for seq, data, _ in batch:
             args.extend((f"{seq}-0", data))
-        keys = [self._key(log.run_id, "lease"), self._key(log.run_id, "events"),
-                self._key(log.run_id), log.claim_key]
-        return bool(await self._append_script(keys=keys, args=args) == 1)
+        written = await self._append_script(keys=[*self._run_keys(log.run_id), log.claim_key],
+                                            args=args) == 1
+        self.healthy = True
+        return bool(written)
 
     async def _state(self, run_id: str) -> str:
         """running | finished | lost | orphaned (running, lease expired) | missing."""
@@ -493,8 +556,8 @@ class RedisRunStore:
         while True:
             await asyncio.sleep(interval)
             for run_log in list(self._local.values()):
-                if run_log.finished:
-                    continue
+                if run_log.finished or not run_log.registered:
+                    continue  # an unregistered run has no lease yet: its first flush sets it
                 try:
                     reply: Any = await self._renew_script(
                         keys=[self._key(run_log.run_id, "lease"),
@@ -503,6 +566,7 @@ class RedisRunStore:
                         args=[self._token(run_log.run_id), self.lease_ms,
                               self._running_ttl_ms])
                 except RedisError as exc:
+                    self.healthy = False
                     log.warning("redis_lease_renewal_failed", error=str(exc))
                     break
                 if reply[0] == -1 and not run_log.lease_lost:
