@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 
-from stargrpc.audit.record import GENESIS_HASH, AuditRecord
+from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 
 
 def record_hash(record: AuditRecord) -> str:
@@ -25,10 +25,25 @@ def record_hash(record: AuditRecord) -> str:
     Empty text fields are left out of the hashed content, so that a text column added in a
     later version (empty in older rows) leaves the hashes of older records valid.
     """
-    content = {name: value for name, value in record.as_dict().items()
-               if name != "hash" and value != ""}
-    canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return _hash_of(record, record.seq, record.prev_hash)
+
+
+def _hash_of(record: AuditRecord, seq: int, prev_hash: str) -> str:
+    """The hash of ``record`` as it would be with ``seq`` and ``prev_hash``."""
+    # Field by field rather than through dataclasses.asdict (a deep copy of every value):
+    # this runs for every record written, on the server's event loop or the store's thread.
+    content = {name: getattr(record, name) for name in _HASHED}
+    content["seq"] = seq
+    content["prev_hash"] = prev_hash
+    canonical = _CANONICAL.encode({name: value for name, value in content.items()
+                                   if value != ""})
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+#: The fields a record's hash covers (all but ``hash``).
+_HASHED = tuple(name for name in FIELDS if name != "hash")
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def seal(records: Iterable[AuditRecord], last_seq: int, last_hash: str) -> list[AuditRecord]:
@@ -36,10 +51,10 @@ def seal(records: Iterable[AuditRecord], last_seq: int, last_hash: str) -> list[
     sealed = []
     for record in records:
         last_seq += 1
-        linked = dataclasses.replace(record, seq=last_seq, prev_hash=last_hash, hash="")
-        linked = dataclasses.replace(linked, hash=record_hash(linked))
-        last_hash = linked.hash
-        sealed.append(linked)
+        digest = _hash_of(record, last_seq, last_hash)
+        sealed.append(dataclasses.replace(record, seq=last_seq, prev_hash=last_hash,
+                                          hash=digest))
+        last_hash = digest
     return sealed
 
 

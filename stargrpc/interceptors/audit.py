@@ -153,7 +153,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                           ) -> AsyncIterator[Any]:
             self._begin(call, request if peek else None, context)
             try:
-                async for response in _responses(behavior, request, context):
+                # An async generator is iterated directly: a wrapping generator would add a
+                # hop per streamed message.
+                responses = behavior(request, context) if inspect.isasyncgenfunction(behavior) \
+                    else _thread_responses(behavior, request, context)
+                async for response in responses:
                     if isinstance(response, tool_service_pb2.ExecuteResponse) and \
                             response.event.HasField("result"):
                         call.result = response.event.result
@@ -191,7 +195,10 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         if future is None or self.commit_timeout <= 0:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.commit_timeout)
+            # The future is this call's alone (the writer skips futures already done), so
+            # it is awaited directly: no shield, and no wait_for task around it.
+            async with asyncio.timeout(self.commit_timeout):
+                await future
         except TimeoutError:
             log.warning("audit_commit_slow", run_id=call.record.run_id,
                         waited_seconds=self.commit_timeout)
@@ -284,22 +291,18 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             fields["arguments"] = record.arguments
         if record.invocation:
             fields["invocation"] = record.invocation
-        warn = record.privileged or record.outcome != "ok"
-        with structlog.contextvars.bound_contextvars(run_id=record.run_id):
-            if warn:
-                log.warning("audit", **fields)
-            else:
-                log.info("audit", **fields)
+        # run_id as a field rather than bound to the context: the same line (explicit fields
+        # win over bound ones), without binding and resetting a context variable per call.
+        fields["run_id"] = record.run_id
+        if record.privileged or record.outcome != "ok":
+            log.warning("audit", **fields)
+        else:
+            log.info("audit", **fields)
 
 
-async def _responses(behavior: Callable[..., Any], request: Any,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-    """The responses of a streaming handler: an async generator, or a plain generator run
-    off the event loop."""
-    if inspect.isasyncgenfunction(behavior):
-        async for response in behavior(request, context):
-            yield response
-        return
+async def _thread_responses(behavior: Callable[..., Any], request: Any,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """The responses of a plain (synchronous) streaming handler, run off the event loop."""
     responses = await asyncio.to_thread(behavior, request, context)
     end = object()
     while (response := await asyncio.to_thread(next, responses, end)) is not end:
