@@ -27,7 +27,7 @@ from stargrpc.errors import ToolOutcomeError
 from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.runlog import RunLog
+from stargrpc.runlog import RunLog, stamp_now
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -332,7 +332,7 @@ class Run:
     async def start_step(self, step: Step) -> None:
         """Emits the START of ``step``."""
         event = events_pb2.RunEvent()
-        event.time.GetCurrentTime()
+        stamp_now(event.time)
         message = event.step
         message.phase = events_pb2.STEP_PHASE_START
         _fill_step(message.step, step, events_pb2.STEP_STATUS_RUNNING)
@@ -346,7 +346,7 @@ class Run:
         if self._open_steps.pop(step.id, None) is None:
             return
         event = events_pb2.RunEvent()
-        event.time.GetCurrentTime()
+        stamp_now(event.time)
         message = event.step
         message.phase = events_pb2.STEP_PHASE_END
         status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE

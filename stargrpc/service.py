@@ -22,6 +22,7 @@ from stargrpc.registry import Registry, ToolSpec
 from stargrpc.runlog import RunLog
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
+from stargrpc.streaming import StreamedResponse, event_responses, serialize_response
 from stargrpc.v1 import catalog_pb2, tool_service_pb2
 
 _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
@@ -115,7 +116,7 @@ class ToolService:
     # -- runs ------------------------------------------------------------------------------
 
     async def Execute(self, request: Any, context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[tool_service_pb2.ExecuteResponse]:
+                      ) -> AsyncIterator[StreamedResponse]:
         await _refuse_malformed(request, context)
         try:
             call = self._decode_execute(request)
@@ -123,12 +124,13 @@ class ToolService:
         except RequestError as error:
             await abort_with(context, error)
             return
-        response = tool_service_pb2.ExecuteResponse
         streamed_to_end = False
         try:
-            async for event in submitted.log.follow(0):
-                yield response(event=event)
-                _EXECUTE_EVENTS.inc()
+            # Pre-serialised responses (and the Result as a message): stargrpc.streaming.
+            async for response in event_responses(
+                    submitted.log, 0, tool_service_pb2.ExecuteResponse,
+                    coalesce=request.coalesce_deltas, count=_EXECUTE_EVENTS.inc):
+                yield response
             streamed_to_end = True
         except RequestError as error:  # an attached run's shared store went away
             await abort_with(context, error)
@@ -155,19 +157,19 @@ class ToolService:
                            idempotency_key=request.idempotency_key, invocation=invocation)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[tool_service_pb2.WatchRunResponse]:
+                       ) -> AsyncIterator[StreamedResponse]:
         await _refuse_malformed(request, context)
         try:
             log = await self._visible_run(request.run_id, self.settings.run_watch_roles)
         except RequestError as error:
             await abort_with(context, error)
             return
-        response = tool_service_pb2.WatchRunResponse
         try:
-            async for event in log.follow(request.after_seq,
-                                          max_lag=self.settings.max_watch_lag_events):
-                yield response(event=event)
-                _WATCH_EVENTS.inc()
+            async for response in event_responses(
+                    log, request.after_seq, tool_service_pb2.WatchRunResponse,
+                    coalesce=request.coalesce_deltas,
+                    max_lag=self.settings.max_watch_lag_events, count=_WATCH_EVENTS.inc):
+                yield response
         except RequestError as error:  # fell too far behind, or the store went away
             await abort_with(context, error)
 
@@ -234,12 +236,10 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
 
 
 def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
-    """Registers ``service`` on ``server`` with request decoding that tolerates bad bytes."""
+    """Registers ``service`` on ``server`` with request decoding that tolerates bad bytes,
+    and response encoding that sends pre-serialised events as they are."""
     pb = tool_service_pb2
-
-    def serializer(message: Message) -> bytes:
-        return message.SerializeToString()
-
+    serializer = serialize_response
     handlers = {
         "ListTools": grpc.unary_unary_rpc_method_handler(
             service.ListTools, _tolerant(pb.ListToolsRequest), serializer),

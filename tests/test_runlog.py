@@ -4,11 +4,12 @@ with their run, and the slow-follower rule."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from stargrpc.errors import WatcherTooSlow
-from stargrpc.runlog import MemoryRunStore
+from stargrpc.runlog import ENCODED_KEEP_BYTES, MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 
@@ -100,3 +101,31 @@ async def test_a_follower_that_falls_behind_a_live_run_is_told_where_to_resume()
     assert caught.value.resume_after == 2
     replay = log.follow(0, max_lag=5)  # replaying from the start is not "too slow"
     assert [(await anext(replay)).seq for _ in range(12)] == list(range(1, 13))
+
+
+async def test_batches_hold_every_waiting_event_and_bytes_are_made_once() -> None:
+    log = MemoryRunStore().create("r1")
+    log.append_nowait(heartbeat("a"))
+    batches = log.follow_batches(0)
+    assert [e.seq for e in await anext(batches)] == [1]
+    waiting = asyncio.ensure_future(anext(batches))
+    await asyncio.sleep(0)  # let it catch up and wait
+    log.append_nowait(heartbeat("b"))
+    log.append_nowait(heartbeat("x" * (ENCODED_KEEP_BYTES + 1)))
+    log.append_nowait(result())
+    assert [e.seq for e in await waiting] == [2, 3, 4]  # one wake-up, all three
+
+    assert log.encoded(2) is log.encoded(2)  # kept, shared by every reader
+    assert log.encoded(3) is not log.encoded(3)  # too big to keep twice
+    assert events_pb2.RunEvent.FromString(log.encoded(3)).heartbeat.message.startswith("xx")
+    with pytest.raises(IndexError):
+        log.encoded(5)
+
+
+async def test_events_are_stamped_with_the_current_time() -> None:
+    log = MemoryRunStore().create("r1")
+    before = time.time_ns()
+    event = log.append_nowait(heartbeat())
+    after = time.time_ns()
+    assert before <= event.time.ToNanoseconds() <= after
+    assert 0 <= event.time.nanos < 1_000_000_000

@@ -61,20 +61,22 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
     idempotency_key: str
     catalog_hash: str
     context: InvocationContext
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ...) -> None: ...
+    coalesce_deltas: bool
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("event",)
@@ -83,12 +85,14 @@ class ExecuteResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[_events_pb2.RunEvent, _Mapping]] = ...) -> None: ...
 
 class WatchRunRequest(_message.Message):
-    __slots__ = ("run_id", "after_seq")
+    __slots__ = ("run_id", "after_seq", "coalesce_deltas")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     after_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    coalesce_deltas: bool
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., coalesce_deltas: _Optional[bool] = ...) -> None: ...
 
 class WatchRunResponse(_message.Message):
     __slots__ = ("event",)

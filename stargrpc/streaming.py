@@ -1,0 +1,175 @@
+"""How a run's events go out on Execute and WatchRun streams.
+
+Two things keep the per-event cost of a stream low:
+
+- **Each event is serialised once.** ``ExecuteResponse`` and ``WatchRunResponse`` hold one
+  field, ``RunEvent event = 1``, so both have the same wire form: that field's tag and
+  length, then the event's bytes. The log keeps each event's bytes once they are made
+  (:meth:`stargrpc.runlog.MemoryRunLog.encoded`, shared by every stream of the run), and a
+  stream yields :class:`EventFrame` objects that :func:`serialize_response` passes to gRPC
+  as they are — instead of copying each event into a new response message and serialising
+  that again for every stream.
+- **DELTA coalescing, under backpressure, on request** (``coalesce_deltas`` on the
+  request). gRPC pays per *message*, not per byte, so when a stream falls behind its run
+  (it comes back from sending and finds several events waiting), consecutive DELTAs of
+  the same step and channel among them go out as ONE message: texts concatenated in
+  order, at most :data:`MAX_COALESCED_BYTES` of text, with ``RunEvent.first_seq`` set so
+  the message says which events it stands for (``first_seq..seq``). Nothing is reordered
+  or dropped, and nothing is merged across any other event. A reader that keeps up finds
+  one event waiting at a time and gets one message per event, as without coalescing.
+
+The Result is never framed: it goes out as a real response message of the call's type,
+so interceptors that look for it by type (the audit interceptor commits its record before
+the client can see the Result) find it exactly as before. Interceptors that look at other
+responses get an :class:`EventFrame`, whose :attr:`~EventFrame.event` is the RunEvent sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+from google.protobuf.wrappers_pb2 import BytesValue
+
+from stargrpc.runlog import EncodedRunLog, RunLog
+from stargrpc.v1 import events_pb2, tool_service_pb2
+
+#: Most text (UTF-8 bytes) one coalesced DELTA message carries; a single larger delta
+#: still goes out whole, alone.
+MAX_COALESCED_BYTES = 64 * 1024
+
+#: The response messages of the two streaming calls: one ``RunEvent event = 1`` each.
+EventResponse = tool_service_pb2.ExecuteResponse | tool_service_pb2.WatchRunResponse
+
+
+@dataclass(frozen=True, slots=True)
+class EventFrame:
+    """One response of an event stream, already serialised.
+
+    Attributes:
+        event: The RunEvent it carries (a merged one when it stands for several DELTAs),
+            for interceptors and tests that look at what is sent; never modify it.
+        data: The serialised response — the same bytes for ``ExecuteResponse`` and
+            ``WatchRunResponse``.
+        events: How many events of the run's log it stands for (1 unless coalesced).
+    """
+
+    event: events_pb2.RunEvent
+    data: bytes
+    events: int = 1
+
+
+#: What an event stream yields: frames, and the Result as a real response message.
+StreamedResponse = EventFrame | EventResponse
+
+
+def frame(event_bytes: bytes) -> bytes:
+    """The wire form of a response holding the event serialised as ``event_bytes``.
+
+    ``BytesValue`` is ``bytes value = 1``: its wire form is field 1's tag, the length and
+    the bytes — exactly that of ``ExecuteResponse{event}`` — so protobuf writes the frame.
+    """
+    return BytesValue(value=event_bytes).SerializeToString()
+
+
+def serialize_response(message: StreamedResponse | Message) -> bytes:
+    """The response serializer of ToolService: frames pass through as they are, any other
+    message is serialised."""
+    if isinstance(message, EventFrame):
+        return message.data
+    return message.SerializeToString()
+
+
+async def event_responses(log: RunLog, after_seq: int,
+                          response_type: Callable[..., EventResponse], *,
+                          coalesce: bool = False, max_lag: int = 0,
+                          count: Callable[[int], Any] | None = None
+                          ) -> AsyncIterator[StreamedResponse]:
+    """The responses of a stream of ``log``'s events after ``after_seq``, to its Result.
+
+    Args:
+        log: The run's log.
+        after_seq: Replay from the event after this one.
+        response_type: ``ExecuteResponse`` or ``WatchRunResponse``, for the Result.
+        coalesce: Merge consecutive waiting DELTAs of a step and channel (module docstring).
+        max_lag: As for :meth:`stargrpc.runlog.RunLog.follow`.
+        count: Called with the number of events each response stood for, once it is sent.
+
+    Raises:
+        RequestError: From the log (the watcher fell too far behind, a store went away).
+    """
+    if not isinstance(log, EncodedRunLog):
+        # A log read from elsewhere (another replica's run): one event at a time, its
+        # bytes made here.
+        async for event in log.follow(after_seq, max_lag=max_lag):
+            if event.HasField("result"):
+                yield response_type(event=event)
+            else:
+                yield EventFrame(event, frame(event.SerializeToString()))
+            if count is not None:
+                count(1)
+        return
+    async with aclosing(log.follow_batches(after_seq, max_lag=max_lag)) as batches:
+        async for batch in batches:
+            for response in _responses(log, batch, response_type, coalesce):
+                yield response
+                if count is not None:
+                    count(response.events if isinstance(response, EventFrame) else 1)
+
+
+def _responses(log: EncodedRunLog, batch: Sequence[events_pb2.RunEvent],
+               response_type: Callable[..., EventResponse], coalesce: bool
+               ) -> Iterator[StreamedResponse]:
+    """The responses for one batch of waiting events, in order, each made when it is
+    about to be sent (a batch can be a whole run being replayed)."""
+    index, end = 0, len(batch)
+    while index < end:
+        event = batch[index]
+        kind = event.WhichOneof("kind")
+        if kind == "result":
+            yield response_type(event=event)
+            index += 1
+            continue
+        if coalesce and kind == "step" and event.step.phase == events_pb2.STEP_PHASE_DELTA:
+            run_end = _delta_run_end(batch, index)
+            if run_end - index > 1:
+                yield _merged(batch[index:run_end])
+                index = run_end
+                continue
+        yield EventFrame(event, frame(log.encoded(event.seq)))
+        index += 1
+
+
+def _delta_run_end(batch: Sequence[events_pb2.RunEvent], start: int) -> int:
+    """The end (exclusive) of the run of DELTAs from ``batch[start]`` that one message can
+    carry: same step, same channel, at most :data:`MAX_COALESCED_BYTES` of text."""
+    first = batch[start].step
+    step_id, channel = first.step.id, first.channel
+    size = len(first.delta.encode())
+    index = start + 1
+    while index < len(batch):
+        event = batch[index]
+        if event.WhichOneof("kind") != "step":
+            break
+        step = event.step
+        if (step.phase != events_pb2.STEP_PHASE_DELTA or step.step.id != step_id
+                or step.channel != channel):
+            break
+        size += len(step.delta.encode())
+        if size > MAX_COALESCED_BYTES:
+            break
+        index += 1
+    return index
+
+
+def _merged(deltas: Sequence[events_pb2.RunEvent]) -> EventFrame:
+    """One message standing for consecutive DELTAs of one step and channel."""
+    last = deltas[-1]
+    merged = events_pb2.RunEvent()
+    merged.CopyFrom(last)  # run id, seq, time, critic time left, step and channel of the last
+    merged.first_seq = deltas[0].seq
+    merged.step.delta = "".join([event.step.delta for event in deltas])
+    return EventFrame(merged, frame(merged.SerializeToString()), len(deltas))
