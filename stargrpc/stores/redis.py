@@ -47,8 +47,9 @@ import structlog
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from stargrpc.errors import Aborted, Unavailable
@@ -62,8 +63,8 @@ log = structlog.get_logger("stargrpc.stores.redis")
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
 _READ_COUNT = 64
-#: How long a flush waits for more events of an unfinished run before it writes: a short
-#: call's START, END and Result then go in one script call instead of two or three.
+#: How long the flusher waits for more events before it writes, unless a Result is waiting:
+#: a short call's START, END and Result then go in one script call instead of two or three.
 _FLUSH_LINGER = 0.002
 
 # Registers a run of this replica: its lease and its meta hash (state running). Prepended to
@@ -169,16 +170,14 @@ def _reachable(action: str) -> Iterator[None]:
 
 class RedisRunLog(MemoryRunLog):
     """The log of a run executing on this replica: in memory for local readers, flushed to
-    the Redis stream in order for everyone else."""
+    the Redis stream in order for everyone else (by the store's flusher)."""
 
     claim_key: str
     registered: bool
+    lease_lost: bool
     _store: RedisRunStore
     _pending: list[tuple[int, bytes, bool]]
-    _flush_wanted: asyncio.Event
-    _flusher: asyncio.Task[None] | None
     _flushing: bool
-    lease_lost: bool
 
     def __init__(self, store: RedisRunStore, run_id: str, owner: str, tool: str) -> None:
         super().__init__(run_id, owner=owner, tool=tool)
@@ -186,70 +185,31 @@ class RedisRunLog(MemoryRunLog):
         self.claim_key = ""
         # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
         self.registered = False
-        self._pending = []
-        self._flush_wanted = asyncio.Event()
-        self._flusher = None
-        self._flushing = False
         self.lease_lost = False
+        self._pending = []
+        self._flushing = False
 
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         event = super().append_nowait(event)
         if self._flushing and not self.lease_lost:
             self._pending.append((event.seq, event.SerializeToString(), self.finished))
-            self._flush_wanted.set()
-            if self._flusher is None:  # started with the first event: a run that never
-                self._flusher = asyncio.create_task(  # starts costs no task
-                    self._flush_loop(), name=f"flush-{self.run_id}")
+            self._store._wants_flush(self)
         return event
 
     def start_flushing(self) -> None:
         """Copies events to Redis from now on (once the run is published)."""
         self._flushing = True
 
-    async def flushed(self, within: float) -> None:
-        """Waits until every event is in Redis, or ``within`` seconds."""
-        if self._flusher is not None:
-            await asyncio.wait({self._flusher}, timeout=within)
-
-    async def _flush_loop(self) -> None:
-        delay = 0.05
-        while True:
-            await self._flush_wanted.wait()
-            if not self.finished:
-                await asyncio.sleep(_FLUSH_LINGER)
-            self._flush_wanted.clear()
-            while self._pending:
-                batch: list[tuple[int, bytes, bool]] = []
-                size = 0
-                for item in self._pending:
-                    if batch and size + len(item[1]) > _FLUSH_BATCH_BYTES:
-                        break
-                    batch.append(item)
-                    size += len(item[1])
-                try:
-                    written = await self._store._append(self, batch)
-                except RedisError as exc:
-                    # Keep the events and try again: local readers are unaffected, remote
-                    # watchers wait, and the lease (renewed by these writes) is at stake.
-                    # New runs are refused until Redis answers again.
-                    self._store.healthy = False
-                    log.warning("redis_flush_failed", run_id=self.run_id, error=str(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-                    continue
-                delay = 0.05
-                self.registered = True
-                if not written:
-                    log.error("run_lease_lost", run_id=self.run_id,
-                              detail="another replica declared this run lost")
-                    self.lease_lost = True
-                    self._pending.clear()
-                    self._store._forget(self)
-                    return
-                del self._pending[:len(batch)]
-                if batch[-1][2]:  # the Result is in Redis: done
-                    self._store._forget(self)
-                    return
+    def next_batch(self) -> list[tuple[int, bytes, bool]]:
+        """The oldest pending events, up to :data:`_FLUSH_BATCH_BYTES` (at least one)."""
+        batch: list[tuple[int, bytes, bool]] = []
+        size = 0
+        for item in self._pending:
+            if batch and size + len(item[1]) > _FLUSH_BATCH_BYTES:
+                break
+            batch.append(item)
+            size += len(item[1])
+        return batch
 
 
 class RemoteRunLog:
@@ -343,6 +303,11 @@ class RedisRunStore:
     healthy: bool
     _local: dict[str, RedisRunLog]
     _renewer: asyncio.Task[None] | None
+    _dirty: dict[str, RedisRunLog]
+    _flush_wanted: asyncio.Event
+    _urgent: asyncio.Event
+    _flushed: asyncio.Event
+    _flusher: asyncio.Task[None] | None
 
     def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
                  lease: float = 10.0, max_events: int = 100_000,
@@ -361,6 +326,13 @@ class RedisRunStore:
         self.healthy = False
         self._local = {}
         self._renewer = None
+        # Runs with events to write. One flusher writes them all, one pipeline of script
+        # calls per round trip, so concurrent runs share round trips and a connection.
+        self._dirty = {}
+        self._flush_wanted = asyncio.Event()
+        self._urgent = asyncio.Event()
+        self._flushed = asyncio.Event()
+        self._flusher = None
         self._append_script = redis.register_script(_APPEND)
         self._renew_script = redis.register_script(_RENEW)
         self._lost_script = redis.register_script(_MARK_LOST)
@@ -458,9 +430,8 @@ class RedisRunStore:
         raise Unavailable("the idempotency key is contended; retry", reason="CLAIM_CONTENDED")
 
     async def discard(self, log: RunLog) -> None:
-        local = self._local.pop(log.run_id, None)
-        if local is not None and local._flusher is not None:
-            local._flusher.cancel()
+        self._local.pop(log.run_id, None)
+        self._dirty.pop(log.run_id, None)
         if isinstance(log, RedisRunLog) and not log.registered:
             return  # never reached Redis (it lost its claim): nothing to delete
         with _reachable("discarding the run"):
@@ -477,11 +448,19 @@ class RedisRunStore:
             await self.redis.set(self._key(run_id, "cancel"), reason, px=self._running_ttl_ms)
         return True
 
+    async def flushed(self, within: float) -> bool:
+        """Waits until every event appended so far is in Redis, at most ``within`` seconds;
+        whether it is."""
+        if self._flusher is None or self._flusher.done():
+            return not self._dirty
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flushed.wait(), within)
+        return self._flushed.is_set()
+
     async def aclose(self) -> None:
         """Flushes what runs of this replica still hold, stops renewing, disconnects."""
-        logs = list(self._local.values())
-        await asyncio.gather(*(run_log.flushed(5.0) for run_log in logs))
-        tasks = [t for t in (self._renewer, *(x._flusher for x in logs)) if t is not None]
+        await self.flushed(5.0)
+        tasks = [t for t in (self._renewer, self._flusher) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -500,7 +479,9 @@ class RedisRunStore:
         """The keys of a run as the scripts take them: lease, events, meta."""
         return [self._key(run_id, "lease"), self._key(run_id, "events"), self._key(run_id)]
 
-    async def _append(self, log: RedisRunLog, batch: list[tuple[int, bytes, bool]]) -> bool:
+    def _append_call(self, log: RedisRunLog, batch: list[tuple[int, bytes, bool]]
+                     ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of the :data:`_APPEND` script call writing ``batch``."""
         args: list[Any] = [self._token(log.run_id), self.lease_ms, self.max_events,
                            "1" if batch[-1][2] else "0", self.retention_ms,
                            self._running_ttl_ms]
@@ -510,10 +491,111 @@ class RedisRunStore:
             args.extend(("1", log.owner, log.tool, self.replica))
         for seq, data, _ in batch:
             args.extend((f"{seq}-0", data))
-        written = await self._append_script(keys=[*self._run_keys(log.run_id), log.claim_key],
-                                            args=args) == 1
-        self.healthy = True
-        return bool(written)
+        return [*self._run_keys(log.run_id), log.claim_key], args
+
+    async def _call_all(self, script: AsyncScript,
+                        calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Runs ``script`` once per (keys, args) in one pipeline (one round trip); each
+        reply, or the error of that call. Loads the script first if Redis lost it (it was
+        restarted).
+
+        Raises:
+            RedisError: Redis could not be reached.
+        """
+        replies = await self._pipelined(script.sha, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            await self.redis.script_load(script.script)
+            again = await self._pipelined(script.sha, [calls[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]]
+                         ) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            return list(await pipe.execute(raise_on_error=False))
+
+    def _failed(self, exc: Exception) -> None:
+        """Notes a failed write: when Redis was unreachable, new runs without a key are
+        refused until a PING gets through (a full pool is load, not an outage)."""
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not isinstance(
+                exc, MaxConnectionsError):
+            self.healthy = False
+
+    def _wants_flush(self, log: RedisRunLog) -> None:
+        self._dirty[log.run_id] = log
+        self._flushed.clear()
+        if log.finished:  # a Result is written at once: its caller may watch it elsewhere
+            self._urgent.set()
+        self._flush_wanted.set()
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="redis-flush")
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = 0.05
+        while True:
+            await self._flush_wanted.wait()
+            if not self._urgent.is_set():
+                linger = loop.call_later(_FLUSH_LINGER, self._urgent.set)
+                await self._urgent.wait()
+                linger.cancel()
+            self._urgent.clear()
+            self._flush_wanted.clear()
+            logs, self._dirty = self._dirty, {}
+            if await self._flush(list(logs.values())):
+                delay = 0.05
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            if self._dirty:
+                self._flush_wanted.set()
+            else:
+                self._flushed.set()
+
+    async def _flush(self, logs: list[RedisRunLog]) -> bool:
+        """Writes the next batch of each log, in one round trip; False when some failed
+        (their events are kept, to be written again)."""
+        batches = [(run_log, run_log.next_batch()) for run_log in logs
+                   if run_log._pending and not run_log.lease_lost]
+        if not batches:
+            return True
+        # Whatever fails is kept and written again: local readers are unaffected, remote
+        # watchers wait, and the lease (renewed by these writes) is at stake.
+        try:
+            replies = await self._call_all(self._append_script, [
+                self._append_call(run_log, batch) for run_log, batch in batches])
+        except RedisError as exc:
+            self._failed(exc)
+            log.warning("redis_flush_failed", runs=len(batches), error=str(exc))
+            self._dirty.update((run_log.run_id, run_log) for run_log, _ in batches)
+            return False
+        ok = True
+        for (run_log, batch), reply in zip(batches, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._failed(reply)
+                log.warning("redis_flush_failed", run_id=run_log.run_id, error=str(reply))
+                self._dirty[run_log.run_id] = run_log
+                ok = False
+                continue
+            self.healthy = True
+            run_log.registered = True
+            if reply != 1:
+                log.error("run_lease_lost", run_id=run_log.run_id,
+                          detail="another replica declared this run lost")
+                run_log.lease_lost = True
+                run_log._pending.clear()
+                self._forget(run_log)
+                continue
+            del run_log._pending[:len(batch)]
+            if batch[-1][2]:  # the Result is in Redis: done
+                self._forget(run_log)
+            elif run_log._pending:
+                self._dirty[run_log.run_id] = run_log
+        return ok
 
     async def _state(self, run_id: str) -> str:
         """running | finished | lost | orphaned (running, lease expired) | missing."""
@@ -555,21 +637,26 @@ class RedisRunStore:
         interval = min(1.0, self.lease_ms / 3000)
         while True:
             await asyncio.sleep(interval)
-            for run_log in list(self._local.values()):
-                if run_log.finished or not run_log.registered:
-                    continue  # an unregistered run has no lease yet: its first flush sets it
-                try:
-                    reply: Any = await self._renew_script(
-                        keys=[self._key(run_log.run_id, "lease"),
-                              self._key(run_log.run_id, "events"), self._key(run_log.run_id),
-                              run_log.claim_key, self._key(run_log.run_id, "cancel")],
-                        args=[self._token(run_log.run_id), self.lease_ms,
-                              self._running_ttl_ms])
-                except RedisError as exc:
-                    self.healthy = False
-                    log.warning("redis_lease_renewal_failed", error=str(exc))
-                    break
-                if reply[0] == -1 and not run_log.lease_lost:
+            # An unregistered run has no lease yet: its first flush sets it.
+            runs = [run_log for run_log in self._local.values()
+                    if run_log.registered and not run_log.finished]
+            if not runs:
+                continue
+            try:  # every run's renewal in one round trip
+                replies = await self._call_all(self._renew_script, [(
+                    [*self._run_keys(run_log.run_id), run_log.claim_key,
+                     self._key(run_log.run_id, "cancel")],
+                    [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms],
+                ) for run_log in runs])
+            except RedisError as exc:
+                self._failed(exc)
+                log.warning("redis_lease_renewal_failed", error=str(exc))
+                continue
+            for run_log, reply in zip(runs, replies, strict=True):
+                if isinstance(reply, Exception):
+                    log.warning("redis_lease_renewal_failed", run_id=run_log.run_id,
+                                error=str(reply))
+                elif reply[0] == -1 and not run_log.lease_lost:
                     run_log.lease_lost = True
                     log.error("run_lease_lost", run_id=run_log.run_id)
                 elif reply[0] == 1 and self.cancel_handler is not None:

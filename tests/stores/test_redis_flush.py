@@ -1,0 +1,147 @@
+"""How the Redis store writes runs: a run without a key reaches Redis only with its first
+events (registered by the same script call), concurrent runs share the flusher's round trips
+beyond the connection pool's size, a Redis that lost its scripts is handled, and a run is
+refused while Redis is unreachable."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from structlog.testing import capture_logs
+
+from stargrpc.errors import Unavailable
+from stargrpc.stores.redis import RedisRunLog, RedisRunStore
+from stargrpc.v1 import events_pb2
+from tests.stores.conftest import REDIS_URL
+from tests.stores.test_redis_unavailable import OwnRedis, _free_port
+
+
+@pytest.fixture
+async def store(redis_prefix: str) -> AsyncIterator[RedisRunStore]:
+    """A store on the real Redis under this test's prefix."""
+    run_store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
+    yield run_store
+    await run_store.aclose()
+
+
+def _step(phase: int) -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.step.phase = phase  # type: ignore[assignment]
+    event.step.step.id = "s0"
+    return event
+
+
+def _result() -> events_pb2.RunEvent:
+    event = events_pb2.RunEvent()
+    event.result.outcome = events_pb2.OUTCOME_OK
+    return event
+
+
+async def _published(store: RedisRunStore, owner: str = "alice") -> RedisRunLog:
+    run_log = store.create(uuid.uuid4().hex, owner=owner, tool="echo")
+    await store.publish(run_log)
+    return run_log
+
+
+def _run_whole(run_log: RedisRunLog) -> None:
+    for event in (_step(events_pb2.STEP_PHASE_START), _step(events_pb2.STEP_PHASE_END),
+                  _result()):
+        run_log.append_nowait(event)
+
+
+async def test_a_run_without_key_reaches_redis_with_its_first_events(
+        store: RedisRunStore, redis_prefix: str) -> None:
+    redis = store.redis
+    run_log = await _published(store)
+    meta = f"{redis_prefix}run:{run_log.run_id}"
+    events = f"{meta}:events"
+    before = await redis.exists(meta, events, f"{meta}:lease")
+    run_log.append_nowait(_step(events_pb2.STEP_PHASE_START))
+    assert await store.flushed(10)
+    running = await redis.hgetall(meta)
+    leased = await redis.pttl(f"{meta}:lease")
+    run_log.append_nowait(_step(events_pb2.STEP_PHASE_END))
+    run_log.append_nowait(_result())
+    assert await store.flushed(10)
+    finished = await redis.hgetall(meta)
+    entries: Any = await redis.xrange(events)  # the client's reply types are loose
+    stored = [events_pb2.RunEvent.FromString(fields[b"e"]) for _, fields in entries]
+    lease_left = await redis.exists(f"{meta}:lease")
+
+    assert before == 0  # publishing wrote nothing: no round trip before the run starts
+    assert running == {b"owner": b"alice", b"tool": b"echo", b"replica": store.replica.encode(),
+                       b"state": b"running"}
+    assert leased > 0
+    assert finished[b"state"] == b"finished"
+    assert [e.seq for e in stored] == [1, 2, 3] and stored[-1].HasField("result")
+    assert lease_left == 0
+    assert await redis.pttl(meta) > 0 and await redis.pttl(events) > 0
+
+
+async def test_a_run_that_loses_its_claim_leaves_nothing_in_redis(
+        store: RedisRunStore, redis_prefix: str) -> None:
+    winner, loser = await _published(store), await _published(store)
+    won = await store.claim("alice", "k1", "fp", winner)
+    lost = await store.claim("alice", "k1", "fp", loser)
+    await store.discard(loser)
+    _run_whole(winner)
+    assert await store.flushed(10)
+    keys = {k.decode() async for k in store.redis.scan_iter(match=f"{redis_prefix}run:*")}
+
+    assert won.won and not lost.won and lost.run_id == winner.run_id
+    assert keys == {f"{redis_prefix}run:{winner.run_id}",
+                    f"{redis_prefix}run:{winner.run_id}:events"}
+
+
+async def test_more_concurrent_runs_than_pooled_connections_all_reach_redis(
+        store: RedisRunStore) -> None:
+    # redis-py's pool holds 100 connections; a write per run at once would exceed it.
+    runs = [await _published(store, owner=f"p{i}") for i in range(250)]
+    with capture_logs() as logs:
+        for run_log in runs:
+            _run_whole(run_log)
+        assert await store.flushed(30)
+    other = RedisRunStore(store.redis, prefix=store.prefix)
+    opened = [await other.open(run_log.run_id) for run_log in runs]
+
+    assert [entry for entry in logs if entry["log_level"] != "debug"] == []
+    assert all(o is not None and o.finished and o.last_seq == 3 for o in opened)
+    assert {o.owner for o in opened if o is not None} == {f"p{i}" for i in range(250)}
+
+
+async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
+    own = OwnRedis(_free_port(), tmp_path)
+    own.start()
+    url = f"redis://127.0.0.1:{own.port}/0"
+    store = RedisRunStore(Redis.from_url(url))
+    try:
+        first = await _published(store)
+        _run_whole(first)
+        assert await store.flushed(10)
+        await store.redis.script_flush()  # as a restarted Redis: no scripts loaded
+        second = await _published(store)
+        _run_whole(second)
+        assert await store.flushed(10)
+        opened = await RedisRunStore(store.redis).open(second.run_id)
+    finally:
+        await store.aclose()
+        own.stop()
+
+    assert opened is not None and opened.finished and opened.last_seq == 3
+
+
+async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
+    store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{_free_port()}/0",
+                                         socket_connect_timeout=2))
+    try:
+        with pytest.raises(Unavailable) as caught:
+            await _published(store)
+    finally:
+        await store.aclose()
+
+    assert caught.value.reason == "RUN_STORE_UNAVAILABLE"
