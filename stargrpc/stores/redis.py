@@ -192,7 +192,8 @@ class RedisRunLog(MemoryRunLog):
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         event = super().append_nowait(event)
         if self._flushing and not self.lease_lost:
-            self._pending.append((event.seq, event.SerializeToString(), self.finished))
+            # The same bytes the run's own streams send (serialised once, kept by the log).
+            self._pending.append((event.seq, self.encoded(event.seq), self.finished))
             self._store._wants_flush(self)
         return event
 
