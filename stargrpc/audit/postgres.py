@@ -1,14 +1,20 @@
 """The PostgreSQL audit store (asyncpg), for replicas that share one trail.
 
-Each append takes a transaction-scoped advisory lock, reads the head of the chain and
-copies the batch in, so appends from any number of replicas form one gapless chain. Query
-parameters of the URL that asyncpg does not know (``?search_path=audit``) are sent to the
-server as settings, which is how a deployment (or a test) picks the schema.
+Every append holds a transaction-scoped advisory lock while it inserts, so writers of one
+trail take turns. An append is one statement, so one round trip on a connection kept for
+appends: the batch is sealed after the chain's head this store last wrote or read, and
+inserted (from one array per column) only if that head is still the table's last record
+(the ``seq`` primary key catches a head that moved after the statement's snapshot). When
+the head has moved (another replica appended), the store does it the long way — in one
+transaction: take the lock, read the head, insert — and remembers the new head. Either way
+appends from any number of replicas form one gapless chain.
+
+Query parameters of the URL that asyncpg does not know (``?search_path=audit``) are sent to
+the server as settings, which is how a deployment (or a test) picks the schema.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
@@ -29,7 +35,26 @@ _TYPES = {"seq": "BIGINT PRIMARY KEY", "id": "TEXT NOT NULL UNIQUE",
 _SCHEMA = schema_sql(_TYPES)
 
 # One lock per schema-qualified table: writers of the same trail take turns.
-_LOCK = f"SELECT pg_advisory_xact_lock(hashtext(current_schema() || '.{TABLE}'))"
+_LOCK_CALL = f"pg_advisory_xact_lock(hashtext(current_schema() || '.{TABLE}'))"
+_LOCK = f"SELECT {_LOCK_CALL}"
+
+_HEAD = f"SELECT seq, hash FROM {TABLE} ORDER BY seq DESC LIMIT 1"
+
+_ARRAY_TYPES = {"seq": "bigint[]", "duration_ms": "float8[]", "privileged": "boolean[]"}
+
+# The batch as one array per column, inserted under the writers' lock and only while the
+# chain's last hash is still the one the batch was sealed after (the last parameter). The
+# statement's snapshot may predate the lock; a head that moved meanwhile makes the insert
+# collide on ``seq`` instead.
+_INSERT = (
+    f"INSERT INTO {TABLE} ({', '.join(FIELDS)}) "
+    f"SELECT * FROM unnest("
+    + ", ".join(f"${i}::{_ARRAY_TYPES.get(name, 'text[]')}"
+                for i, name in enumerate(FIELDS, start=1))
+    + f") WHERE (SELECT count(*) FROM (SELECT {_LOCK_CALL}) AS locked) = 1 "
+    f"AND coalesce((SELECT hash FROM {TABLE} ORDER BY seq DESC LIMIT 1), "
+    f"'{GENESIS_HASH}') = ${len(FIELDS) + 1}"
+)
 
 
 class PostgresAuditStore:
@@ -41,10 +66,14 @@ class PostgresAuditStore:
 
     url: str
     _pool: asyncpg.Pool | None
+    _writer: asyncpg.Connection | None
+    _head: tuple[int, str] | None
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._pool = None
+        self._writer = None
+        self._head = None  # (seq, hash) of the last record this store wrote or read
 
     async def open(self) -> None:
         self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4)
@@ -59,15 +88,35 @@ class PostgresAuditStore:
             raise RuntimeError("the audit store is not open")
         return self._pool
 
+    async def _writer_connection(self) -> asyncpg.Connection:
+        # A connection of its own rather than one from the pool: a pool resets a connection
+        # (a round trip) every time it is released.
+        pool = self._db
+        if self._writer is not None and self._writer.is_closed():
+            await pool.release(self._writer)  # lost (the server restarted): a new one
+            self._writer = None
+        if self._writer is None:
+            self._writer = await pool.acquire()
+        return self._writer
+
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
-        async with self._db.acquire() as conn, conn.transaction():
+        conn = await self._writer_connection()
+        if self._head is not None:
+            sealed = seal(records, *self._head)
+            try:
+                status = await conn.execute(_INSERT, *_columns(sealed), self._head[1])
+            except asyncpg.UniqueViolationError:
+                status = ""  # another writer took the next seq first
+            if status == f"INSERT 0 {len(sealed)}":
+                self._head = (sealed[-1].seq, sealed[-1].hash)
+                return sealed
+        async with conn.transaction():
             await conn.execute(_LOCK)
-            last = await conn.fetchrow(
-                f"SELECT seq, hash FROM {TABLE} ORDER BY seq DESC LIMIT 1")
-            sealed = seal(records, last["seq"] if last else 0,
-                          last["hash"] if last else GENESIS_HASH)
-            await conn.copy_records_to_table(
-                TABLE, records=[dataclasses.astuple(r) for r in sealed], columns=list(FIELDS))
+            last = await conn.fetchrow(_HEAD)
+            head = (last["seq"], last["hash"]) if last else (0, GENESIS_HASH)
+            sealed = seal(records, *head)
+            await conn.execute(_INSERT, *_columns(sealed), head[1])
+        self._head = (sealed[-1].seq, sealed[-1].hash) if sealed else head
         return sealed
 
     async def query(self, query: Query) -> list[AuditRecord]:
@@ -80,5 +129,13 @@ class PostgresAuditStore:
 
     async def aclose(self) -> None:
         if self._pool is not None:
+            if self._writer is not None:
+                await self._pool.release(self._writer)
+                self._writer = None
             await self._pool.close()
             self._pool = None
+
+
+def _columns(records: Sequence[AuditRecord]) -> list[list[object]]:
+    """``records`` as one list per column, in :data:`FIELDS` order."""
+    return [[getattr(record, name) for record in records] for name in FIELDS]

@@ -67,3 +67,25 @@ async def test_writers_sharing_a_store_build_one_chain(store_url: str) -> None:
 
     assert [r.seq for r in records] == list(range(1, 61))
     assert report.intact and report.checked == 60
+
+
+async def test_a_writer_whose_head_moved_chains_after_the_other_writer(store_url: str) -> None:
+    # Each store remembers the head it last wrote; when another replica appended since,
+    # the next append must chain after that replica's records, not after its own.
+    first, second = open_store(store_url), open_store(store_url)
+    await first.open()
+    await second.open()
+    try:
+        await first.append([make_record()])
+        await second.append([make_record(), make_record()])
+        [last] = await first.append([make_record()])
+        await second.append([make_record()])
+        records = [r async for r in first.scan()]
+        report = await verify(first.scan())
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+    assert last.seq == 4 and last.prev_hash == records[2].hash
+    assert [r.seq for r in records] == [1, 2, 3, 4, 5]
+    assert report.intact and report.checked == 5
