@@ -8,7 +8,7 @@ falls on all of them alike; it prints the figures as one JSON object::
         --plan '[{"measure": "latency", "calls": 2000, "warmup": 200}]'
 
 Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms, coalesce,
-server_pids), concurrency
+server_pids, coalesce_deltas), concurrency
 (concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
 warmup, server_pids).
 
@@ -40,6 +40,7 @@ DELTA_WIDTH = 8
 #: No single call may take longer than this, whatever the machine is doing.
 CALL_TIMEOUT = 60.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_CAN_COALESCE = "coalesce_deltas" in tool_service_pb2.ExecuteRequest.DESCRIPTOR.fields_by_name
 _PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
@@ -88,10 +89,14 @@ class Client:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def start(self, tool_name: str, arguments: dict[str, Any] | None = None,
-              timeout: float = CALL_TIMEOUT) -> Any:
-        """Starts an Execute call and returns it unread."""
+              timeout: float = CALL_TIMEOUT, coalesce_deltas: bool = False) -> Any:
+        """Starts an Execute call and returns it unread; ``coalesce_deltas`` opts in to
+        DELTA coalescing under backpressure where the contract has it (the bare baseline
+        ignores it)."""
         request = tool_service_pb2.ExecuteRequest(tool_name=tool_name,
                                                   arguments_json=json.dumps(arguments or {}))
+        if coalesce_deltas and _CAN_COALESCE:
+            request.coalesce_deltas = True
         return self.stub.Execute(request, metadata=self.metadata, timeout=timeout)
 
     async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
@@ -145,7 +150,8 @@ async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[s
 
 
 async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
-                       coalesce: int, server_pid: int | None) -> dict[str, float]:
+                       coalesce: int, server_pid: int | None, coalesce_deltas: bool
+                       ) -> dict[str, float]:
     cpu_before = server_cpu_seconds(server_pid) if server_pid else 0.0
     started = time.perf_counter()
     messages = events = wire = 0
@@ -154,7 +160,8 @@ async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
     arguments: dict[str, Any] = {"n": n}
     if coalesce > 1:
         arguments["coalesce"] = coalesce  # understood by the bare baseline only
-    async for response in client.start("bench_stream", arguments):
+    async for response in client.start("bench_stream", arguments,
+                                       coalesce_deltas=coalesce_deltas):
         messages += 1
         wire += response.ByteSize()
         event = response.event
@@ -185,7 +192,8 @@ async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
 
 async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
                  slow_ms: float = 1.0, coalesce: int = 1,
-                 server_pids: list[int] | None = None) -> list[dict[str, Any]]:
+                 server_pids: list[int] | None = None,
+                 coalesce_deltas: bool = False) -> list[dict[str, Any]]:
     """Runs streaming ``n`` deltas each, the servers taking turns run by run; counts
     messages and the events inside them.
 
@@ -193,15 +201,15 @@ async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
     a reader slower than the tool, so the server is under backpressure. Events are counted
     in the delta text (fixed width) and checked to arrive complete and in order, so a
     server that coalesces deltas is counted, and checked, event by event. ``coalesce`` asks
-    the bare baseline for that many deltas per message. With ``server_pids`` the servers' CPU
-    per event is measured too.
+    the bare baseline for that many deltas per message; ``coalesce_deltas`` opts in to the
+    server's own coalescing. With ``server_pids`` the servers' CPU per event is measured too.
     """
     pids = server_pids or [0 for _ in clients]
     figures: list[list[dict[str, float]]] = [[] for _ in clients]
     for run in range(runs):
         for k in _turns(run, len(clients)):
             figures[k].append(await _stream_once(clients[k], n, slow_every, slow_ms, coalesce,
-                                                 pids[k] or None))
+                                                 pids[k] or None, coalesce_deltas))
     return [{"n": n, "runs": runs, "slow_every": slow_every, "slow_ms": slow_ms,
              "median_events_per_s": statistics.median(f["events_per_s"] for f in runs_),
              "median_messages_per_s": statistics.median(f["messages_per_s"] for f in runs_),
