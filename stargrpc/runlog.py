@@ -181,6 +181,7 @@ class MemoryRunLog:
     _events: list[events_pb2.RunEvent]
     _encoded: list[bytes | None]
     _wakeup: asyncio.Event
+    _waiting: int
     _finished: bool
     finished_at: float | None
 
@@ -194,6 +195,7 @@ class MemoryRunLog:
         self._events = []
         self._encoded = []
         self._wakeup = asyncio.Event()
+        self._waiting = 0  # followers waiting on _wakeup
         self._finished = False
         self.finished_at = None
 
@@ -223,10 +225,13 @@ class MemoryRunLog:
             self.finished_at = time.monotonic()
             if self._on_finish is not None:
                 self._on_finish(self)
-        # Wake every follower waiting on the current event, then give later waiters a
-        # fresh one: a follower never misses a wake-up between checking and waiting.
-        wakeup, self._wakeup = self._wakeup, asyncio.Event()
-        wakeup.set()
+        if self._waiting:
+            # Wake every follower waiting on the current event, then give later waiters a
+            # fresh one: a follower never misses a wake-up between checking and waiting.
+            # Followers that are behind are not waiting, and then this is skipped (it costs
+            # as much as the rest of an append).
+            wakeup, self._wakeup = self._wakeup, asyncio.Event()
+            wakeup.set()
         return event
 
     def encoded(self, seq: int) -> bytes:
@@ -274,7 +279,11 @@ class MemoryRunLog:
             if self._finished:
                 return
             caught_up = True
-            await self._wakeup.wait()
+            self._waiting += 1
+            try:
+                await self._wakeup.wait()
+            finally:
+                self._waiting -= 1
 
 
 class MemoryRunStore:

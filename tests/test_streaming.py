@@ -230,13 +230,13 @@ async def test_deltas_merge_only_within_one_step_and_channel_between_other_event
 
 async def test_frames_are_the_bytes_of_the_response_messages() -> None:
     log = MemoryRunLog("r3")
-    for event in [delta("s0", "a"), delta("s0", "b")]:
+    for event in [delta("s0", "a"), delta("s0", "b"), delta("s1", "y" * 300)]:
         log.append_nowait(event)
     log.append_nowait(events_pb2.RunEvent(result=events_pb2.Result(output="ok")))
-    merged, result = await responses_of(log, coalesce=True)
+    merged, large, result = await responses_of(log, coalesce=True)
     single = (await responses_of(log, coalesce=False))[0]
 
-    for frame in (single, merged):
+    for frame in (single, merged, large):  # one-byte and longer lengths
         assert frame.data == tool_service_pb2.ExecuteResponse(event=frame.event) \
             .SerializeToString()
         assert tool_service_pb2.WatchRunResponse.FromString(frame.data).event == frame.event
