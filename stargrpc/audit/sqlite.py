@@ -13,10 +13,12 @@ thread hop per batch instead of one per statement, which is most of what an appe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from stargrpc.audit.chain import seal
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
@@ -51,7 +53,7 @@ class SqliteAuditStore:
 
     url: str
     _db: sqlite3.Connection | None
-    _thread: ThreadPoolExecutor | None
+    _thread: _StoreThread | None
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -62,18 +64,18 @@ class SqliteAuditStore:
         path = sqlite_path(self.url)
         path.parent.mkdir(parents=True, exist_ok=True)
         # One thread owns the connection: sqlite3's own same-thread check stays on.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="audit-sqlite")
+        self._thread = _StoreThread()
         try:
             self._db = await self._run(_connect, str(path))
         except BaseException:
-            self._thread.shutdown(wait=False)
+            self._thread.stop()
             self._thread = None
             raise
 
     async def _run(self, function: Callable[..., _T], *args: object) -> _T:
         if self._thread is None:
             raise RuntimeError("the audit store is not open")
-        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+        return await self._thread.run(function, *args)
 
     @property
     def _conn(self) -> sqlite3.Connection:
@@ -97,8 +99,54 @@ class SqliteAuditStore:
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
-        self._thread.shutdown(wait=True)
+        self._thread.stop()
         self._thread = None
+
+
+class _StoreThread:
+    """The thread that owns the store's connection and runs functions for the event loop.
+
+    Leaner than a one-worker ``ThreadPoolExecutor`` driven by ``run_in_executor`` (measured
+    at about half the CPU per hop: no concurrent future, condition or wrapped future in
+    between), and a hop is paid on every audited call.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="audit-sqlite", daemon=True)
+        self._thread.start()
+
+    async def run(self, function: Callable[..., _T], *args: object) -> _T:
+        """Runs ``function(*args)`` on the thread and returns what it returned (or raises
+        what it raised)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_T] = loop.create_future()
+        self._jobs.put((loop, future, function, args))
+        return await future
+
+    def stop(self) -> None:
+        """Lets the thread finish the functions already handed over, then ends it."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, function, args = job
+            try:
+                outcome: tuple[object, BaseException | None] = (function(*args), None)
+            except BaseException as exc:  # handed to the awaiting coroutine
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+
+def _settle(future: asyncio.Future[Any], result: object, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 # -- run on the store's thread -------------------------------------------------------------
