@@ -49,7 +49,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError
+from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from stargrpc.errors import Aborted, Unavailable
@@ -503,7 +503,10 @@ class RedisRunStore:
         Raises:
             RedisError: Redis could not be reached.
         """
-        replies = await self._pipelined(script.sha, calls)
+        if len(calls) == 1:  # a plain call costs less than a pipeline of one
+            replies = [await self._one(script.sha, *calls[0])]
+        else:
+            replies = await self._pipelined(script.sha, calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self.redis.script_load(script.script)
@@ -511,6 +514,13 @@ class RedisRunStore:
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
+
+    async def _one(self, sha: str, keys: list[str], args: list[Any]) -> Any:
+        # As one reply of a pipeline: Redis's answer, or the error Redis answered with.
+        try:
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            return exc
 
     async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]]
                          ) -> list[Any]:
