@@ -108,8 +108,8 @@ async def event_responses(log: RunLog, after_seq: int,
         RequestError: From the log (the watcher fell too far behind, a store went away).
     """
     if not isinstance(log, EncodedRunLog):
-        # A log read from elsewhere (another replica's run): one event at a time, its
-        # bytes made here.
+        # A log read from elsewhere (another replica's run, through Redis): one event at a
+        # time, its bytes made here, never coalesced (the log does not say what waits).
         async for event in log.follow(after_seq, max_lag=max_lag):
             if event.HasField("result"):
                 yield response_type(event=event)

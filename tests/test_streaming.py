@@ -14,12 +14,14 @@ from typing import Any
 import grpc
 import pytest
 from pydantic import BaseModel, Field
+from redis.asyncio import Redis
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
 from stargrpc.runlog import MemoryRunLog
 from stargrpc.streaming import MAX_COALESCED_BYTES, EventFrame, event_responses
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.stores.conftest import REDIS_URL
 
 #: Set by the ``burst`` tool once it has emitted everything, by the ``signal`` it was given.
 _EMITTED: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
@@ -172,6 +174,33 @@ async def test_watch_run_coalesces_a_replay_and_resumes_after_a_merged_message(s
     assert len(replayed) < len(executed) // 10
     assert resumed[0].seq > merged.seq
     check_stream(replayed[:replayed.index(merged) + 1] + resumed, expected)
+
+
+async def test_a_run_on_another_replica_is_watched_one_message_per_event(make_server: Any
+                                                                         ) -> None:
+    prefix = f"stargrpc-test:{uuid.uuid4().hex[:12]}:"
+    registry = Registry([spec_of(burst)])
+    servers = [await make_server(registry=registry, redis_url=REDIS_URL,
+                                 redis_key_prefix=prefix) for _ in range(2)]
+    n = 500
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as on_a, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as on_b:
+            executed = await read_all(tool_service_pb2_grpc.ToolServiceStub(on_a).Execute(
+                request(n, coalesce=False)))
+            watched = await read_all(tool_service_pb2_grpc.ToolServiceStub(on_b).WatchRun(
+                tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id,
+                                                 coalesce_deltas=True)))
+    finally:
+        redis = Redis.from_url(REDIS_URL)
+        keys = [k async for k in redis.scan_iter(f"{prefix}*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+
+    assert [shape(e) for e in watched] == expected_events(n)
+    assert [e.SerializeToString() for e in watched] == \
+        [e.SerializeToString() for e in executed]
 
 
 # -- the merging rules, on a run log directly --------------------------------------------
