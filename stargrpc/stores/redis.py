@@ -81,16 +81,18 @@ end
 # Append a batch of events, if this replica still holds the run's lease — or register the run
 # first (its first batch: it has no lease yet).
 # KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
-# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, then
-# (entry id, bytes) pairs.
+# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the seq of the
+# first event, then the bytes of each event (consecutive seqs; entry id "{seq}-0").
 _APPEND = _REGISTER + """
 if ARGV[7] == '1' then
   register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
 elseif redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return -1
 end
-for i = 11, #ARGV, 2 do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], ARGV[i], 'e', ARGV[i + 1])
+local seq = tonumber(ARGV[11])
+for i = 12, #ARGV do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'e', ARGV[i])
+  seq = seq + 1
 end
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[3], 'state', 'finished')
@@ -490,8 +492,8 @@ class RedisRunStore:
             args.extend(("0", "", "", ""))
         else:
             args.extend(("1", log.owner, log.tool, self.replica))
-        for seq, data, _ in batch:
-            args.extend((f"{seq}-0", data))
+        args.append(batch[0][0])
+        args.extend(data for _, data, _ in batch)
         return [*self._run_keys(log.run_id), log.claim_key], args
 
     async def _call_all(self, script: AsyncScript,
