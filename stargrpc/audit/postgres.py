@@ -100,6 +100,8 @@ class PostgresAuditStore:
         return self._writer
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        if not records:
+            return []
         conn = await self._writer_connection()
         if self._head is not None:
             sealed = seal(records, *self._head)
@@ -116,7 +118,7 @@ class PostgresAuditStore:
             head = (last["seq"], last["hash"]) if last else (0, GENESIS_HASH)
             sealed = seal(records, *head)
             await conn.execute(_INSERT, *_columns(sealed), head[1])
-        self._head = (sealed[-1].seq, sealed[-1].hash) if sealed else head
+        self._head = (sealed[-1].seq, sealed[-1].hash)
         return sealed
 
     async def query(self, query: Query) -> list[AuditRecord]:
