@@ -139,7 +139,9 @@ class RunStore(Protocol):
         ...
 
     async def publish(self, log: RunLog) -> None:
-        """Makes a new run visible to every replica before it starts.
+        """Makes a new run visible to every replica: before it starts when it then wins an
+        idempotency claim (the claim registers it), else with its first events (a shared
+        store writes the run and its first batch in one go, off the call's critical path).
 
         Raises:
             Unavailable: A shared store is unreachable.
