@@ -11,15 +11,20 @@ Keys (all under ``redis_key_prefix``)::
 A run is written by exactly one replica, which holds its **lease** and renews it (every
 second or so, and with every batch of events). Events are appended to an in-process log
 first — the Execute stream on the same replica reads them from memory, so the hot path never
-waits for Redis — and flushed to the stream in order, in batches, by a background task.
+waits for Redis — and written to the stream in order, in batches, by the store's one flusher
+task: it waits up to 2 ms for more events (not when a Result is waiting), then writes the
+next batch of every run that has one in one pipeline of script calls — one round trip,
+one connection, however many runs are going.
 
 A run costs Redis **one** script call when it can: a run without an idempotency key is
 registered (lease and meta hash) by the same script call that appends its first batch of
-events, after the run has started, so nothing of it is on the call's critical path. A run
-with a key is registered by the script that wins its claim, before it starts (a replica
-that sees the claim must find the run). Either way a call fails fast with UNAVAILABLE when
-Redis is down: a claim needs Redis, and a run without a key is refused while the store's last
-attempt to reach Redis failed (checked with a PING until Redis answers again).
+events, after the run has started, so nothing of it is on the call's critical path; other
+replicas find it from then on (a couple of milliseconds after its START). A run with a key
+is registered by the script that wins its claim, before it starts (a replica that sees the
+claim must find the run). Either way a call fails fast with UNAVAILABLE when Redis is down:
+a claim needs Redis, and a run without a key is refused while the store's last attempt to
+reach Redis failed (checked with a PING until Redis answers again).
+
 Watchers on any replica read the stream with blocking XREAD. When a run's lease has expired
 without a Result (its replica died), the first replica to notice appends a
 ``Result{ERROR, RUN_LOST}`` so every watcher ends, and a retry with the same idempotency key

@@ -5,6 +5,7 @@ refused while Redis is unreachable."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -91,7 +92,8 @@ async def test_a_run_that_loses_its_claim_leaves_nothing_in_redis(
     await store.discard(loser)
     _run_whole(winner)
     assert await store.flushed(10)
-    keys = {k.decode() async for k in store.redis.scan_iter(match=f"{redis_prefix}run:*")}
+    keys = {k.decode() async for k in store.redis.scan_iter(match=f"{redis_prefix}run:*",
+                                                            count=1000)}
 
     assert won.won and not lost.won and lost.run_id == winner.run_id
     assert keys == {f"{redis_prefix}run:{winner.run_id}",
@@ -145,3 +147,34 @@ async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
         await store.aclose()
 
     assert caught.value.reason == "RUN_STORE_UNAVAILABLE"
+
+
+async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
+        tmp_path: Path) -> None:
+    own = OwnRedis(_free_port(), tmp_path)
+    own.start()
+    store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0",
+                                         socket_connect_timeout=2))
+    try:
+        _run_whole(await _published(store))
+        assert await store.flushed(10)
+        unseen = await _published(store)  # accepted: nothing has failed yet
+        own.stop()
+        _run_whole(unseen)
+        for _ in range(500):  # its write fails in the background; bounded wait for that
+            if not store.healthy:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(Unavailable) as refused:
+            await _published(store)
+        own.start()
+        after = await _published(store)
+        _run_whole(after)
+        assert await store.flushed(10)  # the failed run is written too, once Redis is back
+        opened = [await RedisRunStore(store.redis).open(r.run_id) for r in (unseen, after)]
+    finally:
+        await store.aclose()
+        own.stop()
+
+    assert refused.value.reason == "RUN_STORE_UNAVAILABLE"
+    assert all(o is not None and o.finished and o.last_seq == 3 for o in opened)
