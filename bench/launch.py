@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tools_dir:
         overrides["tools_dir"] = args.tools_dir
     settings = Settings.load(**overrides)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, cache=True)
     asyncio.run(_serve(settings, args.without))
 
 

@@ -17,13 +17,17 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None) -> None:
+def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None, *,
+                      cache: bool = False) -> None:
     """Configures structlog (and routes the standard library's logging through it).
 
     Args:
         level: Minimum level: debug, info, warning or error.
         fmt: "json", "console", or "auto" (console when the stream is a terminal).
         stream: Where to write; standard output by default.
+        cache: Let each logger keep its processor chain after first use. A server process
+            configures logging once, so it saves rebuilding the chain on every log call;
+            leave it off where the configuration changes later (tests capturing logs).
     """
     out = stream if stream is not None else sys.stdout
     console = fmt == "console" or (fmt == "auto" and hasattr(out, "isatty") and out.isatty())
@@ -42,7 +46,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(out),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache,
     )
     # grpc and other libraries log through the standard library: give them the same sink.
     handler = logging.StreamHandler(out)

@@ -67,7 +67,7 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
         settings = Settings.load(config_file, **overrides)
     except ValidationError as exc:
         raise click.UsageError(f"invalid settings:\n{exc}") from exc
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, cache=True)
     log = structlog.get_logger("stargrpc.cli")
     log.info("settings", **settings.masked())
     try:
