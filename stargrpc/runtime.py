@@ -8,6 +8,7 @@ run's event log. It knows nothing of protobuf requests; ``service.py`` maps thos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -254,6 +255,10 @@ class Runtime:
                     return Submission(log=held, run=None)
         except BaseException:
             permit.release()
+            # The run never started: forget its log too (best effort — the store may be
+            # the very thing that failed), so a refused call leaves nothing behind.
+            with contextlib.suppress(Exception):
+                await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
         return Submission(log=run.log, run=self.launch(run))
