@@ -19,7 +19,14 @@ import structlog
 from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
 from stargrpc.calls import current_call
-from stargrpc.errors import CatalogStale, FieldViolation, InvalidArgument, NotFound, Unavailable
+from stargrpc.errors import (
+    CatalogStale,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.outcome import Outcome
@@ -234,7 +241,11 @@ class Runtime:
         run = self.prepare(call, principal)
         # Reserve a place first so that a refused call leaves no claim behind; a call that
         # turns out to attach gives its place back at once.
-        permit = self.concurrency.acquire(principal.id, run.spec.name)
+        try:
+            permit = self.concurrency.acquire(principal.id, run.spec.name)
+        except ResourceExhausted:
+            await self.store.discard(run.log)
+            raise
         try:
             await self.store.publish(run.log)
             if key:

@@ -56,9 +56,11 @@ async def test_over_the_limit_is_resource_exhausted_with_retry_info(make_server,
         running = stub.Execute(execute_request(
             "tally", {"path": str(tmp_path / "t"), "gate": str(gate)}), metadata=ALICE)
         await running.read()
+        runs_before = len(server.runtime.store)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await collect(stub.Execute(execute_request(
                 "tally", {"path": str(tmp_path / "t")}), metadata=BOB))
+        runs_after_refusal = len(server.runtime.store)
         other_tool = await collect(stub.Execute(execute_request("echo", {"text": "x"}),
                                                 metadata=BOB))
         gate.touch()
@@ -72,6 +74,7 @@ async def test_over_the_limit_is_resource_exhausted_with_retry_info(make_server,
     assert details[1].reason == "CONCURRENCY_LIMIT"
     assert other_tool[-1].result.outcome == events_pb2.OUTCOME_OK
     assert after[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert runs_after_refusal == runs_before  # a refused call leaves no run behind
 
 
 async def test_a_request_over_the_size_limit_is_refused_clearly(make_server) -> None:
