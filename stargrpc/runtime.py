@@ -216,15 +216,6 @@ class Runtime:
         task.add_done_callback(lambda _: self.runs.pop(run.run_id, None))
         return run
 
-    def execute(self, call: ExecuteCall, principal: Principal) -> Run:
-        """Checks a call and starts its run, in this process only: no idempotency claim,
-        no concurrency limit, not published to a shared store (Execute uses :meth:`submit`).
-
-        Raises:
-            RequestError: Any reason to refuse the call before it runs.
-        """
-        return self.launch(self.prepare(call, principal))
-
     async def submit(self, call: ExecuteCall, principal: Principal) -> Submission:
         """Checks a call, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
