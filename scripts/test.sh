@@ -16,7 +16,15 @@ apt_install() {
 
 # Redis and PostgreSQL: the fleet-mode tests talk to real servers on loopback.
 command -v redis-server >/dev/null || apt_install redis-server
-command -v pg_ctlcluster >/dev/null || apt_install postgresql
+if ! command -v pg_ctlcluster >/dev/null; then
+  apt_install postgresql
+  # A fresh install asks for passwords on TCP; the tests connect as postgres over
+  # 127.0.0.1 to a database named test, as on the development machines (trust auth).
+  for hba in /etc/postgresql/*/main/pg_hba.conf; do
+    as_root sed -i -E 's/^(host[[:space:]]+all[[:space:]]+all[[:space:]]+(127\.0\.0\.1\/32|::1\/128)[[:space:]]+)[a-z0-9-]+/\1trust/' "$hba"
+  done
+  fresh_postgres=1
+fi
 # The sandbox: bubblewrap is its strongest isolation (util-linux gives prlimit and setpriv).
 command -v bwrap >/dev/null || apt_install bubblewrap
 port_open 6379 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
@@ -24,10 +32,17 @@ port_open 5432 || as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/pos
 for _ in $(seq 100); do port_open 6379 && port_open 5432 && break; sleep 0.2; done
 port_open 6379 || { echo "redis did not start" >&2; exit 1; }
 port_open 5432 || { echo "postgresql did not start" >&2; exit 1; }
+if [ "${fresh_postgres:-0}" = 1 ]; then
+  as_root pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main reload
+  psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1 \
+    || psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null
+fi
 
 # A real headless browser for the progress-page tests (Debian's chromium, driven by
 # Playwright; Playwright's own browser download is never used).
 command -v chromium >/dev/null || apt_install chromium
+# Node.js and npm for the polyglot client test (its packages come from the npm registry).
+command -v npm >/dev/null || apt_install nodejs npm
 
 # The Python environment.
 [ -x .venv/bin/python ] || python3 -m venv .venv
