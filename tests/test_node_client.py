@@ -124,3 +124,17 @@ async def test_node_resumes_a_broken_stream_through_watch_run(
     assert phases(events) == count_phases(6)
     assert len(recorder.seen("Execute")) == 1
     assert recorder.seen("WatchRun"), "the Node client resumed through WatchRun"
+
+
+async def test_node_cli_usage_errors_are_clear_and_exit_two(node_cli: list[str]) -> None:
+    code, out, _ = await _node(node_cli, "--help")
+    assert code == 0
+    assert out.startswith("usage: cli.js tools")
+
+    code, _, err = await _node(node_cli, "--no-such-option")
+    assert code == 2
+    assert "Unknown option '--no-such-option'" in err and "usage:" in err
+
+    code, _, err = await _node(node_cli, "call", "echo", '{"text": ')
+    assert code == 2
+    assert "ARGS_JSON is not valid JSON" in err

@@ -57,20 +57,36 @@ async function follow(events, asJson) {
   return outcome === undefined ? 1 : EXIT_CODES[outcome] ?? 1;
 }
 
+const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N]\n" +
+  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
+
+class UsageError extends Error {}
+
 async function main(argv) {
-  const { values, positionals } = parseArgs({
-    args: argv,
-    allowPositionals: true,
-    options: {
-      target: { type: "string", default: process.env.STARGRPC_TARGET || "localhost:50051" },
-      "api-key": { type: "string", default: process.env.STARGRPC_API_KEY || "" },
-      tls: { type: "boolean", default: false },
-      "ca-file": { type: "string" },
-      json: { type: "boolean", default: false },
-      "after-seq": { type: "string", default: "0" },
-      "idempotency-key": { type: "string" },
-    },
-  });
+  let parsed;
+  try {
+    parsed = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: {
+        target: { type: "string", default: process.env.STARGRPC_TARGET || "localhost:50051" },
+        "api-key": { type: "string", default: process.env.STARGRPC_API_KEY || "" },
+        tls: { type: "boolean", default: false },
+        "ca-file": { type: "string" },
+        json: { type: "boolean", default: false },
+        "after-seq": { type: "string", default: "0" },
+        "idempotency-key": { type: "string" },
+        help: { type: "boolean", short: "h", default: false },
+      },
+    });
+  } catch (error) {
+    throw new UsageError(error.message);
+  }
+  const { values, positionals } = parsed;
+  if (values.help) {
+    console.log(USAGE);
+    return 0;
+  }
   const [command, ...rest] = positionals;
   const client = connect(values.target, {
     apiKey: values["api-key"],
@@ -89,14 +105,19 @@ async function main(argv) {
       return 0;
     }
     if (command === "call" && rest.length >= 1) {
-      const args = rest[1] ? JSON.parse(rest[1]) : {};
+      let args = {};
+      try {
+        args = rest[1] ? JSON.parse(rest[1]) : {};
+      } catch (error) {
+        throw new UsageError(`ARGS_JSON is not valid JSON: ${error.message}`);
+      }
       return await follow(client.execute(rest[0], args,
         { idempotencyKey: values["idempotency-key"] }), values.json);
     }
     if (command === "watch" && rest.length === 1) {
       return await follow(client.watch(rest[0], values["after-seq"]), values.json);
     }
-    console.error("usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N]");
+    console.error(USAGE);
     return 2;
   } finally {
     client.close();
@@ -106,6 +127,11 @@ async function main(argv) {
 main(process.argv.slice(2)).then(
   (code) => { process.exitCode = code; },
   (error) => {
+    if (error instanceof UsageError) {
+      console.error(`error: ${error.message}\n${USAGE}`);
+      process.exitCode = 2;
+      return;
+    }
     // A gRPC status: its code name and message, like `stargrpc call`.
     const name = error.code !== undefined
       ? Object.keys(require("@grpc/grpc-js").status).find((k) => require("@grpc/grpc-js").status[k] === error.code)
