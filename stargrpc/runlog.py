@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -82,22 +82,6 @@ class RunLog(Protocol):
             max_lag: When non-zero, a follower that had caught up with the live run and then
                 fell more than this many events behind ends with :class:`WatcherTooSlow`.
         """
-        ...
-
-
-@runtime_checkable
-class EncodedRunLog(Protocol):
-    """A log that hands out its waiting events in batches and keeps each event's bytes, so
-    that streams can serialise each event once and coalesce what waits
-    (:mod:`stargrpc.streaming`). :class:`MemoryRunLog` is one."""
-
-    def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
-                       ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
-        """As :meth:`RunLog.follow`, but yields every event waiting at once, in order."""
-        ...
-
-    def encoded(self, seq: int) -> bytes:
-        """The serialised bytes of event ``seq`` (already in the log)."""
         ...
 
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import BytesValue
 
-from stargrpc.runlog import EncodedRunLog, RunLog
+from stargrpc.runlog import MemoryRunLog, RunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 #: Most text (UTF-8 bytes) one coalesced DELTA message carries; a single larger delta
@@ -107,7 +107,7 @@ async def event_responses(log: RunLog, after_seq: int,
     Raises:
         RequestError: From the log (the watcher fell too far behind, a store went away).
     """
-    if not isinstance(log, EncodedRunLog):
+    if not isinstance(log, MemoryRunLog):
         # A log read from elsewhere (another replica's run, through Redis): one event at a
         # time, its bytes made here, never coalesced (the log does not say what waits).
         async for event in log.follow(after_seq, max_lag=max_lag):
@@ -137,7 +137,7 @@ async def event_responses(log: RunLog, after_seq: int,
 # whole run being replayed), and stand None for the Result, which can only be the last
 # event of a batch.
 
-def _one_each(log: EncodedRunLog, batch: Sequence[events_pb2.RunEvent]
+def _one_each(log: MemoryRunLog, batch: Sequence[events_pb2.RunEvent]
               ) -> Iterator[EventFrame | None]:
     """One frame per event."""
     encoded = log.encoded
@@ -149,7 +149,7 @@ def _one_each(log: EncodedRunLog, batch: Sequence[events_pb2.RunEvent]
             yield EventFrame(event, frame(encoded(event.seq)))
 
 
-def _coalesced(log: EncodedRunLog, batch: Sequence[events_pb2.RunEvent]
+def _coalesced(log: MemoryRunLog, batch: Sequence[events_pb2.RunEvent]
                ) -> Iterator[EventFrame | None]:
     """One frame per event, except one per run of DELTAs that can be merged."""
     index, end = 0, len(batch)
