@@ -151,7 +151,10 @@ class ToolService:
             arguments = decode_struct(request.arguments, limits)
         else:
             arguments = {}
-        invocation = json_format.MessageToDict(request.context, preserving_proto_field_name=True)
+        # Most calls carry no invocation context: skip the (slow) generic conversion for them.
+        invocation = (json_format.MessageToDict(request.context,
+                                                preserving_proto_field_name=True)
+                      if request.HasField("context") else {})
         return ExecuteCall(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation)
