@@ -31,6 +31,7 @@ from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
 from stargrpc.audit.writer import AuditWriter
 from stargrpc.calls import CallRecord, current_call
+from stargrpc.interceptors._shapes import call_behaviour, iterate_responses, rewrap
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
@@ -111,29 +112,18 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         return self._wrap(handler, call)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
-        codec = {"request_deserializer": handler.request_deserializer,
-                 "response_serializer": handler.response_serializer}
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, call, peek=True), **codec)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream, call, peek=True), **codec)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(handler.stream_unary, call, peek=False), **codec)
-        return grpc.stream_stream_rpc_method_handler(
-            self._stream(handler.stream_stream, call, peek=False), **codec)
+        # The request is kept for the record only when it is one message, not a stream.
+        return rewrap(
+            handler,
+            unary=lambda inner, streaming: self._unary(inner, call, peek=not streaming),
+            stream=lambda inner, streaming: self._stream(inner, call, peek=not streaming))
 
     def _unary(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             self._begin(call, request if peek else None, context)
             try:
-                if inspect.iscoroutinefunction(behavior):
-                    response = await behavior(request, context)
-                else:  # a plain function: grpc.aio would run it off the event loop too
-                    response = await asyncio.to_thread(behavior, request, context)
+                response = await call_behaviour(behavior, request, context)
             except BaseException as exc:
                 self._conclude(call, context, exc)
                 raise
@@ -144,19 +134,15 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def _stream(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
                 ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
-        # grpc.aio serves a coroutine (which calls context.write) and an async generator
-        # differently, so the wrapper keeps the shape of what it wraps.
-        if inspect.iscoroutinefunction(behavior):
-            return self._unary(behavior, call, peek=peek)
-
         async def audited(request: Any, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[Any]:
             self._begin(call, request if peek else None, context)
             try:
                 # An async generator is iterated directly: a wrapping generator would add a
                 # hop per streamed message.
-                responses = behavior(request, context) if inspect.isasyncgenfunction(behavior) \
-                    else _thread_responses(behavior, request, context)
+                responses = (behavior(request, context)
+                             if inspect.isasyncgenfunction(behavior)
+                             else iterate_responses(behavior, request, context))
                 async for response in responses:
                     if isinstance(response, tool_service_pb2.ExecuteResponse) and \
                             response.event.HasField("result"):
@@ -298,15 +284,6 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             log.warning("audit", **fields)
         else:
             log.info("audit", **fields)
-
-
-async def _thread_responses(behavior: Callable[..., Any], request: Any,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-    """The responses of a plain (synchronous) streaming handler, run off the event loop."""
-    responses = await asyncio.to_thread(behavior, request, context)
-    end = object()
-    while (response := await asyncio.to_thread(next, responses, end)) is not end:
-        yield response
 
 
 def _outcome_of_call(context: grpc.aio.ServicerContext | None,

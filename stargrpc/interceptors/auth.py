@@ -13,9 +13,7 @@ is decided later, by :mod:`stargrpc.permissions`.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -25,6 +23,7 @@ from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.calls import current_call
 from stargrpc.errors import CredentialsRejected, abort_with
+from stargrpc.interceptors._shapes import call_behaviour, iterate_responses, rewrap
 from stargrpc.principal import Principal, current_principal
 from stargrpc.settings import Settings
 
@@ -122,59 +121,27 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def guard(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHandler:
-    """``handler`` with ``admit`` awaited before its behaviour, for any call shape.
-
-    Async generators stay async generators and writer-style coroutines stay coroutines,
-    since grpc.aio serves the two differently; plain functions run in a worker thread.
-    """
-    deserialize, serialize = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            _unary_response(handler.unary_unary, admit), deserialize, serialize)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(
-            _unary_response(handler.stream_unary, admit), deserialize, serialize)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            _stream_response(handler.unary_stream, admit), deserialize, serialize)
-    assert handler.stream_stream is not None
-    return grpc.stream_stream_rpc_method_handler(
-        _stream_response(handler.stream_stream, admit), deserialize, serialize)
+    """``handler`` with ``admit`` awaited before its behaviour, for any call shape."""
+    return rewrap(handler, unary=lambda inner, _: _unary_response(inner, admit),
+                  stream=lambda inner, _: _stream_response(inner, admit))
 
 
 def _unary_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
     async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await admit(context)
-        if inspect.iscoroutinefunction(inner):
-            return await inner(request, context)
-        return await asyncio.to_thread(inner, request, context)
+        return await call_behaviour(inner, request, context)
 
     return behaviour
 
 
 def _stream_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
-    if inspect.iscoroutinefunction(inner):  # writer style: context.write(), returns None
-        async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await admit(context)
-            await inner(request, context)
-
-        return writer
-
     async def generator(request: Any, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[Any]:
         await admit(context)
-        if inspect.isasyncgenfunction(inner):
-            async for response in inner(request, context):
-                yield response
-            return
-        responses: Iterator[Any] = await asyncio.to_thread(inner, request, context)
-        while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+        async for response in iterate_responses(inner, request, context):
             yield response
 
     return generator
-
-
-_END = object()
 
 
 def _unknown_method(admit: Admit) -> grpc.RpcMethodHandler:

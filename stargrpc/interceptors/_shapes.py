@@ -1,0 +1,71 @@
+"""The four call shapes of gRPC, for interceptors that wrap a handler's behaviour.
+
+grpc.aio serves a coroutine, an async generator and a plain function differently, so a
+wrapper must keep the shape of what it wraps. :func:`rewrap` rebuilds a handler of the
+same shape around a wrapped behaviour; :func:`call_behaviour` and
+:func:`iterate_responses` run any behaviour from inside an async wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+
+#: Wraps a behaviour; told whether the call streams its requests (when it does, the
+#: wrapper's ``request`` argument is the request iterator, not a message).
+Wrap = Callable[[Callable[..., Any], bool], Callable[..., Any]]
+
+_END = object()
+
+
+def rewrap(handler: grpc.RpcMethodHandler, *, unary: Wrap, stream: Wrap
+           ) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour wrapped, keeping its shape and codec.
+
+    Args:
+        handler: The handler to wrap.
+        unary: Wraps a behaviour that returns once: unary responses, and streaming responses
+            written with ``context.write()`` by a coroutine.
+        stream: Wraps a behaviour that yields its responses (it must return an async
+            generator function).
+    """
+    codec = {"request_deserializer": handler.request_deserializer,
+             "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary, False), **codec)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary, True), **codec)
+    streaming = handler.unary_stream is None
+    inner = handler.stream_stream if streaming else handler.unary_stream
+    assert inner is not None
+    wrapped = (unary(inner, streaming) if inspect.iscoroutinefunction(inner)
+               else stream(inner, streaming))
+    make = (grpc.stream_stream_rpc_method_handler if streaming
+            else grpc.unary_stream_rpc_method_handler)
+    return make(wrapped, **codec)
+
+
+async def call_behaviour(behaviour: Callable[..., Any], request: Any,
+                         context: grpc.aio.ServicerContext) -> Any:
+    """Awaits a coroutine behaviour, or runs a plain one off the event loop (as grpc.aio
+    itself would)."""
+    if inspect.iscoroutinefunction(behaviour):
+        return await behaviour(request, context)
+    return await asyncio.to_thread(behaviour, request, context)
+
+
+async def iterate_responses(behaviour: Callable[..., Any], request: Any,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """The responses of a streaming behaviour: an async generator directly, a plain
+    generator function off the event loop."""
+    if inspect.isasyncgenfunction(behaviour):
+        async for response in behaviour(request, context):
+            yield response
+        return
+    responses: Iterator[Any] = await asyncio.to_thread(behaviour, request, context)
+    while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+        yield response
