@@ -12,9 +12,12 @@ from __future__ import annotations
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stargrpc.principal import Principal
+
+if TYPE_CHECKING:
+    from stargrpc.run import Run
 
 
 @dataclass
@@ -28,6 +31,8 @@ class CallRecord:
         principal: The authenticated caller, once known.
         tool: Tool name, for Execute.
         run_id: The run started (or attached to) by the call.
+        run: The run the call started in this process (the audit reads the tool's
+            ``ctx.audit_view`` substitutions from it).
         arguments: The arguments as the audit should see them (the tool may substitute).
         result_view: What the audit shows as the result, when the tool substitutes it.
         idempotency_key: The request's idempotency key.
@@ -43,6 +48,7 @@ class CallRecord:
     principal: Principal | None = None
     tool: str = ""
     run_id: str = ""
+    run: Run | None = None
     arguments: dict[str, Any] | None = None
     result_view: str | None = None
     idempotency_key: str = ""

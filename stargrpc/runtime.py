@@ -207,7 +207,7 @@ class Runtime:
         self.runs[run.run_id] = run
         record = current_call.get()
         if record is not None:
-            record.extra["run"] = run  # the audit reads the tool's audit_view from it
+            record.run = run
         for hook in self.launch_hooks:
             hook(run)
         metrics.RUNS_IN_FLIGHT.inc()

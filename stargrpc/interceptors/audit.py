@@ -227,8 +227,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         principal = record.principal
         if principal is None and record.outcome != "unauthenticated":
             principal = current_principal.get()
-        run = record.extra.get("run")
-        arguments = getattr(run, "audit_arguments", None)
+        run = record.run
+        arguments = run.audit_arguments if run is not None else None
         if arguments is None:
             arguments = record.arguments
         return AuditRecord(
@@ -242,7 +242,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             tool=record.tool,
             run_id=record.run_id,
             arguments=redacted_json(arguments, self.limits) if arguments is not None else "",
-            result=self._result_text(call, getattr(run, "audit_result", None)),
+            result=self._result_text(call, run.audit_result if run is not None else None),
             invocation=redacted_json(call.invocation, self.limits) if call.invocation else "",
             outcome=record.outcome,
             detail=cut(record.detail, MAX_DETAIL_CHARS),
