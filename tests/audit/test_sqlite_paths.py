@@ -1,0 +1,69 @@
+"""The SQLite store's two write paths: the event loop's connection that never waits, and the
+store thread's connection that takes over when another writer holds the lock; and the WAL
+kept small by checkpoints on the thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from stargrpc.audit import sqlite as sqlite_store
+from stargrpc.audit.chain import verify
+from stargrpc.audit.sqlite import SqliteAuditStore
+from stargrpc.audit.store import Query, sqlite_path
+from tests.audit.records import make_record
+
+
+async def test_an_append_waits_for_a_writer_holding_the_lock_without_blocking_the_loop(
+        sqlite_url: str) -> None:
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    try:
+        await store.append([make_record()])
+        # Another process (here: another connection) holds the write lock.
+        other = sqlite3.connect(sqlite_path(sqlite_url), isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        append = asyncio.create_task(store.append([make_record()]))
+        # The loop keeps running while the append waits on the store's thread.
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        assert not append.done()
+        other.execute("COMMIT")
+        other.close()
+        [stored] = await asyncio.wait_for(append, 10)
+    finally:
+        await store.aclose()
+
+    assert stored.seq == 2
+    reopened = SqliteAuditStore(sqlite_url)
+    await reopened.open()
+    try:
+        report = await verify(reopened.scan())
+    finally:
+        await reopened.aclose()
+    assert report.intact and report.checked == 2
+
+
+async def test_the_wal_is_checkpointed_and_stays_small(sqlite_url: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_EVERY", 50)
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    wal = Path(str(sqlite_path(sqlite_url)) + "-wal")
+    try:
+        for _ in range(1500):  # one transaction each: pages enough for a WAL of megabytes
+            await store.append([make_record(arguments="x" * 2000)])
+        await store.query(Query(limit=1))  # on the store's thread: after its checkpoints
+        wal_bytes = await asyncio.to_thread(os.path.getsize, wal)
+        report = await verify(store.scan())
+    finally:
+        await store.aclose()
+
+    assert report.intact and report.checked == 1500
+    # Without checkpoints the WAL holds every transaction: at least 1500 pages of 4 KiB;
+    # with them, what was committed since the last one.
+    assert wal_bytes < 1500 * 4096 / 4
