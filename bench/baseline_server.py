@@ -7,7 +7,15 @@ sizes (START, the deltas, END, Result) — but with nothing in between: no inter
 argument validation, no run, no event log. It is the limit a Python gRPC service reaches
 on this machine.
 
-Run: ``python -m bench.baseline_server --port 0``; it prints one JSON line
+With ``--floor`` it is the **floor** instead: the same server plus only the I/O that
+stargrpc's layers must do on every Execute, done as leanly as Python allows — the API key
+checked (SHA-256, constant-time compare against ``BENCH_FLOOR_TOKEN``), the run's events
+written to Redis in one background script call (``--redis-url``; batches of at most 1 MiB),
+and one audit row committed to a WAL-mode SQLite file (in ``--state-dir``) by one writer
+thread before the Result is sent. What stargrpc costs beyond the floor is the framework;
+what the floor costs beyond the bare server no stargrpc with those layers can avoid.
+
+Run: ``python -m bench.baseline_server --port 0 [--floor]``; it prints one JSON line
 ``{"event": "serving", "address": "127.0.0.1:PORT"}`` once it accepts calls.
 """
 
@@ -15,15 +23,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
 import json
+import os
+import queue
 import signal
+import sqlite3
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+import redis.asyncio
 
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -119,16 +138,255 @@ async def execute(request: tool_service_pb2.ExecuteRequest,
     yield events.result(output)
 
 
-async def serve(host: str, port: int) -> None:
-    """Serves until SIGTERM or SIGINT."""
+# -- the floor ----------------------------------------------------------------------------
+
+#: One audit transaction takes at most this many rows (what queued while the last committed).
+_AUDIT_BATCH = 512
+#: One Redis call carries at most this many bytes of events.
+_RUNLOG_BATCH_BYTES = 1 << 20
+_AUDIT_SCHEMA = ("CREATE TABLE IF NOT EXISTS audit (seq INTEGER PRIMARY KEY, "
+                 "record TEXT NOT NULL, hash TEXT NOT NULL)")
+_AUDIT_INSERT = "INSERT INTO audit (record, hash) VALUES (?, ?)"
+# XADD every event of the batch to the run's stream and keep it 60 s: one round trip.
+_RUNLOG_APPEND = """
+for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'e', ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], 60000)
+"""
+
+_Waiter = asyncio.Future[None] | None
+
+
+def _settle(waiters: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    """On the event loop: wakes the calls whose rows one transaction committed."""
+    for waiter in waiters:
+        if not waiter.done():  # a call cancelled meanwhile no longer waits
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+
+class AuditWriter:
+    """One thread owning a WAL-mode SQLite connection, appending hash-chained rows.
+
+    Rows queued while a transaction commits go into the next one together (one
+    ``BEGIN IMMEDIATE … COMMIT`` for all), and the calls waiting on them are woken with one
+    ``call_soon_threadsafe`` per transaction.
+    """
+
+    def __init__(self, path: Path, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: queue.SimpleQueue[tuple[str, _Waiter] | None] = queue.SimpleQueue()
+        self._opened: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(str(path),),
+                                         name="floor-audit", daemon=True)
+        self._thread.start()
+
+    async def opened(self) -> None:
+        """Returns once the database is open (or raises why it could not be)."""
+        await asyncio.wrap_future(self._opened)
+
+    def append(self, row: str) -> asyncio.Future[None]:
+        """Queues a row; the future is done once its transaction committed."""
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        self._queue.put((row, waiter))
+        return waiter
+
+    def append_nowait(self, row: str) -> None:
+        """Queues a row for a call that sent no Result, so nobody waits on its commit."""
+        self._queue.put((row, None))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Commits what is queued, then stops the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self, path: str) -> None:
+        try:
+            db = sqlite3.connect(path, isolation_level=None)  # BEGIN/COMMIT are explicit
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(_AUDIT_SCHEMA)
+        except BaseException as exc:
+            self._opened.set_exception(exc)
+            return
+        self._opened.set_result(None)
+        head = bytes(32)  # the chain's last hash, kept here: this thread is the only writer
+        stopping = False
+        for item in iter(self._queue.get, None):  # until close() queues None
+            batch = [item]
+            for _ in range(_AUDIT_BATCH - 1):
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                batch.append(more)
+            head = self._commit(db, batch, head)
+            if stopping:
+                break
+        db.close()
+
+    def _commit(self, db: sqlite3.Connection, batch: list[tuple[str, _Waiter]],
+                head: bytes) -> bytes:
+        rows = []
+        chained = head
+        for row, _ in batch:
+            chained = hashlib.sha256(chained + row.encode()).digest()
+            rows.append((row, chained.hex()))
+        error: BaseException | None = None
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany(_AUDIT_INSERT, rows)
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if db.in_transaction:
+                db.rollback()
+            error, chained = exc, head
+        waiters = [waiter for _, waiter in batch if waiter is not None]
+        if waiters:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                self._loop.call_soon_threadsafe(_settle, waiters, error)
+        return chained
+
+
+class RunLog:
+    """Runs' events in Redis streams, written by background tasks off the Result's path."""
+
+    def __init__(self, client: redis.asyncio.Redis, sha: str) -> None:
+        self._client = client
+        self._sha = sha
+        # The event loop keeps only weak references to tasks: these keep them alive.
+        self._writing: set[asyncio.Future[Any]] = set()
+
+    @classmethod
+    async def connect(cls, url: str) -> RunLog:
+        """A run log on the Redis at ``url``, its script loaded."""
+        client = redis.asyncio.Redis.from_url(url)
+        return cls(client, await client.script_load(_RUNLOG_APPEND))
+
+    def write(self, run_id: str, events: list[bytes]) -> None:
+        """Appends serialised events to the run's stream in one script call, in the
+        background."""
+        task = asyncio.ensure_future(
+            self._client.evalsha(self._sha, 1, f"bench:floor:{run_id}", *events))
+        self._writing.add(task)
+        task.add_done_callback(self._writing.discard)
+
+    async def close(self) -> None:
+        """Waits (10 s at most) for the writes under way, then disconnects."""
+        if self._writing:
+            await asyncio.wait(self._writing, timeout=10.0)
+        await self._client.aclose()
+
+
+class Floor:
+    """The bare server's Execute plus the minimum I/O of stargrpc's layers."""
+
+    def __init__(self, token: str, audit: AuditWriter, run_log: RunLog | None) -> None:
+        self._expected = hashlib.sha256(token.encode()).digest() if token else None
+        self._audit = audit
+        self._run_log = run_log
+
+    async def close(self) -> None:
+        """Finishes the run log's writes under way and commits the audit rows queued."""
+        if self._run_log is not None:
+            await self._run_log.close()
+        self._audit.close()
+
+    def _principal(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Who is calling (the key's hash prefix), or None when the key is wrong."""
+        sent = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                sent = value if isinstance(value, str) else value.decode()
+                break
+        token = sent[7:] if sent.startswith("Bearer ") else ""
+        digest = hashlib.sha256(token.encode()).digest()
+        if self._expected is not None and not hmac.compare_digest(digest, self._expected):
+            return None
+        return f"key:{digest.hex()[:16]}" if token else "anonymous"
+
+    @staticmethod
+    def _row(request: tool_service_pb2.ExecuteRequest, context: grpc.aio.ServicerContext,
+             principal: str, run_id: str, outcome: str, started: float) -> str:
+        return json.dumps({
+            "method": f"/{_SERVICE}/Execute", "tool": request.tool_name,
+            "peer": context.peer(), "principal": principal, "run_id": run_id,
+            "outcome": outcome, "duration_ms": round((time.perf_counter() - started) * 1e3, 3),
+            "time_ns": time.time_ns()}, separators=(",", ":"))
+
+    async def execute(self, request: tool_service_pb2.ExecuteRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """The bare method's messages, sent serialised once, with the layers' I/O around."""
+        started = time.perf_counter()
+        principal = self._principal(context)
+        if principal is None:
+            self._audit.append_nowait(self._row(request, context, "", "", "UNAUTHENTICATED",
+                                                started))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+            return  # abort() raises: never reached
+        pending: list[bytes] = []  # events not yet handed to the run log
+        size = 0
+        run_id = ""
+        outcome = ""  # set once the Result's row is committed
+        try:
+            async for response in execute(request, context):
+                data = response.SerializeToString()
+                event = response.event
+                run_id = event.run_id
+                if self._run_log is not None:
+                    if size + len(data) > _RUNLOG_BATCH_BYTES:
+                        self._run_log.write(run_id, pending)
+                        pending, size = [], 0
+                    pending.append(data)
+                    size += len(data)
+                if event.HasField("result"):
+                    if self._run_log is not None:
+                        self._run_log.write(run_id, pending)
+                        pending = []
+                    outcome = events_pb2.Outcome.Name(event.result.outcome)
+                    # stargrpc's promise: a Result the client saw has its record committed.
+                    await self._audit.append(self._row(request, context, principal, run_id,
+                                                       outcome, started))
+                yield data
+        except BaseException as exc:
+            if not outcome:  # ended before its Result: recorded, but nobody to wait for it
+                outcome = type(exc).__name__
+                self._audit.append_nowait(self._row(request, context, principal, run_id,
+                                                    outcome, started))
+            raise
+        finally:
+            if pending and self._run_log is not None:
+                self._run_log.write(run_id, pending)
+
+
+async def _open_floor(state_dir: Path, redis_url: str) -> Floor:
+    audit = AuditWriter(state_dir / "floor-audit.db", asyncio.get_running_loop())
+    await audit.opened()
+    run_log = await RunLog.connect(redis_url) if redis_url else None
+    return Floor(os.environ.get("BENCH_FLOOR_TOKEN", ""), audit, run_log)
+
+
+async def serve(host: str, port: int, floor_dir: Path | None = None,
+                redis_url: str = "") -> None:
+    """Serves until SIGTERM or SIGINT; with ``floor_dir``, as the floor (module docstring),
+    its audit database in that directory and its run log on ``redis_url`` (none if empty)."""
     server = grpc.aio.server()
-    handler = grpc.method_handlers_generic_handler(_SERVICE, {
-        "Execute": grpc.unary_stream_rpc_method_handler(
+    floor = await _open_floor(floor_dir, redis_url) if floor_dir is not None else None
+    if floor is None:
+        method = grpc.unary_stream_rpc_method_handler(
             execute,
             request_deserializer=tool_service_pb2.ExecuteRequest.FromString,
             response_serializer=tool_service_pb2.ExecuteResponse.SerializeToString,
-        ),
-    })
+        )
+    else:
+        # The floor serialises each event once, for Redis and the wire alike.
+        method = grpc.unary_stream_rpc_method_handler(
+            floor.execute, request_deserializer=tool_service_pb2.ExecuteRequest.FromString)
+    handler = grpc.method_handlers_generic_handler(_SERVICE, {"Execute": method})
     server.add_generic_rpc_handlers((handler,))
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
@@ -139,6 +397,8 @@ async def serve(host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
+    if floor is not None:
+        await floor.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +406,24 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--floor", action="store_true",
+                        help="Serve as the floor: add the minimum I/O of stargrpc's layers "
+                             "(API key from env BENCH_FLOOR_TOKEN; empty accepts anyone).")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="The floor's audit database goes here [default: a temporary "
+                             "directory].")
+    parser.add_argument("--redis-url", default="",
+                        help="The floor's run log (e.g. redis://127.0.0.1:6379/0) "
+                             "[default: none].")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.host, args.port))
+    if not args.floor:
+        asyncio.run(serve(args.host, args.port))
+    elif args.state_dir is not None:
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        asyncio.run(serve(args.host, args.port, args.state_dir, args.redis_url))
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
+            asyncio.run(serve(args.host, args.port, Path(tmp), args.redis_url))
     sys.exit(0)
 
 

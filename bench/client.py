@@ -125,10 +125,10 @@ class Client:
 
 
 def _turns(index: int, count: int) -> list[int]:
-    """The order servers take their turn in round ``index``: alternating, so neither always
-    goes first (right after the other one's load)."""
-    order = list(range(count))
-    return order if index % 2 == 0 else order[::-1]
+    """The order servers take their turn in round ``index``: rotating by one each round, so
+    over ``count`` rounds each server takes each place once and none always goes first
+    (right after another one's load). With two servers this alternates."""
+    return [(index + k) % count for k in range(count)]
 
 
 async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[str, Any]]:

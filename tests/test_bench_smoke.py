@@ -1,8 +1,9 @@
 """The benchmark's tiniest pass, so the bench code cannot rot: ``python -m bench --smoke``.
 
-It starts the bare baseline and stargrpc as processes, drives both with the bench client and
-writes its results. Only that numbers were produced is checked — never their values: these
-machines are shared, and performance is judged by ``python -m bench``, not by tests.
+It starts the bare baseline, the floor (the baseline plus the layers' minimum I/O) and
+stargrpc as processes, drives all three with the bench client and writes its results. Only
+that numbers were produced is checked — never their values: these machines are shared, and
+performance is judged by ``python -m bench``, not by tests.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
         # Each row has a figure; a row about the baseline alone has no stargrpc one.
         assert isinstance(row["stargrpc"] if row["stargrpc"] is not None else row["baseline"],
                           float), row
-    for server in ("stargrpc", "baseline"):
+        # The floor has every figure both servers have.
+        if row["stargrpc"] is not None and row["baseline"] is not None:
+            assert isinstance(row["floor"], float), row
+    for server in ("stargrpc", "floor", "baseline"):
         figures = results["raw"][server]
         assert figures["held"]["opened"] == figures["held"]["streams"]
         assert figures["stream"]["best"]["events"] == results["sizes"]["stream_n"]
