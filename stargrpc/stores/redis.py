@@ -295,12 +295,16 @@ class RedisRunStore:
 
     Attributes:
         redis: The client.
+        flush_redis: The client the flusher writes events with (by default ``redis``).
+        flush_timeout: Longest a flusher round trip may take before it counts as failed.
         prefix: Prefix of every key.
         replica: This replica's id, recorded with the runs it executes.
         cancel_handler: Set by the runtime; stops a run of this process.
     """
 
     redis: Redis
+    flush_redis: Redis
+    flush_timeout: float
     prefix: str
     replica: str
     retention_ms: int
@@ -312,15 +316,18 @@ class RedisRunStore:
     _local: dict[str, RedisRunLog]
     _renewer: asyncio.Task[None] | None
     _dirty: dict[str, RedisRunLog]
-    _flush_wanted: asyncio.Event
-    _urgent: asyncio.Event
+    _flush_now: asyncio.Event
+    _linger: asyncio.TimerHandle | None
     _flushed: asyncio.Event
     _flusher: asyncio.Task[None] | None
 
     def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
                  lease: float = 10.0, max_events: int = 100_000,
-                 block_seconds: float = 1.0) -> None:
+                 block_seconds: float = 1.0, flush_redis: Redis | None = None,
+                 flush_timeout: float = 5.0) -> None:
         self.redis = redis
+        self.flush_redis = flush_redis if flush_redis is not None else redis
+        self.flush_timeout = flush_timeout
         self.prefix = prefix
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.retention_ms = max(1, int(retention * 1000))
@@ -337,8 +344,8 @@ class RedisRunStore:
         # Runs with events to write. One flusher writes them all, one pipeline of script
         # calls per round trip, so concurrent runs share round trips and a connection.
         self._dirty = {}
-        self._flush_wanted = asyncio.Event()
-        self._urgent = asyncio.Event()
+        self._flush_now = asyncio.Event()
+        self._linger = None
         self._flushed = asyncio.Event()
         self._flusher = None
         self._append_script = redis.register_script(_APPEND)
@@ -350,14 +357,21 @@ class RedisRunStore:
     def from_settings(cls, settings: Settings) -> RedisRunStore:
         """A store for ``settings.redis_url`` with fail-fast timeouts."""
         timeout = settings.redis_timeout_seconds
+        # One quick retry: a pooled connection broken by a Redis restart is replaced
+        # transparently; a Redis that is really down fails the call fast.
+        retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1)
         client = Redis.from_url(
             settings.redis_url, socket_timeout=timeout + 1.0, socket_connect_timeout=timeout,
-            # One quick retry: a pooled connection broken by a Redis restart is replaced
-            # transparently; a Redis that is really down fails the call fast.
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
+            retry=retry)
+        # The flusher writes on every run, so its client has no socket timeout: redis-py
+        # enforces one with a task per command (asyncio.wait_for). The flusher bounds each
+        # round trip itself, with one timer (redis-py drops a connection cut off mid-reply).
+        flusher = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
+                                 retry=retry)
         return cls(client, prefix=settings.redis_key_prefix,
                    retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
-                   max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2))
+                   max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),
+                   flush_redis=flusher, flush_timeout=timeout + 1.0)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -472,6 +486,10 @@ class RedisRunStore:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._linger is not None:
+            self._linger.cancel()
+        if self.flush_redis is not self.redis:
+            await self.flush_redis.aclose()
         await self.redis.aclose()
 
     # -- internals -------------------------------------------------------------------------
@@ -501,8 +519,8 @@ class RedisRunStore:
         args.extend(data for _, data, _ in batch)
         return [*self._run_keys(log.run_id), log.claim_key], args
 
-    async def _call_all(self, script: AsyncScript,
-                        calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+    async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
+                        client: Redis | None = None) -> list[Any]:
         """Runs ``script`` once per (keys, args) in one pipeline (one round trip); each
         reply, or the error of that call. Loads the script first if Redis lost it (it was
         restarted).
@@ -510,28 +528,31 @@ class RedisRunStore:
         Raises:
             RedisError: Redis could not be reached.
         """
+        redis = client if client is not None else self.redis
         if len(calls) == 1:  # a plain call costs less than a pipeline of one
-            replies = [await self._one(script.sha, *calls[0])]
+            replies = [await self._one(redis, script.sha, *calls[0])]
         else:
-            replies = await self._pipelined(script.sha, calls)
+            replies = await self._pipelined(redis, script.sha, calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            await self.redis.script_load(script.script)
-            again = await self._pipelined(script.sha, [calls[i] for i in missing])
+            await redis.script_load(script.script)
+            again = await self._pipelined(redis, script.sha, [calls[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 
-    async def _one(self, sha: str, keys: list[str], args: list[Any]) -> Any:
+    @staticmethod
+    async def _one(redis: Redis, sha: str, keys: list[str], args: list[Any]) -> Any:
         # As one reply of a pipeline: Redis's answer, or the error Redis answered with.
         try:
-            return await self.redis.evalsha(sha, len(keys), *keys, *args)
+            return await redis.evalsha(sha, len(keys), *keys, *args)
         except ResponseError as exc:
             return exc
 
-    async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]]
+    @staticmethod
+    async def _pipelined(redis: Redis, sha: str, calls: list[tuple[list[str], list[Any]]]
                          ) -> list[Any]:
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with redis.pipeline(transaction=False) as pipe:
             for keys, args in calls:
                 pipe.evalsha(sha, len(keys), *keys, *args)
             return list(await pipe.execute(raise_on_error=False))
@@ -539,30 +560,36 @@ class RedisRunStore:
     def _failed(self, exc: Exception) -> None:
         """Notes a failed write: when Redis was unreachable, new runs without a key are
         refused until a PING gets through (a full pool is load, not an outage)."""
-        if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not isinstance(
-                exc, MaxConnectionsError):
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError, TimeoutError)) and \
+                not isinstance(exc, MaxConnectionsError):
             self.healthy = False
 
     def _wants_flush(self, log: RedisRunLog) -> None:
         self._dirty[log.run_id] = log
         self._flushed.clear()
-        if log.finished:  # a Result is written at once: its caller may watch it elsewhere
-            self._urgent.set()
-        self._flush_wanted.set()
+        self._schedule_flush(urgent=log.finished)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_loop(), name="redis-flush")
 
+    def _schedule_flush(self, *, urgent: bool) -> None:
+        """Wakes the flusher now (a Result: its caller may watch it on another replica), or
+        after a short linger that lets more events of this and other runs join the round
+        trip. A timer rather than a wake-up: the flusher runs once per round trip, not once
+        per event."""
+        if urgent:
+            self._flush_now.set()
+        elif self._linger is None and not self._flush_now.is_set():
+            self._linger = asyncio.get_running_loop().call_later(_FLUSH_LINGER,
+                                                                 self._flush_now.set)
+
     async def _flush_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         delay = 0.05
         while True:
-            await self._flush_wanted.wait()
-            if not self._urgent.is_set():
-                linger = loop.call_later(_FLUSH_LINGER, self._urgent.set)
-                await self._urgent.wait()
-                linger.cancel()
-            self._urgent.clear()
-            self._flush_wanted.clear()
+            await self._flush_now.wait()
+            self._flush_now.clear()
+            if self._linger is not None:
+                self._linger.cancel()
+                self._linger = None
             logs, self._dirty = self._dirty, {}
             if await self._flush(list(logs.values())):
                 delay = 0.05
@@ -570,7 +597,7 @@ class RedisRunStore:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             if self._dirty:
-                self._flush_wanted.set()
+                self._schedule_flush(urgent=any(log.finished for log in self._dirty.values()))
             else:
                 self._flushed.set()
 
@@ -584,11 +611,14 @@ class RedisRunStore:
         # Whatever fails is kept and written again: local readers are unaffected, remote
         # watchers wait, and the lease (renewed by these writes) is at stake.
         try:
-            replies = await self._call_all(self._append_script, [
-                self._append_call(run_log, batch) for run_log, batch in batches])
-        except RedisError as exc:
+            async with asyncio.timeout(self.flush_timeout):
+                replies = await self._call_all(self._append_script, [
+                    self._append_call(run_log, batch) for run_log, batch in batches],
+                    self.flush_redis)
+        except (RedisError, TimeoutError) as exc:
             self._failed(exc)
-            log.warning("redis_flush_failed", runs=len(batches), error=str(exc))
+            log.warning("redis_flush_failed", runs=len(batches),
+                        error=str(exc) or "no answer in time")
             self._dirty.update((run_log.run_id, run_log) for run_log, _ in batches)
             return False
         ok = True
