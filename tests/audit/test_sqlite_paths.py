@@ -51,6 +51,7 @@ async def test_an_append_waits_for_a_writer_holding_the_lock_without_blocking_th
 async def test_the_wal_is_checkpointed_and_stays_small(sqlite_url: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sqlite_store, "CHECKPOINT_EVERY", 50)
+    monkeypatch.setattr(sqlite_store, "WAL_FRAMES_LIMIT", 200)
     store = SqliteAuditStore(sqlite_url)
     await store.open()
     wal = Path(str(sqlite_path(sqlite_url)) + "-wal")
