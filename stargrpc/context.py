@@ -141,9 +141,9 @@ class ToolContext:
     tool_name: str
     principal: Principal
     invocation: Mapping[str, Any]
-    logger: Any
     settings: Settings
     _run: Run
+    _logger: Any
 
     def __init__(self, run: Run) -> None:
         self._run = run
@@ -152,8 +152,17 @@ class ToolContext:
         self.principal = run.principal
         self.invocation = run.invocation
         self.settings = run.settings
-        self.logger = structlog.get_logger("stargrpc.tool").bind(
-            run_id=run.run_id, tool=run.spec.name)
+        self._logger = None
+
+    @property
+    def logger(self) -> Any:
+        """A structlog logger bound with the run id and tool name."""
+        # Bound on first use: most tools never log, and binding costs more than the rest of
+        # the context together.
+        if self._logger is None:
+            self._logger = structlog.get_logger("stargrpc.tool").bind(
+                run_id=self.run_id, tool=self.tool_name)
+        return self._logger
 
     def step(self, title: str, *, kind: str | None = None, parent: Step | None = None,
              detail: Mapping[str, Any] | None = None) -> Step:
@@ -238,7 +247,11 @@ class SyncToolContext:
         self.principal = ctx.principal
         self.invocation = ctx.invocation
         self.settings = ctx.settings
-        self.logger = ctx.logger
+
+    @property
+    def logger(self) -> Any:
+        """A structlog logger bound with the run id and tool name."""
+        return self._ctx.logger
 
     def _call(self, make: Callable[[], Awaitable[None]]) -> None:
         async def run() -> None:

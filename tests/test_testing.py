@@ -59,3 +59,32 @@ def test_sync_tool_and_sync_harness() -> None:
 
     assert recorded.output == "!!!"
     assert recorded.deltas == "working"
+
+
+@tool()
+async def chatty(ctx: ToolContext) -> str:
+    """Logs through its context's logger."""
+    ctx.logger.info("chatty_said", words=2)
+    return "ok"
+
+
+@tool()
+def chatty_sync(ctx) -> str:
+    """Logs through its context's logger, from a worker thread."""
+    ctx.logger.info("chatty_sync_said")
+    return "ok"
+
+
+async def test_a_tools_logger_is_bound_with_its_run_and_tool() -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        recorded = await run_tool(chatty, {})
+        synced = await run_tool(chatty_sync, {})
+
+    [line] = [entry for entry in logs if entry["event"] == "chatty_said"]
+    assert line["tool"] == "chatty" and line["words"] == 2
+    assert line["run_id"] == recorded.events[0].run_id
+    [sync_line] = [entry for entry in logs if entry["event"] == "chatty_sync_said"]
+    assert sync_line["tool"] == "chatty_sync"
+    assert sync_line["run_id"] == synced.events[0].run_id
