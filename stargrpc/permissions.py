@@ -97,6 +97,9 @@ class RolePolicy:
                  privileged_role: str = "privileged", delegation_role: str = "delegate"
                  ) -> None:
         self._rules = dict(rules or {})
+        # Who may run a tool depends only on the tool's declaration and the rules: worked out
+        # once per declaration rather than on every call.
+        self._access: dict[tuple[str, bool, tuple[str, ...]], ToolAccess] = {}
         self._default = default
         self._admin_role = admin_role
         self._privileged_role = privileged_role
@@ -112,10 +115,12 @@ class RolePolicy:
     def refusal(self, principal: Principal, spec: ToolSpec) -> PermissionDenied | None:
         """Why ``principal`` may not run ``spec``, or None when it may."""
         access = self.access(spec)
-        metadata = {"tool_name": spec.name, "principal": principal.id}
         allowed = principal.has_role(self._admin_role) or (
             "*" in access.roles or "*" in access.principals or principal.id in access.principals
             or any(principal.has_role(role) for role in access.roles))
+        if allowed and (not access.privileged or principal.has_role(self._privileged_role)):
+            return None
+        metadata = {"tool_name": spec.name, "principal": principal.id}
         if not allowed:
             return PermissionDenied(f"{principal.id!r} may not run tool {spec.name!r}",
                                     reason="TOOL_NOT_ALLOWED", metadata=metadata)
@@ -128,6 +133,13 @@ class RolePolicy:
         return None
 
     def access(self, spec: ToolSpec) -> ToolAccess:
+        key = (spec.name, spec.privileged, tuple(spec.allowed_roles))
+        access = self._access.get(key)
+        if access is None:
+            access = self._access[key] = self._work_out_access(spec)
+        return access
+
+    def _work_out_access(self, spec: ToolSpec) -> ToolAccess:
         rule = self._rules.get(spec.name)
         privileged = spec.privileged or (rule is not None and rule.privileged)
         if rule is not None:
