@@ -5,7 +5,8 @@ Starts the bare baseline (``bench/baseline_server.py``), the floor (the same ser
 serve --tools-dir bench/tools``, every layer that has landed switched on) as separate
 processes, drives all three with the same client (``bench/client.py``, its own process per
 measurement), and prints one table of absolute numbers and ratios. Then it measures the
-server CPU per call with each layer (auth, audit, critic, run log) switched off in turn.
+server CPU per call with each layer (auth, audit, critic, run log) switched off in turn, in
+stargrpc and, beside it, in the floor (whose layers are only their I/O).
 
     python -m bench             # full run, a few minutes
     python -m bench --quick     # reduced pass, under a minute
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -87,7 +88,7 @@ MODES = {
     "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
                    slow_every=10, slow_ms=1.0, coalesce=10, concurrency=5, concurrency_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
-                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, layers=False),
+                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, layers=True),
 }
 
 
@@ -280,13 +281,22 @@ def baseline_argv() -> list[str]:
     return [sys.executable, "-m", "bench.baseline_server", "--host", "127.0.0.1", "--port", "0"]
 
 
-def floor_spec(stack: Stack, workdir: Path, suffix: str = "") -> ServerSpec:
+#: stargrpc's layers that the floor has too, with their ``--floor-without`` names (the
+#: critic is a timer: it has no I/O, so no floor).
+FLOOR_LAYERS = {"audit": "audit", "run log": "run-log", "auth": "auth"}
+
+
+def floor_spec(stack: Stack, workdir: Path, suffix: str = "", without: Iterable[str] = ()
+               ) -> ServerSpec:
     """The floor: the baseline plus the I/O of the layers stargrpc runs with in ``stack`` —
     its API key (in the environment, never on a command line), its Redis if the run log is
-    there, and an audit database of its own."""
+    there, and an audit database of its own — less the layers in ``without`` (their
+    ``--floor-without`` names)."""
     argv = [*baseline_argv(), "--floor", "--state-dir", str(workdir / f"floor{suffix}-state")]
     if stack.env.get("STARGRPC_REDIS_URL"):
         argv += ["--redis-url", stack.env["STARGRPC_REDIS_URL"]]
+    for layer in without:
+        argv += ["--floor-without", layer]
     return ServerSpec(f"floor{suffix}", argv, {**os.environ, "BENCH_FLOOR_TOKEN": stack.token})
 
 
@@ -354,12 +364,31 @@ def run_pair(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, A
     return results
 
 
-def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
-    """Server CPU per call with everything on, and with each present layer off in turn.
+def floor_layer_specs(stack: Stack, workdir: Path, present: list[str]
+                      ) -> dict[str, ServerSpec]:
+    """The floor with the layers stargrpc runs with, with each of their I/O off in turn,
+    and with all of it off, by configuration name ("all on", "audit off", … "all off")."""
+    # A layer stargrpc runs without is off in every floor configuration, "all on" included
+    # (the run log and auth already are when there is no Redis or no key).
+    absent = [flag for layer, flag in FLOOR_LAYERS.items() if layer not in present]
+    configs = {"all on": absent}
+    configs.update({f"{layer} off": [*absent, flag] for layer, flag in FLOOR_LAYERS.items()
+                    if layer in present})
+    if len(configs) > 1:
+        # Bare plus nothing, through the floor's own code path: all on minus all off is the
+        # layers' I/O alone.
+        configs["all off"] = list(FLOOR_LAYERS.values())
+    return {name: floor_spec(stack, workdir, "-" + name.replace(" ", "-"), without)
+            for name, without in configs.items()}
 
-    All configurations run side by side and take turns call by call, so the machine's noise
-    falls on each alike; over the repeats the least CPU of each is kept (noise only ever adds
-    CPU time: cache misses, frequency, other tenants).
+
+def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str, Any]:
+    """Server CPU per call with everything on, and with each present layer off in turn, in
+    stargrpc and in the floor.
+
+    All configurations, stargrpc's and the floor's, run side by side and take turns call by
+    call, so the machine's noise falls on each alike; over the repeats the least CPU of each
+    is kept (noise only ever adds CPU time: cache misses, frequency, other tenants).
     """
     present = [layer for layer, state in stack.layers.items() if state.startswith("on")]
     # Every configuration starts through the launcher, "all on" included, so they differ
@@ -384,21 +413,31 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
         chain_off = [layer for layer in present if layer in ("audit", "critic")
                      or (layer == "auth" and "STARGRPC_INSECURE_NO_AUTH" not in env)]
         specs.append(ServerSpec("all off", stargrpc_argv(chain_off), env))
-    samples: dict[str, list[float]] = {spec.name: [] for spec in specs}
-    p50: dict[str, list[float]] = {spec.name: [] for spec in specs}
-    say(f"starting {len(specs)} stargrpc servers: " + ", ".join(s.name for s in specs))
-    with servers([ServerSpec(s.name.replace(" ", "-"), s.argv, s.env) for s in specs],
-                 workdir) as running:
+    floors = floor_layer_specs(stack, workdir, present)
+    # One list of servers, stargrpc's configurations then the floor's, each keyed by
+    # (server, configuration) so that the figures can be split again afterwards.
+    keys = [("stargrpc", spec.name) for spec in specs] + [("floor", name) for name in floors]
+    samples: dict[str, dict[str, list[float]]] = {"stargrpc": {}, "floor": {}}
+    p50: dict[str, dict[str, list[float]]] = {"stargrpc": {}, "floor": {}}
+    say(f"starting {len(specs)} stargrpc servers ({', '.join(s.name for s in specs)}) and "
+        f"{len(floors)} floor servers ({', '.join(floors)})")
+    with servers([ServerSpec(s.name.replace(" ", "-"), s.argv, s.env) for s in specs]
+                 + list(floors.values()), workdir) as running:
         for repeat in range(sizes.cpu_repeats):
             say(f"CPU per call, layers off in turn ({repeat + 1}/{sizes.cpu_repeats})")
             # A server with auth off ignores the credentials the others need.
             figures = run_plan(running, [cpu_step(sizes, running)], stack.token)["cpu"]
-            for spec, figure in zip(specs, figures, strict=True):
-                samples[spec.name].append(figure["cpu_us_per_call"])
-                p50[spec.name].append(figure["p50_ms"])
-    return {"cpu_us_per_call": {name: min(values) for name, values in samples.items()},
-            "p50_ms": {name: min(values) for name, values in p50.items()},
-            "samples": samples}
+            for (server, name), figure in zip(keys, figures, strict=True):
+                samples[server].setdefault(name, []).append(figure["cpu_us_per_call"])
+                p50[server].setdefault(name, []).append(figure["p50_ms"])
+
+    def least(values: dict[str, list[float]]) -> dict[str, float]:
+        return {name: min(found) for name, found in values.items()}
+
+    return {"cpu_us_per_call": least(samples["stargrpc"]), "p50_ms": least(p50["stargrpc"]),
+            "samples": samples["stargrpc"],
+            "floor_cpu_us_per_call": least(samples["floor"]),
+            "floor_p50_ms": least(p50["floor"]), "floor_samples": samples["floor"]}
 
 
 def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, stamp: str,
@@ -571,31 +610,7 @@ def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: d
               "", "Layers of stargrpc in this run: " + "; ".join(
         f"**{k}** {v}" for k, v in stack.layers.items()), ""]
     if layers:
-        cpu = layers["cpu_us_per_call"]
-        base = cpu["all on"]
-        p50 = layers["p50_ms"]
-        lines += ["| layer | server CPU per call, all on | with the layer off | cost | share "
-                  "| target | met | latency p50 all on / off |",
-                  "|---|---:|---:|---:|---:|---|---|---|"]
-        for layer, state in stack.layers.items():
-            key = f"{layer} off"
-            target = "< 10%" if layer != "auth" else ""
-            if key not in cpu:
-                lines.append(f"| {layer} | {_fmt(base)} µs | — | — | — | {target} | {state} "
-                             "| |")
-                continue
-            cost = base - cpu[key]
-            share = cost / base if base else 0.0
-            met = "" if layer == "auth" else ("yes" if share < 0.10 else "**no**")
-            lines.append(f"| {layer} | {_fmt(base)} µs | {_fmt(cpu[key])} µs | {_fmt(cost)} µs "
-                         f"| {share:.0%} | {target} | {met} | {_fmt(p50['all on'])} / "
-                         f"{_fmt(p50[key])} ms |")
-        if "all off" in cpu:
-            lines.append(f"| *every layer off: the framework alone* | {_fmt(base)} µs | "
-                         f"{_fmt(cpu['all off'])} µs | {_fmt(base - cpu['all off'])} µs | "
-                         f"{(base - cpu['all off']) / base:.0%} | | | {_fmt(p50['all on'])} / "
-                         f"{_fmt(p50['all off'])} ms |")
-        lines.append("")
+        lines += _layer_table(layers, stack)
     m = info["machine"]
     lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "
               f"{m['kernel']}, Python {m['python']}, grpcio {m['grpcio']}, protobuf "
@@ -603,6 +618,72 @@ def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: d
               f"{', '.join(f'{x:.2f}' for x in m['load_average'])} (a shared machine: the "
               f"ratios are what count).", ""]
     return "\n".join(lines)
+
+
+def _floor_cost(floor: dict[str, float], key: str) -> tuple[float, float] | None:
+    """The floor's cost of a configuration (all on minus that one) and its share of all on."""
+    if "all on" not in floor or key not in floor:
+        return None
+    cost = floor["all on"] - floor[key]
+    return cost, (cost / floor["all on"] if floor["all on"] else 0.0)
+
+
+def _layer_table(layers: dict[str, Any], stack: Stack) -> list[str]:
+    """The per-layer table (stargrpc's cost of each layer beside the floor's) and the
+    sentence on what the floor share means for the < 10% targets."""
+    cpu = layers["cpu_us_per_call"]
+    base = cpu["all on"]
+    p50 = layers["p50_ms"]
+    floor: dict[str, float] = layers.get("floor_cpu_us_per_call", {})
+
+    def floor_cells(key: str) -> str:
+        found = _floor_cost(floor, key)
+        return "— | —" if found is None else f"{_fmt(found[0])} µs | {found[1]:.0%}"
+
+    lines = ["| layer | server CPU per call, all on | with the layer off | cost | share "
+             "| floor cost | floor share | target | met | latency p50 all on / off |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for layer, state in stack.layers.items():
+        key = f"{layer} off"
+        target = "< 10%" if layer != "auth" else ""
+        if key not in cpu:
+            lines.append(f"| {layer} | {_fmt(base)} µs | — | — | — | — | — | {target} "
+                         f"| {state} | |")
+            continue
+        cost = base - cpu[key]
+        share = cost / base if base else 0.0
+        met = "" if layer == "auth" else ("yes" if share < 0.10 else "**no**")
+        lines.append(f"| {layer} | {_fmt(base)} µs | {_fmt(cpu[key])} µs | {_fmt(cost)} µs "
+                     f"| {share:.0%} | {floor_cells(key)} | {target} | {met} "
+                     f"| {_fmt(p50['all on'])} / {_fmt(p50[key])} ms |")
+    if "all off" in cpu:
+        lines.append(f"| *every layer off: the framework alone* | {_fmt(base)} µs | "
+                     f"{_fmt(cpu['all off'])} µs | {_fmt(base - cpu['all off'])} µs | "
+                     f"{(base - cpu['all off']) / base:.0%} | {floor_cells('all off')} | | | "
+                     f"{_fmt(p50['all on'])} / {_fmt(p50['all off'])} ms |")
+    if floor:
+        lines += ["", _floor_verdict(floor)]
+    return [*lines, ""]
+
+
+def _floor_verdict(floor: dict[str, float]) -> str:
+    """One sentence: what the floor share means, and which < 10% targets it rules out."""
+    out_of_reach: list[str] = []
+    reachable: list[str] = []
+    for layer in FLOOR_LAYERS:
+        found = _floor_cost(floor, f"{layer} off")
+        if layer == "auth" or found is None:  # auth has no target; an absent layer no figure
+            continue
+        (out_of_reach if found[1] >= 0.10 else reachable).append(f"{layer} ({found[1]:.0%})")
+    parts = [f"out of reach for {' and '.join(out_of_reach)}"] if out_of_reach else []
+    parts += [f"within reach for {' and '.join(reachable)}"] if reachable else []
+    verdict = ("in this run it is " + " and ".join(parts) if parts
+               else "no layer with a target has floor I/O in this stack")
+    return (f"**Floor cost**: the floor with every layer on ({_fmt(floor['all on'])} µs per "
+            "call) minus the floor with that layer's I/O off; **floor share**: that cost over "
+            "the floor all on — the least share that layer can have on grpc.aio (short of making "
+            "the rest of the call slower), so where it is ≥ 10% the < 10% target cannot be "
+            f"met by any implementation ({verdict}; the critic has no I/O, only a timer).")
 
 
 def render_profiles(profiles: dict[str, Any], top: int = 12) -> str:

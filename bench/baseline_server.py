@@ -14,8 +14,11 @@ written to Redis in one background script call (``--redis-url``; batches of at m
 and one audit row committed to a WAL-mode SQLite file (in ``--state-dir``) by one writer
 thread before the Result is sent. What stargrpc costs beyond the floor is the framework;
 what the floor costs beyond the bare server no stargrpc with those layers can avoid.
+``--floor-without LAYER`` (``audit``, ``run-log`` or ``auth``; repeatable) skips that
+layer's I/O, so that the floor's cost of each layer can be measured on its own.
 
-Run: ``python -m bench.baseline_server --port 0 [--floor]``; it prints one JSON line
+Run: ``python -m bench.baseline_server --port 0 [--floor [--floor-without LAYER]...]``; it
+prints one JSON line
 ``{"event": "serving", "address": "127.0.0.1:PORT"}`` once it accepts calls.
 """
 
@@ -47,6 +50,8 @@ import redis.asyncio
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 _SERVICE = "stargrpc.v1.ToolService"
+#: The floor's layers that ``--floor-without`` can switch off, each with its own I/O.
+FLOOR_LAYERS = ("audit", "run-log", "auth")
 
 
 class _Events:
@@ -283,10 +288,16 @@ class RunLog:
 
 
 class Floor:
-    """The bare server's Execute plus the minimum I/O of stargrpc's layers."""
+    """The bare server's Execute plus the minimum I/O of stargrpc's layers.
 
-    def __init__(self, token: str, audit: AuditWriter, run_log: RunLog | None) -> None:
-        self._expected = hashlib.sha256(token.encode()).digest() if token else None
+    A layer given as None (``audit``, ``run_log``) or switched off (``auth``) does none of
+    its work at all, so that the floor with it off measures what that layer's I/O costs.
+    """
+
+    def __init__(self, token: str, audit: AuditWriter | None, run_log: RunLog | None,
+                 auth: bool = True) -> None:
+        self._auth = auth
+        self._expected = hashlib.sha256(token.encode()).digest() if token and auth else None
         self._audit = audit
         self._run_log = run_log
 
@@ -294,10 +305,13 @@ class Floor:
         """Finishes the run log's writes under way and commits the audit rows queued."""
         if self._run_log is not None:
             await self._run_log.close()
-        self._audit.close()
+        if self._audit is not None:
+            self._audit.close()
 
     def _principal(self, context: grpc.aio.ServicerContext) -> str | None:
         """Who is calling (the key's hash prefix), or None when the key is wrong."""
+        if not self._auth:
+            return "anonymous"  # auth off: the metadata is not even read
         sent = ""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
@@ -322,10 +336,12 @@ class Floor:
                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """The bare method's messages, sent serialised once, with the layers' I/O around."""
         started = time.perf_counter()
+        audit = self._audit
         principal = self._principal(context)
         if principal is None:
-            self._audit.append_nowait(self._row(request, context, "", "", "UNAUTHENTICATED",
-                                                started))
+            if audit is not None:
+                audit.append_nowait(self._row(request, context, "", "", "UNAUTHENTICATED",
+                                              started))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
             return  # abort() raises: never reached
         pending: list[bytes] = []  # events not yet handed to the run log
@@ -348,34 +364,44 @@ class Floor:
                         self._run_log.write(run_id, pending)
                         pending = []
                     outcome = events_pb2.Outcome.Name(event.result.outcome)
-                    # stargrpc's promise: a Result the client saw has its record committed.
-                    await self._audit.append(self._row(request, context, principal, run_id,
-                                                       outcome, started))
+                    if audit is not None:
+                        # stargrpc's promise: a Result the client saw has its record
+                        # committed.
+                        await audit.append(self._row(request, context, principal, run_id,
+                                                     outcome, started))
                 yield data
         except BaseException as exc:
             if not outcome:  # ended before its Result: recorded, but nobody to wait for it
                 outcome = type(exc).__name__
-                self._audit.append_nowait(self._row(request, context, principal, run_id,
-                                                    outcome, started))
+                if audit is not None:
+                    audit.append_nowait(self._row(request, context, principal, run_id,
+                                                  outcome, started))
             raise
         finally:
             if pending and self._run_log is not None:
                 self._run_log.write(run_id, pending)
 
 
-async def _open_floor(state_dir: Path, redis_url: str) -> Floor:
-    audit = AuditWriter(state_dir / "floor-audit.db", asyncio.get_running_loop())
-    await audit.opened()
-    run_log = await RunLog.connect(redis_url) if redis_url else None
-    return Floor(os.environ.get("BENCH_FLOOR_TOKEN", ""), audit, run_log)
+async def _open_floor(state_dir: Path, redis_url: str, without: frozenset[str]) -> Floor:
+    # A layer switched off opens nothing: no writer thread, no Redis connection.
+    audit = None
+    if "audit" not in without:
+        audit = AuditWriter(state_dir / "floor-audit.db", asyncio.get_running_loop())
+        await audit.opened()
+    run_log = (await RunLog.connect(redis_url) if redis_url and "run-log" not in without
+               else None)
+    return Floor(os.environ.get("BENCH_FLOOR_TOKEN", ""), audit, run_log,
+                 auth="auth" not in without)
 
 
 async def serve(host: str, port: int, floor_dir: Path | None = None,
-                redis_url: str = "") -> None:
+                redis_url: str = "", without: frozenset[str] = frozenset()) -> None:
     """Serves until SIGTERM or SIGINT; with ``floor_dir``, as the floor (module docstring),
-    its audit database in that directory and its run log on ``redis_url`` (none if empty)."""
+    its audit database in that directory and its run log on ``redis_url`` (none if empty),
+    less the I/O of the layers in ``without`` (of ``FLOOR_LAYERS``)."""
     server = grpc.aio.server()
-    floor = await _open_floor(floor_dir, redis_url) if floor_dir is not None else None
+    floor = (await _open_floor(floor_dir, redis_url, without) if floor_dir is not None
+             else None)
     if floor is None:
         method = grpc.unary_stream_rpc_method_handler(
             execute,
@@ -415,15 +441,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redis-url", default="",
                         help="The floor's run log (e.g. redis://127.0.0.1:6379/0) "
                              "[default: none].")
+    parser.add_argument("--floor-without", action="append", default=[], choices=FLOOR_LAYERS,
+                        metavar="LAYER",
+                        help="With --floor: skip this layer's I/O (one of "
+                             f"{', '.join(FLOOR_LAYERS)}; repeatable).")
     args = parser.parse_args(argv)
+    if args.floor_without and not args.floor:
+        parser.error("--floor-without is only meaningful with --floor")
+    without = frozenset(args.floor_without)
     if not args.floor:
         asyncio.run(serve(args.host, args.port))
     elif args.state_dir is not None:
         args.state_dir.mkdir(parents=True, exist_ok=True)
-        asyncio.run(serve(args.host, args.port, args.state_dir, args.redis_url))
+        asyncio.run(serve(args.host, args.port, args.state_dir, args.redis_url, without))
     else:
         with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
-            asyncio.run(serve(args.host, args.port, Path(tmp), args.redis_url))
+            asyncio.run(serve(args.host, args.port, Path(tmp), args.redis_url, without))
     sys.exit(0)
 
 

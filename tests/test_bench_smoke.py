@@ -1,9 +1,10 @@
 """The benchmark's tiniest pass, so the bench code cannot rot: ``python -m bench --smoke``.
 
 It starts the bare baseline, the floor (the baseline plus the layers' minimum I/O) and
-stargrpc as processes, drives all three with the bench client and writes its results. Only
-that numbers were produced is checked — never their values: these machines are shared, and
-performance is judged by ``python -m bench``, not by tests.
+stargrpc as processes, drives all three with the bench client, then stargrpc and the floor
+with each layer off in turn, and writes its results. Only that numbers were produced is
+checked — never their values: these machines are shared, and performance is judged by
+``python -m bench``, not by tests.
 """
 
 from __future__ import annotations
@@ -36,5 +37,17 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
         figures = results["raw"][server]
         assert figures["held"]["opened"] == figures["held"]["streams"]
         assert figures["stream"]["best"]["events"] == results["sizes"]["stream_n"]
+    # The per-layer costs, stargrpc's and the floor's: each floor layer stargrpc runs with
+    # (the critic has no I/O, so no floor) has its figure with that layer off.
+    layers = results["layers_cpu"]
+    assert isinstance(layers["cpu_us_per_call"]["all on"], float)
+    floor = layers["floor_cpu_us_per_call"]
+    present = [layer for layer in ("audit", "run log", "auth")
+               if results["layers"][layer].startswith("on")]
+    expected = {"all on", *(f"{layer} off" for layer in present),
+                *(["all off"] if present else [])}
+    assert set(floor) == expected, floor
+    assert all(isinstance(value, float) for value in floor.values()), floor
+    assert "| floor cost | floor share |" in done.stdout
     assert "| Call latency p50" in done.stdout
     assert (tmp_path / saved.name.replace(".json", ".md")).exists()
