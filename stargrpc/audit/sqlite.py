@@ -111,15 +111,26 @@ class SqliteAuditStore:
         return self._db
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
-        if self._fast is not None:
-            try:
-                sealed = _append(self._fast, records)
-            except sqlite3.Error:
-                pass  # locked by another writer, or failing: the thread waits and reports
-            else:
-                self._fast_committed()
-                return sealed
+        sealed = self.append_now(records)
+        if sealed is not None:
+            return sealed
         return await self._run(_append, self._conn, records)
+
+    def append_now(self, records: Sequence[AuditRecord]) -> list[AuditRecord] | None:
+        """Appends ``records`` right here on the event loop when that needs no waiting.
+
+        Returns:
+            The records as stored, or None when another writer holds the lock (or the
+            attempt failed): then :meth:`append` must do it on the store's thread.
+        """
+        if self._fast is None:
+            return None
+        try:
+            sealed = _append(self._fast, records)
+        except sqlite3.Error:
+            return None  # locked by another writer, or failing: the thread waits and reports
+        self._fast_committed()
+        return sealed
 
     def _fast_committed(self) -> None:
         self._commits_since_checkpoint += 1

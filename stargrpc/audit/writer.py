@@ -1,5 +1,10 @@
-"""The batched audit writer: calls hand records over and go on; one background task
-writes whatever has queued up in one transaction (group commit).
+"""The batched audit writer: calls hand records over and go on; whatever has queued up by
+the time the event loop comes round is written in one transaction (group commit).
+
+A store that can append at once without waiting (SQLite's fast path,
+:meth:`~stargrpc.audit.sqlite.SqliteAuditStore.append_now`) is written to from a plain
+callback: no task and no thread hop per batch. Otherwise, or when that fast path declines, a
+task writes the batch with the store's ``append``.
 
 Nothing is dropped: a failed write is retried (with backoff) until it succeeds or the
 writer is closed, and :meth:`AuditWriter.aclose` writes everything still queued. A caller
@@ -10,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -20,6 +27,7 @@ from stargrpc.audit.store import AuditStore
 log = structlog.get_logger("stargrpc.audit")
 
 _Entry = tuple[AuditRecord, "asyncio.Future[AuditRecord]"]
+_AppendNow = Callable[[Sequence[AuditRecord]], "list[AuditRecord] | None"]
 
 
 class AuditWriter:
@@ -34,10 +42,13 @@ class AuditWriter:
     store: AuditStore
     max_batch: int
     close_timeout: float
-    _queue: asyncio.Queue[_Entry]
+    _queue: deque[_Entry]
     _pending: int
     _idle: asyncio.Event
+    _append_now: _AppendNow | None
+    _scheduled: bool
     _task: asyncio.Task[None] | None
+    _started: bool
     _closed: bool
 
     def __init__(self, store: AuditStore, *, max_batch: int = 500,
@@ -45,17 +56,21 @@ class AuditWriter:
         self.store = store
         self.max_batch = max_batch
         self.close_timeout = close_timeout
-        self._queue = asyncio.Queue()
+        self._queue = deque()
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._append_now = getattr(store, "append_now", None)
+        self._scheduled = False
         self._task = None
+        self._started = False
         self._closed = False
 
     async def start(self) -> None:
-        """Opens the store and starts the background task."""
+        """Opens the store; records submitted before are written from now on."""
         await self.store.open()
-        self._task = asyncio.create_task(self._run(), name="audit-writer")
+        self._started = True
+        self._schedule()
 
     @property
     def pending(self) -> int:
@@ -71,10 +86,11 @@ class AuditWriter:
         if self._closed:
             raise RuntimeError("the audit writer is closed")
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((record, future))
+        self._queue.append((record, future))
         self._pending += 1
         self._idle.clear()
         metrics.AUDIT_QUEUE_DEPTH.inc()
+        self._schedule()
         return future
 
     async def flush(self) -> None:
@@ -84,29 +100,62 @@ class AuditWriter:
     async def aclose(self) -> None:
         """Writes what is queued (for up to ``close_timeout`` seconds), then closes."""
         self._closed = True
-        if self._task is not None:
+        if self._started:
             try:
                 await asyncio.wait_for(self.flush(), self.close_timeout)
             except TimeoutError:
                 log.error("audit_records_lost", records=self._pending,
                           reason="the audit store did not accept them before shutdown")
+        if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         self._fail_queued()
-        await self.store.aclose()
+        if self._started:
+            await self.store.aclose()
+            self._started = False
 
-    async def _run(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            stored = await self._write(batch)
-            for (_, future), record in zip(batch, stored, strict=True):
-                if not future.done():
-                    future.set_result(record)
-            self._done(len(batch))
+    # -- writing ---------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        # One callback per loop iteration: every record submitted until it runs joins the
+        # same transaction.
+        if self._started and not self._scheduled and self._task is None and self._queue:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._write_queued)
+
+    def _take_batch(self) -> list[_Entry]:
+        count = min(self.max_batch, len(self._queue))
+        return [self._queue.popleft() for _ in range(count)]
+
+    def _write_queued(self) -> None:
+        self._scheduled = False
+        if self._task is not None or not self._queue:
+            return
+        batch = self._take_batch()
+        if self._append_now is not None:
+            try:
+                stored = self._append_now([record for record, _ in batch])
+            except Exception as exc:  # the task's retries report it if it persists
+                log.warning("audit_fast_write_failed", error=str(exc) or type(exc).__name__)
+                stored = None
+            if stored is not None:
+                self._settle(batch, stored)
+                self._schedule()
+                return
+        self._task = asyncio.create_task(self._write_batch(batch), name="audit-writer")
+
+    async def _write_batch(self, batch: list[_Entry]) -> None:
+        try:
+            self._settle(batch, await self._write(batch))
+        except asyncio.CancelledError:
+            # Closing: the records of this batch were not written; their callers learn it.
+            self._queue.extendleft(reversed(batch))
+            raise
+        finally:
+            self._task = None
+        self._schedule()
 
     async def _write(self, batch: list[_Entry]) -> list[AuditRecord]:
         delay = 0.05
@@ -122,6 +171,12 @@ class AuditWriter:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    def _settle(self, batch: list[_Entry], stored: list[AuditRecord]) -> None:
+        for (_, future), record in zip(batch, stored, strict=True):
+            if not future.done():
+                future.set_result(record)
+        self._done(len(batch))
+
     def _done(self, count: int) -> None:
         self._pending -= count
         metrics.AUDIT_QUEUE_DEPTH.dec(count)
@@ -129,8 +184,8 @@ class AuditWriter:
             self._idle.set()
 
     def _fail_queued(self) -> None:
-        while not self._queue.empty():
-            _, future = self._queue.get_nowait()
+        while self._queue:
+            _, future = self._queue.popleft()
             if not future.done():
                 future.set_exception(RuntimeError("the audit writer closed first"))
                 future.exception()  # mark retrieved: nobody may be waiting

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from stargrpc.audit import sqlite as sqlite_store
 from stargrpc.audit.chain import verify
 from stargrpc.audit.sqlite import SqliteAuditStore
 from stargrpc.audit.store import Query, sqlite_path
+from stargrpc.audit.writer import AuditWriter
 from tests.audit.records import make_record
 
 
@@ -68,3 +71,23 @@ async def test_the_wal_is_checkpointed_and_stays_small(sqlite_url: str,
     # Without checkpoints the WAL holds every transaction: at least 1500 pages of 4 KiB;
     # with them, what was committed since the last one.
     assert wal_bytes < 1500 * 4096 / 4
+
+
+async def test_records_submitted_together_are_committed_together_on_the_loop(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    transactions: list[tuple[str, int]] = []
+    real_append = sqlite_store._append
+
+    def counting_append(db: sqlite3.Connection, records: Any) -> Any:
+        transactions.append((threading.current_thread().name, len(records)))
+        return real_append(db, records)
+
+    monkeypatch.setattr(sqlite_store, "_append", counting_append)
+    writer = AuditWriter(SqliteAuditStore(sqlite_url))
+    await writer.start()
+    futures = [writer.submit(make_record()) for _ in range(100)]
+    stored = [await future for future in futures]
+    await writer.aclose()
+
+    assert [record.seq for record in stored] == list(range(1, 101))
+    assert transactions == [(threading.main_thread().name, 100)]
