@@ -604,7 +604,7 @@ def render(rows: list[Row], layers: dict[str, Any] | None, stack: Stack, info: d
                "memory in this run)")
     lines += ["", "The **floor** is the bare server plus only the I/O stargrpc's layers must do "
               f"per call, done as leanly as Python allows (the API key hashed and compared, "
-              f"{run_log}, one audit row committed to SQLite by one writer thread before the "
+              f"{run_log}, one audit row committed to SQLite on the event loop before the "
               "Result): its ratio is the best any stargrpc with these layers can reach on "
               "grpc.aio, in bold where even that misses the target.",
               "", "Layers of stargrpc in this run: " + "; ".join(

@@ -11,8 +11,8 @@ With ``--floor`` it is the **floor** instead: the same server plus only the I/O 
 stargrpc's layers must do on every Execute, done as leanly as Python allows — the API key
 checked (SHA-256, constant-time compare against ``BENCH_FLOOR_TOKEN``), the run's events
 written to Redis in one background script call (``--redis-url``; batches of at most 1 MiB),
-and one audit row committed to a WAL-mode SQLite file (in ``--state-dir``) by one writer
-thread before the Result is sent. What stargrpc costs beyond the floor is the framework;
+and one audit row committed to a WAL-mode SQLite file (in ``--state-dir``) on the event loop
+before the Result is sent. What stargrpc costs beyond the floor is the framework;
 what the floor costs beyond the bare server no stargrpc with those layers can avoid.
 ``--floor-without LAYER`` (``audit``, ``run-log`` or ``auth``; repeatable) skips that
 layer's I/O, so that the floor's cost of each layer can be measured on its own.
@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import contextlib
 import hashlib
 import hmac
 import json
 import os
-import queue
 import signal
 import sqlite3
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -161,100 +157,78 @@ redis.call('PEXPIRE', KEYS[1], 60000)
 _Waiter = asyncio.Future[None] | None
 
 
-def _settle(waiters: list[asyncio.Future[None]], error: BaseException | None) -> None:
-    """On the event loop: wakes the calls whose rows one transaction committed."""
-    for waiter in waiters:
-        if not waiter.done():  # a call cancelled meanwhile no longer waits
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
-
-
 class AuditWriter:
-    """One thread owning a WAL-mode SQLite connection, appending hash-chained rows.
+    """A WAL-mode SQLite connection on the event loop, appending hash-chained rows.
 
-    Rows queued while a transaction commits go into the next one together (one
-    ``BEGIN IMMEDIATE … COMMIT`` for all), and the calls waiting on them are woken with one
-    ``call_soon_threadsafe`` per transaction.
+    Rows queued within one turn of the event loop are committed together by one callback
+    (one ``BEGIN IMMEDIATE … COMMIT`` for all) right on the loop: in WAL mode with
+    ``synchronous=NORMAL`` a commit appends a few pages to the WAL in the page cache, and
+    handing it to a thread instead costs more in thread switches than the commit itself
+    (measured on stargrpc's own store: the audit's CPU per call fell from about 400 µs to
+    about 190 µs when its commits moved from a thread onto the loop).
     """
 
     def __init__(self, path: Path, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queue: queue.SimpleQueue[tuple[str, _Waiter] | None] = queue.SimpleQueue()
-        self._opened: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(str(path),),
-                                         name="floor-audit", daemon=True)
-        self._thread.start()
-
-    async def opened(self) -> None:
-        """Returns once the database is open (or raises why it could not be)."""
-        await asyncio.wrap_future(self._opened)
+        self._db = sqlite3.connect(str(path), isolation_level=None)  # BEGIN/COMMIT explicit
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(_AUDIT_SCHEMA)
+        self._queue: list[tuple[str, _Waiter]] = []
+        self._scheduled = False
+        self._head = bytes(32)  # the chain's last hash: this connection is the only writer
 
     def append(self, row: str) -> asyncio.Future[None]:
         """Queues a row; the future is done once its transaction committed."""
         waiter: asyncio.Future[None] = self._loop.create_future()
-        self._queue.put((row, waiter))
+        self._queue.append((row, waiter))
+        self._schedule()
         return waiter
 
     def append_nowait(self, row: str) -> None:
         """Queues a row for a call that sent no Result, so nobody waits on its commit."""
-        self._queue.put((row, None))
+        self._queue.append((row, None))
+        self._schedule()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Commits what is queued, then stops the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+    def close(self) -> None:
+        """Commits what is queued, then closes the database."""
+        while self._queue:
+            self._commit_queued()
+        self._db.close()
 
-    def _run(self, path: str) -> None:
-        try:
-            db = sqlite3.connect(path, isolation_level=None)  # BEGIN/COMMIT are explicit
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(_AUDIT_SCHEMA)
-        except BaseException as exc:
-            self._opened.set_exception(exc)
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._commit_queued)
+
+    def _commit_queued(self) -> None:
+        self._scheduled = False
+        batch, self._queue = self._queue[:_AUDIT_BATCH], self._queue[_AUDIT_BATCH:]
+        if self._queue:
+            self._schedule()
+        if not batch:
             return
-        self._opened.set_result(None)
-        head = bytes(32)  # the chain's last hash, kept here: this thread is the only writer
-        stopping = False
-        for item in iter(self._queue.get, None):  # until close() queues None
-            batch = [item]
-            for _ in range(_AUDIT_BATCH - 1):
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                    break
-                batch.append(more)
-            head = self._commit(db, batch, head)
-            if stopping:
-                break
-        db.close()
-
-    def _commit(self, db: sqlite3.Connection, batch: list[tuple[str, _Waiter]],
-                head: bytes) -> bytes:
         rows = []
-        chained = head
+        chained = self._head
         for row, _ in batch:
             chained = hashlib.sha256(chained + row.encode()).digest()
             rows.append((row, chained.hex()))
         error: BaseException | None = None
         try:
-            db.execute("BEGIN IMMEDIATE")
-            db.executemany(_AUDIT_INSERT, rows)
-            db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany(_AUDIT_INSERT, rows)
+            self._db.execute("COMMIT")
+            self._head = chained
         except sqlite3.Error as exc:
-            if db.in_transaction:
-                db.rollback()
-            error, chained = exc, head
-        waiters = [waiter for _, waiter in batch if waiter is not None]
-        if waiters:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                self._loop.call_soon_threadsafe(_settle, waiters, error)
-        return chained
+            if self._db.in_transaction:
+                self._db.rollback()
+            error = exc
+        for _, waiter in batch:
+            if waiter is not None and not waiter.done():  # a cancelled call no longer waits
+                if error is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(error)
 
 
 class RunLog:
@@ -383,11 +357,10 @@ class Floor:
 
 
 async def _open_floor(state_dir: Path, redis_url: str, without: frozenset[str]) -> Floor:
-    # A layer switched off opens nothing: no writer thread, no Redis connection.
+    # A layer switched off opens nothing: no database, no Redis connection.
     audit = None
     if "audit" not in without:
         audit = AuditWriter(state_dir / "floor-audit.db", asyncio.get_running_loop())
-        await audit.opened()
     run_log = (await RunLog.connect(redis_url) if redis_url and "run-log" not in without
                else None)
     return Floor(os.environ.get("BENCH_FLOOR_TOKEN", ""), audit, run_log,

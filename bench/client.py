@@ -292,6 +292,9 @@ async def _held_one(client: Client, streams: int, seconds: float, server_pid: in
     for call in calls:
         call.cancel()
     await asyncio.gather(*reads, return_exceptions=True)
+    # Ending thousands of runs keeps a server busy for a while (their Results, audit records
+    # and run-log writes): let it finish before the next server is measured beside it.
+    await _until_idle(server_pid)
     return {
         "streams": streams, "opened": opened, "open_seconds": open_seconds,
         "ended_early": ended_early, "open_errors": len(failed),
@@ -302,6 +305,19 @@ async def _held_one(client: Client, streams: int, seconds: float, server_pid: in
         "probe_max_ms": max(probe_seconds) * 1e3 if probe_seconds else None,
         "probe_errors": probe_errors,
     }
+
+
+async def _until_idle(pid: int, *, quiet_s: float = 0.25, limit_s: float = 20.0) -> None:
+    """Returns once process ``pid`` used (almost) no CPU for ``quiet_s``, or after
+    ``limit_s``."""
+    deadline = time.perf_counter() + limit_s
+    before = server_cpu_seconds(pid)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(quiet_s)
+        now = server_cpu_seconds(pid)
+        if now - before < 0.02 * quiet_s / 0.25:  # at most two clock ticks of 10 ms
+            return
+        before = now
 
 
 async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[int]
