@@ -70,6 +70,7 @@ class Sizes:
     cpu_calls: int
     cpu_warmup: int
     cpu_repeats: int
+    cpu_block: int
     layers: bool
 
 
@@ -77,18 +78,18 @@ MODES = {
     "full": Sizes(latency_calls=1000, latency_warmup=100, stream_n=20_000, stream_runs=3,
                   slow_n=10_000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
                   concurrency_rounds=5, held=5000, held_seconds=120.0, held_open_timeout=100.0,
-                  held_fresh_server=True, cpu_calls=600, cpu_warmup=60, cpu_repeats=2,
-                  layers=True),
+                  held_fresh_server=True, cpu_calls=1000, cpu_warmup=60, cpu_repeats=3,
+                  cpu_block=25, layers=True),
     "quick": Sizes(latency_calls=200, latency_warmup=30, stream_n=5000, stream_runs=1,
                    slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
                    concurrency_rounds=2, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
-                   layers=True),
+                   cpu_block=20, layers=True),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers.
     "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
                    slow_every=10, slow_ms=1.0, coalesce=10, concurrency=5, concurrency_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
-                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, layers=True),
+                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, cpu_block=2, layers=True),
 }
 
 
@@ -317,7 +318,7 @@ def server_plan(sizes: Sizes, targets: list[Server]) -> list[dict[str, Any]]:
 
 def cpu_step(sizes: Sizes, targets: list[Server]) -> dict[str, Any]:
     return {"measure": "cpu", "calls": sizes.cpu_calls, "warmup": sizes.cpu_warmup,
-            "server_pids": [s.pid for s in targets]}
+            "server_pids": [s.pid for s in targets], "block": sizes.cpu_block}
 
 
 def held_step(sizes: Sizes, targets: list[Server]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ falls on all of them alike; it prints the figures as one JSON object::
 Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms, coalesce,
 server_pids, coalesce_deltas), concurrency
 (concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
-warmup, server_pids).
+warmup, server_pids, block).
 
 It runs in its own process (the orchestrator, ``python -m bench``, starts it), so client and
 server never share an interpreter. Every loop is bounded in count and in time, and the only
@@ -320,22 +320,31 @@ async def _until_idle(pid: int, *, quiet_s: float = 0.25, limit_s: float = 20.0)
         before = now
 
 
-async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[int]
-              ) -> list[dict[str, Any]]:
+async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[int],
+              block: int = 1) -> list[dict[str, Any]]:
     """Each server's CPU time per sequential trivial call (user + system, from /proc), the
-    servers taking turns call by call."""
+    servers taking turns ``block`` calls at a time.
+
+    Turns of one call measure every server with its caches cold (the others ran in
+    between), which inflates the CPU of each call the more servers take turns; a block of
+    calls per turn measures a server the way it runs in production, warm, while the turns
+    still spread the machine's noise over all of them.
+    """
     for client in clients:
         for _ in range(warmup):
             await client.execute("bench_trivial", expect_messages=3)
     before = [server_cpu_seconds(pid) for pid in server_pids]
     seconds: list[list[float]] = [[] for _ in clients]
-    for i in range(calls):
-        for k in _turns(i, len(clients)):
-            seconds[k].append((await clients[k].execute("bench_trivial",
-                                                        expect_messages=3)).seconds)
+    block = max(1, block)
+    for turn in range((calls + block - 1) // block):
+        in_turn = min(block, calls - turn * block)
+        for k in _turns(turn, len(clients)):
+            for _ in range(in_turn):
+                seconds[k].append((await clients[k].execute(
+                    "bench_trivial", expect_messages=3)).seconds)
     used = [server_cpu_seconds(pid) - b for pid, b in zip(server_pids, before, strict=True)]
-    return [{"calls": calls, "cpu_us_per_call": u / calls * 1e6, "server_cpu_s": u,
-             "p50_ms": percentile(s, 0.5) * 1e3}
+    return [{"calls": calls, "block": block, "cpu_us_per_call": u / calls * 1e6,
+             "server_cpu_s": u, "p50_ms": percentile(s, 0.5) * 1e3}
             for u, s in zip(used, seconds, strict=True)]
 
 
