@@ -8,7 +8,9 @@ task writes the batch with the store's ``append``.
 
 Nothing is dropped: a failed write is retried (with backoff) until it succeeds or the
 writer is closed, and :meth:`AuditWriter.aclose` writes everything still queued. A caller
-that must know its record is durable awaits the future :meth:`AuditWriter.submit` returns.
+that must know its record is durable awaits the future :meth:`AuditWriter.submit` returns;
+when the store keeps it waiting longer than ``commit_wait``, the future fails with
+:class:`AuditCommitPending` while the record is still being written.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from stargrpc.audit.store import AuditStore
 log = structlog.get_logger("stargrpc.audit")
 
 _Entry = tuple[AuditRecord, "asyncio.Future[AuditRecord]"]
+
+
+class AuditCommitPending(Exception):
+    """The record is not committed yet after ``commit_wait`` seconds; the writer goes on
+    trying, so it is not lost, only late."""
 _AppendNow = Callable[[Sequence[AuditRecord]], "list[AuditRecord] | None"]
 
 
@@ -37,11 +44,13 @@ class AuditWriter:
         store: Where the records go.
         max_batch: Most records per transaction.
         close_timeout: How long :meth:`aclose` keeps trying to write what is queued.
+        commit_wait: How long a submitted record's future may stay pending (0: no bound).
     """
 
     store: AuditStore
     max_batch: int
     close_timeout: float
+    commit_wait: float
     _queue: deque[_Entry]
     _pending: int
     _idle: asyncio.Event
@@ -52,10 +61,11 @@ class AuditWriter:
     _closed: bool
 
     def __init__(self, store: AuditStore, *, max_batch: int = 500,
-                 close_timeout: float = 30.0) -> None:
+                 close_timeout: float = 30.0, commit_wait: float = 0.0) -> None:
         self.store = store
         self.max_batch = max_batch
         self.close_timeout = close_timeout
+        self.commit_wait = commit_wait
         self._queue = deque()
         self._pending = 0
         self._idle = asyncio.Event()
@@ -147,6 +157,9 @@ class AuditWriter:
         self._task = asyncio.create_task(self._write_batch(batch), name="audit-writer")
 
     async def _write_batch(self, batch: list[_Entry]) -> None:
+        # The store makes this batch wait: bound how long its callers wait with it.
+        release = (asyncio.get_running_loop().call_later(self.commit_wait, _release, batch)
+                   if self.commit_wait > 0 else None)
         try:
             self._settle(batch, await self._write(batch))
         except asyncio.CancelledError:
@@ -155,6 +168,8 @@ class AuditWriter:
             raise
         finally:
             self._task = None
+            if release is not None:
+                release.cancel()
         self._schedule()
 
     async def _write(self, batch: list[_Entry]) -> list[AuditRecord]:
@@ -191,3 +206,11 @@ class AuditWriter:
                 future.exception()  # mark retrieved: nobody may be waiting
         if self._pending:  # queued, or in the batch the close interrupted
             self._done(self._pending)
+
+
+def _release(batch: list[_Entry]) -> None:
+    """Lets the callers of a batch still being written stop waiting for it."""
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(AuditCommitPending())
+            future.exception()  # mark retrieved: the caller may have gone

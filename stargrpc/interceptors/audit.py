@@ -19,6 +19,7 @@ import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from google.protobuf import json_format
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
 from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
-from stargrpc.audit.writer import AuditWriter
+from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
 from stargrpc.interceptors._shapes import call_behaviour, iterate_responses, rewrap
 from stargrpc.principal import current_principal
@@ -40,6 +41,10 @@ log = structlog.get_logger("stargrpc.audit")
 
 #: Longest ``detail`` kept in a record.
 MAX_DETAIL_CHARS = 300
+
+#: Wrapped handlers kept per interceptor (one per method served; bounded in case a
+#: handler is built afresh for every call).
+_MAX_WRAPPED = 1024
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -53,6 +58,11 @@ class _Call:
     written: bool = False
     result: events_pb2.Result | None = None
     invocation: dict[str, Any] | None = None
+
+
+#: The call being audited: set by the interceptor, read by the wrapped handler, which
+#: grpc.aio runs in the same task (so a wrapped handler can be built once per method).
+_current = ContextVar[_Call]("stargrpc_audited_call")
 
 
 class AuditInterceptor(grpc.aio.ServerInterceptor):
@@ -69,16 +79,19 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     limits: RedactionLimits
     max_result_chars: int
     commit_timeout: float
+    _wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
             store = open_store(settings.audit_store or default_store_url(settings.state_dir))
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
-                                  close_timeout=settings.audit_close_timeout_seconds)
+                                  close_timeout=settings.audit_close_timeout_seconds,
+                                  commit_wait=settings.audit_commit_timeout_seconds)
         self.limits = RedactionLimits(max_value_chars=settings.audit_max_value_chars,
                                       max_total_chars=settings.audit_max_arguments_chars)
         self.max_result_chars = settings.audit_max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
+        self._wrapped = {}
 
     # -- lifecycle (the server calls these) ------------------------------------------------
 
@@ -99,6 +112,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # grpc.aio serves each call in a task of its own: inner interceptors and the
         # handler see this record, and nothing else does.
         current_call.set(call.record)
+        _current.set(call)
         try:
             handler = await continuation(handler_call_details)
         except BaseException as exc:
@@ -109,18 +123,26 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             call.record.detail = "unknown method"
             self._write(call)
             return None
-        return self._wrap(handler, call)
+        return self._wrap(handler)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, call: _Call) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` audited: built once per handler, not once per call."""
+        cached = self._wrapped.get(id(handler))
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         # The request is kept for the record only when it is one message, not a stream.
-        return rewrap(
+        wrapped = rewrap(
             handler,
-            unary=lambda inner, streaming: self._unary(inner, call, peek=not streaming),
-            stream=lambda inner, streaming: self._stream(inner, call, peek=not streaming))
+            unary=lambda inner, streaming: self._unary(inner, peek=not streaming),
+            stream=lambda inner, streaming: self._stream(inner, peek=not streaming))
+        if len(self._wrapped) < _MAX_WRAPPED:
+            self._wrapped[id(handler)] = (handler, wrapped)
+        return wrapped
 
-    def _unary(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
+    def _unary(self, behavior: Callable[..., Any], *, peek: bool
                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
                 response = await call_behaviour(behavior, request, context)
@@ -132,16 +154,18 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
         return audited
 
-    def _stream(self, behavior: Callable[..., Any], call: _Call, *, peek: bool
+    def _stream(self, behavior: Callable[..., Any], *, peek: bool
                 ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
+        # An async generator is iterated directly: a wrapping generator would add a hop per
+        # streamed message.
+        direct = inspect.isasyncgenfunction(behavior)
+
         async def audited(request: Any, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[Any]:
+            call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                # An async generator is iterated directly: a wrapping generator would add a
-                # hop per streamed message.
-                responses = (behavior(request, context)
-                             if inspect.isasyncgenfunction(behavior)
+                responses = (behavior(request, context) if direct
                              else iterate_responses(behavior, request, context))
                 async for response in responses:
                     if isinstance(response, tool_service_pb2.ExecuteResponse) and \
@@ -159,7 +183,6 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     # -- the record ------------------------------------------------------------------------
 
     def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
-        current_call.set(call.record)
         record = call.record
         record.peer = context.peer() or ""
         if request is None:
@@ -181,11 +204,10 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         if future is None or self.commit_timeout <= 0:
             return
         try:
-            # The future is this call's alone (the writer skips futures already done), so
-            # it is awaited directly: no shield, and no wait_for task around it.
-            async with asyncio.timeout(self.commit_timeout):
-                await future
-        except TimeoutError:
+            # The future is this call's alone. The writer bounds the wait itself (one timer
+            # per batch that has to wait for the store, none for a commit done at once).
+            await future
+        except AuditCommitPending:
             log.warning("audit_commit_slow", run_id=call.record.run_id,
                         waited_seconds=self.commit_timeout)
         except RuntimeError:

@@ -13,6 +13,7 @@ is decided later, by :mod:`stargrpc.permissions`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -36,6 +37,10 @@ _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 
 Admit = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
 
+#: Guarded handlers kept per interceptor (one per method served; bounded in case a handler
+#: is built afresh for every call).
+_MAX_GUARDED = 1024
+
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every call before its handler runs."""
@@ -57,6 +62,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if settings.auth_open_reflection:
             open_services |= _REFLECTION
         self._open_services = frozenset(open_services)
+        self._guarded: dict[tuple[int, str], tuple[grpc.RpcMethodHandler,
+                                                   grpc.RpcMethodHandler]] = {}
 
     async def start(self) -> None:
         """Says loudly when authentication is off; reads the keys file once, so a broken
@@ -90,13 +97,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if method.lstrip("/").rpartition("/")[0] in self._open_services:
             return handler
+        if handler is None:
+            return _unknown_method(self._admitter(method))
+        # Built once per method's handler, not once per call.
+        key = (id(handler), method)
+        cached = self._guarded.get(key)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        guarded = guard(handler, self._admitter(method))
+        if len(self._guarded) < _MAX_GUARDED:
+            self._guarded[key] = (handler, guarded)
+        return guarded
 
+    def _admitter(self, method: str) -> Admit:
         async def admit(context: grpc.aio.ServicerContext) -> Principal:
             return await self._admit(context, method)
 
-        if handler is None:
-            return _unknown_method(admit)
-        return guard(handler, admit)
+        return admit
 
     async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
         record = current_call.get()
@@ -135,10 +152,15 @@ def _unary_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., An
 
 
 def _stream_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
+    # An async generator is iterated directly: one wrapping generator less per message.
+    direct = inspect.isasyncgenfunction(inner)
+
     async def generator(request: Any, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[Any]:
         await admit(context)
-        async for response in iterate_responses(inner, request, context):
+        responses = (inner(request, context) if direct
+                     else iterate_responses(inner, request, context))
+        async for response in responses:
             yield response
 
     return generator

@@ -39,10 +39,12 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
 
     soft_timeout: float
     hard_timeout: float
+    _supervised_handlers: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
 
     def __init__(self, settings: Settings) -> None:
         self.soft_timeout = settings.critic_soft_timeout
         self.hard_timeout = settings.critic_hard_timeout
+        self._supervised_handlers = {}
 
     async def intercept_service(
         self,
@@ -53,11 +55,18 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
         if (handler is None or handler_call_details.method != EXECUTE_METHOD
                 or handler.unary_stream is None):
             return handler
-        return grpc.unary_stream_rpc_method_handler(
+        # Built once per handler, not once per call (Execute has one handler).
+        cached = self._supervised_handlers.get(id(handler))
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        supervised = grpc.unary_stream_rpc_method_handler(
             self._supervised(handler.unary_stream),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+        if len(self._supervised_handlers) < 16:
+            self._supervised_handlers[id(handler)] = (handler, supervised)
+        return supervised
 
     def policy(self, context: grpc.aio.ServicerContext) -> SupervisionPolicy:
         """The supervision policy of a call, with its deadline as an event-loop time."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+
+import pytest
 
 from stargrpc import metrics
 from stargrpc.audit.chain import verify
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import AuditStore, open_store
-from stargrpc.audit.writer import AuditWriter
+from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from tests.audit.records import make_record
 
 
@@ -106,4 +109,34 @@ async def test_close_writes_everything_queued(store_url: str) -> None:
     count = len([r async for r in reopened.scan()])
     await reopened.aclose()
     assert count == 50
+    assert writer.pending == 0
+
+
+class GatedStore(CountingStore):
+    """A real store whose appends wait until the test opens the gate."""
+
+    def __init__(self, store: AuditStore) -> None:
+        super().__init__(store)
+        self.gate = asyncio.Event()
+
+    async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        await self.gate.wait()
+        return await super().append(records)
+
+
+async def test_a_caller_stops_waiting_for_a_slow_store_and_the_record_still_lands(
+        sqlite_url: str) -> None:
+    store = GatedStore(open_store(sqlite_url))
+    writer = AuditWriter(store, commit_wait=0.05)
+    await writer.start()
+
+    future = writer.submit(make_record())
+    with pytest.raises(AuditCommitPending):
+        await asyncio.wait_for(future, 5)
+    assert writer.pending == 1
+
+    store.gate.set()
+    await asyncio.wait_for(writer.flush(), 5)
+    await writer.aclose()
+    assert store.transactions == 1
     assert writer.pending == 0
