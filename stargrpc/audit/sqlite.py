@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -227,17 +229,31 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
 
 def _connect(path: str) -> sqlite3.Connection:
     # isolation_level=None: transactions are spelled out (BEGIN IMMEDIATE … COMMIT).
-    db = sqlite3.connect(path, isolation_level=None)
+    # timeout: wait up to 10 s for a lock another connection (or process) holds.
+    db = sqlite3.connect(path, isolation_level=None, timeout=10.0)
     try:
-        db.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("PRAGMA busy_timeout=10000")
         for statement in _SCHEMA:
             db.execute(statement)
     except BaseException:
         db.close()
         raise
     return db
+
+
+def _enter_wal(db: sqlite3.Connection) -> None:
+    """Switches the file to WAL mode. SQLite refuses the switch at once, without waiting,
+    while another connection is opening the same file; on this thread a short retry is
+    harmless."""
+    for attempt in range(100):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 99:
+                raise
+            time.sleep(0.02)
 
 
 def _connect_fast(path: str) -> sqlite3.Connection:
@@ -288,6 +304,11 @@ def _select(db: sqlite3.Connection, sql: str, params: list[object]) -> list[Audi
 
 
 def _row(record: AuditRecord) -> tuple[object, ...]:
-    # Field by field: dataclasses.astuple deep-copies every value, which costs more here.
-    values = (getattr(record, name) for name in FIELDS)
-    return tuple(int(v) if isinstance(v, bool) else v for v in values)
+    # One attrgetter call: dataclasses.astuple deep-copies every value, which costs more.
+    values = list(_FIELD_VALUES(record))
+    values[_PRIVILEGED] = int(values[_PRIVILEGED])  # SQLite has no boolean
+    return tuple(values)
+
+
+_FIELD_VALUES = operator.attrgetter(*FIELDS)
+_PRIVILEGED = FIELDS.index("privileged")
