@@ -64,7 +64,8 @@ def utc_now() -> str:
 
 def format_time(moment: datetime) -> str:
     """``moment`` as ``2026-01-02T03:04:05.678901Z``."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat is several times faster than strftime, and this runs for every call.
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 @dataclass(frozen=True)
