@@ -290,6 +290,51 @@ class RemoteRunLog:
                     return
 
 
+class _ScriptLine:
+    """One connection of the flusher's own, driven directly: the script calls of a round
+    trip are packed and sent in one write and their replies read back in order.
+
+    redis-py's client takes a pooled connection, a lock and a retry wrapper on every
+    command; the flusher runs on every run, one round trip at a time, so it keeps a
+    connection and skips all three. Any failure drops the connection (a reply may be half
+    read); the next round trip connects afresh.
+    """
+
+    def __init__(self, client: Redis) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = None
+
+    async def call_all(self, sha: str, calls: list[tuple[list[str], list[Any]]]
+                       ) -> list[Any]:
+        """Each call's reply, or the error Redis answered it with.
+
+        Raises:
+            RedisError: Redis could not be reached (or cut the connection).
+        """
+        if self._conn is None:
+            self._conn = await self._pool.get_connection()
+        conn = self._conn
+        commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:  # this call's answer; the others still come
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+
+    async def aclose(self) -> None:
+        """Gives the connection back to its pool."""
+        if self._conn is not None:
+            await self._pool.release(self._conn)
+            self._conn = None
+
+
 class RedisRunStore:
     """Run logs, owners, idempotency claims and leases in Redis, shared by replicas.
 
@@ -328,6 +373,7 @@ class RedisRunStore:
         self.redis = redis
         self.flush_redis = flush_redis if flush_redis is not None else redis
         self.flush_timeout = flush_timeout
+        self._flush_line = _ScriptLine(self.flush_redis)
         self.prefix = prefix
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.retention_ms = max(1, int(retention * 1000))
@@ -488,6 +534,7 @@ class RedisRunStore:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._linger is not None:
             self._linger.cancel()
+        await self._flush_line.aclose()
         if self.flush_redis is not self.redis:
             await self.flush_redis.aclose()
         await self.redis.aclose()
@@ -520,23 +567,25 @@ class RedisRunStore:
         return [*self._run_keys(log.run_id), log.claim_key], args
 
     async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
-                        client: Redis | None = None) -> list[Any]:
-        """Runs ``script`` once per (keys, args) in one pipeline (one round trip); each
-        reply, or the error of that call. Loads the script first if Redis lost it (it was
-        restarted).
+                        line: _ScriptLine | None = None) -> list[Any]:
+        """Runs ``script`` once per (keys, args) in one pipeline (one round trip), on
+        ``line`` when given; each reply, or the error of that call. Loads the script first
+        if Redis lost it (it was restarted).
 
         Raises:
             RedisError: Redis could not be reached.
         """
-        redis = client if client is not None else self.redis
-        if len(calls) == 1:  # a plain call costs less than a pipeline of one
-            replies = [await self._one(redis, script.sha, *calls[0])]
+        if line is not None:
+            replies = await line.call_all(script.sha, calls)
+        elif len(calls) == 1:  # a plain call costs less than a pipeline of one
+            replies = [await self._one(self.redis, script.sha, *calls[0])]
         else:
-            replies = await self._pipelined(redis, script.sha, calls)
+            replies = await self._pipelined(self.redis, script.sha, calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            await redis.script_load(script.script)
-            again = await self._pipelined(redis, script.sha, [calls[i] for i in missing])
+            await self.redis.script_load(script.script)
+            again = await self._pipelined(self.redis, script.sha,
+                                          [calls[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
@@ -614,7 +663,7 @@ class RedisRunStore:
             async with asyncio.timeout(self.flush_timeout):
                 replies = await self._call_all(self._append_script, [
                     self._append_call(run_log, batch) for run_log, batch in batches],
-                    self.flush_redis)
+                    self._flush_line)
         except (RedisError, TimeoutError) as exc:
             self._failed(exc)
             log.warning("redis_flush_failed", runs=len(batches),
