@@ -137,6 +137,21 @@ async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> 
     assert opened is not None and opened.finished and opened.last_seq == 3
 
 
+async def test_the_flusher_reconnects_when_its_connection_is_cut(store: RedisRunStore) -> None:
+    first = await _published(store)
+    _run_whole(first)
+    assert await store.flushed(10)
+    # Cut every connection of the flusher's client (as a Redis restart or a proxy would).
+    await store.redis.client_kill_filter(_type="normal", skipme=True)
+
+    second = await _published(store)
+    _run_whole(second)
+    assert await store.flushed(10)
+    opened = await RedisRunStore(store.redis, prefix=store.prefix).open(second.run_id)
+
+    assert opened is not None and opened.finished and opened.last_seq == 3
+
+
 async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
     store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{_free_port()}/0",
                                          socket_connect_timeout=2))
