@@ -40,6 +40,9 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 #: How long a stopped tool gets to honour its cancellation before the run ends without it.
 STOP_GRACE_SECONDS = 2.0
 
+#: A run lets the event loop serve others after this many events of its own.
+YIELD_EVERY_EVENTS = 16
+
 #: Called with every event just before it is appended: observers may read it (progress
 #: tracking) or stamp fields on it (time left before the supervisor stops the run).
 EventObserver = Callable[[events_pb2.RunEvent], None]
@@ -90,6 +93,7 @@ class Run:
     _open_steps: dict[str, Step]
     _step_started: dict[str, Any]
     _step_counter: int
+    _emitted: int
     _output_tail: list[str]
     _output_tail_size: int
     _stop: StopRequest | None
@@ -119,6 +123,7 @@ class Run:
         self._open_steps = {}
         self._step_started = {}
         self._step_counter = 0
+        self._emitted = 0
         self._output_tail = []
         self._output_tail_size = 0
         self._stop = None
@@ -390,6 +395,12 @@ class Run:
         for observer in self.observers:
             observer(event)
         await self.log.append(event)
+        self._emitted += 1
+        if self._emitted % YIELD_EVERY_EVENTS == 0:
+            # Appending never waits, so a tool that emits without awaiting anything else
+            # would hold the event loop until it returns: its own stream could not start
+            # sending, and every other call would wait. Give the loop a turn now and then.
+            await asyncio.sleep(0)
 
     def _remember_output(self, text: str) -> None:
         self._output_tail.append(text)

@@ -271,3 +271,38 @@ async def test_frames_are_the_bytes_of_the_response_messages() -> None:
         assert tool_service_pb2.WatchRunResponse.FromString(frame.data).event == frame.event
     assert log.encoded(1) == single.event.SerializeToString()
     assert result.event.result.output == "ok"
+
+
+@tool()
+async def hog(ctx: ToolContext, args: BurstArgs) -> str:
+    """Streams ``n`` deltas without awaiting anything else in between."""
+    for _ in range(args.n):
+        await ctx.delta("x")
+    _EMITTED[args.signal].set()
+    return "done"
+
+
+@tool()
+async def quick(ctx: ToolContext) -> str:
+    """Answers at once."""
+    return "quick"
+
+
+async def test_a_tool_streaming_without_pause_does_not_hold_up_other_calls(
+        make_server: Any) -> None:
+    server = await make_server(registry=Registry([spec_of(hog), spec_of(quick)]))
+    signal = uuid.uuid4().hex
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        hogging = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="hog", arguments_json=json.dumps({"n": 100_000, "signal": signal})))
+        first = await hogging.read()
+        assert first.event.step.phase == events_pb2.STEP_PHASE_START
+
+        answer = [response async for response in stub.Execute(
+            tool_service_pb2.ExecuteRequest(tool_name="quick"))]
+
+        # Answered while the other tool was still streaming, not after it.
+        assert answer[-1].event.result.output == "quick"
+        assert not _EMITTED[signal].is_set()
+        hogging.cancel()
