@@ -87,8 +87,16 @@ class AuditWriter:
         """Records submitted and not yet written."""
         return self._pending
 
-    def submit(self, record: AuditRecord) -> asyncio.Future[AuditRecord]:
+    def submit(self, record: AuditRecord, *, alone: bool = False
+               ) -> asyncio.Future[AuditRecord]:
         """Queues ``record``; the future resolves to the stored record once committed.
+
+        Args:
+            record: The record.
+            alone: The caller knows no other record is coming to share its transaction
+                (no other call in flight): when nothing is queued and the store can append
+                without waiting, the record is committed right here and the future comes
+                back done, sparing the caller a turn of the event loop.
 
         Raises:
             RuntimeError: The writer is closed.
@@ -100,7 +108,11 @@ class AuditWriter:
         self._pending += 1
         self._idle.clear()
         metrics.AUDIT_QUEUE_DEPTH.inc()
-        self._schedule()
+        if alone and len(self._queue) == 1 and not self._scheduled and self._task is None \
+                and self._started and self._append_now is not None:
+            self._write_queued()  # falls back to the task when the store must be awaited
+        else:
+            self._schedule()
         return future
 
     async def flush(self) -> None:

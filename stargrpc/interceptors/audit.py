@@ -80,6 +80,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     max_result_chars: int
     commit_timeout: float
     _wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
+    _open_calls: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
@@ -92,6 +93,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self.max_result_chars = settings.audit_max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
         self._wrapped = {}
+        self._open_calls = 0
 
     # -- lifecycle (the server calls these) ------------------------------------------------
 
@@ -113,6 +115,12 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # handler see this record, and nothing else does.
         current_call.set(call.record)
         _current.set(call)
+        self._open_calls += 1  # until its record is handed to the writer
+        task = asyncio.current_task()
+        if task is not None:
+            # grpc.aio does not run the handler of a call cancelled before its request
+            # arrived: the record is then written when the call's task ends.
+            task.add_done_callback(lambda _: self._write_unwritten(call))
         try:
             handler = await continuation(handler_call_details)
         except BaseException as exc:
@@ -233,12 +241,24 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
         return self._write(call)
 
+    def _write_unwritten(self, call: _Call) -> None:
+        if call.written:
+            return
+        record = call.record
+        if not record.outcome:
+            record.outcome = "cancelled"
+            record.detail = record.detail or "the call ended before its handler ran"
+        self._write(call)
+
     def _write(self, call: _Call) -> asyncio.Future[AuditRecord] | None:
         call.written = True
+        self._open_calls -= 1
         record = self._audit_record(call)
         self._log(record)
         try:
-            return self.writer.submit(record)
+            # With no other call open, no record will come to share this one's transaction:
+            # commit it at once rather than on the next turn of the loop.
+            return self.writer.submit(record, alone=self._open_calls == 0)
         except RuntimeError:
             log.error("audit_record_not_stored", reason="the audit writer is closed",
                       record=record.as_dict())

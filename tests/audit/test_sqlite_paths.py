@@ -91,3 +91,17 @@ async def test_records_submitted_together_are_committed_together_on_the_loop(
 
     assert [record.seq for record in stored] == list(range(1, 101))
     assert transactions == [(threading.main_thread().name, 100)]
+
+
+async def test_a_record_alone_is_committed_before_submit_returns(sqlite_url: str) -> None:
+    writer = AuditWriter(SqliteAuditStore(sqlite_url))
+    await writer.start()
+    alone = writer.submit(make_record(), alone=True)
+    assert alone.done() and alone.result().seq == 1
+
+    # Others queued: it waits for them, to share their transaction.
+    queued = writer.submit(make_record())
+    joining = writer.submit(make_record(), alone=True)
+    assert not queued.done() and not joining.done()
+    assert [(await queued).seq, (await joining).seq] == [2, 3]
+    await writer.aclose()

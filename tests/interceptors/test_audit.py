@@ -378,3 +378,33 @@ def test_the_store_password_is_masked_in_the_logged_settings() -> None:
     shown = Settings(audit_store="postgresql://audit:s3cret@db:5432/audit").masked()
 
     assert shown["audit_store"] == "postgresql://audit:***@db:5432/audit"
+
+
+async def test_a_call_whose_handler_never_ran_is_still_recorded(tmp_path: Any) -> None:
+    # grpc.aio skips the handler of a call cancelled before its request arrived; the
+    # interceptor ran, so the record must still be written when the call's task ends.
+    settings = Settings.load(state_dir=tmp_path, insecure_no_auth=True)
+    audit = AuditInterceptor(settings)
+    await audit.start()
+
+    async def continuation(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        return grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
+
+    class Details(grpc.HandlerCallDetails):
+        method = EXECUTE
+        invocation_metadata = ()
+
+    handler = await asyncio.create_task(audit.intercept_service(continuation, Details()))
+    assert handler is not None  # wrapped, and never run
+    await asyncio.sleep(0)  # the ended task's callbacks run on the next turn of the loop
+    await audit.writer.flush()
+    await audit.aclose()
+
+    store = open_store(default_store_url(tmp_path))
+    await store.open()
+    try:
+        [record] = await store.query(Query())
+    finally:
+        await store.aclose()
+    assert (record.method, record.outcome) == (EXECUTE, "cancelled")
+    assert record.detail == "the call ended before its handler ran"
