@@ -118,16 +118,24 @@ def sqlite_path(url: str) -> Path:
 TABLE = "audit_records"
 
 
-def schema_sql(column_types: dict[str, str]) -> list[str]:
+#: Columns a store may index for ``stargrpc audit query`` (each index costs every append).
+INDEXABLE = ("time", "tool", "principal", "run_id")
+
+
+def schema_sql(column_types: dict[str, str], indexed: tuple[str, ...] = INDEXABLE
+               ) -> list[str]:
     """CREATE statements of the table and its indexes.
 
     Args:
         column_types: SQL types of the columns that are not plain required text.
+        indexed: The columns to index (of :data:`INDEXABLE`); the others are dropped.
     """
     columns = ", ".join(f"{name} {column_types.get(name, 'TEXT NOT NULL')}" for name in FIELDS)
     return [f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns})",
             *(f"CREATE INDEX IF NOT EXISTS {TABLE}_{column} ON {TABLE} ({column})"
-              for column in ("time", "tool", "principal", "run_id"))]
+              for column in indexed),
+            *(f"DROP INDEX IF EXISTS {TABLE}_{column}"
+              for column in INDEXABLE if column not in indexed)]
 
 
 def select_sql(table: str, query: Query, placeholder: str) -> tuple[str, list[object]]:

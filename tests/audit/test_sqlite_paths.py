@@ -105,3 +105,25 @@ async def test_a_record_alone_is_committed_before_submit_returns(sqlite_url: str
     assert not queued.done() and not joining.done()
     assert [(await queued).seq, (await joining).seq] == [2, 3]
     await writer.aclose()
+
+
+async def test_the_trail_is_indexed_by_time_and_run_only(sqlite_url: str) -> None:
+    path = sqlite_path(sqlite_url)
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    await store.aclose()
+    with sqlite3.connect(path) as db:  # as an older version left it: two indexes more
+        db.execute("CREATE INDEX audit_records_tool ON audit_records (tool)")
+        db.execute("CREATE INDEX audit_records_principal ON audit_records (principal)")
+
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    await store.append([make_record(tool="echo")])
+    [found] = await store.query(Query(tool="echo"))
+    await store.aclose()
+
+    with sqlite3.connect(path) as db:
+        indexes = {row[0] for row in db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+    assert indexes == {"audit_records_time", "audit_records_run_id"}
+    assert found.tool == "echo"
