@@ -1,14 +1,17 @@
-"""The server as a process: SIGTERM drains, the catalog hash is the same everywhere."""
+"""The server as a process: SIGTERM drains, the catalog hash is the same everywhere, the
+garbage collector is settled for serving."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stargrpc.server import GC_THRESHOLDS, tune_garbage_collector
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import serve
 
@@ -53,3 +56,14 @@ async def test_catalog_hash_is_the_same_in_two_processes(tmp_path: Path) -> None
                 assert {"count", "echo", "sleep"} <= {t.name for t in reply.tools}
     assert hashes[0] == hashes[1]
     assert hashes[0].startswith("sha256:")
+
+
+def test_a_serving_process_settles_its_garbage_collector() -> None:
+    thresholds = gc.get_threshold()
+    try:
+        tune_garbage_collector()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_freeze_count() > 0  # what start-up loaded is out of the collector's way
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
