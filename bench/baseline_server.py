@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import hmac
 import json
@@ -389,6 +390,11 @@ async def serve(host: str, port: int, floor_dir: Path | None = None,
     server.add_generic_rpc_handlers((handler,))
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    # The same collector settings as `stargrpc serve` (stargrpc.server.tune_garbage_collector):
+    # a deployment tweak any Python server can make, so the baseline makes it too.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5_000, 20, 20)
     print(json.dumps({"event": "serving", "address": f"{host}:{bound}"}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
