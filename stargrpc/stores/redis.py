@@ -412,8 +412,8 @@ class RedisRunStore:
         # The flusher writes on every run, so its client has no socket timeout: redis-py
         # enforces one with a task per command (asyncio.wait_for). The flusher bounds each
         # round trip itself, with one timer (redis-py drops a connection cut off mid-reply).
-        flusher = Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                 retry=retry)
+        flusher = Redis.from_url(settings.redis_url, socket_timeout=None,
+                                 socket_connect_timeout=timeout, retry=retry)
         return cls(client, prefix=settings.redis_key_prefix,
                    retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
                    max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),

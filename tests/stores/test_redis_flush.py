@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from stargrpc.errors import Unavailable
+from stargrpc.settings import Settings
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2
 from tests.stores.conftest import REDIS_URL
@@ -193,3 +194,15 @@ async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
 
     assert refused.value.reason == "RUN_STORE_UNAVAILABLE"
     assert all(o is not None and o.finished and o.last_seq == 3 for o in opened)
+
+
+async def test_only_the_flusher_goes_without_a_socket_timeout() -> None:
+    # The flusher bounds each round trip itself (one timer); redis-py would add a task per
+    # command to enforce a socket timeout. Every other command keeps failing fast.
+    store = RedisRunStore.from_settings(Settings.load(redis_url=REDIS_URL))
+    try:
+        assert store.flush_redis.connection_pool.connection_kwargs["socket_timeout"] is None
+        assert store.redis.connection_pool.connection_kwargs["socket_timeout"] > 0
+        assert store.flush_timeout > 0
+    finally:
+        await store.aclose()
