@@ -1,9 +1,9 @@
-"""Micro-measurements behind the optimisation proposals in ``bench/README.md``:
-``python -m bench.micro``. Each line is the cost of one operation of the hot path as it is
-written now, next to the cheaper way a proposal suggests: per-event protobuf work, an audit
-transaction on SQLite, and the Redis round trips of a run (against 127.0.0.1:6379, under a
-key prefix of its own that it deletes). In-process, bounded (a fixed number of repetitions),
-and never used by a test.
+"""Micro-measurements behind the optimisations in ``bench/README.md``:
+``python -m bench.micro``. Each line is the cost of one operation of the hot path, next to
+the ways it was written before or could be: per-event protobuf work, an audit transaction on
+SQLite, and the Redis round trips of a run (against 127.0.0.1:6379, under a key prefix of
+its own that it deletes). In-process, bounded (a fixed number of repetitions), and never used
+by a test.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import aiosqlite
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from stargrpc.stores.redis import _ScriptLine
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 REPEAT = 20_000
@@ -82,9 +83,9 @@ def main() -> None:
         one.SerializeToString()
 
     rows = [
-        ("event.time.GetCurrentTime() (now, per event)", stamp_wkt),
-        ("time.time_ns() into seconds/nanos (proposed)", stamp_ns),
-        ("critic_time_left.FromMilliseconds() (now; no gain to have)", countdown_wkt),
+        ("event.time.GetCurrentTime() (protobuf's helper)", stamp_wkt),
+        ("time.time_ns() into seconds/nanos (what runs do)", stamp_ns),
+        ("critic_time_left.FromMilliseconds() (no gain to have)", countdown_wkt),
         ("critic_time_left seconds/nanos set directly", countdown_fields),
         ("RunEvent.SerializeToString() (a delta event)", serialize),
         ("ExecuteResponse(event=…) + serialize (what each send costs)", wrap_and_serialize),
@@ -118,8 +119,9 @@ _RECORD = '{"method": "/stargrpc.v1.ToolService/Execute", "tool": "bench_trivial
 
 async def _audit_costs(folder: Path) -> list[tuple[str, float, float]]:
     """One audit record per transaction, as sequential calls make them: the statements
-    awaited one by one through aiosqlite (now), or the whole transaction in one hop to a
-    writer thread that remembers the chain's last hash (proposal 1)."""
+    awaited one by one through aiosqlite (the first design), the whole transaction in one
+    hop to a writer thread (the second), or run right on the event loop (what the store does
+    now, with its thread only as the fallback when another writer holds the lock)."""
     db = await aiosqlite.connect(folder / "now.db", isolation_level=None)
     await db.execute("PRAGMA journal_mode=WAL")
     await db.execute("PRAGMA synchronous=NORMAL")
@@ -152,10 +154,14 @@ async def _audit_costs(folder: Path) -> list[tuple[str, float, float]]:
     async def one_hop() -> None:
         await loop.run_in_executor(writer, transaction)
 
+    async def on_the_loop() -> None:
+        transaction()
+
     try:
-        return [("audit: a 1-record transaction, 5 aiosqlite awaits (now)", *await _per_op(now)),
-                ("audit: the same in one hop to a writer thread (proposed)",
-                 *await _per_op(one_hop))]
+        return [("audit: a 1-record transaction, 5 aiosqlite awaits (first)", *await _per_op(now)),
+                ("audit: the same in one hop to a writer thread (second)",
+                 *await _per_op(one_hop)),
+                ("audit: the same on the event loop (now)", *await _per_op(on_the_loop))]
     finally:
         await db.close()
         writer.shutdown()
@@ -164,7 +170,9 @@ async def _audit_costs(folder: Path) -> list[tuple[str, float, float]]:
 
 async def _redis_costs() -> list[tuple[str, float, float]]:
     """The client-side cost of the Redis round trips a run makes: registering it (a MULTI of
-    three commands, now) and appending events with a script, next to one bare round trip."""
+    three commands, the first design) and appending events with a script through the pooled
+    client or on a connection driven directly (what the flusher does now), next to one bare
+    round trip."""
     redis = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
     prefix = f"stargrpc-bench-micro:{uuid.uuid4().hex}:"
     append = redis.register_script(
@@ -188,11 +196,20 @@ async def _redis_costs() -> list[tuple[str, float, float]]:
     async def ping() -> None:
         await redis.ping()
 
+    line = _ScriptLine(redis)
+
+    async def flush_direct() -> None:
+        await line.call_all(append.sha, [([f"{prefix}events"], [event, event, event])])
+
     try:
-        return [("redis: register a run, MULTI of SET+HSET+PEXPIRE (now)", *await _per_op(publish)),
-                ("redis: append 3 events with EVALSHA (now)", *await _per_op(flush)),
+        return [("redis: register a run, MULTI of SET+HSET+PEXPIRE (first)",
+                 *await _per_op(publish)),
+                ("redis: append 3 events with EVALSHA, pooled client", *await _per_op(flush)),
+                ("redis: the same on a connection driven directly (now)",
+                 *await _per_op(flush_direct)),
                 ("redis: one bare round trip (PING), the floor", *await _per_op(ping))]
     finally:
+        await line.aclose()
         keys = [key async for key in redis.scan_iter(match=prefix + "*", count=1000)]
         for start in range(0, len(keys), 500):
             await redis.delete(*keys[start:start + 500])
