@@ -5,7 +5,7 @@
 - :mod:`~stargrpc.audit.chain` — the hash chain and its verification;
 - :mod:`~stargrpc.audit.store` — the store protocol and :func:`open_store` (SQLite by
   default, PostgreSQL for a fleet);
-- :mod:`~stargrpc.audit.writer` — the batched writer, off the calls' path.
+- :mod:`~stargrpc.audit.writer` — the writer: group commit, retries, the bounded wait.
 
 The interceptor that produces the records is :mod:`stargrpc.interceptors.audit`; the
 ``stargrpc audit`` commands that read them are in :mod:`stargrpc.cli.audit`.
