@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hashlib
 import hmac
@@ -233,32 +234,61 @@ class AuditWriter:
 
 
 class RunLog:
-    """Runs' events in Redis streams, written by background tasks off the Result's path."""
+    """Runs' events in Redis streams, written off the Result's path by one writer task that
+    sends everything pending in one round trip, on a connection of its own driven directly
+    (no pool, lock or socket-timeout task per command: the leanest redis-py allows)."""
 
     def __init__(self, client: redis.asyncio.Redis, sha: str) -> None:
         self._client = client
         self._sha = sha
-        # The event loop keeps only weak references to tasks: these keep them alive.
-        self._writing: set[asyncio.Future[Any]] = set()
+        self._pending: list[tuple[str, list[bytes]]] = []
+        self._wanted = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._writer = asyncio.get_running_loop().create_task(self._write_pending())
 
     @classmethod
     async def connect(cls, url: str) -> RunLog:
         """A run log on the Redis at ``url``, its script loaded."""
-        client = redis.asyncio.Redis.from_url(url)
+        client = redis.asyncio.Redis.from_url(url, socket_timeout=None)
         return cls(client, await client.script_load(_RUNLOG_APPEND))
 
     def write(self, run_id: str, events: list[bytes]) -> None:
-        """Appends serialised events to the run's stream in one script call, in the
-        background."""
-        task = asyncio.ensure_future(
-            self._client.evalsha(self._sha, 1, f"bench:floor:{run_id}", *events))
-        self._writing.add(task)
-        task.add_done_callback(self._writing.discard)
+        """Appends serialised events to the run's stream, in the background."""
+        self._pending.append((run_id, events))
+        self._idle.clear()
+        self._wanted.set()
+
+    async def _write_pending(self) -> None:
+        conn = await self._client.connection_pool.get_connection()
+        try:
+            while True:
+                await self._wanted.wait()
+                self._wanted.clear()
+                batch, self._pending = self._pending, []
+                commands = [("EVALSHA", self._sha, 1, f"bench:floor:{run_id}", *events)
+                            for run_id, events in batch]
+                try:
+                    await conn.send_packed_command(conn.pack_commands(commands),
+                                                   check_health=False)
+                    for _ in commands:
+                        await conn.read_response()
+                except redis.RedisError:
+                    # A measurement aid, not a store: the batch is dropped, the connection
+                    # starts clean (it reconnects on the next send).
+                    await conn.disconnect(nowait=True)
+                if not self._pending:
+                    self._idle.set()
+        finally:
+            await self._client.connection_pool.release(conn)
 
     async def close(self) -> None:
         """Waits (10 s at most) for the writes under way, then disconnects."""
-        if self._writing:
-            await asyncio.wait(self._writing, timeout=10.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 10.0)
+        self._writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
+            await self._writer
         await self._client.aclose()
 
 
