@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import hiredis
 import redis.asyncio
 
 from stargrpc.v1 import events_pb2, tool_service_pb2
@@ -269,8 +270,10 @@ class RunLog:
                 commands = [("EVALSHA", self._sha, 1, f"bench:floor:{run_id}", *events)
                             for run_id, events in batch]
                 try:
-                    await conn.send_packed_command(conn.pack_commands(commands),
-                                                   check_health=False)
+                    # Packed by hiredis in C, as stargrpc's flusher packs them.
+                    await conn.send_packed_command(
+                        [hiredis.pack_command(command) for command in commands],
+                        check_health=False)
                     for _ in commands:
                         await conn.read_response()
                 except redis.RedisError:
