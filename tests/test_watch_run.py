@@ -4,6 +4,7 @@ duplicates, ownership, retention, slow watchers, and what dropping an Execute st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
@@ -150,11 +151,11 @@ async def test_a_slow_watcher_is_ended_with_where_to_resume_and_never_slows_the_
         make_server, tmp_path: Path) -> None:
     server = await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
                                max_watch_lag_events=50)
-    gate = tmp_path / "gate"
+    gate, hold = tmp_path / "gate", tmp_path / "hold"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = tool_service_pb2_grpc.ToolServiceStub(channel)
         call = stub.Execute(execute_request(
-            "chatter", {"count": 2000, "size": 2000, "gate": str(gate)},
+            "chatter", {"count": 2000, "size": 2000, "gate": str(gate), "hold": str(hold)},
             idempotency_key=key()), metadata=ALICE)
         run_id = (await call.read()).event.run_id
         call.cancel()
@@ -163,10 +164,17 @@ async def test_a_slow_watcher_is_ended_with_where_to_resume_and_never_slows_the_
         gate.touch()
         run = server.runtime.get(run_id)
         assert run is not None
-        result = await asyncio.wait_for(run.wait(), 60)  # the run ends without the watcher
+        # The run sends everything while the watcher reads nothing: it is not slowed down.
+        async with contextlib.aclosing(run.log.follow()) as events:
+            async for event in events:
+                if event.HasField("heartbeat") and event.heartbeat.message == "sent":
+                    break
+        # Reading again, the watcher finds itself far behind a run still going: ended.
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             while (response := await slow.read()) is not grpc.aio.EOF:
                 got.append(response.event)
+        hold.touch()
+        result = await asyncio.wait_for(run.wait(), 60)
         resume = int(status_details(caught.value)[0].metadata["resume_after_seq"])
         rest = await collect(watch(stub, run_id, after_seq=resume))
 
