@@ -204,9 +204,14 @@ class RedisRunLog(MemoryRunLog):
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         event = super().append_nowait(event)
         if self._flushing and not self.lease_lost:
+            clean = not self._pending
             # The same bytes the run's own streams send (serialised once, kept by the log).
             self._pending.append((event.seq, self.encoded(event.seq), self.finished))
-            self._store._wants_flush(self)
+            # A log with events pending is already due a flush (or being flushed, and then
+            # handed back for the rest): only its first event, and its Result, which is
+            # written at once, need telling the store.
+            if clean or self.finished:
+                self._store._wants_flush(self)
         return event
 
     def start_flushing(self) -> None:
