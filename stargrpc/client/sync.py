@@ -71,6 +71,9 @@ class Client:
                                metadata=metadata, retry=retry, own_channel=True)
 
         self._loop = asyncio.new_event_loop()
+        # The tasks pumping the streams handed out and not yet finished: close() ends them
+        # on the loop, so an iterator the caller dropped half-way does not outlive it.
+        self._pumps: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="stargrpc-client", daemon=True)
         self._thread.start()
@@ -107,12 +110,10 @@ class Client:
             await handoff.put((_DONE, None))
 
         async def spawn() -> asyncio.Task[None]:
-            return asyncio.get_running_loop().create_task(pump())
-
-        async def stop(task: asyncio.Task[None]) -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task = asyncio.get_running_loop().create_task(pump())
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+            return task
 
         task = self._run(spawn())
         try:
@@ -125,7 +126,7 @@ class Client:
                 yield item  # type: ignore[misc]
         finally:
             if not self._loop.is_closed():
-                self._run(stop(task))
+                self._run(_stop_all({task}))
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class Client:
         if self._loop.is_closed():
             return
         try:
+            self._run(_stop_all(set(self._pumps)))
             self._run(self._client.close())
         finally:
             self._stop_loop()
@@ -187,3 +189,12 @@ class Client:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+async def _stop_all(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancels stream pumps (which cancels their gRPC calls) and waits for them to end."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

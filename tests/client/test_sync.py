@@ -4,6 +4,7 @@ each blocking call runs in a worker thread (as it would in a program without asy
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -75,3 +76,24 @@ async def test_injected_channel_and_resume_after_a_broken_stream(
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert len(recorder.seen("Execute")) == 1
     assert recorder.seen("WatchRun")
+
+
+async def test_closing_the_client_ends_a_stream_the_caller_left_half_read(
+        recorded_server: StargrpcServer) -> None:
+    # As a program whose output pipe broke mid-stream: the iterator is never closed, the
+    # client is. The stream's pump must end with the client rather than be destroyed
+    # pending with the client's loop (which printed "Task was destroyed but it is pending").
+    def session() -> tuple[int, int]:
+        client = Client(f"127.0.0.1:{recorded_server.port}")
+        sleeping = client.execute("sleep", {"seconds": 30, "heartbeat_every": 0.05})
+        next(sleeping)
+        open_before = len(client._pumps)
+        client.close()
+        left = len(client._pumps)
+        del sleeping  # finalising the iterator now finds the client closed: nothing to do
+        gc.collect()
+        return open_before, left
+
+    open_before, left = await asyncio.to_thread(session)
+
+    assert (open_before, left) == (1, 0)
