@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -138,3 +139,21 @@ async def test_node_cli_usage_errors_are_clear_and_exit_two(node_cli: list[str])
     code, _, err = await _node(node_cli, "call", "echo", '{"text": ')
     assert code == 2
     assert "ARGS_JSON is not valid JSON" in err
+
+
+async def test_node_cli_ends_quietly_when_its_reader_stops_early(
+        server: StargrpcServer, node_cli: list[str]) -> None:
+    # As `… --json | head -1`: the reader closes the pipe after one line.
+    read_end, write_end = os.pipe()
+    proc = await asyncio.create_subprocess_exec(
+        *node_cli, "call", "count", '{"to": 50, "delay": 0.02}', "--json",
+        "--target", f"127.0.0.1:{server.port}", stdout=write_end,
+        stderr=asyncio.subprocess.PIPE)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        first = await asyncio.to_thread(reader.readline)
+    _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+
+    assert json.loads(first)["seq"] == "1"
+    assert proc.returncode == 0
+    assert err == b""

@@ -14,6 +14,13 @@ const fs = require("node:fs");
 const { parseArgs } = require("node:util");
 const { connect } = require("./stargrpc");
 
+// A reader that stops early (`| head`) closes the pipe: end quietly, as shell tools do,
+// instead of dying on an unhandled EPIPE (the stream is cancelled with the process).
+process.stdout.on("error", (err) => {
+  if (err.code === "EPIPE") process.exit(0);
+  throw err;
+});
+
 const EXIT_CODES = {
   OUTCOME_OK: 0, OUTCOME_DENIED: 3, OUTCOME_FAILED: 4, OUTCOME_ERROR: 5,
   OUTCOME_TIMEOUT: 6, OUTCOME_CANCELLED: 7,
