@@ -3,7 +3,8 @@
 grpc.aio serves a coroutine, an async generator and a plain function differently, so a
 wrapper must keep the shape of what it wraps. :func:`rewrap` rebuilds a handler of the
 same shape around a wrapped behaviour; :func:`call_behaviour` and
-:func:`iterate_responses` run any behaviour from inside an async wrapper.
+:func:`iterate_responses` run any behaviour from inside an async wrapper;
+:class:`WrappedHandlers` keeps each wrapped handler so it is built once per method.
 """
 
 from __future__ import annotations
@@ -20,6 +21,34 @@ import grpc
 Wrap = Callable[[Callable[..., Any], bool], Callable[..., Any]]
 
 _END = object()
+
+#: Wrapped handlers a cache keeps: one per method served; the bound is for a handler built
+#: afresh on every call, which would otherwise grow the cache without end.
+MAX_WRAPPED_HANDLERS = 1024
+
+
+class WrappedHandlers:
+    """An interceptor's wrapped handlers, built once per handler (and key) rather than on
+    every call: grpc.aio hands an interceptor the same handler object for every call of a
+    method, so what varies per call must reach the wrapper another way (a context variable,
+    or the servicer context)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[tuple[int, object], tuple[grpc.RpcMethodHandler,
+                                                      grpc.RpcMethodHandler]] = {}
+
+    def get(self, handler: grpc.RpcMethodHandler,
+            build: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler],
+            key: object = None) -> grpc.RpcMethodHandler:
+        """``build(handler)``, from the cache when it was built before for this handler
+        object and ``key``."""
+        cached = self._wrapped.get((id(handler), key))
+        if cached is not None and cached[0] is handler:  # not a new object at a reused id
+            return cached[1]
+        wrapped = build(handler)
+        if len(self._wrapped) < MAX_WRAPPED_HANDLERS:
+            self._wrapped[(id(handler), key)] = (handler, wrapped)
+        return wrapped
 
 
 def rewrap(handler: grpc.RpcMethodHandler, *, unary: Wrap, stream: Wrap

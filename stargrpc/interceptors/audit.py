@@ -32,7 +32,12 @@ from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
-from stargrpc.interceptors._shapes import call_behaviour, iterate_responses, rewrap
+from stargrpc.interceptors._shapes import (
+    WrappedHandlers,
+    call_behaviour,
+    iterate_responses,
+    rewrap,
+)
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
@@ -41,10 +46,6 @@ log = structlog.get_logger("stargrpc.audit")
 
 #: Longest ``detail`` kept in a record.
 MAX_DETAIL_CHARS = 300
-
-#: Wrapped handlers kept per interceptor (one per method served; bounded in case a
-#: handler is built afresh for every call).
-_MAX_WRAPPED = 1024
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -79,7 +80,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     limits: RedactionLimits
     max_result_chars: int
     commit_timeout: float
-    _wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
+    _wrapped: WrappedHandlers
     _open_calls: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
@@ -92,7 +93,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                                       max_total_chars=settings.audit_max_arguments_chars)
         self.max_result_chars = settings.audit_max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
-        self._wrapped = {}
+        self._wrapped = WrappedHandlers()
         self._open_calls = 0
 
     # -- lifecycle (the server calls these) ------------------------------------------------
@@ -131,21 +132,14 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             call.record.detail = "unknown method"
             self._write(call)
             return None
-        return self._wrap(handler)
+        return self._wrapped.get(handler, self._wrap)
 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` audited: built once per handler, not once per call."""
-        cached = self._wrapped.get(id(handler))
-        if cached is not None and cached[0] is handler:
-            return cached[1]
         # The request is kept for the record only when it is one message, not a stream.
-        wrapped = rewrap(
+        return rewrap(
             handler,
             unary=lambda inner, streaming: self._unary(inner, peek=not streaming),
             stream=lambda inner, streaming: self._stream(inner, peek=not streaming))
-        if len(self._wrapped) < _MAX_WRAPPED:
-            self._wrapped[id(handler)] = (handler, wrapped)
-        return wrapped
 
     def _unary(self, behavior: Callable[..., Any], *, peek: bool
                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:

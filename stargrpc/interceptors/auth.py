@@ -24,7 +24,12 @@ from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.calls import current_call
 from stargrpc.errors import CredentialsRejected, abort_with
-from stargrpc.interceptors._shapes import call_behaviour, iterate_responses, rewrap
+from stargrpc.interceptors._shapes import (
+    WrappedHandlers,
+    call_behaviour,
+    iterate_responses,
+    rewrap,
+)
 from stargrpc.principal import Principal, current_principal
 from stargrpc.settings import Settings
 
@@ -36,10 +41,6 @@ _REFLECTION = frozenset({"grpc.reflection.v1alpha.ServerReflection",
 _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 
 Admit = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
-
-#: Guarded handlers kept per interceptor (one per method served; bounded in case a handler
-#: is built afresh for every call).
-_MAX_GUARDED = 1024
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -62,8 +63,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if settings.auth_open_reflection:
             open_services |= _REFLECTION
         self._open_services = frozenset(open_services)
-        self._guarded: dict[tuple[int, str], tuple[grpc.RpcMethodHandler,
-                                                   grpc.RpcMethodHandler]] = {}
+        self._guarded = WrappedHandlers()
 
     async def start(self) -> None:
         """Says loudly when authentication is off; reads the keys file once, so a broken
@@ -99,15 +99,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if handler is None:
             return _unknown_method(self._admitter(method))
-        # Built once per method's handler, not once per call.
-        key = (id(handler), method)
-        cached = self._guarded.get(key)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        guarded = guard(handler, self._admitter(method))
-        if len(self._guarded) < _MAX_GUARDED:
-            self._guarded[key] = (handler, guarded)
-        return guarded
+        return self._guarded.get(handler, lambda h: guard(h, self._admitter(method)),
+                                 key=method)
 
     def _admitter(self, method: str) -> Admit:
         async def admit(context: grpc.aio.ServicerContext) -> Principal:

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from stargrpc.interceptors._shapes import WrappedHandlers
 from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.supervisor import SupervisionPolicy, current_supervision
@@ -39,12 +40,12 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
 
     soft_timeout: float
     hard_timeout: float
-    _supervised_handlers: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
+    _supervised_handlers: WrappedHandlers
 
     def __init__(self, settings: Settings) -> None:
         self.soft_timeout = settings.critic_soft_timeout
         self.hard_timeout = settings.critic_hard_timeout
-        self._supervised_handlers = {}
+        self._supervised_handlers = WrappedHandlers()
 
     async def intercept_service(
         self,
@@ -55,18 +56,15 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
         if (handler is None or handler_call_details.method != EXECUTE_METHOD
                 or handler.unary_stream is None):
             return handler
-        # Built once per handler, not once per call (Execute has one handler).
-        cached = self._supervised_handlers.get(id(handler))
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        supervised = grpc.unary_stream_rpc_method_handler(
+        return self._supervised_handlers.get(handler, self._supervise)
+
+    def _supervise(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        assert handler.unary_stream is not None
+        return grpc.unary_stream_rpc_method_handler(
             self._supervised(handler.unary_stream),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
-        if len(self._supervised_handlers) < 16:
-            self._supervised_handlers[id(handler)] = (handler, supervised)
-        return supervised
 
     def policy(self, context: grpc.aio.ServicerContext) -> SupervisionPolicy:
         """The supervision policy of a call, with its deadline as an event-loop time."""
