@@ -29,12 +29,12 @@ from stargrpc.audit.store import AuditStore
 log = structlog.get_logger("stargrpc.audit")
 
 _Entry = tuple[AuditRecord, "asyncio.Future[AuditRecord]"]
+_AppendNow = Callable[[Sequence[AuditRecord]], "list[AuditRecord] | None"]
 
 
 class AuditCommitPending(Exception):
     """The record is not committed yet after ``commit_wait`` seconds; the writer goes on
     trying, so it is not lost, only late."""
-_AppendNow = Callable[[Sequence[AuditRecord]], "list[AuditRecord] | None"]
 
 
 class AuditWriter:
