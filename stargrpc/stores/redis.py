@@ -313,14 +313,17 @@ class _ScriptLine:
     trip are packed and sent in one write and their replies read back in order.
 
     redis-py's client takes a pooled connection, a lock and a retry wrapper on every
-    command; the flusher runs on every run, one round trip at a time, so it keeps a
-    connection and skips all three. Any failure drops the connection (a reply may be half
-    read); the next round trip connects afresh.
+    command, and enforces its socket timeout with a task per command; the flusher runs on
+    every run, one round trip at a time, so it keeps a connection of its own, made like the
+    client's but without socket timeout (the flusher bounds each round trip itself). Any
+    failure drops the connection (a reply may be half read); the next round trip connects
+    afresh.
     """
 
     def __init__(self, client: Redis) -> None:
-        self._pool = client.connection_pool
-        self._conn: Any = None
+        pool = client.connection_pool
+        self._conn: Any = pool.connection_class(
+            **{**pool.connection_kwargs, "socket_timeout": None})
 
     async def call_all(self, sha: str, calls: list[tuple[list[str], list[Any]]]
                        ) -> list[Any]:
@@ -329,8 +332,6 @@ class _ScriptLine:
         Raises:
             RedisError: Redis could not be reached (or cut the connection).
         """
-        if self._conn is None:
-            self._conn = await self._pool.get_connection()
         conn = self._conn
         commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]
         try:
@@ -347,10 +348,8 @@ class _ScriptLine:
             raise
 
     async def aclose(self) -> None:
-        """Gives the connection back to its pool."""
-        if self._conn is not None:
-            await self._pool.release(self._conn)
-            self._conn = None
+        """Closes the connection."""
+        await self._conn.disconnect()
 
 
 class RedisRunStore:
@@ -358,7 +357,6 @@ class RedisRunStore:
 
     Attributes:
         redis: The client.
-        flush_redis: The client the flusher writes events with (by default ``redis``).
         flush_timeout: Longest a flusher round trip may take before it counts as failed.
         prefix: Prefix of every key.
         replica: This replica's id, recorded with the runs it executes.
@@ -366,7 +364,6 @@ class RedisRunStore:
     """
 
     redis: Redis
-    flush_redis: Redis
     flush_timeout: float
     prefix: str
     replica: str
@@ -386,12 +383,10 @@ class RedisRunStore:
 
     def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
                  lease: float = 10.0, max_events: int = 100_000,
-                 block_seconds: float = 1.0, flush_redis: Redis | None = None,
-                 flush_timeout: float = 5.0) -> None:
+                 block_seconds: float = 1.0, flush_timeout: float = 5.0) -> None:
         self.redis = redis
-        self.flush_redis = flush_redis if flush_redis is not None else redis
         self.flush_timeout = flush_timeout
-        self._flush_line = _ScriptLine(self.flush_redis)
+        self._flush_line = _ScriptLine(redis)
         self.prefix = prefix
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.retention_ms = max(1, int(retention * 1000))
@@ -427,15 +422,10 @@ class RedisRunStore:
         client = Redis.from_url(
             settings.redis_url, socket_timeout=timeout + 1.0, socket_connect_timeout=timeout,
             retry=retry)
-        # The flusher writes on every run, so its client has no socket timeout: redis-py
-        # enforces one with a task per command (asyncio.wait_for). The flusher bounds each
-        # round trip itself, with one timer (redis-py drops a connection cut off mid-reply).
-        flusher = Redis.from_url(settings.redis_url, socket_timeout=None,
-                                 socket_connect_timeout=timeout, retry=retry)
         return cls(client, prefix=settings.redis_key_prefix,
                    retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
                    max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),
-                   flush_redis=flusher, flush_timeout=timeout + 1.0)
+                   flush_timeout=timeout + 1.0)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -553,8 +543,6 @@ class RedisRunStore:
         if self._linger is not None:
             self._linger.cancel()
         await self._flush_line.aclose()
-        if self.flush_redis is not self.redis:
-            await self.flush_redis.aclose()
         await self.redis.aclose()
 
     # -- internals -------------------------------------------------------------------------

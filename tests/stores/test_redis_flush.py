@@ -196,12 +196,16 @@ async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
     assert all(o is not None and o.finished and o.last_seq == 3 for o in opened)
 
 
-async def test_only_the_flusher_goes_without_a_socket_timeout() -> None:
+async def test_only_the_flusher_goes_without_a_socket_timeout(redis_prefix: str) -> None:
     # The flusher bounds each round trip itself (one timer); redis-py would add a task per
     # command to enforce a socket timeout. Every other command keeps failing fast.
-    store = RedisRunStore.from_settings(Settings.load(redis_url=REDIS_URL))
+    store = RedisRunStore.from_settings(
+        Settings.load(redis_url=REDIS_URL, redis_key_prefix=redis_prefix))
     try:
-        assert store.flush_redis.connection_pool.connection_kwargs["socket_timeout"] is None
+        run_log = await _published(store)
+        _run_whole(run_log)
+        assert await store.flushed(10)
+        assert store._flush_line._conn.socket_timeout is None
         assert store.redis.connection_pool.connection_kwargs["socket_timeout"] > 0
         assert store.flush_timeout > 0
     finally:
