@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import re
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from stargrpc import ToolContext, ToolDenied, ToolFailed, ToolResult, tool
 from stargrpc.http_guard import (
@@ -35,6 +36,9 @@ _RESERVED_HEADERS = {"host", "content-length", "transfer-encoding", "connection"
 _FIRST_HOP_HEADERS = {"proxy-authorization"}
 #: A heartbeat at most every this many bytes received.
 _PROGRESS_EVERY = 64 * 1024
+#: What HTTP/1.1 allows in a header name (a token) and value (visible ASCII, space, tab).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 
 
 class HttpFetchArgs(BaseModel):
@@ -42,6 +46,17 @@ class HttpFetchArgs(BaseModel):
     method: Literal["GET", "POST", "HEAD"] = Field("GET", description="HTTP method.")
     headers: dict[str, str] = Field(default_factory=dict, description="Request headers.")
     body: str = Field("", max_length=1_000_000, description="Request body (POST).")
+
+    @field_validator("headers")
+    @classmethod
+    def _sendable(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"header name {name!r:.100} is not an HTTP token")
+            if not _HEADER_VALUE.fullmatch(value):
+                raise ValueError(f"header {name} holds a line break, a control character "
+                                 "or non-ASCII text")
+        return headers
 
 
 @tool(kind="http", categories=("web",), open_world=True, read_only=True)

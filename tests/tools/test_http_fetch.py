@@ -15,11 +15,12 @@ import certifi
 import grpc
 import httpx
 import pytest
+from google.rpc import error_details_pb2
 
 from stargrpc.http_guard import HttpPolicy, origin
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
-from tests.helpers import as_dict, run_tool
+from tests.helpers import as_dict, run_tool, status_details
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
@@ -479,3 +480,23 @@ async def test_a_trailing_dot_reaches_the_host_under_its_plain_name(stub, web) -
 
     assert events[-1].result.outcome == events_pb2.OUTCOME_OK
     assert received(web.server_address[1])["Host"] == f"127.0.0.1:{web.server_address[1]}"
+
+
+@pytest.mark.parametrize(("headers", "reason"), [
+    ({"X-Name": "caf\u00e9"}, "header X-Name holds a line break, a control character or "
+                              "non-ASCII text"),
+    ({"X-Split": "a\r\nX-Injected: 1"}, "header X-Split holds a line break"),
+    ({"Bad Name": "x"}, "header name 'Bad Name' is not an HTTP token"),
+])
+async def test_headers_that_cannot_be_sent_are_refused_before_the_run(stub, web, headers,
+                                                                      reason) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await run_tool(stub, "http_fetch", {"url": url(web, "/hello"), "headers": headers})
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [violation] = [v for d in status_details(caught.value)
+                   if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations]
+    assert violation.field == "arguments.headers"
+    assert reason in violation.description
+    assert Handler.seen == []
+    await assert_still_serving(stub, web)
