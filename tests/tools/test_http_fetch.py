@@ -261,6 +261,12 @@ CREDENTIALS = {"Authorization": "Bearer caller-secret", "Cookie": "session=calle
                "Proxy-Authorization": "Basic cHJveHk6c2VjcmV0", "X-Api-Key": "caller-secret"}
 
 
+def request_target(address: str) -> str:
+    """The path and query of ``address``, as the web server records them."""
+    parts = urlsplit(address)
+    return f"{parts.path}?{parts.query}" if parts.query else parts.path
+
+
 def received(port: int, path: str = "/hello") -> dict[str, str]:
     """The headers of the one request to ``path`` on the server at ``port``."""
     [seen] = [s for s in Handler.seen if (s.port, s.path) == (port, path)]
@@ -279,7 +285,7 @@ async def test_caller_headers_follow_a_same_origin_redirect_but_proxy_credential
     events = await run_tool(stub, "http_fetch", {"url": start, "headers": CREDENTIALS})
 
     assert events[-1].result.outcome == events_pb2.OUTCOME_OK
-    first = received(web.server_address[1], urlsplit(start).path + "?" + urlsplit(start).query)
+    first = received(web.server_address[1], request_target(start))
     assert first["Proxy-Authorization"] == CREDENTIALS["Proxy-Authorization"]
     headers = received(web.server_address[1])
     assert {k: headers.get(k) for k in ("Authorization", "X-Api-Key")} == {
@@ -311,8 +317,8 @@ async def test_an_https_to_http_redirect_drops_every_caller_header(stub, web, tl
     events = await run_tool(stub, "http_fetch", {"url": start, "headers": CREDENTIALS})
 
     assert events[-1].result.outcome == events_pb2.OUTCOME_OK
-    assert received(tls_web.server_address[1], urlsplit(start).path + "?"
-                    + urlsplit(start).query)["Authorization"] == "Bearer caller-secret"
+    assert received(tls_web.server_address[1], request_target(start))["Authorization"] == (
+        "Bearer caller-secret")
     headers = received(web.server_address[1])
     assert not set(CREDENTIALS) & set(headers)
 
@@ -364,8 +370,7 @@ async def test_a_redirect_off_http_is_denied_with_the_reason(stub, web, case) ->
     assert result.error.code == "BAD_URL"
     assert result.error.message.startswith("refused: " + reason)
     assert result.error.message.endswith(" (redirect hop 1)")
-    assert [seen.path for seen in Handler.seen] == [urlsplit(start).path + "?"
-                                                    + urlsplit(start).query]
+    assert [seen.path for seen in Handler.seen] == [request_target(start)]
     await assert_still_serving(stub, web)
 
 
@@ -392,6 +397,16 @@ async def test_a_malformed_redirect_fails_with_the_reason(stub, web, case) -> No
     assert result.error.message.endswith(" (redirect hop 1)")
     assert len(Handler.seen) == 1
     await assert_still_serving(stub, web)
+
+
+async def assert_denied_untouched(stub, target: str, reason: str) -> None:
+    """Fetching ``target`` is DENIED with a reason starting ``reason``; no request is made."""
+    events = await run_tool(stub, "http_fetch", {"url": target})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_DENIED, result
+    assert result.error.message.startswith(reason)
+    assert Handler.seen == []
 
 
 def _v6(text: str) -> str:
@@ -446,13 +461,8 @@ async def test_addresses_in_disguise_are_judged_by_what_they_reach(odd_stub, web
                                                                    case) -> None:
     host, reason = ODD_ADDRESSES[case]
 
-    events = await run_tool(odd_stub, "http_fetch",
-                            {"url": f"http://{host}:{web.server_address[1]}/hello"})
-
-    result = events[-1].result
-    assert result.outcome == events_pb2.OUTCOME_DENIED, result
-    assert result.error.message.startswith(reason)
-    assert Handler.seen == []
+    await assert_denied_untouched(odd_stub, f"http://{host}:{web.server_address[1]}/hello",
+                                  reason)
     await assert_still_serving(odd_stub, web)
 
 
@@ -465,13 +475,8 @@ async def test_addresses_in_disguise_are_judged_by_what_they_reach(odd_stub, web
 ])
 async def test_other_spellings_of_a_host_are_judged_as_that_host(strict_stub, web, host,
                                                                   reason) -> None:
-    events = await run_tool(strict_stub, "http_fetch",
-                            {"url": f"http://{host}:{web.server_address[1]}/hello"})
-
-    result = events[-1].result
-    assert result.outcome == events_pb2.OUTCOME_DENIED, result
-    assert result.error.message.startswith(reason)
-    assert Handler.seen == []
+    await assert_denied_untouched(strict_stub,
+                                  f"http://{host}:{web.server_address[1]}/hello", reason)
 
 
 async def test_a_trailing_dot_reaches_the_host_under_its_plain_name(stub, web) -> None:
