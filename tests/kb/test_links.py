@@ -44,6 +44,9 @@ def test_links_out_of_the_folder_are_not_indexed(tmp_path) -> None:
     (docs / "notes" / "api.key").write_text("zebra key")
     (docs / "key.md").symlink_to("notes/api.key")  # inside, but not a document itself
     os.mkfifo(docs / "pipe.md")  # would block a plain open
+    (docs / "loop-a.md").symlink_to("loop-b.md")
+    (docs / "loop-b.md").symlink_to("loop-a.md")
+    (docs / "dangling.md").symlink_to("ops/gone.md")
     kb = KnowledgeBase(tmp_path / "index.sqlite3")
 
     stats = kb.refresh(docs)
