@@ -4,25 +4,41 @@ Configuration (settings): ``http_fetch_allowlist`` (hosts; empty refuses all),
 ``http_fetch_allowed_networks`` (private networks allowed anyway), ``http_fetch_max_bytes``,
 ``http_fetch_timeout_seconds``, ``http_fetch_max_redirects``. Private, loopback, link-local
 and metadata addresses are refused after DNS resolution, on every redirect hop, and the
-connection goes to the address that was checked (see ``stargrpc.http_guard``).
+connection goes to the address that was checked (see ``stargrpc.http_guard``). A redirect
+to another origin (scheme, host or port) goes without the caller's headers and the
+cookies collected so far.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import re
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from stargrpc import ToolContext, ToolDenied, ToolFailed, ToolResult, tool
-from stargrpc.http_guard import HttpPolicy, Refused, vet_url
+from stargrpc.http_guard import (
+    BadRedirect,
+    HttpPolicy,
+    Refused,
+    origin,
+    redirect_target,
+    vet_url,
+)
 
 #: Headers a caller may not set: the server decides where the request goes.
 _RESERVED_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+#: Caller headers never sent past the first hop: a credential for a proxy this client
+#: does not use.
+_FIRST_HOP_HEADERS = {"proxy-authorization"}
 #: A heartbeat at most every this many bytes received.
 _PROGRESS_EVERY = 64 * 1024
+#: What HTTP/1.1 allows in a header name (a token) and value (visible ASCII, space, tab).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 
 
 class HttpFetchArgs(BaseModel):
@@ -30,6 +46,17 @@ class HttpFetchArgs(BaseModel):
     method: Literal["GET", "POST", "HEAD"] = Field("GET", description="HTTP method.")
     headers: dict[str, str] = Field(default_factory=dict, description="Request headers.")
     body: str = Field("", max_length=1_000_000, description="Request body (POST).")
+
+    @field_validator("headers")
+    @classmethod
+    def _sendable(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name, value in headers.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"header name {name!r:.100} is not an HTTP token")
+            if not _HEADER_VALUE.fullmatch(value):
+                raise ValueError(f"header {name} holds a line break, a control character "
+                                 "or non-ASCII text")
+        return headers
 
 
 @tool(kind="http", categories=("web",), open_world=True, read_only=True)
@@ -44,9 +71,11 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
     headers = {k: v for k, v in args.headers.items() if k.lower() not in _RESERVED_HEADERS}
     method, body, url = args.method, args.body, args.url
     redirects: list[str] = []
+    hop = 0  # the redirect hop being handled, for the reason of a refusal
     # trust_env=False: no proxy from the environment may take the request elsewhere.
     async with httpx.AsyncClient(follow_redirects=False, trust_env=False,
-                                 timeout=settings.http_fetch_timeout_seconds) as client:
+                                 timeout=settings.http_fetch_timeout_seconds,
+                                 event_hooks={"response": [_stop_at_redirect]}) as client:
         try:
             async with asyncio.timeout(settings.http_fetch_timeout_seconds):
                 for _ in range(settings.http_fetch_max_redirects + 1):
@@ -56,15 +85,21 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
                             method, target.request_url, content=body.encode() or None,
                             headers={**headers, "Host": target.host_header},
                             extensions=target.extensions)
-                        response = await client.send(request, stream=True)
+                        response = await _send(client, request)
                         try:
                             await step.delta(f"HTTP {response.status_code} "
                                              f"{response.reason_phrase}\n")
-                            if response.is_redirect and "location" in response.headers:
-                                following = target.url.join(response.headers["location"])
+                            if response.is_redirect:
+                                hop += 1
+                                following = redirect_target(target.url,
+                                                            response.headers["location"])
                                 redirects.append(str(following))
-                                if following.host != target.url.host:
-                                    headers = {}  # credentials stay with their origin
+                                headers = {k: v for k, v in headers.items()
+                                           if k.lower() not in _FIRST_HOP_HEADERS}
+                                if origin(following) != origin(target.url):
+                                    # Any caller header may be a credential for its origin.
+                                    headers = {}
+                                    client.cookies.clear()
                                 if response.status_code in (301, 302, 303) and method == "POST":
                                     method, body = "GET", ""
                                 url = str(following)
@@ -74,16 +109,46 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
                             await response.aclose()
                     return _result(ctx, target.url, response, data, redirects)
         except Refused as exc:
-            where = f" (redirect hop {len(redirects)})" if redirects else ""
-            raise ToolDenied(f"{exc}{where}", code=exc.code) from exc
+            raise ToolDenied(f"{exc}{_hop(hop)}", code=exc.code) from exc
+        except BadRedirect as exc:
+            raise ToolFailed(f"{exc}{_hop(hop)}", code="HTTP_BAD_REDIRECT") from exc
         except TimeoutError as exc:
             raise ToolFailed(f"timed out after {settings.http_fetch_timeout_seconds:g} s",
                              code="HTTP_TIMEOUT") from exc
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise ToolFailed(f"request failed: {type(exc).__name__}: {exc}",
                              code="HTTP_ERROR") from exc
     raise ToolFailed(f"more than {settings.http_fetch_max_redirects} redirects",
                      code="TOO_MANY_REDIRECTS")
+
+
+class _Redirected(Exception):
+    """Raised by the response hook to hand a redirect back before httpx parses it."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def _stop_at_redirect(response: httpx.Response) -> None:
+    # Even when not following, httpx builds the next request from the Location itself
+    # (and raises on a data: or malformed one); this hook returns the response first so
+    # that redirect_target alone judges it.
+    if response.is_redirect:
+        raise _Redirected(response)
+
+
+async def _send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """The response, streaming; a redirect comes back closed (its body is not needed)."""
+    try:
+        return await client.send(request, stream=True)
+    except _Redirected as redirected:
+        return redirected.response
+
+
+def _hop(hop: int) -> str:
+    """Which redirect hop a refusal is about ("" for the URL asked for)."""
+    return f" (redirect hop {hop})" if hop else ""
 
 
 async def _read_body(ctx: ToolContext, response: httpx.Response, cap: int) -> bytes:

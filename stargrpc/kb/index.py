@@ -7,6 +7,12 @@ gone are dropped. :meth:`KnowledgeBase.search` turns free text into an FTS5 quer
 word, any of them may match, so BM25 ranks the passages with more of the rarer words
 first) and returns passages with a highlighted snippet. Paths are stored relative to the
 folder. The methods block; call them off the event loop.
+
+Only files that really are inside the folder are read: a symbolic link is indexed when
+its target (all links resolved) is an indexable file inside the folder, linked folders
+are not walked into, and each file is then opened one path component at a time from the
+folder's descriptor with ``O_NOFOLLOW``, so a folder or file swapped for a link between
+the check and the open is skipped rather than followed out.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import hashlib
 import os
 import re
 import sqlite3
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +34,9 @@ from stargrpc.settings import Settings
 MAX_DOCUMENT_BYTES = 5 * 1024 * 1024
 #: Weights of the FTS columns (path, heading, body) in BM25: a word in a heading counts more.
 _BM25_WEIGHTS = (0.0, 3.0, 1.0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: O_NONBLOCK: opening a FIFO must not wait for a writer (it is then refused as not regular).
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: Snippet highlighting and length (in tokens).
 SNIPPET_OPEN, SNIPPET_CLOSE, SNIPPET_TOKENS = "**", "**", 24
 
@@ -133,26 +143,37 @@ class KnowledgeBase:
                  db.execute("SELECT path, mtime_ns, size, sha256 FROM documents")}
         added = updated = unchanged = 0
         seen: set[str] = set()
-        for path in _documents(root):
-            relative = path.relative_to(root).as_posix()
-            info = path.stat()
-            seen.add(relative)
-            previous = known.get(relative)
-            if previous is not None and previous[:2] == (info.st_mtime_ns, info.st_size):
-                unchanged += 1
-                continue
-            data = path.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-            if previous is not None and previous[2] == digest:
-                unchanged += 1
-            else:
-                self._index_document(db, relative, path.suffix.lower(), data)
-                if previous is None:
-                    added += 1
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for relative, inside in _documents(root):
+                fd = _open_inside(root_fd, inside)
+                if fd is None:
+                    continue
+                with os.fdopen(fd, "rb") as file:
+                    info = os.fstat(file.fileno())
+                    previous = known.get(relative)
+                    if previous is not None and previous[:2] == (info.st_mtime_ns,
+                                                                   info.st_size):
+                        seen.add(relative)
+                        unchanged += 1
+                        continue
+                    data = file.read(MAX_DOCUMENT_BYTES + 1)
+                if len(data) > MAX_DOCUMENT_BYTES:
+                    continue
+                seen.add(relative)
+                digest = hashlib.sha256(data).hexdigest()
+                if previous is not None and previous[2] == digest:
+                    unchanged += 1
                 else:
-                    updated += 1
-            db.execute("INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?)",
-                       (relative, info.st_mtime_ns, info.st_size, digest))
+                    self._index_document(db, relative, Path(relative).suffix.lower(), data)
+                    if previous is None:
+                        added += 1
+                    else:
+                        updated += 1
+                db.execute("INSERT OR REPLACE INTO documents VALUES (?, ?, ?, ?)",
+                           (relative, info.st_mtime_ns, info.st_size, digest))
+        finally:
+            os.close(root_fd)
         gone = set(known) - seen
         for relative in gone:
             db.execute("DELETE FROM passages WHERE path = ?", (relative,))
@@ -187,12 +208,47 @@ class KnowledgeBase:
                 for path, heading, snippet, rank, ordinal in rows]
 
 
-def _documents(root: Path) -> Iterator[Path]:
+def _documents(root: Path) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """Each document's path relative to ``root`` and, for opening, the components of its
+    real path below ``root``; links whose target is outside or would not be indexed
+    itself are left out."""
+    # os.walk does not walk into linked folders (followlinks=False).
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             path = Path(dirpath) / name
-            if (name.startswith(".") or path.suffix.lower() not in INDEXED_SUFFIXES
-                    or not path.is_file() or path.stat().st_size > MAX_DOCUMENT_BYTES):
+            if not _indexable(path.relative_to(root)):
                 continue
-            yield path
+            try:
+                real = Path(os.path.realpath(path))
+            except OSError:  # changing under us; the next refresh sees it settled
+                continue
+            if real.is_relative_to(root) and _indexable(real.relative_to(root)):
+                yield path.relative_to(root).as_posix(), real.relative_to(root).parts
+
+
+def _indexable(relative: Path) -> bool:
+    return (relative.suffix.lower() in INDEXED_SUFFIXES
+            and not any(part.startswith(".") for part in relative.parts))
+
+
+def _open_inside(root_fd: int, parts: tuple[str, ...]) -> int | None:
+    """A descriptor of the regular file ``parts`` below ``root_fd``, opened without
+    following a link at any component; None when something on the way is a link, is
+    missing or unreadable, or the file is not a regular file of at most the size cap."""
+    folders: list[int] = []
+    try:
+        for part in parts[:-1]:
+            folders.append(os.open(part, _DIR_FLAGS, dir_fd=folders[-1] if folders
+                                   else root_fd))
+        fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=folders[-1] if folders else root_fd)
+    except OSError:
+        return None
+    finally:
+        for folder in folders:
+            os.close(folder)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_DOCUMENT_BYTES:
+        os.close(fd)
+        return None
+    return fd

@@ -1,24 +1,48 @@
-"""http_fetch through a real server, against a real HTTP server on 127.0.0.1."""
+"""http_fetch through a real server, against real HTTP(S) servers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import ipaddress
+import ssl
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import parse_qs, quote, urlsplit
 
+import certifi
 import grpc
+import httpx
 import pytest
+from google.rpc import error_details_pb2
 
+from stargrpc.http_guard import HttpPolicy, origin
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.helpers import as_dict, run_tool
+from tests.auth.certs import TestCA
+from tests.helpers import as_dict, run_tool, status_details
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 
 
-class Handler(BaseHTTPRequestHandler):
-    """A few canned answers; records what it was asked."""
+class Seen(NamedTuple):
+    """One request a test web server received."""
 
-    seen: list[tuple[str, str, dict[str, str], bytes]] = []
+    port: int
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class Handler(BaseHTTPRequestHandler):
+    """A few canned answers; records what it was asked.
+
+    ``/redirect?to=LOCATION[&cookie=NAME=VALUE]`` answers 302 with that Location, sent as
+    given (even when malformed), and sets the cookie.
+    """
+
+    seen: list[Seen] = []
 
     def log_message(self, format: str, *args: object) -> None:
         """Quiet."""
@@ -37,9 +61,15 @@ class Handler(BaseHTTPRequestHandler):
     def _route(self) -> None:
         length = int(self.headers.get("Content-Length", "0") or 0)
         body = self.rfile.read(length) if length else b""
-        Handler.seen.append((self.command, self.path, dict(self.headers), body))
         port = self.server.server_address[1]
-        if self.path == "/hello":
+        Handler.seen.append(Seen(port, self.command, self.path, dict(self.headers), body))
+        if self.path.startswith("/redirect?"):
+            query = parse_qs(urlsplit(self.path).query, keep_blank_values=True)
+            extra = {"Location": query["to"][0]}
+            if "cookie" in query:
+                extra["Set-Cookie"] = query["cookie"][0] + "; Path=/"
+            self._send(302, b"", "text/plain", extra)
+        elif self.path == "/hello":
             self._send(200, "héllo, wörld\n".encode(), "text/plain; charset=utf-8",
                        {"X-Test": "yes"})
         elif self.path == "/image.png":
@@ -63,16 +93,39 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_HEAD = _route
 
 
-@pytest.fixture
-def web() -> Iterator[ThreadingHTTPServer]:
-    Handler.seen = []
+def _serve(tls: ssl.SSLContext | None = None) -> Iterator[ThreadingHTTPServer]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield httpd
     httpd.shutdown()
     httpd.server_close()
     thread.join(10)
+
+
+@pytest.fixture
+def web() -> Iterator[ThreadingHTTPServer]:
+    Handler.seen = []
+    yield from _serve()
+
+
+@pytest.fixture
+def other_web(web) -> Iterator[ThreadingHTTPServer]:
+    """A second web server: same host, another port (another origin)."""
+    yield from _serve()
+
+
+@pytest.fixture
+def tls_web(web, tmp_path: Path, monkeypatch) -> Iterator[ThreadingHTTPServer]:
+    """An HTTPS server for 127.0.0.1 whose CA http_fetch's client trusts in this test."""
+    ca = TestCA()
+    files = ca.server_files(tmp_path)
+    monkeypatch.setattr(certifi, "where", lambda: str(files["tls_client_ca_file"]))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(files["tls_cert_file"], files["tls_key_file"])
+    yield from _serve(context)
 
 
 ALLOW = {"http_fetch_allowlist": ["127.0.0.1", "localhost", "169.254.169.254", "10.1.2.3"],
@@ -121,7 +174,7 @@ async def test_post_sends_headers_and_body(stub, web) -> None:
         "headers": {"X-Token": "abc", "Host": "evil.example"}})
 
     assert events[-1].result.output == "HTTP 201 Created\n\ngot ping"
-    method, _, headers, body = Handler.seen[-1]
+    _, method, _, headers, body = Handler.seen[-1]
     assert (method, body, headers["X-Token"]) == ("POST", b"ping", "abc")
     assert headers["Host"] == f"127.0.0.1:{web.server_address[1]}"  # never the caller's
 
@@ -193,4 +246,262 @@ async def test_a_redirect_to_a_forbidden_target_is_refused(stub, web, path, reas
     result = events[-1].result
     assert result.outcome == events_pb2.OUTCOME_DENIED
     assert result.error.message == reason
-    assert [p for _, p, _, _ in Handler.seen] == [path]
+    assert [seen.path for seen in Handler.seen] == [path]
+
+
+def redirect(web: ThreadingHTTPServer, location: str, cookie: str | None = None) -> str:
+    """A URL of ``web`` that redirects to ``location``."""
+    query = "to=" + quote(location, safe="")
+    if cookie is not None:
+        query += "&cookie=" + quote(cookie, safe="")
+    return url(web, f"/redirect?{query}")
+
+
+CREDENTIALS = {"Authorization": "Bearer caller-secret", "Cookie": "session=caller-secret",
+               "Proxy-Authorization": "Basic cHJveHk6c2VjcmV0", "X-Api-Key": "caller-secret"}
+
+
+def request_target(address: str) -> str:
+    """The path and query of ``address``, as the web server records them."""
+    parts = urlsplit(address)
+    return f"{parts.path}?{parts.query}" if parts.query else parts.path
+
+
+def received(port: int, path: str = "/hello") -> dict[str, str]:
+    """The headers of the one request to ``path`` on the server at ``port``."""
+    [seen] = [s for s in Handler.seen if (s.port, s.path) == (port, path)]
+    return seen.headers
+
+
+async def assert_still_serving(stub, web) -> None:
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/hello")})
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_caller_headers_follow_a_same_origin_redirect_but_proxy_credentials_do_not(
+        stub, web) -> None:
+    start = redirect(web, url(web, "/hello"), cookie="sid=from-server")
+
+    events = await run_tool(stub, "http_fetch", {"url": start, "headers": CREDENTIALS})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    first = received(web.server_address[1], request_target(start))
+    assert first["Proxy-Authorization"] == CREDENTIALS["Proxy-Authorization"]
+    headers = received(web.server_address[1])
+    assert {k: headers.get(k) for k in ("Authorization", "X-Api-Key")} == {
+        "Authorization": "Bearer caller-secret", "X-Api-Key": "caller-secret"}
+    assert "session=caller-secret" in headers["Cookie"]
+    assert "Proxy-Authorization" not in headers
+
+
+async def test_a_redirect_to_another_port_drops_every_caller_header_and_cookie(
+        stub, web, other_web) -> None:
+    start = redirect(web, url(other_web, "/hello"), cookie="sid=from-server")
+
+    events = await run_tool(stub, "http_fetch", {
+        "url": start, "headers": {**CREDENTIALS, "Accept": "text/x-caller"}})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    headers = received(other_web.server_address[1])
+    assert {k.lower() for k in headers} == {"host", "accept", "accept-encoding",
+                                             "user-agent", "connection"}
+    assert headers["Accept"] != "text/x-caller"
+    assert headers["Host"] == f"127.0.0.1:{other_web.server_address[1]}"
+
+
+async def test_an_https_to_http_redirect_drops_every_caller_header(stub, web, tls_web
+                                                                      ) -> None:
+    start = f"https://127.0.0.1:{tls_web.server_address[1]}/redirect?to=" + quote(
+        url(web, "/hello"), safe="")
+
+    events = await run_tool(stub, "http_fetch", {"url": start, "headers": CREDENTIALS})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert received(tls_web.server_address[1], request_target(start))["Authorization"] == (
+        "Bearer caller-secret")
+    headers = received(web.server_address[1])
+    assert not set(CREDENTIALS) & set(headers)
+
+
+def test_an_origin_is_scheme_host_and_port_with_default_ports_filled_in() -> None:
+    same = [("https://h/", "https://h:443/x"), ("http://H./", "http://h:80/"),
+            ("http://xn--bcher-kva.example/", "http://BÜCHER.example/")]
+    different = [("https://h/", "http://h:443/"), ("https://h/", "https://h:8443/"),
+                 ("http://h/", "http://h.example/"), ("http://h:80/", "https://h:80/")]
+
+    assert all(origin(httpx.URL(a)) == origin(httpx.URL(b)) for a, b in same)
+    assert all(origin(httpx.URL(a)) != origin(httpx.URL(b)) for a, b in different)
+
+
+def test_allowlist_entries_match_every_spelling_of_a_name() -> None:
+    policy = HttpPolicy(allowlist=("Bücher.example.", "*.xn--caf-dma.example", "::1"))
+
+    assert policy.host_allowed("xn--bcher-kva.example")
+    assert policy.host_allowed("BÜCHER.EXAMPLE.")
+    assert policy.host_allowed("menu.café.example")
+    assert policy.host_allowed("0:0::1")
+    assert not policy.host_allowed("bucher.example")
+
+
+BAD_SCHEMES = {
+    "data": ("data:text/plain,hello", "a redirect to a data: URL is not followed"),
+    "file": ("file:///etc/passwd", "a redirect to a file: URL is not followed"),
+    "ftp": ("ftp://127.0.0.1/x", "a redirect to a ftp: URL is not followed"),
+    "gopher": ("gopher://127.0.0.1:70/_x", "a redirect to a gopher: URL is not followed"),
+    "javascript": ("javascript:alert(1)", "a redirect to a javascript: URL is not followed"),
+    "scheme-relative": ("//127.0.0.1:{port}/hello",
+                        "a scheme-relative redirect (//127.0.0.1:{port}/hello) is not followed"),
+    "userinfo": ("http://user:pw@127.0.0.1:{port}/hello",
+                 "a redirect to a URL with credentials in it is not followed"),
+    "numeric IPv4": ("http://2130706433:{port}/hello",
+                     "2130706433 is not an IPv4 address in the standard dotted form"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCHEMES))
+async def test_a_redirect_off_http_is_denied_with_the_reason(stub, web, case) -> None:
+    location, reason = (text.format(port=web.server_address[1]) for text in BAD_SCHEMES[case])
+    start = redirect(web, location)
+
+    events = await run_tool(stub, "http_fetch", {"url": start})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_DENIED, result
+    assert result.error.code == "BAD_URL"
+    assert result.error.message.startswith("refused: " + reason)
+    assert result.error.message.endswith(" (redirect hop 1)")
+    assert [seen.path for seen in Handler.seen] == [request_target(start)]
+    await assert_still_serving(stub, web)
+
+
+MALFORMED = {
+    "empty": ("", "the redirect has an empty Location"),
+    "space": ("/a b", "holds whitespace, a control character or a backslash"),
+    "tab": ("/a\tb", "holds whitespace, a control character or a backslash"),
+    "backslash": ("/\\127.0.0.1/", "holds whitespace, a control character or a backslash"),
+    "bad port": ("http://127.0.0.1:99999/", "is not a valid URL"),
+    "unclosed bracket": ("http://[::1/", "is not a valid URL"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+async def test_a_malformed_redirect_fails_with_the_reason(stub, web, case) -> None:
+    location, reason = MALFORMED[case]
+
+    events = await run_tool(stub, "http_fetch", {"url": redirect(web, location)})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_FAILED, result
+    assert result.error.code == "HTTP_BAD_REDIRECT"
+    assert reason in result.error.message
+    assert result.error.message.endswith(" (redirect hop 1)")
+    assert len(Handler.seen) == 1
+    await assert_still_serving(stub, web)
+
+
+async def assert_denied_untouched(stub, target: str, reason: str) -> None:
+    """Fetching ``target`` is DENIED with a reason starting ``reason``; no request is made."""
+    events = await run_tool(stub, "http_fetch", {"url": target})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_DENIED, result
+    assert result.error.message.startswith(reason)
+    assert Handler.seen == []
+
+
+def _v6(text: str) -> str:
+    return str(ipaddress.ip_address(text))
+
+
+# The IPv6 transition forms are judged by the IPv4 address they lead to, and allowing
+# 127.0.0.1/32 (as the `stub` server does) does not allow reaching it through them.
+REFUSED_FORM = "is not an IPv4 address in the standard dotted form (a.b.c.d in decimal)"
+ODD_ADDRESSES = {
+    "IPv4-compatible": ("[::127.0.0.1]", f"refused: {_v6('::127.0.0.1')} is an "
+                        "IPv4-compatible address embedding 127.0.0.1 (a loopback address)"),
+    "NAT64": ("[64:ff9b::127.0.0.1]", f"refused: {_v6('64:ff9b::127.0.0.1')} is a NAT64 "
+              "address embedding 127.0.0.1 (a loopback address)"),
+    "NAT64 to metadata": ("[64:ff9b::169.254.169.254]",
+                          f"refused: {_v6('64:ff9b::169.254.169.254')} is a NAT64 address "
+                          "embedding 169.254.169.254 (a cloud metadata address)"),
+    "local-use NAT64": ("[64:ff9b:1::a01:203]",
+                        "refused: 64:ff9b:1::a01:203 is a local-use NAT64 address"),
+    "6to4": ("[2002:7f00:1::1]", "refused: 2002:7f00:1::1 is a 6to4 address embedding "
+             "127.0.0.1 (a loopback address)"),
+    "6to4 private": ("[2002:a01:203::1]", "refused: 2002:a01:203::1 is a 6to4 address "
+                     "embedding 10.1.2.3 (a private address)"),
+    "Teredo": ("[2001:0:4136:e378:8000:63bf:80ff:fffe]",
+               "refused: 2001:0:4136:e378:8000:63bf:80ff:fffe is a Teredo address embedding "
+               "127.0.0.1 (a loopback address)"),
+    "unspecified IPv4": ("0.0.0.0", "refused: 0.0.0.0 is "),
+    "unspecified IPv6": ("[::]", "refused: :: is "),
+    "decimal IPv4": ("2130706433", f"refused: 2130706433 {REFUSED_FORM}"),
+    "hex IPv4": ("0x7f.1", f"refused: 0x7f.1 {REFUSED_FORM}"),
+    "short IPv4": ("127.1", f"refused: 127.1 {REFUSED_FORM}"),
+    "zero": ("0", f"refused: 0 {REFUSED_FORM}"),
+    "octal IPv4": ("0177.0.0.1", "not a valid URL: Invalid IPv4 address: '0177.0.0.1'"),
+    "octal IPv4, short": ("0177.1", f"refused: 0177.1 {REFUSED_FORM}"),
+    "zone id": ("[fe80::1%25lo]", "refused: fe80::1%25lo has a zone id; IPv6 zone ids are "
+                "not fetched"),
+}
+
+
+@pytest.fixture
+async def odd_stub(make_server):
+    """Every host of ODD_ADDRESSES on the allowlist; 127.0.0.1/32 allowed."""
+    hosts = [host.strip("[]").replace("%25", "%") for host, _ in ODD_ADDRESSES.values()]
+    server = await make_server(http_fetch_allowlist=["127.0.0.1", *hosts],
+                               http_fetch_allowed_networks=["127.0.0.1/32"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+@pytest.mark.parametrize("case", list(ODD_ADDRESSES))
+async def test_addresses_in_disguise_are_judged_by_what_they_reach(odd_stub, web,
+                                                                   case) -> None:
+    host, reason = ODD_ADDRESSES[case]
+
+    await assert_denied_untouched(odd_stub, f"http://{host}:{web.server_address[1]}/hello",
+                                  reason)
+    await assert_still_serving(odd_stub, web)
+
+
+@pytest.mark.parametrize(("host", "reason"), [
+    ("127.0.0.1.", "refused: 127.0.0.1 is a loopback address"),
+    ("LOCALHOST.", "refused: localhost resolves to 127.0.0.1, a loopback address"),
+    ("ⓛocalhost", "not a valid URL: Invalid IDNA hostname"),
+    ("l\N{CYRILLIC SMALL LETTER O}calhost",
+     "refused: xn--lcalhost-nbh is not on the http_fetch allowlist"),
+])
+async def test_other_spellings_of_a_host_are_judged_as_that_host(strict_stub, web, host,
+                                                                  reason) -> None:
+    await assert_denied_untouched(strict_stub,
+                                  f"http://{host}:{web.server_address[1]}/hello", reason)
+
+
+async def test_a_trailing_dot_reaches_the_host_under_its_plain_name(stub, web) -> None:
+    events = await run_tool(stub, "http_fetch",
+                            {"url": f"http://127.0.0.1.:{web.server_address[1]}/hello"})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert received(web.server_address[1])["Host"] == f"127.0.0.1:{web.server_address[1]}"
+
+
+@pytest.mark.parametrize(("headers", "reason"), [
+    ({"X-Name": "caf\u00e9"}, "header X-Name holds a line break, a control character or "
+                              "non-ASCII text"),
+    ({"X-Split": "a\r\nX-Injected: 1"}, "header X-Split holds a line break"),
+    ({"Bad Name": "x"}, "header name 'Bad Name' is not an HTTP token"),
+])
+async def test_headers_that_cannot_be_sent_are_refused_before_the_run(stub, web, headers,
+                                                                      reason) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await run_tool(stub, "http_fetch", {"url": url(web, "/hello"), "headers": headers})
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [violation] = [v for d in status_details(caught.value)
+                   if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations]
+    assert violation.field == "arguments.headers"
+    assert reason in violation.description
+    assert Handler.seen == []
+    await assert_still_serving(stub, web)

@@ -55,3 +55,23 @@ async def test_without_a_configured_folder_it_fails_clearly(make_server) -> None
 
     assert events[-1].result.outcome == events_pb2.OUTCOME_FAILED
     assert events[-1].result.error.message == "no knowledge base is configured (set kb_dir)"
+
+
+async def test_a_link_out_of_the_folder_is_not_searched(docs_and_stub, tmp_path) -> None:
+    docs, stub = docs_and_stub
+    secret = tmp_path / "elsewhere" / "secret.md"
+    secret.parent.mkdir()
+    secret.write_text("# Secret\n\nThe zebra launch codes.\n")
+    (docs / "leak.md").symlink_to(secret)
+    (docs / "team" / "up.md").symlink_to("../../elsewhere/secret.md")
+    (docs / "linked").symlink_to(secret.parent)
+
+    events = await run_tool(stub, "knowledge_search", {"query": "zebra launch codes"})
+
+    assert events[2].step.delta == ("4 documents indexed: 4 added, 0 updated, 0 removed, "
+                                    "0 unchanged\n")
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert as_dict(events[-1].result)["structured_output"]["passages"] == []
+    again = await run_tool(stub, "knowledge_search", {"query": "restore a backup"})
+    assert as_dict(again[-1].result)["structured_output"]["passages"][0]["path"] == (
+        "ops/backups.md")
