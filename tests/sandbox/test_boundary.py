@@ -8,6 +8,8 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -292,3 +294,53 @@ async def test_concurrent_runs_get_users_of_their_own(tmp_path: Path) -> None:
     uids = {int(first.stdout_tail), int(second.stdout_tail)}
     assert len(uids) == 2
     assert all(2_000_000_000 <= uid <= 2_000_065_535 for uid in uids)
+
+
+#: Runs the runner as a non-root server would: argv is (base folder, code, code, ...); prints
+#: what each run returned as one JSON line.
+AS_SERVER = """
+import asyncio, json, os, sys
+from stargrpc.sandbox import Sandbox
+from stargrpc.settings import Settings
+
+async def main():
+    base = sys.argv[1]
+    box = Sandbox(Settings.load(state_dir=base + "/state", sandbox_root=base + "/box"))
+    runs = []
+    for code in sys.argv[2:]:
+        result = await box.run(["python3", "-I", "-c", code])
+        runs.append({"verdict": result.verdict.code, "stderr": result.stderr_tail,
+                     "files": [(f.name, f.data.decode(errors="replace")) for f in result.files],
+                     "skipped": result.skipped_files})
+    print(json.dumps({"mode": box.isolation.mode, "runs": runs,
+                      "left": os.listdir(base + "/box")}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a non-root server")
+def test_a_non_root_server_keeps_its_state_dir_and_removes_what_it_cannot_read(
+        tmp_path: Path) -> None:
+    uid = 2_100_000_000 + secrets.randbelow(1_000_000)
+    base = Path("/tmp") / f"sbx-nonroot-{secrets.token_hex(4)}"
+    try:
+        (base / "state").mkdir(parents=True)
+        (base / "state" / "keys.json").write_text("KEYS-FILE-CONTENT")
+        for path in (base, base / "state", base / "state" / "keys.json"):
+            os.chown(path, uid, uid)
+        done = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable,
+             "-c", AS_SERVER, str(base), swap_out(str(base / "state")), NESTING],
+            capture_output=True, text=True, timeout=120, cwd="/tmp",
+            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(Path.cwd())}, check=False)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    swap, nest = report["runs"]
+
+    assert (swap["files"], swap["skipped"]) == ([], [NOT_A_FOLDER])
+    assert "KEYS" not in done.stdout and "keys.json" not in done.stdout
+    assert nest["verdict"] == "OK", nest["stderr"]
+    assert report["left"] == []
