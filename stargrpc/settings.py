@@ -251,7 +251,7 @@ class Settings(BaseSettings):
     sandbox_memory_mb: int = Field(512, ge=16, description="Address-space limit per process.")
     sandbox_file_size_mb: int = Field(64, ge=1, description="Largest file a run may write.")
     sandbox_max_processes: int = Field(64, ge=1, description="Processes (threads) the "
-                                       "sandbox user may have at once.")
+                                       "run's user may have at once.")
     sandbox_max_open_files: int = Field(256, ge=16, description="Open files per process.")
     sandbox_wall_clock_seconds: float = Field(60.0, gt=0, description="Wall-clock limit of "
                                               "a run.")
