@@ -85,6 +85,20 @@ def unlock(parent_fd: int, name: str) -> bool:
     return True
 
 
+def _usable(fd: int, unlock: bool) -> os.stat_result:
+    """The folder's stat, after (with ``unlock``) giving it its owner's rights back if the
+    run took them: needed to list and empty it when the server is not root."""
+    info = os.fstat(fd)
+    if unlock and info.st_mode & 0o700 != 0o700 and info.st_uid == os.geteuid():
+        os.fchmod(fd, 0o700)
+    return info
+
+
+def _names(fd: int) -> list[str]:
+    # Reversed, so that popping from the end visits them in order.
+    return sorted(os.listdir(fd), reverse=True)
+
+
 @dataclass
 class _Frame:
     ino: int
@@ -99,12 +113,13 @@ class _Walk:
     fd: int
     dev: int
     max_depth: int
+    unlock: bool
     frames: list[_Frame] = field(default_factory=list)
     _enter: bool = False
 
     def __post_init__(self) -> None:
-        info = os.fstat(self.fd)
-        self.frames.append(_Frame(info.st_ino, sorted(os.listdir(self.fd)), ""))
+        info = _usable(self.fd, self.unlock)
+        self.frames.append(_Frame(info.st_ino, _names(self.fd), ""))
 
     def entries(self, on_dir_done: Callable[[int, str], None] | None = None
                 ) -> Iterator[tuple[str, str, os.stat_result]]:
@@ -124,7 +139,7 @@ class _Walk:
             name = frame.names.pop()
             try:
                 info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):
                 continue
             self._enter = stat.S_ISDIR(info.st_mode) and len(self.frames) <= self.max_depth
             yield frame.prefix + name, name, info
@@ -139,7 +154,7 @@ class _Walk:
         try:
             child = open_dir(self.fd, name)
         except PermissionError:
-            if not unlock(self.fd, name):
+            if not self.unlock or not unlock(self.fd, name):
                 return
             try:
                 child = open_dir(self.fd, name)
@@ -147,12 +162,11 @@ class _Walk:
                 return
         except OSError:
             return
-        info = os.fstat(child)
-        if info.st_dev != self.dev:
-            os.close(child)
-            return
         try:
-            names = sorted(os.listdir(child))
+            info = _usable(child, self.unlock)
+            if info.st_dev != self.dev:
+                raise OSError(errno.EXDEV, "another device", name)
+            names = _names(child)
         except OSError:
             os.close(child)
             return
@@ -180,11 +194,18 @@ class _Walk:
 
 
 @contextlib.contextmanager
-def walk(dir_fd: int, max_depth: int = 1_000_000) -> Iterator[_Walk]:
-    """A walk below ``dir_fd`` (which stays open: the walk works on a duplicate)."""
+def walk(dir_fd: int, max_depth: int = 1_000_000, unlock: bool = False) -> Iterator[_Walk]:
+    """A walk below ``dir_fd`` (which stays open: the walk works on a duplicate).
+
+    Args:
+        dir_fd: The folder.
+        max_depth: Folders deeper than this are yielded but not entered.
+        unlock: Give folders the run made unreadable or unwritable their owner's rights
+            back (only once the run is over: a live run may mean it).
+    """
     fd = os.dup(dir_fd)
     try:
-        state = _Walk(fd, os.fstat(fd).st_dev, max_depth)
+        state = _Walk(fd, os.fstat(fd).st_dev, max_depth, unlock)
     except BaseException:
         os.close(fd)
         raise
@@ -208,15 +229,16 @@ class Usage:
     largest_file: int
 
 
-def measure(dir_fd: int, cap: int) -> Usage:
-    """The disk space used below ``dir_fd``, counting up to just past ``cap``.
+def measure(dir_fd: int, cap: int, unlock: bool = False) -> Usage:
+    """The disk space used below ``dir_fd``, counting up to just past ``cap`` (``unlock``:
+    see :func:`walk`).
 
     Raises:
         Moved: Something rearranged the tree while it was measured.
     """
     total = 0
     largest = 0
-    with walk(dir_fd) as tree:
+    with walk(dir_fd, unlock=unlock) as tree:
         for _, _, info in tree.entries():
             total += max(info.st_blocks * 512, ENTRY_BYTES)
             if stat.S_ISREG(info.st_mode):
@@ -315,7 +337,7 @@ def _remove_entry(dir_fd: int, name: str, folder: bool) -> None:
     except FileNotFoundError:
         return
     except PermissionError:
-        os.chmod(f"/proc/self/fd/{dir_fd}", 0o700)
+        os.fchmod(dir_fd, 0o700)
         with contextlib.suppress(FileNotFoundError):
             remove(name, dir_fd=dir_fd)
 
@@ -325,7 +347,7 @@ def _rmdir(parent_fd: int, name: str) -> None:
 
 
 def _empty(dir_fd: int) -> None:
-    with walk(dir_fd) as tree:
+    with walk(dir_fd, unlock=True) as tree:
         # A folder is entered (and emptied) before on_dir_done removes it.
         for _, name, info in tree.entries(on_dir_done=_rmdir):
             if not stat.S_ISDIR(info.st_mode):

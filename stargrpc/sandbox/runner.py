@@ -414,7 +414,7 @@ class Sandbox:
         final = _Final()
         try:
             with contextlib.suppress(fsops.Moved, OSError):
-                final.usage = fsops.measure(run_fd, self.limits.disk_bytes)
+                final.usage = fsops.measure(run_fd, self.limits.disk_bytes, unlock=True)
             try:
                 out_fd = fsops.open_dir(run_fd, "out", owner)
             except OSError:
