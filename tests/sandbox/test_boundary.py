@@ -172,6 +172,18 @@ async def test_fifos_devices_and_hard_links_in_the_output_folder_are_skipped(
         "hard: not a plain file", "pipe: not a plain file"]
 
 
+@pytest.fixture
+def shared_root() -> Iterator[Path]:
+    """A sandbox root of this test alone (its parent traversable by every run user), so
+    the folders in it are the test's runs' only."""
+    parent = Path("/tmp") / f"sbx-boundary-{secrets.token_hex(4)}"
+    parent.mkdir(mode=0o755)
+    try:
+        yield parent / "box"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 NESTING = ("import os\nos.chdir(os.environ['OUTPUT_DIR'])\n"
            "for _ in range(1200):\n    os.mkdir('d')\n    os.chdir('d')\n"
            "open('bottom.txt', 'w').write('x')\n"
@@ -189,13 +201,13 @@ async def test_1200_nested_folders_end_with_a_normal_result(
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_1200_nested_folders_are_removed(tmp_path: Path, mode: str) -> None:
-    box = sandbox(tmp_path, mode)
-    before = set(os.listdir(box._root))
+async def test_1200_nested_folders_are_removed(tmp_path: Path, shared_root: Path,
+                                               mode: str) -> None:
+    box = sandbox(tmp_path, mode, sandbox_root=shared_root)
     result = await box.run(["python3", "-I", "-c", NESTING])
 
     assert result.verdict.ok, result.stderr_tail
-    assert set(os.listdir(box._root)) - before == set()
+    assert os.listdir(shared_root) == []
 
 
 async def test_many_files_under_the_file_cap_stop_at_the_disk_limit(make_server: Any) -> None:
@@ -240,18 +252,6 @@ async def test_bwrap_has_no_other_writable_place(tmp_path: Path) -> None:
 
     assert "WROTE" not in result.stdout_tail
     assert result.stderr_tail.count("Read-only file system") >= 2
-
-
-@pytest.fixture
-def shared_root() -> Iterator[Path]:
-    """A sandbox root of its own (its parent traversable by every run user), so the one
-    live run's folder is the only one in it."""
-    parent = Path("/tmp") / f"sbx-boundary-{secrets.token_hex(4)}"
-    parent.mkdir(mode=0o755)
-    try:
-        yield parent / "box"
-    finally:
-        shutil.rmtree(parent, ignore_errors=True)
 
 
 PEEK = ("cat {run}/secret.txt {run}/out/secret.txt; ls -la {run} {run}/out; "
