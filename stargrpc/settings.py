@@ -234,13 +234,24 @@ class Settings(BaseSettings):
                                       "made; default <tmp>/stargrpc-sandbox.")
     sandbox_keep_workdir: bool = Field(False, description="Keep each run's working directory "
                                        "(for debugging) instead of removing it.")
-    sandbox_user: str = Field("nobody", description="When the server runs as root, sandboxed "
-                              "commands run as this user (so process limits apply).")
+    sandbox_user: str = Field("nobody", description="When the server runs as root and "
+                              "sandbox_uid_range is empty, sandboxed commands run as this "
+                              "user (all runs share it); the isolation probe at start-up "
+                              "runs as it.")
+    sandbox_uid_range: str = Field(
+        "2000000000-2000065535", pattern=r"^(\d+-\d+)?$", description="When the server "
+        "runs as root, each run takes a user and group id of its own from this range "
+        "(FIRST-LAST, no passwd entry needed), so runs cannot read each other's files or "
+        "processes and the process limit is per run; empty: every run is sandbox_user.")
+    sandbox_disk_mb: int = Field(256, ge=1, description="Disk space a run's working "
+                                 "directory may hold (polled while it runs, checked at the "
+                                 "end); in bubblewrap also the size of its private /tmp and "
+                                 "/dev/shm.")
     sandbox_cpu_seconds: int = Field(10, ge=1, le=3600, description="CPU time limit per run.")
     sandbox_memory_mb: int = Field(512, ge=16, description="Address-space limit per process.")
     sandbox_file_size_mb: int = Field(64, ge=1, description="Largest file a run may write.")
     sandbox_max_processes: int = Field(64, ge=1, description="Processes (threads) the "
-                                       "sandbox user may have at once.")
+                                       "run's user may have at once.")
     sandbox_max_open_files: int = Field(256, ge=16, description="Open files per process.")
     sandbox_wall_clock_seconds: float = Field(60.0, gt=0, description="Wall-clock limit of "
                                               "a run.")
@@ -274,6 +285,24 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("sandbox_uid_range")
+    @classmethod
+    def _check_uid_range(cls, value: str) -> str:
+        if value:
+            first, last = (int(part) for part in value.split("-"))
+            # 0 is root; 2**32-1 is the kernel's "no id" (and 65534 is nobody's in practice).
+            if not 0 < first <= last < 2**32 - 1:
+                raise ValueError("give FIRST-LAST with 0 < FIRST <= LAST < 4294967295")
+        return value
+
+    @property
+    def sandbox_uids(self) -> tuple[int, int] | None:
+        """``sandbox_uid_range`` as (first, last), or None when it is empty."""
+        if not self.sandbox_uid_range:
+            return None
+        first, last = (int(part) for part in self.sandbox_uid_range.split("-"))
+        return first, last
 
     @model_validator(mode="after")
     def _check_auth(self) -> Settings:

@@ -45,7 +45,8 @@ class Isolation:
     description: str
 
     def command(self, argv: Sequence[str], workdir: Path, *, limits: Sequence[str],
-                uid: int | None, gid: int | None) -> list[str]:
+                uid: int | None, gid: int | None,
+                tmpfs_bytes: int | None = None) -> list[str]:
         """The full command line that runs ``argv`` in this mode.
 
         The sandbox user is taken with ``setpriv`` on the command line rather than by the
@@ -58,13 +59,14 @@ class Isolation:
             limits: The ``prlimit`` prefix.
             uid: The sandbox user, when the server is root.
             gid: The sandbox group.
+            tmpfs_bytes: Size of each private tmpfs (bubblewrap's ``/tmp``, ``/dev/shm``).
         """
         drop: list[str] = []
         if uid is not None and gid is not None:
             drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
                     "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
         if self.mode == "bwrap":
-            return [*drop, *limits, *_bwrap_prefix(workdir), "--", *argv]
+            return [*drop, *limits, *_bwrap_prefix(workdir, tmpfs_bytes), "--", *argv]
         if self.mode == "unshare":
             # unshare needs root to make the namespaces; the ids are dropped inside.
             return [*limits, "unshare", "--net", "--pid", "--fork", "--kill-child",
@@ -76,7 +78,7 @@ class Isolation:
         return BWRAP_WORKDIR if self.mode == "bwrap" else str(workdir)
 
 
-def _bwrap_prefix(workdir: Path) -> list[str]:
+def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None) -> list[str]:
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--hostname", "sandbox"]
     for path in _SYSTEM_PATHS:
@@ -84,8 +86,13 @@ def _bwrap_prefix(workdir: Path) -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-             "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR]
+    # Every writable place is bounded: /tmp and /dev/shm are sized tmpfs; the tmpfs under
+    # "/" and the one holding /dev (no size of their own) are made read-only.
+    size = [] if tmpfs_bytes is None else ["--size", str(tmpfs_bytes)]
+    args += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", *size, "--tmpfs", "/tmp",
+             "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR,
+             "--remount-ro", "/"]
     return args
 
 

@@ -28,6 +28,8 @@ class Limits:
         wall_clock_seconds: Real time before the whole run is killed.
         output_bytes: stdout+stderr streamed before the output is cut.
         sent_file_bytes: Total size of output-folder files returned.
+        disk_bytes: Disk space of the working directory (and the size of each private
+            tmpfs in bubblewrap).
     """
 
     cpu_seconds: int = 10
@@ -38,6 +40,7 @@ class Limits:
     wall_clock_seconds: float = 60.0
     output_bytes: int = 1 * MiB
     sent_file_bytes: int = 8 * MiB
+    disk_bytes: int = 256 * MiB
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -51,6 +54,7 @@ class Limits:
             wall_clock_seconds=settings.sandbox_wall_clock_seconds,
             output_bytes=settings.sandbox_output_bytes,
             sent_file_bytes=settings.sandbox_sent_file_bytes,
+            disk_bytes=settings.sandbox_disk_mb * MiB,
         )
 
     def prlimit_argv(self) -> list[str]:
@@ -75,7 +79,7 @@ class Verdict:
 
     Attributes:
         code: Stable code: OK, EXIT_STATUS, CPU_LIMIT, MEMORY_LIMIT, FILE_SIZE_LIMIT,
-            PROCESS_LIMIT, OPEN_FILES_LIMIT, WALL_CLOCK_LIMIT, SIGNAL.
+            PROCESS_LIMIT, OPEN_FILES_LIMIT, WALL_CLOCK_LIMIT, DISK_LIMIT, SIGNAL.
         message: A specific, user-safe reason.
     """
 
@@ -95,14 +99,22 @@ _PROCESSES = re.compile(r"(BlockingIOError|fork|thread).{0,80}Resource temporari
                         re.IGNORECASE | re.DOTALL)
 _FILE_SIZE = re.compile(r"File too large|File size limit exceeded", re.IGNORECASE)
 _OPEN_FILES = re.compile(r"Too many open files", re.IGNORECASE)
+#: A full private tmpfs (bubblewrap) says so with ENOSPC.
+_DISK = re.compile(r"No space left on device|Disk quota exceeded", re.IGNORECASE)
 
 
 def _mb(value: int) -> str:
     return f"{value / MiB:g} MB"
 
 
+def disk_limit(limits: Limits) -> Verdict:
+    """The verdict on a run that used more disk than allowed."""
+    return Verdict("DISK_LIMIT", f"stopped: disk limit of {_mb(limits.disk_bytes)} exceeded")
+
+
 def classify(limits: Limits, *, exit_signal: int | None, exit_status: int | None,
-             cpu_seconds: float, largest_file: int, stderr_tail: str) -> Verdict:
+             cpu_seconds: float, largest_file: int, stderr_tail: str,
+             disk_used: int = 0) -> Verdict:
     """The verdict on a run that ended by itself (not killed by the runner).
 
     Args:
@@ -112,7 +124,10 @@ def classify(limits: Limits, *, exit_signal: int | None, exit_status: int | None
         cpu_seconds: CPU time used by it and its reaped descendants.
         largest_file: Size of the largest file left in its working directory.
         stderr_tail: The end of what it wrote to stderr.
+        disk_used: Disk space its working directory holds at the end.
     """
+    if disk_used > limits.disk_bytes:
+        return disk_limit(limits)
     if exit_status == 0:
         return Verdict("OK", "exited with status 0")
     if exit_signal == signal.SIGXCPU or cpu_seconds >= limits.cpu_seconds:
@@ -122,6 +137,8 @@ def classify(limits: Limits, *, exit_signal: int | None, exit_status: int | None
             largest_file >= limits.file_size_bytes):
         return Verdict("FILE_SIZE_LIMIT",
                        f"stopped: file size limit of {_mb(limits.file_size_bytes)} exceeded")
+    if _DISK.search(stderr_tail):
+        return disk_limit(limits)
     if _MEMORY.search(stderr_tail):
         return Verdict("MEMORY_LIMIT",
                        f"stopped: memory limit of {_mb(limits.memory_bytes)} exceeded")

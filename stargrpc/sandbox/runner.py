@@ -1,12 +1,17 @@
 """The sandbox runner: one command, one fresh working directory, limits, and a clean end.
 
-A run goes: make ``<sandbox_root>/run-<token>/`` (owned by the sandbox user) with an
-``out/`` folder and the caller's input files; start ``prlimit … [isolation wrapper] argv``
+A run goes: make ``<sandbox_root>/run-<token>/`` (mode 0700, owned by the run's user: a
+uid of its own from ``sandbox_uid_range`` when the server is root) with an ``out/`` folder
+and the caller's input files; start ``prlimit … [isolation wrapper] argv``
 in its own session with stdin closed and a scrubbed environment; stream stdout and stderr
 line by line through a callback (cut with a marker past the output cap); wait for the exit
 (through a pidfd, so the CPU time of the whole tree comes back from ``wait4``) under a
-wall clock; kill the whole process group on timeout or cancellation; collect the files
-left in ``out/``; remove the working directory.
+wall clock and a disk cap (polled); kill the whole process group on timeout, disk cap or
+cancellation; collect the files left in ``out/``; remove the working directory.
+
+The command owns its working directory and may have rearranged it (symlinks, FIFOs, hard
+links, deep nesting): every later step on it goes through :mod:`stargrpc.sandbox.fsops`,
+relative to the directory fd the server opened when it made the folder.
 """
 
 from __future__ import annotations
@@ -18,20 +23,20 @@ import mimetypes
 import os
 import pwd
 import secrets
-import shutil
 import signal
 import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
+from stargrpc.sandbox import fsops
 from stargrpc.sandbox.isolation import SANDBOX_PATH, Isolation, detect
-from stargrpc.sandbox.limits import Limits, Verdict, classify
+from stargrpc.sandbox.limits import Limits, Verdict, classify, disk_limit
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.sandbox")
@@ -51,8 +56,13 @@ MAX_SENT_FILES = 32
 _DRAIN_SECONDS = 2.0
 #: Seconds between ticks.
 TICK_SECONDS = 5.0
-#: Most directory entries looked at when measuring the working directory.
-_MAX_WALK = 10_000
+#: Seconds between two measures of the working directory's disk use while a run runs.
+DISK_POLL_SECONDS = 0.5
+#: Most entries of the output folder looked at, and how deep.
+_MAX_COLLECT_ENTRIES = 10_000
+_MAX_COLLECT_DEPTH = 64
+#: Skipped output files listed one by one at most (the rest are counted).
+_MAX_SKIPPED = 64
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,22 @@ def sandbox_ids(settings: Settings) -> tuple[int | None, int | None]:
     except KeyError:
         return 65534, 65534
     return entry.pw_uid, entry.pw_gid
+
+
+#: Per-run uids taken by the runs of this process, released once a run's processes are gone.
+_uids_in_use: set[int] = set()
+#: Tries at finding a free uid in the range before giving up.
+_UID_TRIES = 64
+
+
+def _take_uid(first: int, last: int) -> int:
+    """A uid of the range that no run of this process holds and no process runs as."""
+    for _ in range(_UID_TRIES):
+        uid = first + secrets.randbelow(last - first + 1)
+        if uid not in _uids_in_use and not _processes_of(uid):
+            _uids_in_use.add(uid)
+            return uid
+    raise RuntimeError("no free user id left in sandbox_uid_range")
 
 
 def isolation_for(settings: Settings) -> Isolation:
@@ -211,6 +237,7 @@ class Sandbox:
     _root: Path
     _uid: int | None
     _gid: int | None
+    _uid_range: tuple[int, int] | None
     _keep: bool
     _env_allowlist: list[str]
 
@@ -219,6 +246,7 @@ class Sandbox:
         self.isolation = isolation_for(settings)
         self._root = sandbox_root(settings)
         self._uid, self._gid = sandbox_ids(settings)
+        self._uid_range = settings.sandbox_uids if self._uid is not None else None
         self._keep = settings.sandbox_keep_workdir
         self._env_allowlist = list(settings.sandbox_env_allowlist)
 
@@ -243,27 +271,28 @@ class Sandbox:
                 before this propagates.
         """
         workdir = self._make_workdir(files or {})
-        inside = self.isolation.workdir_inside(workdir)
-        full_env = self._environment(inside, workdir, env or {})
-        started = time.monotonic()
         try:
+            inside = self.isolation.workdir_inside(workdir.path)
+            full_env = self._environment(inside, workdir.path, env or {})
+            started = time.monotonic()
             return await self._run_in(workdir, argv, full_env, on_output, on_tick, started)
         finally:
-            if self._keep:
-                log.info("sandbox_workdir_kept", workdir=str(workdir))
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
+            # In a thread that owns the folder's fds: a huge tree must not stall the event
+            # loop, and a second cancellation must not close them under it.
+            await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
 
-    async def _run_in(self, workdir: Path, argv: list[str], env: dict[str, str],
+    async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float) -> SandboxResult:
-        command = self.isolation.command(argv, workdir, limits=self.limits.prlimit_argv(),
-                                         uid=self._uid, gid=self._gid)
+        command = self.isolation.command(argv, workdir.path,
+                                         limits=self.limits.prlimit_argv(),
+                                         uid=workdir.uid, gid=workdir.gid,
+                                         tmpfs_bytes=self.limits.disk_bytes)
         # Popen, not asyncio's subprocess: the exit must be reaped here with wait4 (for the
         # CPU time of the tree); Popen only spawns (vfork+exec), so it returns at once.
         proc = subprocess.Popen(  # noqa: ASYNC220
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, cwd=workdir, env=env, start_new_session=True,
+            stderr=subprocess.PIPE, cwd=workdir.path, env=env, start_new_session=True,
             close_fds=True)
         loop = asyncio.get_running_loop()
         output = _Output(self.limits.output_bytes, on_output)
@@ -276,12 +305,12 @@ class Sandbox:
         pidfd = os.pidfd_open(proc.pid)
         exited: asyncio.Future[None] = loop.create_future()
         loop.add_reader(pidfd, _set_done, exited)
-        timed_out = False
+        stopped: Verdict | None = None
         try:
-            timed_out = await self._wait(exited, started, on_tick)
+            stopped = await self._wait(exited, started, on_tick, workdir)
         finally:
             if not exited.done():
-                # Wall clock, cancellation or an error: take the whole group down now.
+                # Wall clock, disk cap, cancellation or an error: take the whole group down.
                 _kill_group(proc.pid)
                 with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(asyncio.shield(exited), 5.0)
@@ -293,57 +322,80 @@ class Sandbox:
             _, still_open = await asyncio.wait(pumps, timeout=_DRAIN_SECONDS)
             for pump in still_open:
                 pump.cancel()
-            await _wait_group_gone(proc.pid)
-        return self._result(workdir, proc, status, cpu, timed_out, output, started)
+            await _wait_group_gone(proc.pid, workdir.uid if workdir.own_uid else None)
+        final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
+        return self._result(proc, status, cpu, stopped, output, started, final)
 
     async def _wait(self, exited: asyncio.Future[None], started: float,
-                    on_tick: TickCallback | None) -> bool:
+                    on_tick: TickCallback | None, workdir: _Workdir) -> Verdict | None:
+        """Waits for the exit; returns the verdict when the run must be stopped first."""
         deadline = started + self.limits.wall_clock_seconds
+        next_tick = started + TICK_SECONDS
         while not exited.done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return True
-            await asyncio.wait([exited], timeout=min(left, TICK_SECONDS))
-            if not exited.done() and on_tick is not None and time.monotonic() < deadline:
-                await on_tick(time.monotonic() - started)
-        return False
+            now = time.monotonic()
+            if now >= deadline:
+                return Verdict("WALL_CLOCK_LIMIT", "killed: wall-clock limit of "
+                               f"{self.limits.wall_clock_seconds:g} s exceeded")
+            await asyncio.wait([exited], timeout=min(deadline, next_tick,
+                                                      now + DISK_POLL_SECONDS) - now)
+            if exited.done():
+                break
+            used = await asyncio.to_thread(_disk_used, os.dup(workdir.fd),
+                                           self.limits.disk_bytes)
+            if used is not None and used > self.limits.disk_bytes:
+                return disk_limit(self.limits)
+            now = time.monotonic()
+            if now >= next_tick and now < deadline:
+                next_tick = now + TICK_SECONDS
+                if on_tick is not None:
+                    await on_tick(now - started)
+        return None
 
-    def _result(self, workdir: Path, proc: subprocess.Popen[bytes], status: int,
-                cpu: float, timed_out: bool, output: _Output,
-                started: float) -> SandboxResult:
+    def _result(self, proc: subprocess.Popen[bytes], status: int, cpu: float,
+                stopped: Verdict | None, output: _Output, started: float,
+                final: _Final) -> SandboxResult:
         exit_signal, exit_status = _decode_status(status, self.isolation.mode != "rlimits")
-        if timed_out:
-            verdict = Verdict("WALL_CLOCK_LIMIT", "killed: wall-clock limit of "
-                              f"{self.limits.wall_clock_seconds:g} s exceeded")
-        else:
-            verdict = classify(self.limits, exit_signal=exit_signal, exit_status=exit_status,
-                               cpu_seconds=cpu, largest_file=_largest_file(workdir),
-                               stderr_tail=output.tails["stderr"])
-        result = SandboxResult(
+        verdict = stopped or classify(
+            self.limits, exit_signal=exit_signal, exit_status=exit_status, cpu_seconds=cpu,
+            largest_file=final.usage.largest_file, stderr_tail=output.tails["stderr"],
+            disk_used=final.usage.bytes)
+        return SandboxResult(
             verdict=verdict, exit_status=exit_status, exit_signal=exit_signal,
             cpu_seconds=cpu, duration=time.monotonic() - started,
             output_truncated=output.truncated, stdout_tail=output.tails["stdout"],
-            stderr_tail=output.tails["stderr"], isolation=self.isolation.mode)
-        self._collect(workdir / "out", result)
-        return result
+            stderr_tail=output.tails["stderr"], isolation=self.isolation.mode,
+            files=final.files, skipped_files=final.skipped)
 
-    def _make_workdir(self, files: Mapping[str, str | bytes]) -> Path:
+    def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
         for name in files:
             if not name or name.startswith(".") or Path(name).name != name or name in (
                     "out", "tmp"):
                 raise ValueError(f"input file name {name!r} must be a plain file name")
-        workdir = self._root / f"run-{secrets.token_hex(8)}"
-        workdir.mkdir(mode=0o700)
-        made = [workdir, workdir / "out", workdir / "tmp"]
-        for path in made[1:]:
-            path.mkdir(mode=0o700)
-        for name, content in files.items():
-            target = workdir / name
-            target.write_bytes(content.encode() if isinstance(content, str) else content)
-            made.append(target)
-        if self._uid is not None and self._gid is not None:
-            for path in made:
-                os.chown(path, self._uid, self._gid)
+        uid, gid = self._uid, self._gid
+        own_uid = self._uid_range is not None
+        if self._uid_range is not None:
+            uid = gid = _take_uid(*self._uid_range)
+        name = f"run-{secrets.token_hex(8)}"
+        try:
+            root_fd = os.open(self._root, fsops.DIR_FLAGS)
+            try:
+                os.mkdir(name, 0o700, dir_fd=root_fd)
+                fd = fsops.open_dir(root_fd, name)
+            except BaseException:
+                os.close(root_fd)
+                raise
+        except BaseException:
+            if own_uid:
+                _uids_in_use.discard(uid)
+            raise
+        workdir = _Workdir(self._root / name, name, root_fd, fd,
+                           fsops.Owner(os.geteuid() if uid is None else uid,
+                                       os.fstat(fd).st_dev), uid, gid, own_uid)
+        try:
+            _fill(workdir, files)
+        except BaseException:
+            _finish(workdir, keep=False)
+            raise
         return workdir
 
     def _environment(self, inside: str, workdir: Path, extra: Mapping[str, str]
@@ -356,22 +408,142 @@ class Sandbox:
         env.update(extra)
         return env
 
-    def _collect(self, out: Path, result: SandboxResult) -> None:
+    def _collect(self, run_fd: int, owner: fsops.Owner) -> _Final:
+        """Measures the working directory and reads ``out/`` (in a thread; closes
+        ``run_fd``, a duplicate of the folder's fd)."""
+        final = _Final()
+        try:
+            with contextlib.suppress(fsops.Moved, OSError):
+                final.usage = fsops.measure(run_fd, self.limits.disk_bytes, unlock=True)
+            try:
+                out_fd = fsops.open_dir(run_fd, "out", owner)
+            except OSError:
+                final.skip("out: not a plain folder of the run; no file returned")
+                return final
+            try:
+                self._read_out(out_fd, owner, final)
+            except (fsops.Moved, OSError):
+                final.skip("out: changed while it was read; the rest not returned")
+            finally:
+                os.close(out_fd)
+        finally:
+            os.close(run_fd)
+        return final
+
+    def _read_out(self, out_fd: int, owner: fsops.Owner, final: _Final) -> None:
         budget = self.limits.sent_file_bytes
-        for path in sorted(_regular_files(out)):
-            name = str(path.relative_to(out))
-            if len(result.files) >= MAX_SENT_FILES:
-                result.skipped_files.append(f"{name}: more than {MAX_SENT_FILES} files")
-                continue
-            data = _read_own_file(path, self._uid, budget)
-            if data is None:
-                result.skipped_files.append(
-                    f"{name}: over the {self.limits.sent_file_bytes} byte cap of sent files"
-                    if path.lstat().st_size > budget else f"{name}: not a plain file")
-                continue
-            budget -= len(data)
-            mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
-            result.files.append(OutputFile(name, data, mime))
+        with fsops.walk(out_fd, max_depth=_MAX_COLLECT_DEPTH) as tree:
+            for seen, (name, entry, info) in enumerate(tree.entries(), 1):
+                if seen > _MAX_COLLECT_ENTRIES:
+                    final.skip(f"more than {_MAX_COLLECT_ENTRIES} entries in out/; the "
+                               "rest not looked at")
+                    return
+                if stat.S_ISDIR(info.st_mode):
+                    if not owner.is_own(info):
+                        tree.skip()
+                        final.skip(f"{name}: not a plain folder")
+                    continue
+                if len(final.files) >= MAX_SENT_FILES:
+                    final.skip(f"{name}: more than {MAX_SENT_FILES} files")
+                    continue
+                try:
+                    data = fsops.read_own_file(tree.fd, entry, owner, budget)
+                except fsops.TooLarge:
+                    final.skip(f"{name}: over the {self.limits.sent_file_bytes} byte cap of "
+                               "sent files")
+                    continue
+                if data is None:
+                    final.skip(f"{name}: not a plain file")
+                    continue
+                budget -= len(data)
+                mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                final.files.append(OutputFile(name, data, mime))
+
+
+@dataclass
+class _Workdir:
+    """A run's working directory, held open by the server.
+
+    Attributes:
+        path: Its path (for the command's cwd and the isolation wrapper only).
+        name: Its name in the sandbox root.
+        root_fd: The sandbox root.
+        fd: The folder itself, opened when it was made.
+        owner: What every entry in it must match.
+        uid: The run's user (None: the server's own).
+        gid: The run's group.
+        own_uid: The uid was taken for this run alone.
+    """
+
+    path: Path
+    name: str
+    root_fd: int
+    fd: int
+    owner: fsops.Owner
+    uid: int | None
+    gid: int | None
+    own_uid: bool
+
+
+@dataclass
+class _Final:
+    """What is found in the working directory once the run is over."""
+
+    usage: fsops.Usage = field(default_factory=lambda: fsops.Usage(0, 0))
+    files: list[OutputFile] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    _unlisted: int = 0
+
+    def skip(self, reason: str) -> None:
+        if len(self.skipped) < _MAX_SKIPPED:
+            self.skipped.append(reason)
+            return
+        self._unlisted += 1
+        self.skipped[-1] = f"{self._unlisted + 1} more entries not returned"
+
+
+def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
+    """Makes ``out/``, ``tmp/`` and the input files, all owned by the run's user."""
+    uid, gid = workdir.uid, workdir.gid
+    for sub in ("out", "tmp"):
+        os.mkdir(sub, 0o700, dir_fd=workdir.fd)
+        if uid is not None and gid is not None:
+            os.chown(sub, uid, gid, dir_fd=workdir.fd, follow_symlinks=False)
+    for name, content in files.items():
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600, dir_fd=workdir.fd)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content.encode() if isinstance(content, str) else content)
+            if uid is not None and gid is not None:
+                os.fchown(handle.fileno(), uid, gid)
+    if uid is not None and gid is not None:
+        os.fchown(workdir.fd, uid, gid)
+
+
+def _finish(workdir: _Workdir, keep: bool) -> None:
+    """Removes the working directory (unless kept), closes its fds and frees the run's
+    uid (its processes are gone by now)."""
+    try:
+        if keep:
+            log.info("sandbox_workdir_kept", workdir=str(workdir.path))
+        elif not fsops.remove_tree(workdir.root_fd, workdir.name):
+            log.error("sandbox_workdir_not_removed", workdir=str(workdir.path))
+    finally:
+        os.close(workdir.fd)
+        os.close(workdir.root_fd)
+        if workdir.own_uid and workdir.uid is not None:
+            _uids_in_use.discard(workdir.uid)
+
+
+def _disk_used(run_fd: int, cap: int) -> int | None:
+    """Disk use of the working directory (in a thread; closes ``run_fd``, a duplicate);
+    None when it could not be measured this time."""
+    try:
+        return fsops.measure(run_fd, cap).bytes
+    except (fsops.Moved, OSError):
+        return None
+    finally:
+        os.close(run_fd)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
@@ -384,29 +556,57 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-async def _wait_group_gone(pgid: int) -> None:
-    """Kills what is left of the process group until nothing (but zombies waiting for
-    init) is; bounded, so a process that escaped into its own session cannot stall us."""
+async def _wait_group_gone(pgid: int, uid: int | None) -> None:
+    """Kills what is left of the process group (and, with a uid of the run's own, every
+    process of that uid: one that left the group too) until nothing but zombies waiting
+    for init is; bounded, so a process that escaped cannot stall us."""
     deadline = time.monotonic() + _DRAIN_SECONDS
-    while _group_members(pgid) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        strays = _processes_of(uid) if uid is not None else []
+        if not _group_members(pgid) and not strays:
+            return
         _kill_group(pgid)
+        for pid in strays:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         await asyncio.sleep(0.05)
+
+
+def _proc_entries() -> Iterator[str]:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            yield entry.name
 
 
 def _group_members(pgid: int) -> list[int]:
     members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in _proc_entries():
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as handle:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
                 fields = handle.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
         # After the ")" of the command name: state, ppid, pgrp, …
         if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry.name))
+            members.append(int(pid))
     return members
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live (non-zombie) processes whose real, effective or saved uid is ``uid``."""
+    found = []
+    for pid in _proc_entries():
+        try:
+            with open(f"/proc/{pid}/status", "rb") as handle:
+                status = handle.read()
+        except OSError:
+            continue
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        uids = fields.get(b"Uid", b"").split()[:3]
+        if str(uid).encode() in uids and not fields.get(b"State", b"").strip().startswith(
+                b"Z"):
+            found.append(int(pid))
+    return found
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
@@ -425,35 +625,3 @@ def _decode_status(status: int, wrapped: bool) -> tuple[int | None, int | None]:
     if wrapped and 128 < code < 128 + 65:
         return code - 128, None
     return None, code
-
-
-def _regular_files(folder: Path) -> list[Path]:
-    found: list[Path] = []
-    for dirpath, _, names in os.walk(folder, followlinks=False):
-        found.extend(Path(dirpath) / name for name in names)
-        if len(found) > _MAX_WALK:
-            break
-    return found
-
-
-def _largest_file(workdir: Path) -> int:
-    largest = 0
-    for path in _regular_files(workdir):
-        with contextlib.suppress(OSError):
-            largest = max(largest, path.lstat().st_size)
-    return largest
-
-
-def _read_own_file(path: Path, uid: int | None, budget: int) -> bytes | None:
-    """The content of a regular file the sandbox made, or None. Symlinks, hard links to
-    files of others, devices and FIFOs are refused: the server reads with its own rights."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or (
-                uid is not None and info.st_uid != uid) or info.st_size > budget:
-            return None
-        return handle.read(budget + 1)[:budget]
