@@ -130,24 +130,6 @@ def isolation_for(settings: Settings) -> Isolation:
     return detect(settings.sandbox_isolation, sandbox_root(settings), uid, gid)
 
 
-def log_isolation(settings: Settings) -> Isolation | None:
-    """Probes the isolation mode and says at start-up which one sandboxed tools will get.
-
-    Returns:
-        The mode, or None when the sandbox cannot work here (logged as an error; the
-        sandboxed tools then fail with that reason).
-    """
-    try:
-        isolation = isolation_for(settings)
-    except (RuntimeError, OSError) as exc:
-        log.error("sandbox_unavailable", error=str(exc))
-        return None
-    uid, _ = sandbox_ids(settings)
-    log.info("sandbox_isolation", mode=isolation.mode, protects=isolation.description,
-             user=settings.sandbox_user if uid is not None else "(server's own)")
-    return isolation
-
-
 class _Output:
     """The output budget shared by stdout and stderr, and the tails kept of each."""
 
