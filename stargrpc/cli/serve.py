@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from stargrpc.cli.keys import announce_first_key
 from stargrpc.errors import AuthConfigError, ToolDefinitionError
 from stargrpc.logs import configure_logging
+from stargrpc.secret_env import hand_over_and_reexec, take_over
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
 
@@ -60,7 +62,12 @@ from stargrpc.settings import Settings
               "variables) [env STARGRPC_TRACING; default off].")
 def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object) -> None:
     """Run the stargrpc server."""
-    overrides = dict(flags)
+    # Only as the program itself: never replace a program that merely embeds this command.
+    handover_failed = hand_over_and_reexec() if _is_main_program() else None
+    handed_over = take_over()
+    # Handed-over variables rank as the environment did: below flags.
+    overrides: dict[str, object] = {**handed_over,
+                                    **{k: v for k, v in flags.items() if v is not None}}
     if tools_dir:
         overrides["tools_dir"] = list(tools_dir)
     try:
@@ -70,6 +77,10 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     configure_logging(settings.log_level, settings.log_format, cache=True)
     log = structlog.get_logger("stargrpc.cli")
     log.info("settings", **settings.masked())
+    if handed_over:
+        log.info("secrets_removed_from_environment", settings=sorted(handed_over))
+    if handover_failed:
+        log.warning("secrets_left_in_environment", reason=handover_failed)
     try:
         announce_first_key(settings)
         asyncio.run(_serve(settings))
@@ -83,6 +94,12 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     except OSError as exc:
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(4)
+
+
+def _is_main_program() -> bool:
+    program = sys.argv[0] if sys.argv else ""
+    return os.path.basename(program) == "stargrpc" or program.endswith(
+        os.path.join("stargrpc", "cli", "__main__.py"))
 
 
 async def _serve(settings: Settings) -> None:
