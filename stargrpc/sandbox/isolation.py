@@ -103,6 +103,18 @@ DESCRIPTIONS = {
 }
 
 
+#: What each mode does not protect, one line.
+GAPS = {
+    "bwrap": "the kernel (namespaces and rlimits, not a VM); /etc and the other system "
+             "folders are readable as the sandbox user",
+    "unshare": "the file system: the host's, guarded only by the sandbox user's "
+               "permissions (world-readable files are readable, /tmp writable)",
+    "rlimits": "network (the host's, including loopback services and metadata addresses) "
+               "and file system; as a non-root server, commands run as the server's user "
+               "and can read its files and /proc/<server>/environ",
+}
+
+
 def probe(mode: str, probe_dir: Path, uid: int | None, gid: int | None) -> str | None:
     """Why ``mode`` does not work here, or None when it does (by running ``true`` in it).
 
