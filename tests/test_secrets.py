@@ -19,7 +19,7 @@ from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry
 from tests.helpers import key_channel, run_tool
-from tests.procs import ImageUser, image_user, serve
+from tests.procs import ImageUser, serve
 
 SECRET = "a-file-secret-that-is-long-enough-for-hs256-0123"
 ISSUER, AUDIENCE = "https://idp.example", "stargrpc"
@@ -141,14 +141,6 @@ def test_serve_removes_secret_variables_from_proc_environ(tmp_path: Path) -> Non
         assert "echo" in {tool.name for tool in listed.tools}
         assert not any(SECRET in json.dumps(line) or PG_PASSWORD in json.dumps(line)
                        for line in server.lines)
-
-
-@pytest.fixture
-def image() -> ImageUser:
-    if os.geteuid() != 0:
-        pytest.skip("starts the server as another user (needs root)")
-    with image_user() as user:
-        yield user  # type: ignore[misc]
 
 
 def test_a_weakly_isolated_snippet_finds_no_secret_in_the_server_environment(

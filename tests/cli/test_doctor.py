@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.procs import ImageUser, image_user
+from tests.procs import ImageUser
 
 SECRET = "an-env-secret-that-is-long-enough-for-hs256-42"
 
@@ -29,14 +29,6 @@ def report(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(done.stdout)
     assert data["exit_status"] == done.returncode, done.stderr
     return data
-
-
-@pytest.fixture
-def image() -> Iterator[ImageUser]:
-    if os.geteuid() != 0:
-        pytest.skip("runs doctor as another user (needs root)")
-    with image_user() as user:
-        yield user
 
 
 def test_image_defaults_report_disabled_tools_reachable_secrets_and_fixes(

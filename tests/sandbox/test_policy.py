@@ -20,7 +20,7 @@ from stargrpc.sandbox import decide
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import as_dict, run_tool
-from tests.procs import ImageUser, image_user, serve
+from tests.procs import ImageUser, serve
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switches users (needs root)")
 needs_bwrap = pytest.mark.skipif(
@@ -167,14 +167,6 @@ async def test_unshare_with_secrets_readable_by_the_sandbox_user_fails_closed(
 
 
 # -- the image: a non-root server without bubblewrap ----------------------------------------
-
-@pytest.fixture
-def image() -> ImageUser:
-    if os.geteuid() != 0:
-        pytest.skip("starts the server as another user (needs root)")
-    with image_user() as user:
-        yield user  # type: ignore[misc]
-
 
 def call(target: str, tool: str, arguments: dict[str, object]) -> events_pb2.Result:
     with grpc.insecure_channel(target) as channel:
