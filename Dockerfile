@@ -1,5 +1,9 @@
 # syntax=docker/dockerfile:1
-# stargrpc: multi-stage build; the runtime image has only the virtualenv and runs as non-root.
+# stargrpc: multi-stage build; the runtime image has the virtualenv and bubblewrap (the
+# sandbox of the python and shell tools) and runs as non-root. bubblewrap needs the
+# container started with the seccomp profile from deploy/seccomp_profile.py (see README,
+# "Docker"); without it the sandboxed tools are refused (SANDBOX_UNAVAILABLE), never run
+# with weaker isolation. `docker run … stargrpc doctor` says which applies.
 
 FROM python:3.11-slim AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
@@ -11,9 +15,17 @@ COPY tools ./tools
 RUN /opt/venv/bin/pip install .
 
 FROM python:3.11-slim AS runtime
+# bubblewrap: unprivileged (not setuid), it builds the sandbox in user namespaces.
+# util-linux (prlimit, setpriv) is part of the base image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap \
+ && rm -rf /var/lib/apt/lists/*
+# The state folder (keys file, audit database) is the server user's alone: 0700.
 RUN groupadd --system --gid 10001 stargrpc \
  && useradd --system --uid 10001 --gid stargrpc --home-dir /var/lib/stargrpc --create-home \
-      --shell /usr/sbin/nologin stargrpc
+      --shell /usr/sbin/nologin stargrpc \
+ && chmod 0700 /var/lib/stargrpc
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

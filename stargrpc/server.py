@@ -153,8 +153,10 @@ class StargrpcServer:
         log.info("serving", address=f"{self.settings.host}:{self.port}",
                  tools=sorted(self.runtime.registry),
                  catalog_hash=self.runtime.registry.catalog_hash)
-        if any(spec.kind == "sandbox" for spec in self.runtime.registry.values()):
-            await asyncio.to_thread(log_isolation, self.settings)  # says which mode, once
+        sandboxed = sorted(spec.name for spec in self.runtime.registry.values()
+                           if spec.kind == "sandbox")
+        if sandboxed:  # says which mode, once, and which tools it disables
+            await asyncio.to_thread(log_isolation, self.settings, sandboxed)
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:

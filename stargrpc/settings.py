@@ -6,6 +6,7 @@ defaults below. :meth:`Settings.masked` is what start-up logs, with secrets hidd
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -180,7 +181,11 @@ class Settings(BaseSettings):
     list_tools_show_uncallable: bool = Field(
         False, description="ListTools also lists tools the caller may not run, marked "
         "permissions.callable = false (default: they are left out).")
-    jwt_secret: SecretStr | None = Field(None, description="HS256 shared secret for JWTs.")
+    jwt_secret: SecretStr | None = Field(None, description="HS256 shared secret for JWTs "
+                                         "(prefer jwt_secret_file).")
+    jwt_secret_file: Path | None = Field(None, description="A file holding the HS256 shared "
+                                         "secret for JWTs, read once at start-up (a final "
+                                         "newline is ignored); instead of jwt_secret.")
     jwt_public_key_file: Path | None = Field(None, description="PEM public key for RS256/"
                                              "ES256 JWTs.")
     jwt_jwks_file: Path | None = Field(None, description="A JWKS file of RS256/ES256 keys "
@@ -229,7 +234,14 @@ class Settings(BaseSettings):
     # -- sandbox and bundled tools (stargrpc/sandbox, http_guard.py, kb/, tools/) ----------
     sandbox_isolation: Literal["auto", "bwrap", "unshare", "rlimits"] = Field(
         "auto", description="How sandboxed commands are isolated: auto picks the strongest "
-        "that works here (bwrap, then unshare, then rlimits only).")
+        "that works here (bwrap, then unshare, then rlimits only) and refuses to run them "
+        "when that cannot keep them away from the server's secrets.")
+    sandbox_isolation_min: Literal["bwrap", "unshare", "rlimits"] = Field(
+        "rlimits", description="The weakest isolation sandboxed tools may run with; below "
+        "it they fail with SANDBOX_UNAVAILABLE.")
+    sandbox_allow_weak_isolation: bool = Field(
+        False, description="Run sandboxed tools even when the isolation auto picks cannot "
+        "keep them away from the server's secrets (logged at warning on every start).")
     sandbox_root: Path | None = Field(None, description="Where run working directories are "
                                       "made; default <tmp>/stargrpc-sandbox.")
     sandbox_keep_workdir: bool = Field(False, description="Keep each run's working directory "
@@ -247,6 +259,7 @@ class Settings(BaseSettings):
                                  "directory may hold (polled while it runs, checked at the "
                                  "end); in bubblewrap also the size of its private /tmp and "
                                  "/dev/shm.")
+
     sandbox_cpu_seconds: int = Field(10, ge=1, le=3600, description="CPU time limit per run.")
     sandbox_memory_mb: int = Field(512, ge=16, description="Address-space limit per process.")
     sandbox_file_size_mb: int = Field(64, ge=1, description="Largest file a run may write.")
@@ -286,6 +299,28 @@ class Settings(BaseSettings):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
+    @field_validator("sandbox_user")
+    @classmethod
+    def _check_sandbox_user(cls, value: str) -> str:
+        try:
+            entry = pwd.getpwnam(value)
+        except KeyError:
+            return value  # an unknown user runs as nobody (65534)
+        if entry.pw_uid == 0 or entry.pw_gid == 0:
+            raise ValueError(f"sandbox_user {value!r} is root (uid or gid 0): sandboxed "
+                             "commands would run with the server's full rights; name an "
+                             "unprivileged user (default nobody)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_isolation_min(self) -> Settings:
+        order = ("bwrap", "unshare", "rlimits")
+        if self.sandbox_isolation != "auto" and (
+                order.index(self.sandbox_isolation) > order.index(self.sandbox_isolation_min)):
+            raise ValueError(f"sandbox_isolation {self.sandbox_isolation!r} is weaker than "
+                             f"sandbox_isolation_min {self.sandbox_isolation_min!r}")
+        return self
+
     @field_validator("sandbox_uid_range")
     @classmethod
     def _check_uid_range(cls, value: str) -> str:
@@ -306,6 +341,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_auth(self) -> Settings:
+        if self.jwt_secret_file is not None:
+            if self.jwt_secret is not None:
+                raise ValueError("give jwt_secret or jwt_secret_file, not both")
+            self.jwt_secret = SecretStr(_read_secret_file(self.jwt_secret_file))
         jwt_keys = [self.jwt_secret, self.jwt_public_key_file, self.jwt_jwks_file]
         if sum(k is not None for k in jwt_keys) > 1:
             raise ValueError("give one of jwt_secret, jwt_public_key_file, jwt_jwks_file")
@@ -378,6 +417,16 @@ class Settings(BaseSettings):
             else:
                 shown[name] = value
         return shown
+
+
+def _read_secret_file(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the secret file {path}: {exc}") from exc
+    if not text:
+        raise ValueError(f"the secret file {path} is empty")
+    return text
 
 
 def mask_url(url: str) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from stargrpc.registry import Registry
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2_grpc
+from tests.procs import ImageUser, image_user
 
 ServerFactory = Callable[..., Awaitable[StargrpcServer]]
 
@@ -104,3 +106,13 @@ async def channel(server: StargrpcServer) -> AsyncIterator[grpc.aio.Channel]:
 def stub(channel: grpc.aio.Channel) -> tool_service_pb2_grpc.ToolServiceStub:
     """A ToolService stub on :func:`channel`."""
     return tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+@pytest.fixture
+def image() -> Iterator[ImageUser]:
+    """The way the container image runs the server: a non-root user, no bubblewrap on PATH
+    (see :func:`tests.procs.image_user`); skipped unless the tests run as root."""
+    if os.geteuid() != 0:
+        pytest.skip("starts the server as another user (needs root)")
+    with image_user() as user:
+        yield user

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -32,11 +35,12 @@ class ServerProcess:
     port: int
     lines: list[dict[str, object]]
 
-    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(self, args: Sequence[str], env: dict[str, str],
+                 prefix: Sequence[str] = ()) -> None:
         self.lines = []
         self._queue: queue.Queue[dict[str, object] | None] = queue.Queue()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stargrpc.cli", "serve", "--port", "0",
+            [*prefix, sys.executable, "-m", "stargrpc.cli", "serve", "--port", "0",
              "--log-format", "json", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True)
@@ -111,10 +115,62 @@ def server_env(state_dir: Path, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def serve(state_dir: Path, *args: str, **env: str) -> Iterator[ServerProcess]:
-    """A running ``stargrpc serve`` for the duration of the block."""
-    server = ServerProcess(args, server_env(state_dir, **env))
+def serve(state_dir: Path, *args: str, prefix: Sequence[str] = (),
+          **env: str) -> Iterator[ServerProcess]:
+    """A running ``stargrpc serve`` for the duration of the block (``prefix``: a command
+    the server is started under, e.g. ``setpriv`` to run it as another user)."""
+    server = ServerProcess(args, server_env(state_dir, **env), prefix)
     try:
         yield server
     finally:
         server.stop()
+
+
+#: The uid and gid the container image runs the server as (see the Dockerfile).
+IMAGE_UID = 10001
+
+
+@dataclass
+class ImageUser:
+    """A server started the way the image runs it: a non-root user, no bubblewrap on PATH.
+
+    Attributes:
+        base: A folder of the server's user (mode 0700) holding ``state/`` and ``sandbox/``.
+        prefix: The command that starts the server as that user.
+        env: Environment variables: PATH without bubblewrap, the state folder, the sandbox
+            root.
+    """
+
+    base: Path
+    prefix: list[str]
+    env: dict[str, str]
+
+    @property
+    def state_dir(self) -> Path:
+        """The server's state folder."""
+        return self.base / "state"
+
+
+@contextmanager
+def image_user(uid: int = IMAGE_UID) -> Iterator[ImageUser]:
+    """An :class:`ImageUser` (needs root to switch users); removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="stargrpc-image-"))
+    try:
+        bin_dir = base / "bin"
+        bin_dir.mkdir()
+        for tool in ("prlimit", "setpriv", "unshare"):  # everything the server looks up
+            found = shutil.which(tool)
+            if found:
+                (bin_dir / tool).symlink_to(found)
+        for folder in (base / "state", base / "sandbox"):
+            folder.mkdir(mode=0o700)
+        for folder in (base, base / "state", base / "sandbox"):
+            os.chown(folder, uid, uid)
+        base.chmod(0o755)  # the bin folder is reached through it
+        yield ImageUser(
+            base=base,
+            prefix=["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"],
+            env={"PATH": str(bin_dir), "STARGRPC_STATE_DIR": str(base / "state"),
+                 "STARGRPC_SANDBOX_ROOT": str(base / "sandbox"), "HOME": str(base / "state")})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

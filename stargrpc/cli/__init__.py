@@ -7,6 +7,7 @@ import click
 from stargrpc import __version__
 from stargrpc.cli.audit import audit
 from stargrpc.cli.calls import call, cancel, tools, watch
+from stargrpc.cli.doctor import doctor
 from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb
 from stargrpc.cli.keys import keys
@@ -25,6 +26,7 @@ def version() -> None:
 
 
 main.add_command(serve)
+main.add_command(doctor)
 main.add_command(audit)
 main.add_command(tools)
 main.add_command(call)

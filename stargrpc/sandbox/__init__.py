@@ -4,6 +4,8 @@
   collected output files.
 - :mod:`stargrpc.sandbox.limits` — the rlimits and how a run that hit one is recognised.
 - :mod:`stargrpc.sandbox.isolation` — bubblewrap / unshare / rlimits-only, and detection.
+- :mod:`stargrpc.sandbox.policy` — whether sandboxed tools may run with the mode that works
+  here (fail closed when it cannot keep a run away from the server's secrets).
 - :mod:`stargrpc.sandbox.tooling` — :func:`run_in_sandbox`, the one call a tool makes.
 """
 
@@ -11,12 +13,12 @@ from __future__ import annotations
 
 from stargrpc.sandbox.isolation import Isolation
 from stargrpc.sandbox.limits import Limits, Verdict
+from stargrpc.sandbox.policy import Policy, decide, log_isolation
 from stargrpc.sandbox.runner import (
     OutputFile,
     Sandbox,
     SandboxResult,
     isolation_for,
-    log_isolation,
 )
 from stargrpc.sandbox.tooling import run_in_sandbox
 
@@ -24,9 +26,11 @@ __all__ = [
     "Isolation",
     "Limits",
     "OutputFile",
+    "Policy",
     "Sandbox",
     "SandboxResult",
     "Verdict",
+    "decide",
     "isolation_for",
     "log_isolation",
     "run_in_sandbox",

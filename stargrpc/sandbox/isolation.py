@@ -17,9 +17,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Host folders shown read-only inside bubblewrap (symlinks are recreated as symlinks).
@@ -39,10 +40,12 @@ class Isolation:
     Attributes:
         mode: "bwrap", "unshare" or "rlimits".
         description: What it protects, one line, for the start-up log.
+        skipped: Stronger modes that were tried first and why each does not work here.
     """
 
     mode: str
     description: str
+    skipped: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def command(self, argv: Sequence[str], workdir: Path, *, limits: Sequence[str],
                 uid: int | None, gid: int | None,
@@ -96,7 +99,8 @@ def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None) -> list[str]:
     return args
 
 
-_DESCRIPTIONS = {
+#: What each mode protects, one line.
+DESCRIPTIONS = {
     "bwrap": "bubblewrap: private network, private PID namespace, read-only system folders, "
              "only the run's working directory writable; plus rlimits",
     "unshare": "unshare: private network and PID namespace; host file system protected only "
@@ -106,19 +110,78 @@ _DESCRIPTIONS = {
 }
 
 
-def _probe(mode: str, probe_dir: Path, uid: int | None, gid: int | None) -> bool:
-    candidate = Isolation(mode, "")
-    if mode != "rlimits" and shutil.which(mode) is None:
-        return False
+#: What each mode does not protect, one line.
+GAPS = {
+    "bwrap": "the kernel (namespaces and rlimits, not a VM); /etc and the other system "
+             "folders are readable as the sandbox user",
+    "unshare": "the file system: the host's, guarded only by the sandbox user's "
+               "permissions (world-readable files are readable, /tmp writable)",
+    "rlimits": "network (the host's, including loopback services and metadata addresses) "
+               "and file system; as a non-root server, commands run as the server's user "
+               "and can read its files and /proc/<server>/environ",
+}
+
+
+def probe(mode: str, probe_dir: Path, uid: int | None, gid: int | None) -> str | None:
+    """Why ``mode`` does not work here, or None when it does (by running ``true`` in it).
+
+    Args:
+        mode: "bwrap", "unshare" or "rlimits".
+        probe_dir: A folder like the runs' working directories (the sandbox root).
+        uid: The sandbox user, when the server is root.
+        gid: The sandbox group.
+    """
+    if uid is not None:
+        # Every mode hands the command paths in its working directory.
+        blocked = untraversable(probe_dir, uid, gid if gid is not None else uid)
+        if blocked is not None:
+            return (f"sandbox_root {probe_dir} cannot be reached by the sandbox user "
+                    f"(uid {uid}): {blocked}; make every parent folder searchable by others "
+                    "(chmod o+x) or set sandbox_root elsewhere")
+    if mode == "rlimits":
+        return None
+    if shutil.which(mode) is None:
+        return f"{mode} is not installed (not on the server's PATH)"
     if mode == "unshare" and os.geteuid() != 0:
-        return False
-    argv = candidate.command(["true"], probe_dir, limits=[], uid=uid, gid=gid)
+        return "unshare needs the server to run as root"
+    argv = Isolation(mode, "").command(["true"], probe_dir, limits=[], uid=uid, gid=gid)
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=10,
                               cwd=probe_dir, env={"PATH": SANDBOX_PATH}, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{mode} could not be started: {exc}"
+    if done.returncode == 0:
+        return None
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    return f"{mode} failed here: {said[-1] if said else f'exit status {done.returncode}'}"
+
+
+def untraversable(path: Path, uid: int, gid: int) -> str | None:
+    """The first folder on the way to ``path`` that ``uid``/``gid`` may not search, as
+    "FOLDER is mode 0700 owned by uid N", or None when the way is open (ACLs aside)."""
+    current = Path("/")
+    for part in path.resolve().parts[1:]:
+        try:
+            info = current.stat()
+        except OSError as exc:
+            return f"{current}: {exc.strerror}"
+        if not has_permission(info, uid, gid, 0o1):
+            return (f"{current} is mode {stat.S_IMODE(info.st_mode):04o} owned by uid "
+                    f"{info.st_uid}")
+        current = current / part
+    return None
+
+
+def has_permission(info: os.stat_result, uid: int, gid: int, bit: int) -> bool:
+    """Whether ``uid`` (primary group ``gid`` only, as ``setpriv --clear-groups`` leaves
+    it) holds the permission ``bit`` (4 read, 2 write, 1 search/execute) on ``info``."""
+    if uid == 0:
+        return True
+    if info.st_uid == uid:
+        return bool(info.st_mode & (bit << 6))
+    if info.st_gid == gid:
+        return bool(info.st_mode & (bit << 3))
+    return bool(info.st_mode & bit)
 
 
 #: PATH inside the sandbox.
@@ -136,7 +199,12 @@ def detect(wanted: str, probe_dir: Path, uid: int | None, gid: int | None) -> Is
         if shutil.which(needed) is None:
             raise RuntimeError(f"the sandbox needs {needed} (util-linux)")
     candidates = MODES if wanted == "auto" else (wanted,)
+    skipped: dict[str, str] = {}
     for mode in candidates:
-        if mode == "rlimits" or _probe(mode, probe_dir, uid, gid):
-            return Isolation(mode, _DESCRIPTIONS[mode])
-    raise RuntimeError(f"sandbox isolation {wanted!r} does not work on this machine")
+        reason = probe(mode, probe_dir, uid, gid)
+        if reason is None:
+            return Isolation(mode, DESCRIPTIONS[mode], skipped)
+        skipped[mode] = reason
+    reasons = dict.fromkeys(skipped.values())  # one reason may stop every mode
+    raise RuntimeError(f"sandbox isolation {wanted!r} does not work on this machine: "
+                       + "; ".join(reasons))

@@ -130,6 +130,18 @@ def sandbox_ids(settings: Settings) -> tuple[int | None, int | None]:
     return entry.pw_uid, entry.pw_gid
 
 
+def run_ids(settings: Settings) -> tuple[int | None, int | None]:
+    """The (uid, gid) a run gets, for checks made before any run (what it could read):
+    with a root server and ``sandbox_uid_range`` set, an id of that range (each run has
+    its own, none with a passwd entry or groups, so all are alike); otherwise
+    :func:`sandbox_ids`."""
+    uid, gid = sandbox_ids(settings)
+    if uid is not None and settings.sandbox_uids is not None:
+        first, _ = settings.sandbox_uids
+        return first, first
+    return uid, gid
+
+
 #: Per-run uids taken by the runs of this process, released once a run's processes are gone.
 _uids_in_use: set[int] = set()
 #: Tries at finding a free uid in the range before giving up.
@@ -154,24 +166,6 @@ def isolation_for(settings: Settings) -> Isolation:
     """
     uid, gid = sandbox_ids(settings)
     return detect(settings.sandbox_isolation, sandbox_root(settings), uid, gid)
-
-
-def log_isolation(settings: Settings) -> Isolation | None:
-    """Probes the isolation mode and says at start-up which one sandboxed tools will get.
-
-    Returns:
-        The mode, or None when the sandbox cannot work here (logged as an error; the
-        sandboxed tools then fail with that reason).
-    """
-    try:
-        isolation = isolation_for(settings)
-    except (RuntimeError, OSError) as exc:
-        log.error("sandbox_unavailable", error=str(exc))
-        return None
-    uid, _ = sandbox_ids(settings)
-    log.info("sandbox_isolation", mode=isolation.mode, protects=isolation.description,
-             user=settings.sandbox_user if uid is not None else "(server's own)")
-    return isolation
 
 
 class _Output:

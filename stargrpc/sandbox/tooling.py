@@ -8,12 +8,14 @@ TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 from stargrpc.context import ToolContext
 from stargrpc.errors import ToolFailed
 from stargrpc.outcome import Outcome, ToolResult
+from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox, SandboxResult
 
 #: How much of each stream the Result's text repeats (the DELTAs carry all of it).
@@ -40,6 +42,9 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         The tool's result, with structured output ``{exit_status, signal, verdict, reason,
         cpu_seconds, duration_seconds, output_truncated, isolation, files, skipped_files}``.
     """
+    policy = await asyncio.to_thread(decide, ctx.settings)
+    if policy.refusal is not None:
+        raise ToolFailed(policy.refusal, code="SANDBOX_UNAVAILABLE")
     try:
         sandbox = Sandbox(ctx.settings)
     except (RuntimeError, OSError) as exc:  # the configured isolation does not work here

@@ -1,0 +1,104 @@
+"""Secrets given as environment variables, taken out of the server's environment.
+
+Linux shows a process's *initial* environment in ``/proc/<pid>/environ`` for as long as it
+lives: ``os.environ.pop`` or ``unsetenv`` change a copy, not that block. So ``stargrpc
+serve``, started with a secret in ``STARGRPC_*`` (a secret setting such as
+``STARGRPC_JWT_SECRET``, or a URL with a password such as ``STARGRPC_REDIS_URL``), re-executes
+itself once — same process id, same arguments — with those variables removed from the new
+environment, and hands their values over through an anonymous memory file (``memfd``)
+inherited by the new program, which reads and closes it before anything else starts.
+
+It protects the secret from what reads ``/proc/<server>/environ``: processes of the same
+user (a sandboxed run with weak isolation) and tools that dump environments. It does not
+protect it from the place that set the variable (a shell history, ``docker inspect``, a
+Kubernetes pod spec) or from a process allowed to read the server's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from pydantic import SecretStr
+
+from stargrpc.settings import Settings
+
+#: Names the inherited memory file in the re-executed program's environment.
+HANDOVER_VARIABLE = "_STARGRPC_SECRETS_FD"
+_PREFIX = "STARGRPC_"
+
+
+def secret_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``STARGRPC_*`` variables of ``environ`` that hold a secret, by name."""
+    secret_fields = {name for name, info in Settings.model_fields.items()
+                     if info.annotation is not None and SecretStr in _members(info.annotation)}
+    found = {}
+    for name, value in environ.items():
+        if not name.upper().startswith(_PREFIX):
+            continue
+        field = name[len(_PREFIX):].lower()
+        if field in secret_fields or _has_password(value):
+            found[name] = value
+    return found
+
+
+def hand_over_and_reexec(argv: list[str] | None = None) -> str | None:
+    """Re-executes this process without its secret variables, handing them over.
+
+    Returns only when there is nothing to hand over (None), or when the re-exec failed
+    (why; the environment stays as it was).
+
+    Args:
+        argv: The command line to re-execute; default the original one.
+    """
+    secrets = secret_variables(os.environ)
+    if not secrets or HANDOVER_VARIABLE in os.environ:
+        return None
+    fd = os.memfd_create("stargrpc-secrets", 0)
+    os.write(fd, json.dumps(secrets).encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.set_inheritable(fd, True)
+    environ = {k: v for k, v in os.environ.items() if k not in secrets}
+    environ[HANDOVER_VARIABLE] = str(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        # The running binary itself: its path may not be reachable by the server's user
+        # (an interpreter under a private folder, entered with capabilities since dropped).
+        # argv[0] keeps the virtual environment's interpreter path, which Python reads its
+        # prefix from.
+        os.execve("/proc/self/exe", argv or [sys.executable, *sys.orig_argv[1:]], environ)
+    except OSError as exc:
+        os.close(fd)
+        return f"{', '.join(sorted(secrets))} stay in /proc/{os.getpid()}/environ: {exc}"
+
+
+def take_over() -> dict[str, str]:
+    """In the re-executed program: the handed-over secrets as setting overrides (field name
+    → value); empty when none were. The memory file is closed, the variable removed."""
+    raw = os.environ.pop(HANDOVER_VARIABLE, None)
+    if raw is None:
+        return {}
+    fd = int(raw)
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            secrets: dict[str, str] = json.loads(handle.read())
+    except (OSError, ValueError):
+        return {}
+    return {name[len(_PREFIX):].lower(): value for name, value in secrets.items()}
+
+
+def _has_password(value: str) -> bool:
+    if "://" not in value:
+        return False
+    try:
+        return urlsplit(value).password is not None
+    except ValueError:
+        return False
+
+
+def _members(annotation: object) -> tuple[object, ...]:
+    return (annotation, *getattr(annotation, "__args__", ()))
