@@ -72,6 +72,8 @@ log = structlog.get_logger("stargrpc.stores.redis")
 
 #: The RetryInfo delay of a call refused because Redis did not answer.
 RETRY_AFTER_SECONDS = 1.0
+#: How long a watcher waits before reading again after Redis did not answer.
+_OUTAGE_RETRY_SECONDS = 0.2
 #: A flush sends at most this many bytes of events in one script call.
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
@@ -366,20 +368,28 @@ class RemoteRunLog:
         key = store._key(self.run_id, "events")
         expected = max(0, after_seq) + 1
         last_id = f"{expected - 1}-0"
+        # A stalled Redis is ridden out for as long as the run could still be going (its
+        # lease, then as long again before it may be declared lost); a longer outage ends the
+        # watch UNAVAILABLE, and the caller resumes after the last seq it saw.
+        outage_since: float | None = None
         while True:
-            with _reachable("reading run events"):
-                # The client's reply types are loose; the shape is [[key, [(id, fields)]]].
-                reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
-                                                     block=store.block_ms)
-            if not reply:
-                # Quiet for a while: make sure the run is still alive somewhere, and stop
-                # when it has ended and nothing is left after ``last_id`` (a watcher that
-                # asked for events past the Result).
-                with _reachable("checking the run's state"):
-                    await store._end_if_lost(self.run_id)
-                    if (await store._state(self.run_id) not in ("running", "orphaned")
-                            and not await store.redis.xrange(key, f"({last_id}", count=1)):
+            try:
+                with _reachable("reading run events"):
+                    # The client's reply types are loose; the shape is [[key, [(id, fields)]]].
+                    reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
+                                                         block=store.block_ms)
+                    if not reply and await self._ended(last_id):
                         return
+            except Unavailable as exc:
+                now = time.monotonic()
+                outage_since = now if outage_since is None else outage_since
+                if (exc.reason != "RUN_STORE_UNAVAILABLE"
+                        or now - outage_since > 2 * store.lease_ms / 1000):
+                    raise
+                await asyncio.sleep(_OUTAGE_RETRY_SECONDS)
+                continue
+            outage_since = None
+            if not reply:
                 continue
             for entry_id, fields in reply[0][1]:
                 seq = int(entry_id.split(b"-", 1)[0])
@@ -395,6 +405,17 @@ class RemoteRunLog:
                 last_id = entry_id.decode()
                 if event.HasField("result"):
                     return
+
+
+    async def _ended(self, last_id: str) -> bool:
+        # Quiet for a while: make sure the run is still alive somewhere, and stop when it
+        # has ended and nothing is left after ``last_id`` (a watcher that asked for events
+        # past the Result).
+        store = self._store
+        await store._end_if_lost(self.run_id)
+        return (await store._state(self.run_id) not in ("running", "orphaned")
+                and not await store.redis.xrange(store._key(self.run_id, "events"),
+                                                 f"({last_id}", count=1))
 
 
 def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
@@ -709,7 +730,7 @@ class RedisRunStore:
                            "1" if batch[-1][2] else "0", self.retention_ms,
                            self._running_ttl_ms]
         if log.registered:
-            args.extend(("0", "", "", ""))
+            args.extend(("0", "", "", self.replica))
         else:
             args.extend(("1", log.owner, log.tool, self.replica))
         args.append(batch[0][0])
