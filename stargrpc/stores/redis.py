@@ -21,14 +21,26 @@ registered (lease and meta hash) by the same script call that appends its first 
 events, after the run has started, so nothing of it is on the call's critical path; other
 replicas find it from then on (a couple of milliseconds after its START). A run with a key
 is registered by the script that wins its claim, before it starts (a replica that sees the
-claim must find the run). Either way a call fails fast with UNAVAILABLE when Redis is down:
-a claim needs Redis, and a run without a key is refused while the store's last attempt to
-reach Redis failed (checked with a PING until Redis answers again).
+claim must find the run). Either way a call fails within ``redis_timeout_seconds`` with UNAVAILABLE
+when Redis is down or stalled: a claim needs Redis, and a run without a key is refused while
+the store's last attempt to reach Redis failed (checked with a PING until Redis answers
+again).
 
-Watchers on any replica read the stream with blocking XREAD. When a run's lease has expired
-without a Result (its replica died), the first replica to notice appends a
+Redis stalls more often than it dies, so every write is safe to repeat: a round trip that
+timed out may still be applied when Redis resumes. Appends are idempotent per seq (an event
+stored at its seq with the same bytes counts as written; other bytes there fail the run
+``STORE_CONFLICT``); a claim carries its run id (finding its own run, it has won) and its
+deadline (applied later, it does nothing), and a claim whose call gave up is undone in the
+background once Redis's clock is past that deadline.
+
+Watchers on any replica read the stream with blocking XREAD, riding out an outage for as long
+as the run could still be going. When a run's lease has expired without a Result (its
+replica died), the first replica to see it lapsed for a whole further lease appends a
 ``Result{ERROR, RUN_LOST}`` so every watcher ends, and a retry with the same idempotency key
-takes the claim over and runs the tool again.
+takes the claim over and runs the tool again. The grace is for a replica that is alive but
+was cut off by a stalled Redis (every TTL runs out at once when Redis resumes): it takes its
+lease back at its next write. A replica that finds its run declared lost all the same stops
+it with the same Result and writes nothing more (the lease fences it).
 
 Idempotency claims are ``SET NX`` with a TTL (the retention, renewed while the run goes).
 Streams are trimmed to ``run_max_events`` and expire ``run_retention_seconds`` after the
