@@ -224,15 +224,14 @@ return 1
 # or already names this very run (the same claim applied twice: a retried round trip). A claim
 # that reaches Redis after its caller gave up (Redis stalled) does nothing: past its deadline
 # (ms since the epoch), it answers {-2}.
-# Returns {1} when claimed, {-2} when too late, else {0, the value the key holds (nil when
-# none)}.
+# Returns {1} when claimed, {-2, Redis's time in ms} when too late, else {0, the value the key
+# holds (nil when none)}.
 # KEYS: lease, events, meta, claim · ARGV: token, lease_ms, running_ttl_ms, owner, tool,
 # replica, expected, mine, deadline_ms
 _CLAIM = _REGISTER + """
 local now = redis.call('TIME')
-if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[9]) then
-  return {-2}
-end
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if now_ms > tonumber(ARGV[9]) then return {-2, now_ms} end
 local held = redis.call('GET', KEYS[4])
 if held ~= ARGV[8] then
   if ARGV[7] == '' then
@@ -266,6 +265,11 @@ if redis.call('GET', KEYS[1]) == ARGV[3] and redis.call('EXISTS', KEYS[2]) == 0 
 end
 return 1
 """
+
+
+def _log_clock_ahead(ahead_ms: int) -> None:
+    log.warning("redis_clock_ahead", ahead_ms=ahead_ms,
+                detail="Redis's clock runs ahead of this host's; claims allow for it")
 
 
 def _log_unavailable(action: str, error: str) -> None:
@@ -508,6 +512,7 @@ class RedisRunStore:
     healthy: bool
     _local: dict[str, RedisRunLog]
     _abandoned: dict[str, tuple[str, str, int]]
+    _clock_ahead_ms: int
     _renewer: asyncio.Task[None] | None
     _dirty: dict[str, RedisRunLog]
     _flush_now: asyncio.Event
@@ -538,6 +543,8 @@ class RedisRunStore:
         # Claims whose call gave up, by run id: (claim key, its value, deadline in ms since
         # the epoch). The renewer undoes them once Redis's clock is past the deadline.
         self._abandoned = {}
+        # How far Redis's clock runs ahead of this host's, as last seen by a claim.
+        self._clock_ahead_ms = 0
         self._renewer = None
         # Runs with events to write. One flusher writes them all, one pipeline of script
         # calls per round trip, so concurrent runs share round trips and a connection.
@@ -629,16 +636,14 @@ class RedisRunStore:
         mine = json.dumps({"fp": fingerprint, "run": log.run_id})
         # Redis's clock decides whether the claim came too late (see _CLAIM); the call gives
         # up at the same moment by this process's clock.
-        remaining = max(0.0, log.deadline - time.monotonic())
-        deadline_ms = int((time.time() + remaining) * 1000)
         try:
             with _reachable("claiming the idempotency key"):
-                async with asyncio.timeout(remaining):
-                    return await self._claim(log, claim_key, fingerprint, mine, deadline_ms)
+                async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                    return await self._claim(log, claim_key, fingerprint, mine)
         except (Unavailable, TimeoutError) as exc:
             # Redis may apply the claim after this call gave up (it stalled, or the reply
             # was lost): undo it in the background once it no longer can.
-            self._abandoned[log.run_id] = (claim_key, mine, deadline_ms)
+            self._abandoned[log.run_id] = (claim_key, mine, self._deadline_ms(log))
             if isinstance(exc, Unavailable):
                 raise
             _log_unavailable("claiming the idempotency key", "no answer in time")
@@ -647,21 +652,33 @@ class RedisRunStore:
                               reason="RUN_STORE_UNAVAILABLE",
                               retry_after=RETRY_AFTER_SECONDS) from exc
 
-    async def _claim(self, log: RedisRunLog, claim_key: str, fingerprint: str, mine: str,
-                     deadline_ms: int) -> Claim:
+    def _deadline_ms(self, log: RedisRunLog) -> int:
+        """The call's deadline by Redis's clock, in ms since the epoch."""
+        remaining = log.deadline - time.monotonic()
+        return int((time.time() + remaining) * 1000) + self._clock_ahead_ms
+
+    async def _claim(self, log: RedisRunLog, claim_key: str, fingerprint: str, mine: str
+                     ) -> Claim:
         # What the key must hold for this run to take it: nothing, or a lost or expired run.
         expected: bytes | str = ""
         for _ in range(10):
             reply: Any = await self._claim_script(
                 keys=[*self._run_keys(log.run_id), claim_key],
                 args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
-                      log.owner, log.tool, self.replica, expected, mine, deadline_ms])
+                      log.owner, log.tool, self.replica, expected, mine,
+                      self._deadline_ms(log)])
             if reply[0] == 1:  # claimed, and the run registered with it
                 log.claim_key = claim_key
                 log.registered = True
                 return Claim(log.run_id, fingerprint, won=True)
             if reply[0] == -2:
-                raise TimeoutError
+                ahead = int(reply[1]) - int(time.time() * 1000)
+                if ahead <= self._clock_ahead_ms or time.monotonic() >= log.deadline:
+                    raise TimeoutError
+                # Not late: Redis's clock is ahead of this host's. Count with it from now on.
+                _log_clock_ahead(ahead)
+                self._clock_ahead_ms = ahead
+                continue
             raw, expected = reply[1], ""
             if raw is None:
                 continue  # expired in between; try again
@@ -903,14 +920,14 @@ class RedisRunStore:
         self._stop_writing(run_log)
         message = ("the run store holds a conflicting event for this run; the run was "
                    "stopped so that its record stays consistent")
-        if self.cancel_handler is not None:
-            self.cancel_handler(run_log.run_id, message, "STORE_CONFLICT")
         try:
             await self._end(run_log.run_id, "STORE_CONFLICT", message,
                             self._token(run_log.run_id))
         except RedisError as exc:  # its lease lapses and the run ends RUN_LOST instead
             log.warning("redis_store_conflict_not_recorded", run_id=run_log.run_id,
                         error=str(exc))
+        if self.cancel_handler is not None:
+            self.cancel_handler(run_log.run_id, message, "STORE_CONFLICT")
 
     async def _state(self, run_id: str) -> str:
         """running | finished | lost | orphaned (running, lease expired) | missing."""

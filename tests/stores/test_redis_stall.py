@@ -12,6 +12,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,23 @@ async def test_a_claim_applied_twice_is_won_by_its_own_run(redis_prefix: str) ->
     assert again.won and again.run_id == run_log.run_id
 
 
+async def test_a_claim_allows_for_a_redis_clock_ahead_of_the_replicas(
+        redis_prefix: str) -> None:
+    store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
+    # As seen from a replica whose clock is 5 s behind Redis's (the clocks here agree).
+    store._clock_ahead_ms = -5000
+    try:
+        run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
+        await store.publish(run_log)
+        with capture_logs() as logs:
+            claim = await store.claim("alice", "k", "fp", run_log)
+    finally:
+        await store.aclose()
+
+    assert claim.won
+    assert [entry["event"] for entry in logs] == ["redis_clock_ahead"]
+
+
 async def test_a_keyed_call_in_a_stall_fails_within_the_timeout_and_its_retry_runs_once(
         stallable_redis: StallableRedis, make_server, tmp_path: Path) -> None:
     server = await _serve(make_server, stallable_redis.url)
@@ -144,24 +163,43 @@ async def test_a_keyed_call_in_a_stall_fails_within_the_timeout_and_its_retry_ru
     assert tally.read_text().split() == [retried[0].run_id]  # the tool ran once
 
 
-async def test_a_run_outlives_a_stall_longer_than_its_lease(
-        stallable_redis: StallableRedis, plain_client: Redis, make_server,
-        tmp_path: Path) -> None:
-    a = await _serve(make_server, stallable_redis.url)
-    b = await _serve(make_server, stallable_redis.url)
-    gate = tmp_path / "gate"
-    # The tool heartbeats every 50 ms until the gate opens: events keep coming in the stall.
-    request = execute_request("tally", {"path": str(tmp_path / "tally"), "gate": str(gate)},
+@dataclass
+class WatchedRun:
+    """A gated tally run on replica A, followed by a watcher on replica B."""
+
+    gate: Path
+    stub_b: tool_service_pb2_grpc.ToolServiceStub
+    call: Any
+    first: events_pb2.RunEvent
+    watcher: Any
+    seen: list[events_pb2.RunEvent]
+
+
+@asynccontextmanager
+async def _watched_run(make_server, redis_url: str, folder: Path
+                       ) -> AsyncIterator[WatchedRun]:
+    a = await _serve(make_server, redis_url)
+    b = await _serve(make_server, redis_url)
+    gate = folder / "gate"
+    # The tool heartbeats every 50 ms until the gate opens: events keep coming in a stall.
+    request = execute_request("tally", {"path": str(folder / "tally"), "gate": str(gate)},
                               idempotency_key=key())
     async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as chan_a, \
             grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as chan_b:
-        stub_a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
         stub_b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
-        call = stub_a.Execute(request, timeout=60)
+        call = tool_service_pb2_grpc.ToolServiceStub(chan_a).Execute(request, timeout=90)
         first = (await call.read()).event
         watcher = stub_b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=first.run_id),
                                   timeout=60)
         seen = [(await watcher.read()).event]  # B follows the run
+        yield WatchedRun(gate, stub_b, call, first, watcher, seen)
+
+
+async def test_a_run_outlives_a_stall_longer_than_its_lease(
+        stallable_redis: StallableRedis, plain_client: Redis, make_server,
+        tmp_path: Path) -> None:
+    async with _watched_run(make_server, stallable_redis.url, tmp_path) as run:
+        call, first, watcher, seen = run.call, run.first, run.watcher, run.seen
         stallable_redis.stall()
         try:
             # Longer than a flush round trip may take (1.5 s) and than the lease (1 s).
@@ -173,7 +211,7 @@ async def test_a_run_outlives_a_stall_longer_than_its_lease(
         while not seen[-1].HasField("result") and \
                 seen[-1].time.ToNanoseconds() < (resumed + 3 * LEASE) * 1e9:
             seen.append((await asyncio.wait_for(watcher.read(), 30)).event)
-        gate.touch()
+        run.gate.touch()
         own = [first, *await asyncio.wait_for(collect(call), 30)]
         seen += await asyncio.wait_for(collect(watcher), 30)
         stored = await _stored(plain_client, f"stargrpc:run:{first.run_id}:events")
@@ -188,20 +226,8 @@ async def test_a_run_outlives_a_stall_longer_than_its_lease(
 
 async def test_watch_and_cancel_in_a_long_stall_end_unavailable_and_the_run_goes_on(
         stallable_redis: StallableRedis, make_server, tmp_path: Path) -> None:
-    a = await _serve(make_server, stallable_redis.url)
-    b = await _serve(make_server, stallable_redis.url)
-    gate = tmp_path / "gate"
-    request = execute_request("tally", {"path": str(tmp_path / "tally"), "gate": str(gate)},
-                              idempotency_key=key())
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as chan_a, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as chan_b:
-        stub_a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
-        stub_b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
-        call = stub_a.Execute(request, timeout=90)
-        first = (await call.read()).event
-        watcher = stub_b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=first.run_id),
-                                  timeout=60)
-        await watcher.read()
+    async with _watched_run(make_server, stallable_redis.url, tmp_path) as run:
+        call, first, watcher, stub_b = run.call, run.first, run.watcher, run.stub_b
         stallable_redis.stall()
         try:
             with pytest.raises(grpc.aio.AioRpcError) as cancel_stalled:
@@ -212,7 +238,7 @@ async def test_watch_and_cancel_in_a_long_stall_end_unavailable_and_the_run_goes
                 await asyncio.wait_for(collect(watcher), 30)
         finally:
             stallable_redis.resume()
-        gate.touch()
+        run.gate.touch()
         own = [first, *await asyncio.wait_for(collect(call), 30)]
         resumed = await asyncio.wait_for(collect(stub_b.WatchRun(
             tool_service_pb2.WatchRunRequest(run_id=first.run_id, after_seq=1), timeout=30)),
