@@ -41,6 +41,12 @@ from grpc_status import rpc_status
 ERROR_DOMAIN = "stargrpc"
 
 
+def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(seconds * 1e9))
+    return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
 class StargrpcError(Exception):
     """Base of every error stargrpc raises on purpose."""
 
@@ -166,16 +172,25 @@ class ResourceExhausted(RequestError):
         self.retry_after = retry_after
 
     def details(self) -> list[object]:
-        delay = duration_pb2.Duration()
-        delay.FromNanoseconds(int(self.retry_after * 1e9))
-        return [error_details_pb2.RetryInfo(retry_delay=delay), *super().details()]
+        return [_retry_info(self.retry_after), *super().details()]
 
 
 class Unavailable(RequestError):
-    """The server cannot take the call now (draining, a backing store is down)."""
+    """The server cannot take the call now (draining, a backing store is down); with
+    ``retry_after``, the caller may retry after that many seconds (RetryInfo)."""
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = "UNAVAILABLE"
+
+    def __init__(self, message: str, *, retry_after: float | None = None,
+                 reason: str | None = None, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, reason=reason, metadata=metadata)
+        self.retry_after = retry_after
+
+    def details(self) -> list[object]:
+        if self.retry_after is None:
+            return super().details()
+        return [*super().details(), _retry_info(self.retry_after)]
 
 
 class Aborted(RequestError):

@@ -100,6 +100,15 @@ class Claim:
     won: bool
 
 
+class CancelHandler(Protocol):
+    """Stops a run of this process; whether it was still going."""
+
+    def __call__(self, run_id: str, reason: str, failure_code: str = "") -> bool:
+        """Ends the run ``Result{CANCELLED}`` with ``reason``, or ``Result{ERROR,
+        failure_code}`` when a failure code is given (the store cannot keep the run)."""
+        ...
+
+
 class RunStore(Protocol):
     """Where run logs, their owners and idempotency claims live.
 
@@ -108,7 +117,7 @@ class RunStore(Protocol):
             the reason, and says whether it was still going.
     """
 
-    cancel_handler: Callable[[str, str], bool] | None
+    cancel_handler: CancelHandler | None
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> RunLog:
         """A new, empty log for ``run_id``, owned by principal ``owner``."""
@@ -286,7 +295,7 @@ class MemoryRunStore:
     _finished: deque[tuple[float, str]]
     _claims: dict[tuple[str, str], tuple[str, str]]
     _claim_of_run: dict[str, tuple[str, str]]
-    cancel_handler: Callable[[str, str], bool] | None
+    cancel_handler: CancelHandler | None
 
     def __init__(self, retention: float = 600.0, max_finished: int = 10_000) -> None:
         self.retention = retention

@@ -275,13 +275,16 @@ class Runtime:
         run.finish_hooks.append(lambda _: permit.release())
         return Submission(log=run.log, run=self.launch(run))
 
-    def cancel_local(self, run_id: str, reason: str) -> bool:
-        """Stops a run of this process with Result{CANCELLED}.
+    def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
+        """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,
+        failure_code} when the run store cannot keep it (``RUN_LOST``, ``STORE_CONFLICT``).
 
         Returns:
             Whether the run was still going.
         """
         run = self.runs.get(run_id)
+        if failure_code:
+            return run is not None and run.stop(Outcome.ERROR, failure_code, reason)
         return run is not None and run.stop(Outcome.CANCELLED, "CANCELLED", reason)
 
     def get(self, run_id: str) -> Run | None:

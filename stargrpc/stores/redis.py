@@ -21,14 +21,26 @@ registered (lease and meta hash) by the same script call that appends its first 
 events, after the run has started, so nothing of it is on the call's critical path; other
 replicas find it from then on (a couple of milliseconds after its START). A run with a key
 is registered by the script that wins its claim, before it starts (a replica that sees the
-claim must find the run). Either way a call fails fast with UNAVAILABLE when Redis is down:
-a claim needs Redis, and a run without a key is refused while the store's last attempt to
-reach Redis failed (checked with a PING until Redis answers again).
+claim must find the run). Either way a call fails within ``redis_timeout_seconds`` with UNAVAILABLE
+when Redis is down or stalled: a claim needs Redis, and a run without a key is refused while
+the store's last attempt to reach Redis failed (checked with a PING until Redis answers
+again).
 
-Watchers on any replica read the stream with blocking XREAD. When a run's lease has expired
-without a Result (its replica died), the first replica to notice appends a
+Redis stalls more often than it dies, so every write is safe to repeat: a round trip that
+timed out may still be applied when Redis resumes. Appends are idempotent per seq (an event
+stored at its seq with the same bytes counts as written; other bytes there fail the run
+``STORE_CONFLICT``); a claim carries its run id (finding its own run, it has won) and its
+deadline (applied later, it does nothing), and a claim whose call gave up is undone in the
+background once Redis's clock is past that deadline.
+
+Watchers on any replica read the stream with blocking XREAD, riding out an outage for as long
+as the run could still be going. When a run's lease has expired without a Result (its
+replica died), the first replica to see it lapsed for a whole further lease appends a
 ``Result{ERROR, RUN_LOST}`` so every watcher ends, and a retry with the same idempotency key
-takes the claim over and runs the tool again.
+takes the claim over and runs the tool again. The grace is for a replica that is alive but
+was cut off by a stalled Redis (every TTL runs out at once when Redis resumes): it takes its
+lease back at its next write. A replica that finds its run declared lost all the same stops
+it with the same Result and writes nothing more (the lease fences it).
 
 Idempotency claims are ``SET NX`` with a TTL (the retention, renewed while the run goes).
 Streams are trimmed to ``run_max_events`` and expire ``run_retention_seconds`` after the
@@ -44,8 +56,9 @@ import hashlib
 import json
 import os
 import socket
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import structlog
@@ -63,12 +76,16 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, Unavailable
-from stargrpc.runlog import Claim, MemoryRunLog, RunLog
+from stargrpc.runlog import CancelHandler, Claim, MemoryRunLog, RunLog
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")
 
+#: The RetryInfo delay of a call refused because Redis did not answer.
+RETRY_AFTER_SECONDS = 1.0
+#: How long a watcher waits before reading again after Redis did not answer.
+_OUTAGE_RETRY_SECONDS = 0.2
 #: A flush sends at most this many bytes of events in one script call.
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
@@ -88,20 +105,55 @@ local function register(token, lease_ms, ttl_ms, owner, tool, replica)
 end
 """
 
+# Takes the lease back when it lapsed while nobody declared the run lost: a lease runs out
+# while its replica is alive whenever Redis stalls (every TTL ends at once when it resumes).
+# The replica id in the meta hash says whose run it is. Prepended to the scripts that renew.
+_LEASED = """
+local function leased(token, lease_ms, replica)
+  local held = redis.call('GET', KEYS[1])
+  if held == token then return true end
+  if held or redis.call('HGET', KEYS[3], 'state') ~= 'running'
+      or redis.call('HGET', KEYS[3], 'replica') ~= replica then
+    return false
+  end
+  redis.call('SET', KEYS[1], token, 'PX', lease_ms)
+  redis.call('HDEL', KEYS[3], 'lapsed')
+  return true
+end
+"""
+
 # Append a batch of events, if this replica still holds the run's lease — or register the run
-# first (its first batch: it has no lease yet).
+# first (its first batch: it has no lease yet). Idempotent per seq: a batch is resent when its
+# round trip timed out, and Redis may have applied it all the same; an event already stored
+# at its seq with the same bytes counts as written, other bytes there are a conflict.
 # KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
 # retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the seq of the
 # first event, then the bytes of each event (consecutive seqs; entry id "{seq}-0").
-_APPEND = _REGISTER + """
-if ARGV[7] == '1' then
-  register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
-elseif redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return -1
-end
+# Returns {1} written, {-1} the lease is another's or the run was declared lost, {-3, seq}
+# another event is stored at seq.
+_APPEND = _REGISTER + _LEASED + """
+local top = 0
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #last > 0 then top = tonumber(string.match(last[1][1], '^%d+')) end
 local seq = tonumber(ARGV[11])
-for i = 12, #ARGV do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'e', ARGV[i])
+local i = 12
+local conflict = nil
+while i <= #ARGV and seq <= top do
+  local stored = redis.call('XRANGE', KEYS[2], seq .. '-0', seq .. '-0')
+  -- absent below the top: written, then trimmed (run_max_events)
+  if #stored > 0 and stored[1][2][2] ~= ARGV[i] then conflict = seq break end
+  i = i + 1
+  seq = seq + 1
+end
+if i > #ARGV and not conflict then return {1} end
+if ARGV[7] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
+  register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
+elseif not leased(ARGV[1], ARGV[2], ARGV[10]) then
+  return {-1}
+end
+if conflict then return {-3, conflict} end
+for j = i, #ARGV do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'e', ARGV[j])
   seq = seq + 1
 end
 if ARGV[4] == '1' then
@@ -115,13 +167,14 @@ else
   redis.call('PEXPIRE', KEYS[2], ARGV[6])
   redis.call('PEXPIRE', KEYS[3], ARGV[6])
 end
-return 1
+return {1}
 """
 
-# Renew the lease of a running run; report a pending cancel.
-# KEYS: lease, events, meta, claim (or ""), cancel · ARGV: token, lease_ms, running_ttl_ms
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+# Renew the lease of a running run (taking it back if it lapsed); report a pending cancel.
+# KEYS: lease, events, meta, claim (or ""), cancel · ARGV: token, lease_ms, running_ttl_ms,
+# replica
+_RENEW = _LEASED + """
+if not leased(ARGV[1], ARGV[2], ARGV[4]) then return {-1} end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
@@ -131,38 +184,96 @@ if reason then return {1, reason} end
 return {0}
 """
 
-# End a run whose replica died: append its RUN_LOST Result, once.
-# KEYS: lease, events, meta · ARGV: expected last entry id, new entry id, bytes, retention_ms
-_MARK_LOST = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('HGET', KEYS[3], 'state') ~= 'running' then return 0 end
+# End a run with a terminal Result, once: a run whose replica died (token "": its lease lapsed
+# and stayed lapsed for grace_ms by Redis's clock, so a replica that is alive, only cut off by
+# a stalled Redis, takes its lease back first), or a run of this replica that cannot go on
+# (token = its lease).
+# KEYS: lease, events, meta · ARGV: expected last entry id, new entry id, bytes, retention_ms,
+# token, grace_ms, state to set · Returns 1 ended, 0 not to be ended (yet), -2 an event
+# landed in between (look again).
+_END = """
+if ARGV[5] == '' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+  if redis.call('HGET', KEYS[3], 'state') ~= 'running' then return 0 end
+  local now = redis.call('TIME')
+  local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  local lapsed = redis.call('HGET', KEYS[3], 'lapsed')
+  if not lapsed then
+    redis.call('HSET', KEYS[3], 'lapsed', now_ms)
+    return 0
+  end
+  if now_ms - tonumber(lapsed) < tonumber(ARGV[6]) then return 0 end
+elseif redis.call('GET', KEYS[1]) ~= ARGV[5] then
+  return 0
+end
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 local last_id = '0-0'
 if #last > 0 then last_id = last[1][1] end
 if last_id ~= ARGV[1] then return -2 end
 redis.call('XADD', KEYS[2], ARGV[2], 'e', ARGV[3])
-redis.call('HSET', KEYS[3], 'state', 'lost')
+redis.call('HSET', KEYS[3], 'state', ARGV[7])
+redis.call('HDEL', KEYS[3], 'lapsed')
+redis.call('DEL', KEYS[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return 1
 """
 
 # Claim an idempotency key for a run and register the run, in one step: when the key is free
-# (expected "") or still names the lost or expired run the caller saw (expected = that value).
-# Returns {1} when claimed, else {0, the value the key holds (nil when none)}.
+# (expected "") or still names the lost or expired run the caller saw (expected = that value),
+# or already names this very run (the same claim applied twice: a retried round trip). A claim
+# that reaches Redis after its caller gave up (Redis stalled) does nothing: past its deadline
+# (ms since the epoch), it answers {-2}.
+# Returns {1} when claimed, {-2, Redis's time in ms} when too late, else {0, the value the key
+# holds (nil when none)}.
 # KEYS: lease, events, meta, claim · ARGV: token, lease_ms, running_ttl_ms, owner, tool,
-# replica, expected, mine
+# replica, expected, mine, deadline_ms
 _CLAIM = _REGISTER + """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if now_ms > tonumber(ARGV[9]) then return {-2, now_ms} end
 local held = redis.call('GET', KEYS[4])
-if ARGV[7] == '' then
-  if held then return {0, held} end
-elseif held ~= ARGV[7] then
-  return {0, held}
+if held ~= ARGV[8] then
+  if ARGV[7] == '' then
+    if held then return {0, held} end
+  elseif held ~= ARGV[7] then
+    return {0, held}
+  end
 end
 redis.call('SET', KEYS[4], ARGV[8], 'PX', ARGV[3])
 register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 return {1}
 """
+
+# Undo a claim whose caller gave up (it failed UNAVAILABLE) in case Redis applied it anyway,
+# once no copy of it can still land (Redis's clock is past its deadline): free the key, and end
+# the run it registered — which never started — with its one event, a RUN_LOST Result, so that
+# a retry that attached to it meanwhile is told at once. Returns 0 while too early, else 1.
+# KEYS: lease, events, meta, claim · ARGV: mine, deadline_ms, token, bytes, retention_ms
+_ABANDON = """
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) <= tonumber(ARGV[2]) then
+  return 0
+end
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if redis.call('GET', KEYS[1]) == ARGV[3] and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[4])
+  redis.call('HSET', KEYS[3], 'state', 'lost')
+  redis.call('DEL', KEYS[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+end
+return 1
+"""
+
+
+def _log_clock_ahead(ahead_ms: int) -> None:
+    log.warning("redis_clock_ahead", ahead_ms=ahead_ms,
+                detail="Redis's clock runs ahead of this host's; claims allow for it")
+
+
+def _log_unavailable(action: str, error: str) -> None:
+    log.warning("redis_unavailable", action=action, error=error)
 
 
 @contextlib.contextmanager
@@ -171,13 +282,14 @@ def _reachable(action: str) -> Iterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        log.warning("redis_unavailable", action=action, error=str(exc))
+        _log_unavailable(action, str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
-                          "shortly", reason="RUN_STORE_UNAVAILABLE") from exc
+                          "shortly", reason="RUN_STORE_UNAVAILABLE",
+                          retry_after=RETRY_AFTER_SECONDS) from exc
     except RedisError as exc:  # Redis answered with an error: still not the caller's fault
         log.error("redis_failed", action=action, error=str(exc))
         raise Unavailable(f"the shared run store (Redis) failed ({action}); retry shortly",
-                          reason="RUN_STORE_FAILED") from exc
+                          reason="RUN_STORE_FAILED", retry_after=RETRY_AFTER_SECONDS) from exc
 
 
 class RedisRunLog(MemoryRunLog):
@@ -187,6 +299,7 @@ class RedisRunLog(MemoryRunLog):
     claim_key: str
     registered: bool
     lease_lost: bool
+    deadline: float
     _store: RedisRunStore
     _pending: list[tuple[int, bytes, bool]]
     _flushing: bool
@@ -198,6 +311,8 @@ class RedisRunLog(MemoryRunLog):
         # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
         self.registered = False
         self.lease_lost = False
+        # When (monotonic) the call starting the run stops waiting for Redis: set on publish.
+        self.deadline = 0.0
         self._pending = []
         self._flushing = False
 
@@ -269,20 +384,28 @@ class RemoteRunLog:
         key = store._key(self.run_id, "events")
         expected = max(0, after_seq) + 1
         last_id = f"{expected - 1}-0"
+        # A stalled Redis is ridden out for as long as the run could still be going (its
+        # lease, then as long again before it may be declared lost); a longer outage ends the
+        # watch UNAVAILABLE, and the caller resumes after the last seq it saw.
+        outage_since: float | None = None
         while True:
-            with _reachable("reading run events"):
-                # The client's reply types are loose; the shape is [[key, [(id, fields)]]].
-                reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
-                                                     block=store.block_ms)
-            if not reply:
-                # Quiet for a while: make sure the run is still alive somewhere, and stop
-                # when it has ended and nothing is left after ``last_id`` (a watcher that
-                # asked for events past the Result).
-                with _reachable("checking the run's state"):
-                    await store._end_if_lost(self.run_id)
-                    if (await store._state(self.run_id) not in ("running", "orphaned")
-                            and not await store.redis.xrange(key, f"({last_id}", count=1)):
+            try:
+                with _reachable("reading run events"):
+                    # The client's reply types are loose; the shape is [[key, [(id, fields)]]].
+                    reply: Any = await store.redis.xread({key: last_id}, count=_READ_COUNT,
+                                                         block=store.block_ms)
+                    if not reply and await self._ended(last_id):
                         return
+            except Unavailable as exc:
+                now = time.monotonic()
+                outage_since = now if outage_since is None else outage_since
+                if (exc.reason != "RUN_STORE_UNAVAILABLE"
+                        or now - outage_since > 2 * store.lease_ms / 1000):
+                    raise
+                await asyncio.sleep(_OUTAGE_RETRY_SECONDS)
+                continue
+            outage_since = None
+            if not reply:
                 continue
             for entry_id, fields in reply[0][1]:
                 seq = int(entry_id.split(b"-", 1)[0])
@@ -298,6 +421,17 @@ class RemoteRunLog:
                 last_id = entry_id.decode()
                 if event.HasField("result"):
                     return
+
+
+    async def _ended(self, last_id: str) -> bool:
+        # Quiet for a while: make sure the run is still alive somewhere, and stop when it
+        # has ended and nothing is left after ``last_id`` (a watcher that asked for events
+        # past the Result).
+        store = self._store
+        await store._end_if_lost(self.run_id)
+        return (await store._state(self.run_id) not in ("running", "orphaned")
+                and not await store.redis.xrange(store._key(self.run_id, "events"),
+                                                 f"({last_id}", count=1))
 
 
 def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
@@ -357,6 +491,8 @@ class RedisRunStore:
 
     Attributes:
         redis: The client.
+        timeout: Longest a call waits for Redis before the run starts (publish and claim
+            together); past it the call fails UNAVAILABLE.
         flush_timeout: Longest a flusher round trip may take before it counts as failed.
         prefix: Prefix of every key.
         replica: This replica's id, recorded with the runs it executes.
@@ -364,6 +500,7 @@ class RedisRunStore:
     """
 
     redis: Redis
+    timeout: float
     flush_timeout: float
     prefix: str
     replica: str
@@ -371,9 +508,11 @@ class RedisRunStore:
     lease_ms: int
     max_events: int
     block_ms: int
-    cancel_handler: Callable[[str, str], bool] | None
+    cancel_handler: CancelHandler | None
     healthy: bool
     _local: dict[str, RedisRunLog]
+    _abandoned: dict[str, tuple[str, str, int]]
+    _clock_ahead_ms: int
     _renewer: asyncio.Task[None] | None
     _dirty: dict[str, RedisRunLog]
     _flush_now: asyncio.Event
@@ -383,8 +522,10 @@ class RedisRunStore:
 
     def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
                  lease: float = 10.0, max_events: int = 100_000,
-                 block_seconds: float = 1.0, flush_timeout: float = 5.0) -> None:
+                 block_seconds: float = 1.0, flush_timeout: float = 5.0,
+                 timeout: float = 2.0) -> None:
         self.redis = redis
+        self.timeout = timeout
         self.flush_timeout = flush_timeout
         self._flush_line = _ScriptLine(redis)
         self.prefix = prefix
@@ -399,6 +540,11 @@ class RedisRunStore:
         # unless a PING gets through.
         self.healthy = False
         self._local = {}
+        # Claims whose call gave up, by run id: (claim key, its value, deadline in ms since
+        # the epoch). The renewer undoes them once Redis's clock is past the deadline.
+        self._abandoned = {}
+        # How far Redis's clock runs ahead of this host's, as last seen by a claim.
+        self._clock_ahead_ms = 0
         self._renewer = None
         # Runs with events to write. One flusher writes them all, one pipeline of script
         # calls per round trip, so concurrent runs share round trips and a connection.
@@ -409,8 +555,9 @@ class RedisRunStore:
         self._flusher = None
         self._append_script = redis.register_script(_APPEND)
         self._renew_script = redis.register_script(_RENEW)
-        self._lost_script = redis.register_script(_MARK_LOST)
+        self._end_script = redis.register_script(_END)
         self._claim_script = redis.register_script(_CLAIM)
+        self._abandon_script = redis.register_script(_ABANDON)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisRunStore:
@@ -425,7 +572,7 @@ class RedisRunStore:
         return cls(client, prefix=settings.redis_key_prefix,
                    retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
                    max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),
-                   flush_timeout=timeout + 1.0)
+                   flush_timeout=timeout + 1.0, timeout=timeout)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -465,9 +612,18 @@ class RedisRunStore:
     async def publish(self, log: RunLog) -> None:
         # No round trip: the run is registered by its claim or by its first flush.
         assert isinstance(log, RedisRunLog)
+        log.deadline = time.monotonic() + self.timeout
         if not self.healthy:
-            with _reachable("registering the run"):
-                await self.redis.ping()
+            try:
+                with _reachable("registering the run"):
+                    async with asyncio.timeout(self.timeout):
+                        await self.redis.ping()
+            except TimeoutError as exc:
+                _log_unavailable("registering the run", "no answer in time")
+                raise Unavailable("the shared run store (Redis) did not answer in time "
+                                  "(registering the run); retry shortly",
+                                  reason="RUN_STORE_UNAVAILABLE",
+                                  retry_after=RETRY_AFTER_SECONDS) from exc
             self.healthy = True
         self._local[log.run_id] = log
         log.start_flushing()
@@ -478,32 +634,70 @@ class RedisRunStore:
         assert isinstance(log, RedisRunLog)
         claim_key = self._claim_key(owner, key)
         mine = json.dumps({"fp": fingerprint, "run": log.run_id})
+        # Redis's clock decides whether the claim came too late (see _CLAIM); the call gives
+        # up at the same moment by this process's clock.
+        try:
+            with _reachable("claiming the idempotency key"):
+                async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                    return await self._claim(log, claim_key, fingerprint, mine)
+        except (Unavailable, TimeoutError) as exc:
+            # Redis may apply the claim after this call gave up (it stalled, or the reply
+            # was lost): undo it in the background once it no longer can.
+            self._abandoned[log.run_id] = (claim_key, mine, self._deadline_ms(log))
+            if isinstance(exc, Unavailable):
+                raise
+            _log_unavailable("claiming the idempotency key", "no answer in time")
+            raise Unavailable("the shared run store (Redis) did not answer in time (claiming "
+                              "the idempotency key); retry shortly",
+                              reason="RUN_STORE_UNAVAILABLE",
+                              retry_after=RETRY_AFTER_SECONDS) from exc
+
+    def _deadline_ms(self, log: RedisRunLog) -> int:
+        """The call's deadline by Redis's clock, in ms since the epoch."""
+        remaining = log.deadline - time.monotonic()
+        return int((time.time() + remaining) * 1000) + self._clock_ahead_ms
+
+    async def _claim(self, log: RedisRunLog, claim_key: str, fingerprint: str, mine: str
+                     ) -> Claim:
         # What the key must hold for this run to take it: nothing, or a lost or expired run.
         expected: bytes | str = ""
-        with _reachable("claiming the idempotency key"):
-            for _ in range(10):
-                reply: Any = await self._claim_script(
-                    keys=[*self._run_keys(log.run_id), claim_key],
-                    args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
-                          log.owner, log.tool, self.replica, expected, mine])
-                if reply[0] == 1:  # claimed, and the run registered with it
-                    log.claim_key = claim_key
-                    log.registered = True
-                    return Claim(log.run_id, fingerprint, won=True)
-                raw, expected = reply[1], ""
-                if raw is None:
-                    continue  # expired in between; try again
-                held = json.loads(raw)
-                if held["fp"] != fingerprint:
-                    return Claim(held["run"], held["fp"], won=False)
+        for _ in range(10):
+            reply: Any = await self._claim_script(
+                keys=[*self._run_keys(log.run_id), claim_key],
+                args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
+                      log.owner, log.tool, self.replica, expected, mine,
+                      self._deadline_ms(log)])
+            if reply[0] == 1:  # claimed, and the run registered with it
+                log.claim_key = claim_key
+                log.registered = True
+                return Claim(log.run_id, fingerprint, won=True)
+            if reply[0] == -2:
+                ahead = int(reply[1]) - int(time.time() * 1000)
+                if ahead <= self._clock_ahead_ms or time.monotonic() >= log.deadline:
+                    raise TimeoutError
+                # Not late: Redis's clock is ahead of this host's. Count with it from now on.
+                _log_clock_ahead(ahead)
+                self._clock_ahead_ms = ahead
+                continue
+            raw, expected = reply[1], ""
+            if raw is None:
+                continue  # expired in between; try again
+            held = json.loads(raw)
+            if held["fp"] != fingerprint:
+                return Claim(held["run"], held["fp"], won=False)
+            state = await self._state(held["run"])
+            if state == "orphaned":
+                # Its replica is lost only once its lease has stayed lapsed for a whole
+                # lease; until then follow the run, which is either resumed by its replica or
+                # ended RUN_LOST (then a retry runs the tool).
+                await self._end_if_lost(held["run"])
                 state = await self._state(held["run"])
-                if state in ("running", "finished"):
-                    return Claim(held["run"], held["fp"], won=False)
-                if state == "orphaned":
-                    await self._end_if_lost(held["run"])
-                # Lost, or expired: the key is free for this run, if nobody took it first.
-                expected = raw
-        raise Unavailable("the idempotency key is contended; retry", reason="CLAIM_CONTENDED")
+            if state in ("running", "finished", "orphaned"):
+                return Claim(held["run"], held["fp"], won=False)
+            # Lost, or expired: the key is free for this run, if nobody took it first.
+            expected = raw
+        raise Unavailable("the idempotency key is contended; retry", reason="CLAIM_CONTENDED",
+                          retry_after=RETRY_AFTER_SECONDS)
 
     async def discard(self, log: RunLog) -> None:
         self._local.pop(log.run_id, None)
@@ -565,7 +759,7 @@ class RedisRunStore:
                            "1" if batch[-1][2] else "0", self.retention_ms,
                            self._running_ttl_ms]
         if log.registered:
-            args.extend(("0", "", "", ""))
+            args.extend(("0", "", "", self.replica))
         else:
             args.extend(("1", log.owner, log.tool, self.replica))
         args.append(batch[0][0])
@@ -686,12 +880,11 @@ class RedisRunStore:
                 continue
             self.healthy = True
             run_log.registered = True
-            if reply != 1:
-                log.error("run_lease_lost", run_id=run_log.run_id,
-                          detail="another replica declared this run lost")
-                run_log.lease_lost = True
-                run_log._pending.clear()
-                self._forget(run_log)
+            if reply[0] == -1:
+                self._lease_lost(run_log)
+                continue
+            if reply[0] == -3:
+                await self._conflict(run_log, int(reply[1]))
                 continue
             del run_log._pending[:len(batch)]
             if batch[-1][2]:  # the Result is in Redis: done
@@ -699,6 +892,42 @@ class RedisRunStore:
             elif run_log._pending:
                 self._dirty[run_log.run_id] = run_log
         return ok
+
+    def _stop_writing(self, run_log: RedisRunLog) -> None:
+        run_log.lease_lost = True
+        run_log._pending.clear()
+        self._dirty.pop(run_log.run_id, None)
+        self._forget(run_log)
+
+    def _lease_lost(self, run_log: RedisRunLog) -> None:
+        """Fences a run that another replica declared lost: this replica writes nothing more
+        of it and stops it with the same ``Result{ERROR, RUN_LOST}`` every watcher got, so
+        that a retry with its key (which now runs the tool again) never runs beside it."""
+        log.error("run_lease_lost", run_id=run_log.run_id,
+                  detail="another replica declared this run lost; stopping it here")
+        self._stop_writing(run_log)
+        if self.cancel_handler is not None:
+            self.cancel_handler(run_log.run_id, "the run store declared this run lost (its "
+                                "lease lapsed); retry with the same idempotency key",
+                                "RUN_LOST")
+
+    async def _conflict(self, run_log: RedisRunLog, seq: int) -> None:
+        """Fails a run closed whose stream holds another event at ``seq`` than this replica
+        wrote there: it stops, and its stream in Redis ends with ``Result{ERROR,
+        STORE_CONFLICT}`` so that no watcher waits for events that will never come."""
+        log.critical("run_store_conflict", run_id=run_log.run_id, seq=seq,
+                     detail="Redis holds another event at this seq than this replica wrote")
+        self._stop_writing(run_log)
+        message = ("the run store holds a conflicting event for this run; the run was "
+                   "stopped so that its record stays consistent")
+        try:
+            await self._end(run_log.run_id, "STORE_CONFLICT", message,
+                            self._token(run_log.run_id))
+        except RedisError as exc:  # its lease lapses and the run ends RUN_LOST instead
+            log.warning("redis_store_conflict_not_recorded", run_id=run_log.run_id,
+                        error=str(exc))
+        if self.cancel_handler is not None:
+            self.cancel_handler(run_log.run_id, message, "STORE_CONFLICT")
 
     async def _state(self, run_id: str) -> str:
         """running | finished | lost | orphaned (running, lease expired) | missing."""
@@ -714,33 +943,66 @@ class RedisRunStore:
 
     async def _end_if_lost(self, run_id: str) -> None:
         """Appends ``Result{ERROR, RUN_LOST}`` to a run whose replica stopped renewing its
-        lease without writing a Result; does nothing to a live or finished run."""
+        lease without writing a Result, once the lease has stayed lapsed for a whole lease
+        period (see :data:`_END`); does nothing to a live or finished run."""
+        if await self._state(run_id) == "orphaned":
+            await self._end(run_id, "RUN_LOST", "the replica running this run stopped "
+                            "responding; retry with the same idempotency key to run it again")
+
+    async def _end(self, run_id: str, code: str, message: str, token: str = "") -> bool:
+        """Appends a terminal ``Result{ERROR, code}`` after the events in Redis: to a lost
+        run (``token`` empty), or to a run of this replica holding the lease ``token``.
+        Whether it was appended."""
         for _ in range(5):
-            if await self._state(run_id) != "orphaned":
-                return
             last: Any = await self.redis.xrevrange(self._key(run_id, "events"), count=1)
             last_id = last[0][0].decode() if last else "0-0"
             seq = int(last_id.split("-", 1)[0]) + 1
             event = events_pb2.RunEvent(run_id=run_id, seq=seq)
             event.time.GetCurrentTime()
             event.result.outcome = events_pb2.OUTCOME_ERROR
-            event.result.error.code = "RUN_LOST"
-            event.result.error.message = ("the replica running this run stopped responding; "
-                                          "retry with the same idempotency key to run it again")
-            done = await self._lost_script(
-                keys=[self._key(run_id, "lease"), self._key(run_id, "events"),
-                      self._key(run_id)],
-                args=[last_id, f"{seq}-0", event.SerializeToString(), self.retention_ms])
+            event.result.error.code = code
+            event.result.error.message = message
+            done = await self._end_script(
+                keys=self._run_keys(run_id),
+                args=[last_id, f"{seq}-0", event.SerializeToString(), self.retention_ms, token,
+                      self.lease_ms, "lost" if code == "RUN_LOST" else "finished"])
             if done != -2:  # -2: an event landed in between; look again
                 if done == 1:
-                    log.warning("run_lost", run_id=run_id)
-                return
+                    log.warning("run_lost" if code == "RUN_LOST" else "run_ended_in_store",
+                                run_id=run_id, code=code)
+                return bool(done == 1)
+        return False
+
+    async def _undo_abandoned(self) -> None:
+        """Undoes the claims whose calls gave up (see :data:`_ABANDON`), in one round trip."""
+        calls = []
+        for run_id, (claim_key, mine, deadline_ms) in self._abandoned.items():
+            event = events_pb2.RunEvent(run_id=run_id, seq=1)
+            event.time.GetCurrentTime()
+            event.result.outcome = events_pb2.OUTCOME_ERROR
+            event.result.error.code = "RUN_LOST"
+            event.result.error.message = ("the call that started this run gave up before it "
+                                          "began (the run store did not answer in time); "
+                                          "retry with the same idempotency key")
+            calls.append(([*self._run_keys(run_id), claim_key],
+                          [mine, deadline_ms, self._token(run_id), event.SerializeToString(),
+                           self.retention_ms]))
+        run_ids = list(self._abandoned)
+        replies = await self._call_all(self._abandon_script, calls)
+        for run_id, reply in zip(run_ids, replies, strict=True):
+            if reply == 1:
+                del self._abandoned[run_id]
 
     async def _renew_loop(self) -> None:
         interval = min(1.0, self.lease_ms / 3000)
         while True:
             await asyncio.sleep(interval)
             # An unregistered run has no lease yet: its first flush sets it.
+            if self._abandoned:
+                try:
+                    await self._undo_abandoned()
+                except RedisError as exc:
+                    log.warning("redis_abandoned_claims_not_undone", error=str(exc))
             runs = [run_log for run_log in self._local.values()
                     if run_log.registered and not run_log.finished]
             if not runs:
@@ -749,7 +1011,8 @@ class RedisRunStore:
                 replies = await self._call_all(self._renew_script, [(
                     [*self._run_keys(run_log.run_id), run_log.claim_key,
                      self._key(run_log.run_id, "cancel")],
-                    [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms],
+                    [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms,
+                     self.replica],
                 ) for run_log in runs])
             except RedisError as exc:
                 self._failed(exc)
@@ -760,7 +1023,6 @@ class RedisRunStore:
                     log.warning("redis_lease_renewal_failed", run_id=run_log.run_id,
                                 error=str(reply))
                 elif reply[0] == -1 and not run_log.lease_lost:
-                    run_log.lease_lost = True
-                    log.error("run_lease_lost", run_id=run_log.run_id)
+                    self._lease_lost(run_log)
                 elif reply[0] == 1 and self.cancel_handler is not None:
                     self.cancel_handler(run_log.run_id, reply[1].decode(errors="replace"))

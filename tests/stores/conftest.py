@@ -1,10 +1,17 @@
 """Fixtures of the Redis store tests: the real Redis on 127.0.0.1:6379, a key prefix of
-their own per test (deleted afterwards), and servers sharing it."""
+their own per test (deleted afterwards), servers sharing it, and a redis-server of a test's
+own that it can stall."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -37,3 +44,62 @@ async def replicas(make_server, redis_prefix: str):
                                  **overrides)
 
     return start
+
+
+class StallableRedis:
+    """A redis-server of the test's own on a free loopback port, which the test can stall
+    (SIGSTOP), resume (SIGCONT) and kill: the shared Redis on 6379 is never touched."""
+
+    port: int
+    url: str
+    proc: subprocess.Popen[bytes] | None
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.proc = None
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Starts the server (again, empty, after a kill) and waits until it answers."""
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # up once it answers PING
+            ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"],
+                                  capture_output=True, text=True, timeout=10)
+            if ping.stdout.strip() == "PONG":
+                return
+            time.sleep(0.05)
+        raise AssertionError("redis-server did not come up")
+
+    def stall(self) -> None:
+        """Freezes the server: connections stay open, nothing is answered."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Lets a stalled server go on (it then serves what queued up meanwhile)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kills the server (stalled or not); its data is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def stallable_redis(tmp_path: Path) -> Iterator[StallableRedis]:
+    """A started :class:`StallableRedis`, killed by its PID afterwards."""
+    redis = StallableRedis(tmp_path)
+    redis.start()
+    try:
+        yield redis
+    finally:
+        redis.kill()
