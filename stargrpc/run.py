@@ -116,6 +116,7 @@ class Run:
     _sizes: EventSizes
     _tool_task: asyncio.Task[Any] | None
     _abandoned: bool
+    _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
 
@@ -148,6 +149,7 @@ class Run:
         self._sizes = _event_sizes(self.settings.max_send_message_bytes)
         self._tool_task = None
         self._abandoned = False
+        self._abandon_timer = None
         self._main_task = None
         self._done = asyncio.Event()
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
@@ -191,7 +193,8 @@ class Run:
             self._tool_task.cancel(message)
             # A tool that swallows its cancellation must not keep the run (and every stream
             # following it) hanging: after a grace period the run ends without it.
-            asyncio.get_running_loop().call_later(STOP_GRACE_SECONDS, self._abandon_tool)
+            self._abandon_timer = asyncio.get_running_loop().call_later(
+                STOP_GRACE_SECONDS, self._abandon_tool)
         return True
 
     async def wait(self) -> events_pb2.Result:
@@ -295,6 +298,23 @@ class Run:
                 hook(self)
             except Exception:
                 log.exception("finish_hook_failed", run_id=self.run_id)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Drops what the ended run no longer needs and what would keep it in a reference
+        cycle (observers and hooks hold their supervisor or span, which holds the run; the
+        tool's task holds its return value or exception, whose frames hold the context):
+        reference counting then frees the run as soon as nobody uses it, instead of
+        whenever the cycle collector next makes a full collection."""
+        self.observers.clear()
+        self.finish_hooks.clear()
+        self._tool_task = None
+        if self._abandon_timer is not None:
+            self._abandon_timer.cancel()
+            self._abandon_timer = None
+        self._open_steps.clear()
+        self._step_started.clear()
+        self._output_tail.clear()
 
     def _result_message(self, outcome: ToolResult, duration: float
                         ) -> tuple[events_pb2.Result, list[tuple[str, str]]]:

@@ -262,6 +262,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         call.written = True
         self._open_calls -= 1
         record = self._audit_record(call)
+        # The call's record lives on in the context of the run's task, which the run
+        # holds: a reference back to the run (or its Result) would keep both alive until
+        # the cycle collector's next full collection.
+        call.record.run = None
+        call.result = None
         self._log(record)
         try:
             # With no other call open, no record will come to share this one's transaction:
