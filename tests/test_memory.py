@@ -95,7 +95,7 @@ async def test_expired_runs_are_freed_without_the_cycle_collector(
             await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(
                 run_id=events[0].run_id)))
         # Every other way a run can go: keyed, raising, in a thread, cancelled by the
-        # client going away, stopped by the critic.
+        # client going away, cancelled with CancelRun.
         await collect(stub.Execute(execute_request("count", {"to": 3},
                                                    idempotency_key=key())))
         crashed = await collect(stub.Execute(execute_request("crashes")))
@@ -105,10 +105,38 @@ async def test_expired_runs_are_freed_without_the_cycle_collector(
         call = stub.Execute(execute_request("waits"))
         await call.read()  # the run has started
         call.cancel()
-        stopped = await collect(stub.Execute(execute_request("waits"), timeout=1.0))
-        assert stopped[-1].result.error.code == "CLIENT_DEADLINE"
+        call = stub.Execute(execute_request("waits", idempotency_key=key()))
+        run_id = (await call.read()).event.run_id
+        await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+        stopped = await collect(call)
+        assert stopped[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
         await server.runtime.drain(5)  # every run has ended
         await _expire(server)
 
     assert len(refs) == 2 * 8
     assert _alive(refs) == []
+
+
+async def test_finished_runs_over_the_byte_bound_expire_oldest_first(make_server) -> None:
+    # Each run streams 20 deltas of 10,000 characters: about 200 KB of events.
+    server = await make_server(registry=run_registry(), max_finished_run_bytes=500_000)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        run_ids = []
+        for _ in range(5):
+            events = await collect(stub.Execute(execute_request(
+                "chatter", {"count": 20, "size": 10_000})))
+            run_ids.append(events[0].run_id)
+
+        watchable = []
+        for run_id in run_ids:
+            try:
+                replay = await collect(stub.WatchRun(
+                    tool_service_pb2.WatchRunRequest(run_id=run_id)))
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.NOT_FOUND
+            else:
+                assert replay[-1].HasField("result")
+                watchable.append(run_id)
+
+    assert watchable == run_ids[-2:]
