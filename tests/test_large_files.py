@@ -184,21 +184,26 @@ def _files(events: list[events_pb2.RunEvent]) -> dict[str, bytes]:
             if f.streamed}
 
 
-async def _both_streams(stub, request) -> tuple[list[events_pb2.RunEvent], ...]:
-    executed = await collect(stub.Execute(request))
-    watched = await collect(stub.WatchRun(
-        tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id)))
-    return executed, watched
+async def _both_streams(make_server, tool_name: str, arguments: dict[str, Any],
+                        **settings: Any
+                        ) -> tuple[StargrpcServer, tuple[list[events_pb2.RunEvent], ...]]:
+    """Runs a tool on a new server, reads it through Execute then WatchRun, and checks the
+    server still serves; returns the server and both streams."""
+    server = await make_server(registry=_size_registry(), **settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
+                                         options=UNLIMITED) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        executed = await collect(stub.Execute(execute_request(tool_name, arguments)))
+        watched = await collect(stub.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id)))
+        still = await collect(stub.Execute(execute_request("echo", {"text": "still here"})))
+    assert still[-1].result.output == "still here"
+    return server, (executed, watched)
 
 
 async def test_seventy_megabytes_of_output_end_with_a_result_on_both_streams(make_server
                                                                              ) -> None:
-    server = await make_server(registry=_size_registry())
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
-                                         options=UNLIMITED) as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-        streams = await _both_streams(stub, execute_request("huge_output", {"size": HUGE}))
-        await _still_serving(stub)
+    server, streams = await _both_streams(make_server, "huge_output", {"size": HUGE})
 
     whole = ("é" + "0123456789" * (HUGE // 10)).encode()
     for events in streams:
@@ -220,12 +225,7 @@ async def test_seventy_megabytes_of_output_end_with_a_result_on_both_streams(mak
 
 
 async def test_a_seventy_megabyte_delta_arrives_whole_in_pieces(make_server) -> None:
-    server = await make_server(registry=_size_registry())
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
-                                         options=UNLIMITED) as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-        streams = await _both_streams(stub, execute_request("huge_delta", {"size": HUGE}))
-        await _still_serving(stub)
+    _, streams = await _both_streams(make_server, "huge_delta", {"size": HUGE})
 
     for events in streams:
         deltas = [e.step for e in events
@@ -237,12 +237,8 @@ async def test_a_seventy_megabyte_delta_arrives_whole_in_pieces(make_server) -> 
 
 
 async def test_large_structured_output_moves_into_a_file(make_server) -> None:
-    server = await make_server(registry=_size_registry(), max_send_message_bytes=MiB)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-        streams = await _both_streams(stub,
-                                      execute_request("huge_structured", {"size": 3 * MiB}))
-        await _still_serving(stub)
+    server, streams = await _both_streams(make_server, "huge_structured", {"size": 3 * MiB},
+                                          max_send_message_bytes=MiB)
 
     for events in streams:
         result = events[-1].result
@@ -260,14 +256,9 @@ async def test_large_structured_output_moves_into_a_file(make_server) -> None:
 
 async def test_everything_else_a_tool_controls_is_bounded(make_server) -> None:
     limit = MiB
-    server = await make_server(registry=_size_registry(), max_send_message_bytes=limit,
-                               inline_file_bytes=limit)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-        # 8 inline-sized files of 200 KiB: 1.6 MiB together, over the limit of one message.
-        streams = await _both_streams(stub,
-                                      execute_request("huge_writeback", {"size": 200 * 1024}))
-        await _still_serving(stub)
+    # 8 inline-sized files of 200 KiB: 1.6 MiB together, over the limit of one message.
+    server, streams = await _both_streams(make_server, "huge_writeback", {"size": 200 * 1024},
+                                          max_send_message_bytes=limit, inline_file_bytes=limit)
 
     for events in streams:
         assert all(e.ByteSize() < limit for e in events)
@@ -291,8 +282,3 @@ async def test_everything_else_a_tool_controls_is_bounded(make_server) -> None:
         assert len(beat.message) <= 4096
     _, outcome, detail = (await _audit_details(server))[0]
     assert outcome == "ok" and detail.startswith("RESULT_TOO_LARGE: ")
-
-
-async def _still_serving(stub) -> None:
-    events = await collect(stub.Execute(execute_request("echo", {"text": "still here"})))
-    assert events[-1].result.output == "still here"
