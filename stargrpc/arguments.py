@@ -7,15 +7,22 @@ and ``"true"`` becomes ``True``, and rejected precisely: each bad field is named
 
 Unknown fields are rejected unless the model says otherwise (``extra="ignore"`` or
 ``"allow"``): a misspelt optional argument silently ignored is a bug the caller never sees.
+
+NaN and ±Infinity are refused wherever they come from (a Struct double, ``NaN`` in raw JSON,
+a float in a dict handed to the test harness): JSON cannot carry them, so neither the audit
+record nor a tool's own JSON output could. Each is named by its path, e.g.
+``arguments.x.y[2]``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 from pydantic import BaseModel, ValidationError
 
 from stargrpc.errors import FieldViolation, InvalidArgument
@@ -30,12 +37,14 @@ class ArgumentLimits:
 
 
 def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str, Any]:
-    """A Struct as a plain dict, after the size and depth checks."""
+    """A Struct as a plain dict, after the size and depth checks.
+
+    A non-finite double is kept as a float here; :func:`validate` names it.
+    """
     size = struct.ByteSize()
     if size > limits.max_bytes:
         raise _too_large("arguments", size, limits)
-    _check_depth_struct(struct, limits.max_depth)
-    return json_format.MessageToDict(struct)
+    return _struct_to_dict(struct, limits.max_depth)
 
 
 def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
@@ -44,7 +53,8 @@ def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
     if size > limits.max_bytes:
         raise _too_large("arguments_json", size, limits)
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        # NaN and Infinity are parsed so that validate() can name where they are.
+        value = json.loads(text, parse_constant=float)
     except RecursionError:
         raise InvalidArgument(
             "arguments_json is nested too deeply",
@@ -72,7 +82,7 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
     Raises:
         InvalidArgument: With a ``google.rpc.BadRequest`` listing each bad field.
     """
-    violations: list[FieldViolation] = []
+    violations = _non_finite_numbers(raw, field_prefix)
     if model.model_config.get("extra") is None:
         known = set()
         for name, info in model.model_fields.items():
@@ -85,10 +95,11 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
     try:
         value = model.model_validate(raw)
     except ValidationError as exc:
+        named = {v.field for v in violations}
         for error in exc.errors(include_url=False):
-            path = ".".join(str(part) for part in error["loc"])
-            field = f"{field_prefix}.{path}" if path else field_prefix
-            violations.append(FieldViolation(field, error["msg"]))
+            field = field_path(field_prefix, error["loc"])
+            if field not in named:  # a non-finite number is named once, for what it is
+                violations.append(FieldViolation(field, error["msg"]))
         value = None
     if violations:
         names = ", ".join(v.field for v in violations[:5])
@@ -97,8 +108,29 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
     return value
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+def field_path(prefix: str, parts: Iterable[str | int]) -> str:
+    """A field's path as violations name it: ``arguments.x.y[2]``."""
+    path = prefix
+    for part in parts:
+        path = f"{path}[{part}]" if isinstance(part, int) else f"{path}.{part}"
+    return path
+
+
+def _non_finite_numbers(raw: dict[str, Any], field_prefix: str) -> list[FieldViolation]:
+    """A violation for each NaN or ±Infinity anywhere in ``raw``, named by its path."""
+    found: list[FieldViolation] = []
+    stack: list[tuple[Any, str]] = [(raw, field_prefix)]
+    while stack:  # iterative: depth was bounded by the decoder, but not for every caller
+        node, path = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                found.append(FieldViolation(path, f"{node} is not a finite number; JSON "
+                                                  "carries only finite numbers"))
+        elif isinstance(node, dict):
+            stack.extend((v, field_path(path, (k,))) for k, v in reversed(node.items()))
+        elif isinstance(node, list | tuple):
+            stack.extend((v, field_path(path, (i,))) for i, v in reversed(list(enumerate(node))))
+    return found
 
 
 def _too_large(field: str, size: int, limits: ArgumentLimits) -> InvalidArgument:
@@ -115,23 +147,36 @@ def _too_deep(field: str, limit: int) -> InvalidArgument:
     )
 
 
-def _check_depth_struct(struct: struct_pb2.Struct, limit: int) -> None:
-    # Iterative, so a hostile nesting cannot exhaust the interpreter stack.
-    stack: list[tuple[Any, int]] = [(struct, 1)]
+def _struct_to_dict(struct: struct_pb2.Struct, limit: int) -> dict[str, Any]:
+    """The Struct as plain Python values (numbers as floats, as ``MessageToDict`` gives
+    them), with its depth checked on the way. Iterative, so a hostile nesting cannot
+    exhaust the interpreter stack."""
+    root: dict[str, Any] = {}
+    # (message, where its items go, the depth of its items); the top level is depth 1.
+    stack: list[tuple[Any, Any, int]] = [(struct, root, 2)]
     while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            raise _too_deep("arguments", limit)
+        node, into, depth = stack.pop()
         if isinstance(node, struct_pb2.Struct):
-            stack.extend((v, depth + 1) for v in node.fields.values())
-        elif isinstance(node, struct_pb2.ListValue):
-            stack.extend((v, depth + 1) for v in node.values)
+            items: Any = node.fields.items()
         else:
-            kind = node.WhichOneof("kind")
+            items = enumerate(node.values)
+        for key, value in items:
+            if depth > limit:
+                raise _too_deep("arguments", limit)
+            kind = value.WhichOneof("kind")
+            item: Any
             if kind == "struct_value":
-                stack.append((node.struct_value, depth))
+                item = {}
+                stack.append((value.struct_value, item, depth + 1))
             elif kind == "list_value":
-                stack.append((node.list_value, depth))
+                item = [None] * len(value.list_value.values)
+                stack.append((value.list_value, item, depth + 1))
+            elif kind == "null_value" or kind is None:
+                item = None
+            else:
+                item = getattr(value, kind)
+            into[key] = item
+    return root
 
 
 def _check_depth_json(value: Any, limit: int, field: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import mimetypes
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -90,7 +91,9 @@ class Step:
 
     def __init__(self, run: Run, step_id: str, parent_id: str, title: str, kind: str,
                  detail: Mapping[str, Any] | None = None) -> None:
-        self._run = run
+        # Weak: the run holds its top-level step, and the tool's context variables its
+        # open steps; a strong reference back would make each a cycle.
+        self._run = weakref.proxy(run)
         self.id = step_id
         self.parent_id = parent_id
         self.title = title

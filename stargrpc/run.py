@@ -13,17 +13,31 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
+import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
+from google.protobuf.message import Message
 from pydantic import BaseModel
 
-from stargrpc.context import Step, SyncToolContext, ToolContext, WriteBack
+from stargrpc.context import SentFileRecord, Step, SyncToolContext, ToolContext, WriteBack
 from stargrpc.errors import ToolOutcomeError
+from stargrpc.event_sizes import (
+    OUTPUT_FILE_NAME,
+    OUTPUT_TRUNCATED,
+    RESULT_TOO_LARGE,
+    STRUCTURED_FILE_NAME,
+    EventSizes,
+    cut_text,
+    split_utf8,
+    utf8_head,
+)
 from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
@@ -98,8 +112,11 @@ class Run:
     _output_tail_size: int
     _stop: StopRequest | None
     _streamed_sizes: dict[str, int]
+    _to_stream: set[str]
+    _sizes: EventSizes
     _tool_task: asyncio.Task[Any] | None
     _abandoned: bool
+    _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
 
@@ -128,8 +145,11 @@ class Run:
         self._output_tail_size = 0
         self._stop = None
         self._streamed_sizes = {}
+        self._to_stream = set()
+        self._sizes = _event_sizes(self.settings.max_send_message_bytes)
         self._tool_task = None
         self._abandoned = False
+        self._abandon_timer = None
         self._main_task = None
         self._done = asyncio.Event()
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
@@ -173,7 +193,8 @@ class Run:
             self._tool_task.cancel(message)
             # A tool that swallows its cancellation must not keep the run (and every stream
             # following it) hanging: after a grace period the run ends without it.
-            asyncio.get_running_loop().call_later(STOP_GRACE_SECONDS, self._abandon_tool)
+            self._abandon_timer = asyncio.get_running_loop().call_later(
+                STOP_GRACE_SECONDS, self._abandon_tool)
         return True
 
     async def wait(self) -> events_pb2.Result:
@@ -263,8 +284,11 @@ class Run:
         if outcome.error_message:
             self.root_step.summary = outcome.error_message
         await self.end_step(self.root_step, error=not ok)
+        result, notices = self._result_message(outcome, duration)
         await self._stream_large_files()
-        result = self._result_message(outcome, duration)
+        result = self._with_inline_files(result)
+        for code, message in notices:
+            await self.emit_notice(code, message)
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result
@@ -274,44 +298,187 @@ class Run:
                 hook(self)
             except Exception:
                 log.exception("finish_hook_failed", run_id=self.run_id)
+        self._let_go()
 
-    def _result_message(self, outcome: ToolResult, duration: float) -> events_pb2.Result:
-        result = events_pb2.Result(output=outcome.output)
+    def _let_go(self) -> None:
+        """Drops what the ended run no longer needs and what would keep it in a reference
+        cycle (observers and hooks hold their supervisor or span, which holds the run; the
+        tool's task holds its return value or exception, whose frames hold the context):
+        reference counting then frees the run as soon as nobody uses it, instead of
+        whenever the cycle collector next makes a full collection."""
+        self.observers.clear()
+        self.finish_hooks.clear()
+        self._tool_task = None
+        if self._abandon_timer is not None:
+            self._abandon_timer.cancel()
+            self._abandon_timer = None
+        self._open_steps.clear()
+        self._step_started.clear()
+        self._output_tail.clear()
+
+    def _result_message(self, outcome: ToolResult, duration: float
+                        ) -> tuple[events_pb2.Result, list[tuple[str, str]]]:
+        """The Result, fitted to the send limit (see :mod:`stargrpc.event_sizes`), and the
+        notices that say what was cut or dropped to fit it. Inline files are listed without
+        their bytes, which :meth:`_with_inline_files` adds once the others are streamed.
+
+        A quarter of the room goes to the inline files together (the largest move to
+        FileChunks until the rest fit), a quarter to the write-back listing (sent files,
+        injected tools, rich messages: what does not fit is dropped), a quarter to the
+        structured output (when larger, it moves into a sent file), and the output text
+        gets whatever is left (when larger, its beginning stays, with a marker, and the
+        whole text moves into a sent file).
+        """
+        sizes = self._sizes
+        quarter = sizes.result_bytes // 4
+        notices: list[tuple[str, str]] = []
+        result = events_pb2.Result()
         result.outcome = outcome.outcome.value  # type: ignore[assignment]
-        if outcome.structured is not None:
-            json_format.ParseDict(outcome.structured, result.structured_output)
         if outcome.outcome is not Outcome.OK:
-            result.error.code = outcome.error_code or outcome.outcome.name
-            result.error.message = outcome.error_message or outcome.outcome.name.lower()
+            result.error.code = cut_text(outcome.error_code or outcome.outcome.name,
+                                         sizes.label_chars)
+            result.error.message = cut_text(
+                outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
         result.duration.FromNanoseconds(int(duration * 1e9))
+        inline_bytes = self._choose_inline_files(quarter)
+        dropped = self._list_writeback(result.writeback, quarter)
+        if dropped:
+            notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
+                                              "and were dropped"))
+        if outcome.structured is not None:
+            self._add_structured(result, outcome.structured, quarter, notices)
+        # What is left for the output: the listing of the files it may move into is small.
+        room = sizes.result_bytes - result.ByteSize() - inline_bytes - 2 * 1024
+        output = outcome.output
+        if len(output) * 4 > room and len(encoded := output.encode()) > room:
+            record = self._moved_to_file(OUTPUT_FILE_NAME, "text/plain; charset=utf-8",
+                                         encoded, result.writeback)
+            marker = (f"\n[output truncated: {len(encoded)} bytes in all; the whole text is "
+                      f"in sent file {OUTPUT_FILE_NAME} ({record.file_id})]")
+            output = utf8_head(encoded, room - len(marker.encode())) + marker
+            notices.append((OUTPUT_TRUNCATED, f"the output ({len(encoded)} bytes) was cut to "
+                                              f"fit the Result; the whole text is in sent file "
+                                              f"{OUTPUT_FILE_NAME} ({record.file_id})"))
+        result.output = output
+        return result, notices
+
+    def _choose_inline_files(self, room: int) -> int:
+        """Marks the sent files that travel as FileChunks: those over the inline limit, and
+        the largest of the others until those left fit in ``room``. Returns the bytes of
+        the files left inline."""
+        limit = self.settings.inline_file_bytes
+        inline = []
         for record in self.writeback.sent_files:
-            streamed_size = self._streamed_sizes.get(record.file_id)
-            if streamed_size is not None:  # its bytes went ahead as FileChunk events
-                result.writeback.sent_files.add(
-                    file_id=record.file_id, name=record.name, mime_type=record.mime_type,
-                    size=streamed_size, sha256=record.sha256, streamed=True)
-                continue
-            result.writeback.sent_files.add(
-                file_id=record.file_id, name=record.name, mime_type=record.mime_type,
-                size=record.size, sha256=record.sha256, content=record.data)
+            if record.size > limit:
+                self._to_stream.add(record.file_id)
+            else:
+                inline.append(record)
+        total = 0
+        for record in sorted(inline, key=lambda r: r.size):
+            if total + record.size <= room:
+                total += record.size
+            else:
+                self._to_stream.add(record.file_id)
+        return total
+
+    def _list_writeback(self, writeback: events_pb2.WriteBack, room: int) -> str:
+        """Lists the sent files (without their bytes), injected tools and rich messages in
+        ``writeback``, in order while they fit in ``room``; says what was dropped ("" for
+        nothing). A dropped file is not streamed either."""
+        label = self._sizes.label_chars
+        used = 0
+        dropped = {"sent files": 0, "injected tools": 0, "rich messages": 0}
+
+        def kept(items: Any, what: str, size: int | None) -> bool:
+            nonlocal used
+            if size is not None and used + size <= room:
+                used += size
+                return True
+            del items[-1]
+            dropped[what] += 1
+            return False
+
+        kept_files = []
+        for record in self.writeback.sent_files:
+            entry = writeback.sent_files.add(
+                file_id=record.file_id, name=cut_text(record.name, label),
+                mime_type=cut_text(record.mime_type, label), size=record.size,
+                sha256=record.sha256, streamed=record.file_id in self._to_stream)
+            if kept(writeback.sent_files, "sent files", entry.ByteSize()):
+                kept_files.append(record)
+        self.writeback.sent_files[:] = kept_files
         for injected in self.writeback.injected_tools:
-            item = result.writeback.injected_tools.add(
-                name=injected.name, description=injected.description)
-            item.input_schema.update(injected.input_schema)
+            tool = writeback.injected_tools.add(name=cut_text(injected.name, label),
+                                                description=injected.description)
+            kept(writeback.injected_tools, "injected tools",
+                 _size_with(tool, tool.input_schema, injected.input_schema))
         for message in self.writeback.rich_messages:
-            item = result.writeback.sent_rich_messages.add(kind=message.kind)
-            item.payload.update(message.payload)
-        return result
+            rich = writeback.sent_rich_messages.add(kind=cut_text(message.kind, label))
+            kept(writeback.sent_rich_messages, "rich messages",
+                 _size_with(rich, rich.payload, message.payload))
+        return ", ".join(f"{count} {what}" for what, count in dropped.items() if count)
+
+    def _add_structured(self, result: events_pb2.Result, structured: Any, room: int,
+                        notices: list[tuple[str, str]]) -> None:
+        """Sets the structured output, or moves it into a sent file when it is larger than
+        ``room`` (or cannot be a protobuf Value)."""
+        try:
+            json_format.ParseDict(structured, result.structured_output)
+            size = result.structured_output.ByteSize()
+        except Exception:  # nested beyond what protobuf takes, say: the file still can
+            size = room + 1
+        if size <= room:
+            return
+        result.ClearField("structured_output")
+        data = json.dumps(structured, ensure_ascii=False, default=str).encode()
+        record = self._moved_to_file(STRUCTURED_FILE_NAME, "application/json", data,
+                                     result.writeback)
+        notices.append((OUTPUT_TRUNCATED, f"the structured output ({len(data)} bytes) was too "
+                                          f"large for the Result; it is in sent file "
+                                          f"{STRUCTURED_FILE_NAME} ({record.file_id})"))
+
+    def _moved_to_file(self, name: str, mime_type: str, data: bytes,
+                       writeback: events_pb2.WriteBack) -> SentFileRecord:
+        """A sent file, streamed as FileChunks and listed in ``writeback``, holding what
+        did not fit in the Result."""
+        record = SentFileRecord(file_id=f"{self.run_id}-{name}", name=name,
+                                mime_type=mime_type, data=data,
+                                sha256=hashlib.sha256(data).hexdigest())
+        self.writeback.sent_files.append(record)
+        self._to_stream.add(record.file_id)
+        writeback.sent_files.add(file_id=record.file_id, name=name, mime_type=mime_type,
+                                 size=record.size, sha256=record.sha256, streamed=True)
+        return record
+
+    def _with_inline_files(self, result: events_pb2.Result) -> events_pb2.Result:
+        """``result`` with the bytes of its inline files; a Result that still does not fit
+        the send limit (which the fitting above should make impossible) is replaced by an
+        ERROR Result saying so, so that no client and no run log ever gets one."""
+        data = {record.file_id: record.data for record in self.writeback.sent_files
+                if record.file_id not in self._streamed_sizes}
+        for entry in result.writeback.sent_files:
+            if not entry.streamed:
+                entry.content = data[entry.file_id]
+        size = result.ByteSize()
+        if size <= self._sizes.result_bytes:
+            return result
+        log.error("result_too_large", run_id=self.run_id, tool=self.spec.name, size=size)
+        replacement = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
+        replacement.error.code = RESULT_TOO_LARGE
+        replacement.error.message = (f"the Result ({size} bytes) does not fit the send limit "
+                                     f"of {self.settings.max_send_message_bytes} bytes")
+        replacement.duration.CopyFrom(result.duration)
+        return replacement
 
     async def _stream_large_files(self) -> None:
-        """Sends each sent file over the inline limit as ordered FileChunk events (before the
-        Result, which then lists it as ``streamed``), and lets go of its bytes: the chunks
-        in the log are then the only copy."""
-        limit = self.settings.inline_file_bytes
+        """Sends each sent file chosen to stream (over the inline limit, or moved out of the
+        Result) as ordered FileChunk events before the Result, which lists it as
+        ``streamed``, and lets go of its bytes: the chunks in the log are then the only
+        copy."""
         chunk_size = self.settings.file_chunk_bytes
         files = self.writeback.sent_files
         for index, record in enumerate(files):
-            if record.size <= limit or record.file_id in self._streamed_sizes:
+            if record.file_id not in self._to_stream or record.file_id in self._streamed_sizes:
                 continue
             data = memoryview(record.data)
             self._streamed_sizes[record.file_id] = len(data)
@@ -340,7 +507,7 @@ class Run:
         stamp_now(event.time)
         message = event.step
         message.phase = events_pb2.STEP_PHASE_START
-        _fill_step(message.step, step, events_pb2.STEP_STATUS_RUNNING)
+        _fill_step(message.step, step, events_pb2.STEP_STATUS_RUNNING, self._sizes)
         message.step.started_at.CopyFrom(event.time)
         self._open_steps[step.id] = step
         self._step_started[step.id] = event.time
@@ -355,27 +522,31 @@ class Run:
         message = event.step
         message.phase = events_pb2.STEP_PHASE_END
         status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE
-        _fill_step(message.step, step, status)
+        _fill_step(message.step, step, status, self._sizes)
         message.step.started_at.CopyFrom(self._step_started.pop(step.id))
         message.step.ended_at.CopyFrom(event.time)
         await self._emit(event)
 
     async def emit_delta(self, step: Step, text: str, channel: str) -> None:
-        """Emits partial output of ``step``."""
-        event = events_pb2.RunEvent()
-        message = event.step
-        message.phase = events_pb2.STEP_PHASE_DELTA
-        message.step.id = step.id
-        message.step.parent_id = step.parent_id
-        message.delta = text
-        message.channel = channel
-        self._remember_output(text)
-        await self._emit(event)
+        """Emits partial output of ``step``: one DELTA, or several in order when ``text`` is
+        larger than one event may carry."""
+        if len(channel) > self._sizes.label_chars:
+            channel = cut_text(channel, self._sizes.label_chars)
+        for piece in split_utf8(text, self._sizes.delta_bytes):
+            event = events_pb2.RunEvent()
+            message = event.step
+            message.phase = events_pb2.STEP_PHASE_DELTA
+            message.step.id = step.id
+            message.step.parent_id = step.parent_id
+            message.delta = piece
+            message.channel = channel
+            self._remember_output(piece)
+            await self._emit(event)
 
     async def emit_heartbeat(self, message: str, progress: float | None) -> None:
         """Emits a heartbeat."""
         event = events_pb2.RunEvent()
-        event.heartbeat.message = message
+        event.heartbeat.message = cut_text(message, self._sizes.label_chars)
         if progress is not None:
             event.heartbeat.progress = progress
         await self._emit(event)
@@ -387,8 +558,8 @@ class Run:
         event = events_pb2.RunEvent()
         event.notice.level = (events_pb2.NOTICE_LEVEL_WARNING if warning
                               else events_pb2.NOTICE_LEVEL_INFO)
-        event.notice.code = code
-        event.notice.message = message
+        event.notice.code = cut_text(code, self._sizes.label_chars)
+        event.notice.message = cut_text(message, self._sizes.label_chars)
         await self._emit(event)
 
     async def _emit(self, event: events_pb2.RunEvent) -> None:
@@ -409,12 +580,34 @@ class Run:
             self._output_tail_size -= len(self._output_tail.pop(0))
 
 
-def _fill_step(message: events_pb2.Step, step: Step, status: int) -> None:
+@functools.cache
+def _event_sizes(max_send_bytes: int) -> EventSizes:
+    return EventSizes.for_send_limit(max_send_bytes)
+
+
+def _size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]
+               ) -> int | None:
+    """The size of ``message`` once ``struct`` (a field of it) is filled from ``value``, or
+    None when ``value`` cannot be a Struct (nested beyond what protobuf takes, say)."""
+    try:
+        struct.update(value)
+    except Exception:
+        return None
+    return message.ByteSize()
+
+
+def _fill_step(message: events_pb2.Step, step: Step, status: int, sizes: EventSizes) -> None:
+    label = sizes.label_chars
     message.id = step.id
     message.parent_id = step.parent_id
-    message.kind = step.kind
-    message.title = step.title
-    message.summary = step.summary
+    message.kind = cut_text(step.kind, label)
+    message.title = cut_text(step.title, label)
+    message.summary = cut_text(step.summary, label)
     message.status = status  # type: ignore[assignment]
     if step.detail:
-        message.detail.update(step.detail)
+        size = _size_with(message.detail, message.detail, step.detail)
+        if size is not None and size <= sizes.detail_bytes:
+            return
+        message.detail.Clear()
+        message.detail["omitted"] = (f"the step's detail is larger than "
+                                     f"{sizes.detail_bytes} bytes")

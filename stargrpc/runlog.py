@@ -179,6 +179,7 @@ class MemoryRunLog:
     _waiting: int
     _finished: bool
     finished_at: float | None
+    size: int
 
     def __init__(self, run_id: str,
                  on_finish: Callable[[MemoryRunLog], None] | None = None, *,
@@ -193,6 +194,7 @@ class MemoryRunLog:
         self._waiting = 0  # followers waiting on _wakeup
         self._finished = False
         self.finished_at = None
+        self.size = 0
 
     @property
     def finished(self) -> bool:
@@ -218,6 +220,8 @@ class MemoryRunLog:
         if event.WhichOneof("kind") == "result":
             self._finished = True
             self.finished_at = time.monotonic()
+            # Measured once, at the end, rather than per event on the append path.
+            self.size = sum(map(events_pb2.RunEvent.ByteSize, self._events))
             if self._on_finish is not None:
                 self._on_finish(self)
         if self._waiting:
@@ -285,21 +289,27 @@ class MemoryRunStore:
     """Run logs and idempotency claims in memory, for one process.
 
     A finished run is dropped ``retention`` seconds after its Result, or earlier (oldest
-    first) while more than ``max_finished`` finished runs are kept; its idempotency claim
-    goes with it.
+    first) while more than ``max_finished`` finished runs are kept or their events come to
+    more than ``max_finished_bytes`` (serialised; 0 = no bound); its idempotency claim goes
+    with it.
     """
 
     retention: float
     max_finished: int
+    max_finished_bytes: int
+    finished_bytes: int
     _logs: dict[str, MemoryRunLog]
-    _finished: deque[tuple[float, str]]
+    _finished: deque[tuple[float, str, int]]
     _claims: dict[tuple[str, str], tuple[str, str]]
     _claim_of_run: dict[str, tuple[str, str]]
     cancel_handler: CancelHandler | None
 
-    def __init__(self, retention: float = 600.0, max_finished: int = 10_000) -> None:
+    def __init__(self, retention: float = 600.0, max_finished: int = 10_000,
+                 max_finished_bytes: int = 256 * 1024 * 1024) -> None:
         self.retention = retention
         self.max_finished = max_finished
+        self.max_finished_bytes = max_finished_bytes
+        self.finished_bytes = 0  # of the finished runs kept
         self._logs = {}
         self._finished = deque()
         self._claims = {}
@@ -349,14 +359,21 @@ class MemoryRunStore:
         return len(self._logs)
 
     def _record_finish(self, log: MemoryRunLog) -> None:
-        self._finished.append((log.finished_at or time.monotonic(), log.run_id))
+        self._finished.append((log.finished_at or time.monotonic(), log.run_id, log.size))
+        self.finished_bytes += log.size
+        self._expire()
 
     def _expire(self) -> None:
         deadline = time.monotonic() - self.retention
+        byte_bound = self.max_finished_bytes or float("inf")
         while self._finished and (
             self._finished[0][0] < deadline or len(self._finished) > self.max_finished
+            # The newest finished run stays, however large: it is the one most likely
+            # to be watched, and runs in flight are not bounded here either.
+            or (self.finished_bytes > byte_bound and len(self._finished) > 1)
         ):
-            _, run_id = self._finished.popleft()
+            _, run_id, size = self._finished.popleft()
+            self.finished_bytes -= size
             self._logs.pop(run_id, None)
             claim_key = self._claim_of_run.pop(run_id, None)
             if claim_key is not None and self._claims.get(claim_key, ("", ""))[1] == run_id:

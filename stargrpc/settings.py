@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     run_retention_seconds: float = Field(600.0, ge=0, description="How long a finished run "
                                          "stays watchable.")
     max_finished_runs: int = Field(10_000, ge=0, description="Finished runs kept at most.")
+    max_finished_run_bytes: int = Field(
+        256 * MiB, ge=0, description="Bytes of events (serialised) the finished runs kept in "
+        "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
     # -- runs, retries and replicas (runlog.py, stores/, idempotency.py, limits.py) --------
     redis_url: str = Field("", description="redis://… of the run store shared by replicas; "

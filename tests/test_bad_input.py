@@ -4,12 +4,19 @@ and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
+import httpx
 import pytest
 from google.rpc import error_details_pb2
+from pydantic import BaseModel
 
-from stargrpc.v1 import events_pb2, tool_service_pb2
+from stargrpc import ToolContext, testing, tool
+from stargrpc.errors import InvalidArgument
+from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.server import StargrpcServer
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool, status_details
 
 
@@ -155,7 +162,82 @@ async def test_invalid_raw_json(stub) -> None:
     error = await _refused(stub, tool_service_pb2.ExecuteRequest(
         tool_name="echo", arguments_json='{"text": NaN}'))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a finite number" in _violations(error)["arguments.text"]
     await _still_serving(stub)
+
+
+async def _audited(server: StargrpcServer) -> list[tuple[str, str]]:
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    await audit.writer.flush()
+    return [(r.tool, r.outcome) async for r in audit.writer.store.scan()]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+async def test_non_finite_struct_numbers_are_named_and_audited_invalid(make_server, bad) -> None:
+    server = await make_server()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        nested = tool_service_pb2.ExecuteRequest(tool_name="echo")
+        nested.arguments.update({"text": "hi", "x": {"y": [1, 2, bad]}})
+        flat = tool_service_pb2.ExecuteRequest(tool_name="count")
+        flat.arguments.update({"to": 2, "delay": bad})
+
+        nested_error = await _refused(stub, nested)
+        flat_error = await _refused(stub, flat)
+        await _still_serving(stub)
+
+    for error in (nested_error, flat_error):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ValueError" not in (error.details() or "")
+    assert "not a finite number" in _violations(nested_error)["arguments.x.y[2]"]
+    assert "not a finite number" in _violations(flat_error)["arguments.delay"]
+    assert await _audited(server) == [("echo", "invalid"), ("count", "invalid"), ("echo", "ok")]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_non_finite_json_numbers_are_named_like_struct_ones(stub, constant) -> None:
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(
+        tool_name="count", arguments_json=f'{{"to": 2, "delay": [0, {constant}]}}'))
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a finite number" in _violations(error)["arguments.delay[1]"]
+    await _still_serving(stub)
+
+
+async def test_non_finite_numbers_through_the_http_gateway(make_server) -> None:
+    server = await make_server(http_port=0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http.gateway_port}",
+                                 timeout=30) as http:
+        reply = await http.post("/v1/tools/count:execute",
+                                content=b'{"arguments": {"to": 2, "delay": NaN}}',
+                                headers={"content-type": "application/json"})
+        again = await http.post("/v1/tools/echo:execute?wait=true",
+                                json={"arguments": {"text": "still here"}})
+
+    assert reply.status_code == 400, reply.text
+    fields = [violation["field"] for detail in reply.json()["error"]["details"]
+              for violation in detail.get("fieldViolations", ())]
+    assert fields == ["arguments.delay"]
+    assert again.json()["result"]["output"] == "still here"
+    assert ("count", "invalid") in await _audited(server)
+
+
+class Weights(BaseModel):
+    weights: list[float]
+
+
+@tool()
+async def weigh(ctx: ToolContext, args: Weights) -> float:
+    """Sums the weights (pydantic itself accepts NaN and Infinity for a float)."""
+    return sum(args.weights)
+
+
+async def test_non_finite_numbers_through_the_test_harness() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        await testing.run_tool(weigh, {"weights": [1.0, math.inf, math.nan]})
+
+    assert [v.field for v in caught.value.violations] == ["arguments.weights[1]",
+                                                          "arguments.weights[2]"]
 
 
 async def test_garbage_bytes_are_invalid_argument(channel, stub) -> None:

@@ -1,14 +1,23 @@
 """Large sent files: over the inline limit they stream as ordered FileChunk events before the
-Result, which lists them as ``streamed`` with size and sha256; small ones stay inline."""
+Result, which lists them as ``streamed`` with size and sha256; small ones stay inline. And
+large anything else: every Result and every event a tool can make huge fits the send limit,
+so Execute and WatchRun always end with a Result."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from pydantic import BaseModel, Field
 
+from stargrpc import ToolContext, tool
+from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.registry import Registry, spec_of
+from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.run_tools.blob import blob_bytes
 from tests.runs_support import collect, execute_request, run_registry
@@ -101,3 +110,175 @@ async def test_the_inline_limit_is_a_setting(make_server) -> None:
     assert b"".join(c.data for c in chunks) == blob_bytes(3000, 0)
     assert events[-1].HasField("result")
     assert events[-1].result.writeback.sent_files[0].streamed
+
+
+# -- every Result and every event fits the send limit ---------------------------------------
+
+HUGE = 70 * MiB
+#: A client that takes any message size: what the server sends is under test, not this.
+UNLIMITED = [("grpc.max_receive_message_length", -1)]
+
+
+class Size(BaseModel):
+    size: int = Field(ge=0)
+
+
+@tool(kind="test")
+async def huge_output(ctx: ToolContext, args: Size) -> str:
+    """Returns ``size`` characters: "é" then digits."""
+    return "é" + "0123456789" * (args.size // 10)
+
+
+@tool(kind="test")
+async def huge_delta(ctx: ToolContext, args: Size) -> str:
+    """Streams one delta of ``size`` characters."""
+    await ctx.delta("0123456789" * (args.size // 10), channel="stdout")
+    return "streamed"
+
+
+@tool(kind="test")
+async def huge_structured(ctx: ToolContext, args: Size) -> dict[str, Any]:
+    """Returns data whose JSON is about ``size`` bytes."""
+    return {"rows": [{"n": i, "text": "x" * 90} for i in range(args.size // 100)]}
+
+
+@tool(kind="test")
+async def huge_writeback(ctx: ToolContext, args: Size) -> str:
+    """Hands back inline-sized files, tools and rich messages of ``size`` bytes each, and
+    makes every kind of event a tool controls that large."""
+    text = "y" * args.size
+    for index in range(8):
+        ctx.send_file(f"part{index}.txt", text.encode(), "text/plain")
+    for index in range(4):
+        ctx.inject_tool(f"tool{index}", text, {"type": "object"})
+        ctx.send_rich_message("card", {"index": index, "body": text})
+    async with ctx.step(text, kind=text, detail={"blob": text}) as step:
+        step.summary = text
+        await step.delta("z", channel=text)
+    await ctx.heartbeat(text)
+    return "handed back"
+
+
+def _size_registry() -> Registry:
+    specs = [spec_of(fn) for fn in (huge_output, huge_delta, huge_structured, huge_writeback)]
+    return Registry([*run_registry().values(), *(spec for spec in specs if spec)])
+
+
+async def _audit_details(server: StargrpcServer) -> list[tuple[str, str, str]]:
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    await audit.writer.flush()
+    return [(r.tool, r.outcome, r.detail) async for r in audit.writer.store.scan()]
+
+
+def _files(events: list[events_pb2.RunEvent]) -> dict[str, bytes]:
+    """The streamed files of a run, by name, reassembled from their chunks."""
+    chunks: dict[str, bytearray] = {}
+    for event in events:
+        if event.HasField("file_chunk"):
+            chunk = event.file_chunk
+            data = chunks.setdefault(chunk.file_id, bytearray())
+            assert chunk.offset == len(data)
+            data += chunk.data
+    result = events[-1].result
+    return {f.name: bytes(chunks[f.file_id]) for f in result.writeback.sent_files
+            if f.streamed}
+
+
+async def _both_streams(make_server, tool_name: str, arguments: dict[str, Any],
+                        **settings: Any
+                        ) -> tuple[StargrpcServer, tuple[list[events_pb2.RunEvent], ...]]:
+    """Runs a tool on a new server, reads it through Execute then WatchRun, and checks the
+    server still serves; returns the server and both streams."""
+    server = await make_server(registry=_size_registry(), **settings)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
+                                         options=UNLIMITED) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        executed = await collect(stub.Execute(execute_request(tool_name, arguments)))
+        watched = await collect(stub.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id)))
+        still = await collect(stub.Execute(execute_request("echo", {"text": "still here"})))
+    assert still[-1].result.output == "still here"
+    return server, (executed, watched)
+
+
+async def test_seventy_megabytes_of_output_end_with_a_result_on_both_streams(make_server
+                                                                             ) -> None:
+    server, streams = await _both_streams(make_server, "huge_output", {"size": HUGE})
+
+    whole = ("é" + "0123456789" * (HUGE // 10)).encode()
+    for events in streams:
+        result = events[-1].result
+        assert result.outcome == events_pb2.OUTCOME_OK
+        assert result.ByteSize() <= 64 * MiB - 1024
+        head, marker = result.output.split("\n[output truncated: ")
+        assert whole.startswith(head.encode()) and len(head) > 60 * MiB
+        assert f"{len(whole)} bytes in all" in marker and "output.txt" in marker
+        notices = [e.notice for e in events if e.HasField("notice")]
+        assert [n.code for n in notices] == ["OUTPUT_TRUNCATED"]
+        assert events[-2].HasField("notice")  # said just before the Result
+        assert _files(events)["output.txt"] == whole
+        [listed] = result.writeback.sent_files
+        assert listed.sha256 == hashlib.sha256(whole).hexdigest()
+    tool_name, outcome, detail = (await _audit_details(server))[0]
+    assert (tool_name, outcome) == ("huge_output", "ok")
+    assert detail.startswith("OUTPUT_TRUNCATED: the output (")
+
+
+async def test_a_seventy_megabyte_delta_arrives_whole_in_pieces(make_server) -> None:
+    _, streams = await _both_streams(make_server, "huge_delta", {"size": HUGE})
+
+    for events in streams:
+        deltas = [e.step for e in events
+                  if e.HasField("step") and e.step.phase == events_pb2.STEP_PHASE_DELTA]
+        assert len(deltas) == HUGE // MiB
+        assert all(len(d.delta) <= MiB and d.channel == "stdout" for d in deltas)
+        assert "".join(d.delta for d in deltas) == "0123456789" * (HUGE // 10)
+        assert events[-1].result.output == "streamed"
+
+
+async def test_large_structured_output_moves_into_a_file(make_server) -> None:
+    server, streams = await _both_streams(make_server, "huge_structured", {"size": 3 * MiB},
+                                          max_send_message_bytes=MiB)
+
+    for events in streams:
+        result = events[-1].result
+        assert result.outcome == events_pb2.OUTCOME_OK
+        assert not result.HasField("structured_output")
+        files = _files(events)
+        rows = json.loads(files["structured_output.json"])["rows"]
+        assert len(rows) == 3 * MiB // 100 and rows[-1]["n"] == len(rows) - 1
+        assert json.loads(files["output.txt"]) == {"rows": rows}
+        assert [e.notice.code for e in events if e.HasField("notice")] == [
+            "OUTPUT_TRUNCATED", "OUTPUT_TRUNCATED"]
+    _, outcome, detail = (await _audit_details(server))[0]
+    assert outcome == "ok" and detail.count("OUTPUT_TRUNCATED") == 2
+
+
+async def test_everything_else_a_tool_controls_is_bounded(make_server) -> None:
+    limit = MiB
+    # 8 inline-sized files of 200 KiB: 1.6 MiB together, over the limit of one message.
+    server, streams = await _both_streams(make_server, "huge_writeback", {"size": 200 * 1024},
+                                          max_send_message_bytes=limit, inline_file_bytes=limit)
+
+    for events in streams:
+        assert all(e.ByteSize() < limit for e in events)
+        result = events[-1].result
+        assert result.outcome == events_pb2.OUTCOME_OK and result.output == "handed back"
+        sent = {f.name: f for f in result.writeback.sent_files}
+        assert len(sent) == 8 and any(f.streamed for f in sent.values())
+        assert sum(len(f.content) for f in sent.values()) <= limit // 4
+        inline = {name: f.content for name, f in sent.items() if not f.streamed}
+        assert {**inline, **_files(events)} == {f"part{i}.txt": b"y" * 200 * 1024
+                                               for i in range(8)}
+        # One injected tool and one rich message fit the quarter of the Result they share.
+        assert len(result.writeback.injected_tools) + len(
+            result.writeback.sent_rich_messages) < 8
+        [notice] = [e.notice for e in events if e.HasField("notice")]
+        assert notice.code == "RESULT_TOO_LARGE" and "injected tools" in notice.message
+        step = next(e.step for e in events if e.HasField("step") and e.step.step.id == "s1")
+        assert step.step.title.endswith("…") and len(step.step.title) <= 4096
+        assert "omitted" in step.step.detail
+        beat = next(e.heartbeat for e in events if e.HasField("heartbeat"))
+        assert len(beat.message) <= 4096
+    _, outcome, detail = (await _audit_details(server))[0]
+    assert outcome == "ok" and detail.startswith("RESULT_TOO_LARGE: ")

@@ -129,3 +129,30 @@ async def test_events_are_stamped_with_the_current_time() -> None:
     after = time.time_ns()
     assert before <= event.time.ToNanoseconds() <= after
     assert 0 <= event.time.nanos < 1_000_000_000
+
+
+async def test_finished_runs_are_bounded_by_bytes_oldest_first() -> None:
+    store = MemoryRunStore(max_finished_bytes=25_000)
+    for index in range(5):
+        log = store.create(f"r{index}")
+        await log.append(heartbeat("x" * 10_000))
+        await log.append(result())
+        assert 10_000 < log.size < 10_100
+
+    # Three runs are over the bound: the two oldest went as the newer ones finished.
+    assert [run_id for run_id in ("r0", "r1", "r2", "r3", "r4") if store.get(run_id)] == [
+        "r3", "r4"]
+    assert store.finished_bytes < 25_000
+    running = store.create("live")
+    await running.append(heartbeat("y" * 50_000))  # a run in flight counts for nothing
+    assert store.get("r3") is not None
+
+
+async def test_the_newest_finished_run_stays_however_large() -> None:
+    store = MemoryRunStore(max_finished_bytes=1000)
+    for run_id in ("old", "big"):
+        log = store.create(run_id)
+        await log.append(heartbeat("x" * 5000))
+        await log.append(result())
+
+    assert store.get("old") is None and store.get("big") is not None

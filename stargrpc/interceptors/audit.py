@@ -32,6 +32,7 @@ from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
+from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
@@ -40,12 +41,15 @@ from stargrpc.interceptors._shapes import (
 )
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings
+from stargrpc.streaming import EventFrame
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.audit")
 
 #: Longest ``detail`` kept in a record.
 MAX_DETAIL_CHARS = 300
+
+_SIZE_CODES = frozenset((OUTPUT_TRUNCATED, RESULT_TOO_LARGE))
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -59,6 +63,9 @@ class _Call:
     written: bool = False
     result: events_pb2.Result | None = None
     invocation: dict[str, Any] | None = None
+    #: What was cut or dropped to fit the Result sent (its OUTPUT_TRUNCATED and
+    #: RESULT_TOO_LARGE notices).
+    cuts: list[str] = field(default_factory=list)
 
 
 #: The call being audited: set by the interceptor, read by the wrapped handler, which
@@ -170,7 +177,12 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                 responses = (behavior(request, context) if direct
                              else iterate_responses(behavior, request, context))
                 async for response in responses:
-                    if isinstance(response, tool_service_pb2.ExecuteResponse) and \
+                    if isinstance(response, EventFrame):
+                        if response.event.HasField("notice") and \
+                                response.event.notice.code in _SIZE_CODES:
+                            notice = response.event.notice
+                            call.cuts.append(f"{notice.code}: {notice.message}")
+                    elif isinstance(response, tool_service_pb2.ExecuteResponse) and \
                             response.event.HasField("result"):
                         call.result = response.event.result
                         await self._commit(call, context)
@@ -226,6 +238,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             if call.result.HasField("error"):
                 record.detail = record.detail or \
                     f"{call.result.error.code}: {call.result.error.message}"
+            if call.cuts:  # the client got less than the tool gave: say what
+                record.detail = "; ".join(filter(None, (record.detail, *call.cuts)))
         elif not record.outcome:
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
@@ -248,6 +262,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         call.written = True
         self._open_calls -= 1
         record = self._audit_record(call)
+        # The call's record lives on in the context of the run's task, which the run
+        # holds: a reference back to the run (or its Result) would keep both alive until
+        # the cycle collector's next full collection.
+        call.record.run = None
+        call.result = None
         self._log(record)
         try:
             # With no other call open, no record will come to share this one's transaction:

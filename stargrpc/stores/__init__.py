@@ -17,7 +17,8 @@ def make_store(settings: Settings) -> RunStore:
         from stargrpc.stores.redis import RedisRunStore  # only a fleet needs the client
 
         return RedisRunStore.from_settings(settings)
-    return MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs)
+    return MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs,
+                          settings.max_finished_run_bytes)
 
 
 __all__ = ["make_store"]

@@ -1,0 +1,101 @@
+"""Bounds on what one event of a run may carry, so that every event fits the send limit.
+
+gRPC refuses to send a message over ``max_send_message_bytes``, and a refused Result would
+end the stream with RESOURCE_EXHAUSTED: the client would never learn how the run ended.
+So nothing a tool controls may make one event larger than the limit:
+
+- **Text fields of events** (step title, summary, kind, delta channel, heartbeat and notice
+  messages, the Result's error message) are cut to :attr:`EventSizes.label_chars`
+  characters, ending with ``…``.
+- **A step's detail** larger than :attr:`EventSizes.detail_bytes` is replaced by a short
+  note saying so.
+- **A DELTA** larger than :attr:`EventSizes.delta_bytes` is split into several DELTAs of
+  the same step and channel: nothing is lost, the pieces arrive in order.
+- **The Result** is fitted by :func:`plan_result` (see there): inline files that do not fit
+  together travel as FileChunks, an over-large structured output or output text moves into
+  a sent file (the output keeps its beginning and a marker), write-back items that cannot
+  fit are dropped. Each cut or drop is announced by a Notice (``OUTPUT_TRUNCATED``,
+  ``RESULT_TOO_LARGE``) just before the Result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Room left in a message for what surrounds the Result or an event (response and RunEvent
+#: tags, run id, seq, time, critic time left).
+ENVELOPE_BYTES = 1024
+
+#: A DELTA's text is split into pieces of at most this many UTF-8 bytes.
+MAX_DELTA_BYTES = 1024 * 1024
+
+#: Longest title, summary, kind, channel, heartbeat or notice message, error message.
+MAX_LABEL_CHARS = 4096
+
+#: Largest serialised step detail kept.
+MAX_DETAIL_BYTES = 64 * 1024
+
+#: Notice codes of a Result that was fitted to the send limit.
+OUTPUT_TRUNCATED = "OUTPUT_TRUNCATED"
+RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+
+#: The sent files an over-large output or structured output moves into.
+OUTPUT_FILE_NAME = "output.txt"
+STRUCTURED_FILE_NAME = "structured_output.json"
+
+
+@dataclass(frozen=True)
+class EventSizes:
+    """The bounds that follow from one send limit.
+
+    Attributes:
+        result_bytes: Largest serialised Result.
+        delta_bytes: Largest DELTA text, in UTF-8 bytes.
+        label_chars: Longest short text field.
+        detail_bytes: Largest serialised step detail.
+    """
+
+    result_bytes: int
+    delta_bytes: int
+    label_chars: int
+    detail_bytes: int
+
+    @classmethod
+    def for_send_limit(cls, max_send_bytes: int) -> EventSizes:
+        """The bounds for a transport that sends at most ``max_send_bytes`` per message."""
+        budget = max_send_bytes - min(ENVELOPE_BYTES, max_send_bytes // 4)
+        return cls(result_bytes=budget,
+                   delta_bytes=max(1, min(MAX_DELTA_BYTES, budget // 2)),
+                   label_chars=max(16, min(MAX_LABEL_CHARS, budget // 64)),
+                   detail_bytes=max(64, min(MAX_DETAIL_BYTES, budget // 8)))
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, the last one ``…`` when it was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit - 1] + "…"
+
+
+def utf8_head(data: bytes, limit: int) -> str:
+    """The longest whole-character beginning of UTF-8 ``data`` within ``limit`` bytes."""
+    return data[:max(0, limit)].decode("utf-8", errors="ignore")
+
+
+def split_utf8(text: str, limit: int) -> list[str]:
+    """``text`` in pieces of at most ``limit`` UTF-8 bytes, never splitting a character."""
+    if len(text) * 4 <= limit:  # no character takes more than 4 bytes
+        return [text]
+    data = text.encode()
+    if len(data) <= limit:
+        return [text]
+    pieces = []
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        # Back off to a character boundary: continuation bytes are 0b10xxxxxx.
+        while end < len(data) and end > start and data[end] & 0xC0 == 0x80:
+            end -= 1
+        pieces.append(data[start:end].decode())
+        start = end
+    return pieces
