@@ -158,7 +158,8 @@ async def test_unshare_with_secrets_readable_by_the_sandbox_user_fails_closed(
             stub = tool_service_pb2_grpc.ToolServiceStub(channel)
             result = result_of(await run_tool(stub, "python", {"code": "print(1)"}))
         assert result.error.code == "SANDBOX_UNAVAILABLE"
-        assert f"the keys file {keys} is readable by a user of its own per run" in result.error.message
+        assert (f"the keys file {keys} is readable by a user of its own per run"
+                in result.error.message)
         assert "sandbox_allow_weak_isolation=true" in result.error.message
     finally:
         for child in open_state.iterdir():
