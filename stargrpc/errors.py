@@ -14,8 +14,10 @@ Hierarchy::
     │   │   └── IdempotencyKeyReused    reason IDEMPOTENCY_KEY_REUSED
     │   ├── ResourceExhausted       RESOURCE_EXHAUSTED + google.rpc.RetryInfo
     │   ├── Unavailable             UNAVAILABLE (draining, a backing store down)
-    │   └── Aborted                 ABORTED + google.rpc.ErrorInfo
-    │       └── WatcherTooSlow          a watcher fell behind; resume from a seq
+    │   ├── Aborted                 ABORTED + google.rpc.ErrorInfo
+    │   │   └── WatcherTooSlow          a watcher fell behind; resume from a seq
+    │   └── OutOfRange              OUT_OF_RANGE + google.rpc.ErrorInfo
+    │       └── RunFinished             WatchRun past the Result of a finished run
     ├── ToolDefinitionError     a tool module is broken; stops start-up
     ├── AuthConfigError         authentication is misconfigured; stops start-up
     │   └── KeysFileError           the API keys file is unreadable, or a keys command is wrong
@@ -198,6 +200,30 @@ class WatcherTooSlow(Aborted):
         self.resume_after = resume_after
 
 
+class OutOfRange(RequestError):
+    """The request asks for something past the end of what exists."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = "OUT_OF_RANGE"
+
+
+class RunFinished(OutOfRange):
+    """WatchRun asked for the events after ``after_seq`` of a run that has ended at or before
+    it: there are none, and there never will be. The watcher has seen the whole run; its
+    ErrorInfo metadata holds ``run_id``, ``last_seq`` (the Result's seq) and ``outcome``
+    (the Result's ``Outcome`` value name, such as ``OUTCOME_OK``)."""
+
+    reason = "RUN_FINISHED"
+
+    def __init__(self, run_id: str, after_seq: int, last_seq: int, outcome: str) -> None:
+        super().__init__(
+            f"run {run_id} has ended: its Result is event {last_seq}, so nothing follows "
+            f"seq {after_seq}",
+            metadata={"run_id": run_id, "last_seq": str(last_seq), "outcome": outcome})
+        self.last_seq = last_seq
+        self.outcome = outcome
+
+
 class ToolDefinitionError(StargrpcError):
     """A tool module or tool definition is broken; start-up stops with this message."""
 
@@ -242,6 +268,7 @@ _CODE_NUMBERS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
     grpc.StatusCode.ABORTED: code_pb2.ABORTED,
+    grpc.StatusCode.OUT_OF_RANGE: code_pb2.OUT_OF_RANGE,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
     grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
 }

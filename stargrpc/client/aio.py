@@ -325,6 +325,10 @@ class AsyncClient:
         """Replays a run's events after ``after_seq``, then follows it until its Result.
         A broken stream is resumed, as with :meth:`execute`.
 
+        When the run has already ended at or before ``after_seq`` there is nothing to
+        replay: the iteration ends at once, with no events (the server answers such a
+        WatchRun with OUT_OF_RANGE, reason ``RUN_FINISHED``).
+
         Raises:
             CallError: The run is unknown (NOT_FOUND), not the caller's, or the deadline
                 passed.
@@ -401,6 +405,9 @@ class AsyncClient:
                                   "the stream ended before the run's Result")
             except grpc.aio.AioRpcError as exc:
                 error = CallError.from_rpc_error(exc)
+            if error.reason == "RUN_FINISHED" and _ended_by(error) <= cursor.last_seq:
+                cursor.finished = True  # the run ended at or before what the caller has seen
+                return
             if error.code not in RESUMABLE:
                 if first or error.code is not grpc.StatusCode.NOT_FOUND:
                     raise error
@@ -413,3 +420,12 @@ class AsyncClient:
                                   f"{attempt} tries: {error}", run_id=cursor.run_id,
                                   last_seq=cursor.last_seq) from error
             await deadline.sleep(delay, error)
+
+
+def _ended_by(error: CallError) -> int:
+    """The seq of the Result a RUN_FINISHED answer names (its ErrorInfo ``last_seq``); one
+    that names none counts as never seen, so it is not taken for the end."""
+    try:
+        return int(error.metadata.get("last_seq", ""))
+    except ValueError:
+        return 2**64
