@@ -232,7 +232,7 @@ async def test_node_shows_field_violations_cancels_and_renders_run_ids(
     assert rest[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
     assert rest[-1].result.error.message == "from node"
     assert (again, again_err.strip()) == (2, "already ended")
-    assert echo == 0
+    assert echo == tools == 0
     assert echo_err.startswith("run ")  # the run id, as `stargrpc call` shows it
     assert echoed.count("hello there") == 1  # streamed as a delta, not printed again
     lines = {line.split()[0]: line for line in listed.splitlines()}
@@ -277,7 +277,7 @@ async def test_every_node_snippet_of_the_readme_runs_as_written(
                                                                    strict=True)]
         await collect(running)
 
-    for snippet, code, out, err in results:
+    for snippet, code, _, err in results:
         assert code in (0, 7), f"{snippet}\nexit {code}\n{err}"  # 7: watch saw the cancel
         assert "Error" not in err, f"{snippet}\n{err}"
     script_out = results[0][2]
