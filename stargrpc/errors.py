@@ -39,8 +39,16 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from stargrpc.v1 import errors_pb2
+
 #: The ErrorInfo domain of every error this service reports.
 ERROR_DOMAIN = "stargrpc"
+
+
+def reason_name(value: int) -> str:
+    """The string sent for an ErrorReason value (in ErrorInfo.reason, ResultError.code,
+    Notice.code): its name, as every language's generated code spells it."""
+    return errors_pb2.ErrorReason.Name(value)
 
 
 class StargrpcError(Exception):
@@ -59,7 +67,7 @@ class RequestError(StargrpcError):
     """A request refused before any run started; maps to a gRPC status with details."""
 
     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
-    reason: str = "INVALID_REQUEST"
+    reason: str = reason_name(errors_pb2.INVALID_REQUEST)
 
     def __init__(self, message: str, *, reason: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
@@ -90,7 +98,7 @@ class InvalidArgument(RequestError):
     """The request is malformed; each bad field is named."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = "INVALID_ARGUMENT"
+    reason = reason_name(errors_pb2.INVALID_ARGUMENT)
 
     def __init__(self, message: str, violations: Sequence[FieldViolation] = ()) -> None:
         super().__init__(message)
@@ -108,7 +116,7 @@ class Unauthenticated(RequestError):
     """No valid credentials. The message stays generic on purpose."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
-    reason = "UNAUTHENTICATED"
+    reason = reason_name(errors_pb2.UNAUTHENTICATED)
 
     def details(self) -> list[object]:
         return []
@@ -127,40 +135,40 @@ class PermissionDenied(RequestError):
     """The caller is known but may not do this."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "PERMISSION_DENIED"
+    reason = reason_name(errors_pb2.PERMISSION_DENIED)
 
 
 class NotFound(RequestError):
     """The named tool or run does not exist (for this caller)."""
 
     code = grpc.StatusCode.NOT_FOUND
-    reason = "NOT_FOUND"
+    reason = reason_name(errors_pb2.NOT_FOUND)
 
 
 class FailedPrecondition(RequestError):
     """The request is well-formed but the system is not in a state to serve it."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "FAILED_PRECONDITION"
+    reason = reason_name(errors_pb2.FAILED_PRECONDITION)
 
 
 class CatalogStale(FailedPrecondition):
     """The caller planned with an old catalog; it should reload and retry once."""
 
-    reason = "CATALOG_STALE"
+    reason = reason_name(errors_pb2.CATALOG_STALE)
 
 
 class IdempotencyKeyReused(FailedPrecondition):
     """The idempotency key was first used for another tool or other arguments."""
 
-    reason = "IDEMPOTENCY_KEY_REUSED"
+    reason = reason_name(errors_pb2.IDEMPOTENCY_KEY_REUSED)
 
 
 class ResourceExhausted(RequestError):
     """A limit was hit; the caller may retry after ``retry_after`` seconds."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "RESOURCE_EXHAUSTED"
+    reason = reason_name(errors_pb2.RESOURCE_EXHAUSTED)
 
     def __init__(self, message: str, *, retry_after: float = 1.0, reason: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
@@ -177,20 +185,20 @@ class Unavailable(RequestError):
     """The server cannot take the call now (draining, a backing store is down)."""
 
     code = grpc.StatusCode.UNAVAILABLE
-    reason = "UNAVAILABLE"
+    reason = reason_name(errors_pb2.UNAVAILABLE)
 
 
 class Aborted(RequestError):
     """The call was cut short; the caller may retry it (ErrorInfo says how)."""
 
     code = grpc.StatusCode.ABORTED
-    reason = "ABORTED"
+    reason = reason_name(errors_pb2.ABORTED)
 
 
 class WatcherTooSlow(Aborted):
     """A WatchRun stream fell too far behind its live run; resume from ``resume_after``."""
 
-    reason = "WATCHER_TOO_SLOW"
+    reason = reason_name(errors_pb2.WATCHER_TOO_SLOW)
 
     def __init__(self, run_id: str, resume_after: int, lag: int) -> None:
         super().__init__(
@@ -204,7 +212,7 @@ class OutOfRange(RequestError):
     """The request asks for something past the end of what exists."""
 
     code = grpc.StatusCode.OUT_OF_RANGE
-    reason = "OUT_OF_RANGE"
+    reason = reason_name(errors_pb2.OUT_OF_RANGE)
 
 
 class RunFinished(OutOfRange):
@@ -213,7 +221,7 @@ class RunFinished(OutOfRange):
     ErrorInfo metadata holds ``run_id``, ``last_seq`` (the Result's seq) and ``outcome``
     (the Result's ``Outcome`` value name, such as ``OUTCOME_OK``)."""
 
-    reason = "RUN_FINISHED"
+    reason = reason_name(errors_pb2.RUN_FINISHED)
 
     def __init__(self, run_id: str, after_seq: int, last_seq: int, outcome: str) -> None:
         super().__init__(
@@ -244,7 +252,9 @@ class ToolOutcomeError(StargrpcError):
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code or f"TOOL_{self.outcome_name}"
+        # TOOL_FAILED or TOOL_DENIED (ErrorReason.Value fails on a code it does not have).
+        default = errors_pb2.ErrorReason.Value(f"TOOL_{self.outcome_name}")
+        self.code = code or reason_name(default)
 
 
 class ToolFailed(ToolOutcomeError):

@@ -7,7 +7,6 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -23,6 +22,7 @@ from stargrpc.errors import (
     RequestError,
     RunFinished,
     abort_with,
+    reason_name,
 )
 from stargrpc.outcome import Outcome
 from stargrpc.principal import current_principal
@@ -31,10 +31,12 @@ from stargrpc.runlog import RunLog
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
-from stargrpc.v1 import catalog_pb2, events_pb2, tool_service_pb2
+from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 
 _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
 _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
+
+_RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 
 SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
@@ -190,8 +192,9 @@ class ToolService:
                 # The run ended at or before after_seq while this call waited: say so,
                 # rather than end with OK as a cut stream would.
                 finished = await self.runtime.store.open(run_id)
-                raise (await self._run_finished(finished, after_seq) if finished is not None
-                       else NotFound("the run has expired", reason="RUN_NOT_FOUND"))
+                if finished is None:
+                    raise NotFound("the run has expired", reason=_RUN_NOT_FOUND)
+                raise await self._run_finished(finished, after_seq)
         except RequestError as error:  # fell too far behind, or the store went away
             await abort_with(context, error)
 
@@ -200,11 +203,13 @@ class ToolService:
         """The answer to a watcher asking for events after the end of ``log``."""
         outcome = ""
         if log.last_seq:
-            async with aclosing(log.follow(log.last_seq - 1)) as last:
-                async for event in last:
-                    if event.HasField("result"):
-                        outcome = events_pb2.Outcome.Name(event.result.outcome)
-                    break
+            last = log.follow(log.last_seq - 1)
+            try:
+                event = await anext(aiter(last))
+                if event.HasField("result"):
+                    outcome = events_pb2.Outcome.Name(event.result.outcome)
+            finally:
+                await last.aclose()  # type: ignore[attr-defined]
         return RunFinished(log.run_id, after_seq, log.last_seq, outcome)
 
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
@@ -238,7 +243,7 @@ class ToolService:
             or any(principal.has_role(role) for role in extra_roles)
         ):
             return log
-        raise NotFound("unknown run (or expired, or not yours)", reason="RUN_NOT_FOUND")
+        raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
 
     @property
     def settings(self) -> Settings:

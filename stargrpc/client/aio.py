@@ -30,9 +30,12 @@ from stargrpc.client.channel import bearer_metadata, open_channel
 from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
 from stargrpc.client.retry import RESUMABLE, RetryPolicy
-from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 T = TypeVar("T")
+
+_CATALOG_STALE = errors_pb2.ErrorReason.Name(errors_pb2.CATALOG_STALE)
+_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -292,7 +295,7 @@ class AsyncClient:
             if error is None:
                 error = CallError(grpc.StatusCode.UNAVAILABLE,
                                   "the stream ended before the run started")
-            if (error.reason == "CATALOG_STALE" and request.catalog_hash and not reloaded):
+            if (error.reason == _CATALOG_STALE and request.catalog_hash and not reloaded):
                 reloaded = True
                 fresh = await self.list_tools(timeout=deadline.remaining(), metadata=metadata)
                 request.catalog_hash = fresh.catalog_hash
@@ -405,7 +408,7 @@ class AsyncClient:
                                   "the stream ended before the run's Result")
             except grpc.aio.AioRpcError as exc:
                 error = CallError.from_rpc_error(exc)
-            if error.reason == "RUN_FINISHED" and _ended_by(error) <= cursor.last_seq:
+            if error.reason == _RUN_FINISHED and _ended_by(error) <= cursor.last_seq:
                 cursor.finished = True  # the run ended at or before what the caller has seen
                 return
             if error.code not in RESUMABLE:

@@ -17,6 +17,10 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from starlette.responses import JSONResponse
 
+from stargrpc.v1 import errors_pb2
+
+_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
+
 #: HTTP status per gRPC code (the mapping of google.rpc.Code).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OK: 200,
@@ -91,5 +95,5 @@ def is_run_finished(error: grpc.aio.AioRpcError) -> bool:
         if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             packed.Unpack(info)
-            return info.reason == "RUN_FINISHED"
+            return info.reason == _RUN_FINISHED
     return False
