@@ -14,8 +14,10 @@ Hierarchy::
     │   │   └── IdempotencyKeyReused    reason IDEMPOTENCY_KEY_REUSED
     │   ├── ResourceExhausted       RESOURCE_EXHAUSTED + google.rpc.RetryInfo
     │   ├── Unavailable             UNAVAILABLE (draining, a backing store down)
-    │   └── Aborted                 ABORTED + google.rpc.ErrorInfo
-    │       └── WatcherTooSlow          a watcher fell behind; resume from a seq
+    │   ├── Aborted                 ABORTED + google.rpc.ErrorInfo
+    │   │   └── WatcherTooSlow          a watcher fell behind; resume from a seq
+    │   └── OutOfRange              OUT_OF_RANGE + google.rpc.ErrorInfo
+    │       └── RunFinished             WatchRun past the Result of a finished run
     ├── ToolDefinitionError     a tool module is broken; stops start-up
     ├── AuthConfigError         authentication is misconfigured; stops start-up
     │   └── KeysFileError           the API keys file is unreadable, or a keys command is wrong
@@ -37,6 +39,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from stargrpc.v1 import errors_pb2
+
 #: The ErrorInfo domain of every error this service reports.
 ERROR_DOMAIN = "stargrpc"
 
@@ -45,6 +49,12 @@ def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     delay = duration_pb2.Duration()
     delay.FromNanoseconds(int(seconds * 1e9))
     return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
+def reason_name(value: int) -> str:
+    """The string sent for an ErrorReason value (in ErrorInfo.reason, ResultError.code,
+    Notice.code): its name, as every language's generated code spells it."""
+    return errors_pb2.ErrorReason.Name(value)
 
 
 class StargrpcError(Exception):
@@ -63,7 +73,7 @@ class RequestError(StargrpcError):
     """A request refused before any run started; maps to a gRPC status with details."""
 
     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
-    reason: str = "INVALID_REQUEST"
+    reason: str = reason_name(errors_pb2.INVALID_REQUEST)
 
     def __init__(self, message: str, *, reason: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
@@ -94,7 +104,7 @@ class InvalidArgument(RequestError):
     """The request is malformed; each bad field is named."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = "INVALID_ARGUMENT"
+    reason = reason_name(errors_pb2.INVALID_ARGUMENT)
 
     def __init__(self, message: str, violations: Sequence[FieldViolation] = ()) -> None:
         super().__init__(message)
@@ -112,7 +122,7 @@ class Unauthenticated(RequestError):
     """No valid credentials. The message stays generic on purpose."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
-    reason = "UNAUTHENTICATED"
+    reason = reason_name(errors_pb2.UNAUTHENTICATED)
 
     def details(self) -> list[object]:
         return []
@@ -131,40 +141,40 @@ class PermissionDenied(RequestError):
     """The caller is known but may not do this."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "PERMISSION_DENIED"
+    reason = reason_name(errors_pb2.PERMISSION_DENIED)
 
 
 class NotFound(RequestError):
     """The named tool or run does not exist (for this caller)."""
 
     code = grpc.StatusCode.NOT_FOUND
-    reason = "NOT_FOUND"
+    reason = reason_name(errors_pb2.NOT_FOUND)
 
 
 class FailedPrecondition(RequestError):
     """The request is well-formed but the system is not in a state to serve it."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "FAILED_PRECONDITION"
+    reason = reason_name(errors_pb2.FAILED_PRECONDITION)
 
 
 class CatalogStale(FailedPrecondition):
     """The caller planned with an old catalog; it should reload and retry once."""
 
-    reason = "CATALOG_STALE"
+    reason = reason_name(errors_pb2.CATALOG_STALE)
 
 
 class IdempotencyKeyReused(FailedPrecondition):
     """The idempotency key was first used for another tool or other arguments."""
 
-    reason = "IDEMPOTENCY_KEY_REUSED"
+    reason = reason_name(errors_pb2.IDEMPOTENCY_KEY_REUSED)
 
 
 class ResourceExhausted(RequestError):
     """A limit was hit; the caller may retry after ``retry_after`` seconds."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "RESOURCE_EXHAUSTED"
+    reason = reason_name(errors_pb2.RESOURCE_EXHAUSTED)
 
     def __init__(self, message: str, *, retry_after: float = 1.0, reason: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
@@ -180,7 +190,7 @@ class Unavailable(RequestError):
     ``retry_after``, the caller may retry after that many seconds (RetryInfo)."""
 
     code = grpc.StatusCode.UNAVAILABLE
-    reason = "UNAVAILABLE"
+    reason = reason_name(errors_pb2.UNAVAILABLE)
 
     def __init__(self, message: str, *, retry_after: float | None = None,
                  reason: str | None = None, metadata: Mapping[str, str] | None = None) -> None:
@@ -197,13 +207,13 @@ class Aborted(RequestError):
     """The call was cut short; the caller may retry it (ErrorInfo says how)."""
 
     code = grpc.StatusCode.ABORTED
-    reason = "ABORTED"
+    reason = reason_name(errors_pb2.ABORTED)
 
 
 class WatcherTooSlow(Aborted):
     """A WatchRun stream fell too far behind its live run; resume from ``resume_after``."""
 
-    reason = "WATCHER_TOO_SLOW"
+    reason = reason_name(errors_pb2.WATCHER_TOO_SLOW)
 
     def __init__(self, run_id: str, resume_after: int, lag: int) -> None:
         super().__init__(
@@ -211,6 +221,30 @@ class WatcherTooSlow(Aborted):
             f"after_seq={resume_after}",
             metadata={"run_id": run_id, "resume_after_seq": str(resume_after)})
         self.resume_after = resume_after
+
+
+class OutOfRange(RequestError):
+    """The request asks for something past the end of what exists."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = reason_name(errors_pb2.OUT_OF_RANGE)
+
+
+class RunFinished(OutOfRange):
+    """WatchRun asked for the events after ``after_seq`` of a run that has ended at or before
+    it: there are none, and there never will be. The watcher has seen the whole run; its
+    ErrorInfo metadata holds ``run_id``, ``last_seq`` (the Result's seq) and ``outcome``
+    (the Result's ``Outcome`` value name, such as ``OUTCOME_OK``)."""
+
+    reason = reason_name(errors_pb2.RUN_FINISHED)
+
+    def __init__(self, run_id: str, after_seq: int, last_seq: int, outcome: str) -> None:
+        super().__init__(
+            f"run {run_id} has ended: its Result is event {last_seq}, so nothing follows "
+            f"seq {after_seq}",
+            metadata={"run_id": run_id, "last_seq": str(last_seq), "outcome": outcome})
+        self.last_seq = last_seq
+        self.outcome = outcome
 
 
 class ToolDefinitionError(StargrpcError):
@@ -233,7 +267,9 @@ class ToolOutcomeError(StargrpcError):
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code or f"TOOL_{self.outcome_name}"
+        # TOOL_FAILED or TOOL_DENIED (ErrorReason.Value fails on a code it does not have).
+        default = errors_pb2.ErrorReason.Value(f"TOOL_{self.outcome_name}")
+        self.code = code or reason_name(default)
 
 
 class ToolFailed(ToolOutcomeError):
@@ -257,6 +293,7 @@ _CODE_NUMBERS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
     grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
     grpc.StatusCode.ABORTED: code_pb2.ABORTED,
+    grpc.StatusCode.OUT_OF_RANGE: code_pb2.OUT_OF_RANGE,
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
     grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
 }

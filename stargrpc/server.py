@@ -16,7 +16,6 @@ from typing import Protocol, runtime_checkable
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
@@ -25,6 +24,7 @@ from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.permissions import RolePolicy
+from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
@@ -114,8 +114,7 @@ class StargrpcServer:
         self._health = health.aio.HealthServicer()
         add_to_server(ToolService(self.runtime), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings

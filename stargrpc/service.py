@@ -15,18 +15,28 @@ from google.protobuf.message import DecodeError, Message
 
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
-from stargrpc.errors import FieldViolation, InvalidArgument, NotFound, RequestError, abort_with
+from stargrpc.errors import (
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    RequestError,
+    RunFinished,
+    abort_with,
+    reason_name,
+)
 from stargrpc.outcome import Outcome
 from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.runlog import RunLog
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
-from stargrpc.streaming import StreamedResponse, event_responses, serialize_response
-from stargrpc.v1 import catalog_pb2, tool_service_pb2
+from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
+from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 
 _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
 _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
+
+_RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 
 SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
@@ -162,19 +172,45 @@ class ToolService:
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
         await _refuse_malformed(request, context)
+        run_id, after_seq = request.run_id, request.after_seq
         try:
-            log = await self._visible_run(request.run_id, self.settings.run_watch_roles)
+            log = await self._visible_run(run_id, self.settings.run_watch_roles)
+            if log.finished and after_seq >= log.last_seq:
+                raise await self._run_finished(log, after_seq)
         except RequestError as error:
             await abort_with(context, error)
             return
+        result_sent = False
         try:
             async for response in event_responses(
-                    log, request.after_seq, tool_service_pb2.WatchRunResponse,
+                    log, after_seq, tool_service_pb2.WatchRunResponse,
                     coalesce=request.coalesce_deltas,
                     max_lag=self.settings.max_watch_lag_events, count=_WATCH_EVENTS.inc):
+                result_sent = not isinstance(response, EventFrame)
                 yield response
+            if not result_sent:
+                # The run ended at or before after_seq while this call waited: say so,
+                # rather than end with OK as a cut stream would.
+                finished = await self.runtime.store.open(run_id)
+                if finished is None:
+                    raise NotFound("the run has expired", reason=_RUN_NOT_FOUND)
+                raise await self._run_finished(finished, after_seq)
         except RequestError as error:  # fell too far behind, or the store went away
             await abort_with(context, error)
+
+    @staticmethod
+    async def _run_finished(log: RunLog, after_seq: int) -> RunFinished:
+        """The answer to a watcher asking for events after the end of ``log``."""
+        outcome = ""
+        if log.last_seq:
+            last = log.follow(log.last_seq - 1)
+            try:
+                event = await anext(aiter(last))
+                if event.HasField("result"):
+                    outcome = events_pb2.Outcome.Name(event.result.outcome)
+            finally:
+                await last.aclose()  # type: ignore[attr-defined]
+        return RunFinished(log.run_id, after_seq, log.last_seq, outcome)
 
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
                         ) -> tool_service_pb2.CancelRunResponse:
@@ -207,7 +243,7 @@ class ToolService:
             or any(principal.has_role(role) for role in extra_roles)
         ):
             return log
-        raise NotFound("unknown run (or expired, or not yours)", reason="RUN_NOT_FOUND")
+        raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
 
     @property
     def settings(self) -> Settings:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
 from tests.client.test_aio import COUNT_TO_3, count_phases
 from tests.helpers import phases, run_tool
+from tests.runs_support import collect
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "clients" / "node"
 TIMEOUT = 60
@@ -157,3 +160,134 @@ async def test_node_cli_ends_quietly_when_its_reader_stops_early(
     assert json.loads(first)["seq"] == "1"
     assert proc.returncode == 0
     assert err == b""
+
+
+async def test_node_watch_at_or_past_the_end_of_a_finished_run_exits_zero(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        node_cli: list[str]) -> None:
+    executed = await run_tool(stub, "count", {"to": 2})
+    run_id, last = executed[0].run_id, len(executed)
+    target = f"127.0.0.1:{server.port}"
+
+    # Bounded well below TIMEOUT: a client that waits for a Result that never comes hangs.
+    (code, out, err), (tail_code, tail, _) = await asyncio.wait_for(asyncio.gather(
+        _node(node_cli, "watch", run_id, "--after-seq", str(last), "--target", target),
+        _node(node_cli, "watch", run_id, "--after-seq", str(last - 1), "--json",
+              "--target", target)), 20)
+
+    assert (code, out) == (0, "")
+    assert f"run {run_id} has ended: nothing follows seq {last}" in err
+    assert tail_code == 0
+    assert _events(tail) == executed[-1:]
+
+
+async def test_node_ctrl_c_during_call_cancels_the_run(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        node_cli: list[str]) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *node_cli, "call", "sleep", '{"seconds": 60, "heartbeat_every": 0.05}', "--json",
+        "--target", f"127.0.0.1:{server.port}", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        first = json.loads(await asyncio.wait_for(proc.stdout.readline(), TIMEOUT))
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    watched = await asyncio.wait_for(collect(stub.WatchRun(
+        tool_service_pb2.WatchRunRequest(run_id=first["run_id"]))), TIMEOUT)
+
+    assert proc.returncode == 130
+    assert f"interrupted; run {first['run_id']} cancelled" in err.decode()
+    assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert watched[-1].result.error.message == "interrupted from the command line"
+
+
+async def test_node_shows_field_violations_cancels_and_renders_run_ids(
+        make_server, node_cli: list[str]) -> None:
+    server = await make_server(list_tools_show_uncallable=True)
+    target = f"127.0.0.1:{server.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        running = tool_service_pb2_grpc.ToolServiceStub(channel).Execute(
+            tool_service_pb2.ExecuteRequest(tool_name="sleep", idempotency_key="sleepy",
+                                            arguments_json='{"seconds": 60}'))
+        run_id = (await running.read()).event.run_id
+
+        (bad, _, bad_err), (cancel, _, cancel_err), (echo, echoed, echo_err), \
+            (tools, listed, _) = await asyncio.gather(
+                _node(node_cli, "call", "count", '{"to": "many"}', "--target", target),
+                _node(node_cli, "cancel", run_id, "--reason", "from node", "--target", target),
+                _node(node_cli, "call", "echo", '{"text": "hello there"}', "--target", target),
+                _node(node_cli, "tools", "--target", target))
+        rest = await collect(running)
+        again, _, again_err = await _node(node_cli, "cancel", run_id, "--target", target)
+
+    assert bad == 1
+    assert "INVALID_ARGUMENT" in bad_err and "[INVALID_ARGUMENT]" in bad_err
+    assert "\n  arguments.to: " in bad_err  # the BadRequest field violation, decoded
+    assert (cancel, cancel_err.strip()) == (0, "cancelled")
+    assert rest[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert rest[-1].result.error.message == "from node"
+    assert (again, again_err.strip()) == (2, "already ended")
+    assert echo == tools == 0
+    assert echo_err.startswith("run ")  # the run id, as `stargrpc call` shows it
+    assert echoed.count("hello there") == 1  # streamed as a delta, not printed again
+    lines = {line.split()[0]: line for line in listed.splitlines()}
+    assert "[privileged]" in lines["shell"]
+    assert "[privileged]" not in lines["echo"] and "[not allowed]" not in lines["echo"]
+
+
+def _node_readme_snippets() -> tuple[list[str], list[str]]:
+    """The Node section of README.md: its ```js blocks and its `node clients/node/cli.js`
+    command lines."""
+    readme = (NODE_DIR.parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Node.js"):]
+    section = section[:section.index("\n### ", 1)]
+    scripts = re.findall(r"```js\n(.*?)```", section, re.S)
+    commands = [line.split("  #")[0].strip()
+                for block in re.findall(r"```sh\n(.*?)```", section, re.S)
+                for line in block.splitlines() if line.startswith("node clients/node/cli.js")]
+    return scripts, commands
+
+
+async def test_every_node_snippet_of_the_readme_runs_as_written(
+        make_server, node_cli: list[str]) -> None:
+    server = await make_server()
+    target = f"127.0.0.1:{server.port}"
+    scripts, commands = _node_readme_snippets()
+    assert scripts and len(commands) >= 4
+    async with grpc.aio.insecure_channel(target) as channel:
+        running = tool_service_pb2_grpc.ToolServiceStub(channel).Execute(
+            tool_service_pb2.ExecuteRequest(tool_name="sleep", idempotency_key="readme",
+                                            arguments_json='{"seconds": 60}'))
+        run_id = (await running.read()).event.run_id
+        env = {**os.environ, "STARGRPC_TARGET": target, "STARGRPC_API_KEY": ""}
+        root = str(NODE_DIR.parent.parent)
+        shells = [command.replace("<run-id>", run_id).replace(
+            "--target localhost:50051", f"--target {target}") for command in commands]
+        # All at once: `watch` follows the run until `cancel` ends it. From the repository
+        # root, as the README says.
+        ran = await asyncio.gather(
+            *(_run_in(root, env, node_cli[0], "-e", script) for script in scripts),
+            *(_run_in(root, env, "bash", "-c", shell) for shell in shells))
+        results = [(snippet, *outcome) for snippet, outcome in zip([*scripts, *commands], ran,
+                                                                   strict=True)]
+        await collect(running)
+
+    for snippet, code, _, err in results:
+        assert code in (0, 7), f"{snippet}\nexit {code}\n{err}"  # 7: watch saw the cancel
+        assert "Error" not in err, f"{snippet}\n{err}"
+    script_out = results[0][2]
+    assert "count" in script_out.splitlines()[0] and "counted to 3" in script_out
+
+
+async def _run_in(cwd: str, env: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()

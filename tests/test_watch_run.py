@@ -182,3 +182,66 @@ async def test_a_slow_watcher_is_ended_with_where_to_resume_and_never_slows_the_
     assert caught.value.code() == grpc.StatusCode.ABORTED
     assert resume == got[-1].seq
     assert [e.seq for e in [*got, *rest]] == list(range(1, rest[-1].seq + 1))
+
+
+def _run_finished(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    """The ErrorInfo metadata of a RUN_FINISHED answer (asserting that it is one)."""
+    assert error.code() == grpc.StatusCode.OUT_OF_RANGE, error
+    info = status_details(error)[0]
+    assert (info.reason, info.domain) == ("RUN_FINISHED", "stargrpc")
+    return dict(info.metadata)
+
+
+async def test_watching_at_or_past_the_end_of_a_finished_run_says_it_finished(stub) -> None:
+    executed = await collect(stub.Execute(execute_request("count", {"to": 2}), metadata=ALICE))
+    run_id, last = executed[0].run_id, len(executed)
+
+    answers = []
+    for after_seq in (last, last + 1, 2**64 - 1):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collect(watch(stub, run_id, after_seq=after_seq))
+        answers.append(caught.value)
+    just_before = await collect(watch(stub, run_id, after_seq=last - 1))
+
+    for error in answers:
+        assert _run_finished(error) == {"run_id": run_id, "last_seq": str(last),
+                                        "outcome": "OUTCOME_OK"}
+    assert f"its Result is event {last}" in (answers[0].details() or "")
+    assert stripped(just_before) == stripped(executed[-1:])  # the server keeps serving
+
+
+async def test_a_watcher_waiting_past_the_end_of_a_live_run_is_told_when_it_ends(
+        stub, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    call = stub.Execute(execute_request(
+        "tally", {"path": str(tmp_path / "tally"), "deltas": 0, "gate": str(gate)},
+        idempotency_key=key()), metadata=ALICE)
+    run_id = (await call.read()).event.run_id
+    waiting = asyncio.ensure_future(collect(watch(stub, run_id, after_seq=1000)))
+    # A few heartbeats later the watcher is following the live run, waiting for seq 1001.
+    while (await call.read()).event.seq < 4:
+        pass
+    gate.touch()
+    executed = await collect(call)
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await asyncio.wait_for(waiting, 30)
+    assert _run_finished(caught.value)["last_seq"] == str(executed[-1].seq)
+    assert _run_finished(caught.value)["outcome"] == "OUTCOME_OK"
+
+
+async def test_a_cancelled_run_reports_its_outcome_past_the_end(stub, tmp_path: Path) -> None:
+    call = stub.Execute(execute_request(
+        "tally", {"path": str(tmp_path / "tally"), "deltas": 0,
+                  "gate": str(tmp_path / "never")}, idempotency_key=key()), metadata=ALICE)
+    run_id = (await call.read()).event.run_id
+    await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id), metadata=ALICE)
+    last = (await collect(call))[-1].seq
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(watch(stub, run_id, after_seq=last))
+    with pytest.raises(grpc.aio.AioRpcError) as other:
+        await collect(watch(stub, run_id, after_seq=last, metadata=BOB))
+
+    assert _run_finished(caught.value)["outcome"] == "OUTCOME_CANCELLED"
+    assert other.value.code() == grpc.StatusCode.NOT_FOUND  # nothing leaks to others

@@ -4,14 +4,18 @@
 //   node clients/node/cli.js tools                          list the catalog
 //   node clients/node/cli.js call count '{"to": 3}'         run a tool, events as they stream
 //   node clients/node/cli.js watch RUN_ID --after-seq 2     replay + follow a run
+//   node clients/node/cli.js cancel RUN_ID --reason "why"   stop a run
 //
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
-// `call` and `watch` exit 0 only when the outcome is OK, like `stargrpc call`.
+// `call` and `watch` exit 0 only when the outcome is OK, like `stargrpc call`; `watch` past
+// the end of a finished run has nothing to show and exits 0. Ctrl-C during `call` cancels
+// the run and exits 130.
 "use strict";
 
 const fs = require("node:fs");
 const { parseArgs } = require("node:util");
+const grpc = require("@grpc/grpc-js");
 const { connect } = require("./stargrpc");
 
 // A reader that stops early (`| head`) closes the pipe: end quietly, as shell tools do,
@@ -25,46 +29,128 @@ const EXIT_CODES = {
   OUTCOME_OK: 0, OUTCOME_DENIED: 3, OUTCOME_FAILED: 4, OUTCOME_ERROR: 5,
   OUTCOME_TIMEOUT: 6, OUTCOME_CANCELLED: 7,
 };
+const EXIT_INTERRUPTED = 130;
+/** How long Ctrl-C waits for a run id (the run's first event) and for CancelRun. */
+const CANCEL_WAIT_MS = 5000;
 
-function render(event, asJson, depth) {
-  if (asJson) {
-    process.stdout.write(JSON.stringify(event) + "\n");
-    return;
+class Renderer {
+  constructor(asJson) {
+    this.asJson = asJson;
+    this.depth = new Map();
+    this.streamed = ""; // the text of every DELTA shown, stderr aside
   }
-  if (event.step) {
-    const { phase, step, delta } = event.step;
-    if (phase === "STEP_PHASE_START") {
-      depth.set(step.id, (depth.get(step.parent_id || "") ?? -1) + 1);
-      console.log(`${"  ".repeat(depth.get(step.id))}▶ ${step.title}`);
-    } else if (phase === "STEP_PHASE_DELTA") {
-      process.stdout.write(delta || "");
-    } else if (phase === "STEP_PHASE_END") {
-      const mark = step.status === "STEP_STATUS_COMPLETE" ? "✓" : "✗";
-      console.log(`${"  ".repeat(depth.get(step.id) || 0)}${mark} ${step.title}`);
+
+  render(event) {
+    if (this.asJson) {
+      process.stdout.write(JSON.stringify(event) + "\n");
+      return;
     }
-  } else if (event.heartbeat) {
-    console.log(`· ${event.heartbeat.message || "alive"}`);
-  } else if (event.notice) {
-    console.log(`! ${event.notice.message}`);
-  } else if (event.result) {
-    const { outcome, output, error } = event.result;
-    console.log(`= ${outcome.replace("OUTCOME_", "")}`);
-    if (output) console.log(output);
-    if (error) console.log(`error ${error.code}: ${error.message}`);
+    if (event.step) {
+      const { phase, step, delta, channel } = event.step;
+      if (phase === "STEP_PHASE_START") {
+        this.depth.set(step.id, (this.depth.get(step.parent_id || "") ?? -1) + 1);
+        console.log(`${"  ".repeat(this.depth.get(step.id))}▶ ${step.title}`);
+      } else if (phase === "STEP_PHASE_DELTA") {
+        if (channel !== "stderr") this.streamed += delta || "";
+        process.stdout.write(delta || "");
+      } else if (phase === "STEP_PHASE_END") {
+        const mark = step.status === "STEP_STATUS_COMPLETE" ? "✓" : "✗";
+        console.log(`${"  ".repeat(this.depth.get(step.id) || 0)}${mark} ${step.title}`);
+      }
+    } else if (event.heartbeat) {
+      console.log(`· ${event.heartbeat.message || "alive"}`);
+    } else if (event.notice) {
+      console.log(`! ${event.notice.message}`);
+    } else if (event.result) {
+      const { outcome, output, error } = event.result;
+      console.log(`= ${outcome.replace("OUTCOME_", "")}`);
+      const unseen = this.notStreamed(output || "");
+      if (unseen) console.log(unseen);
+      if (error) console.log(`error ${error.code}: ${error.message}`);
+    }
+  }
+
+  /** The part of the output not already shown as deltas (as `stargrpc call` does). */
+  notStreamed(output) {
+    const streamed = this.streamed.replace(/\n+$/, "");
+    if (streamed && output.startsWith(streamed)) {
+      const rest = output.slice(streamed.length);
+      if (!rest || rest.startsWith("\n")) return rest.replace(/^\n+|\n+$/g, "");
+    }
+    return output;
   }
 }
 
-async function follow(events, asJson) {
-  const depth = new Map();
+/**
+ * Renders a stream of events and resolves to the exit status of its outcome. `run.id` is
+ * set from the first event (and `run.started` resolved with it); `pastEnd` is said when
+ * the stream ends without a Result (a watch past the end of a finished run).
+ */
+async function follow(events, asJson, run, pastEnd = "") {
+  const renderer = new Renderer(asJson);
   let outcome;
   for await (const event of events) {
-    render(event, asJson, depth);
+    if (!run.id) {
+      run.id = event.run_id;
+      run.start(run.id);
+      if (!asJson) console.error(`run ${run.id}`);
+    }
+    renderer.render(event);
     if (event.result) outcome = event.result.outcome;
+  }
+  if (outcome === undefined && pastEnd) {
+    console.error(pastEnd);
+    return 0;
   }
   return outcome === undefined ? 1 : EXIT_CODES[outcome] ?? 1;
 }
 
-const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N]\n" +
+function newRun() {
+  const run = { id: "" };
+  run.started = new Promise((resolve) => { run.start = resolve; });
+  return run;
+}
+
+const timeout = (ms, value) => new Promise((resolve) => setTimeout(resolve, ms, value).unref());
+
+/**
+ * Runs `call` and on Ctrl-C cancels its run (a run with an idempotency key would otherwise
+ * go on without its stream) and resolves to 130. A second Ctrl-C leaves at once.
+ */
+async function callCancellingOnInterrupt(client, streamed, run) {
+  let onInterrupt;
+  const interrupted = new Promise((resolve) => {
+    onInterrupt = () => resolve(true);
+    process.once("SIGINT", onInterrupt);
+  });
+  streamed.catch(() => {}); // after Ctrl-C its end no longer matters
+  const first = await Promise.race([streamed, interrupted]);
+  if (first !== true) {
+    process.removeListener("SIGINT", onInterrupt);
+    return first;
+  }
+  process.once("SIGINT", () => process.exit(EXIT_INTERRUPTED));
+  // Before its first event the run's id is not known yet: wait for it, briefly.
+  const runId = run.id || await Promise.race([run.started, timeout(CANCEL_WAIT_MS, "")]);
+  if (!runId) {
+    console.error("interrupted before the run started");
+    return EXIT_INTERRUPTED;
+  }
+  try {
+    const stopped = await Promise.race([
+      client.cancelRun(runId, "interrupted from the command line"),
+      timeout(CANCEL_WAIT_MS).then(() => { throw new Error("no answer to CancelRun"); }),
+    ]);
+    console.error(stopped ? `interrupted; run ${runId} cancelled`
+      : `interrupted; run ${runId} had already ended`);
+  } catch (error) {
+    console.error(`interrupted; run ${runId} could not be cancelled: ${error.details || error.message}`);
+  }
+  return EXIT_INTERRUPTED;
+}
+
+const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
+  "cancel RUN_ID [--reason TEXT]\n" +
   "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
 
 class UsageError extends Error {}
@@ -83,6 +169,7 @@ async function main(argv) {
         json: { type: "boolean", default: false },
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
+        reason: { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
     });
@@ -106,7 +193,13 @@ async function main(argv) {
       if (values.json) {
         console.log(JSON.stringify(catalog, null, 2));
       } else {
-        for (const tool of catalog.tools) console.log(`${tool.name}  ${tool.description || ""}`);
+        const width = Math.max(4, ...catalog.tools.map((tool) => tool.name.length));
+        for (const tool of catalog.tools) {
+          const permissions = tool.permissions || {};
+          const flags = (permissions.privileged ? " [privileged]" : "") +
+            (permissions.callable ? "" : " [not allowed]");
+          console.log(`${tool.name.padEnd(width)}  ${tool.description || ""}${flags}`);
+        }
         console.error(`catalog ${catalog.catalog_hash}`);
       }
       return 0;
@@ -118,17 +211,37 @@ async function main(argv) {
       } catch (error) {
         throw new UsageError(`ARGS_JSON is not valid JSON: ${error.message}`);
       }
-      return await follow(client.execute(rest[0], args,
-        { idempotencyKey: values["idempotency-key"] }), values.json);
+      const run = newRun();
+      const streamed = follow(client.execute(rest[0], args,
+        { idempotencyKey: values["idempotency-key"] }), values.json, run);
+      return await callCancellingOnInterrupt(client, streamed, run);
     }
     if (command === "watch" && rest.length === 1) {
-      return await follow(client.watch(rest[0], values["after-seq"]), values.json);
+      if (!/^\d+$/.test(values["after-seq"])) throw new UsageError("--after-seq must be a seq (a whole number >= 0)");
+      return await follow(client.watch(rest[0], values["after-seq"]), values.json, newRun(),
+        `run ${rest[0]} has ended: nothing follows seq ${values["after-seq"]}`);
+    }
+    if (command === "cancel" && rest.length === 1) {
+      const stopped = await client.cancelRun(rest[0], values.reason);
+      console.error(stopped ? "cancelled" : "already ended");
+      return stopped ? 0 : 2;
     }
     console.error(USAGE);
     return 2;
   } finally {
     client.close();
   }
+}
+
+/** A failed call as `stargrpc call` shows it: code, message, reason, bad fields. */
+function describeError(error) {
+  const name = error.code !== undefined
+    ? Object.keys(grpc.status).find((key) => grpc.status[key] === error.code) : "ERROR";
+  const lines = [`error: ${name}: ${error.details || error.message}${error.reason ? ` [${error.reason}]` : ""}`];
+  for (const violation of error.violations || []) {
+    lines.push(`  ${violation.field}: ${violation.description}`);
+  }
+  return lines.join("\n");
 }
 
 main(process.argv.slice(2)).then(
@@ -139,11 +252,7 @@ main(process.argv.slice(2)).then(
       process.exitCode = 2;
       return;
     }
-    // A gRPC status: its code name and message, like `stargrpc call`.
-    const name = error.code !== undefined
-      ? Object.keys(require("@grpc/grpc-js").status).find((k) => require("@grpc/grpc-js").status[k] === error.code)
-      : "ERROR";
-    console.error(`error: ${name}: ${error.details || error.message}`);
+    console.error(describeError(error));
     process.exitCode = 1;
   },
 );

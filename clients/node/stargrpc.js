@@ -2,14 +2,20 @@
 // @grpc/proto-loader (no generated code to keep in step).
 //
 //   const { connect } = require("./stargrpc");
-//   const client = connect("localhost:50051", { apiKey: process.env.STARGRPC_API_KEY });
-//   const { tools } = await client.listTools();
-//   for await (const event of client.execute("count", { to: 3 })) console.log(event);
+//
+//   async function main() {
+//     const client = connect("localhost:50051", { apiKey: process.env.STARGRPC_API_KEY });
+//     const { tools } = await client.listTools();
+//     for await (const event of client.execute("count", { to: 3 })) console.log(event);
+//     client.close();
+//   }
+//   main();
 //
 // Events are plain objects in the proto3 JSON mapping (the same shape `stargrpc call --json`
 // prints): enum names, 64-bit integers as strings, timestamps as RFC 3339 text, Structs as
 // JSON objects. A stream that breaks after the run started is resumed with WatchRun from the
-// last seq seen, so every event arrives exactly once and in order.
+// last seq seen, so every event arrives exactly once and in order. A refused call rejects
+// with the grpc-js error, its google.rpc details decoded onto it (see `withDetails`).
 "use strict";
 
 const crypto = require("node:crypto");
@@ -19,6 +25,8 @@ const protoLoader = require("@grpc/proto-loader");
 const protobuf = require("protobufjs");
 
 const PROTO_ROOT = path.resolve(__dirname, "..", "..", "protos");
+// google/rpc/status.proto and error_details.proto (from googleapis), for the status details.
+const RPC_PROTO_ROOT = path.resolve(__dirname, "protos");
 
 // -- proto3 JSON for the well-known types -------------------------------------------------
 // protobufjs applies these wrappers whenever it turns a message of that type into an
@@ -98,6 +106,61 @@ const definition = protoLoader.loadSync("stargrpc/v1/tool_service.proto", {
 });
 const { ToolService } = grpc.loadPackageDefinition(definition).stargrpc.v1;
 
+// -- google.rpc status details ------------------------------------------------------------
+
+const rpcRoot = new protobuf.Root();
+// google/protobuf/* are built into protobufjs; the rest are shipped beside this file.
+rpcRoot.resolvePath = (origin, target) =>
+  (target.startsWith("google/protobuf/") ? target : path.join(RPC_PROTO_ROOT, target));
+rpcRoot.loadSync(["google/rpc/status.proto", "google/rpc/error_details.proto"], { keepCase: true });
+const RPC_STATUS = rpcRoot.lookupType("google.rpc.Status");
+const DETAIL_TYPES = Object.fromEntries(["ErrorInfo", "BadRequest", "RetryInfo"].map(
+  (name) => [`google.rpc.${name}`, rpcRoot.lookupType(`google.rpc.${name}`)]));
+
+/**
+ * Decodes the google.rpc details of a failed call (the `grpc-status-details-bin` trailer)
+ * onto the grpc-js error, and returns it:
+ *   error.reason      ErrorInfo.reason, such as "CATALOG_STALE" or "RUN_FINISHED" ("" if none)
+ *   error.errorInfo   { reason, domain, metadata } or null
+ *   error.violations  [{ field, description }] from BadRequest
+ *   error.retryDelay  seconds from RetryInfo, or null
+ */
+function withDetails(error) {
+  if (!error || typeof error !== "object" || "violations" in error) return error;
+  Object.assign(error, { reason: "", errorInfo: null, violations: [], retryDelay: null });
+  const raw = error.metadata instanceof grpc.Metadata
+    ? error.metadata.get("grpc-status-details-bin")[0] : undefined;
+  if (!raw) return error;
+  let status;
+  try {
+    status = RPC_STATUS.decode(raw);
+  } catch {
+    return error; // unreadable details: the code and message still say what happened
+  }
+  for (const detail of status.details || []) {
+    const type = DETAIL_TYPES[detail.type_url.slice(detail.type_url.lastIndexOf("/") + 1)];
+    if (!type) continue;
+    const message = type.decode(detail.value);
+    if (type.name === "ErrorInfo") {
+      error.errorInfo = { reason: message.reason, domain: message.domain,
+        metadata: { ...message.metadata } };
+      error.reason = message.reason;
+    } else if (type.name === "BadRequest") {
+      error.violations = (message.field_violations || []).map(
+        (v) => ({ field: v.field, description: v.description }));
+    } else if (message.retry_delay) {
+      error.retryDelay = toNumber(message.retry_delay.seconds) + (message.retry_delay.nanos || 0) / 1e9;
+    }
+  }
+  return error;
+}
+
+/** The seq of the Result a RUN_FINISHED answer names; Infinity when it names none. */
+function endedBy(error) {
+  const seq = Number((error.errorInfo && error.errorInfo.metadata.last_seq) || NaN);
+  return Number.isFinite(seq) ? seq : Infinity;
+}
+
 /** Codes on which a broken stream is resumed (the caller's own deadline is not one). */
 const RESUMABLE = new Set([
   grpc.status.UNAVAILABLE,
@@ -148,7 +211,8 @@ class StargrpcClient {
   /** The catalog: `{ tools: [...], catalog_hash }`. */
   listTools() {
     return new Promise((resolve, reject) => {
-      this.stub.ListTools({}, this.metadata(), (error, reply) => (error ? reject(error) : resolve(reply)));
+      this.stub.ListTools({}, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply)));
     });
   }
 
@@ -156,7 +220,7 @@ class StargrpcClient {
   cancelRun(runId, reason = "") {
     return new Promise((resolve, reject) => {
       this.stub.CancelRun({ run_id: runId, reason }, this.metadata(),
-        (error, reply) => (error ? reject(error) : resolve(Boolean(reply.cancelled))));
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(Boolean(reply.cancelled))));
     });
   }
 
@@ -175,24 +239,33 @@ class StargrpcClient {
     };
     const cursor = { runId: "", lastSeq: 0, finished: false };
     for (let attempt = 1; ; attempt++) {
+      let failure;
       try {
         const call = this.stub.Execute(request, this.metadata());
         for await (const event of this.fresh(readStream(call), cursor)) yield event;
         if (cursor.finished) return;
         if (cursor.runId) break; // ended without its Result: resume
+        failure = new Error("the stream ended before the run started");
       } catch (error) {
+        withDetails(error);
         if (cursor.runId) {
           if (!RESUMABLE.has(error.code)) throw error;
           break; // the run started: never run it again, resume it
         }
-        if (error.code !== grpc.status.UNAVAILABLE || attempt >= this.maxAttempts) throw error;
+        if (error.code !== grpc.status.UNAVAILABLE) throw error;
+        failure = error;
       }
+      if (attempt >= this.maxAttempts) throw failure;
       await sleep(100 * 2 ** (attempt - 1)); // refused before the run started: same key again
     }
     yield* this.follow(cursor);
   }
 
-  /** Replays a run's events after `afterSeq`, then follows it until its Result. */
+  /**
+   * Replays a run's events after `afterSeq`, then follows it until its Result. When the run
+   * had already ended at or before `afterSeq` there is nothing to replay: it yields nothing
+   * (the server answers OUT_OF_RANGE with reason RUN_FINISHED, which is the end).
+   */
   async* watch(runId, afterSeq = 0) {
     yield* this.follow({ runId, lastSeq: Number(afterSeq), finished: false });
   }
@@ -200,14 +273,28 @@ class StargrpcClient {
   async* follow(cursor) {
     for (let attempt = 1; ; attempt++) {
       const request = { run_id: cursor.runId, after_seq: String(cursor.lastSeq) };
+      let failure;
       try {
         for await (const event of this.fresh(readStream(this.stub.WatchRun(request, this.metadata())), cursor)) {
           attempt = 0;
           yield event;
         }
         if (cursor.finished) return;
+        failure = new Error("the stream ended before the run's Result");
       } catch (error) {
-        if (!RESUMABLE.has(error.code) || attempt >= this.maxAttempts) throw error;
+        withDetails(error);
+        if (error.reason === "RUN_FINISHED" && endedBy(error) <= cursor.lastSeq) {
+          cursor.finished = true; // the run ended at or before what the caller has seen
+          return;
+        }
+        if (!RESUMABLE.has(error.code)) throw error;
+        failure = error;
+      }
+      if (attempt >= this.maxAttempts) {
+        const error = new Error(`run ${cursor.runId} could not be resumed after ${attempt} ` +
+          `tries: ${failure.details || failure.message}`);
+        error.code = failure.code;
+        throw error;
       }
       await sleep(50 * 2 ** attempt);
     }
@@ -239,4 +326,4 @@ function connect(target, options) {
   return new StargrpcClient(target, options);
 }
 
-module.exports = { connect, StargrpcClient };
+module.exports = { connect, StargrpcClient, withDetails };

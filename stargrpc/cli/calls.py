@@ -136,9 +136,11 @@ def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json
               help="Show only the events after this seq.")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
 def watch(client_options: dict[str, Any], run_id: str, after_seq: int, as_json: bool) -> None:
-    """Replay a run's events, then follow it live until its Result. Exits like ``call``."""
+    """Replay a run's events, then follow it live until its Result. Exits like ``call``;
+    exits 0 when the run had already ended at or before --after-seq (nothing to show)."""
     with Client(**client_options) as client:
-        _follow(client, client.watch(run_id, after_seq), as_json, cancel_on_interrupt=False)
+        _follow(client, client.watch(run_id, after_seq), as_json, cancel_on_interrupt=False,
+                past_end=f"run {run_id} has ended: nothing follows seq {after_seq}")
 
 
 @click.command()
@@ -157,8 +159,12 @@ def cancel(client_options: dict[str, Any], run_id: str, reason: str) -> None:
 
 
 def _follow(client: Client, events: Iterator[Event], as_json: bool, *,
-            cancel_on_interrupt: bool = True) -> NoReturn:
-    """Renders a stream and exits with the status of its outcome."""
+            cancel_on_interrupt: bool = True, past_end: str = "") -> NoReturn:
+    """Renders a stream and exits with the status of its outcome.
+
+    A stream that ends without a Result is one that asked for events after the end of a
+    finished run (the SDK ends such a watch quietly): ``past_end`` is said, and it exits 0.
+    """
     renderer = JsonRenderer(sys.stdout) if as_json else TextRenderer(sys.stdout)
     run_id = ""
     result: Result | None = None
@@ -183,6 +189,9 @@ def _follow(client: Client, events: Iterator[Event], as_json: bool, *,
             click.echo(f"interrupted; run {run_id} cancelled", err=True)
         sys.exit(EXIT_INTERRUPTED)
     renderer.close()
+    if result is None and past_end:
+        click.echo(past_end, err=True)
+        sys.exit(0)
     sys.exit(EXIT_CODES.get(result.outcome, EXIT_RPC_ERROR) if result else EXIT_RPC_ERROR)
 
 
@@ -208,6 +217,7 @@ class TextRenderer:
         self.out = out
         self.depth: dict[str, int] = {}
         self.at_line_start = True
+        self.streamed: list[str] = []  # the text of every DELTA shown, stderr aside
 
     def _line(self, text: str) -> None:
         if not self.at_line_start:
@@ -240,6 +250,8 @@ class TextRenderer:
             self._line(f"{'  ' * depth}▶ {step.title}")
         elif step_event.phase == events_pb2.STEP_PHASE_DELTA:
             text = step_event.delta
+            if step_event.channel != "stderr":
+                self.streamed.append(text)
             if step_event.channel == "stderr":
                 text = click.style(text, fg="red") if self.out.isatty() else text
             self.out.write(text)
@@ -258,8 +270,9 @@ class TextRenderer:
     def _result(self, result: events_pb2.Result) -> None:
         outcome = events_pb2.Outcome.Name(result.outcome).removeprefix("OUTCOME_")
         self._line(f"= {outcome}")
-        if result.output:
-            self._line(result.output)
+        unseen = self._not_streamed(result.output)
+        if unseen:
+            self._line(unseen)
         if result.HasField("error"):
             self._line(f"error {result.error.code}: {result.error.message}")
         for sent in result.writeback.sent_files:
@@ -270,6 +283,16 @@ class TextRenderer:
         for message in result.writeback.sent_rich_messages:
             payload: dict[str, Any] = json_format.MessageToDict(message.payload)
             self._line(f"message {message.kind}: {json.dumps(payload)}")
+
+    def _not_streamed(self, output: str) -> str:
+        """The part of the Result's output not already shown as deltas: a tool that
+        streams what it returns (echo, a shell command's stdout) is not printed twice."""
+        streamed = "".join(self.streamed).rstrip("\n")
+        if streamed and output.startswith(streamed):
+            rest = output[len(streamed):]
+            if not rest or rest.startswith("\n"):  # whole lines only
+                return rest.strip("\n")
+        return output
 
     def close(self) -> None:
         if not self.at_line_start:

@@ -30,9 +30,12 @@ from stargrpc.client.channel import bearer_metadata, open_channel
 from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
 from stargrpc.client.retry import RESUMABLE, RetryPolicy
-from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 T = TypeVar("T")
+
+_CATALOG_STALE = errors_pb2.ErrorReason.Name(errors_pb2.CATALOG_STALE)
+_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -292,7 +295,7 @@ class AsyncClient:
             if error is None:
                 error = CallError(grpc.StatusCode.UNAVAILABLE,
                                   "the stream ended before the run started")
-            if (error.reason == "CATALOG_STALE" and request.catalog_hash and not reloaded):
+            if (error.reason == _CATALOG_STALE and request.catalog_hash and not reloaded):
                 reloaded = True
                 fresh = await self.list_tools(timeout=deadline.remaining(), metadata=metadata)
                 request.catalog_hash = fresh.catalog_hash
@@ -324,6 +327,10 @@ class AsyncClient:
                     metadata: Metadata | None = None) -> AsyncIterator[Event]:
         """Replays a run's events after ``after_seq``, then follows it until its Result.
         A broken stream is resumed, as with :meth:`execute`.
+
+        When the run has already ended at or before ``after_seq`` there is nothing to
+        replay: the iteration ends at once, with no events (the server answers such a
+        WatchRun with OUT_OF_RANGE, reason ``RUN_FINISHED``).
 
         Raises:
             CallError: The run is unknown (NOT_FOUND), not the caller's, or the deadline
@@ -401,6 +408,9 @@ class AsyncClient:
                                   "the stream ended before the run's Result")
             except grpc.aio.AioRpcError as exc:
                 error = CallError.from_rpc_error(exc)
+            if error.reason == _RUN_FINISHED and _ended_by(error) <= cursor.last_seq:
+                cursor.finished = True  # the run ended at or before what the caller has seen
+                return
             if error.code not in RESUMABLE:
                 if first or error.code is not grpc.StatusCode.NOT_FOUND:
                     raise error
@@ -413,3 +423,12 @@ class AsyncClient:
                                   f"{attempt} tries: {error}", run_id=cursor.run_id,
                                   last_seq=cursor.last_seq) from error
             await deadline.sleep(delay, error)
+
+
+def _ended_by(error: CallError) -> int:
+    """The seq of the Result a RUN_FINISHED answer names (its ErrorInfo ``last_seq``); one
+    that names none counts as never seen, so it is not taken for the end."""
+    try:
+        return int(error.metadata.get("last_seq", ""))
+    except ValueError:
+        return 2**64

@@ -38,7 +38,12 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stargrpc.gateway.client import FORWARDED_HEADERS, GatewayClient, Metadata
-from stargrpc.gateway.http_errors import error_body, http_error, rpc_error_response
+from stargrpc.gateway.http_errors import (
+    error_body,
+    http_error,
+    is_run_finished,
+    rpc_error_response,
+)
 from stargrpc.gateway.sse import (
     EventSource,
     QueueSource,
@@ -279,15 +284,16 @@ class Gateway:
         await asyncio.wait({first}, timeout=FIRST_EVENT_WAIT_SECONDS)
         if first.done():
             try:
-                event = first.result()
+                first.result()
             except grpc.aio.AioRpcError as error:
                 source.close()
+                if is_run_finished(error):
+                    # Nothing after Last-Event-ID and the run is over (WatchRun's
+                    # RUN_FINISHED): 204 tells an EventSource to stop reconnecting.
+                    return Response(status_code=204)
                 return rpc_error_response(error)
-            if event is None:
-                # Nothing after Last-Event-ID and the run is over: 204 tells an
-                # EventSource to stop reconnecting.
-                source.close()
-                return Response(status_code=204)
+        # A stream cut before its Result (event None) ends this response at once, and the
+        # EventSource reconnects with Last-Event-ID.
         return self._stream(source)
 
     async def cancel(self, request: Request) -> Response:

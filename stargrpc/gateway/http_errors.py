@@ -17,6 +17,10 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from starlette.responses import JSONResponse
 
+from stargrpc.v1 import errors_pb2
+
+_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
+
 #: HTTP status per gRPC code (the mapping of google.rpc.Code).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OK: 200,
@@ -79,3 +83,17 @@ def _rich_status(error: grpc.aio.AioRpcError) -> status_pb2.Status | None:
         return rpc_status.from_call(error)
     except ValueError:  # details inconsistent with the status: show the plain status only
         return None
+
+
+def is_run_finished(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a WatchRun failed only because it asked for events after the end of a
+    finished run (OUT_OF_RANGE, ErrorInfo reason RUN_FINISHED): the end, not a failure."""
+    if error.code() is not grpc.StatusCode.OUT_OF_RANGE:
+        return False
+    rich = _rich_status(error)
+    for packed in rich.details if rich is not None else ():
+        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            packed.Unpack(info)
+            return info.reason == _RUN_FINISHED
+    return False

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from sse_starlette.event import ServerSentEvent
 
 from stargrpc.gateway.client import StartedRun
-from stargrpc.gateway.http_errors import HTTP_STATUS, error_body
+from stargrpc.gateway.http_errors import HTTP_STATUS, error_body, is_run_finished
 from stargrpc.v1 import events_pb2
 
 #: Seconds between keep-alive comments on a quiet stream.
@@ -137,7 +137,10 @@ async def sse_stream(source: EventSource, closing: asyncio.Event, *,
                 try:
                     event = pending.result()
                 except grpc.aio.AioRpcError as error:
-                    yield encode_error(error)
+                    # A watch that waited past the end of its run just ends; reconnecting
+                    # with Last-Event-ID then gets 204.
+                    if not is_run_finished(error):
+                        yield encode_error(error)
                     return
                 if event is None:
                     return

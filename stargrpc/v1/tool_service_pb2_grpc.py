@@ -88,7 +88,13 @@ class ToolServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRun(self, request, context):
-        """Replays a run's events after `after_seq`, then follows it until its Result.
+        """Replays a run's events after `after_seq`, then follows it until its Result, and ends
+        with status OK after sending it. When the run has ended at or before `after_seq`
+        nothing follows: OUT_OF_RANGE with google.rpc.ErrorInfo reason RUN_FINISHED and
+        metadata `run_id`, `last_seq` (the seq of its Result) and `outcome` (the Result's
+        Outcome value name, e.g. "OUTCOME_OK"). A watcher takes that for the end of the run,
+        not for a failure; a stream that ends OK without a Result was cut: resume it. An unknown
+        or expired run (or another caller's) is NOT_FOUND, reason RUN_NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

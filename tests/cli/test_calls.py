@@ -81,3 +81,39 @@ async def test_watch_and_cancel_a_run(recorded_server: StargrpcServer) -> None:
     assert lines[-1]["result"]["outcome"] == "OUTCOME_CANCELLED"
     assert "from the shell" in lines[-1]["result"]["error"]["message"]
     assert int(lines[-1]["seq"]) == rest[-1].seq
+
+
+async def test_watch_at_or_past_the_end_of_a_finished_run_exits_zero(
+        recorded_server: StargrpcServer) -> None:
+    target = f"127.0.0.1:{recorded_server.port}"
+    async with AsyncClient.connect(target) as client:
+        events = [event async for event in client.execute("count", {"to": 2})]
+        past = [event async for event in client.watch(events[0].run_id, len(events) + 3)]
+    run_id, last = events[0].run_id, len(events)
+
+    (code, out, err), (tail_code, tail, _) = await asyncio.gather(
+        _stargrpc("watch", "--target", target, run_id, "--after-seq", str(last)),
+        _stargrpc("watch", "--target", target, run_id, "--after-seq", str(last - 1), "--json"))
+
+    assert past == []  # the SDK takes RUN_FINISHED for the end, not for a break
+    assert (code, out) == (0, "")
+    assert f"run {run_id} has ended: nothing follows seq {last}" in err
+    assert "could not be resumed" not in err
+    assert tail_code == 0
+    assert [int(json.loads(line)["seq"]) for line in tail.splitlines()] == [last]
+
+
+async def test_call_prints_streamed_output_once_and_the_rest_after_the_outcome(
+        recorded_server: StargrpcServer) -> None:
+    target = f"127.0.0.1:{recorded_server.port}"
+
+    (echo_code, echoed, _), (count_code, counted, _) = await asyncio.gather(
+        _stargrpc("call", "--target", target, "echo", "--args", '{"text": "hello there"}'),
+        _stargrpc("call", "--target", target, "count", "--args", '{"to": 2}'))
+
+    assert echo_code == count_code == 0
+    assert echoed.count("hello there") == 1
+    assert echoed.splitlines()[-1] == "= OK"
+    # count streams the numbers and returns other text: that text is shown after "= OK".
+    assert counted.splitlines()[-2:] == ["= OK", "counted to 2"]
+    assert counted.count("counted to 2") == 1

@@ -109,6 +109,24 @@ async def test_last_event_id_resumes_exactly_after_it(gateway) -> None:
     assert done.status_code == 204
 
 
+async def test_a_watch_past_the_end_of_a_live_run_ends_cleanly_then_204(
+        gateway, gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("stargrpc.gateway.app.FIRST_EVENT_WAIT_SECONDS", 0.05)
+    name, opened = gate
+    run_id = await start(gateway, "staged", {"gate": name})
+    url = f"/v1/runs/{run_id}/events"
+
+    async with aconnect_sse(gateway.http, "GET", url,
+                            headers={"Last-Event-ID": "1000"}) as source:
+        assert source.response.status_code == 200  # the run is still going: wait for more
+        opened.set()
+        kinds = [message.event async for message in source.aiter_sse()]
+    done = await gateway.http.get(url, headers={"Last-Event-ID": "1000"})
+
+    assert kinds == []  # the run ended before seq 1001: no error event, just the end
+    assert done.status_code == 204
+
+
 async def test_events_follow_a_live_run_until_its_result(gateway, gate) -> None:
     name, opened = gate
     run_id = await start(gateway, "staged", {"gate": name})

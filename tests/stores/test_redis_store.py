@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import status_details
 from tests.run_tools.blob import blob_bytes
 from tests.runs_support import as_principal, collect, execute_request, key, stripped
 from tests.stores.conftest import REDIS_URL
@@ -136,17 +137,27 @@ async def test_unknown_and_expired_runs_are_not_found(replicas) -> None:
     assert expired.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_watching_past_the_end_of_a_finished_run_ends_at_once(pair) -> None:
+async def test_watching_past_the_end_of_a_finished_run_says_it_finished(pair) -> None:
     a, b = pair
     executed = await collect(a.Execute(execute_request("echo", {"text": "x"}), metadata=ALICE))
     # The run's events are in Redis once the Result is; B reads them there.
     replay = await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
         run_id=executed[0].run_id), metadata=ALICE))
-    past = await asyncio.wait_for(collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
-        run_id=executed[0].run_id, after_seq=len(executed) + 5), metadata=ALICE)), 10)
+    ends = []
+    for after_seq in (len(executed), len(executed) + 5):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+                run_id=executed[0].run_id, after_seq=after_seq), metadata=ALICE)), 10)
+        ends.append(caught.value)
 
     assert stripped(replay) == stripped(executed)
-    assert past == []
+    for error in ends:
+        assert error.code() == grpc.StatusCode.OUT_OF_RANGE
+        info = status_details(error)[0]
+        assert info.reason == "RUN_FINISHED"
+        assert dict(info.metadata) == {"run_id": executed[0].run_id,
+                                       "last_seq": str(len(executed)),
+                                       "outcome": "OUTCOME_OK"}
 
 
 async def test_a_large_file_of_a_run_on_a_arrives_intact_through_b(pair) -> None:

@@ -1,0 +1,134 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from typing import ClassVar as _ClassVar
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    INVALID_REQUEST: _ClassVar[ErrorReason]
+    UNAUTHENTICATED: _ClassVar[ErrorReason]
+    PERMISSION_DENIED: _ClassVar[ErrorReason]
+    TOOL_NOT_ALLOWED: _ClassVar[ErrorReason]
+    PRIVILEGED_ROLE_REQUIRED: _ClassVar[ErrorReason]
+    DELEGATION_NOT_ALLOWED: _ClassVar[ErrorReason]
+    NOT_FOUND: _ClassVar[ErrorReason]
+    TOOL_NOT_FOUND: _ClassVar[ErrorReason]
+    RUN_NOT_FOUND: _ClassVar[ErrorReason]
+    FAILED_PRECONDITION: _ClassVar[ErrorReason]
+    CATALOG_STALE: _ClassVar[ErrorReason]
+    IDEMPOTENCY_KEY_REUSED: _ClassVar[ErrorReason]
+    IDEMPOTENT_RUN_EXPIRED: _ClassVar[ErrorReason]
+    RESOURCE_EXHAUSTED: _ClassVar[ErrorReason]
+    CONCURRENCY_LIMIT: _ClassVar[ErrorReason]
+    UNAVAILABLE: _ClassVar[ErrorReason]
+    DRAINING: _ClassVar[ErrorReason]
+    RUN_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
+    RUN_STORE_FAILED: _ClassVar[ErrorReason]
+    CLAIM_CONTENDED: _ClassVar[ErrorReason]
+    ABORTED: _ClassVar[ErrorReason]
+    WATCHER_TOO_SLOW: _ClassVar[ErrorReason]
+    EVENTS_TRIMMED: _ClassVar[ErrorReason]
+    OUT_OF_RANGE: _ClassVar[ErrorReason]
+    RUN_FINISHED: _ClassVar[ErrorReason]
+    STORE_CONFLICT: _ClassVar[ErrorReason]
+    TOOL_EXCEPTION: _ClassVar[ErrorReason]
+    TOOL_BAD_RETURN: _ClassVar[ErrorReason]
+    TOOL_FAILED: _ClassVar[ErrorReason]
+    TOOL_DENIED: _ClassVar[ErrorReason]
+    INTERNAL: _ClassVar[ErrorReason]
+    RESULT_TOO_LARGE: _ClassVar[ErrorReason]
+    RUN_LOST: _ClassVar[ErrorReason]
+    CANCELLED: _ClassVar[ErrorReason]
+    CLIENT_CANCELLED: _ClassVar[ErrorReason]
+    SERVER_SHUTDOWN: _ClassVar[ErrorReason]
+    CRITIC_NO_PROGRESS: _ClassVar[ErrorReason]
+    CRITIC_HARD_TIMEOUT: _ClassVar[ErrorReason]
+    CLIENT_DEADLINE: _ClassVar[ErrorReason]
+    SANDBOX_UNAVAILABLE: _ClassVar[ErrorReason]
+    EXIT_STATUS: _ClassVar[ErrorReason]
+    SIGNAL: _ClassVar[ErrorReason]
+    CPU_LIMIT: _ClassVar[ErrorReason]
+    MEMORY_LIMIT: _ClassVar[ErrorReason]
+    FILE_SIZE_LIMIT: _ClassVar[ErrorReason]
+    PROCESS_LIMIT: _ClassVar[ErrorReason]
+    OPEN_FILES_LIMIT: _ClassVar[ErrorReason]
+    DISK_LIMIT: _ClassVar[ErrorReason]
+    WALL_CLOCK_LIMIT: _ClassVar[ErrorReason]
+    OUTPUT_TRUNCATED: _ClassVar[ErrorReason]
+    BAD_URL: _ClassVar[ErrorReason]
+    HOST_NOT_ALLOWED: _ClassVar[ErrorReason]
+    ADDRESS_REFUSED: _ClassVar[ErrorReason]
+    DNS_FAILED: _ClassVar[ErrorReason]
+    HTTP_TIMEOUT: _ClassVar[ErrorReason]
+    HTTP_ERROR: _ClassVar[ErrorReason]
+    TOO_MANY_REDIRECTS: _ClassVar[ErrorReason]
+    HTTP_TOO_LARGE: _ClassVar[ErrorReason]
+    KB_NOT_CONFIGURED: _ClassVar[ErrorReason]
+    KB_MISSING: _ClassVar[ErrorReason]
+    HTTP_BAD_REDIRECT: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+INVALID_ARGUMENT: ErrorReason
+INVALID_REQUEST: ErrorReason
+UNAUTHENTICATED: ErrorReason
+PERMISSION_DENIED: ErrorReason
+TOOL_NOT_ALLOWED: ErrorReason
+PRIVILEGED_ROLE_REQUIRED: ErrorReason
+DELEGATION_NOT_ALLOWED: ErrorReason
+NOT_FOUND: ErrorReason
+TOOL_NOT_FOUND: ErrorReason
+RUN_NOT_FOUND: ErrorReason
+FAILED_PRECONDITION: ErrorReason
+CATALOG_STALE: ErrorReason
+IDEMPOTENCY_KEY_REUSED: ErrorReason
+IDEMPOTENT_RUN_EXPIRED: ErrorReason
+RESOURCE_EXHAUSTED: ErrorReason
+CONCURRENCY_LIMIT: ErrorReason
+UNAVAILABLE: ErrorReason
+DRAINING: ErrorReason
+RUN_STORE_UNAVAILABLE: ErrorReason
+RUN_STORE_FAILED: ErrorReason
+CLAIM_CONTENDED: ErrorReason
+ABORTED: ErrorReason
+WATCHER_TOO_SLOW: ErrorReason
+EVENTS_TRIMMED: ErrorReason
+OUT_OF_RANGE: ErrorReason
+RUN_FINISHED: ErrorReason
+STORE_CONFLICT: ErrorReason
+TOOL_EXCEPTION: ErrorReason
+TOOL_BAD_RETURN: ErrorReason
+TOOL_FAILED: ErrorReason
+TOOL_DENIED: ErrorReason
+INTERNAL: ErrorReason
+RESULT_TOO_LARGE: ErrorReason
+RUN_LOST: ErrorReason
+CANCELLED: ErrorReason
+CLIENT_CANCELLED: ErrorReason
+SERVER_SHUTDOWN: ErrorReason
+CRITIC_NO_PROGRESS: ErrorReason
+CRITIC_HARD_TIMEOUT: ErrorReason
+CLIENT_DEADLINE: ErrorReason
+SANDBOX_UNAVAILABLE: ErrorReason
+EXIT_STATUS: ErrorReason
+SIGNAL: ErrorReason
+CPU_LIMIT: ErrorReason
+MEMORY_LIMIT: ErrorReason
+FILE_SIZE_LIMIT: ErrorReason
+PROCESS_LIMIT: ErrorReason
+OPEN_FILES_LIMIT: ErrorReason
+DISK_LIMIT: ErrorReason
+WALL_CLOCK_LIMIT: ErrorReason
+OUTPUT_TRUNCATED: ErrorReason
+BAD_URL: ErrorReason
+HOST_NOT_ALLOWED: ErrorReason
+ADDRESS_REFUSED: ErrorReason
+DNS_FAILED: ErrorReason
+HTTP_TIMEOUT: ErrorReason
+HTTP_ERROR: ErrorReason
+TOO_MANY_REDIRECTS: ErrorReason
+HTTP_TOO_LARGE: ErrorReason
+KB_NOT_CONFIGURED: ErrorReason
+KB_MISSING: ErrorReason
+HTTP_BAD_REDIRECT: ErrorReason
