@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
+import os
 import queue
 import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -91,7 +93,7 @@ class SqliteAuditStore:
 
     async def open(self) -> None:
         path = sqlite_path(self.url)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_file(path)
         # One thread owns the connection: sqlite3's own same-thread check stays on.
         self._thread = _StoreThread()
         try:
@@ -227,6 +229,36 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def make_private_file(path: Path) -> None:
+    """Creates ``path`` readable and writable by this user only (0600), and the folders
+    above it that do not exist yet 0700; an existing file open to others is narrowed to
+    0600.
+
+    SQLite gives the ``-wal`` and ``-shm`` files it makes beside a database the database
+    file's mode, so they are 0600 too. The trail holds who called what, with what (even
+    redacted): no other user of the machine should read it.
+    """
+    missing = [folder for folder in (path.parent, *path.parent.parents)
+               if not folder.exists()]
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            folder.mkdir(mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+        if mode & 0o077 and os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, mode & 0o700)
+            log.warning("audit_store_mode_narrowed", path=str(path),
+                        mode=f"{mode:o}", now=f"{mode & 0o700:o}")
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm"):  # left by an older version beside the database
+        companion = Path(f"{path}{suffix}")
+        with contextlib.suppress(FileNotFoundError):
+            if companion.stat().st_mode & 0o077 and companion.stat().st_uid == os.geteuid():
+                companion.chmod(companion.stat().st_mode & 0o700)
 
 
 # -- run on the store's thread -------------------------------------------------------------
