@@ -34,8 +34,10 @@ from typing import Any, TypeVar
 import structlog
 
 from stargrpc.audit.chain import seal
+from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import (
+    ADDED_COLUMNS,
     TABLE,
     Query,
     scan_in_batches,
@@ -74,17 +76,20 @@ class SqliteAuditStore:
 
     Attributes:
         url: ``sqlite:///PATH``.
+        key: The audit key appended records are keyed with (None: unkeyed).
     """
 
     url: str
+    key: ChainKey | None
     _db: sqlite3.Connection | None
     _fast: sqlite3.Connection | None
     _thread: _StoreThread | None
     _commits_since_checkpoint: int
     _checkpointing: bool
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key: ChainKey | None = None) -> None:
         self.url = url
+        self.key = key
         self._db = None
         self._fast = None
         self._thread = None
@@ -122,7 +127,7 @@ class SqliteAuditStore:
         sealed = self.append_now(records)
         if sealed is not None:
             return sealed
-        return await self._run(_append, self._conn, records)
+        return await self._run(_append, self._conn, records, self.key)
 
     def append_now(self, records: Sequence[AuditRecord]) -> list[AuditRecord] | None:
         """Appends ``records`` right here on the event loop when that needs no waiting.
@@ -134,7 +139,7 @@ class SqliteAuditStore:
         if self._fast is None:
             return None
         try:
-            sealed = _append(self._fast, records)
+            sealed = _append(self._fast, records, self.key)
         except sqlite3.Error:
             return None  # locked by another writer, or failing: the thread waits and reports
         self._fast_committed()
@@ -270,8 +275,18 @@ def _connect(path: str) -> sqlite3.Connection:
     try:
         _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
-        for statement in _SCHEMA:
-            db.execute(statement)
+        db.execute("BEGIN IMMEDIATE")  # two processes opening an older file: one adds
+        try:
+            for statement in _SCHEMA:
+                db.execute(statement)
+            columns = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
+            for name, sql_type in ADDED_COLUMNS.items():
+                if name not in columns:
+                    db.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {sql_type}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
     except BaseException:
         db.close()
         raise
@@ -317,13 +332,15 @@ def _checkpoint(db: sqlite3.Connection) -> None:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
 
-def _append(db: sqlite3.Connection, records: Sequence[AuditRecord]) -> list[AuditRecord]:
-    """Numbers, chains and inserts ``records`` in one exclusive transaction."""
+def _append(db: sqlite3.Connection, records: Sequence[AuditRecord],
+            key: ChainKey | None = None) -> list[AuditRecord]:
+    """Numbers, chains (keyed with ``key``) and inserts ``records`` in one exclusive
+    transaction."""
     db.execute("BEGIN IMMEDIATE")
     try:
         # Read under the write lock: another process may have appended since our last batch.
         last = db.execute(_HEAD).fetchone()
-        sealed = seal(records, last[0] if last else 0, last[1] if last else GENESIS_HASH)
+        sealed = seal(records, last[0] if last else 0, last[1] if last else GENESIS_HASH, key)
         db.executemany(_INSERT, [_row(record) for record in sealed])
         db.execute("COMMIT")
     except BaseException:

@@ -78,9 +78,9 @@ async def test_records_submitted_together_are_committed_together_on_the_loop(
     transactions: list[tuple[str, int]] = []
     real_append = sqlite_store._append
 
-    def counting_append(db: sqlite3.Connection, records: Any) -> Any:
+    def counting_append(db: sqlite3.Connection, records: Any, *rest: Any) -> Any:
         transactions.append((threading.current_thread().name, len(records)))
-        return real_append(db, records)
+        return real_append(db, records, *rest)
 
     monkeypatch.setattr(sqlite_store, "_append", counting_append)
     writer = AuditWriter(SqliteAuditStore(sqlite_url))
