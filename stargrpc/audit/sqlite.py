@@ -15,6 +15,13 @@ fast attempt fails for any reason, the append goes to the store's own thread, wh
 connection waits for the lock (``busy_timeout``) and reports real errors. That thread also
 checkpoints the WAL every :data:`CHECKPOINT_EVERY` fast commits, off the event loop and
 without blocking appends, so the WAL file stays small.
+
+A checkpoint measures the WAL when it starts, and appends go on while it runs: on a loaded
+machine its fsync can outlast a whole burst of them. So the thread checkpoints again when
+:data:`CHECKPOINT_EVERY` commits landed meanwhile (rather than waiting for a next commit
+that may never come), and while it empties a WAL grown past :data:`WAL_FRAMES_LIMIT` the
+loop hands its appends to the thread, behind the truncation, instead of keeping the write
+lock from it. ``journal_size_limit`` cuts the file back whenever the WAL starts over.
 """
 
 from __future__ import annotations
@@ -65,8 +72,13 @@ _T = TypeVar("_T")
 CHECKPOINT_EVERY = 500
 
 #: WAL pages past which a checkpoint empties the WAL even though appends wait meanwhile
-#: (about 40 MiB with 4 KiB pages).
+#: (about 40 MiB with 4 KiB pages); also the size the WAL file is cut back to when it
+#: starts over.
 WAL_FRAMES_LIMIT = 10_000
+
+#: Checkpoints one hand-over to the thread runs at most, one more each time appends went
+#: on meanwhile (the next commit hands over again).
+_CHECKPOINT_ROUNDS = 20
 
 log = structlog.get_logger("stargrpc.audit")
 
@@ -86,6 +98,7 @@ class SqliteAuditStore:
     _thread: _StoreThread | None
     _commits_since_checkpoint: int
     _checkpointing: bool
+    _truncating: bool
 
     def __init__(self, url: str, key: ChainKey | None = None) -> None:
         self.url = url
@@ -95,6 +108,7 @@ class SqliteAuditStore:
         self._thread = None
         self._commits_since_checkpoint = 0
         self._checkpointing = False
+        self._truncating = False
 
     async def open(self) -> None:
         path = sqlite_path(self.url)
@@ -136,7 +150,7 @@ class SqliteAuditStore:
             The records as stored, or None when another writer holds the lock (or the
             attempt failed): then :meth:`append` must do it on the store's thread.
         """
-        if self._fast is None:
+        if self._fast is None or self._truncating:
             return None
         try:
             sealed = _append(self._fast, records, self.key)
@@ -156,9 +170,19 @@ class SqliteAuditStore:
 
     def _checkpoint_on_thread(self, db: sqlite3.Connection) -> None:
         try:
-            _checkpoint(db)
+            for _ in range(_CHECKPOINT_ROUNDS):
+                if _checkpoint_passive(db) > WAL_FRAMES_LIMIT:
+                    # Plain flags: read on the loop, written here.
+                    self._truncating = True
+                    try:
+                        _truncate_wal(db)
+                    finally:
+                        self._truncating = False
+                if self._commits_since_checkpoint < CHECKPOINT_EVERY:
+                    return
+                self._commits_since_checkpoint = 0  # a count lost to a race: harmless
         finally:
-            self._checkpointing = False  # a plain flag: read on the loop, written here
+            self._checkpointing = False
 
     async def query(self, query: Query) -> list[AuditRecord]:
         sql, params = select_sql(TABLE, query, "?")
@@ -275,6 +299,7 @@ def _connect(path: str) -> sqlite3.Connection:
     try:
         _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
+        _limit_wal_file(db)
         db.execute("BEGIN IMMEDIATE")  # two processes opening an older file: one adds
         try:
             for statement in _SCHEMA:
@@ -315,21 +340,34 @@ def _connect_fast(path: str) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=0")
         db.execute("PRAGMA wal_autocheckpoint=0")
+        _limit_wal_file(db)
     except BaseException:
         db.close()
         raise
     return db
 
 
-def _checkpoint(db: sqlite3.Connection) -> None:
+def _checkpoint_passive(db: sqlite3.Connection) -> int:
+    """Copies the WAL into the database as far as no one is in the way; returns the WAL's
+    length in frames when it started."""
     # PASSIVE neither waits for nor blocks the event loop's appends, and when no append
     # lands while it runs it completes and the next append starts the WAL from the top.
-    # Under appends without pause it never completes; once the WAL has grown past
-    # WAL_FRAMES_LIMIT, TRUNCATE empties it, holding the write lock while it does (appends
-    # meanwhile queue behind it on this thread: a pause, not a loss).
+    # Under appends without pause it never completes.
     _, log_frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    if log_frames > WAL_FRAMES_LIMIT:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return int(log_frames)
+
+
+def _truncate_wal(db: sqlite3.Connection) -> None:
+    """Copies the whole WAL into the database and empties the file, holding the write lock
+    while it does (appends queue behind it on this thread: a pause, not a loss)."""
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+
+def _limit_wal_file(db: sqlite3.Connection) -> None:
+    # A WAL file is reused from its start, not shrunk, when the log starts over: without a
+    # limit it keeps the size of its longest run between two checkpoints.
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.execute(f"PRAGMA journal_size_limit={int(WAL_FRAMES_LIMIT * page_size)}")
 
 
 def _append(db: sqlite3.Connection, records: Sequence[AuditRecord],
