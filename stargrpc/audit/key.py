@@ -58,6 +58,14 @@ class ChainKey:
         return cls(id=digest[:16], secret=secret)
 
 
+def make_private_folders(folder: Path) -> None:
+    """Creates ``folder`` and the folders above it that do not exist yet, mode 0700 (those
+    that exist are left as they are)."""
+    for missing in reversed([p for p in (folder, *folder.parents) if not p.exists()]):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            missing.mkdir(mode=0o700)
+
+
 def default_key_path(state_dir: Path) -> Path:
     """The key file used when ``audit_hmac_key_file`` is not set."""
     return state_dir / "audit-hmac.key"
@@ -89,10 +97,7 @@ def load_or_create_key(path: Path) -> ChainKey:
     if path.exists():
         return load_key(path)
     try:
-        for folder in reversed([p for p in (path.parent, *path.parent.parents)
-                                if not p.exists()]):
-            with contextlib.suppress(FileExistsError):
-                folder.mkdir(mode=0o700)
+        make_private_folders(path.parent)
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".audit-key-")  # mode 0600
         try:
             with os.fdopen(fd, "w", encoding="ascii") as out:

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import structlog
 
 from stargrpc.audit.chain import seal
-from stargrpc.audit.key import ChainKey
+from stargrpc.audit.key import ChainKey, make_private_folders
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import (
     ADDED_COLUMNS,
@@ -269,11 +269,7 @@ def make_private_file(path: Path) -> None:
     file's mode, so they are 0600 too. The trail holds who called what, with what (even
     redacted): no other user of the machine should read it.
     """
-    missing = [folder for folder in (path.parent, *path.parent.parents)
-               if not folder.exists()]
-    for folder in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
-            folder.mkdir(mode=0o700)
+    make_private_folders(path.parent)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         mode = os.fstat(fd).st_mode & 0o777

@@ -6,24 +6,20 @@ from __future__ import annotations
 
 import io
 import json
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import pytest
-import structlog
 from pydantic import BaseModel, ConfigDict
 
 from stargrpc import ToolContext, ToolFailed, tool
 from stargrpc.audit.record import AuditRecord
 from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.helpers import run_tool
+from tests.interceptors.test_audit import log_lines  # noqa: F401  (the fixture)
 
 # Every secret below contains this marker; nothing stored or logged may.
 MARK = "SECRET"
@@ -52,18 +48,6 @@ def _registry() -> Registry:
     return Registry(spec for spec in (spec_of(connect), spec_of(refuse)) if spec is not None)
 
 
-@pytest.fixture
-def log_lines() -> Iterator[io.StringIO]:
-    """The server's log as JSON lines in a buffer (logging restored afterwards)."""
-    buffer = io.StringIO()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    configure_logging("info", "json", stream=buffer)
-    yield buffer
-    structlog.reset_defaults()
-    root.handlers[:], root.level = handlers, level
-
-
 async def _records(server: StargrpcServer) -> list[AuditRecord]:
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
     await audit.writer.flush()
@@ -71,7 +55,8 @@ async def _records(server: StargrpcServer) -> list[AuditRecord]:
 
 
 async def test_secrets_in_arguments_results_details_and_log_lines_are_redacted(
-        make_server: ServerFactory, log_lines: io.StringIO) -> None:
+        make_server: ServerFactory,
+        log_lines: io.StringIO) -> None:  # noqa: F811  (the fixture imported above)
     server = await make_server(registry=_registry(),
                                tool_permissions={"connect": {"roles": ["*"]}})
     arguments: dict[str, Any] = {
