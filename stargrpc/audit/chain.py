@@ -52,7 +52,7 @@ def _hash_of(record: AuditRecord, seq: int, prev_hash: str, key_id: str,
                                    if value != ""}).encode("utf-8")
     if key is None:
         return hashlib.sha256(canonical).hexdigest()
-    return hmac.new(key.secret, canonical, hashlib.sha256).hexdigest()
+    return hmac.digest(key.secret, canonical, "sha256").hex()
 
 
 #: The fields a record's hash covers (all but ``hash``).
