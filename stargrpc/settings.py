@@ -212,6 +212,12 @@ class Settings(BaseSettings):
     # -- audit (stargrpc/audit, interceptors/audit.py, cli/audit.py) -----------------------
     audit_store: str = Field("", description="Where audit records go: sqlite:///PATH or "
                              "postgresql://…; default sqlite:///<state_dir>/audit.db.")
+    audit_hmac_key_file: Path | None = Field(
+        None, description="The audit key file (32+ bytes of secret) the audit hash chain is "
+        "keyed with; made 0600 on first start when missing. Default "
+        "<state_dir>/audit-hmac.key: keep it outside the state folder (a read-only secret) "
+        "to protect the trail from whoever can write that folder; one file for every "
+        "replica of a fleet.")
     audit_max_batch: int = Field(500, ge=1, le=10_000, description="Most audit records "
                                  "written in one transaction.")
     audit_commit_timeout_seconds: float = Field(

@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Sequence
 import asyncpg
 
 from stargrpc.audit.chain import seal
+from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import (
+    ADDED_COLUMNS,
     TABLE,
     Query,
     scan_in_batches,
@@ -32,7 +34,9 @@ from stargrpc.audit.store import (
 _TYPES = {"seq": "BIGINT PRIMARY KEY", "id": "TEXT NOT NULL UNIQUE",
           "duration_ms": "DOUBLE PRECISION NOT NULL", "privileged": "BOOLEAN NOT NULL"}
 
-_SCHEMA = schema_sql(_TYPES)
+_SCHEMA = [*schema_sql(_TYPES),
+           *(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {name} {sql_type}"
+             for name, sql_type in ADDED_COLUMNS.items())]
 
 # One lock per schema-qualified table: writers of the same trail take turns.
 _LOCK_CALL = f"pg_advisory_xact_lock(hashtext(current_schema() || '.{TABLE}'))"
@@ -62,15 +66,18 @@ class PostgresAuditStore:
 
     Attributes:
         url: ``postgresql://user[:password]@host[:port]/database[?search_path=schema]``.
+        key: The audit key appended records are keyed with (None: unkeyed).
     """
 
     url: str
+    key: ChainKey | None
     _pool: asyncpg.Pool | None
     _writer: asyncpg.Connection | None
     _head: tuple[int, str] | None
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key: ChainKey | None = None) -> None:
         self.url = url
+        self.key = key
         self._pool = None
         self._writer = None
         self._head = None  # (seq, hash) of the last record this store wrote or read
@@ -104,7 +111,7 @@ class PostgresAuditStore:
             return []
         conn = await self._writer_connection()
         if self._head is not None:
-            sealed = seal(records, *self._head)
+            sealed = seal(records, self._head[0], self._head[1], self.key)
             try:
                 status = await conn.execute(_INSERT, *_columns(sealed), self._head[1])
             except asyncpg.UniqueViolationError:
@@ -116,7 +123,7 @@ class PostgresAuditStore:
             await conn.execute(_LOCK)
             last = await conn.fetchrow(_HEAD)
             head = (last["seq"], last["hash"]) if last else (0, GENESIS_HASH)
-            sealed = seal(records, *head)
+            sealed = seal(records, head[0], head[1], self.key)
             await conn.execute(_INSERT, *_columns(sealed), head[1])
         self._head = (sealed[-1].seq, sealed[-1].hash)
         return sealed

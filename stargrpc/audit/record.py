@@ -95,9 +95,12 @@ class AuditRecord:
         duration_ms: How long the call took.
         idempotency_key: The request's idempotency key.
         privileged: Whether the tool is privileged.
+        key_id: The id of the audit key the record's hash is keyed with ("" for a record
+            written without a key, as by versions before keys).
         seq: Position in the store, from 1, gapless.
         prev_hash: The hash of the record before (:data:`GENESIS_HASH` for the first).
-        hash: SHA-256 over this record's fields and ``prev_hash``.
+        hash: HMAC-SHA-256 with the audit key (SHA-256 for a record without ``key_id``) over
+            this record's fields and ``prev_hash``.
     """
 
     id: str
@@ -117,6 +120,7 @@ class AuditRecord:
     duration_ms: float = 0.0
     idempotency_key: str = ""
     privileged: bool = False
+    key_id: str = ""
     seq: int = 0
     prev_hash: str = ""
     hash: str = ""

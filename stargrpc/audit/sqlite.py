@@ -15,6 +15,13 @@ fast attempt fails for any reason, the append goes to the store's own thread, wh
 connection waits for the lock (``busy_timeout``) and reports real errors. That thread also
 checkpoints the WAL every :data:`CHECKPOINT_EVERY` fast commits, off the event loop and
 without blocking appends, so the WAL file stays small.
+
+A checkpoint measures the WAL when it starts, and appends go on while it runs: on a loaded
+machine its fsync can outlast a whole burst of them. So the thread checkpoints again when
+:data:`CHECKPOINT_EVERY` commits landed meanwhile (rather than waiting for a next commit
+that may never come), and while it empties a WAL grown past :data:`WAL_FRAMES_LIMIT` the
+loop hands its appends to the thread, behind the truncation, instead of keeping the write
+lock from it. ``journal_size_limit`` cuts the file back whenever the WAL starts over.
 """
 
 from __future__ import annotations
@@ -22,18 +29,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import operator
+import os
 import queue
 import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 
 from stargrpc.audit.chain import seal
+from stargrpc.audit.key import ChainKey, make_private_folders
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import (
+    ADDED_COLUMNS,
     TABLE,
     Query,
     scan_in_batches,
@@ -61,8 +72,13 @@ _T = TypeVar("_T")
 CHECKPOINT_EVERY = 500
 
 #: WAL pages past which a checkpoint empties the WAL even though appends wait meanwhile
-#: (about 40 MiB with 4 KiB pages).
+#: (about 40 MiB with 4 KiB pages); also the size the WAL file is cut back to when it
+#: starts over.
 WAL_FRAMES_LIMIT = 10_000
+
+#: Checkpoints one hand-over to the thread runs at most, one more each time appends went
+#: on meanwhile (the next commit hands over again).
+_CHECKPOINT_ROUNDS = 20
 
 log = structlog.get_logger("stargrpc.audit")
 
@@ -72,26 +88,31 @@ class SqliteAuditStore:
 
     Attributes:
         url: ``sqlite:///PATH``.
+        key: The audit key appended records are keyed with (None: unkeyed).
     """
 
     url: str
+    key: ChainKey | None
     _db: sqlite3.Connection | None
     _fast: sqlite3.Connection | None
     _thread: _StoreThread | None
     _commits_since_checkpoint: int
     _checkpointing: bool
+    _truncating: bool
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key: ChainKey | None = None) -> None:
         self.url = url
+        self.key = key
         self._db = None
         self._fast = None
         self._thread = None
         self._commits_since_checkpoint = 0
         self._checkpointing = False
+        self._truncating = False
 
     async def open(self) -> None:
         path = sqlite_path(self.url)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_file(path)
         # One thread owns the connection: sqlite3's own same-thread check stays on.
         self._thread = _StoreThread()
         try:
@@ -120,7 +141,7 @@ class SqliteAuditStore:
         sealed = self.append_now(records)
         if sealed is not None:
             return sealed
-        return await self._run(_append, self._conn, records)
+        return await self._run(_append, self._conn, records, self.key)
 
     def append_now(self, records: Sequence[AuditRecord]) -> list[AuditRecord] | None:
         """Appends ``records`` right here on the event loop when that needs no waiting.
@@ -129,10 +150,10 @@ class SqliteAuditStore:
             The records as stored, or None when another writer holds the lock (or the
             attempt failed): then :meth:`append` must do it on the store's thread.
         """
-        if self._fast is None:
+        if self._fast is None or self._truncating:
             return None
         try:
-            sealed = _append(self._fast, records)
+            sealed = _append(self._fast, records, self.key)
         except sqlite3.Error:
             return None  # locked by another writer, or failing: the thread waits and reports
         self._fast_committed()
@@ -149,9 +170,19 @@ class SqliteAuditStore:
 
     def _checkpoint_on_thread(self, db: sqlite3.Connection) -> None:
         try:
-            _checkpoint(db)
+            for _ in range(_CHECKPOINT_ROUNDS):
+                if _checkpoint_passive(db) > WAL_FRAMES_LIMIT:
+                    # Plain flags: read on the loop, written here.
+                    self._truncating = True
+                    try:
+                        _truncate_wal(db)
+                    finally:
+                        self._truncating = False
+                if self._commits_since_checkpoint < CHECKPOINT_EVERY:
+                    return
+                self._commits_since_checkpoint = 0  # a count lost to a race: harmless
         finally:
-            self._checkpointing = False  # a plain flag: read on the loop, written here
+            self._checkpointing = False
 
     async def query(self, query: Query) -> list[AuditRecord]:
         sql, params = select_sql(TABLE, query, "?")
@@ -229,6 +260,32 @@ def _settle(future: asyncio.Future[Any], result: object, error: BaseException | 
         future.set_result(result)
 
 
+def make_private_file(path: Path) -> None:
+    """Creates ``path`` readable and writable by this user only (0600), and the folders
+    above it that do not exist yet 0700; an existing file open to others is narrowed to
+    0600.
+
+    SQLite gives the ``-wal`` and ``-shm`` files it makes beside a database the database
+    file's mode, so they are 0600 too. The trail holds who called what, with what (even
+    redacted): no other user of the machine should read it.
+    """
+    make_private_folders(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+        if mode & 0o077 and os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, mode & 0o700)
+            log.warning("audit_store_mode_narrowed", path=str(path),
+                        mode=f"{mode:o}", now=f"{mode & 0o700:o}")
+    finally:
+        os.close(fd)
+    for suffix in ("-wal", "-shm"):  # left by an older version beside the database
+        companion = Path(f"{path}{suffix}")
+        with contextlib.suppress(FileNotFoundError):
+            if companion.stat().st_mode & 0o077 and companion.stat().st_uid == os.geteuid():
+                companion.chmod(companion.stat().st_mode & 0o700)
+
+
 # -- run on the store's thread -------------------------------------------------------------
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -238,8 +295,19 @@ def _connect(path: str) -> sqlite3.Connection:
     try:
         _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
-        for statement in _SCHEMA:
-            db.execute(statement)
+        _limit_wal_file(db)
+        db.execute("BEGIN IMMEDIATE")  # two processes opening an older file: one adds
+        try:
+            for statement in _SCHEMA:
+                db.execute(statement)
+            columns = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
+            for name, sql_type in ADDED_COLUMNS.items():
+                if name not in columns:
+                    db.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {sql_type}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
     except BaseException:
         db.close()
         raise
@@ -268,30 +336,45 @@ def _connect_fast(path: str) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=0")
         db.execute("PRAGMA wal_autocheckpoint=0")
+        _limit_wal_file(db)
     except BaseException:
         db.close()
         raise
     return db
 
 
-def _checkpoint(db: sqlite3.Connection) -> None:
+def _checkpoint_passive(db: sqlite3.Connection) -> int:
+    """Copies the WAL into the database as far as no one is in the way; returns the WAL's
+    length in frames when it started."""
     # PASSIVE neither waits for nor blocks the event loop's appends, and when no append
     # lands while it runs it completes and the next append starts the WAL from the top.
-    # Under appends without pause it never completes; once the WAL has grown past
-    # WAL_FRAMES_LIMIT, TRUNCATE empties it, holding the write lock while it does (appends
-    # meanwhile queue behind it on this thread: a pause, not a loss).
+    # Under appends without pause it never completes.
     _, log_frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-    if log_frames > WAL_FRAMES_LIMIT:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return int(log_frames)
 
 
-def _append(db: sqlite3.Connection, records: Sequence[AuditRecord]) -> list[AuditRecord]:
-    """Numbers, chains and inserts ``records`` in one exclusive transaction."""
+def _truncate_wal(db: sqlite3.Connection) -> None:
+    """Copies the whole WAL into the database and empties the file, holding the write lock
+    while it does (appends queue behind it on this thread: a pause, not a loss)."""
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+
+def _limit_wal_file(db: sqlite3.Connection) -> None:
+    # A WAL file is reused from its start, not shrunk, when the log starts over: without a
+    # limit it keeps the size of its longest run between two checkpoints.
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.execute(f"PRAGMA journal_size_limit={int(WAL_FRAMES_LIMIT * page_size)}")
+
+
+def _append(db: sqlite3.Connection, records: Sequence[AuditRecord],
+            key: ChainKey | None = None) -> list[AuditRecord]:
+    """Numbers, chains (keyed with ``key``) and inserts ``records`` in one exclusive
+    transaction."""
     db.execute("BEGIN IMMEDIATE")
     try:
         # Read under the write lock: another process may have appended since our last batch.
         last = db.execute(_HEAD).fetchone()
-        sealed = seal(records, last[0] if last else 0, last[1] if last else GENESIS_HASH)
+        sealed = seal(records, last[0] if last else 0, last[1] if last else GENESIS_HASH, key)
         db.executemany(_INSERT, [_row(record) for record in sealed])
         db.execute("COMMIT")
     except BaseException:

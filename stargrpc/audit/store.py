@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import FIELDS, AuditRecord
 
 
@@ -77,13 +78,14 @@ def default_store_url(state_dir: Path) -> str:
     return f"sqlite:///{(state_dir / 'audit.db').as_posix()}"
 
 
-def open_store(url: str) -> AuditStore:
+def open_store(url: str, key: ChainKey | None = None) -> AuditStore:
     """The store a URL names (not yet opened).
 
     Args:
         url: ``sqlite:///relative/or//absolute/path.db`` or ``postgresql://user@host/db``
             (``postgres://`` too; extra query parameters such as ``search_path`` are passed
             to the server as settings).
+        key: The audit key the records it appends are keyed with (None: unkeyed).
 
     Raises:
         ValueError: The URL names no supported store.
@@ -92,11 +94,11 @@ def open_store(url: str) -> AuditStore:
     if scheme == "sqlite":
         from stargrpc.audit.sqlite import SqliteAuditStore
 
-        return SqliteAuditStore(url)
+        return SqliteAuditStore(url, key)
     if scheme in ("postgresql", "postgres"):
         from stargrpc.audit.postgres import PostgresAuditStore
 
-        return PostgresAuditStore(url)
+        return PostgresAuditStore(url, key)
     raise ValueError(f"unsupported audit store {url.split('://')[0]!r}: use sqlite:///PATH "
                      "or postgresql://…")
 
@@ -116,6 +118,12 @@ def sqlite_path(url: str) -> Path:
 
 #: The table both stores keep records in.
 TABLE = "audit_records"
+
+
+#: Columns added after the first version, with their SQL type: a table an older version
+#: made gains them when a store opens it (empty in older rows, which leaves their hashes
+#: valid: empty text is not hashed).
+ADDED_COLUMNS = {"key_id": "TEXT NOT NULL DEFAULT ''"}
 
 
 #: Columns a store may index for ``stargrpc audit query`` (each index costs every append).

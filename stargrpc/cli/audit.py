@@ -1,7 +1,9 @@
-"""``stargrpc audit verify|tail|query``: read and check the audit trail.
+"""``stargrpc audit verify|anchor|tail|query``: read and check the audit trail.
 
 The store is the one the server writes (``--store``, else ``STARGRPC_AUDIT_STORE``, else
-``audit_store`` from the settings file, else ``sqlite:///<state_dir>/audit.db``).
+``audit_store`` from the settings file, else ``sqlite:///<state_dir>/audit.db``); the audit
+key is the server's too (``--key-file``, else ``audit_hmac_key_file``, else
+``<state_dir>/audit-hmac.key`` when it exists).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, TypeVar
 import click
 from pydantic import ValidationError
 
+from stargrpc.audit.chain import Anchor, VerifyReport
 from stargrpc.audit.chain import verify as verify_chain
+from stargrpc.audit.key import AuditKeyError, ChainKey, default_key_path, load_key
 from stargrpc.audit.record import OUTCOMES, AuditRecord, format_time
 from stargrpc.audit.store import AuditStore, Query, default_store_url, open_store, sqlite_path
 from stargrpc.settings import Settings, mask_url
@@ -43,14 +47,59 @@ def _store_options(command: _F) -> _F:
                         "default sqlite:///<state_dir>/audit.db].")(command)
 
 
+def _settings(config_file: Path | None) -> Settings:
+    try:
+        return Settings.load(config_file)
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings:\n{exc}") from exc
+
+
 def _resolve_url(store_url: str | None, config_file: Path | None) -> str:
     if store_url:
         return store_url
-    try:
-        settings = Settings.load(config_file)
-    except ValidationError as exc:
-        raise click.UsageError(f"invalid settings:\n{exc}") from exc
+    settings = _settings(config_file)
     return settings.audit_store or default_store_url(settings.state_dir)
+
+
+def _keys(key_files: tuple[Path, ...], config_file: Path | None) -> list[ChainKey]:
+    """The keys given, else the server's key when its file exists; exits 2 when a key
+    file cannot be read."""
+    paths = list(key_files)
+    if not paths:
+        settings = _settings(config_file)
+        configured = settings.audit_hmac_key_file
+        default = default_key_path(settings.state_dir)
+        paths = [configured] if configured is not None else \
+            [default] if default.exists() else []
+    try:
+        return [load_key(path) for path in paths]
+    except AuditKeyError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_NO_STORE)
+
+
+def _anchors(values: tuple[str, ...]) -> list[Anchor]:
+    """``--anchor`` values: ``HASH:COUNT``, or a file of such lines."""
+    anchors: list[Anchor] = []
+    for value in values:
+        path = Path(value)
+        lines = [value]
+        if path.is_file():
+            lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                     if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            anchors.extend(Anchor.parse(line) for line in lines)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--anchor") from exc
+    return anchors
+
+
+def _key_options(command: _F) -> _F:
+    return click.option("--key-file", "key_files", multiple=True,
+                        type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                        help="An audit key file (repeat for records written with other "
+                        "keys) [default: audit_hmac_key_file, else <state_dir>/"
+                        "audit-hmac.key if it exists].")(command)
 
 
 def _run(store_url: str | None, config_file: Path | None,
@@ -135,19 +184,69 @@ def audit() -> None:
 
 @audit.command()
 @_store_options
-def verify(store_url: str | None, config_file: Path | None) -> None:
-    """Check the hash chain; exit 1 naming the first changed, missing or moved record."""
+@_key_options
+@click.option("--anchor", "anchor_values", multiple=True, metavar="HASH:COUNT|FILE",
+              help="The trail must still pass through this anchor (as `stargrpc audit "
+              "anchor` printed it), or through every anchor of this file; repeatable.")
+@click.option("--require-key", is_flag=True,
+              help="Fail on unkeyed records too (a trail that had a key from its start).")
+def verify(store_url: str | None, config_file: Path | None, key_files: tuple[Path, ...],
+           anchor_values: tuple[str, ...], require_key: bool) -> None:
+    """Check the hash chain (and anchors); exit 1 naming the first changed, missing or moved
+    record."""
+    anchors = _anchors(anchor_values)
+    keys = _keys(key_files, config_file)
 
     async def work(store: AuditStore) -> None:
-        report = await verify_chain(store.scan())
-        if report.intact:
-            click.echo(f"ok: {report.checked} records, chain intact, head {report.head_hash}")
-            return
-        click.echo(f"BROKEN at record seq {report.bad_seq} (id {report.bad_id}): "
-                   f"{report.reason}; the {report.checked} records before it are intact")
-        sys.exit(EXIT_BROKEN)
+        report = await verify_chain(store.scan(), keys, anchors, require_key=require_key)
+        if not report.intact:
+            click.echo(_broken(report))
+            sys.exit(EXIT_BROKEN)
+        click.echo(f"ok: {report.checked} records, chain intact, head {report.head_hash}"
+                   f"{_summary(report, keys)}")
 
     _run(store_url, config_file, work)
+
+
+@audit.command()
+@_store_options
+@_key_options
+def anchor(store_url: str | None, config_file: Path | None,
+           key_files: tuple[Path, ...]) -> None:
+    """Print the chain's head as HASH:COUNT, once it verifies: keep it outside the store
+    (append it to a file elsewhere) and give it to `verify --anchor` later."""
+    keys = _keys(key_files, config_file)
+
+    async def work(store: AuditStore) -> None:
+        report = await verify_chain(store.scan(), keys)
+        if not report.intact:
+            click.echo(_broken(report), err=True)
+            sys.exit(EXIT_BROKEN)
+        click.echo(str(Anchor(report.head_hash, report.checked)))
+
+    _run(store_url, config_file, work)
+
+
+def _broken(report: VerifyReport) -> str:
+    if report.bad_seq is None:
+        return f"BROKEN: {report.reason}"
+    return (f"BROKEN at record seq {report.bad_seq} (id {report.bad_id}): "
+            f"{report.reason}; the {report.checked} records before it are intact")
+
+
+def _summary(report: VerifyReport, keys: list[ChainKey]) -> str:
+    parts = []
+    if report.keyed:
+        parts.append(f"{report.keyed} keyed")
+    if report.unkeyed:
+        parts.append(f"{report.unkeyed} unkeyed (seq 1-{report.unkeyed}, written before "
+                     "the trail had a key: their hashes do not prove they were not "
+                     "rewritten; an anchor does)")
+    if report.anchors:
+        parts.append(f"{report.anchors} anchor{'s' if report.anchors > 1 else ''} met")
+    if not keys and not report.keyed and report.checked:
+        parts.append("no audit key given")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 @audit.command()

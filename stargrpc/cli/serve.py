@@ -13,6 +13,7 @@ import click
 import structlog
 from pydantic import ValidationError
 
+from stargrpc.audit.key import AuditKeyError
 from stargrpc.cli.keys import announce_first_key
 from stargrpc.errors import AuthConfigError, ToolDefinitionError
 from stargrpc.logs import configure_logging
@@ -97,7 +98,7 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
         log.error("tools_failed_to_load", error=str(exc))
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(3)
-    except OSError as exc:
+    except (OSError, AuditKeyError) as exc:
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(4)
 

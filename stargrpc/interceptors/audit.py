@@ -27,8 +27,9 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
+from stargrpc.audit.key import default_key_path, load_or_create_key
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
-from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
+from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and_cut
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
@@ -92,7 +93,10 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
-            store = open_store(settings.audit_store or default_store_url(settings.state_dir))
+            key = load_or_create_key(settings.audit_hmac_key_file
+                                     or default_key_path(settings.state_dir))
+            store = open_store(settings.audit_store or default_store_url(settings.state_dir),
+                               key)
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)
@@ -300,17 +304,19 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             result=self._result_text(call, run.audit_result if run is not None else None),
             invocation=redacted_json(call.invocation, self.limits) if call.invocation else "",
             outcome=record.outcome,
-            detail=cut(record.detail, MAX_DETAIL_CHARS),
+            detail=scrub_and_cut(record.detail, MAX_DETAIL_CHARS),
             duration_ms=round((time.monotonic() - record.started) * 1000, 3),
             idempotency_key=record.idempotency_key,
             privileged=record.privileged,
         )
 
     def _result_text(self, call: _Call, substitute: str | None) -> str:
+        # Text is scrubbed of the secrets written inside it (a DSN's password, a token in
+        # a URL), whoever chose it: a tool's own audit view may quote what it was given.
         if substitute is not None:  # the tool chose what the audit shows
-            return cut(substitute, self.max_result_chars)
+            return scrub_and_cut(substitute, self.max_result_chars)
         if call.record.result_view is not None:
-            return cut(call.record.result_view, self.max_result_chars)
+            return scrub_and_cut(call.record.result_view, self.max_result_chars)
         result = call.result
         if result is None:
             return ""
@@ -319,7 +325,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             limits = RedactionLimits(self.limits.max_value_chars, self.limits.max_items,
                                      self.limits.max_depth, self.max_result_chars)
             return redacted_json(structured, limits)
-        return cut(result.output, self.max_result_chars)
+        return scrub_and_cut(result.output, self.max_result_chars)
 
     def _log(self, record: AuditRecord) -> None:
         fields: dict[str, Any] = {

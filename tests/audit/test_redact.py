@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from stargrpc.audit.redact import REDACTED, RedactionLimits, is_secret_key, redact, redacted_json
+from stargrpc.audit.redact import (
+    REDACTED,
+    RedactionLimits,
+    is_secret_key,
+    redact,
+    redacted_json,
+    scrub_text,
+)
 
 
 def test_secret_keys_are_redacted_at_any_depth() -> None:
@@ -75,3 +82,66 @@ def test_the_whole_text_is_capped() -> None:
 def test_values_that_are_not_json_are_shown_as_text() -> None:
     assert json.loads(redacted_json({"when": object.__new__(type("T", (), {
         "__str__": lambda self: "a T"}))})) == {"when": "a T"}
+
+
+def test_secret_names_are_matched_as_words_whatever_their_spelling() -> None:
+    for key in ("jwt", "pin", "PIN", "pin_code", "passcode", "private_key", "privateKey",
+                "dbPass", "dbPassword", "db-password", "DB_PASSWORD", "dbpassword", "apiKey",
+                "APIKEY", "api-key", "accessToken", "access_token", "clientSecret",
+                "X-Api-Key", "x-auth-token", "HTTPAuthToken", "sshPassphrase", "Set-Cookie",
+                "refreshToken", "signingKey", "otp", "sessionId"):
+        assert is_secret_key(key), key
+
+
+def test_harmless_keys_that_contain_a_secret_word_are_kept() -> None:
+    harmless = {"keyboard": "us", "pinned": True, "spinner": "dots", "author": "ann",
+                "tokenizer": "bpe", "max_tokens": 512, "key": "user.name",
+                "idempotency_key": "k-1", "passenger": 2, "compass": "N", "typing": "fast",
+                "opinion": "fine", "keynote": "k"}
+    assert redact(harmless) == harmless
+
+
+def test_secrets_written_inside_text_are_redacted() -> None:
+    cases = {
+        "postgresql://app:pg-SECRET@db.internal:5432/prod":
+            "postgresql://app:<redacted>@db.internal:5432/prod",
+        "redis://:redis-SECRET@cache:6379/0": "redis://:<redacted>@cache:6379/0",
+        "clone https://bob:gh-SECRET@git.example/x.git then build":
+            "clone https://bob:<redacted>@git.example/x.git then build",
+        "GET https://api.example/v1?token=t-SECRET&api_key=k-SECRET&page=2":
+            "GET https://api.example/v1?token=<redacted>&api_key=<redacted>&page=2",
+        "url=https://h.example/x?access_token=at-SECRET":
+            "url=https://h.example/x?access_token=<redacted>",
+        "curl -H 'Authorization: Bearer ey-SECRET.x.y' https://a.example":
+            "curl -H 'Authorization: Bearer <redacted>' https://a.example",
+        "sent Authorization: Basic dXNlcjpw-SECRET": "sent Authorization: Basic <redacted>",
+        "bearer tok-SECRET": "bearer <redacted>",
+        "host=db port=5432 password=kv-SECRET dbname=app":
+            "host=db port=5432 password=<redacted> dbname=app",
+        'config {"apiKey": "json-SECRET", "name": "n"}':
+            'config {"apiKey": "<redacted>", "name": "n"}',
+        "PGPASSWORD='env-SECRET' psql": "PGPASSWORD='<redacted>' psql",
+        "pin: 1234-SECRET, spinner: dots": "pin: <redacted>, spinner: dots",
+    }
+    for text, shown in cases.items():
+        assert scrub_text(text) == shown, text
+
+
+def test_ordinary_text_is_left_alone() -> None:
+    for text in ("meet at 12:30, ratio=3:2", "see https://example.com/a?b=c#d",
+                 "key=value; max_tokens=512", "ssh://git@github.com/x.git", "a: b", "plain",
+                 "tokenizer=bpe author: ann keyboard=us"):
+        assert scrub_text(text) == text, text
+
+
+def test_secrets_inside_argument_values_are_redacted_before_values_are_cut() -> None:
+    shown = redact({"dsn": "x" * 20, "note": "use postgresql://u:pw-SECRET@h/db please",
+                    "cmd": ["psql", "host=h password=p-SECRET"],
+                    "long": "y" * 990 + " password=cut-SECRET-here"},
+                   RedactionLimits(max_value_chars=1000))
+    text = json.dumps(shown)
+
+    assert "SECRET" not in text
+    assert shown["dsn"] == REDACTED  # "dsn" names a secret
+    assert shown["note"] == "use postgresql://u:<redacted>@h/db please"
+    assert shown["cmd"] == ["psql", "host=h password=<redacted>"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from stargrpc.audit.record import format_time
+from stargrpc.audit.chain import seal
+from stargrpc.audit.key import load_key, load_or_create_key
+from stargrpc.audit.record import AuditRecord, format_time
 from stargrpc.audit.store import open_store
 from stargrpc.cli import main
 from stargrpc.cli.audit import EXIT_BROKEN, EXIT_NO_STORE
@@ -154,3 +157,80 @@ def test_tail_follow_prints_records_as_they_arrive(db: str) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _fill_keyed(url: str, key_file: Path, count: int = 5) -> None:
+    async def fill() -> None:
+        store = open_store(url, load_or_create_key(key_file))
+        await store.open()
+        await store.append([make_record(tool=f"t{i}") for i in range(count)])
+        await store.aclose()
+
+    asyncio.run(fill())
+
+
+def test_anchor_then_verify_against_it_catches_a_rechained_or_cut_trail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STARGRPC_STATE_DIR", str(tmp_path / "state"))  # no key there
+    db, key_file = f"sqlite:///{tmp_path / 'audit.db'}", tmp_path / "audit.key"
+    _fill_keyed(db, key_file)
+
+    code, out = _cli("anchor", "--store", db, "--key-file", str(key_file))
+    assert code == 0, out
+    anchor = out.strip()
+    assert anchor.endswith(":5") and len(anchor) == 64 + 2
+    anchors = tmp_path / "anchors.txt"
+    anchors.write_text(f"# kept away from the database\n{anchor}\n")
+
+    code, out = _cli("verify", "--store", db, "--key-file", str(key_file), "--anchor", anchor)
+    assert code == 0, out
+    assert "5 keyed" in out and "1 anchor met" in out
+    code, out = _cli("verify", "--store", db)  # the key is not found
+    assert code == EXIT_BROKEN
+    assert "not given (--key-file)" in out
+
+    # Someone with the database and the key changes record 2 and re-chains the rest.
+    with sqlite3.connect(db.split(":///", 1)[1]) as conn:
+        rows = conn.execute("SELECT * FROM audit_records ORDER BY seq").fetchall()
+        names = [c[0] for c in conn.execute("SELECT * FROM audit_records").description]
+    records = [AuditRecord.from_dict(dict(zip(names, row, strict=True))) for row in rows]
+    records[1] = dataclasses.replace(records[1], outcome="denied")
+    forged = [records[0], *seal(records[1:], 1, records[0].hash, load_key(key_file))]
+    with sqlite3.connect(db.split(":///", 1)[1]) as conn:
+        for record in forged:
+            conn.execute("UPDATE audit_records SET outcome = ?, prev_hash = ?, hash = ? "
+                         "WHERE seq = ?", (record.outcome, record.prev_hash, record.hash,
+                                           record.seq))
+
+    assert _cli("verify", "--store", db, "--key-file", str(key_file))[0] == 0
+    code, out = _cli("verify", "--store", db, "--key-file", str(key_file),
+                     "--anchor", str(anchors))
+    assert code == EXIT_BROKEN
+    assert "BROKEN at record seq 5" in out and "anchor" in out
+
+    with sqlite3.connect(db.split(":///", 1)[1]) as conn:
+        conn.execute("DELETE FROM audit_records WHERE seq > 2")
+    code, out = _cli("verify", "--store", db, "--key-file", str(key_file), "--anchor", anchor)
+    assert code == EXIT_BROKEN
+    assert "ends at seq 2, before the anchor at seq 5" in out
+
+
+def test_a_bad_anchor_is_a_usage_error(db: str) -> None:
+    code, out = _cli("verify", "--store", db, "--anchor", "nothex:5")
+
+    assert code == 2
+    assert "not an anchor" in out
+
+
+def test_verify_reports_records_from_before_keys(db: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STARGRPC_STATE_DIR", str(tmp_path / "state"))
+    _fill_keyed(db, tmp_path / "audit.key", count=2)
+
+    code, out = _cli("verify", "--store", db, "--key-file", str(tmp_path / "audit.key"))
+    strict = _cli("verify", "--store", db, "--key-file", str(tmp_path / "audit.key"),
+                  "--require-key")
+
+    assert code == 0, out
+    assert "2 keyed; 5 unkeyed (seq 1-5, written before the trail had a key" in out
+    assert strict[0] == EXIT_BROKEN and "--require-key" in strict[1]

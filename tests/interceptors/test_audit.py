@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolFailed, tool
 from stargrpc.audit.chain import verify
+from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import Query, default_store_url, open_store
 from stargrpc.interceptors.audit import AuditInterceptor
@@ -311,7 +312,8 @@ async def test_a_clean_shutdown_writes_every_record(make_server: ServerFactory) 
     await store.open()
     try:
         records = [r async for r in store.scan()]
-        report = await verify(store.scan())
+        key = load_key(default_key_path(server.settings.state_dir))
+        report = await verify(store.scan(), [key])
     finally:
         await store.aclose()
     assert {r.run_id for r in records} == {events[-1].run_id for events in runs}

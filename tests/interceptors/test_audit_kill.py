@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from stargrpc.audit.chain import verify
+from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.store import open_store
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import serve
@@ -58,7 +59,7 @@ async def test_every_result_a_client_saw_survives_sigkill(tmp_path: Path) -> Non
     await store.open()
     try:
         records = {r.run_id: r async for r in store.scan()}
-        report = await verify(store.scan())
+        report = await verify(store.scan(), [load_key(default_key_path(tmp_path / "state"))])
     finally:
         await store.aclose()
     missing = set(seen) - set(records)

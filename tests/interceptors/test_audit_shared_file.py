@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from stargrpc.audit.chain import verify
+from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.store import open_store
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import serve
@@ -51,7 +52,9 @@ async def test_two_processes_sharing_the_file_build_one_chain(tmp_path: Path) ->
     await store.open()
     try:
         records = [r async for r in store.scan()]
-        report = await verify(store.scan())
+        # Each server made its own key in its own state folder: the trail names both.
+        keys = [load_key(default_key_path(tmp_path / name)) for name in ("a", "b")]
+        report = await verify(store.scan(), keys)
     finally:
         await store.aclose()
     executed = {r.run_id for r in records if r.method.endswith("/Execute")}
