@@ -26,6 +26,7 @@ from pathlib import Path
 
 import structlog
 
+from stargrpc.audit.key import default_key_path
 from stargrpc.audit.store import default_store_url, sqlite_path
 from stargrpc.auth.authenticator import keys_path
 from stargrpc.sandbox.isolation import (
@@ -95,6 +96,8 @@ def secret_files(settings: Settings) -> list[tuple[str, Path, str]]:
     if audit_url.startswith("sqlite:"):
         with contextlib.suppress(ValueError):
             found.append(("audit database", sqlite_path(audit_url), keep_private))
+    found.append(("audit key file", settings.audit_hmac_key_file
+                  or default_key_path(settings.state_dir), keep_private))
     if settings.tls_key_file is not None:
         found.append(("TLS private key", settings.tls_key_file, keep_private))
     if settings.jwt_secret_file is not None:
