@@ -1,0 +1,70 @@
+"""Tools for the MCP tests: steps with deltas, a wait at a gate the test opens, structured
+output, files, a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import BaseModel, Field
+
+from stargrpc import ToolContext, tool
+from stargrpc.registry import Registry, load_registry, spec_of
+
+#: Gates by name; a test opens its gate to let ``wait_at_gate`` finish.
+GATES: dict[str, asyncio.Event] = {}
+
+#: Runs of ``wait_at_gate`` that ended, by gate, with how they ended.
+ENDED: dict[str, str] = {}
+
+
+class GateArgs(BaseModel):
+    gate: str = Field(description="The gate to wait at.")
+
+
+@tool(kind="test")
+async def wait_at_gate(ctx: ToolContext, args: GateArgs) -> str:
+    """A step with a delta, then a wait (heartbeating) until the test opens the gate."""
+    try:
+        async with ctx.step("Preparing") as step:
+            await step.delta("ready\n")
+        while not GATES[args.gate].is_set():
+            await ctx.heartbeat("waiting at the gate", progress=0.5)
+            try:
+                await asyncio.wait_for(GATES[args.gate].wait(), 0.2)
+            except TimeoutError:
+                pass
+    except asyncio.CancelledError:
+        ENDED[args.gate] = "cancelled"
+        raise
+    ENDED[args.gate] = "done"
+    return "through the gate"
+
+
+class Point(BaseModel):
+    x: int
+    y: int
+
+
+class MeasureArgs(BaseModel):
+    size: int = Field(ge=1, le=100, description="How big.")
+
+
+@tool(kind="test", read_only=True, idempotent=True, open_world=False)
+async def measure(ctx: ToolContext, args: MeasureArgs) -> Point:
+    """Measure something: structured output, and a picture and a note as files."""
+    ctx.send_file("note.txt", b"measured\n", "text/plain")
+    ctx.send_file("dot.png", b"\x89PNG\r\n\x1a\nfake", "image/png")
+    return Point(x=args.size, y=args.size * 2)
+
+
+@tool(kind="test", destructive=True)
+async def breaks(ctx: ToolContext) -> str:
+    """Always fails."""
+    raise RuntimeError("the internals of the failure")
+
+
+def mcp_registry() -> Registry:
+    """The bundled tools plus the tools above."""
+    bundled = load_registry(bundled=True, entry_points=False)
+    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks)]
+    return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])
