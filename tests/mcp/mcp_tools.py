@@ -9,12 +9,16 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
+from tests.auth_tools import ops_only, whoami
 
 #: Gates by name; a test opens its gate to let ``wait_at_gate`` finish.
 GATES: dict[str, asyncio.Event] = {}
 
-#: Runs of ``wait_at_gate`` that ended, by gate, with how they ended.
-ENDED: dict[str, str] = {}
+#: Set when the run of ``wait_at_gate`` at that gate is cancelled.
+CANCELLED: dict[str, asyncio.Event] = {}
+
+#: Runs of ``tally`` so far.
+TALLY = [0]
 
 
 class GateArgs(BaseModel):
@@ -34,9 +38,8 @@ async def wait_at_gate(ctx: ToolContext, args: GateArgs) -> str:
             except TimeoutError:
                 pass
     except asyncio.CancelledError:
-        ENDED[args.gate] = "cancelled"
+        CANCELLED[args.gate].set()
         raise
-    ENDED[args.gate] = "done"
     return "through the gate"
 
 
@@ -49,7 +52,7 @@ class MeasureArgs(BaseModel):
     size: int = Field(ge=1, le=100, description="How big.")
 
 
-@tool(kind="test", read_only=True, idempotent=True, open_world=False)
+@tool(kind="test", read_only=True, idempotent=True, output_model=Point)
 async def measure(ctx: ToolContext, args: MeasureArgs) -> Point:
     """Measure something: structured output, and a picture and a note as files."""
     ctx.send_file("note.txt", b"measured\n", "text/plain")
@@ -63,8 +66,15 @@ async def breaks(ctx: ToolContext) -> str:
     raise RuntimeError("the internals of the failure")
 
 
+@tool(kind="test")
+async def tally(ctx: ToolContext) -> str:
+    """Count its own runs."""
+    TALLY[0] += 1
+    return f"run {TALLY[0]}"
+
+
 def mcp_registry() -> Registry:
-    """The bundled tools plus the tools above."""
+    """The bundled tools, the tools above, and whoami and ops_only (roles: ops)."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks)]
+    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, tally, whoami, ops_only)]
     return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])
