@@ -32,7 +32,11 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
 from mcp.shared.exceptions import MCPError
-from mcp.shared.subscriptions import SUBSCRIPTION_ID_META_KEY, ToolsListChanged, event_to_notification
+from mcp.shared.subscriptions import (
+    SUBSCRIPTION_ID_META_KEY,
+    ToolsListChanged,
+    event_to_notification,
+)
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from stargrpc import __version__
@@ -191,7 +195,7 @@ class Bridge:
         async def changed() -> None:
             if wanted:
                 await ctx.session.send_notification(
-                    event_to_notification(ToolsListChanged(), meta),  # type: ignore[arg-type]
+                    event_to_notification(ToolsListChanged(), meta),
                     related_request_id=subscription_id)
 
         await self._follow_catalog(self._credentials(ctx), acknowledge, changed)
@@ -245,7 +249,7 @@ def _progress_sender(ctx: ServerRequestContext[Any, Any]
             return
         await ctx.session.send_notification(
             types.LoggingMessageNotification(params=types.LoggingMessageNotificationParams(
-                level=level,  # type: ignore[arg-type]
+                level=level,
                 logger="stargrpc",
                 data={"run_id": event.run_id, "seq": event.seq, "message": text})),
             related_request_id=ctx.request_id)

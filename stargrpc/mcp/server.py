@@ -95,6 +95,13 @@ class McpEndpoint:
         Raises:
             OSError: The port cannot be bound.
         """
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> int:
         s = self._settings
         host = s.mcp_host or s.host
         await self._client.start()

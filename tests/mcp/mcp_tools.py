@@ -4,6 +4,7 @@ output, files, a failure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from pydantic import BaseModel, Field
 
@@ -33,10 +34,8 @@ async def wait_at_gate(ctx: ToolContext, args: GateArgs) -> str:
             await step.delta("ready\n")
         while not GATES[args.gate].is_set():
             await ctx.heartbeat("waiting at the gate", progress=0.5)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(GATES[args.gate].wait(), 0.2)
-            except TimeoutError:
-                pass
     except asyncio.CancelledError:
         CANCELLED[args.gate].set()
         raise
@@ -66,6 +65,17 @@ async def breaks(ctx: ToolContext) -> str:
     raise RuntimeError("the internals of the failure")
 
 
+#: A file bigger than the chunked-files test lets travel inline.
+BIG = ("\n".join(str(i) for i in range(1500)) + "\n").encode()
+
+
+@tool(kind="test")
+async def big_file(ctx: ToolContext) -> str:
+    """Send a file large enough to travel in chunks."""
+    ctx.send_file("numbers.txt", BIG, "text/plain")
+    return "sent"
+
+
 @tool(kind="test")
 async def tally(ctx: ToolContext) -> str:
     """Count its own runs."""
@@ -76,5 +86,5 @@ async def tally(ctx: ToolContext) -> str:
 def mcp_registry() -> Registry:
     """The bundled tools, the tools above, and whoami and ops_only (roles: ops)."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, tally, whoami, ops_only)]
+    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, big_file, tally, whoami, ops_only)]
     return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])

@@ -15,7 +15,8 @@ from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.mapping import IDEMPOTENCY_META_KEY, UNAUTHENTICATED
 from tests.mcp.conftest import GREET, MODES, McpUnderTest, reload_with_greet
-from tests.mcp.mcp_tools import TALLY
+from tests.conftest import AuthServerFactory
+from tests.mcp.mcp_tools import BIG, TALLY, mcp_registry
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -92,6 +93,19 @@ async def test_structured_output_and_sent_files(mcp_server: McpUnderTest) -> Non
     assert picture.resource.mime_type == "image/png"
     assert base64.b64decode(picture.resource.blob) == b"\x89PNG\r\n\x1a\nfake"
     assert result.meta is not None and result.meta["stargrpc.dev/outcome"] == "OK"
+
+
+async def test_a_file_sent_in_chunks_comes_back_whole(
+        make_auth_server: AuthServerFactory) -> None:
+    small = McpUnderTest(await make_auth_server(
+        mcp_registry(), mcp_port=0, inline_file_bytes=1024, file_chunk_bytes=1024))
+    async with small.client() as client:
+        result = await client.call_tool("big_file", {})
+
+    file = result.content[1]
+    assert isinstance(file, types.EmbeddedResource)
+    assert isinstance(file.resource, types.TextResourceContents)
+    assert file.resource.text.encode() == BIG
 
 
 async def test_a_failing_tool_is_an_error_result_with_its_code_and_no_internals(
