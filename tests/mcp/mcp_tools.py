@@ -86,5 +86,6 @@ async def tally(ctx: ToolContext) -> str:
 def mcp_registry() -> Registry:
     """The bundled tools, the tools above, and whoami and ops_only (roles: ops)."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, big_file, tally, whoami, ops_only)]
+    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, big_file, tally, whoami,
+                                    ops_only)]
     return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])

@@ -14,8 +14,8 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.mapping import IDEMPOTENCY_META_KEY, UNAUTHENTICATED
-from tests.mcp.conftest import GREET, MODES, McpUnderTest, reload_with_greet
 from tests.conftest import AuthServerFactory
+from tests.mcp.conftest import GREET, MODES, McpUnderTest, reload_with_greet
 from tests.mcp.mcp_tools import BIG, TALLY, mcp_registry
 
 
