@@ -100,3 +100,21 @@ async def reload_with_greet(server: StargrpcServer, tmp_path: Any,
         except TimeoutError:
             continue
     raise AssertionError("the catalog change was never noticed")
+
+
+async def cancel_mid_run(client: Client, gate: str, cancelled: asyncio.Event) -> None:
+    """Starts ``wait_at_gate``, cancels the MCP request once its run is waiting (the client
+    sends ``notifications/cancelled``) and returns once the run's tool was cancelled."""
+    waiting = asyncio.Event()
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        if message and "waiting at the gate" in message:
+            waiting.set()
+
+    call = asyncio.create_task(
+        client.call_tool("wait_at_gate", {"gate": gate}, progress_callback=progress))
+    await asyncio.wait_for(waiting.wait(), 20)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.wait_for(cancelled.wait(), 10)

@@ -15,7 +15,13 @@ from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.mapping import IDEMPOTENCY_META_KEY, UNAUTHENTICATED
 from tests.conftest import AuthServerFactory
-from tests.mcp.conftest import GREET, MODES, McpUnderTest, reload_with_greet
+from tests.mcp.conftest import (
+    GREET,
+    MODES,
+    McpUnderTest,
+    cancel_mid_run,
+    reload_with_greet,
+)
 from tests.mcp.mcp_tools import BIG, TALLY, mcp_registry
 
 
@@ -186,25 +192,11 @@ async def test_cancelling_the_request_cancels_the_run(
         mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
         mode: str) -> None:
     name, _, cancelled = gate
-    waiting = asyncio.Event()
-
-    async def progress(value: float, total: float | None, message: str | None) -> None:
-        if message and "waiting at the gate" in message:
-            waiting.set()
-
     async with mcp_server.client(mode=mode) as client:
-        call = asyncio.create_task(
-            client.call_tool("wait_at_gate", {"gate": name}, progress_callback=progress))
-        await asyncio.wait_for(waiting.wait(), 10)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        await asyncio.wait_for(cancelled.wait(), 10)
+        await cancel_mid_run(client, name, cancelled)
         again = await client.call_tool("echo", {"text": "next"})
 
     assert again.content == [types.TextContent(text="next")]
-    assert not mcp_server.auth.server.runtime.runs or all(
-        run.done for run in mcp_server.auth.server.runtime.runs.values())
 
 
 async def test_the_idempotency_meta_key_replays_instead_of_running_again(

@@ -14,7 +14,7 @@ from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.mapping import UNAUTHENTICATED
-from tests.mcp.conftest import McpUnderTest, reload_with_greet
+from tests.mcp.conftest import McpUnderTest, cancel_mid_run, reload_with_greet
 
 
 def bridge_command(mcp_server: McpUnderTest, key: str | None) -> StdioServerParameters:
@@ -63,11 +63,7 @@ async def test_cancel_and_list_changed_over_stdio(
         mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
         tmp_path: Any) -> None:
     name, _, cancelled = gate
-    waiting, changed = asyncio.Event(), asyncio.Event()
-
-    async def progress(value: float, total: float | None, message: str | None) -> None:
-        if message and "waiting at the gate" in message:
-            waiting.set()
+    changed = asyncio.Event()
 
     async def on_message(message: Any) -> None:
         if isinstance(message, types.ToolListChangedNotification):
@@ -75,14 +71,7 @@ async def test_cancel_and_list_changed_over_stdio(
 
     async with Client(bridge_command(mcp_server, mcp_server.auth.key), mode="legacy",
                       message_handler=on_message, read_timeout_seconds=30) as client:
-        call = asyncio.create_task(
-            client.call_tool("wait_at_gate", {"gate": name}, progress_callback=progress))
-        await asyncio.wait_for(waiting.wait(), 20)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        await asyncio.wait_for(cancelled.wait(), 10)
-
+        await cancel_mid_run(client, name, cancelled)
         await reload_with_greet(mcp_server.auth.server, tmp_path, changed)
         greeting = await client.call_tool("greet", {"name": "ada"})
     assert greeting.content == [types.TextContent(text="hello ada")]
