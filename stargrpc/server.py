@@ -23,6 +23,7 @@ from stargrpc.errors import ToolDefinitionError
 from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
+from stargrpc.mcp.server import McpEndpoint
 from stargrpc.permissions import RolePolicy
 from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
@@ -76,6 +77,7 @@ class StargrpcServer:
     port: int
     interceptors: list[grpc.aio.ServerInterceptor]
     http: HttpEndpoints
+    mcp: McpEndpoint | None
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
@@ -100,6 +102,7 @@ class StargrpcServer:
         self.runtime.launch_hooks.append(supervise_launched_run)
         # The HTTP gateway and the metrics endpoint, each when its port is set.
         self.http = HttpEndpoints(settings)
+        self.mcp = None  # the MCP endpoint, when mcp_port is set (started with the server)
         if settings.tracing:  # the run's span and its steps' (see stargrpc.tracing)
             self.runtime.launch_hooks.append(trace_run)
         self.port = 0
@@ -147,6 +150,9 @@ class StargrpcServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         await self.http.start(self.port)
+        if self.settings.mcp_port is not None:
+            self.mcp = McpEndpoint(self.settings, self.port)
+            await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", address=f"{self.settings.host}:{self.port}",
@@ -171,6 +177,8 @@ class StargrpcServer:
         # After the drain, so HTTP followers saw every run's Result; before the transport
         # stops, so the gateway's own gRPC calls end cleanly.
         await self.http.stop()
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
         await self.runtime.store.aclose()
         for component in reversed(self.interceptors):

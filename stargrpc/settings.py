@@ -300,6 +300,22 @@ class Settings(BaseSettings):
     kb_index_path: Path | None = Field(None, description="The SQLite FTS5 index; default "
                                        "<state_dir>/kb/index.sqlite3.")
 
+    # -- MCP (stargrpc/mcp) -----------------------------------------------------------------
+    mcp_port: int | None = Field(None, ge=0, le=65535, description="Serve the tools as a "
+                                 "streamable-HTTP MCP endpoint at /mcp on this port (0 picks a "
+                                 "free one); off when unset.")
+    mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
+                                 "host.")
+
+    @model_validator(mode="after")
+    def _check_mcp(self) -> Settings:
+        # As for the HTTP gateway: MCP callers would all reach the service as the endpoint.
+        if self.mcp_port is not None and self.tls_client_ca_file is not None:
+            raise ValueError("the MCP endpoint (mcp_port) cannot be used with client "
+                             "certificates (tls_client_ca_file): MCP callers would all "
+                             "reach the service as the endpoint")
+        return self
+
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
                      "http_fetch_allowed_networks", mode="before")
     @classmethod

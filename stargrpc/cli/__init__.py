@@ -11,6 +11,7 @@ from stargrpc.cli.doctor import doctor
 from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb
 from stargrpc.cli.keys import keys
+from stargrpc.cli.mcp import mcp_stdio
 from stargrpc.cli.serve import serve
 
 
@@ -35,5 +36,6 @@ main.add_command(cancel)
 main.add_command(health)
 main.add_command(keys)
 main.add_command(kb)
+main.add_command(mcp_stdio)
 
 __all__ = ["main"]

@@ -60,6 +60,9 @@ SETTINGS_OPTIONS = [
     click.option("--metrics-port", "metrics_port", type=int, default=None,
                  help="Serve Prometheus metrics at /metrics on this port [env "
                  "STARGRPC_METRICS_PORT; default off]."),
+    click.option("--mcp-port", "mcp_port", type=int, default=None,
+                 help="Serve the tools as a streamable-HTTP MCP endpoint at /mcp on this port "
+                 "[env STARGRPC_MCP_PORT; default off]."),
     click.option("--tracing/--no-tracing", "tracing", default=None,
                  help="Record OpenTelemetry traces (OTLP, set up by the OTEL_EXPORTER_OTLP_* "
                  "variables) [env STARGRPC_TRACING; default off]."),

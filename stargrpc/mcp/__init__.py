@@ -1,0 +1,14 @@
+"""MCP, the Model Context Protocol: stargrpc's tools served to MCP clients.
+
+- :mod:`stargrpc.mcp.bridge`: MCP requests as ToolService calls (one pipeline for all).
+- :mod:`stargrpc.mcp.mapping`: proto tools, events and Results as MCP types.
+- :mod:`stargrpc.mcp.server`: the streamable-HTTP endpoint of a server (``--mcp-port``).
+- :mod:`stargrpc.mcp.stdio`: the same bridge over stdio (``stargrpc mcp-stdio``).
+"""
+
+from __future__ import annotations
+
+from stargrpc.mcp.bridge import Bridge
+from stargrpc.mcp.mapping import IDEMPOTENCY_META_KEY
+
+__all__ = ["IDEMPOTENCY_META_KEY", "Bridge"]

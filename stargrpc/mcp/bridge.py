@@ -1,0 +1,256 @@
+"""The MCP server side of stargrpc: MCP requests as calls of a stargrpc server's ToolService.
+
+Every MCP request becomes a gRPC call (through :class:`~stargrpc.gateway.client.GatewayClient`)
+that carries the MCP caller's credentials, so authentication, permissions, audit, the
+critic, limits and idempotency are exactly those of a gRPC caller. The same bridge serves
+the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request) and
+``stargrpc mcp-stdio`` (credentials from its API key, against any stargrpc server).
+
+- ``tools/list``: ListTools, the tools the caller may run.
+- ``tools/call``: Execute; step events, heartbeats and notices become
+  ``notifications/progress`` when the request carried a progress token, log notifications
+  otherwise; the Result becomes the ``CallToolResult``; a cancelled request is CancelRun.
+- ``notifications/tools/list_changed``: WatchCatalog, followed with the credentials of the
+  connection (handshake-era clients) or of the ``subscriptions/listen`` request
+  (2026-07-28 clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import grpc
+import mcp_types as types
+import structlog
+from mcp.server.connection import allowed_log_levels
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import NotificationOptions, Server
+from mcp.server.models import InitializationOptions
+from mcp.shared.exceptions import MCPError
+from mcp.shared.subscriptions import (
+    SUBSCRIPTION_ID_META_KEY,
+    ToolsListChanged,
+    event_to_notification,
+)
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from stargrpc import __version__
+from stargrpc.client.errors import CallError
+from stargrpc.gateway.client import GatewayClient, Metadata, StartedRun
+from stargrpc.mcp.mapping import (
+    IDEMPOTENCY_META_KEY,
+    ProgressView,
+    call_result,
+    mcp_tool,
+    protocol_error,
+    refusal,
+)
+from stargrpc.v1 import events_pb2, tool_service_pb2
+
+log = structlog.get_logger("stargrpc.mcp")
+
+#: The credentials (gRPC metadata) of the MCP caller behind a request.
+Credentials = Callable[[ServerRequestContext[Any, Any]], Metadata]
+
+#: How long a cancelled ``tools/call`` waits for its CancelRun to be accepted.
+CANCEL_TIMEOUT_SECONDS = 5.0
+
+_LOG_LEVELS = {events_pb2.NOTICE_LEVEL_WARNING: "warning"}
+
+
+class _Server(Server[Any]):
+    """The SDK's low-level server announcing ``tools.listChanged`` to handshake-era
+    clients (the streamable-HTTP manager asks for the options without arguments)."""
+
+    def create_initialization_options(
+            self, notification_options: NotificationOptions | None = None,
+            experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+            extensions: dict[str, dict[str, Any]] | None = None) -> InitializationOptions:
+        return super().create_initialization_options(
+            notification_options or NotificationOptions(tools_changed=True),
+            experimental_capabilities, extensions)
+
+
+class Bridge:
+    """An MCP server whose tools are a stargrpc server's.
+
+    Attributes:
+        client: The gRPC client of the stargrpc server.
+        server: The SDK's MCP server (serve it over any MCP transport).
+    """
+
+    client: GatewayClient
+    server: Server[Any]
+    _credentials: Credentials
+
+    def __init__(self, client: GatewayClient, credentials: Credentials) -> None:
+        self.client = client
+        self._credentials = credentials
+        self.server = _Server(
+            "stargrpc", version=__version__,
+            instructions="stargrpc tools: every call is authenticated, audited and supervised.",
+            on_list_tools=self._list_tools, on_call_tool=self._call_tool,
+            on_subscriptions_listen=self._listen)
+        self.server.add_notification_handler(
+            "notifications/initialized", types.NotificationParams, self._initialized)
+
+    # -- tools/list ------------------------------------------------------------------------
+
+    async def _list_tools(self, ctx: ServerRequestContext[Any, Any],
+                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        try:
+            reply = await self.client.list_tools(self._credentials(ctx))
+        except grpc.aio.AioRpcError as error:
+            raise protocol_error(CallError.from_rpc_error(error)) from None
+        return types.ListToolsResult(
+            tools=[mcp_tool(tool) for tool in reply.tools if tool.permissions.callable])
+
+    # -- tools/call ------------------------------------------------------------------------
+
+    async def _call_tool(self, ctx: ServerRequestContext[Any, Any],
+                         params: types.CallToolRequestParams) -> types.CallToolResult:
+        meta = params.meta or {}
+        key = meta.get(IDEMPOTENCY_META_KEY, "")
+        if not isinstance(key, str):
+            raise MCPError(types.INVALID_PARAMS, f"_meta[{IDEMPOTENCY_META_KEY!r}] must be a "
+                           "string")
+        request = tool_service_pb2.ExecuteRequest(
+            tool_name=params.name, arguments_json=json.dumps(params.arguments or {}),
+            idempotency_key=key)
+        metadata = self._credentials(ctx)
+        try:
+            started = await self.client.start_run(request, metadata, listen=True)
+        except grpc.aio.AioRpcError as error:
+            return refusal(CallError.from_rpc_error(error), params.name)
+        try:
+            return await self._follow(ctx, started)
+        except anyio.get_cancelled_exc_class():
+            # notifications/cancelled (or the client went away): the run stops too.
+            with anyio.CancelScope(shield=True), contextlib.suppress(
+                    grpc.aio.AioRpcError, TimeoutError):
+                await asyncio.wait_for(
+                    self.client.cancel(started.run_id, "the MCP client cancelled the call",
+                                       metadata), CANCEL_TIMEOUT_SECONDS)
+            raise
+
+    async def _follow(self, ctx: ServerRequestContext[Any, Any], started: StartedRun
+                      ) -> types.CallToolResult:
+        assert started.events is not None
+        view = ProgressView()
+        show = _progress_sender(ctx)
+        event: events_pb2.RunEvent | None = started.first
+        while event is not None:
+            if event.HasField("result"):
+                return call_result(event, view)
+            text = view.message(event)
+            if text is not None:
+                level = (_LOG_LEVELS.get(event.notice.level, "info")
+                         if event.HasField("notice") else "info")
+                await show(event, text, level)
+            event = await started.events.get()
+        try:
+            final = await started.result
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            raise MCPError(types.INTERNAL_ERROR, f"lost the stream of run {started.run_id} "
+                           f"({exc}); it may still be going",
+                           {"run_id": started.run_id}) from None
+        return call_result(final, view)
+
+    # -- notifications/tools/list_changed ----------------------------------------------------
+
+    async def _initialized(self, ctx: ServerRequestContext[Any, Any],
+                           params: types.NotificationParams) -> None:
+        """Handshake era: the connection's standalone channel hears of each catalog change
+        for as long as the connection lasts (this handler runs in its task group)."""
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            return
+        metadata = self._credentials(ctx)
+        with contextlib.suppress(MCPError):
+            await self._follow_catalog(metadata, None, ctx.session.send_tool_list_changed)
+
+    async def _listen(self, ctx: ServerRequestContext[Any, Any],
+                      params: types.SubscriptionsListenRequestParams
+                      ) -> types.SubscriptionsListenResult:
+        """2026-07-28: one ``subscriptions/listen`` stream, acknowledged once WatchCatalog
+        has accepted the caller's credentials."""
+        subscription_id = ctx.request_id
+        if subscription_id is None:
+            raise MCPError(types.INVALID_REQUEST, "subscriptions/listen requires a request id")
+        wanted = bool(params.notifications.tools_list_changed)
+        meta: dict[str, Any] = {SUBSCRIPTION_ID_META_KEY: subscription_id}
+
+        async def acknowledge() -> None:
+            honored = types.SubscriptionFilter(tools_list_changed=True if wanted else None)
+            await ctx.session.send_notification(
+                types.SubscriptionsAcknowledgedNotification(
+                    params=types.SubscriptionsAcknowledgedNotificationParams(
+                        notifications=honored, _meta=meta)),
+                related_request_id=subscription_id)
+
+        async def changed() -> None:
+            if wanted:
+                await ctx.session.send_notification(
+                    event_to_notification(ToolsListChanged(), meta),
+                    related_request_id=subscription_id)
+
+        await self._follow_catalog(self._credentials(ctx), acknowledge, changed)
+        return types.SubscriptionsListenResult(_meta=meta)
+
+    async def _follow_catalog(self, metadata: Metadata,
+                              on_start: Callable[[], Awaitable[None]] | None,
+                              on_change: Callable[[], Awaitable[None]]) -> None:
+        """Reads WatchCatalog until it ends; ``on_change`` after each new catalog hash.
+
+        Raises:
+            MCPError: WatchCatalog was refused (before ``on_start``).
+        """
+        call = self.client.stub.WatchCatalog(tool_service_pb2.WatchCatalogRequest(),
+                                             metadata=metadata)
+        try:
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return
+            if on_start is not None:
+                await on_start()
+            known = first.catalog_hash
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                if reply.catalog_hash != known:
+                    known = reply.catalog_hash
+                    await on_change()
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.CANCELLED:
+                return  # the server is shutting down
+            refused = CallError.from_rpc_error(error)
+            log.info("mcp_catalog_watch_ended", code=refused.code.name, reason=refused.reason)
+            raise protocol_error(refused) from None
+        finally:
+            call.cancel()
+
+
+def _progress_sender(ctx: ServerRequestContext[Any, Any]
+                     ) -> Callable[[events_pb2.RunEvent, str, str], Awaitable[None]]:
+    """How one ``tools/call`` shows its run's events: progress notifications when the
+    request asked for them, log notifications (when the client may receive them) if not."""
+    token = (ctx.meta or {}).get("progress_token", (ctx.meta or {}).get("progressToken"))
+    if token is not None:
+        async def progress(event: events_pb2.RunEvent, text: str, level: str) -> None:
+            await ctx.session.report_progress(float(event.seq), None, text)
+        return progress
+
+    allowed = allowed_log_levels(ctx.protocol_version, ctx.meta)
+
+    async def log_message(event: events_pb2.RunEvent, text: str, level: str) -> None:
+        if level not in allowed:
+            return
+        await ctx.session.send_notification(
+            types.LoggingMessageNotification(params=types.LoggingMessageNotificationParams(
+                level=level,
+                logger="stargrpc",
+                data={"run_id": event.run_id, "seq": event.seq, "message": text})),
+            related_request_id=ctx.request_id)
+    return log_message

@@ -1,0 +1,203 @@
+"""stargrpc's messages as MCP's: catalog tools, run events as progress, Results as
+``CallToolResult``s, refused calls as tool errors or JSON-RPC errors.
+
+Pure functions: nothing here talks to a network.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import mcp_types as types
+from google.protobuf import json_format
+from mcp.shared.exceptions import MCPError
+
+from stargrpc.client.errors import CallError
+from stargrpc.v1 import catalog_pb2, events_pb2
+
+#: ``_meta`` key of a ``tools/call`` request: the run's idempotency key (a repeated key from
+#: the same caller attaches to the first run or replays its Result instead of running again).
+IDEMPOTENCY_META_KEY = "stargrpc.dev/idempotency-key"
+
+#: ``_meta`` keys of a ``CallToolResult``.
+RUN_ID_META_KEY = "stargrpc.dev/run-id"
+OUTCOME_META_KEY = "stargrpc.dev/outcome"
+ERROR_CODE_META_KEY = "stargrpc.dev/error-code"
+WRITEBACK_META_KEY = "stargrpc.dev/writeback"
+
+#: JSON-RPC error code of a call refused for missing or rejected credentials (the
+#: implementation-defined range of JSON-RPC; MCP defines none for this).
+UNAUTHENTICATED = -32001
+
+#: The longest part of the latest delta shown in a progress message.
+MAX_DELTA_CHARS = 200
+
+_OUTCOMES = {value: name.removeprefix("OUTCOME_")
+             for name, value in events_pb2.Outcome.items()}
+
+
+def mcp_tool(tool: catalog_pb2.Tool) -> types.Tool:
+    """A catalog tool as MCP lists it (schemas, annotations from the tool's declaration)."""
+    notes = tool.annotations
+    output_schema = (json_format.MessageToDict(tool.output_schema)
+                     if tool.HasField("output_schema") else None)
+    if output_schema is not None and output_schema.get("type") != "object":
+        output_schema = None  # MCP only takes object schemas; the text output still says it
+    meta: dict[str, Any] = {"stargrpc.dev/kind": tool.kind}
+    if tool.categories:
+        meta["stargrpc.dev/categories"] = list(tool.categories)
+    return types.Tool(
+        name=tool.name,
+        description=tool.description,
+        input_schema=json_format.MessageToDict(tool.input_schema) or {"type": "object"},
+        output_schema=output_schema,
+        annotations=types.ToolAnnotations(
+            read_only_hint=notes.read_only, destructive_hint=notes.destructive,
+            idempotent_hint=notes.idempotent, open_world_hint=notes.open_world),
+        _meta=meta,
+    )
+
+
+@dataclass
+class ProgressView:
+    """What a run has shown so far, turned into one progress line per event.
+
+    ``progress`` is the event's seq: it grows with every event, as MCP requires.
+    """
+
+    titles: dict[str, str] = field(default_factory=dict)
+    current: str = ""
+    files: dict[str, bytearray] = field(default_factory=dict)
+
+    def message(self, event: events_pb2.RunEvent) -> str | None:
+        """The progress message of ``event``; None for events that show nothing (file
+        chunks, which are kept for the Result instead)."""
+        kind = event.WhichOneof("kind")
+        if kind == "step":
+            step = event.step
+            title = step.step.title or self.titles.get(step.step.id, "") or step.step.kind
+            if step.phase == events_pb2.STEP_PHASE_START:
+                self.titles[step.step.id] = title
+                self.current = title
+                return title
+            if step.phase == events_pb2.STEP_PHASE_DELTA:
+                text = step.delta.strip()
+                if len(text) > MAX_DELTA_CHARS:
+                    text = "…" + text[-MAX_DELTA_CHARS:]
+                return f"{title}: {text}" if text else title
+            status = events_pb2.StepStatus.Name(step.step.status).removeprefix("STEP_STATUS_")
+            return f"{title}: {status.lower()}"
+        if kind == "heartbeat":
+            beat = event.heartbeat
+            text = beat.message or (f"{self.current}: working" if self.current else "working")
+            if beat.HasField("progress"):
+                text += f" ({beat.progress:.0%})"
+            return text
+        if kind == "notice":
+            return f"{event.notice.code}: {event.notice.message}"
+        if kind == "file_chunk":
+            self.files.setdefault(event.file_chunk.file_id, bytearray()).extend(
+                event.file_chunk.data)
+        return None
+
+
+def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None
+                ) -> types.CallToolResult:
+    """The ``CallToolResult`` of a run's final event.
+
+    Args:
+        final: The run's last event (its ``result``).
+        view: What the run streamed before: the content of files sent in chunks.
+    """
+    result = final.result
+    outcome = _OUTCOMES.get(result.outcome, "UNSPECIFIED")
+    content: list[types.ContentBlock] = []
+    ok = result.outcome == events_pb2.OUTCOME_OK
+    if ok:
+        content.append(types.TextContent(text=result.output))
+    else:
+        text = f"{outcome} [{result.error.code or outcome}]: {result.error.message}".rstrip(": ")
+        if result.output:
+            text += f"\n{result.output}"
+        content.append(types.TextContent(text=text))
+    chunks = view.files if view is not None else {}
+    for sent in result.writeback.sent_files:
+        data = bytes(chunks.get(sent.file_id, b"")) if sent.streamed else sent.content
+        content.append(_file_content(final.run_id, sent, data))
+    structured = None
+    if result.HasField("structured_output"):
+        value = _whole_numbers(json_format.MessageToDict(result.structured_output))
+        structured = value if isinstance(value, dict) else {"result": value}
+    meta: dict[str, Any] = {RUN_ID_META_KEY: final.run_id, OUTCOME_META_KEY: outcome}
+    if not ok:
+        meta[ERROR_CODE_META_KEY] = result.error.code or outcome
+    if result.writeback.injected_tools or result.writeback.sent_rich_messages:
+        shown = events_pb2.WriteBack()
+        shown.CopyFrom(result.writeback)
+        del shown.sent_files[:]
+        meta[WRITEBACK_META_KEY] = json_format.MessageToDict(shown)
+    return types.CallToolResult(content=content, structured_content=structured,
+                                is_error=not ok, _meta=meta)
+
+
+def _whole_numbers(value: Any) -> Any:
+    """``3.0`` → ``3`` at any depth: a protobuf Value holds every number as a double, and
+    an output schema that says "integer" must still accept what the tool returned."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
+def _file_content(run_id: str, sent: events_pb2.SentFile, data: bytes
+                  ) -> types.EmbeddedResource:
+    uri = f"stargrpc://runs/{run_id}/files/{sent.file_id or sent.name}/{sent.name}"
+    mime = sent.mime_type or "application/octet-stream"
+    resource: types.TextResourceContents | types.BlobResourceContents
+    if mime.startswith("text/"):
+        try:
+            resource = types.TextResourceContents(uri=uri, mime_type=mime,
+                                                  text=data.decode("utf-8"))
+        except UnicodeDecodeError:
+            resource = types.BlobResourceContents(
+                uri=uri, mime_type=mime, blob=base64.b64encode(data).decode())
+    else:
+        resource = types.BlobResourceContents(uri=uri, mime_type=mime,
+                                              blob=base64.b64encode(data).decode())
+    return types.EmbeddedResource(resource=resource, _meta={"stargrpc.dev/sha256": sent.sha256})
+
+
+def refusal(error: CallError, tool_name: str) -> types.CallToolResult:
+    """A call refused before its run started, as the tool error the model reads.
+
+    Raises:
+        MCPError: The refusals that are protocol errors, not tool errors: an unknown tool
+            (INVALID_PARAMS, as MCP specifies) and missing or rejected credentials.
+    """
+    reason = error.reason or error.code.name
+    data = {"grpc_code": error.code.name, "reason": reason}
+    if error.code is grpc.StatusCode.NOT_FOUND:
+        raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {tool_name}", data)
+    if error.code is grpc.StatusCode.UNAUTHENTICATED:
+        raise MCPError(UNAUTHENTICATED, error.message or "unauthenticated", data)
+    lines = [f"{error.code.name} [{reason}]: {error.message}"]
+    lines += [f"- {v.field}: {v.description}" for v in error.violations]
+    if error.retry_delay is not None:
+        lines.append(f"retry after {error.retry_delay:g} s")
+    return types.CallToolResult(
+        content=[types.TextContent(text="\n".join(lines))], is_error=True,
+        _meta={OUTCOME_META_KEY: "REFUSED", ERROR_CODE_META_KEY: reason})
+
+
+def protocol_error(error: CallError) -> MCPError:
+    """A refused ListTools / WatchCatalog as the JSON-RPC error of the MCP request."""
+    data = {"grpc_code": error.code.name, "reason": error.reason or error.code.name}
+    code = (UNAUTHENTICATED if error.code is grpc.StatusCode.UNAUTHENTICATED
+            else types.INTERNAL_ERROR)
+    return MCPError(code, error.message or error.code.name, data)

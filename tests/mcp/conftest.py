@@ -1,0 +1,120 @@
+"""MCP fixtures: a real server with its MCP endpoint on an ephemeral port and API-key
+authentication on, and the official MCP SDK's client over streamable HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from stargrpc.server import StargrpcServer
+from tests.conftest import AuthServer, AuthServerFactory
+from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
+
+#: The protocol eras a client may speak: the initialize handshake, and 2026-07-28.
+MODES = ("legacy", "2026-07-28")
+
+
+@dataclass
+class McpUnderTest:
+    """A server with ``mcp_port`` on; ``auth.key`` holds the admin role."""
+
+    auth: AuthServer
+
+    @property
+    def url(self) -> str:
+        """The MCP endpoint."""
+        assert self.auth.server.mcp is not None
+        return f"http://127.0.0.1:{self.auth.server.mcp.port}/mcp"
+
+    @asynccontextmanager
+    async def client(self, key: str | None = "", mode: str = "legacy",
+                     **options: Any) -> AsyncIterator[Client]:
+        """An MCP client sending ``key`` (default: the admin key; None: no credentials)."""
+        secret = self.auth.key if key == "" else key
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            transport = streamable_http_client(self.url, http_client=http)
+            async with Client(transport, mode=mode, **options) as client:  # type: ignore[arg-type]
+                yield client
+
+
+@pytest.fixture
+async def mcp_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpUnderTest:
+    """A server with the MCP endpoint and API keys on."""
+    tools = tmp_path / "extra_tools"
+    tools.mkdir()
+    auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools])
+    return McpUnderTest(auth)
+
+
+@pytest.fixture
+def gate() -> Iterator[tuple[str, asyncio.Event, asyncio.Event]]:
+    """A fresh gate for ``wait_at_gate`` (opened at teardown) and the event its run sets
+    when cancelled."""
+    name = uuid.uuid4().hex
+    opened = GATES[name] = asyncio.Event()
+    cancelled = CANCELLED[name] = asyncio.Event()
+    yield name, opened, cancelled
+    opened.set()
+    GATES.pop(name, None)
+    CANCELLED.pop(name, None)
+
+
+GREET = textwrap.dedent('''
+    from pydantic import BaseModel
+    from stargrpc import tool
+
+    class A(BaseModel):
+        name: str
+
+    @tool()
+    async def greet(ctx, args: A) -> str:
+        """Greet someone."""
+        return f"hello {args.name}"
+''')
+
+
+async def reload_with_greet(server: StargrpcServer, tmp_path: Any,
+                            noticed: asyncio.Event) -> None:
+    """Adds the greet tool to ``tmp_path/extra_tools`` and reloads (what SIGHUP does) until
+    ``noticed`` is set: a handshake-era connection's catalog watch starts with its
+    initialized notification, which may still be on its way, and a watch that starts after
+    a reload sees no change. Each retry changes the catalog again."""
+    for attempt in range(100):
+        (tmp_path / "extra_tools" / "greet.py").write_text(
+            GREET.replace("Greet someone.", f"Greet someone (version {attempt})."))
+        server.reload_tools()
+        try:
+            await asyncio.wait_for(asyncio.shield(noticed.wait()), 0.1)
+            return
+        except TimeoutError:
+            continue
+    raise AssertionError("the catalog change was never noticed")
+
+
+async def cancel_mid_run(client: Client, gate: str, cancelled: asyncio.Event) -> None:
+    """Starts ``wait_at_gate``, cancels the MCP request once its run is waiting (the client
+    sends ``notifications/cancelled``) and returns once the run's tool was cancelled."""
+    waiting = asyncio.Event()
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        if message and "waiting at the gate" in message:
+            waiting.set()
+
+    call = asyncio.create_task(
+        client.call_tool("wait_at_gate", {"gate": gate}, progress_callback=progress))
+    await asyncio.wait_for(waiting.wait(), 20)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.wait_for(cancelled.wait(), 10)

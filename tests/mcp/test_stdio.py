@@ -1,0 +1,77 @@
+"""``stargrpc mcp-stdio``: the same bridge over stdio, launched as a command the way a
+desktop MCP client launches it, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import mcp_types as types
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.shared.exceptions import MCPError
+
+from stargrpc.mcp.mapping import UNAUTHENTICATED
+from tests.mcp.conftest import McpUnderTest, cancel_mid_run, reload_with_greet
+
+
+def bridge_command(mcp_server: McpUnderTest, key: str | None) -> StdioServerParameters:
+    """``python -m stargrpc.cli mcp-stdio --target …`` with the key in STARGRPC_API_KEY."""
+    env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    if key:
+        env["STARGRPC_API_KEY"] = key
+    return StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stargrpc.cli", "mcp-stdio", "--target", mcp_server.auth.target],
+        env=env)
+
+
+async def test_list_call_with_progress_and_denial_over_stdio(mcp_server: McpUnderTest) -> None:
+    seen: list[tuple[float, str | None]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append((value, message))
+
+    viewer = mcp_server.auth.add_key("viewer")
+    async with Client(bridge_command(mcp_server, viewer), read_timeout_seconds=30) as client:
+        names = {tool.name for tool in (await client.list_tools()).tools}
+        counted = await client.call_tool("count", {"to": 2}, progress_callback=progress)
+        refused = await client.call_tool("ops_only", {})
+        who = await client.call_tool("whoami", {})
+
+    assert "count" in names and "ops_only" not in names
+    assert counted.content == [types.TextContent(text="counted to 2")]
+    assert "Counting to 2: 1" in [message for _, message in seen]
+    assert refused.is_error
+    assert refused.meta is not None
+    assert refused.meta["stargrpc.dev/error-code"] == "TOOL_NOT_ALLOWED"
+    assert isinstance(who.content[0], types.TextContent)
+    assert "viewer" in who.content[0].text
+
+
+async def test_no_key_over_stdio_is_an_unauthenticated_mcp_error(
+        mcp_server: McpUnderTest) -> None:
+    async with Client(bridge_command(mcp_server, None), read_timeout_seconds=30) as client:
+        with pytest.raises(MCPError) as refused:
+            await client.list_tools()
+    assert refused.value.code == UNAUTHENTICATED
+
+
+async def test_cancel_and_list_changed_over_stdio(
+        mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
+        tmp_path: Any) -> None:
+    name, _, cancelled = gate
+    changed = asyncio.Event()
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            changed.set()
+
+    async with Client(bridge_command(mcp_server, mcp_server.auth.key), mode="legacy",
+                      message_handler=on_message, read_timeout_seconds=30) as client:
+        await cancel_mid_run(client, name, cancelled)
+        await reload_with_greet(mcp_server.auth.server, tmp_path, changed)
+        greeting = await client.call_tool("greet", {"name": "ada"})
+    assert greeting.content == [types.TextContent(text="hello ada")]
