@@ -2,13 +2,15 @@
 
 The store is the one the server writes (``--store``, else ``STARGRPC_AUDIT_STORE``, else
 ``audit_store`` from the settings file, else ``sqlite:///<state_dir>/audit.db``); the audit
-key is the server's too (``--key-file``, else ``audit_hmac_key_file``, else
-``<state_dir>/audit-hmac.key`` when it exists).
+key is the server's too (``--key-file``, else ``audit_hmac_key_file``, else the default
+``audit-hmac.key`` beside a SQLite trail named by ``--store`` or in ``<state_dir>``, the
+first that exists).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -61,16 +63,21 @@ def _resolve_url(store_url: str | None, config_file: Path | None) -> str:
     return settings.audit_store or default_store_url(settings.state_dir)
 
 
-def _keys(key_files: tuple[Path, ...], config_file: Path | None) -> list[ChainKey]:
-    """The keys given, else the server's key when its file exists; exits 2 when a key
-    file cannot be read."""
+def _keys(key_files: tuple[Path, ...], config_file: Path | None,
+          store_url: str | None = None) -> list[ChainKey]:
+    """The keys given, else the server's key when its file exists (for a SQLite trail
+    named by ``--store``, also the default key file beside it: a state folder holds
+    both); exits 2 when a key file cannot be read."""
     paths = list(key_files)
     if not paths:
         settings = _settings(config_file)
         configured = settings.audit_hmac_key_file
-        default = default_key_path(settings.state_dir)
-        paths = [configured] if configured is not None else \
-            [default] if default.exists() else []
+        candidates = [default_key_path(settings.state_dir)]
+        if store_url and store_url.startswith("sqlite:"):
+            with contextlib.suppress(ValueError):
+                candidates.insert(0, default_key_path(sqlite_path(store_url).parent))
+        found = [path for path in candidates if path.exists()][:1]
+        paths = [configured] if configured is not None else found
     try:
         return [load_key(path) for path in paths]
     except AuditKeyError as exc:
@@ -98,8 +105,8 @@ def _key_options(command: _F) -> _F:
     return click.option("--key-file", "key_files", multiple=True,
                         type=click.Path(path_type=Path, exists=True, dir_okay=False),
                         help="An audit key file (repeat for records written with other "
-                        "keys) [default: audit_hmac_key_file, else <state_dir>/"
-                        "audit-hmac.key if it exists].")(command)
+                        "keys) [default: audit_hmac_key_file, else audit-hmac.key beside the "
+                        "--store SQLite file or in <state_dir>, if it exists].")(command)
 
 
 def _run(store_url: str | None, config_file: Path | None,
@@ -195,7 +202,7 @@ def verify(store_url: str | None, config_file: Path | None, key_files: tuple[Pat
     """Check the hash chain (and anchors); exit 1 naming the first changed, missing or moved
     record."""
     anchors = _anchors(anchor_values)
-    keys = _keys(key_files, config_file)
+    keys = _keys(key_files, config_file, store_url)
 
     async def work(store: AuditStore) -> None:
         report = await verify_chain(store.scan(), keys, anchors, require_key=require_key)
@@ -215,7 +222,7 @@ def anchor(store_url: str | None, config_file: Path | None,
            key_files: tuple[Path, ...]) -> None:
     """Print the chain's head as HASH:COUNT, once it verifies: keep it outside the store
     (append it to a file elsewhere) and give it to `verify --anchor` later."""
-    keys = _keys(key_files, config_file)
+    keys = _keys(key_files, config_file, store_url)
 
     async def work(store: AuditStore) -> None:
         report = await verify_chain(store.scan(), keys)

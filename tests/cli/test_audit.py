@@ -234,3 +234,19 @@ def test_verify_reports_records_from_before_keys(db: str, tmp_path: Path,
     assert code == 0, out
     assert "2 keyed; 5 unkeyed (seq 1-5, written before the trail had a key" in out
     assert strict[0] == EXIT_BROKEN and "--require-key" in strict[1]
+
+
+def test_verify_finds_the_default_key_beside_a_sqlite_trail_named_by_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A state folder copied elsewhere (a backup, another machine): --store names its
+    # database, and the key the server made beside it is found without --key-file.
+    monkeypatch.setenv("STARGRPC_STATE_DIR", str(tmp_path / "elsewhere"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    db = f"sqlite:///{copy / 'audit.db'}"
+    _fill_keyed(db, copy / "audit-hmac.key", count=3)
+
+    code, out = _cli("verify", "--store", db)
+
+    assert code == 0, out
+    assert "3 keyed" in out
