@@ -146,7 +146,8 @@ class Run:
         self._stop = None
         self._streamed_sizes = {}
         self._to_stream = set()
-        self._sizes = _event_sizes(self.settings.max_send_message_bytes)
+        self._sizes = _event_sizes(min(self.settings.max_event_bytes,
+                                          self.settings.max_send_message_bytes))
         self._tool_task = None
         self._abandoned = False
         self._abandon_timer = None
@@ -465,8 +466,8 @@ class Run:
         log.error("result_too_large", run_id=self.run_id, tool=self.spec.name, size=size)
         replacement = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
         replacement.error.code = RESULT_TOO_LARGE
-        replacement.error.message = (f"the Result ({size} bytes) does not fit the send limit "
-                                     f"of {self.settings.max_send_message_bytes} bytes")
+        replacement.error.message = (f"the Result ({size} bytes) does not fit the largest event "
+                                     f"of {self._sizes.result_bytes} bytes (max_event_bytes)")
         replacement.duration.CopyFrom(result.duration)
         return replacement
 

@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     max_receive_message_bytes: int = Field(8 * MiB, ge=1024, description="Largest request "
                                            "message accepted by the transport.")
     max_send_message_bytes: int = Field(64 * MiB, ge=1024, description="Largest message sent.")
+    max_event_bytes: int = Field(
+        4 * MiB, ge=1024, description="Largest run event (a Result included) sent, within "
+        "max_send_message_bytes: 4 MiB is the default receive limit of gRPC clients in every "
+        "language, so a default client reads every event; more output comes as a sent file.")
     max_argument_bytes: int = Field(1 * MiB, ge=2, description="Largest arguments payload.")
     max_argument_depth: int = Field(64, ge=1, le=512, description="Deepest argument nesting.")
 
