@@ -18,8 +18,9 @@ callable for this caller fails at once with ``PERMISSION_DENIED`` (reason
 **Local fallback.** When the server cannot be reached and the tool is also held locally,
 the call runs in process instead — but only when the failure proves the tool did not run
 remotely: ``UNAVAILABLE`` before any event (the client has already retried with the same
-idempotency key, which would have attached to a run the server had started), or
-``DEADLINE_EXCEEDED`` before any event while the channel never got connected. Once any
+idempotency key, which would have attached to a run the server had started), or a
+channel that did not connect within ``connect_timeout``. The caller's own deadline is
+never a fallback: once it has passed, nothing runs. Once any
 event of the remote run has arrived, a failure is the caller's (``ResumeError`` or
 ``CallError``): the tool is never run twice. Refusals (``PERMISSION_DENIED``,
 ``INVALID_ARGUMENT``, …) and Results of any outcome are answers, never fallbacks.
@@ -93,13 +94,6 @@ IN_PROCESS_METHOD = "/stargrpc.client.RemoteToolRegistry/InProcess"
 #: local policy admits it to ordinary tools and not to privileged ones.
 LOCAL_PRINCIPAL = Principal(id="local", method="local")
 
-# Channel states in which a call cannot have reached the server.
-_NOT_CONNECTED = frozenset({grpc.ChannelConnectivity.IDLE,
-                            grpc.ChannelConnectivity.CONNECTING,
-                            grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                            grpc.ChannelConnectivity.SHUTDOWN})
-
-
 class WriteBackTarget(Protocol):
     """Where a call's write-back channels are appended: typically the agent's own call
     context, whose lists the agent loop already reads (see :class:`CollectedWriteBack`)."""
@@ -123,6 +117,7 @@ class _Attempt:
     """What one remote attempt delivered before it ended."""
 
     events: int = 0
+    unconnected: bool = False
     chunks: dict[str, list[FileChunk]] = field(default_factory=dict)
 
 
@@ -339,7 +334,7 @@ class RemoteToolRegistry:
         attempt = _Attempt()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            await self._connect(deadline)
+            await self._connect(deadline, attempt)
             result = await self._run_remote(tool, arguments, attempt, on_event=on_event,
                                             context=context, timeout=_left(deadline),
                                             idempotency_key=idempotency_key)
@@ -358,7 +353,7 @@ class RemoteToolRegistry:
                 await self.reload_catalog()
         return _deliver(result, attempt.chunks, into)
 
-    async def _connect(self, deadline: float | None) -> None:
+    async def _connect(self, deadline: float | None, attempt: _Attempt) -> None:
         """Waits (up to :attr:`connect_timeout`) for a channel that is still connecting.
 
         Raises:
@@ -379,6 +374,7 @@ class RemoteToolRegistry:
                     await self._channel.wait_for_state_change(state)
                     state = self._channel.get_state(try_to_connect=True)
         except TimeoutError:
+            attempt.unconnected = True
             raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"the server did not accept a connection within {wait:g} s",
                             ) from None
@@ -391,12 +387,9 @@ class RemoteToolRegistry:
         """
         if not self.local_fallback or attempt.events:
             return False
-        if error.code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            # A connected server may be running the tool without having said so yet.
-            assert self._channel is not None
-            if self._channel.get_state(try_to_connect=False) not in _NOT_CONNECTED:
-                return False
-        elif error.code is not grpc.StatusCode.UNAVAILABLE:
+        # A deadline counts only when the channel never connected: a connected server may be
+        # running the tool without having said so yet.
+        if error.code is not grpc.StatusCode.UNAVAILABLE and not attempt.unconnected:
             return False
         if tool not in self.local:
             raise CallError(error.code, f"{error.message} (the service cannot be reached and "
