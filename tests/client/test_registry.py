@@ -28,11 +28,13 @@ from stargrpc.client import (
     FALLBACK_METHOD,
     IN_PROCESS_METHOD,
     CallError,
+    ClientError,
     CollectedWriteBack,
     Event,
     FileChunk,
     RemoteToolRegistry,
     ResumeError,
+    RetryPolicy,
     StepStarted,
 )
 from stargrpc.errors import PermissionDenied, Unavailable
@@ -430,13 +432,21 @@ async def test_a_connected_server_that_misses_the_deadline_is_not_a_fallback(
 
 # -- server dying mid-call -------------------------------------------------------------------
 
+#: Resuming waits longer than the call has left: the client gives up with the UNAVAILABLE
+#: of the failed resume (a CallError) rather than a ResumeError.
+SLOW_RESUME = RetryPolicy(max_attempts=3, initial_backoff=5.0, max_backoff=5.0, jitter=0.0)
+
+
+@pytest.mark.parametrize(("retry", "call_timeout", "error"), [
+    (FAST_RETRY, None, ResumeError), (SLOW_RESUME, 3.0, CallError)])
 async def test_a_server_killed_after_the_run_started_is_not_a_fallback(
-        open_registry: Opener, audit_store: AuditStore, tmp_path: Path) -> None:
+        open_registry: Opener, audit_store: AuditStore, tmp_path: Path, retry: RetryPolicy,
+        call_timeout: float | None, error: type[ClientError]) -> None:
     server = await asyncio.to_thread(ServerProcess, ["--tools-dir", str(RUN_TOOLS_DIR)],
                                      server_env(tmp_path / "state"))
     tally_file, gate = tmp_path / "tally.txt", tmp_path / "never-opened"
     try:
-        registry = await open_registry(server.target, audit_store=audit_store)
+        registry = await open_registry(server.target, audit_store=audit_store, retry=retry)
         seen: list[Event] = []
 
         def kill_once_the_tool_ran(event: Event) -> None:
@@ -445,15 +455,19 @@ async def test_a_server_killed_after_the_run_started_is_not_a_fallback(
             if isinstance(event, StepStarted) and event.step.title == "Tallying":
                 os.killpg(server.proc.pid, signal.SIGKILL)
 
-        with capture_logs() as logs, pytest.raises(ResumeError) as broken:
+        with capture_logs() as logs, pytest.raises(error) as broken:
             await asyncio.wait_for(registry.call(
                 "tally", {"path": str(tally_file), "gate": str(gate)},
-                on_event=kill_once_the_tool_ran), BOUND)
+                on_event=kill_once_the_tool_ran, timeout=call_timeout), BOUND)
     finally:
         await asyncio.to_thread(server.stop)
 
     assert any(isinstance(e, StepStarted) and e.step.title == "Tallying" for e in seen)
-    assert broken.value.run_id == seen[0].run_id
+    if isinstance(broken.value, ResumeError):
+        assert broken.value.run_id == seen[0].run_id
+    else:
+        assert isinstance(broken.value, CallError)
+        assert broken.value.code is grpc.StatusCode.UNAVAILABLE
     assert len(_tally_lines(tally_file)) == 1, "the tool must not run a second time"
     assert _local_audits(logs) == [] and await audit_store.query(Query()) == []
     assert not any(line["event"] == "tool_fallback" for line in logs)
