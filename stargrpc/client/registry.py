@@ -46,6 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
@@ -215,11 +216,14 @@ class RemoteToolRegistry:
         self._own_channel = own_channel
 
     @classmethod
-    def connect(cls, target: str, *, tls: bool = False,
+    def connect(cls, target: str, *, tls: bool = False, ca_file: str | Path | None = None,
+                cert_file: str | Path | None = None, key_file: str | Path | None = None,
                 options: Sequence[tuple[str, Any]] = (), **kwargs: Any) -> RemoteToolRegistry:
         """A remote-mode registry on a channel of its own to ``target`` (``host:port``),
-        closed by :meth:`close`; takes the other arguments of the constructor."""
-        channel = open_channel(target, tls=tls, options=options)
+        closed by :meth:`close`; TLS as for :meth:`AsyncClient.connect`, and the other
+        arguments of the constructor."""
+        channel = open_channel(target, tls=tls, ca_file=ca_file, cert_file=cert_file,
+                               key_file=key_file, options=options)
         return cls(mode=kwargs.pop("mode", "remote"), channel=channel, own_channel=True,
                    **kwargs)
 
@@ -469,8 +473,12 @@ class RemoteToolRegistry:
     async def _audit(self, audit: _LocalAudit) -> None:
         record = audit.record(self.principal, self.runtime.registry, self._limits,
                               self._max_result_chars)
+        # As the server's audit log: arguments and results only in the store, except for
+        # privileged tools.
+        hidden = {"seq", "prev_hash", "hash"} | (set() if record.privileged
+                                                 else {"arguments", "result"})
         fields = {name: value for name, value in record.as_dict().items()
-                  if name not in ("seq", "prev_hash", "hash") and value not in ("", None)}
+                  if name not in hidden and value not in ("", None)}
         if record.outcome == "ok" and record.method == IN_PROCESS_METHOD:
             log.info("local_audit", **fields)
         else:
