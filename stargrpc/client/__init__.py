@@ -45,23 +45,34 @@ from stargrpc.client.events import (
     ToolInfo,
     event_from_proto,
 )
+from stargrpc.client.registry import (
+    FALLBACK_METHOD,
+    IN_PROCESS_METHOD,
+    CollectedWriteBack,
+    RemoteToolRegistry,
+    WriteBackTarget,
+)
 from stargrpc.client.retry import NO_RETRY, RetryPolicy
 from stargrpc.client.sync import Client
 from stargrpc.outcome import Outcome
 
 __all__ = [
+    "FALLBACK_METHOD",
+    "IN_PROCESS_METHOD",
     "NO_RETRY",
     "AsyncClient",
     "CallError",
     "Catalog",
     "Client",
     "ClientError",
+    "CollectedWriteBack",
     "Event",
     "FileChunk",
     "Heartbeat",
     "InjectedTool",
     "Notice",
     "Outcome",
+    "RemoteToolRegistry",
     "Result",
     "ResumeError",
     "RetryPolicy",
@@ -74,6 +85,7 @@ __all__ = [
     "ToolInfo",
     "ToolRunError",
     "Violation",
+    "WriteBackTarget",
     "event_from_proto",
     "open_channel",
 ]

@@ -79,5 +79,6 @@ def test_the_result_carries_outcome_output_and_write_back() -> None:
 def test_all_names_the_public_api_and_nothing_else() -> None:
     public = {name for name in dir(stargrpc.client)
               if not name.startswith("_") and name not in {
-                  "aio", "channel", "errors", "events", "retry", "sync", "annotations"}}
+                  "aio", "channel", "errors", "events", "registry", "retry", "sync",
+                  "annotations"}}
     assert set(stargrpc.client.__all__) == public
