@@ -371,10 +371,22 @@ def _log_unavailable(action: str, error: str) -> None:
 
 
 @contextlib.contextmanager
+def _as_redis_error() -> Iterator[None]:
+    """Reports what redis-py's cluster client raises on a connection torn down under it (a
+    node killed mid-command: an AttributeError on the closed writer, an OSError) as the
+    connection error it is."""
+    try:
+        yield
+    except (AttributeError, OSError) as exc:
+        raise RedisConnectionError(f"connection lost ({type(exc).__name__}: {exc})") from exc
+
+
+@contextlib.contextmanager
 def _reachable(action: str) -> Iterator[None]:
     """Turns a Redis failure into UNAVAILABLE with a message a caller can act on."""
     try:
-        yield
+        with _as_redis_error():
+            yield
     except (RedisConnectionError, RedisTimeoutError) as exc:
         _log_unavailable(action, str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
@@ -933,12 +945,13 @@ class RedisRunStore:
         """
         wait = (self.wait_replicas, self.wait_timeout_ms) if durable and self.wait_replicas \
             else None
-        if line is not None:
-            replies = await line.call_all(script.sha, calls, wait)
-        elif len(calls) == 1 and wait is None and not self.cluster:
-            replies = [await self._one(self.redis, script.sha, *calls[0])]
-        else:
-            replies = await self._pipelined(script.sha, calls, wait)
+        with _as_redis_error():
+            if line is not None:
+                replies = await line.call_all(script.sha, calls, wait)
+            elif len(calls) == 1 and wait is None and not self.cluster:
+                replies = [await self._one(self.redis, script.sha, *calls[0])]
+            else:
+                replies = await self._pipelined(script.sha, calls, wait)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self.redis.script_load(script.script)
@@ -963,7 +976,7 @@ class RedisRunStore:
         nodes: dict[str, Any] = {}
         async with self.redis.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
                 if wait is not None and isinstance(self.redis, RedisCluster):
                     node = self.redis.get_node_from_key(keys[0])
                     if node is None:
