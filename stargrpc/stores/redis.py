@@ -387,6 +387,12 @@ def _reachable(action: str) -> Iterator[None]:
     try:
         with _as_redis_error():
             yield
+    except NotReplicated as exc:
+        _log_unavailable(action, str(exc))
+        raise Unavailable(f"the shared run store (Redis) did not confirm the write on its "
+                          f"replicas ({action}: {exc}); retry shortly",
+                          reason="RUN_STORE_UNAVAILABLE",
+                          retry_after=RETRY_AFTER_SECONDS) from exc
     except (RedisConnectionError, RedisTimeoutError) as exc:
         _log_unavailable(action, str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
