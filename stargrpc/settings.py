@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -79,11 +80,21 @@ class Settings(BaseSettings):
         "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
     # -- runs, retries and replicas (runlog.py, stores/, idempotency.py, limits.py) --------
-    redis_url: str = Field("", description="redis://… of the run store shared by replicas; "
-                           "empty keeps runs in this process.")
+    redis_url: str = Field("", description="The run store shared by replicas: "
+                           "redis://host:port/db (one Redis), redis+cluster://host:port[,…] "
+                           "(Redis Cluster) or redis+sentinel://host:port[,…]/service_name "
+                           "(the primary Sentinel names); empty keeps runs in this process.")
     redis_key_prefix: str = Field("stargrpc:", description="Prefix of every Redis key.")
     redis_timeout_seconds: float = Field(2.0, gt=0, description="Connect/command timeout "
                                          "for Redis; calls fail UNAVAILABLE after it.")
+    redis_wait_replicas: int = Field(0, ge=0, description="Replicas that must acknowledge "
+                                     "(Redis WAIT) each claim and batch of events before it "
+                                     "counts as written; 0 = Redis's asynchronous "
+                                     "replication (a failover may lose the last writes).")
+    redis_wait_timeout_ms: int = Field(500, ge=1, description="How long a write waits for "
+                                       "redis_wait_replicas acknowledgements before it counts "
+                                       "as failed (and is retried, or the call fails "
+                                       "UNAVAILABLE).")
     run_lease_seconds: float = Field(10.0, ge=1, description="A replica's claim on its "
                                      "runs; runs of a replica dead this long are lost.")
     run_max_events: int = Field(100_000, ge=100, description="Events kept per run in Redis "
@@ -235,6 +246,15 @@ class Settings(BaseSettings):
                                            "kept in an audit record.")
     audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
                                         "an audit record.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if value:
+            from stargrpc.stores.connect import parse_redis_url  # redis-py only when used
+
+            parse_redis_url(value)
+        return value
 
     @field_validator("audit_store")
     @classmethod
@@ -460,6 +480,8 @@ def _read_secret_file(path: Path) -> str:
 
 def mask_url(url: str) -> str:
     """``redis://:secret@host`` → ``redis://:***@host``; other URLs unchanged."""
+    if "," in url.split("://", 1)[-1].split("/", 1)[0]:  # several hosts: not urlsplit's
+        return re.sub(r"^([a-z+]+://[^:@/]*):[^@/]*@", r"\1:***@", url)
     parts = urlsplit(url)
     if parts.password is None:
         return url

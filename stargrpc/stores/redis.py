@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -63,11 +62,16 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    MaxConnectionsError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:  # installed with redis[hiredis]; without it redis-py packs commands itself
@@ -78,6 +82,8 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
 from stargrpc.errors import Aborted, Unavailable
 from stargrpc.runlog import CancelHandler, Claim, MemoryRunLog, RunLog
 from stargrpc.settings import Settings
+from stargrpc.stores.connect import connect
+from stargrpc.stores.keys import KeyLayout
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")
@@ -122,15 +128,37 @@ local function leased(token, lease_ms, replica)
 end
 """
 
+# Keeps the claim of a running run for as long again; writes it back when it is gone (a
+# failover lost it: the replica had not received it yet), so that a retry with its key keeps
+# finding the run. A claim holding another run's value is left alone (it was taken over).
+_KEEP_CLAIM = """
+local function keep_claim(key, value, ttl_ms)
+  if redis.call('PEXPIRE', key, ttl_ms) == 0 then
+    redis.call('SET', key, value, 'PX', ttl_ms, 'NX')
+  end
+end
+"""
+
+# The claim of a running run on a cluster, where it lives in another slot than the run.
+# KEYS: claim · ARGV: value, running_ttl_ms
+_RENEW_CLAIM = _KEEP_CLAIM + """
+keep_claim(KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 # Append a batch of events, if this replica still holds the run's lease — or register the run
 # first (its first batch: it has no lease yet). Idempotent per seq: a batch is resent when its
 # round trip timed out, and Redis may have applied it all the same; an event already stored
 # at its seq with the same bytes counts as written, other bytes there are a conflict.
-# KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
+# A batch whose first seq lies past the stream's top finds events missing before it: the
+# primary that had acknowledged them failed over to a replica that had not received them yet
+# (asynchronous replication); the replica running the run still holds them and writes them
+# again, in order, before this batch.
+# KEYS: lease, events, meta[, claim (one Redis only)] · ARGV: token, lease_ms, maxlen, finished,
 # retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the seq of the
 # first event, then the bytes of each event (consecutive seqs; entry id "{seq}-0").
 # Returns {1} written, {-1} the lease is another's or the run was declared lost, {-3, seq}
-# another event is stored at seq.
+# another event is stored at seq, {-4, top} events after top are missing before this batch.
 _APPEND = _REGISTER + _LEASED + """
 local top = 0
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
@@ -146,6 +174,7 @@ while i <= #ARGV and seq <= top do
   seq = seq + 1
 end
 if i > #ARGV and not conflict then return {1} end
+if not conflict and seq > top + 1 then return {-4, top} end
 if ARGV[7] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
   register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
 elseif not leased(ARGV[1], ARGV[2], ARGV[10]) then
@@ -161,7 +190,7 @@ if ARGV[4] == '1' then
   redis.call('DEL', KEYS[1])
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
   redis.call('PEXPIRE', KEYS[3], ARGV[5])
-  if KEYS[4] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[5]) end
+  if KEYS[4] then redis.call('PEXPIRE', KEYS[4], ARGV[5]) end
 else
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[6])
@@ -171,15 +200,15 @@ return {1}
 """
 
 # Renew the lease of a running run (taking it back if it lapsed); report a pending cancel.
-# KEYS: lease, events, meta, claim (or ""), cancel · ARGV: token, lease_ms, running_ttl_ms,
-# replica
-_RENEW = _LEASED + """
+# KEYS: lease, events, meta, cancel[, claim (one Redis only)] · ARGV: token, lease_ms,
+# running_ttl_ms, replica, the claim's value
+_RENEW = _LEASED + _KEEP_CLAIM + """
 if not leased(ARGV[1], ARGV[2], ARGV[4]) then return {-1} end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
-if KEYS[4] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[3]) end
-local reason = redis.call('GET', KEYS[5])
+if KEYS[5] then keep_claim(KEYS[5], ARGV[5], ARGV[3]) end
+local reason = redis.call('GET', KEYS[4])
 if reason then return {1, reason} end
 return {0}
 """
@@ -219,43 +248,82 @@ redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return 1
 """
 
-# Claim an idempotency key for a run and register the run, in one step: when the key is free
-# (expected "") or still names the lost or expired run the caller saw (expected = that value),
-# or already names this very run (the same claim applied twice: a retried round trip). A claim
-# that reaches Redis after its caller gave up (Redis stalled) does nothing: past its deadline
-# (ms since the epoch), it answers {-2}.
+# The claim's building blocks: whether Redis's clock is past a deadline ({-2, now_ms} when it
+# is), and taking a claim key when it is free, holds the expected value, or is already ours.
+_TAKE = """
+local function too_late(deadline_ms)
+  local now = redis.call('TIME')
+  local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  if now_ms > tonumber(deadline_ms) then return {-2, now_ms} end
+  return false
+end
+local function take(key, expected, mine, ttl_ms)
+  local held = redis.call('GET', key)
+  if held ~= mine then
+    if expected == '' then
+      if held then return {0, held} end
+    elseif held ~= expected then
+      return {0, held}
+    end
+  end
+  redis.call('SET', key, mine, 'PX', ttl_ms)
+  return {1}
+end
+"""
+
+# Claim an idempotency key for a run and register the run, in one step (one Redis): when the
+# key is free (expected "") or still names the lost or expired run the caller saw (expected =
+# that value), or already names this very run (the same claim applied twice: a retried round
+# trip). A claim that reaches Redis after its caller gave up (Redis stalled) does nothing:
+# past its deadline (ms since the epoch), it answers {-2}.
 # Returns {1} when claimed, {-2, Redis's time in ms} when too late, else {0, the value the key
 # holds (nil when none)}.
 # KEYS: lease, events, meta, claim · ARGV: token, lease_ms, running_ttl_ms, owner, tool,
 # replica, expected, mine, deadline_ms
-_CLAIM = _REGISTER + """
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-if now_ms > tonumber(ARGV[9]) then return {-2, now_ms} end
-local held = redis.call('GET', KEYS[4])
-if held ~= ARGV[8] then
-  if ARGV[7] == '' then
-    if held then return {0, held} end
-  elseif held ~= ARGV[7] then
-    return {0, held}
-  end
-end
-redis.call('SET', KEYS[4], ARGV[8], 'PX', ARGV[3])
+_CLAIM = _REGISTER + _TAKE + """
+local late = too_late(ARGV[9])
+if late then return late end
+local taken = take(KEYS[4], ARGV[7], ARGV[8], ARGV[3])
+if taken[1] == 1 then register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]) end
+return taken
+"""
+
+# On a cluster the claim and its run live in different slots, so no one script can hold both
+# (CROSSSLOT). There the run is registered first, then the key claimed, each step safe to
+# repeat and void once applied after its caller's deadline. The order is what makes two steps
+# safe: a claim only ever names a run already registered, so a replica that finds the claim
+# also finds the run (running, with a lease) and attaches to it; it never mistakes the run
+# for an expired one and runs the tool beside it. A registered run whose claim is then lost to
+# another run is deleted by its caller (discard); one whose caller died in between is named by
+# no claim, reached by nobody, and expires with its lease and meta hash.
+# _REGISTER_RUN — KEYS: lease, events, meta · ARGV: token, lease_ms, running_ttl_ms, owner,
+# tool, replica, deadline_ms · Returns {1}, or {-2, Redis's time in ms} when too late.
+_REGISTER_RUN = _REGISTER + _TAKE + """
+local late = too_late(ARGV[7])
+if late then return late end
 register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
 return {1}
+"""
+# _CLAIM_KEY — KEYS: claim · ARGV: expected, mine, deadline_ms, running_ttl_ms · Returns as
+# _CLAIM does.
+_CLAIM_KEY = _TAKE + """
+local late = too_late(ARGV[3])
+if late then return late end
+return take(KEYS[1], ARGV[1], ARGV[2], ARGV[4])
 """
 
 # Undo a claim whose caller gave up (it failed UNAVAILABLE) in case Redis applied it anyway,
 # once no copy of it can still land (Redis's clock is past its deadline): free the key, and end
 # the run it registered — which never started — with its one event, a RUN_LOST Result, so that
 # a retry that attached to it meanwhile is told at once. Returns 0 while too early, else 1.
-# KEYS: lease, events, meta, claim · ARGV: mine, deadline_ms, token, bytes, retention_ms
+# KEYS: lease, events, meta[, claim (one Redis only)] · ARGV: mine, deadline_ms, token,
+# bytes, retention_ms
 _ABANDON = """
 local now = redis.call('TIME')
 if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) <= tonumber(ARGV[2]) then
   return 0
 end
-if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if KEYS[4] and redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
 if redis.call('GET', KEYS[1]) == ARGV[3] and redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('XADD', KEYS[2], '1-0', 'e', ARGV[4])
   redis.call('HSET', KEYS[3], 'state', 'lost')
@@ -265,6 +333,32 @@ if redis.call('GET', KEYS[1]) == ARGV[3] and redis.call('EXISTS', KEYS[2]) == 0 
 end
 return 1
 """
+
+# The claim half of _ABANDON on a cluster. KEYS: claim · ARGV: mine, deadline_ms
+_ABANDON_CLAIM = """
+local now = redis.call('TIME')
+if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) <= tonumber(ARGV[2]) then
+  return 0
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+def _check_acknowledged(replies: list[Any], replicas: int, timeout_ms: int) -> None:
+    """Raises :class:`NotReplicated` unless every WAIT reply counts ``replicas``."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+        if int(reply) < replicas:
+            raise NotReplicated(f"{reply} of {replicas} Redis replicas acknowledged the write "
+                                f"within {timeout_ms} ms (redis_wait_replicas)")
+
+
+class NotReplicated(RedisTimeoutError):
+    """Redis applied a write, but fewer replicas than ``redis_wait_replicas`` acknowledged
+    it in ``redis_wait_timeout_ms``: it counts as failed (and is repeated, or the call fails
+    UNAVAILABLE), since a failover could still lose it."""
 
 
 def _log_clock_ahead(ahead_ms: int) -> None:
@@ -277,10 +371,28 @@ def _log_unavailable(action: str, error: str) -> None:
 
 
 @contextlib.contextmanager
+def _as_redis_error() -> Iterator[None]:
+    """Reports what redis-py's cluster client raises on a connection torn down under it (a
+    node killed mid-command: an AttributeError on the closed writer, an OSError) as the
+    connection error it is."""
+    try:
+        yield
+    except (AttributeError, OSError) as exc:
+        raise RedisConnectionError(f"connection lost ({type(exc).__name__}: {exc})") from exc
+
+
+@contextlib.contextmanager
 def _reachable(action: str) -> Iterator[None]:
     """Turns a Redis failure into UNAVAILABLE with a message a caller can act on."""
     try:
-        yield
+        with _as_redis_error():
+            yield
+    except NotReplicated as exc:
+        _log_unavailable(action, str(exc))
+        raise Unavailable(f"the shared run store (Redis) did not confirm the write on its "
+                          f"replicas ({action}: {exc}); retry shortly",
+                          reason="RUN_STORE_UNAVAILABLE",
+                          retry_after=RETRY_AFTER_SECONDS) from exc
     except (RedisConnectionError, RedisTimeoutError) as exc:
         _log_unavailable(action, str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
@@ -297,6 +409,7 @@ class RedisRunLog(MemoryRunLog):
     the Redis stream in order for everyone else (by the store's flusher)."""
 
     claim_key: str
+    claim_value: str
     registered: bool
     lease_lost: bool
     deadline: float
@@ -308,6 +421,7 @@ class RedisRunLog(MemoryRunLog):
         super().__init__(run_id, owner=owner, tool=tool)
         self._store = store
         self.claim_key = ""
+        self.claim_value = ""
         # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
         self.registered = False
         self.lease_lost = False
@@ -332,6 +446,12 @@ class RedisRunLog(MemoryRunLog):
     def start_flushing(self) -> None:
         """Copies events to Redis from now on (once the run is published)."""
         self._flushing = True
+
+    def resend_from(self, seq: int) -> None:
+        """Queues the events from ``seq`` up to the pending ones again (the store lost them
+        in a failover), ahead of what is pending."""
+        first = self._pending[0][0] if self._pending else self.last_seq + 1
+        self._pending[:0] = [(n, self.encoded(n), False) for n in range(max(1, seq), first)]
 
     def next_batch(self) -> list[tuple[int, bytes, bool]]:
         """The oldest pending events, up to :data:`_FLUSH_BATCH_BYTES` (at least one)."""
@@ -459,15 +579,20 @@ class _ScriptLine:
         self._conn: Any = pool.connection_class(
             **{**pool.connection_kwargs, "socket_timeout": None})
 
-    async def call_all(self, sha: str, calls: list[tuple[list[str], list[Any]]]
-                       ) -> list[Any]:
-        """Each call's reply, or the error Redis answered it with.
+    async def call_all(self, sha: str, calls: list[tuple[list[str], list[Any]]],
+                       wait: tuple[int, int] | None = None) -> list[Any]:
+        """Each call's reply, or the error Redis answered it with; with ``wait`` (replicas,
+        timeout in ms), WAIT follows the calls on the same connection.
 
         Raises:
-            RedisError: Redis could not be reached (or cut the connection).
+            RedisError: Redis could not be reached (or cut the connection), or
+                (:class:`NotReplicated`) not enough replicas acknowledged the calls.
         """
         conn = self._conn
-        commands = [("EVALSHA", sha, len(keys), *keys, *args) for keys, args in calls]
+        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)
+                                           for keys, args in calls]
+        if wait is not None:
+            commands.append(("WAIT", *wait))
         try:
             await conn.send_packed_command(_pack(conn, commands), check_health=False)
             replies: list[Any] = []
@@ -476,7 +601,9 @@ class _ScriptLine:
                     replies.append(await conn.read_response())
                 except ResponseError as exc:  # this call's answer; the others still come
                     replies.append(exc)
-            return replies
+            if wait is not None:
+                _check_acknowledged(replies[len(calls):], *wait)
+            return replies[:len(calls)]
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
@@ -496,10 +623,17 @@ class RedisRunStore:
         flush_timeout: Longest a flusher round trip may take before it counts as failed.
         prefix: Prefix of every key.
         replica: This replica's id, recorded with the runs it executes.
+        keys: The key layout (hash-tagged on a cluster).
+        cluster: Whether ``redis`` is a Redis Cluster client (then claims take two steps).
+        wait_replicas: Replicas that must acknowledge each claim and batch of events (WAIT).
         cancel_handler: Set by the runtime; stops a run of this process.
     """
 
-    redis: Redis
+    redis: Redis | RedisCluster
+    keys: KeyLayout
+    cluster: bool
+    wait_replicas: int
+    wait_timeout_ms: int
     timeout: float
     flush_timeout: float
     prefix: str
@@ -520,14 +654,20 @@ class RedisRunStore:
     _flushed: asyncio.Event
     _flusher: asyncio.Task[None] | None
 
-    def __init__(self, redis: Redis, *, prefix: str = "stargrpc:", retention: float = 600.0,
-                 lease: float = 10.0, max_events: int = 100_000,
+    def __init__(self, redis: Redis | RedisCluster, *, prefix: str = "stargrpc:",
+                 retention: float = 600.0, lease: float = 10.0, max_events: int = 100_000,
                  block_seconds: float = 1.0, flush_timeout: float = 5.0,
-                 timeout: float = 2.0) -> None:
+                 timeout: float = 2.0, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 500) -> None:
         self.redis = redis
+        self.cluster = isinstance(redis, RedisCluster)
+        self.keys = KeyLayout(prefix, tagged=self.cluster)
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self.timeout = timeout
         self.flush_timeout = flush_timeout
-        self._flush_line = _ScriptLine(redis)
+        # A cluster's writes go to the node of each run's slot: through the client's pipeline.
+        self._flush_line = None if isinstance(redis, RedisCluster) else _ScriptLine(redis)
         self.prefix = prefix
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.retention_ms = max(1, int(retention * 1000))
@@ -558,31 +698,33 @@ class RedisRunStore:
         self._end_script = redis.register_script(_END)
         self._claim_script = redis.register_script(_CLAIM)
         self._abandon_script = redis.register_script(_ABANDON)
+        self._register_run_script = redis.register_script(_REGISTER_RUN)
+        self._claim_key_script = redis.register_script(_CLAIM_KEY)
+        self._renew_claim_script = redis.register_script(_RENEW_CLAIM)
+        self._abandon_claim_script = redis.register_script(_ABANDON_CLAIM)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisRunStore:
-        """A store for ``settings.redis_url`` with fail-fast timeouts."""
+        """A store for ``settings.redis_url`` (one Redis, a cluster, or the primary Sentinel
+        names: :mod:`stargrpc.stores.connect`) with fail-fast timeouts."""
         timeout = settings.redis_timeout_seconds
-        # One quick retry: a pooled connection broken by a Redis restart is replaced
-        # transparently; a Redis that is really down fails the call fast.
-        retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), 1)
-        client = Redis.from_url(
-            settings.redis_url, socket_timeout=timeout + 1.0, socket_connect_timeout=timeout,
-            retry=retry)
+        client, _ = connect(settings.redis_url, timeout=timeout)
+        # A write that waits for replicas may take that much longer before it counts.
+        wait = settings.redis_wait_timeout_ms / 1000 if settings.redis_wait_replicas else 0.0
         return cls(client, prefix=settings.redis_key_prefix,
                    retention=settings.run_retention_seconds, lease=settings.run_lease_seconds,
                    max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),
-                   flush_timeout=timeout + 1.0, timeout=timeout)
+                   flush_timeout=timeout + 1.0 + wait, timeout=timeout + wait,
+                   wait_replicas=settings.redis_wait_replicas,
+                   wait_timeout_ms=settings.redis_wait_timeout_ms)
 
     # -- keys ------------------------------------------------------------------------------
 
     def _key(self, run_id: str, part: str = "") -> str:
-        return f"{self.prefix}run:{run_id}" + (f":{part}" if part else "")
+        return self.keys.run(run_id, part)
 
     def _claim_key(self, owner: str, key: str) -> str:
-        # Hashed so that neither part can contain the separator of the other.
-        digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()
-        return f"{self.prefix}idem:{digest}"
+        return self.keys.claim(owner, key)
 
     @property
     def _running_ttl_ms(self) -> int:
@@ -662,13 +804,25 @@ class RedisRunStore:
         # What the key must hold for this run to take it: nothing, or a lost or expired run.
         expected: bytes | str = ""
         for _ in range(10):
-            reply: Any = await self._claim_script(
-                keys=[*self._run_keys(log.run_id), claim_key],
-                args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
-                      log.owner, log.tool, self.replica, expected, mine,
-                      self._deadline_ms(log)])
+            register = [self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
+                        log.owner, log.tool, self.replica]
+            reply: Any
+            if not self.cluster:  # one script: the claim and its run, atomically
+                reply = await self._call(self._claim_script, self._with_claim(
+                    self._run_keys(log.run_id), claim_key),
+                    [*register, expected, mine, self._deadline_ms(log)])
+            elif not log.registered:  # two steps, the run first (see _REGISTER_RUN)
+                reply = await self._call(self._register_run_script, self._run_keys(log.run_id),
+                                         [*register, self._deadline_ms(log)])
+                if reply[0] == 1:
+                    log.registered = True
+                    continue
+            else:
+                reply = await self._call(self._claim_key_script, [claim_key], [
+                    expected, mine, self._deadline_ms(log), self._running_ttl_ms])
             if reply[0] == 1:  # claimed, and the run registered with it
                 log.claim_key = claim_key
+                log.claim_value = mine
                 log.registered = True
                 return Claim(log.run_id, fingerprint, won=True)
             if reply[0] == -2:
@@ -736,7 +890,8 @@ class RedisRunStore:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._linger is not None:
             self._linger.cancel()
-        await self._flush_line.aclose()
+        if self._flush_line is not None:
+            await self._flush_line.aclose()
         await self.redis.aclose()
 
     # -- internals -------------------------------------------------------------------------
@@ -750,7 +905,11 @@ class RedisRunStore:
 
     def _run_keys(self, run_id: str) -> list[str]:
         """The keys of a run as the scripts take them: lease, events, meta."""
-        return [self._key(run_id, "lease"), self._key(run_id, "events"), self._key(run_id)]
+        return self.keys.run_keys(run_id)
+
+    def _with_claim(self, keys: list[str], claim_key: str) -> list[str]:
+        """``keys`` and the claim key, where one script may touch both (one Redis)."""
+        return [*keys, claim_key] if claim_key and not self.cluster else keys
 
     def _append_call(self, log: RedisRunLog, batch: list[tuple[int, bytes, bool]]
                      ) -> tuple[list[str], list[Any]]:
@@ -764,47 +923,81 @@ class RedisRunStore:
             args.extend(("1", log.owner, log.tool, self.replica))
         args.append(batch[0][0])
         args.extend(data for _, data, _ in batch)
-        return [*self._run_keys(log.run_id), log.claim_key], args
+        return self._with_claim(self._run_keys(log.run_id), log.claim_key), args
 
-    async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
-                        line: _ScriptLine | None = None) -> list[Any]:
-        """Runs ``script`` once per (keys, args) in one pipeline (one round trip), on
-        ``line`` when given; each reply, or the error of that call. Loads the script first
-        if Redis lost it (it was restarted).
+    async def _call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+        """Runs ``script`` once, waiting for ``wait_replicas`` acknowledgements; its reply.
 
         Raises:
-            RedisError: Redis could not be reached.
+            RedisError: Redis could not be reached, answered with an error, or (see
+                :class:`NotReplicated`) not enough replicas acknowledged the write.
         """
-        if line is not None:
-            replies = await line.call_all(script.sha, calls)
-        elif len(calls) == 1:  # a plain call costs less than a pipeline of one
-            replies = [await self._one(self.redis, script.sha, *calls[0])]
-        else:
-            replies = await self._pipelined(self.redis, script.sha, calls)
+        reply = (await self._call_all(script, [(keys, args)], durable=True))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
+                        line: _ScriptLine | None = None, *, durable: bool = False
+                        ) -> list[Any]:
+        """Runs ``script`` once per (keys, args) in one pipeline (one round trip), on
+        ``line`` when given; each reply, or the error of that call. Loads the script first
+        if Redis lost it (it was restarted). A ``durable`` write then waits (WAIT, on the
+        same connections) for ``wait_replicas`` replicas to acknowledge it.
+
+        Raises:
+            RedisError: Redis could not be reached, or (:class:`NotReplicated`) not enough
+                replicas acknowledged a durable write.
+        """
+        wait = (self.wait_replicas, self.wait_timeout_ms) if durable and self.wait_replicas \
+            else None
+        with _as_redis_error():
+            if line is not None:
+                replies = await line.call_all(script.sha, calls, wait)
+            elif len(calls) == 1 and wait is None and not self.cluster:
+                replies = [await self._one(self.redis, script.sha, *calls[0])]
+            else:
+                replies = await self._pipelined(script.sha, calls, wait)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self.redis.script_load(script.script)
-            again = await self._pipelined(self.redis, script.sha,
-                                          [calls[i] for i in missing])
+            again = await self._pipelined(script.sha, [calls[i] for i in missing], wait)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
 
     @staticmethod
-    async def _one(redis: Redis, sha: str, keys: list[str], args: list[Any]) -> Any:
+    async def _one(redis: Redis | RedisCluster, sha: str, keys: list[str], args: list[Any]
+                   ) -> Any:
         # As one reply of a pipeline: Redis's answer, or the error Redis answered with.
         try:
             return await redis.evalsha(sha, len(keys), *keys, *args)
         except ResponseError as exc:
             return exc
 
-    @staticmethod
-    async def _pipelined(redis: Redis, sha: str, calls: list[tuple[list[str], list[Any]]]
-                         ) -> list[Any]:
-        async with redis.pipeline(transaction=False) as pipe:
+    async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]],
+                         wait: tuple[int, int] | None = None) -> list[Any]:
+        """The calls in one pipeline of the client (on a cluster: one per node, sent
+        together), then WAIT on each connection that carried a write when ``wait`` says."""
+        nodes: dict[str, Any] = {}
+        async with self.redis.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            return list(await pipe.execute(raise_on_error=False))
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+                if wait is not None and isinstance(self.redis, RedisCluster):
+                    node = self.redis.get_node_from_key(keys[0])
+                    if node is None:
+                        raise RedisClusterException(f"no node serves the slot of {keys[0]}")
+                    nodes[node.name] = node
+            if wait is not None:
+                # WAIT counts the writes of its own connection: a cluster's pipeline sends
+                # each node's commands on one connection, a WAIT aimed at the node included.
+                for node in nodes.values() or [None]:
+                    extra = {"target_nodes": node} if node is not None else {}
+                    pipe.execute_command("WAIT", *wait, **extra)
+            replies = list(await pipe.execute(raise_on_error=False))
+        if wait is not None:
+            _check_acknowledged(replies[len(calls):], *wait)
+        return replies[:len(calls)]
 
     def _failed(self, exc: Exception) -> None:
         """Notes a failed write: when Redis was unreachable, new runs without a key are
@@ -863,7 +1056,7 @@ class RedisRunStore:
             async with asyncio.timeout(self.flush_timeout):
                 replies = await self._call_all(self._append_script, [
                     self._append_call(run_log, batch) for run_log, batch in batches],
-                    self._flush_line)
+                    self._flush_line, durable=True)
         except (RedisError, TimeoutError) as exc:
             self._failed(exc)
             log.warning("redis_flush_failed", runs=len(batches),
@@ -885,6 +1078,13 @@ class RedisRunStore:
                 continue
             if reply[0] == -3:
                 await self._conflict(run_log, int(reply[1]))
+                continue
+            if reply[0] == -4:  # a failover lost events Redis had acknowledged
+                log.warning("redis_events_rewritten", run_id=run_log.run_id,
+                            from_seq=int(reply[1]) + 1, to_seq=batch[0][0] - 1,
+                            detail="a failover lost them; written again from this replica")
+                run_log.resend_from(int(reply[1]) + 1)
+                self._dirty[run_log.run_id] = run_log
                 continue
             del run_log._pending[:len(batch)]
             if batch[-1][2]:  # the Result is in Redis: done
@@ -962,10 +1162,9 @@ class RedisRunStore:
             event.result.outcome = events_pb2.OUTCOME_ERROR
             event.result.error.code = code
             event.result.error.message = message
-            done = await self._end_script(
-                keys=self._run_keys(run_id),
-                args=[last_id, f"{seq}-0", event.SerializeToString(), self.retention_ms, token,
-                      self.lease_ms, "lost" if code == "RUN_LOST" else "finished"])
+            done = await self._call(self._end_script, self._run_keys(run_id), [
+                last_id, f"{seq}-0", event.SerializeToString(), self.retention_ms, token,
+                self.lease_ms, "lost" if code == "RUN_LOST" else "finished"])
             if done != -2:  # -2: an event landed in between; look again
                 if done == 1:
                     log.warning("run_lost" if code == "RUN_LOST" else "run_ended_in_store",
@@ -984,11 +1183,17 @@ class RedisRunStore:
             event.result.error.message = ("the call that started this run gave up before it "
                                           "began (the run store did not answer in time); "
                                           "retry with the same idempotency key")
-            calls.append(([*self._run_keys(run_id), claim_key],
+            calls.append((self._with_claim(self._run_keys(run_id), claim_key),
                           [mine, deadline_ms, self._token(run_id), event.SerializeToString(),
                            self.retention_ms]))
         run_ids = list(self._abandoned)
-        replies = await self._call_all(self._abandon_script, calls)
+        replies = await self._call_all(self._abandon_script, calls, durable=True)
+        if self.cluster:  # the claims live in other slots: their half, in the same way
+            claims = await self._call_all(self._abandon_claim_script, [
+                ([claim_key], [mine, deadline_ms])
+                for claim_key, mine, deadline_ms in self._abandoned.values()], durable=True)
+            replies = [1 if (run, claim) == (1, 1) else 0
+                       for run, claim in zip(replies, claims, strict=True)]
         for run_id, reply in zip(run_ids, replies, strict=True):
             if reply == 1:
                 del self._abandoned[run_id]
@@ -1009,11 +1214,18 @@ class RedisRunStore:
                 continue
             try:  # every run's renewal in one round trip
                 replies = await self._call_all(self._renew_script, [(
-                    [*self._run_keys(run_log.run_id), run_log.claim_key,
-                     self._key(run_log.run_id, "cancel")],
+                    self._with_claim([*self._run_keys(run_log.run_id),
+                                      self._key(run_log.run_id, "cancel")], run_log.claim_key),
                     [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms,
-                     self.replica],
+                     self.replica, run_log.claim_value],
                 ) for run_log in runs])
+                claimed = [run_log for run_log, reply in zip(runs, replies, strict=True)
+                           if self.cluster and run_log.claim_key
+                           and not isinstance(reply, Exception) and reply[0] != -1]
+                if claimed:  # a cluster keeps their claims, in their own slots, alike
+                    await self._call_all(self._renew_claim_script, [
+                        ([run_log.claim_key], [run_log.claim_value, self._running_ttl_ms])
+                        for run_log in claimed])
             except RedisError as exc:
                 self._failed(exc)
                 log.warning("redis_lease_renewal_failed", error=str(exc))

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -103,3 +103,188 @@ def stallable_redis(tmp_path: Path) -> Iterator[StallableRedis]:
         yield redis
     finally:
         redis.kill()
+
+
+def _free_ports(count: int, *, bus: bool = False) -> list[int]:
+    """``count`` free loopback ports (and, for cluster nodes, each port + 10000 free too: the
+    cluster bus). Held open together while chosen, so no two are the same."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            held.append(probe)
+            port = int(probe.getsockname()[1])
+            if bus:
+                if port + 10000 > 65535:
+                    continue
+                with socket.socket() as other:
+                    try:
+                        other.bind(("127.0.0.1", port + 10000))
+                    except OSError:
+                        continue
+            ports.append(port)
+    finally:
+        for probe in held:
+            probe.close()
+    return ports
+
+
+def _cli(port: int, *args: str, timeout: float = 10) -> str:
+    return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
+                          text=True, timeout=timeout).stdout.strip()
+
+
+def _until(what: str, check: Callable[[], bool], within: float = 30) -> None:
+    """Waits (polling, bounded) until ``check()`` holds; processes give no event to await."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {within} s")
+
+
+class RedisProcesses:
+    """redis-server processes of a test's own on loopback, in its tmp dir, each stopped by its
+    PID: a cluster or a Sentinel set-up. The shared Redis on 6379 is never touched."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, port: int, *args: str, sentinel: bool = False) -> None:
+        """Starts a server (or a Sentinel) on ``port`` and waits until it answers PING."""
+        home = self.folder / str(port)
+        home.mkdir(exist_ok=True)
+        if sentinel:
+            conf = home / "sentinel.conf"
+            conf.write_text("\n".join(args) + "\n")
+            command = ["redis-server", str(conf), "--sentinel", "--port", str(port),
+                       "--bind", "127.0.0.1", "--dir", str(home)]
+        else:
+            command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                       "--appendonly", "no", "--dir", str(home), *args]
+        self.procs[port] = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+        _until(f"redis on {port} answering", lambda: _cli(port, "ping") == "PONG", 20)
+
+    def kill(self, port: int) -> None:
+        """Kills one server by its PID (SIGKILL: no goodbye to its replicas)."""
+        proc = self.procs.get(port)
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop_all(self) -> None:
+        """Kills every server started here."""
+        for port in list(self.procs):
+            self.kill(port)
+
+
+class LoopbackCluster(RedisProcesses):
+    """A Redis Cluster of 3 primaries and 3 replicas (``redis-cli --cluster create``)."""
+
+    ports: list[int]
+    url: str
+
+    def create(self) -> None:
+        """Starts the six nodes and joins them into a cluster whose every slot is served."""
+        self.ports = _free_ports(6, bus=True)
+        for port in self.ports:
+            self.start(port, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                       "--cluster-config-file", f"nodes-{port}.conf")
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create",
+             *(f"127.0.0.1:{port}" for port in self.ports), "--cluster-replicas", "1",
+             "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        _until("the cluster state ok", lambda: all(
+            "cluster_state:ok" in _cli(port, "cluster", "info") for port in self.ports), 30)
+        _until("every replica in sync", lambda: all(
+            "master_link_status:up" in _cli(port, "info", "replication")
+            for port in self.replica_ports()), 30)
+        self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def roles(self) -> dict[int, str]:
+        """Each live node's role, master or slave (from CLUSTER NODES of a live node)."""
+        for port in self.ports:
+            if self.procs[port].poll() is None:
+                nodes = _cli(port, "cluster", "nodes")
+                if nodes:
+                    break
+        roles = {}
+        for line in nodes.splitlines():
+            fields = line.split()
+            node_port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            if "fail" not in fields[2]:
+                roles[node_port] = "master" if "master" in fields[2] else "slave"
+        return roles
+
+    def primary_ports(self) -> list[int]:
+        """The ports of the live primaries."""
+        return [port for port, role in self.roles().items() if role == "master"]
+
+    def replica_ports(self) -> list[int]:
+        """The ports of the live replicas."""
+        return [port for port, role in self.roles().items() if role == "slave"]
+
+    def await_failover(self, killed: int) -> None:
+        """Waits until the cluster serves every slot again after primary ``killed`` died."""
+        live = [port for port in self.ports if port != killed]
+        _until("a replica promoted", lambda: len(self.primary_ports()) == 3 and all(
+            "cluster_state:ok" in _cli(port, "cluster", "info") for port in live), 30)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[LoopbackCluster]:
+    """A started :class:`LoopbackCluster`, every node killed by its PID afterwards."""
+    cluster = LoopbackCluster(tmp_path)
+    try:
+        cluster.create()
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+class LoopbackSentinel(RedisProcesses):
+    """One primary, one replica and three Sentinels watching them as ``stargrpc``."""
+
+    primary: int
+    replica: int
+    sentinels: list[int]
+    url: str
+
+    def create(self) -> None:
+        """Starts the primary, its replica (in sync) and the Sentinels (which know both)."""
+        self.primary, self.replica, *self.sentinels = _free_ports(5)
+        self.start(self.primary)
+        self.start(self.replica, "--replicaof", "127.0.0.1", str(self.primary))
+        _until("the replica in sync", lambda: "master_link_status:up" in _cli(
+            self.replica, "info", "replication"), 30)
+        for port in self.sentinels:
+            self.start(port, f"sentinel monitor stargrpc 127.0.0.1 {self.primary} 2",
+                       "sentinel down-after-milliseconds stargrpc 1000",
+                       "sentinel failover-timeout stargrpc 5000", sentinel=True)
+        _until("the Sentinels seeing the replica and each other", lambda: all(
+            "slaves=1,sentinels=3" in _cli(port, "info", "sentinel")
+            for port in self.sentinels), 30)
+        self.url = "redis+sentinel://" + ",".join(
+            f"127.0.0.1:{port}" for port in self.sentinels) + "/stargrpc"
+
+    def current_primary(self) -> int:
+        """The port of the primary the Sentinels name now."""
+        reply = _cli(self.sentinels[0], "sentinel", "get-master-addr-by-name", "stargrpc")
+        return int(reply.split()[1])
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path: Path) -> Iterator[LoopbackSentinel]:
+    """A started :class:`LoopbackSentinel`, every process killed by its PID afterwards."""
+    sentinel = LoopbackSentinel(tmp_path)
+    try:
+        sentinel.create()
+        yield sentinel
+    finally:
+        sentinel.stop_all()

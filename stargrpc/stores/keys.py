@@ -1,0 +1,61 @@
+"""The key layout of the Redis run store, with hash tags on Redis Cluster.
+
+A Lua script may touch only keys of one hash slot on a cluster. Every key of a run carries
+the run id as its **hash tag** there, so the scripts that append, renew, end and register a
+run each touch one slot::
+
+    run:{<id>}          hash    owner, tool, replica, state
+    run:{<id>}:events   stream  one entry per event
+    run:{<id>}:lease    string  the running replica's token
+    run:{<id>}:cancel   string  a pending CancelRun reason
+    idem:{<digest>}     string  the idempotency claim of (principal, key)
+
+An idempotency claim is found by (principal, key) alone, before the run it names is known,
+so its slot cannot be the run's: on a cluster, claiming a key and registering its run are
+**two steps**, made safe by their order (see :mod:`stargrpc.stores.redis`). On one Redis,
+primary or behind Sentinel, every key lives on one node: the keys keep their untagged names
+(``run:<id>``, ``run:<id>:events``, …, so an existing fleet upgrades in place) and one
+script claims the key and registers its run atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The names of the run store's keys.
+
+    Attributes:
+        prefix: Prefix of every key.
+        tagged: Whether keys carry hash tags (Redis Cluster).
+    """
+
+    prefix: str
+    tagged: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tagged and ("{" in self.prefix or "}" in self.prefix):
+            # A brace in the prefix would become every key's hash tag: one slot for all.
+            raise ValueError("redis_key_prefix must not contain '{' or '}' on Redis Cluster")
+
+    def run(self, run_id: str, part: str = "") -> str:
+        """The key of a run's meta hash, or of its ``part`` (events, lease, cancel)."""
+        name = f"{{{run_id}}}" if self.tagged else run_id
+        return f"{self.prefix}run:{name}" + (f":{part}" if part else "")
+
+    def run_keys(self, run_id: str) -> list[str]:
+        """The keys of a run as the scripts take them: lease, events, meta."""
+        return [self.run(run_id, "lease"), self.run(run_id, "events"), self.run(run_id)]
+
+    def claim(self, owner: str, key: str) -> str:
+        """The key of the idempotency claim of ``key`` by principal ``owner``."""
+        # Hashed so that neither part can contain the separator of the other.
+        digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()
+        return f"{self.prefix}idem:{{{digest}}}" if self.tagged else f"{self.prefix}idem:{digest}"
+
+
+__all__ = ["KeyLayout"]

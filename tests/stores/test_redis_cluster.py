@@ -1,0 +1,174 @@
+"""The run store on a real Redis Cluster (3 primaries, 3 replicas, on loopback): every script
+touches one slot, two replicas share runs across it, and 500 keyed calls spread over both
+replicas survive a primary killed mid-way (every run complete and gapless, at most one body
+per key unless its run was lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from redis.asyncio.cluster import RedisCluster
+
+from stargrpc.stores.connect import connect
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.runs_support import (
+    HeaderPrincipal,
+    collect,
+    execute_request,
+    key,
+    run_registry,
+    stripped,
+)
+from tests.stores.conftest import LoopbackCluster
+
+
+def _assert_whole(events: list[events_pb2.RunEvent]) -> None:
+    """Seqs 1..N with no gap and no repeat, the Result last and only there."""
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
+    assert [event.HasField("result") for event in events] == [False] * (len(events) - 1) + [True]
+
+
+async def _stored(client: RedisCluster, prefix: str, run_id: str) -> list[events_pb2.RunEvent]:
+    entries: Any = await client.xrange(f"{prefix}run:{{{run_id}}}:events")
+    return [events_pb2.RunEvent.FromString(fields[b"e"]) for _, fields in entries]
+
+
+async def _two_replicas(make_server, url: str, **overrides: Any) -> list[Any]:
+    return [await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
+                              redis_url=url, redis_key_prefix="stargrpc:", **overrides)
+            for _ in range(2)]
+
+
+async def test_two_replicas_share_runs_on_a_cluster_each_script_in_one_slot(
+        make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
+    a, b = await _two_replicas(make_server, redis_cluster.url)
+    client, _ = connect(redis_cluster.url, timeout=2.0)
+    assert isinstance(client, RedisCluster)
+    gate = tmp_path / "gate"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as chan_a, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as chan_b:
+        stub_a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
+        stub_b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
+        request = execute_request("tally", {"path": str(tmp_path / "tally"), "gate": str(gate),
+                                            "deltas": 3}, idempotency_key=key())
+        call = stub_a.Execute(request)
+        first = (await call.read()).event
+        attached = stub_b.Execute(request)  # the same key on the other replica, meanwhile
+        live = stub_b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=first.run_id))
+        live_first = (await live.read()).event
+        gate.touch()
+        executed = [first, *await collect(call)]
+        watched = [live_first, *await collect(live)]
+        joined = await collect(attached)
+        replayed = await collect(stub_b.Execute(request))
+        plain = await asyncio.gather(*(collect(stub.Execute(execute_request(
+            "echo", {"text": str(i)}))) for i, stub in enumerate([stub_a, stub_b] * 10)))
+    try:
+        stored = await _stored(client, "stargrpc:", first.run_id)
+        slots = {await client.cluster_keyslot(f"stargrpc:run:{{{first.run_id}}}{part}")
+                 for part in ("", ":events", ":lease", ":cancel")}
+    finally:
+        await client.aclose()
+
+    _assert_whole(executed)
+    assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert stripped(watched) == stripped(executed)
+    assert stripped(joined) == stripped(executed)
+    assert stripped(replayed) == stripped(executed)
+    assert stripped(stored) == stripped(executed)
+    assert (tmp_path / "tally").read_text().split() == [first.run_id]
+    assert [events[-1].result.outcome for events in plain] == [events_pb2.OUTCOME_OK] * 20
+    assert len(slots) == 1
+
+
+async def _keyed_call(stubs: list[Any], index: int, folder: Path, gate: Path
+                      ) -> tuple[str, list[list[events_pb2.RunEvent]]]:
+    """One keyed call, retried with its key (on the other replica too) until it has a Result
+    that is not RUN_LOST; its key's tally path and every stream it got."""
+    tally = folder / f"tally-{index}"
+    request = execute_request("tally", {"path": str(tally), "gate": str(gate), "deltas": 5},
+                              idempotency_key=key())
+    streams = []
+    deadline = time.monotonic() + 90
+    attempt = 0
+    while time.monotonic() < deadline:
+        stub = stubs[(index + attempt) % 2]
+        attempt += 1
+        try:
+            events = await asyncio.wait_for(collect(stub.Execute(request)), 60)
+        except grpc.aio.AioRpcError as exc:  # refused before it ran: the store was failing over
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            await asyncio.sleep(0.2)
+            continue
+        streams.append(events)
+        if events[-1].result.error.code != "RUN_LOST":
+            return str(tally), streams
+    raise AssertionError(f"call {index} got no Result in time: {streams}")
+
+
+async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
+        make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
+    replicas = await _two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
+                                   redis_timeout_seconds=1.0)
+    gate = tmp_path / "gate"
+    gate.touch()
+    killed = redis_cluster.primary_ports()[0]
+    done = 0
+    halfway = asyncio.Event()
+    limit = asyncio.Semaphore(24)
+
+    async def one(stubs: list[Any], index: int) -> tuple[str, list[list[events_pb2.RunEvent]]]:
+        nonlocal done
+        async with limit:
+            outcome = await _keyed_call(stubs, index, tmp_path, gate)
+        done += 1
+        if done >= 150:
+            halfway.set()
+        return outcome
+
+    async def kill_a_primary() -> None:
+        await halfway.wait()
+        redis_cluster.kill(killed)
+        await asyncio.to_thread(redis_cluster.await_failover, killed)
+
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
+    try:
+        stubs = [tool_service_pb2_grpc.ToolServiceStub(channel) for channel in channels]
+        killer = asyncio.create_task(kill_a_primary())
+        calls = await asyncio.wait_for(asyncio.gather(
+            *(one(stubs, i) for i in range(500))), 240)
+        await asyncio.wait_for(killer, 60)
+        # Watched afterwards from the other replica: the whole run, from Redis.
+        watched = [await collect(stubs[1].WatchRun(tool_service_pb2.WatchRunRequest(
+            run_id=streams[-1][0].run_id))) for _, streams in calls[::25]]
+    finally:
+        for channel in channels:
+            await channel.close()
+    for replica in replicas:  # every event of theirs in Redis
+        assert await replica.runtime.store.flushed(30)
+    client, _ = connect(redis_cluster.url, timeout=2.0)
+    assert isinstance(client, RedisCluster)
+    try:
+        stored = [await _stored(client, "stargrpc:", streams[-1][0].run_id)
+                  for _, streams in calls]
+    finally:
+        await client.aclose()
+
+    for (tally, streams), in_redis in zip(calls, stored, strict=True):
+        for events in streams:
+            _assert_whole(events)
+        final = streams[-1]
+        assert final[-1].result.outcome == events_pb2.OUTCOME_OK
+        assert stripped(in_redis) == stripped(final)
+        # The body ran once per run that started, and again only after its run was lost.
+        ran = Path(tally).read_text().split()  # noqa: ASYNC240 - after every call ended
+        assert ran[-1] == final[0].run_id
+        lost = {events[0].run_id for events in streams[:-1]}
+        assert set(ran[:-1]) <= lost and len(set(ran)) == len(ran)
+    for events, (_, streams) in zip(watched, calls[::25], strict=True):
+        assert stripped(events) == stripped(streams[-1])
+    assert len(calls) == 500
