@@ -305,6 +305,15 @@ class Runner {
   }
 }
 
+/** A failure as one line: a refusal's code, message and reason, else the message. */
+function describe(error) {
+  if (error && typeof error.code === "number" && grpc.status[error.code] !== undefined) {
+    withDetails(error);
+    return `${grpc.status[error.code]}: ${error.details}${error.reason ? ` [${error.reason}]` : ""}`;
+  }
+  return String((error && error.message) || error);
+}
+
 async function main() {
   const { values } = parseArgs({
     options: {
@@ -327,7 +336,7 @@ async function main() {
       console.log(`PASS ${c.name}`);
     } catch (error) {
       failed++;
-      console.log(`FAIL ${c.name}: ${String(error.details || error.message || error).split(/\s+/).join(" ")}`);
+      console.log(`FAIL ${c.name}: ${describe(error).split(/\s+/).join(" ")}`);
     } finally {
       clearTimeout(timer);
     }
