@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 
 from tests.conftest import AuthServerFactory
 from tests.test_go_client import build_go
+from tests.test_node_client import node_cli  # noqa: F401 (a fixture, shared)
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = REPO / "conformance" / "cases.json"
@@ -23,14 +22,10 @@ TIMEOUT = 300
 
 
 @pytest.fixture(scope="session")
-def runners(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+def runners(tmp_path_factory: pytest.TempPathFactory,
+            node_cli: list[str]) -> dict[str, list[str]]:  # noqa: F811
     """The command of each runner, built or installed as needed."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.fail("the conformance test needs node and npm (apt-get install nodejs npm)")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=NODE_DIR, check=True, timeout=600)
+    node = node_cli[0]
     go = build_go("stargrpc-conformance", tmp_path_factory.mktemp("conformance"))
     return {
         "python": [sys.executable, "-m", "stargrpc.client.conformance", "--cases", str(CASES)],

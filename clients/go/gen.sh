@@ -10,7 +10,7 @@ mkdir -p "$out"
 if [ "$out" = clients/go/stargrpcv1 ]; then
   rm -f "$out"/*.pb.go
 fi
-# paths=source_relative would keep protos/' folders; the files go flat into the package.
+# module= strips the import path, so the files go flat into clients/go/stargrpcv1/.
 protoc -Iprotos \
   --go_out="$out" --go_opt=paths=import \
   --go_opt=module=github.com/stargrpc/stargrpc/clients/go/stargrpcv1 \
