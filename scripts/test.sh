@@ -43,6 +43,15 @@ fi
 command -v chromium >/dev/null || apt_install chromium
 # Node.js and npm for the polyglot client test (its packages come from the npm registry).
 command -v npm >/dev/null || apt_install nodejs npm
+# Go, offline, for the Go client and its stubs (clients/go/; GOPATH mode over Debian's
+# libraries). golang-github-golang-protobuf-1-5-dev is named: apt may otherwise pick the
+# 1-3 package, which builds but panics at run time ("protobuf tag not enough fields").
+go_packages=(golang-go golang-google-grpc-dev golang-google-protobuf-dev
+  golang-github-golang-protobuf-1-5-dev protoc-gen-go protoc-gen-go-grpc protobuf-compiler)
+for package in "${go_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" \
+    || { apt_install "${go_packages[@]}"; break; }
+done
 
 # The Python environment.
 [ -x .venv/bin/python ] || python3 -m venv .venv

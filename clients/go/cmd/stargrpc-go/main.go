@@ -1,0 +1,202 @@
+// Command stargrpc-go is a small command line on the Go client: list the tools, call one,
+// watch a run, cancel a run.
+//
+//	stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] tools
+//	stargrpc-go call TOOL [ARGS_JSON]
+//	stargrpc-go watch [-after-seq N] RUN_ID
+//	stargrpc-go cancel [-reason TEXT] RUN_ID
+//
+// The target and key default to $STARGRPC_TARGET (else localhost:50051) and
+// $STARGRPC_API_KEY. `call` prints "run <id>" on stderr and exits 0 only for OUTCOME_OK
+// (1 otherwise); Ctrl-C cancels the run and exits 130. `watch` past the end of a finished
+// run exits 0 with nothing to show. `cancel` exits 0 when the run was going, 2 when it had
+// ended. A refusal prints the status, its reason and each field violation, and exits 1.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/stargrpc/stargrpc/clients/go/stargrpc"
+	pb "github.com/stargrpc/stargrpc/clients/go/stargrpcv1"
+)
+
+const usage = `usage: stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] COMMAND
+  tools                          the catalog
+  call TOOL [ARGS_JSON]          run a tool, print its events
+  watch [-after-seq N] RUN_ID    replay a run after a seq, then follow it
+  cancel [-reason TEXT] RUN_ID   stop a run
+`
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	global := flag.NewFlagSet("stargrpc-go", flag.ContinueOnError)
+	global.SetOutput(stderr)
+	global.Usage = func() { fmt.Fprint(stderr, usage) }
+	target := global.String("target", envOr("STARGRPC_TARGET", "localhost:50051"), "server address")
+	apiKey := global.String("api-key", os.Getenv("STARGRPC_API_KEY"), "API key or JWT")
+	asJSON := global.Bool("json", false, "print events as proto3 JSON lines")
+	if err := global.Parse(args); err != nil {
+		return exitUsage(err)
+	}
+	rest := global.Args()
+	if len(rest) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	client, err := stargrpc.Dial(*target, stargrpc.Options{APIKey: *apiKey})
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	defer client.Close()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	out := &printer{w: stdout, json: *asJSON}
+
+	command, params := rest[0], rest[1:]
+	sub := flag.NewFlagSet(command, flag.ContinueOnError)
+	sub.SetOutput(stderr)
+	afterSeq := sub.Uint64("after-seq", 0, "watch: replay the events after this seq")
+	reason := sub.String("reason", "", "cancel: why, shown in the Result")
+	if err := sub.Parse(params); err != nil {
+		return exitUsage(err)
+	}
+	params = sub.Args()
+
+	switch {
+	case command == "tools" && len(params) == 0:
+		reply, err := client.ListTools(ctx)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if *asJSON {
+			fmt.Fprintln(stdout, protojson.Format(reply))
+			return 0
+		}
+		for _, tool := range reply.GetTools() {
+			mark := ""
+			if tool.GetPermissions().GetPrivileged() {
+				mark = " [privileged]"
+			}
+			fmt.Fprintf(stdout, "%s%s  %s\n", tool.GetName(), mark, tool.GetDescription())
+		}
+		return 0
+	case command == "call" && (len(params) == 1 || len(params) == 2):
+		call := stargrpc.Call{Tool: params[0]}
+		if len(params) == 2 {
+			call.ArgumentsJSON = params[1]
+		}
+		announced := false
+		result, err := client.Execute(ctx, call, func(event *pb.RunEvent) error {
+			if !announced {
+				fmt.Fprintf(stderr, "run %s\n", event.GetRunId())
+				announced = true
+			}
+			return out.event(event)
+		})
+		if ctx.Err() != nil {
+			fmt.Fprintf(stderr, "interrupted: %v\n", err)
+			return 130
+		}
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if result.GetResult().GetOutcome() != pb.Outcome_OUTCOME_OK {
+			return 1
+		}
+		return 0
+	case command == "watch" && len(params) == 1:
+		result, err := client.Watch(ctx, params[0], *afterSeq, out.event)
+		if ctx.Err() != nil {
+			return 130
+		}
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if result == nil {
+			fmt.Fprintf(stderr, "run %s has ended: nothing follows seq %d\n", params[0], *afterSeq)
+		}
+		return 0
+	case command == "cancel" && len(params) == 1:
+		cancelled, err := client.Cancel(ctx, params[0], *reason)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if !cancelled {
+			fmt.Fprintln(stderr, "already ended")
+			return 2
+		}
+		fmt.Fprintln(stderr, "cancelled")
+		return 0
+	}
+	fmt.Fprint(stderr, usage)
+	return 2
+}
+
+func envOr(name, fallback string) string {
+	if value := os.Getenv(name); value != "" {
+		return value
+	}
+	return fallback
+}
+
+func exitUsage(err error) int {
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	return 2
+}
+
+func fail(stderr io.Writer, err error) int {
+	fmt.Fprintln(stderr, err)
+	return 1
+}
+
+// printer shows events as text (deltas as they come, then "= OUTCOME" and the output
+// when it was not streamed) or as proto3 JSON lines.
+type printer struct {
+	w        io.Writer
+	json     bool
+	streamed bool
+}
+
+var jsonLine = protojson.MarshalOptions{UseProtoNames: true}
+
+func (p *printer) event(event *pb.RunEvent) error {
+	if p.json {
+		text, err := jsonLine.Marshal(event)
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintln(p.w, string(text))
+		return err
+	}
+	if step := event.GetStep(); step != nil && step.GetPhase() == pb.StepPhase_STEP_PHASE_DELTA {
+		p.streamed = true
+		_, err := fmt.Fprint(p.w, step.GetDelta())
+		return err
+	}
+	if result := event.GetResult(); result != nil {
+		line := "= " + strings.TrimPrefix(result.GetOutcome().String(), "OUTCOME_")
+		if e := result.GetError(); e != nil {
+			line += fmt.Sprintf(" [%s] %s", e.GetCode(), e.GetMessage())
+		}
+		fmt.Fprintln(p.w, line)
+		if !p.streamed && result.GetOutput() != "" {
+			fmt.Fprintln(p.w, result.GetOutput())
+		}
+	}
+	return nil
+}

@@ -1,0 +1,10 @@
+module github.com/stargrpc/stargrpc/clients/go
+
+go 1.19
+
+require (
+	github.com/golang/protobuf v1.5.2
+	google.golang.org/genproto v0.0.0-20200526211855-cb27e3aa2013
+	google.golang.org/grpc v1.33.3
+	google.golang.org/protobuf v1.28.1
+)

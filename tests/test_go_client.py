@@ -1,0 +1,207 @@
+"""The contract from Go: clients/go/ built offline in GOPATH mode over Debian's Go
+libraries (clients/go/gopath.sh), its unit tests, and its command line against a real
+server: the same events as the Python client, resume after a cut, rich errors, the end of
+a run, Ctrl-C cancelling the run, and the checked-in stubs being current."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from stargrpc.server import StargrpcServer
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.client.faults import Proxy, Recorder
+from tests.client.test_aio import COUNT_TO_3, count_phases
+from tests.conftest import AuthServerFactory, ServerFactory
+from tests.helpers import key_channel, phases, run_tool
+from tests.runs_support import collect
+
+REPO = Path(__file__).resolve().parent.parent
+GO_DIR = REPO / "clients" / "go"
+GO_PACKAGE = "github.com/stargrpc/stargrpc/clients/go"
+TIMEOUT = 60
+BUILD_TIMEOUT = 600
+
+
+def go(*args: str, timeout: float = BUILD_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """A go command in GOPATH mode over Debian's libraries (clients/go/gopath.sh)."""
+    if shutil.which("go") is None:
+        pytest.fail("the Go client test needs Go (apt-get install golang-go "
+                    "golang-google-grpc-dev golang-google-protobuf-dev "
+                    "golang-github-golang-protobuf-1-5-dev)")
+    return subprocess.run(["bash", str(GO_DIR / "gopath.sh"), "go", *args],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def build_go(command: str, out_dir: Path) -> str:
+    """Builds ``clients/go/cmd/<command>`` into ``out_dir``; the binary's path."""
+    binary = out_dir / command
+    built = go("build", "-o", str(binary), f"{GO_PACKAGE}/cmd/{command}")
+    assert built.returncode == 0, built.stderr
+    return str(binary)
+
+
+@pytest.fixture(scope="session")
+def go_cli(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The built ``stargrpc-go`` command."""
+    return build_go("stargrpc-go", tmp_path_factory.mktemp("go"))
+
+
+async def _go(go_cli: str, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        go_cli, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _events(lines: str) -> list[events_pb2.RunEvent]:
+    """Go's proto3 JSON lines, read back as the contract's messages."""
+    return [json_format.ParseDict(json.loads(line), events_pb2.RunEvent())
+            for line in lines.splitlines()]
+
+
+def test_go_vet_and_unit_tests_pass() -> None:
+    packages = [f"{GO_PACKAGE}/{name}" for name in
+                ("stargrpcv1", "stargrpc", "cmd/stargrpc-go", "cmd/stargrpc-conformance")]
+    vetted = go("vet", *packages)
+    assert vetted.returncode == 0, vetted.stderr
+    tested = go("test", f"{GO_PACKAGE}/stargrpc")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    unformatted = subprocess.run(["gofmt", "-l", str(GO_DIR)], capture_output=True, text=True,
+                                 check=True, timeout=TIMEOUT)
+    assert unformatted.stdout == ""
+
+
+def test_the_checked_in_go_stubs_are_current(tmp_path: Path) -> None:
+    for tool in ("protoc", "protoc-gen-go", "protoc-gen-go-grpc"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"regenerating the Go stubs needs {tool} (see clients/go/gen.sh)")
+    subprocess.run(["bash", str(GO_DIR / "gen.sh"), str(tmp_path)], check=True,
+                   timeout=TIMEOUT)
+    checked_in = sorted(p.name for p in (GO_DIR / "stargrpcv1").glob("*.go"))
+    assert sorted(p.name for p in tmp_path.glob("*.go")) == checked_in
+    for name in checked_in:
+        assert (tmp_path / name).read_text() == (GO_DIR / "stargrpcv1" / name).read_text(), name
+
+
+async def test_go_lists_tools_and_streams_the_same_events_as_python(
+        make_auth_server: AuthServerFactory, go_cli: str) -> None:
+    auth = await make_auth_server(list_tools_show_uncallable=True)
+    common = ("-target", auth.target, "-api-key", auth.key)
+
+    code, out, _ = await _go(go_cli, *common, "-json", "tools")
+    assert code == 0
+    assert json.loads(out)["catalogHash"] == auth.server.runtime.registry.catalog_hash
+    code, listed, _ = await _go(go_cli, *common, "tools")
+    lines = {line.split()[0]: line for line in listed.splitlines()}
+    assert "[privileged]" in lines["shell"] and "[privileged]" not in lines["echo"]
+
+    code, out, err = await _go(go_cli, *common, "-json", "call", "count", '{"to": 3}')
+    from_go = _events(out)
+    async with key_channel(auth.target, auth.key) as channel:
+        from_python = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel),
+                                     "count", {"to": 3})
+
+    assert code == 0
+    assert err == f"run {from_go[0].run_id}\n"
+    assert phases(from_go) == phases(from_python) == COUNT_TO_3
+    assert [e.seq for e in from_go] == list(range(1, len(from_go) + 1))
+    assert from_go[-1].result.output == "counted to 3"
+
+    code, _, err = await _go(go_cli, "-target", auth.target, "-api-key", "wrong", "tools")
+    assert code == 1 and err.startswith("UNAUTHENTICATED: ")
+
+
+async def test_go_shows_the_reason_and_each_field_violation(
+        server: StargrpcServer, go_cli: str) -> None:
+    target = ("-target", f"127.0.0.1:{server.port}")
+
+    (bad, _, bad_err), (unknown, _, unknown_err) = await asyncio.gather(
+        _go(go_cli, *target, "call", "count", '{"to": "many"}'),
+        _go(go_cli, *target, "call", "no_such_tool"))
+
+    assert bad == 1
+    assert bad_err.startswith("INVALID_ARGUMENT: ") and "[INVALID_ARGUMENT]" in bad_err
+    assert "\n  arguments.to: " in bad_err
+    assert unknown == 1 and unknown_err.startswith("NOT_FOUND: ")
+    assert "[TOOL_NOT_FOUND]" in unknown_err
+
+
+async def test_go_resumes_a_broken_stream_through_watch_run(
+        make_server: ServerFactory, go_cli: str) -> None:
+    recorder = Recorder()
+    server = await make_server(interceptors=[recorder])
+    proxy = Proxy(server.port)
+    await proxy.start()
+    proc = await asyncio.create_subprocess_exec(
+        go_cli, "-target", proxy.target, "-json", "call", "count", '{"to": 6, "delay": 0.1}',
+        stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        lines = [await asyncio.wait_for(proc.stdout.readline(), TIMEOUT) for _ in range(2)]
+        proxy.cut()  # the network fails mid-run; the server does not notice
+        rest, _ = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    finally:
+        await proxy.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    events = _events(b"".join(lines).decode() + rest.decode())
+    assert proc.returncode == 0
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert phases(events) == count_phases(6)
+    assert len(recorder.seen("Execute")) == 1
+    assert recorder.seen("WatchRun"), "the Go client resumed through WatchRun"
+
+
+async def test_go_watch_at_or_past_the_end_of_a_finished_run_exits_zero(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        go_cli: str) -> None:
+    executed = await run_tool(stub, "count", {"to": 2})
+    run_id, last = executed[0].run_id, len(executed)
+    target = ("-target", f"127.0.0.1:{server.port}")
+
+    (code, out, err), (tail_code, tail, _) = await asyncio.wait_for(asyncio.gather(
+        _go(go_cli, *target, "watch", "-after-seq", str(last), run_id),
+        _go(go_cli, *target, "-json", "watch", "-after-seq", str(last - 1), run_id)), 20)
+
+    assert (code, out) == (0, "")
+    assert f"run {run_id} has ended: nothing follows seq {last}" in err
+    assert tail_code == 0
+    assert _events(tail) == executed[-1:]
+
+
+async def test_go_ctrl_c_during_call_cancels_the_run_and_cancel_says_it_ended(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        go_cli: str) -> None:
+    target = ("-target", f"127.0.0.1:{server.port}")
+    proc = await asyncio.create_subprocess_exec(
+        go_cli, *target, "-json", "call", "sleep", '{"seconds": 60, "heartbeat_every": 0.05}',
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        first = json.loads(await asyncio.wait_for(proc.stdout.readline(), TIMEOUT))
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    watched = await asyncio.wait_for(collect(stub.WatchRun(
+        tool_service_pb2.WatchRunRequest(run_id=first["run_id"]))), TIMEOUT)
+    again, _, again_err = await _go(go_cli, *target, "cancel", first["run_id"])
+
+    assert proc.returncode == 130
+    assert f"run {first['run_id']} cancelled" in err.decode()
+    assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert watched[-1].result.error.message == "the caller's context was cancelled"
+    assert (again, again_err.strip()) == (2, "already ended")
