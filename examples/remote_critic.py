@@ -94,8 +94,9 @@ class LoopCritic(critic_pb2_grpc.CriticServiceServicer):
             verdicts.put_nowait(None)
 
 
-async def serve(port: int = 0, repeats: int = 5, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
-    """Starts the critic on ``host:port`` (0 picks a free port); returns the server and its port."""
+async def serve(port: int = 0, repeats: int = 5, host: str = "127.0.0.1"
+                ) -> tuple[grpc.aio.Server, int]:
+    """Starts the critic on ``host:port`` (0: a free port); returns the server and port."""
     server = grpc.aio.server()
     critic_pb2_grpc.add_CriticServiceServicer_to_server(LoopCritic(repeats), server)
     bound = server.add_insecure_port(f"{host}:{port}")
