@@ -19,6 +19,7 @@ Hierarchy::
     │   └── OutOfRange              OUT_OF_RANGE + google.rpc.ErrorInfo
     │       └── RunFinished             WatchRun past the Result of a finished run
     ├── ToolDefinitionError     a tool module is broken; stops start-up
+    ├── CriticConfigError       a configured critic cannot be loaded; stops start-up
     ├── AuthConfigError         authentication is misconfigured; stops start-up
     │   └── KeysFileError           the API keys file is unreadable, or a keys command is wrong
     └── ToolOutcomeError        raised *by a tool* to end its run with an outcome
@@ -249,6 +250,11 @@ class RunFinished(OutOfRange):
 
 class ToolDefinitionError(StargrpcError):
     """A tool module or tool definition is broken; start-up stops with this message."""
+
+
+class CriticConfigError(StargrpcError):
+    """A configured critic (``critic``, ``critic_url``, ``@tool(critic=…)``) cannot be
+    loaded; start-up stops with this message."""
 
 
 class AuthConfigError(StargrpcError):

@@ -33,6 +33,10 @@ CRITIC_WARNINGS = Counter(
 CRITIC_KILLS = Counter(
     "tool_executor_critic_kills", "Runs stopped by the critic, by reason.", ["reason"],
     registry=REGISTRY)
+CRITIC_VERDICTS = Counter(
+    "tool_executor_critic_verdicts", "Verdicts applied to runs (extend, warn, steer, stop, "
+    "keep, and fallback when a critic was dropped for the rules), by critic.",
+    ["verdict", "critic"], registry=REGISTRY)
 AUTH_FAILURES = Counter(
     "tool_executor_auth_failures", "Calls refused by authentication or permissions, by reason.",
     ["reason"], registry=REGISTRY)

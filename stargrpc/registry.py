@@ -67,6 +67,8 @@ class ToolSpec:
             override it.
         soft_timeout: Critic soft timeout for this tool in seconds, if it differs from the
             server default.
+        critic: The critic that judges this tool's runs instead of the server's: a
+            ``module:factory`` or ``stargrpc.critics`` entry-point name, or a Critic object.
         source: Where the tool was defined (file or entry point), for error messages.
     """
 
@@ -81,6 +83,7 @@ class ToolSpec:
     privileged: bool = False
     allowed_roles: tuple[str, ...] = ("*",)
     soft_timeout: float | None = None
+    critic: object = None
     source: str = ""
     is_async: bool = True
     takes_args: bool = True
@@ -129,6 +132,7 @@ def tool(
     allowed_roles: Iterable[str] = ("*",),
     output_model: type[BaseModel] | None = None,
     soft_timeout: float | None = None,
+    critic: object = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Marks a function as a tool. Always call it: ``@tool()``, ``@tool(kind="demo")``.
 
@@ -145,6 +149,9 @@ def tool(
         allowed_roles: Roles allowed by default ("*" for every authenticated caller).
         output_model: Pydantic model of the structured output.
         soft_timeout: Critic soft timeout for this tool, in seconds.
+        critic: The critic that judges this tool's runs instead of the server's: a
+            ``module:factory`` or ``stargrpc.critics`` entry-point name, or a Critic object
+            (see :mod:`stargrpc.critic`).
 
     Returns:
         A decorator that returns the function unchanged, with its spec attached.
@@ -176,6 +183,7 @@ def tool(
             privileged=privileged,
             allowed_roles=tuple(allowed_roles),
             soft_timeout=soft_timeout,
+            critic=critic,
             source=_source_of(fn),
             is_async=inspect.iscoroutinefunction(fn),
             takes_args=args_model is not NoArguments

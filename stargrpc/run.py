@@ -54,6 +54,9 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 #: How long a stopped tool gets to honour its cancellation before the run ends without it.
 STOP_GRACE_SECONDS = 2.0
 
+#: The code of the notice that records a message sent to the running tool.
+STEERED = "STEERED"
+
 #: A run lets the event loop serve others after this many events of its own.
 YIELD_EVERY_EVENTS = 16
 
@@ -119,6 +122,8 @@ class Run:
     _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
+    steering_queue: asyncio.Queue[str]
+    _notices: set[asyncio.Task[None]]
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
@@ -153,6 +158,8 @@ class Run:
         self._abandon_timer = None
         self._main_task = None
         self._done = asyncio.Event()
+        self.steering_queue = asyncio.Queue()
+        self._notices = set()
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -197,6 +204,24 @@ class Run:
             self._abandon_timer = asyncio.get_running_loop().call_later(
                 STOP_GRACE_SECONDS, self._abandon_tool)
         return True
+
+    def steer(self, message: str, *, source: str) -> None:
+        """Sends the running tool a message: a STEERED notice in the run's log, and the
+        text on the run's steering queue (``ctx.steering()``). Does nothing once the run
+        has ended.
+
+        Args:
+            message: What the tool should know.
+            source: Who steered (``critic``, a principal id).
+        """
+        if self.finished:
+            return
+        log.info("run_steered", run_id=self.run_id, source=source)
+        self.steering_queue.put_nowait(message)
+        task = asyncio.get_running_loop().create_task(
+            self.emit_notice(STEERED, message, warning=False))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     async def wait(self) -> events_pb2.Result:
         """Waits for the run to end and returns its Result."""

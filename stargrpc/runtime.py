@@ -3,6 +3,14 @@
 It owns everything between a decoded request and a running :class:`~stargrpc.run.Run`:
 tool lookup, the catalog-hash check, argument validation, the permission check and the
 run's event log. It knows nothing of protobuf requests; ``service.py`` maps those.
+
+**The run pipeline.** Every run any entry point submits (gRPC Execute, the HTTP gateway and
+the MCP endpoint through it, :func:`stargrpc.testing.run_tool`) is launched through one chain
+of :class:`RunInterceptor` objects over a :class:`RunInput` — Temporal's inbound
+interceptors: each holds ``next`` and delegates by default, so a field added to the input
+breaks nobody. Outermost first: the embedder's interceptors (tracing, when on), then
+**supervision** (:class:`SupervisionInterceptor`, which the runtime always inserts: a run
+cannot start without its critic), then the start of the run's task.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +27,8 @@ import structlog
 from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
 from stargrpc.calls import current_call
+from stargrpc.critic.loading import Critics
+from stargrpc.critic.supervision import Supervision, SupervisionPolicy
 from stargrpc.errors import (
     CatalogStale,
     FieldViolation,
@@ -50,6 +60,87 @@ class ExecuteCall:
     catalog_hash: str = ""
     idempotency_key: str = ""
     invocation: Mapping[str, Any] = field(default_factory=dict)
+    #: How the run is supervised; None: the server's policy, without a caller deadline.
+    policy: SupervisionPolicy | None = None
+
+
+@dataclass(frozen=True)
+class RunInput:
+    """What the run pipeline launches.
+
+    Attributes:
+        run: The prepared run (not started).
+        spec: Its tool.
+        principal: Who started it.
+        arguments: The call's arguments as given (a view: do not change it).
+        policy: How it is supervised: the caller's deadline, the soft and hard timeouts.
+        metadata: Anything an entry point wants the interceptors to see.
+    """
+
+    run: Run
+    spec: ToolSpec
+    principal: Principal
+    arguments: Mapping[str, Any]
+    policy: SupervisionPolicy
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+class RunInterceptor:
+    """A stage of the run pipeline. Override :meth:`launch` and call ``self.next.launch``
+    (the default does only that); the runtime sets ``next`` when it builds the chain.
+
+    Attributes:
+        next: The next stage inward.
+    """
+
+    next: RunInterceptor
+
+    def launch(self, input: RunInput) -> Run:
+        """Launches ``input.run`` (by default: hands it to the next stage)."""
+        return self.next.launch(input)
+
+
+class SupervisionInterceptor(RunInterceptor):
+    """Puts each run under its critic (:mod:`stargrpc.critic.supervision`); always in the
+    chain.
+
+    Attributes:
+        critics: The server's critic and the tools' own.
+        verdict_timeout: The remote critic's verdict budget.
+    """
+
+    critics: Critics
+    verdict_timeout: float
+
+    def __init__(self, critics: Critics, verdict_timeout: float) -> None:
+        self.critics = critics
+        self.verdict_timeout = verdict_timeout
+
+    def launch(self, input: RunInput) -> Run:
+        """Attaches the run's supervision, then launches it."""
+        Supervision(input.run, input.policy, self.critics.for_tool(input.spec),
+                    verdict_timeout=self.verdict_timeout).start()
+        return self.next.launch(input)
+
+
+class _StartRun(RunInterceptor):
+    """The innermost stage: tracks the run and starts its task."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def launch(self, input: RunInput) -> Run:
+        run = input.run
+        runs = self._runtime.runs
+        runs[run.run_id] = run
+        record = current_call.get()
+        if record is not None:
+            record.run = run
+        metrics.RUNS_IN_FLIGHT.inc()
+        run.finish_hooks.append(_count_finished)
+        task = run.start()
+        task.add_done_callback(lambda _: runs.pop(run.run_id, None))
+        return run
 
 
 @dataclass(frozen=True)
@@ -96,6 +187,7 @@ class Runtime:
         concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
+        critics: The server's critic and the tools' own.
     """
 
     settings: Settings
@@ -105,14 +197,21 @@ class Runtime:
     concurrency: ConcurrencyLimits
     runs: dict[str, Run]
     draining: bool
-    launch_hooks: list[Callable[[Run], None]]
+    critics: Critics
+    _pipeline: RunInterceptor
+    _interceptors: list[RunInterceptor]
     _registry: Registry
     _catalog_changed: asyncio.Event
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
                  settings: Settings | None = None,
-                 concurrency: ConcurrencyLimits | None = None) -> None:
+                 concurrency: ConcurrencyLimits | None = None,
+                 interceptors: Iterable[RunInterceptor] = ()) -> None:
+        """
+        Raises:
+            CriticConfigError: The server's critic or a tool's cannot be loaded.
+        """
         self._registry = registry
         self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
@@ -123,9 +222,36 @@ class Runtime:
         # CancelRun and a shared store's remote cancels reach runs of this process here.
         self.store.cancel_handler = self.cancel_local
         self.draining = False
-        # Called with each run just before it starts: supervisors attach here, metrics count.
-        self.launch_hooks = []
+        self.critics = Critics(self.settings)
+        self.critics.load_tools(registry.values())
+        self._interceptors = list(interceptors)
+        self._pipeline = self._chain()
         self._catalog_changed = asyncio.Event()
+
+    # -- the run pipeline --------------------------------------------------------------------
+
+    def _chain(self) -> RunInterceptor:
+        stages = [*self._interceptors,
+                  SupervisionInterceptor(self.critics,
+                                         self.settings.critic_verdict_timeout_seconds)]
+        inner: RunInterceptor = _StartRun(self)
+        for stage in reversed(stages):
+            stage.next = inner
+            inner = stage
+        return inner
+
+    def add_interceptor(self, interceptor: RunInterceptor) -> None:
+        """Adds a stage to the run pipeline, outermost (supervision stays innermost)."""
+        self._interceptors.insert(0, interceptor)
+        self._pipeline = self._chain()
+
+    def launch(self, input: RunInput) -> Run:
+        """Launches a prepared run through the run pipeline and tracks it until it ends."""
+        return self._pipeline.launch(input)
+
+    async def aclose(self) -> None:
+        """Lets go of what the runtime holds open (a remote critic's channel)."""
+        await self.critics.aclose()
 
     # -- catalog ---------------------------------------------------------------------------
 
@@ -139,8 +265,13 @@ class Runtime:
 
         Returns:
             Whether the catalog hash changed.
+
+        Raises:
+            CriticConfigError: A tool of the new catalog names a critic that cannot be
+                loaded (the current catalog stays).
         """
         changed = registry.catalog_hash != self._registry.catalog_hash
+        self.critics.load_tools(registry.values())
         self._registry = registry
         if changed:
             wakeup, self._catalog_changed = self._catalog_changed, asyncio.Event()
@@ -212,20 +343,6 @@ class Runtime:
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
                    settings=self.settings)
 
-    def launch(self, run: Run) -> Run:
-        """Starts a prepared run and tracks it until it ends."""
-        self.runs[run.run_id] = run
-        record = current_call.get()
-        if record is not None:
-            record.run = run
-        for hook in self.launch_hooks:
-            hook(run)
-        metrics.RUNS_IN_FLIGHT.inc()
-        run.finish_hooks.append(_count_finished)
-        task = run.start()
-        task.add_done_callback(lambda _: self.runs.pop(run.run_id, None))
-        return run
-
     async def submit(self, call: ExecuteCall, principal: Principal) -> Submission:
         """Checks a call, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
@@ -273,7 +390,10 @@ class Runtime:
                 await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
-        return Submission(log=run.log, run=self.launch(run))
+        policy = call.policy or SupervisionPolicy.for_call(self.settings)
+        started = self.launch(RunInput(run=run, spec=run.spec, principal=run.principal,
+                                       arguments=call.arguments, policy=policy))
+        return Submission(log=run.log, run=started)
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
         """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,

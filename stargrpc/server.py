@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
-from stargrpc.errors import ToolDefinitionError
+from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
@@ -32,8 +32,7 @@ from stargrpc.sandbox import log_isolation
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores import make_store
-from stargrpc.supervisor import supervise_launched_run
-from stargrpc.tracing import trace_run
+from stargrpc.tracing import TracingRunInterceptor
 
 log = structlog.get_logger("stargrpc.server")
 
@@ -96,15 +95,13 @@ class StargrpcServer:
                 settings.max_concurrent_runs, settings.max_concurrent_runs_per_principal,
                 settings.max_concurrent_runs_per_tool,
                 retry_after=settings.limit_retry_after_seconds),
+            # The run's span and its steps' (see stargrpc.tracing). Supervision needs no
+            # mention: the runtime puts every run under its critic.
+            interceptors=[TracingRunInterceptor()] if settings.tracing else (),
         )
-        # The critic interceptor sets each Execute's supervision policy; this hook applies
-        # it to the run the call launches (see stargrpc.supervisor).
-        self.runtime.launch_hooks.append(supervise_launched_run)
         # The HTTP gateway and the metrics endpoint, each when its port is set.
         self.http = HttpEndpoints(settings)
         self.mcp = None  # the MCP endpoint, when mcp_port is set (started with the server)
-        if settings.tracing:  # the run's span and its steps' (see stargrpc.tracing)
-            self.runtime.launch_hooks.append(trace_run)
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -181,6 +178,7 @@ class StargrpcServer:
             await self.mcp.stop()
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
         await self.runtime.store.aclose()
+        await self.runtime.aclose()
         for component in reversed(self.interceptors):
             if isinstance(component, Lifecycle):
                 await component.aclose()
@@ -190,11 +188,9 @@ class StargrpcServer:
     def reload_tools(self) -> None:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""
         try:
-            registry = load_tools(self.settings)
-        except ToolDefinitionError as exc:
+            self.runtime.replace_registry(load_tools(self.settings))
+        except (ToolDefinitionError, CriticConfigError) as exc:
             log.error("reload_failed", error=str(exc))
-            return
-        self.runtime.replace_registry(registry)
 
     async def serve_forever(self) -> None:
         """Starts, handles SIGTERM/SIGINT (stop) and SIGHUP (reload), returns once stopped."""

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
+from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
@@ -127,9 +128,15 @@ class ToolService:
 
     async def Execute(self, request: Any, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[StreamedResponse]:
+        # The critic interceptor hands the request over with its call's supervision policy;
+        # without it in the chain the policy is built here, the same way.
+        if isinstance(request, SupervisedRequest):
+            request, policy = request.request, request.policy
+        else:
+            policy = SupervisionPolicy.for_call(self.settings, context.time_remaining())
         await _refuse_malformed(request, context)
         try:
-            call = self._decode_execute(request)
+            call = self._decode_execute(request, policy)
             submitted = await self.runtime.submit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
@@ -152,7 +159,8 @@ class ToolService:
                 submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
-    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest) -> ExecuteCall:
+    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest,
+                        policy: SupervisionPolicy) -> ExecuteCall:
         limits = self.runtime.limits
         which = request.WhichOneof("args")
         if which == "arguments_json":
@@ -167,7 +175,8 @@ class ToolService:
                       if request.HasField("context") else {})
         return ExecuteCall(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
-                           idempotency_key=request.idempotency_key, invocation=invocation)
+                           idempotency_key=request.idempotency_key, invocation=invocation,
+                           policy=policy)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:

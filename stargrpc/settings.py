@@ -117,12 +117,20 @@ class Settings(BaseSettings):
     file_chunk_bytes: int = Field(256 * 1024, ge=1024, le=4 * MiB, description="Size of "
                                   "one FileChunk event.")
 
-    # -- critic supervision (supervisor.py, interceptors/critic.py) ------------------------
+    # -- supervision (critic/, interceptors/critic.py) ---------------------------------------
     critic_soft_timeout: float = Field(
         90.0, gt=0, description="Seconds a run may go without progress before the critic "
         "stops it (a tool's own soft_timeout takes precedence); restarted by progress.")
     critic_hard_timeout: float = Field(
         900.0, gt=0, description="Seconds a run may take at most, progress or not.")
+    critic: str = Field("", description="The server's critic: module:factory, or the name "
+                        "of an entry point of the stargrpc.critics group; empty: the rules.")
+    critic_url: str = Field("", description="host:port of a remote CriticService that judges "
+                            "every run (the rules take over a run when it fails); empty: "
+                            "none.")
+    critic_verdict_timeout_seconds: float = Field(
+        2.0, gt=0, le=60, description="How long a remote critic asked at a run's soft "
+        "deadline may take to answer before the rules take over the run.")
 
     # -- lifecycle -------------------------------------------------------------------------
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="How long in-flight runs "
@@ -330,6 +338,13 @@ class Settings(BaseSettings):
                                  "free one); off when unset.")
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> Settings:
+        if self.critic and self.critic_url:
+            raise ValueError("set critic or critic_url, not both: the remote critic at "
+                             "critic_url is the server's critic")
+        return self
 
     @model_validator(mode="after")
     def _check_mcp(self) -> Settings:

@@ -10,27 +10,26 @@
         assert recorded.outcome is Outcome.OK
         assert recorded.deltas == "1\\n2\\n"
 
-The run goes through the same machinery as on a server (argument validation, the run's
-event log, outcome classification), so what passes here behaves the same behind gRPC.
+The run goes through the same machinery as on a server (argument validation, the run
+pipeline with its supervision by the critic, the run's event log, outcome classification),
+so what passes here behaves the same behind gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
-from stargrpc.arguments import validate
 from stargrpc.errors import ToolDefinitionError
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
-from stargrpc.registry import ToolSpec, spec_of
+from stargrpc.registry import Registry, ToolSpec, spec_of
 from stargrpc.run import Run
-from stargrpc.runlog import MemoryRunLog
+from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -106,20 +105,24 @@ async def run_tool(tool: Callable[..., Any] | ToolSpec,
 
     Raises:
         InvalidArgument: The arguments do not fit the tool's model.
+        CriticConfigError: The tool's critic (or the settings') cannot be loaded.
     """
     spec = _spec(tool)
     if isinstance(arguments, BaseModel):
-        args = arguments
-    else:
-        args = validate(spec.args_model, dict(arguments or {}))
-    run_id = f"test-{uuid.uuid4().hex[:12]}"
-    run = Run(run_id, spec, args, principal, dict(invocation or {}), MemoryRunLog(run_id),
-              settings=settings)
-    run.start()
-    if on_start is not None:
-        on_start(run)
-    result = await run.wait()
-    events = [event async for event in run.log.follow(0)]
+        arguments = arguments.model_dump(mode="json", by_alias=True)
+    runtime = Runtime(Registry([spec]), settings=settings)
+    call = ExecuteCall(tool_name=spec.name, arguments=dict(arguments or {}),
+                       invocation=dict(invocation or {}))
+    try:
+        submitted = await runtime.submit(call, principal)
+        run = submitted.run
+        assert run is not None  # no idempotency key: always a new run
+        if on_start is not None:
+            on_start(run)
+        result = await run.wait()
+        events = [event async for event in run.log.follow(0)]
+    finally:
+        await runtime.aclose()
     return RecordedRun(events=events, result=result)
 
 

@@ -4,7 +4,8 @@
   (``traceparent``/``tracestate``) from the call's metadata and wraps each ToolService call in
   a SERVER span named like ``stargrpc.v1.ToolService/Execute``, current for the call's task.
   The HTTP gateway forwards these headers, so a browser's or proxy's trace continues here.
-- :func:`trace_run`, a ``Runtime.launch_hooks`` hook, opens the run's span (``run <tool>``)
+- :class:`TracingRunInterceptor`, a stage of the run pipeline
+  (:class:`stargrpc.runtime.RunInterceptor`), opens the run's span (``run <tool>``)
   as a child of the call's span and follows the run through ``run.observers``: each step
   the tool opens becomes a child span of its parent step (the top-level step is the run span
   itself), a failed step or run gets status ERROR, notices become span events, and the
@@ -29,6 +30,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from stargrpc.run import Run
+from stargrpc.runtime import RunInput, RunInterceptor
 from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
@@ -166,9 +168,13 @@ def _call_span(name: str, context: grpc.aio.ServicerContext) -> Iterator[Span]:
 # -- runs --------------------------------------------------------------------------------------
 
 
-def trace_run(run: Run) -> None:
-    """``Runtime.launch_hooks`` hook: traces ``run`` (see the module docstring)."""
-    RunTracer(run, tracer())
+class TracingRunInterceptor(RunInterceptor):
+    """Traces each run it launches (see the module docstring)."""
+
+    def launch(self, input: RunInput) -> Run:
+        """Opens the run's span, then launches the run."""
+        RunTracer(input.run, tracer())
+        return self.next.launch(input)
 
 
 class RunTracer:

@@ -16,6 +16,7 @@ from stargrpc import SyncToolContext, ToolContext, tool
 from stargrpc.registry import Registry, spec_of
 from stargrpc.run import Run
 from stargrpc.runlog import MemoryRunStore
+from stargrpc.runtime import RunInput, RunInterceptor
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.runs_support import collect, execute_request, key, run_registry
@@ -37,10 +38,12 @@ def _track(server: StargrpcServer) -> list[weakref.ref[object]]:
     """Weak references to each run the server launches from now on, and to its log."""
     refs: list[weakref.ref[object]] = []
 
-    def remember(run: Run) -> None:
-        refs.extend((weakref.ref(run), weakref.ref(run.log)))
+    class Remember(RunInterceptor):
+        def launch(self, input: RunInput) -> Run:
+            refs.extend((weakref.ref(input.run), weakref.ref(input.run.log)))
+            return self.next.launch(input)
 
-    server.runtime.launch_hooks.append(remember)
+    server.runtime.add_interceptor(Remember())
     return refs
 
 

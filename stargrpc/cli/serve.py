@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from stargrpc.audit.key import AuditKeyError
 from stargrpc.cli.keys import announce_first_key
-from stargrpc.errors import AuthConfigError, ToolDefinitionError
+from stargrpc.errors import AuthConfigError, CriticConfigError, ToolDefinitionError
 from stargrpc.logs import configure_logging
 from stargrpc.secret_env import hand_over_and_reexec, take_over
 from stargrpc.server import StargrpcServer
@@ -43,6 +43,12 @@ SETTINGS_OPTIONS = [
     click.option("--critic-hard-timeout", "critic_hard_timeout", type=float, default=None,
                  help="Seconds a run may take at most [env STARGRPC_CRITIC_HARD_TIMEOUT; "
                  "default 900]."),
+    click.option("--critic", "critic", default=None, help="The server's critic: "
+                 "module:factory, or the name of a stargrpc.critics entry point [env "
+                 "STARGRPC_CRITIC; default: the rules]."),
+    click.option("--critic-url", "critic_url", default=None, help="host:port of a remote "
+                 "CriticService that judges every run [env STARGRPC_CRITIC_URL; default "
+                 "none]."),
     click.option("--redis-url", "redis_url", default=None, help="Share runs, idempotency keys "
                  "and leases with other replicas through this Redis (redis://host:6379/0) [env "
                  "STARGRPC_REDIS_URL; default: in this process only]."),
@@ -97,7 +103,7 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     except AuthConfigError as exc:
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(4)
-    except ToolDefinitionError as exc:
+    except (ToolDefinitionError, CriticConfigError) as exc:
         log.error("tools_failed_to_load", error=str(exc))
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(3)

@@ -8,7 +8,9 @@ Order, outermost first, and why:
    call ends, so it sees *every* attempt, including those authentication refuses.
 2. **auth** — establishes the principal from credentials (never from the request body) or
    ends the call UNAUTHENTICATED.
-3. **critic** — supervises the run an Execute starts: a deadline that extends on progress.
+3. **critic** — hands each Execute's supervision policy (the caller's deadline) to the
+   service; the run itself is supervised by the runtime's run pipeline
+   (:mod:`stargrpc.critic.supervision`), whatever started it.
 """
 
 from __future__ import annotations

@@ -247,6 +247,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         elif not record.outcome:
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
+        critic = record.extra.get("critic")
+        if critic:  # what the run's critic decided (verdicts, a fallback to the rules)
+            record.detail = "; ".join(filter(None, (record.detail, critic)))
         if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
             # The idempotency key was already held: this call attached to (or replayed) the
             # run that holds it instead of running the tool again.

@@ -1,29 +1,27 @@
-"""The critic interceptor, innermost in the chain: puts every Execute under supervision.
+"""The critic interceptor, innermost in the chain: hands each Execute its supervision policy.
 
-The interceptor does not see the run (the service handler creates it), so it hands the
-run's supervision policy down through a context variable instead: for Execute it wraps the
-handler so that, in the call's own task, :data:`stargrpc.supervisor.current_supervision`
-holds a :class:`~stargrpc.supervisor.SupervisionPolicy` — the configured soft and hard
-timeouts and the caller's deadline from ``context.time_remaining()``. The server registers
-:func:`stargrpc.supervisor.supervise_launched_run` as a ``Runtime.launch_hooks`` hook, which
-reads the policy when the handler launches the run and attaches the supervisor. The rules
-themselves live in :mod:`stargrpc.supervisor`.
+The run is supervised by the runtime's run pipeline (:mod:`stargrpc.critic.supervision`),
+whatever started it; this interceptor only captures what the gRPC call knows and the runtime
+cannot — the caller's deadline, from ``context.time_remaining()`` — as the call's
+:class:`~stargrpc.critic.supervision.SupervisionPolicy`, and passes it to the service
+explicitly: the handler receives a :class:`SupervisedRequest` (the request and its policy).
+Without this interceptor (an embedder's own chain) the service builds the same policy
+itself, so the caller's deadline still wins.
 
 Every other method, and a missing handler, passes through untouched.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.interceptors._shapes import WrappedHandlers
 from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
-from stargrpc.supervisor import SupervisionPolicy, current_supervision
 
 EXECUTE_METHOD = f"/{SERVICE_NAME}/Execute"
 
@@ -31,20 +29,17 @@ _StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 
 
 class CriticInterceptor(grpc.aio.ServerInterceptor):
-    """Sets the supervision policy of each Execute call.
+    """Captures the supervision policy of each Execute call.
 
     Attributes:
-        soft_timeout: Default seconds without progress before a run is stopped.
-        hard_timeout: Seconds a run may take at most.
+        settings: The server's settings (the soft and hard timeouts).
     """
 
-    soft_timeout: float
-    hard_timeout: float
+    settings: Settings
     _supervised_handlers: WrappedHandlers
 
     def __init__(self, settings: Settings) -> None:
-        self.soft_timeout = settings.critic_soft_timeout
-        self.hard_timeout = settings.critic_hard_timeout
+        self.settings = settings
         self._supervised_handlers = WrappedHandlers()
 
     async def intercept_service(
@@ -68,19 +63,13 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
 
     def policy(self, context: grpc.aio.ServicerContext) -> SupervisionPolicy:
         """The supervision policy of a call, with its deadline as an event-loop time."""
-        remaining = context.time_remaining()
-        deadline = None
-        if remaining is not None:
-            deadline = asyncio.get_running_loop().time() + remaining
-        return SupervisionPolicy(self.soft_timeout, self.hard_timeout, deadline)
+        return SupervisionPolicy.for_call(self.settings, context.time_remaining())
 
     def _supervised(self, behavior: _StreamBehavior) -> _StreamBehavior:
         async def supervised(request: Any, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Any]:
-            # grpc.aio serves each call in a task of its own, so the variable is seen by
-            # this call's handler (which launches the run) and by nothing else.
-            current_supervision.set(self.policy(context))
-            async for response in behavior(request, context):
+            async for response in behavior(SupervisedRequest(request, self.policy(context)),
+                                           context):
                 yield response
 
         return supervised

@@ -47,6 +47,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CRITIC_NO_PROGRESS: _ClassVar[ErrorReason]
     CRITIC_HARD_TIMEOUT: _ClassVar[ErrorReason]
     CLIENT_DEADLINE: _ClassVar[ErrorReason]
+    CRITIC_EXTENDED: _ClassVar[ErrorReason]
+    CRITIC_WARNING: _ClassVar[ErrorReason]
+    CRITIC_STEERED: _ClassVar[ErrorReason]
+    CRITIC_STOPPED: _ClassVar[ErrorReason]
+    CRITIC_FALLBACK: _ClassVar[ErrorReason]
+    STEERED: _ClassVar[ErrorReason]
     SANDBOX_UNAVAILABLE: _ClassVar[ErrorReason]
     EXIT_STATUS: _ClassVar[ErrorReason]
     SIGNAL: _ClassVar[ErrorReason]
@@ -110,6 +116,12 @@ SERVER_SHUTDOWN: ErrorReason
 CRITIC_NO_PROGRESS: ErrorReason
 CRITIC_HARD_TIMEOUT: ErrorReason
 CLIENT_DEADLINE: ErrorReason
+CRITIC_EXTENDED: ErrorReason
+CRITIC_WARNING: ErrorReason
+CRITIC_STEERED: ErrorReason
+CRITIC_STOPPED: ErrorReason
+CRITIC_FALLBACK: ErrorReason
+STEERED: ErrorReason
 SANDBOX_UNAVAILABLE: ErrorReason
 EXIT_STATUS: ErrorReason
 SIGNAL: ErrorReason

@@ -1,5 +1,4 @@
-"""Test tools shared by the critic's tests (tests/test_supervisor.py,
-tests/interceptors/test_critic.py)."""
+"""Test tools shared by the critic's tests."""
 
 from __future__ import annotations
 

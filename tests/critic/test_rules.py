@@ -1,5 +1,6 @@
-"""The critic's supervisor on real runs (no server): progress detection, the time left
-stamped on every event, the half-time notice, the three limits and the counters."""
+"""The default critic (the rules) and the supervision on real runs (no server): progress
+detection, the time left stamped on every event, the half-time notice, the three limits and
+the counters."""
 
 from __future__ import annotations
 
@@ -9,22 +10,21 @@ import uuid
 from pydantic import BaseModel
 
 from stargrpc import ToolContext, metrics, tool
-from stargrpc.outcome import Outcome
-from stargrpc.principal import Principal
-from stargrpc.registry import NoArguments, spec_of
-from stargrpc.run import Run
-from stargrpc.runlog import MemoryRunLog
-from stargrpc.supervisor import (
+from stargrpc.critic.supervision import (
     CLIENT_DEADLINE,
     HARD_TIMEOUT,
     NO_PROGRESS,
+    Supervision,
     SupervisionPolicy,
-    Supervisor,
-    current_supervision,
-    supervise_launched_run,
 )
+from stargrpc.principal import Principal
+from stargrpc.registry import NoArguments, Registry, spec_of
+from stargrpc.run import Run
+from stargrpc.runlog import MemoryRunLog
+from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
-from tests.critic_tools import hangs, impatient
+from tests.critic.tools import hangs, impatient
 from tests.helpers import phases
 
 WAIT = 30.0  # generous bound on any wait for a run to end; never a performance claim
@@ -59,13 +59,13 @@ def make_run(fn: object) -> Run:
 
 
 async def supervised_events(fn: object, policy: SupervisionPolicy
-                            ) -> tuple[Supervisor, list[events_pb2.RunEvent]]:
+                            ) -> tuple[Supervision, list[events_pb2.RunEvent]]:
     run = make_run(fn)
-    supervisor = Supervisor(run, policy)
-    supervisor.start()
+    supervision = Supervision(run, policy)
+    supervision.start()
     run.start()
     await asyncio.wait_for(run.wait(), WAIT)
-    return supervisor, [event async for event in run.log.follow(0)]
+    return supervision, [event async for event in run.log.follow(0)]
 
 
 def sample(name: str, **labels: str) -> float:
@@ -88,12 +88,12 @@ def step_event(phase: int, delta: str = "") -> events_pb2.RunEvent:
 
 
 async def test_only_real_progress_counts() -> None:
-    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(10, 100))
+    supervision = Supervision(make_run(hangs), SupervisionPolicy(10, 100))
 
     def counts(event: events_pb2.RunEvent) -> bool:
-        before = supervisor.progress_events
-        supervisor.observe(event)
-        return supervisor.progress_events > before
+        before = supervision.progress_events
+        supervision.observe(event)
+        return supervision.progress_events > before
 
     # Bare heartbeats, repeated, are not progress.
     assert not counts(heartbeat())
@@ -122,10 +122,10 @@ async def test_only_real_progress_counts() -> None:
 
 
 async def test_every_event_carries_the_time_left() -> None:
-    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(10, 100))
+    supervision = Supervision(make_run(hangs), SupervisionPolicy(10, 100))
     events = [heartbeat(), step_event(events_pb2.STEP_PHASE_DELTA, "x"), heartbeat()]
     for event in events:
-        supervisor.observe(event)
+        supervision.observe(event)
 
     lefts = [event.critic_time_left.ToNanoseconds() / 1e9 for event in events]
     assert all(event.HasField("critic_time_left") for event in events)
@@ -136,9 +136,9 @@ async def test_every_event_carries_the_time_left() -> None:
 
 async def test_hard_cap_and_deadline_bound_the_time_left() -> None:
     loop = asyncio.get_running_loop()
-    capped = Supervisor(make_run(hangs), SupervisionPolicy(10, 2))
+    capped = Supervision(make_run(hangs), SupervisionPolicy(10, 2))
     assert 0 < capped.time_left() <= 2
-    deadline = Supervisor(make_run(hangs), SupervisionPolicy(10, 100, loop.time() + 1))
+    deadline = Supervision(make_run(hangs), SupervisionPolicy(10, 100, loop.time() + 1))
     assert 0 < deadline.time_left() <= 1
 
 
@@ -146,7 +146,7 @@ async def test_hung_run_is_warned_at_half_time_then_stopped_with_its_output() ->
     warnings = sample("tool_executor_critic_warnings_total")
     kills = sample("tool_executor_critic_kills_total", reason="no_progress")
 
-    supervisor, events = await supervised_events(hangs, SupervisionPolicy(0.6, 30))
+    supervision, events = await supervised_events(hangs, SupervisionPolicy(0.6, 30))
 
     assert phases(events) == ["START s0", "DELTA s0 'partial output'", "NOTICE",
                               "END s0 ERROR", "RESULT TIMEOUT"]
@@ -161,7 +161,7 @@ async def test_hung_run_is_warned_at_half_time_then_stopped_with_its_output() ->
     assert result.duration.ToNanoseconds() >= 0.6e9  # not stopped before its time
     # Once the run is stopping, nothing is left.
     assert events[-1].critic_time_left.ToNanoseconds() == 0
-    assert supervisor.warned
+    assert supervision.warned
     assert sample("tool_executor_critic_warnings_total") == warnings + 1
     assert sample("tool_executor_critic_kills_total", reason="no_progress") == kills + 1
 
@@ -211,35 +211,28 @@ async def test_client_deadline_wins_over_the_critic() -> None:
 
 
 async def test_tool_soft_timeout_overrides_the_default() -> None:
-    supervisor, events = await supervised_events(impatient, SupervisionPolicy(60, 600))
+    supervision, events = await supervised_events(impatient, SupervisionPolicy(60, 600))
 
-    assert supervisor.soft_timeout == 0.4
+    assert supervision.soft_timeout == 0.4
     assert events[-1].result.error.message == "no progress for 0.4 s"
 
 
-async def test_launch_hook_supervises_only_calls_with_a_policy() -> None:
-    unsupervised = make_run(hangs)
-    supervise_launched_run(unsupervised)
-    assert unsupervised.observers == []
+async def test_a_run_submitted_without_a_policy_is_supervised_by_the_servers() -> None:
+    runtime = Runtime(Registry([spec_of(hangs)]), settings=Settings(critic_soft_timeout=0.4))
+    submitted = await runtime.submit(ExecuteCall(tool_name="hangs", arguments={}),
+                                     Principal("tester"))
+    assert submitted.run is not None
+    result = await asyncio.wait_for(submitted.run.wait(), WAIT)
 
-    supervised = make_run(hangs)
-    token = current_supervision.set(SupervisionPolicy(5, 50))
-    try:
-        supervise_launched_run(supervised)
-    finally:
-        current_supervision.reset(token)
-    assert len(supervised.observers) == 1
-    supervised.stop(Outcome.CANCELLED, "TEST", "done")
-    supervised.start()
-    await asyncio.wait_for(supervised.wait(), WAIT)
-
+    assert result.error.code == NO_PROGRESS
+    assert result.error.message == "no progress for 0.4 s"
 
 
 async def test_huge_timeouts_still_stamp_a_valid_time_left() -> None:
-    supervisor = Supervisor(make_run(hangs), SupervisionPolicy(1e300, 1e300))
+    supervision = Supervision(make_run(hangs), SupervisionPolicy(1e300, 1e300))
     event = heartbeat("working")
 
-    supervisor.observe(event)
+    supervision.observe(event)
 
     assert event.critic_time_left.seconds >= 365 * 24 * 3600
     assert event.SerializeToString()  # a valid Duration

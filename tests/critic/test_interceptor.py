@@ -20,7 +20,7 @@ from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.critic_tools import hangs, impatient
+from tests.critic.tools import hangs, impatient
 from tests.helpers import phases, run_tool
 from tests.procs import serve
 
