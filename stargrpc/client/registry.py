@@ -71,6 +71,7 @@ from stargrpc.client.events import (
     event_from_proto,
 )
 from stargrpc.client.retry import RetryPolicy
+from stargrpc.critic.supervision import SupervisionPolicy
 from stargrpc.errors import InvalidArgument, RequestError, ResourceExhausted, Unavailable
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import RolePolicy, ToolPolicy
@@ -79,7 +80,6 @@ from stargrpc.registry import Registry
 from stargrpc.run import Run
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
-from stargrpc.supervisor import SupervisionPolicy, current_supervision, supervise_launched_run
 
 log = structlog.get_logger("stargrpc.client.registry")
 
@@ -204,7 +204,6 @@ class RemoteToolRegistry:
         self.runtime = Runtime(self.local, settings=settings,
                                policy=policy if policy is not None
                                else RolePolicy.from_settings(settings))
-        self.runtime.launch_hooks.append(supervise_launched_run)
         self._channel = channel
         self._client = (AsyncClient(channel, api_key=api_key, token=token, metadata=metadata,
                                     retry=retry) if channel is not None else None)
@@ -432,19 +431,13 @@ class RemoteToolRegistry:
                             detail=detail)
         try:
             text = arguments if isinstance(arguments, str) else json.dumps(dict(arguments or {}))
+            # Supervised as on a server: the configured critic, the caller's deadline.
+            policy = SupervisionPolicy.for_call(self.runtime.settings, timeout)
             call = ExecuteCall(tool_name=tool, arguments=decode_json(text, self.runtime.limits),
-                               idempotency_key=idempotency_key or "", invocation=invocation)
+                               idempotency_key=idempotency_key or "", invocation=invocation,
+                               policy=policy)
             audit.arguments = call.arguments
-            loop = asyncio.get_running_loop()
-            settings = self.runtime.settings
-            policy = SupervisionPolicy(settings.critic_soft_timeout, settings.critic_hard_timeout,
-                                       None if timeout is None else loop.time() + timeout)
-            # Read by the runtime's launch hook, as the critic interceptor's is on a server.
-            token = current_supervision.set(policy)
-            try:
-                submitted = await self.runtime.submit(call, self.principal)
-            finally:
-                current_supervision.reset(token)
+            submitted = await self.runtime.submit(call, self.principal)
         except RequestError as error:
             audit.outcome = outcome_for_status(error.code)
             audit.detail = "; ".join(filter(None, (detail, f"{error.reason}: {error.message}")))
