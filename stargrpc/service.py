@@ -19,6 +19,7 @@ from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     RequestError,
     RunFinished,
     abort_with,
@@ -27,7 +28,8 @@ from stargrpc.errors import (
 from stargrpc.outcome import Outcome
 from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.runlog import RunLog
+from stargrpc.run import check_steer_message
+from stargrpc.runlog import RunLog, run_finished_error
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
@@ -37,6 +39,7 @@ _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
 _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
+_STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
 
 SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
@@ -226,6 +229,30 @@ class ToolService:
             raise  # abort_with never returns
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
+    async def SteerRun(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> tool_service_pb2.SteerRunResponse:
+        await _refuse_malformed(request, context)
+        settings = self.settings
+        principal = current_principal.get()
+        steer_roles = (settings.delegation_role, *settings.run_steer_roles)
+        try:
+            check_steer_message(request.message, settings.steer_max_bytes)
+            log = await self._visible_run(request.run_id,
+                                          (*steer_roles, *settings.run_watch_roles))
+            if not (log.owner == principal.id or principal.has_role(settings.admin_role)
+                    or any(principal.has_role(role) for role in steer_roles)):
+                raise PermissionDenied("the caller may watch this run but not steer it",
+                                       reason=_STEER_NOT_ALLOWED,
+                                       metadata={"run_id": log.run_id})
+            if log.finished:
+                raise run_finished_error(log.run_id)
+            await self.runtime.store.request_steer(log.run_id, request.message,
+                                                   f"principal {principal.describe()}")
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        return tool_service_pb2.SteerRunResponse(run_id=log.run_id)
+
     async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
         """The log of ``run_id`` when the caller may see it: its owner, a holder of
         ``admin_role``, or of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly
@@ -290,6 +317,8 @@ def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
             service.WatchRun, _tolerant(pb.WatchRunRequest), serializer),
         "CancelRun": grpc.unary_unary_rpc_method_handler(
             service.CancelRun, _tolerant(pb.CancelRunRequest), serializer),
+        "SteerRun": grpc.unary_unary_rpc_method_handler(
+            service.SteerRun, _tolerant(pb.SteerRunRequest), serializer),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -69,6 +69,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KB_NOT_CONFIGURED: _ClassVar[ErrorReason]
     KB_MISSING: _ClassVar[ErrorReason]
     HTTP_BAD_REDIRECT: _ClassVar[ErrorReason]
+    STEERED: _ClassVar[ErrorReason]
+    STEER_QUEUE_FULL: _ClassVar[ErrorReason]
+    STEER_NOT_ALLOWED: _ClassVar[ErrorReason]
+    DELIVERY_NOT_ALLOWED: _ClassVar[ErrorReason]
+    DELIVERY_UNAVAILABLE: _ClassVar[ErrorReason]
+    DELIVERY_FAILED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -132,3 +138,9 @@ HTTP_TOO_LARGE: ErrorReason
 KB_NOT_CONFIGURED: ErrorReason
 KB_MISSING: ErrorReason
 HTTP_BAD_REDIRECT: ErrorReason
+STEERED: ErrorReason
+STEER_QUEUE_FULL: ErrorReason
+STEER_NOT_ALLOWED: ErrorReason
+DELIVERY_NOT_ALLOWED: ErrorReason
+DELIVERY_UNAVAILABLE: ErrorReason
+DELIVERY_FAILED: ErrorReason
