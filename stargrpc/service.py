@@ -15,6 +15,8 @@ from google.protobuf.message import DecodeError, Message
 
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
+from stargrpc.delivery import Deliveries, DeliveryTarget
+from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
@@ -30,8 +32,9 @@ from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import check_steer_message
 from stargrpc.runlog import RunLog, run_finished_error
-from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.runtime import ExecuteCall, Runtime, Submission
 from stargrpc.settings import Settings
+from stargrpc.supervisor import SupervisionPolicy, current_supervision
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
 from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 
@@ -76,10 +79,13 @@ class ToolService:
     """The stargrpc.v1.ToolService implementation."""
 
     runtime: Runtime
+    deliveries: Deliveries
     _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, deliveries: Deliveries | None = None) -> None:
         self.runtime = runtime
+        self.deliveries = (deliveries if deliveries is not None
+                           else Deliveries(runtime.settings, runtime.store))
         self._tool_messages = ("", {})
 
     # -- catalog ---------------------------------------------------------------------------
@@ -133,10 +139,12 @@ class ToolService:
         await _refuse_malformed(request, context)
         try:
             call = self._decode_execute(request)
+            target = await self._delivery_target(request)
             submitted = await self.runtime.submit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
             return
+        self._deliver(submitted, target)
         streamed_to_end = False
         try:
             # Pre-serialised responses (and the Result as a message): stargrpc.streaming.
@@ -155,7 +163,44 @@ class ToolService:
                 submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
-    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest) -> ExecuteCall:
+    async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> tool_service_pb2.StartRunResponse:
+        await _refuse_malformed(request, context)
+        # A detached run is supervised by the server's own timeouts: the deadline of this
+        # unary call is not the run's.
+        policy = SupervisionPolicy(self.settings.critic_soft_timeout,
+                                   self.settings.critic_hard_timeout, None)
+        token = current_supervision.set(policy)
+        try:
+            call = self._decode_execute(request)
+            target = await self._delivery_target(request)
+            submitted = await self.runtime.submit(call, current_principal.get())
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        finally:
+            current_supervision.reset(token)
+        self._deliver(submitted, target)
+        return tool_service_pb2.StartRunResponse(run_id=submitted.log.run_id,
+                                                 attached=submitted.run is None)
+
+    async def _delivery_target(self, request: tool_service_pb2.ExecuteRequest
+                               | tool_service_pb2.StartRunRequest) -> DeliveryTarget | None:
+        """The request's delivery target, checked (None when it names none)."""
+        if not request.HasField("delivery"):
+            return None
+        return await checked_target(request.delivery, self.settings,
+                                    fleet=self.deliveries.fleet)
+
+    def _deliver(self, submitted: Submission, target: DeliveryTarget | None) -> None:
+        """Has the Result of a run this call started delivered to ``target``. A call that
+        attached to the run holding its idempotency key adds no delivery: the first call's
+        target is the run's."""
+        if target is not None and submitted.run is not None:
+            self.deliveries.track(submitted.run.run_id, submitted.run.spec.name, target)
+
+    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest
+                        | tool_service_pb2.StartRunRequest) -> ExecuteCall:
         limits = self.runtime.limits
         which = request.WhichOneof("args")
         if which == "arguments_json":
@@ -319,6 +364,8 @@ def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
             service.CancelRun, _tolerant(pb.CancelRunRequest), serializer),
         "SteerRun": grpc.unary_unary_rpc_method_handler(
             service.SteerRun, _tolerant(pb.SteerRunRequest), serializer),
+        "StartRun": grpc.unary_unary_rpc_method_handler(
+            service.StartRun, _tolerant(pb.StartRunRequest), serializer),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
