@@ -74,7 +74,7 @@ class Receiver(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: Receiver
 
-    def do_POST(self) -> None:  # noqa: N802 (the http.server naming)
+    def do_POST(self) -> None:
         length = int(self.headers.get("content-length") or 0)
         if not 0 < length <= MAX_BODY_BYTES:
             return self._answer(413)
@@ -98,7 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", "0")
         self.end_headers()
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         return None
 
 

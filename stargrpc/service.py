@@ -34,8 +34,8 @@ from stargrpc.run import check_steer_message
 from stargrpc.runlog import RunLog, run_finished_error
 from stargrpc.runtime import ExecuteCall, Runtime, Submission
 from stargrpc.settings import Settings
-from stargrpc.supervisor import SupervisionPolicy, current_supervision
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
+from stargrpc.supervisor import SupervisionPolicy, current_supervision
 from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 
 _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")

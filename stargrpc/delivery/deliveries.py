@@ -157,6 +157,13 @@ class Deliveries:
 
     async def _result_of(self, run_id: str) -> events_pb2.Result | None:
         run_log = await self.store.open(run_id)
+        # A run reaches Redis with its first events, a moment after it started: a delivery
+        # taken over from a replica that died then may look for it a little early.
+        for _ in range(20):
+            if run_log is not None:
+                break
+            await asyncio.sleep(self._lease_ms / 10_000)
+            run_log = await self.store.open(run_id)
         if run_log is None:
             return None
         async for event in run_log.follow(max(0, run_log.last_seq - 1)):
