@@ -73,14 +73,15 @@ async def test_a_delivery_survives_a_sigkill_of_the_replica_running_the_run(
         pending_key = f"{redis_prefix}delivery:pending"
         async with asyncio.timeout(20):
             # The delivery is pending and the run is in Redis (its first events flushed).
-            while not (await redis.hexists(pending_key, started.run_id) and await redis.exists(
+            while not (await redis.hexists(pending_key, started.run_id) and await redis.exists(  # noqa: ASYNC110
                     f"{redis_prefix}run:{started.run_id}")):
-                await asyncio.sleep(0.05)  # another process writes it: nothing to await
+                # Another process writes them: there is no event to await.
+                await asyncio.sleep(0.05)
         doomed.signal(signal.SIGKILL)
         await replicas(run_lease_seconds=1)  # the survivor
         entry = await read_entry(redis, f"{redis_prefix}results", started.run_id, 60)
         async with asyncio.timeout(10):
-            while await redis.hexists(pending_key, started.run_id):
+            while await redis.hexists(pending_key, started.run_id):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
     finally:
         doomed.stop()
