@@ -192,3 +192,19 @@ async def _refusal(call) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as error:
         return error
     raise AssertionError("not refused")
+
+
+async def test_the_sdk_steers(stub, make_server) -> None:
+    from stargrpc.client import AsyncClient
+
+    server = await make_server(registry=run_registry())
+    async with AsyncClient.connect(f"127.0.0.1:{server.port}") as client:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        local = tool_service_pb2_grpc.ToolServiceStub(channel)
+        call = local.Execute(execute_request("listen", {"count": 1}))
+        head = await read_until(call, "listening")
+        await client.steer(head[0].run_id, "from the SDK")
+        events = head + await collect(call)
+        await channel.close()
+
+    assert events[-1].result.output == "from the SDK"
