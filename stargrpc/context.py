@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import mimetypes
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -234,6 +234,22 @@ class ToolContext:
         """Whether the run has been asked to stop."""
         return self._run.stop_requested
 
+    async def steering(self) -> AsyncIterator[str]:
+        """The steering messages sent to this run (SteerRun, the critic), in order, each
+        as it arrives; the iteration waits for the next one until the run ends. Read it
+        in a task of its own, or break out when a message has been handled::
+
+            async for message in ctx.steering():
+                ...
+        """
+        while True:
+            yield await self._run.next_steering()
+
+    def steering_pending(self) -> list[str]:
+        """The steering messages that arrived and were not read yet, without waiting (an
+        empty list when there are none); each is returned once."""
+        return self._run.steering_pending()
+
 
 class SyncToolContext:
     """The context of a plain ``def`` tool, which runs in a worker thread: the same methods,
@@ -287,3 +303,44 @@ class SyncToolContext:
         """Whether the run has been asked to stop; a thread cannot be interrupted, so a
         long-running sync tool should check this."""
         return self._ctx.cancelled
+
+    def steering_pending(self) -> list[str]:
+        """See :meth:`ToolContext.steering_pending`."""
+        future = asyncio.run_coroutine_threadsafe(_pending(self._ctx), self._loop)
+        return future.result()
+
+    def steering(self, timeout: float | None = None) -> Iterator[str]:
+        """The steering messages, in order, each as it arrives (see
+        :meth:`ToolContext.steering`).
+
+        Args:
+            timeout: End the iteration after this many seconds without a message (None:
+                wait for as long as the run goes).
+        """
+        while not self._ctx.cancelled:
+            future = asyncio.run_coroutine_threadsafe(_next(self._ctx, timeout), self._loop)
+            message = future.result()
+            if message is None:
+                return
+            yield message
+
+
+async def _next(ctx: ToolContext, timeout: float | None) -> str | None:  # noqa: ASYNC109
+    """The next steering message, or None after ``timeout`` or once the run is stopped."""
+    # Timed on the loop, so a message taken just as time runs out is returned rather than
+    # lost with a cancelled cross-thread future; woken each second to see a stop.
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while not ctx.cancelled:
+        wait = 1.0 if deadline is None else min(1.0, deadline - loop.time())
+        if wait <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(ctx._run.next_steering(), wait)
+        except TimeoutError:
+            continue
+    return None
+
+
+async def _pending(ctx: ToolContext) -> list[str]:
+    return ctx.steering_pending()

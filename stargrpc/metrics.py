@@ -43,3 +43,9 @@ AUTH_FAILURES = Counter(
 AUDIT_QUEUE_DEPTH = Gauge(
     "tool_executor_audit_queue_depth", "Audit records waiting to be written.",
     registry=REGISTRY)
+DELIVERY_ATTEMPTS = Counter(
+    "tool_executor_delivery_attempts", "Attempts to deliver a Result, by target kind and "
+    "result (ok, failed).", ["kind", "result"], registry=REGISTRY)
+DELIVERIES = Counter(
+    "tool_executor_deliveries", "Results whose delivery ended, by target kind and final "
+    "state (delivered, failed).", ["kind", "state"], registry=REGISTRY)

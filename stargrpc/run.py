@@ -27,7 +27,13 @@ from google.protobuf.message import Message
 from pydantic import BaseModel
 
 from stargrpc.context import SentFileRecord, Step, SyncToolContext, ToolContext, WriteBack
-from stargrpc.errors import ToolOutcomeError
+from stargrpc.errors import (
+    FieldViolation,
+    InvalidArgument,
+    ResourceExhausted,
+    ToolOutcomeError,
+    reason_name,
+)
 from stargrpc.event_sizes import (
     OUTPUT_FILE_NAME,
     OUTPUT_TRUNCATED,
@@ -41,9 +47,9 @@ from stargrpc.event_sizes import (
 from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.runlog import RunLog, stamp_now
+from stargrpc.runlog import RunLog, run_finished_error, stamp_now
 from stargrpc.settings import Settings
-from stargrpc.v1 import events_pb2
+from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.run")
 
@@ -63,6 +69,11 @@ YIELD_EVERY_EVENTS = 16
 #: Called with every event just before it is appended: observers may read it (progress
 #: tracking) or stamp fields on it (time left before the supervisor stops the run).
 EventObserver = Callable[[events_pb2.RunEvent], None]
+
+
+#: The code of the Notice each steering message leaves in the run's log.
+STEERED = reason_name(errors_pb2.STEERED)
+_STEER_QUEUE_FULL = reason_name(errors_pb2.STEER_QUEUE_FULL)
 
 
 @dataclass(frozen=True)
@@ -122,8 +133,7 @@ class Run:
     _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
     _done: asyncio.Event
-    steering_queue: asyncio.Queue[str]
-    _notices: set[asyncio.Task[None]]
+    _steering: asyncio.Queue[str]
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
@@ -158,8 +168,7 @@ class Run:
         self._abandon_timer = None
         self._main_task = None
         self._done = asyncio.Event()
-        self.steering_queue = asyncio.Queue()
-        self._notices = set()
+        self._steering = asyncio.Queue(self.settings.steer_max_pending)
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -206,22 +215,51 @@ class Run:
         return True
 
     def steer(self, message: str, *, source: str) -> None:
-        """Sends the running tool a message: a STEERED notice in the run's log, and the
-        text on the run's steering queue (``ctx.steering()``). Does nothing once the run
-        has ended.
+        """Hands the tool a steering message: a Notice with code ``STEERED`` and the text
+        goes into the run's log (so watchers see it and WatchRun replays it), and the
+        message onto the run's steering queue, which the tool reads through
+        ``ctx.steering()`` / ``ctx.steering_pending()``.
 
         Args:
-            message: What the tool should know.
-            source: Who steered (``critic``, a principal id).
+            message: The text for the tool (at most ``steer_max_bytes`` bytes of UTF-8).
+            source: Who steered ("principal alice", "critic rules"), shown in the notice.
+
+        Raises:
+            InvalidArgument: The message is empty or over ``steer_max_bytes``.
+            FailedPrecondition: The run has ended (reason RUN_FINISHED).
+            ResourceExhausted: The run holds ``steer_max_pending`` unread messages.
         """
-        if self.finished:
-            return
-        log.info("run_steered", run_id=self.run_id, source=source)
-        self.steering_queue.put_nowait(message)
-        task = asyncio.get_running_loop().create_task(
-            self.emit_notice(STEERED, message, warning=False))
-        self._notices.add(task)
-        task.add_done_callback(self._notices.discard)
+        check_steer_message(message, self.settings.steer_max_bytes)
+        if self.finished or self._stop is not None:
+            raise run_finished_error(self.run_id)
+        try:
+            self._steering.put_nowait(message)
+        except asyncio.QueueFull:
+            raise ResourceExhausted(
+                f"the run already holds {self._steering.maxsize} unread steering messages",
+                retry_after=self.settings.limit_retry_after_seconds,
+                reason=_STEER_QUEUE_FULL, metadata={"run_id": self.run_id}) from None
+        event = events_pb2.RunEvent()
+        event.notice.level = events_pb2.NOTICE_LEVEL_INFO
+        event.notice.code = STEERED
+        event.notice.message = cut_text(message, self._sizes.label_chars)
+        event.notice.source = cut_text(source, self._sizes.label_chars)
+        for observer in self.observers:
+            observer(event)
+        # Appended at once, before the tool can read the message: the log shows the steer
+        # before anything the tool does about it.
+        self.log.append_nowait(event)  # type: ignore[attr-defined]
+
+    async def next_steering(self) -> str:
+        """Waits for the next steering message."""
+        return await self._steering.get()
+
+    def steering_pending(self) -> list[str]:
+        """The steering messages not read yet, in order, taken off the queue."""
+        pending = []
+        while not self._steering.empty():
+            pending.append(self._steering.get_nowait())
+        return pending
 
     async def wait(self) -> events_pb2.Result:
         """Waits for the run to end and returns its Result."""
@@ -604,6 +642,27 @@ class Run:
         self._output_tail_size += len(text)
         while self._output_tail_size > OUTPUT_TAIL_BYTES and len(self._output_tail) > 1:
             self._output_tail_size -= len(self._output_tail.pop(0))
+
+
+def check_steer_message(message: str, max_bytes: int) -> None:
+    """Refuses an empty steering message or one over ``max_bytes`` bytes of UTF-8.
+
+    Raises:
+        InvalidArgument: With a BadRequest violation on ``message``.
+    """
+    if not message.strip():
+        raise InvalidArgument("the steering message is empty",
+                              [FieldViolation("message", "must not be empty")])
+    try:
+        size = len(message.encode())
+    except UnicodeEncodeError:
+        raise InvalidArgument("the steering message is not valid UTF-8",
+                              [FieldViolation("message", "must be valid UTF-8")]) from None
+    if size > max_bytes:
+        raise InvalidArgument(
+            f"the steering message is {size} bytes; at most {max_bytes} are taken",
+            [FieldViolation("message", f"at most {max_bytes} bytes of UTF-8 "
+                                       f"(steer_max_bytes), got {size}")])
 
 
 @functools.cache

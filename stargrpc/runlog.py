@@ -25,8 +25,8 @@ from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from stargrpc.errors import WatcherTooSlow
-from stargrpc.v1 import events_pb2
+from stargrpc.errors import FailedPrecondition, WatcherTooSlow, reason_name
+from stargrpc.v1 import errors_pb2, events_pb2
 
 #: Largest serialised event a :class:`MemoryRunLog` keeps the bytes of (file chunks are
 #: larger, and serialising them costs little beside sending them).
@@ -109,15 +109,26 @@ class CancelHandler(Protocol):
         ...
 
 
+class SteerHandler(Protocol):
+    """Steers a run of this process; whether it runs here."""
+
+    def __call__(self, run_id: str, message: str, source: str) -> bool:
+        """Hands ``message`` to the run (see :meth:`stargrpc.run.Run.steer`, whose refusals
+        it raises); False when no such run is going in this process."""
+        ...
+
+
 class RunStore(Protocol):
     """Where run logs, their owners and idempotency claims live.
 
     Attributes:
         cancel_handler: Set by the runtime: stops a run of this process, given its id and
             the reason, and says whether it was still going.
+        steer_handler: Set by the runtime: steers a run of this process.
     """
 
     cancel_handler: CancelHandler | None
+    steer_handler: SteerHandler | None
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> RunLog:
         """A new, empty log for ``run_id``, owned by principal ``owner``."""
@@ -162,9 +173,26 @@ class RunStore(Protocol):
         """
         ...
 
+    async def request_steer(self, run_id: str, message: str, source: str) -> None:
+        """Hands a steering message to the run ``run_id`` wherever it runs.
+
+        Raises:
+            FailedPrecondition: The run has ended (reason RUN_FINISHED).
+            ResourceExhausted: The run holds too many unread steering messages.
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
     async def aclose(self) -> None:
         """Releases connections and background tasks."""
         ...
+
+
+def run_finished_error(run_id: str) -> FailedPrecondition:
+    """The refusal of a request that needs a run still going (steering it)."""
+    return FailedPrecondition("the run has ended; it cannot be steered",
+                              reason=reason_name(errors_pb2.RUN_FINISHED),
+                              metadata={"run_id": run_id})
 
 
 class MemoryRunLog:
@@ -303,6 +331,7 @@ class MemoryRunStore:
     _claims: dict[tuple[str, str], tuple[str, str]]
     _claim_of_run: dict[str, tuple[str, str]]
     cancel_handler: CancelHandler | None
+    steer_handler: SteerHandler | None
 
     def __init__(self, retention: float = 600.0, max_finished: int = 10_000,
                  max_finished_bytes: int = 256 * 1024 * 1024) -> None:
@@ -316,6 +345,7 @@ class MemoryRunStore:
         self._claim_of_run = {}
         # Set by the runtime: stops a run of this process (run_id, reason) -> was running.
         self.cancel_handler = None
+        self.steer_handler = None
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> MemoryRunLog:
         self._expire()
@@ -351,6 +381,10 @@ class MemoryRunStore:
         if self.cancel_handler is None:
             return False
         return self.cancel_handler(run_id, reason)
+
+    async def request_steer(self, run_id: str, message: str, source: str) -> None:
+        if self.steer_handler is None or not self.steer_handler(run_id, message, source):
+            raise run_finished_error(run_id)
 
     async def aclose(self) -> None:
         return None

@@ -221,6 +221,7 @@ class Runtime:
         self.runs = {}
         # CancelRun and a shared store's remote cancels reach runs of this process here.
         self.store.cancel_handler = self.cancel_local
+        self.store.steer_handler = self.steer_local
         self.draining = False
         self.critics = Critics(self.settings)
         self.critics.load_tools(registry.values())
@@ -406,6 +407,18 @@ class Runtime:
         if failure_code:
             return run is not None and run.stop(Outcome.ERROR, failure_code, reason)
         return run is not None and run.stop(Outcome.CANCELLED, "CANCELLED", reason)
+
+    def steer_local(self, run_id: str, message: str, source: str) -> bool:
+        """Steers a run of this process (see :meth:`Run.steer`, whose refusals it raises).
+
+        Returns:
+            False when no such run is going in this process.
+        """
+        run = self.runs.get(run_id)
+        if run is None:
+            return False
+        run.steer(message, source=source)
+        return True
 
     def get(self, run_id: str) -> Run | None:
         """A run in flight in this process."""

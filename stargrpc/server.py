@@ -112,7 +112,8 @@ class StargrpcServer:
             options=self._channel_options(),
         )
         self._health = health.aio.HealthServicer()
-        add_to_server(ToolService(self.runtime), self._server)
+        self.service = ToolService(self.runtime)
+        add_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
 
@@ -146,6 +147,7 @@ class StargrpcServer:
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
+        self.service.deliveries.start()
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
             self.mcp = McpEndpoint(self.settings, self.port)
@@ -177,6 +179,7 @@ class StargrpcServer:
         if self.mcp is not None:
             await self.mcp.stop()
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
+        await self.service.deliveries.aclose(grace)
         await self.runtime.store.aclose()
         await self.runtime.aclose()
         for component in reversed(self.interceptors):

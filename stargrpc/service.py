@@ -16,10 +16,13 @@ from google.protobuf.message import DecodeError, Message
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
+from stargrpc.delivery import Deliveries, DeliveryTarget
+from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     RequestError,
     RunFinished,
     abort_with,
@@ -28,8 +31,9 @@ from stargrpc.errors import (
 from stargrpc.outcome import Outcome
 from stargrpc.principal import current_principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.runlog import RunLog
-from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.run import check_steer_message
+from stargrpc.runlog import RunLog, run_finished_error
+from stargrpc.runtime import ExecuteCall, Runtime, Submission
 from stargrpc.settings import Settings
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
 from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
@@ -38,6 +42,7 @@ _EXECUTE_EVENTS = metrics.EVENTS_STREAMED.labels("Execute")
 _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
+_STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
 
 SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
@@ -74,10 +79,13 @@ class ToolService:
     """The stargrpc.v1.ToolService implementation."""
 
     runtime: Runtime
+    deliveries: Deliveries
     _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, deliveries: Deliveries | None = None) -> None:
         self.runtime = runtime
+        self.deliveries = (deliveries if deliveries is not None
+                           else Deliveries(runtime.settings, runtime.store))
         self._tool_messages = ("", {})
 
     # -- catalog ---------------------------------------------------------------------------
@@ -137,10 +145,12 @@ class ToolService:
         await _refuse_malformed(request, context)
         try:
             call = self._decode_execute(request, policy)
+            target = await self._delivery_target(request)
             submitted = await self.runtime.submit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
             return
+        self._deliver(submitted, target)
         streamed_to_end = False
         try:
             # Pre-serialised responses (and the Result as a message): stargrpc.streaming.
@@ -159,7 +169,40 @@ class ToolService:
                 submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
-    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest,
+    async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> tool_service_pb2.StartRunResponse:
+        await _refuse_malformed(request, context)
+        # A detached run is supervised by the server's own timeouts: the deadline of this
+        # unary call is not the run's.
+        policy = SupervisionPolicy.for_call(self.settings)
+        try:
+            call = self._decode_execute(request, policy)
+            target = await self._delivery_target(request)
+            submitted = await self.runtime.submit(call, current_principal.get())
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        self._deliver(submitted, target)
+        return tool_service_pb2.StartRunResponse(run_id=submitted.log.run_id,
+                                                 attached=submitted.run is None)
+
+    async def _delivery_target(self, request: tool_service_pb2.ExecuteRequest
+                               | tool_service_pb2.StartRunRequest) -> DeliveryTarget | None:
+        """The request's delivery target, checked (None when it names none)."""
+        if not request.HasField("delivery"):
+            return None
+        return await checked_target(request.delivery, self.settings,
+                                    fleet=self.deliveries.fleet)
+
+    def _deliver(self, submitted: Submission, target: DeliveryTarget | None) -> None:
+        """Has the Result of a run this call started delivered to ``target``. A call that
+        attached to the run holding its idempotency key adds no delivery: the first call's
+        target is the run's."""
+        if target is not None and submitted.run is not None:
+            self.deliveries.track(submitted.run.run_id, submitted.run.spec.name, target)
+
+    def _decode_execute(self, request: tool_service_pb2.ExecuteRequest
+                        | tool_service_pb2.StartRunRequest,
                         policy: SupervisionPolicy) -> ExecuteCall:
         limits = self.runtime.limits
         which = request.WhichOneof("args")
@@ -235,6 +278,30 @@ class ToolService:
             raise  # abort_with never returns
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
+    async def SteerRun(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> tool_service_pb2.SteerRunResponse:
+        await _refuse_malformed(request, context)
+        settings = self.settings
+        principal = current_principal.get()
+        steer_roles = (settings.delegation_role, *settings.run_steer_roles)
+        try:
+            check_steer_message(request.message, settings.steer_max_bytes)
+            log = await self._visible_run(request.run_id,
+                                          (*steer_roles, *settings.run_watch_roles))
+            if not (log.owner == principal.id or principal.has_role(settings.admin_role)
+                    or any(principal.has_role(role) for role in steer_roles)):
+                raise PermissionDenied("the caller may watch this run but not steer it",
+                                       reason=_STEER_NOT_ALLOWED,
+                                       metadata={"run_id": log.run_id})
+            if log.finished:
+                raise run_finished_error(log.run_id)
+            await self.runtime.store.request_steer(log.run_id, request.message,
+                                                   f"principal {principal.describe()}")
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        return tool_service_pb2.SteerRunResponse(run_id=log.run_id)
+
     async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
         """The log of ``run_id`` when the caller may see it: its owner, a holder of
         ``admin_role``, or of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly
@@ -299,6 +366,10 @@ def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
             service.WatchRun, _tolerant(pb.WatchRunRequest), serializer),
         "CancelRun": grpc.unary_unary_rpc_method_handler(
             service.CancelRun, _tolerant(pb.CancelRunRequest), serializer),
+        "SteerRun": grpc.unary_unary_rpc_method_handler(
+            service.SteerRun, _tolerant(pb.SteerRunRequest), serializer),
+        "StartRun": grpc.unary_unary_rpc_method_handler(
+            service.StartRun, _tolerant(pb.StartRunRequest), serializer),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

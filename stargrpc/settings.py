@@ -339,6 +339,37 @@ class Settings(BaseSettings):
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
 
+    # -- delivery and steering (stargrpc/delivery, run.py steer, service.py) ---------------
+    steer_max_bytes: int = Field(4096, ge=1, le=1024 * 1024, description="Longest SteerRun "
+                                 "message (UTF-8 bytes); longer ones are refused "
+                                 "INVALID_ARGUMENT.")
+    steer_max_pending: int = Field(16, ge=1, le=10_000, description="Steering messages a "
+                                   "run holds unread; more are refused RESOURCE_EXHAUSTED.")
+    run_steer_roles: list[str] = Field(["critic"], description="Roles that may steer anyone's "
+                                       "run (besides its owner, admin_role and "
+                                       "delegation_role); watchers may not steer.")
+    delivery_allowlist: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Hosts a webhook delivery may post to "
+        "(*.example.com for subdomains); any other is refused when the run is requested.")
+    delivery_allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Non-public networks (CIDR) webhooks may reach "
+        "anyway; by default the SSRF rules of http_fetch refuse them.")
+    delivery_webhook_secret_file: Path | None = Field(
+        None, description="File holding the HMAC-SHA256 key that signs webhook deliveries "
+        "(stargrpc-signature header); webhooks are refused while it is unset.")
+    delivery_ca_file: Path | None = Field(None, description="PEM CA bundle webhook "
+                                          "receivers' certificates are checked against; "
+                                          "default: the system's.")
+    delivery_timeout_seconds: float = Field(10.0, gt=0, description="Time per delivery "
+                                            "attempt.")
+    delivery_retry_initial_seconds: float = Field(1.0, gt=0, description="Wait before the "
+                                                  "first retry; doubled after each failure.")
+    delivery_retry_max_interval_seconds: float = Field(60.0, gt=0, description="Longest wait "
+                                                       "between two attempts.")
+    delivery_retry_seconds: float = Field(600.0, ge=0, description="How long a delivery is "
+                                          "retried before it is given up (a notice and an "
+                                          "audit record say so).")
+
     @model_validator(mode="after")
     def _check_critic(self) -> Settings:
         if self.critic and self.critic_url:
@@ -356,7 +387,8 @@ class Settings(BaseSettings):
         return self
 
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
-                     "http_fetch_allowed_networks", mode="before")
+                     "http_fetch_allowed_networks", "delivery_allowlist",
+                     "delivery_allowed_networks", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -23,7 +23,9 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     """Run a Python snippet in a sandbox and return its output and exit status.
 
     Files written to the folder named by the OUTPUT_DIR environment variable are returned
-    as files. Limits on CPU time, memory, file size, processes and wall-clock time apply.
+    as files. Steering messages sent to the run are appended, one JSON object
+    {"message": ...} per line, to the file named by the STEER_FILE environment variable.
+    Limits on CPU time, memory, file size, processes and wall-clock time apply.
     """
     return await run_in_sandbox(
         ctx, [ctx.settings.sandbox_python, "-I", "-u", "snippet.py"],

@@ -6,7 +6,7 @@ import click
 
 from stargrpc import __version__
 from stargrpc.cli.audit import audit
-from stargrpc.cli.calls import call, cancel, tools, watch
+from stargrpc.cli.calls import call, cancel, steer, tools, watch
 from stargrpc.cli.doctor import doctor
 from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb
@@ -33,6 +33,7 @@ main.add_command(tools)
 main.add_command(call)
 main.add_command(watch)
 main.add_command(cancel)
+main.add_command(steer)
 main.add_command(health)
 main.add_command(keys)
 main.add_command(kb)

@@ -1,6 +1,6 @@
-"""``stargrpc tools``, ``call``, ``watch`` and ``cancel``: talk to a running server through
-the Python SDK (:mod:`stargrpc.client`), so the CLI gets its retries, catalog reload and
-stream resume for free."""
+"""``stargrpc tools``, ``call``, ``watch``, ``cancel`` and ``steer``: talk to a running
+server through the Python SDK (:mod:`stargrpc.client`), so the CLI gets its retries,
+catalog reload and stream resume for free."""
 
 from __future__ import annotations
 
@@ -156,6 +156,20 @@ def cancel(client_options: dict[str, Any], run_id: str, reason: str) -> None:
             _fail(exc)
     click.echo("cancelled" if stopped else "already ended", err=True)
     sys.exit(0 if stopped else 2)
+
+
+@click.command()
+@connection_options
+@click.argument("run_id")
+@click.argument("message")
+def steer(client_options: dict[str, Any], run_id: str, message: str) -> None:
+    """Send a steering message to a running tool (it reads it from ctx.steering())."""
+    with Client(**client_options) as client:
+        try:
+            client.steer(run_id, message, timeout=30)
+        except ClientError as exc:
+            _fail(exc)
+    click.echo("steered", err=True)
 
 
 def _follow(client: Client, events: Iterator[Event], as_json: bool, *,

@@ -360,6 +360,22 @@ class AsyncClient:
             timeout)
         return bool(reply.cancelled)
 
+    async def steer(self, run_id: str, message: str, *,
+                    timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                    metadata: Metadata | None = None) -> None:
+        """Sends a steering message to a running tool (SteerRun).
+
+        Raises:
+            CallError: Unknown run or not the caller's (NOT_FOUND), the run has ended
+                (FAILED_PRECONDITION), the message is empty or too long
+                (INVALID_ARGUMENT), too many unread messages (RESOURCE_EXHAUSTED).
+        """
+        await self._unary(
+            lambda left: self._stub.SteerRun(
+                tool_service_pb2.SteerRunRequest(run_id=run_id, message=message),
+                metadata=self._call_metadata(metadata), timeout=left),
+            timeout)
+
     # -- streams ---------------------------------------------------------------------------
 
     async def _read(self, call: Any, cursor: _Cursor) -> AsyncIterator[Event]:

@@ -166,6 +166,10 @@ class Client:
         """See :meth:`AsyncClient.cancel`."""
         return self._run(self._client.cancel(run_id, reason, **options))
 
+    def steer(self, run_id: str, message: str, **options: Any) -> None:
+        """See :meth:`AsyncClient.steer`."""
+        self._run(self._client.steer(run_id, message, **options))
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:

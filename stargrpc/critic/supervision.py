@@ -60,6 +60,7 @@ from stargrpc.critic.base import (
     check_verdict,
 )
 from stargrpc.critic.rules import RULES, RulesCritic, RulesJudge
+from stargrpc.errors import RequestError
 from stargrpc.outcome import Outcome
 from stargrpc.registry import ToolSpec
 from stargrpc.run import Run
@@ -302,7 +303,10 @@ class Supervision:
             self._notice(WARNING, verdict.message)
         elif isinstance(verdict, Steer):
             self._notice(STEERED, f"the {self.critic} critic steered the run", warning=False)
-            self.run.steer(verdict.message, source="critic")
+            try:
+                self.run.steer(verdict.message, source=f"critic {self.critic}")
+            except RequestError as refused:  # the run is ending, or its queue is full
+                log.info("critic_steer_refused", run_id=self.run.run_id, reason=str(refused))
         elif isinstance(verdict, Stop):
             code = verdict.code or STOPPED
             reason = verdict.reason.strip()[:500] or f"stopped by the {self.critic} critic"

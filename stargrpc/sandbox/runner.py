@@ -9,6 +9,13 @@ line by line through a callback (cut with a marker past the output cap); wait fo
 wall clock and a disk cap (polled); kill the whole process group on timeout, disk cap or
 cancellation; collect the files left in ``out/``; remove the working directory.
 
+Steering reaches the command through ``$STEER_FILE``, ``.steer.jsonl`` in its working
+directory: an append-only file, one JSON object ``{"message": …}`` per line, that the
+server creates with the folder (empty) and appends each steering message to while the
+command runs. The server writes it only through the descriptor it opened when it created
+the file, so whatever the command does to the name (removes it, puts a symlink or a FIFO
+there) it can only lose its own steering, never make the server write elsewhere.
+
 The command owns its working directory and may have rearranged it (symlinks, FIFOs, hard
 links, deep nesting): every later step on it goes through :mod:`stargrpc.sandbox.fsops`,
 relative to the directory fd the server opened when it made the folder.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import json
 import mimetypes
 import os
 import pwd
@@ -28,7 +36,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +53,9 @@ log = structlog.get_logger("stargrpc.sandbox")
 OutputCallback = Callable[[str, str], Awaitable[None]]
 #: Called now and then with the seconds elapsed while the command runs silently or not.
 TickCallback = Callable[[float], Awaitable[None]]
+
+#: The steering file in the working directory (``$STEER_FILE``).
+STEER_FILE_NAME = ".steer.jsonl"
 
 #: How much of each stream is kept to classify the end and to return as text.
 TAIL_CHARS = 16 * 1024
@@ -247,7 +258,8 @@ class Sandbox:
     async def run(self, argv: list[str], *, files: Mapping[str, str | bytes] | None = None,
                   env: Mapping[str, str] | None = None,
                   on_output: OutputCallback | None = None,
-                  on_tick: TickCallback | None = None) -> SandboxResult:
+                  on_tick: TickCallback | None = None,
+                  steering: AsyncIterator[str] | None = None) -> SandboxResult:
         """Runs ``argv`` in a fresh working directory and waits for it.
 
         Args:
@@ -256,6 +268,7 @@ class Sandbox:
             env: Extra environment variables for this command.
             on_output: Receives the output as it is produced.
             on_tick: Called every few seconds while the command runs.
+            steering: Messages to append to ``$STEER_FILE`` while the command runs.
 
         Returns:
             How it ended. Limits hit are a verdict, not an exception.
@@ -269,7 +282,16 @@ class Sandbox:
             inside = self.isolation.workdir_inside(workdir.path)
             full_env = self._environment(inside, workdir.path, env or {})
             started = time.monotonic()
-            return await self._run_in(workdir, argv, full_env, on_output, on_tick, started)
+            pump = (asyncio.create_task(_pump_steering(steering, workdir.steer_fd))
+                    if steering is not None else None)
+            try:
+                return await self._run_in(workdir, argv, full_env, on_output, on_tick,
+                                          started)
+            finally:
+                if pump is not None:
+                    pump.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pump
         finally:
             # In a thread that owns the folder's fds: a huge tree must not stall the event
             # loop, and a second cancellation must not close them under it.
@@ -384,7 +406,7 @@ class Sandbox:
             raise
         workdir = _Workdir(self._root / name, name, root_fd, fd,
                            fsops.Owner(os.geteuid() if uid is None else uid,
-                                       os.fstat(fd).st_dev), uid, gid, own_uid)
+                                       os.fstat(fd).st_dev), uid, gid, own_uid, -1)
         try:
             _fill(workdir, files)
         except BaseException:
@@ -397,7 +419,7 @@ class Sandbox:
         env = {name: os.environ[name] for name in self._env_allowlist if name in os.environ}
         tmp = "/tmp" if self.isolation.mode == "bwrap" else str(workdir / "tmp")
         env.update({"PATH": SANDBOX_PATH, "HOME": inside, "TMPDIR": tmp,
-                    "OUTPUT_DIR": f"{inside}/out"})
+                    "OUTPUT_DIR": f"{inside}/out", "STEER_FILE": f"{inside}/{STEER_FILE_NAME}"})
         env.setdefault("LANG", "C.UTF-8")
         env.update(extra)
         return env
@@ -467,6 +489,7 @@ class _Workdir:
         uid: The run's user (None: the server's own).
         gid: The run's group.
         own_uid: The uid was taken for this run alone.
+        steer_fd: The steering file, open for appending (-1 until made).
     """
 
     path: Path
@@ -477,6 +500,7 @@ class _Workdir:
     uid: int | None
     gid: int | None
     own_uid: bool
+    steer_fd: int
 
 
 @dataclass
@@ -503,6 +527,11 @@ def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
         os.mkdir(sub, 0o700, dir_fd=workdir.fd)
         if uid is not None and gid is not None:
             os.chown(sub, uid, gid, dir_fd=workdir.fd, follow_symlinks=False)
+    workdir.steer_fd = os.open(STEER_FILE_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                               | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                               dir_fd=workdir.fd)
+    if uid is not None and gid is not None:
+        os.fchown(workdir.steer_fd, uid, gid)
     for name, content in files.items():
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o600, dir_fd=workdir.fd)
@@ -523,10 +552,23 @@ def _finish(workdir: _Workdir, keep: bool) -> None:
         elif not fsops.remove_tree(workdir.root_fd, workdir.name):
             log.error("sandbox_workdir_not_removed", workdir=str(workdir.path))
     finally:
+        if workdir.steer_fd >= 0:
+            os.close(workdir.steer_fd)
         os.close(workdir.fd)
         os.close(workdir.root_fd)
         if workdir.own_uid and workdir.uid is not None:
             _uids_in_use.discard(workdir.uid)
+
+
+async def _pump_steering(steering: AsyncIterator[str], steer_fd: int) -> None:
+    """Appends each steering message to the steering file, one JSON line each."""
+    async for message in steering:
+        line = json.dumps({"message": message}, ensure_ascii=False).encode() + b"\n"
+        try:
+            # A regular file the server created and holds: the write does not block.
+            os.write(steer_fd, line)
+        except OSError as exc:  # the run filled its disk, say: it only loses its steering
+            log.warning("steer_file_write_failed", error=str(exc))
 
 
 def _disk_used(run_fd: int, cap: int) -> int | None:

@@ -1,7 +1,8 @@
 """:func:`run_in_sandbox`: what a tool calls to run a command in the sandbox and report it.
 
 It opens a step, streams stdout/stderr as DELTAs on it (``channel="stdout"``/``"stderr"``),
-heartbeats while the command runs, hands the output-folder files back as sent files and
+heartbeats while the command runs, appends the run's steering messages to ``$STEER_FILE``
+(see :mod:`stargrpc.sandbox.runner`), hands the output-folder files back as sent files and
 turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
 TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
 """
@@ -65,7 +66,7 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
                 await step.delta(text, channel=channel)
 
             result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
-                                       on_tick=on_tick)
+                                       on_tick=on_tick, steering=ctx.steering())
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed

@@ -6,6 +6,7 @@ Keys (all under ``redis_key_prefix``)::
     run:{id}:events   stream  one entry per event, entry id "{seq}-0", field e = RunEvent bytes
     run:{id}:lease    string  the running replica's token; expires unless renewed
     run:{id}:cancel   string  a CancelRun reason for the replica running the run
+    run:{id}:steer    list    SteerRun messages (JSON) for the replica running the run
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
 
 A run is written by exactly one replica, which holds its **lease** and renews it (every
@@ -79,12 +80,19 @@ try:  # installed with redis[hiredis]; without it redis-py packs commands itself
 except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
-from stargrpc.errors import Aborted, Unavailable
-from stargrpc.runlog import CancelHandler, Claim, MemoryRunLog, RunLog
+from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
+from stargrpc.runlog import (
+    CancelHandler,
+    Claim,
+    MemoryRunLog,
+    RunLog,
+    SteerHandler,
+    run_finished_error,
+)
 from stargrpc.settings import Settings
 from stargrpc.stores.connect import connect
 from stargrpc.stores.keys import KeyLayout
-from stargrpc.v1 import events_pb2
+from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")
 
@@ -199,18 +207,35 @@ end
 return {1}
 """
 
-# Renew the lease of a running run (taking it back if it lapsed); report a pending cancel.
-# KEYS: lease, events, meta, cancel[, claim (one Redis only)] · ARGV: token, lease_ms,
-# running_ttl_ms, replica, the claim's value
+# Renew the lease of a running run (taking it back if it lapsed); report a pending cancel
+# and hand over the steering messages other replicas left for it.
+# KEYS: lease, events, meta, cancel, steer[, claim (one Redis only)] · ARGV: token, lease_ms,
+# running_ttl_ms, replica, the claim's value · Returns {-1} (lease lost) or
+# {1 cancel | 0, reason, steers...}.
 _RENEW = _LEASED + _KEEP_CLAIM + """
 if not leased(ARGV[1], ARGV[2], ARGV[4]) then return {-1} end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
-if KEYS[5] then keep_claim(KEYS[5], ARGV[5], ARGV[3]) end
+if KEYS[6] then keep_claim(KEYS[6], ARGV[5], ARGV[3]) end
+local reply = {0, ''}
 local reason = redis.call('GET', KEYS[4])
-if reason then return {1, reason} end
-return {0}
+if reason then reply = {1, reason} end
+local steers = redis.call('LRANGE', KEYS[5], 0, -1)
+if #steers > 0 then redis.call('DEL', KEYS[5]) end
+for i = 1, #steers do reply[#reply + 1] = steers[i] end
+return reply
+"""
+
+# Leave a steering message for the replica running a run, within the bound of unread ones.
+# KEYS: meta, steer · ARGV: max pending, message JSON, ttl_ms · Returns -1 when the run is
+# not running, 0 when the bound is reached, 1 when left.
+_STEER = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
 """
 
 # End a run with a terminal Result, once: a run whose replica died (token "": its lease lapsed
@@ -627,6 +652,8 @@ class RedisRunStore:
         cluster: Whether ``redis`` is a Redis Cluster client (then claims take two steps).
         wait_replicas: Replicas that must acknowledge each claim and batch of events (WAIT).
         cancel_handler: Set by the runtime; stops a run of this process.
+        steer_handler: Set by the runtime; steers a run of this process.
+        max_pending_steers: Steering messages left for another replica's run at most.
     """
 
     redis: Redis | RedisCluster
@@ -643,6 +670,8 @@ class RedisRunStore:
     max_events: int
     block_ms: int
     cancel_handler: CancelHandler | None
+    steer_handler: SteerHandler | None
+    max_pending_steers: int
     healthy: bool
     _local: dict[str, RedisRunLog]
     _abandoned: dict[str, tuple[str, str, int]]
@@ -658,7 +687,7 @@ class RedisRunStore:
                  retention: float = 600.0, lease: float = 10.0, max_events: int = 100_000,
                  block_seconds: float = 1.0, flush_timeout: float = 5.0,
                  timeout: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 500) -> None:
+                 wait_timeout_ms: int = 500, max_pending_steers: int = 16) -> None:
         self.redis = redis
         self.cluster = isinstance(redis, RedisCluster)
         self.keys = KeyLayout(prefix, tagged=self.cluster)
@@ -675,6 +704,8 @@ class RedisRunStore:
         self.max_events = max_events
         self.block_ms = max(10, int(block_seconds * 1000))
         self.cancel_handler = None
+        self.steer_handler = None
+        self.max_pending_steers = max_pending_steers
         # False until Redis has answered, and again after a background write failed: then a
         # new run without a key (which would reach Redis only after it started) is refused
         # unless a PING gets through.
@@ -702,6 +733,7 @@ class RedisRunStore:
         self._claim_key_script = redis.register_script(_CLAIM_KEY)
         self._renew_claim_script = redis.register_script(_RENEW_CLAIM)
         self._abandon_claim_script = redis.register_script(_ABANDON_CLAIM)
+        self._steer_script = redis.register_script(_STEER)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisRunStore:
@@ -716,7 +748,8 @@ class RedisRunStore:
                    max_events=settings.run_max_events, block_seconds=min(1.0, timeout / 2),
                    flush_timeout=timeout + 1.0 + wait, timeout=timeout + wait,
                    wait_replicas=settings.redis_wait_replicas,
-                   wait_timeout_ms=settings.redis_wait_timeout_ms)
+                   wait_timeout_ms=settings.redis_wait_timeout_ms,
+                   max_pending_steers=settings.steer_max_pending)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -871,6 +904,26 @@ class RedisRunStore:
             # The replica running it sees this at its next lease renewal (about a second).
             await self.redis.set(self._key(run_id, "cancel"), reason, px=self._running_ttl_ms)
         return True
+
+    async def request_steer(self, run_id: str, message: str, source: str) -> None:
+        if run_id in self._local:
+            if self.steer_handler is None or not self.steer_handler(run_id, message, source):
+                raise run_finished_error(run_id)
+            return
+        payload = json.dumps({"message": message, "source": source})
+        with _reachable("steering the run"):
+            # The replica running it picks this up at its next lease renewal (about a
+            # second).
+            left = await self._steer_script(
+                keys=[self._key(run_id), self._key(run_id, "steer")],
+                args=[self.max_pending_steers, payload, self._running_ttl_ms])
+        if left == -1:
+            raise run_finished_error(run_id)
+        if left == 0:
+            raise ResourceExhausted(
+                f"the run already holds {self.max_pending_steers} unread steering messages",
+                retry_after=RETRY_AFTER_SECONDS, reason=reason_name(errors_pb2.STEER_QUEUE_FULL),
+                metadata={"run_id": run_id})
 
     async def flushed(self, within: float) -> bool:
         """Waits until every event appended so far is in Redis, at most ``within`` seconds;
@@ -1129,6 +1182,17 @@ class RedisRunStore:
         if self.cancel_handler is not None:
             self.cancel_handler(run_log.run_id, message, "STORE_CONFLICT")
 
+    def _hand_over_steer(self, run_id: str, payload: bytes) -> None:
+        """Steers a run of this replica with a message another replica left for it."""
+        try:
+            steer = json.loads(payload)
+            if self.steer_handler is not None:
+                self.steer_handler(run_id, str(steer["message"]), str(steer["source"]))
+        except (RequestError, ValueError, KeyError, TypeError) as exc:
+            # Checked on the other replica already; what fails now (the run ended, or its
+            # queue filled up meanwhile) has no caller left to tell.
+            log.warning("steer_not_handed_over", run_id=run_id, error=str(exc))
+
     async def _state(self, run_id: str) -> str:
         """running | finished | lost | orphaned (running, lease expired) | missing."""
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -1215,7 +1279,8 @@ class RedisRunStore:
             try:  # every run's renewal in one round trip
                 replies = await self._call_all(self._renew_script, [(
                     self._with_claim([*self._run_keys(run_log.run_id),
-                                      self._key(run_log.run_id, "cancel")], run_log.claim_key),
+                                      self._key(run_log.run_id, "cancel"),
+                                      self._key(run_log.run_id, "steer")], run_log.claim_key),
                     [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms,
                      self.replica, run_log.claim_value],
                 ) for run_log in runs])
@@ -1234,7 +1299,12 @@ class RedisRunStore:
                 if isinstance(reply, Exception):
                     log.warning("redis_lease_renewal_failed", run_id=run_log.run_id,
                                 error=str(reply))
-                elif reply[0] == -1 and not run_log.lease_lost:
-                    self._lease_lost(run_log)
-                elif reply[0] == 1 and self.cancel_handler is not None:
+                    continue
+                if reply[0] == -1:
+                    if not run_log.lease_lost:
+                        self._lease_lost(run_log)
+                    continue
+                if reply[0] == 1 and self.cancel_handler is not None:
                     self.cancel_handler(run_log.run_id, reply[1].decode(errors="replace"))
+                for payload in reply[2:]:
+                    self._hand_over_steer(run_log.run_id, payload)

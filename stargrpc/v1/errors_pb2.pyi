@@ -52,7 +52,6 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CRITIC_STEERED: _ClassVar[ErrorReason]
     CRITIC_STOPPED: _ClassVar[ErrorReason]
     CRITIC_FALLBACK: _ClassVar[ErrorReason]
-    STEERED: _ClassVar[ErrorReason]
     SANDBOX_UNAVAILABLE: _ClassVar[ErrorReason]
     EXIT_STATUS: _ClassVar[ErrorReason]
     SIGNAL: _ClassVar[ErrorReason]
@@ -75,6 +74,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KB_NOT_CONFIGURED: _ClassVar[ErrorReason]
     KB_MISSING: _ClassVar[ErrorReason]
     HTTP_BAD_REDIRECT: _ClassVar[ErrorReason]
+    STEERED: _ClassVar[ErrorReason]
+    STEER_QUEUE_FULL: _ClassVar[ErrorReason]
+    STEER_NOT_ALLOWED: _ClassVar[ErrorReason]
+    DELIVERY_NOT_ALLOWED: _ClassVar[ErrorReason]
+    DELIVERY_UNAVAILABLE: _ClassVar[ErrorReason]
+    DELIVERY_FAILED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -121,7 +126,6 @@ CRITIC_WARNING: ErrorReason
 CRITIC_STEERED: ErrorReason
 CRITIC_STOPPED: ErrorReason
 CRITIC_FALLBACK: ErrorReason
-STEERED: ErrorReason
 SANDBOX_UNAVAILABLE: ErrorReason
 EXIT_STATUS: ErrorReason
 SIGNAL: ErrorReason
@@ -144,3 +148,9 @@ HTTP_TOO_LARGE: ErrorReason
 KB_NOT_CONFIGURED: ErrorReason
 KB_MISSING: ErrorReason
 HTTP_BAD_REDIRECT: ErrorReason
+STEERED: ErrorReason
+STEER_QUEUE_FULL: ErrorReason
+STEER_NOT_ALLOWED: ErrorReason
+DELIVERY_NOT_ALLOWED: ErrorReason
+DELIVERY_UNAVAILABLE: ErrorReason
+DELIVERY_FAILED: ErrorReason

@@ -127,14 +127,16 @@ class Heartbeat(_message.Message):
     def __init__(self, message: _Optional[str] = ..., progress: _Optional[float] = ...) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("level", "code", "message")
+    __slots__ = ("level", "code", "message", "source")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     level: NoticeLevel
     code: str
     message: str
-    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    source: str
+    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("file_id", "offset", "data", "last")

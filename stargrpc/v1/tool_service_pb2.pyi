@@ -61,7 +61,7 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class ExecuteRequest(_message.Message):
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -76,7 +77,28 @@ class ExecuteRequest(_message.Message):
     catalog_hash: str
     context: InvocationContext
     coalesce_deltas: bool
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ...) -> None: ...
+    delivery: Delivery
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+
+class Delivery(_message.Message):
+    __slots__ = ("webhook", "redis_stream")
+    WEBHOOK_FIELD_NUMBER: _ClassVar[int]
+    REDIS_STREAM_FIELD_NUMBER: _ClassVar[int]
+    webhook: WebhookTarget
+    redis_stream: RedisStreamTarget
+    def __init__(self, webhook: _Optional[_Union[WebhookTarget, _Mapping]] = ..., redis_stream: _Optional[_Union[RedisStreamTarget, _Mapping]] = ...) -> None: ...
+
+class WebhookTarget(_message.Message):
+    __slots__ = ("url",)
+    URL_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    def __init__(self, url: _Optional[str] = ...) -> None: ...
+
+class RedisStreamTarget(_message.Message):
+    __slots__ = ("stream",)
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    def __init__(self, stream: _Optional[str] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("event",)
@@ -113,3 +135,43 @@ class CancelRunResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class SteerRunRequest(_message.Message):
+    __slots__ = ("run_id", "message")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    message: str
+    def __init__(self, run_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SteerRunResponse(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StartRunRequest(_message.Message):
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery")
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    tool_name: str
+    arguments: _struct_pb2.Struct
+    arguments_json: str
+    idempotency_key: str
+    catalog_hash: str
+    context: InvocationContext
+    delivery: Delivery
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+
+class StartRunResponse(_message.Message):
+    __slots__ = ("run_id", "attached")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    attached: bool
+    def __init__(self, run_id: _Optional[str] = ..., attached: _Optional[bool] = ...) -> None: ...

@@ -60,6 +60,16 @@ class ToolServiceStub:
                 request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CancelRunRequest.SerializeToString,
                 response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CancelRunResponse.FromString,
                 _registered_method=True)
+        self.SteerRun = channel.unary_unary(
+                '/stargrpc.v1.ToolService/SteerRun',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.SteerRunRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.SteerRunResponse.FromString,
+                _registered_method=True)
+        self.StartRun = channel.unary_unary(
+                '/stargrpc.v1.ToolService/StartRun',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.FromString,
+                _registered_method=True)
 
 
 class ToolServiceServicer:
@@ -107,6 +117,30 @@ class ToolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SteerRun(self, request, context):
+        """Sends a steering message to a running tool: it reads it from `ctx.steering()` (a
+        sandboxed snippet from the file named by $STEER_FILE), and the run's log gets a Notice
+        with code STEERED and the text, which watchers see and WatchRun replays. The run's
+        owner, a holder of admin_role, delegation_role or one of `run_steer_roles` (the critic)
+        may steer; a watcher may not (PERMISSION_DENIED, STEER_NOT_ALLOWED). A finished run is
+        FAILED_PRECONDITION, reason RUN_FINISHED; an unknown run (or another caller's)
+        NOT_FOUND, reason RUN_NOT_FOUND; a message over `steer_max_bytes` INVALID_ARGUMENT
+        with BadRequest; more than `steer_max_pending` unread messages RESOURCE_EXHAUSTED,
+        reason STEER_QUEUE_FULL, with RetryInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartRun(self, request, context):
+        """Starts a run and answers its run_id at once, without streaming it: follow it with
+        WatchRun, or let its `delivery` target receive the Result. Refusals are the same
+        statuses as Execute's. A repeated idempotency key answers the run that holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +168,16 @@ def add_ToolServiceServicer_to_server(servicer, server):
                     servicer.CancelRun,
                     request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CancelRunRequest.FromString,
                     response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CancelRunResponse.SerializeToString,
+            ),
+            'SteerRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.SteerRun,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.SteerRunRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.SteerRunResponse.SerializeToString,
+            ),
+            'StartRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRun,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +316,60 @@ class ToolService:
             '/stargrpc.v1.ToolService/CancelRun',
             stargrpc_dot_v1_dot_tool__service__pb2.CancelRunRequest.SerializeToString,
             stargrpc_dot_v1_dot_tool__service__pb2.CancelRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SteerRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/SteerRun',
+            stargrpc_dot_v1_dot_tool__service__pb2.SteerRunRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.SteerRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/StartRun',
+            stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,7 +82,7 @@ async def test_workdir_is_fresh_and_removed_afterwards(tmp_path) -> None:
     workdir = Path(first.stdout_tail.strip())
     assert workdir.name.startswith("run-")
     assert not exists(workdir)
-    assert sorted(second.stdout_tail.split()) == ["out", "tmp"]
+    assert sorted(second.stdout_tail.split()) == [".steer.jsonl", "out", "tmp"]
 
 
 async def test_environment_is_scrubbed(tmp_path, monkeypatch) -> None:

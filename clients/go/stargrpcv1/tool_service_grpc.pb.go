@@ -33,6 +33,20 @@ type ToolServiceClient interface {
 	WatchRun(ctx context.Context, in *WatchRunRequest, opts ...grpc.CallOption) (ToolService_WatchRunClient, error)
 	// Asks a run to stop; it ends with Result{OUTCOME_CANCELLED}.
 	CancelRun(ctx context.Context, in *CancelRunRequest, opts ...grpc.CallOption) (*CancelRunResponse, error)
+	// Sends a steering message to a running tool: it reads it from `ctx.steering()` (a
+	// sandboxed snippet from the file named by $STEER_FILE), and the run's log gets a Notice
+	// with code STEERED and the text, which watchers see and WatchRun replays. The run's
+	// owner, a holder of admin_role, delegation_role or one of `run_steer_roles` (the critic)
+	// may steer; a watcher may not (PERMISSION_DENIED, STEER_NOT_ALLOWED). A finished run is
+	// FAILED_PRECONDITION, reason RUN_FINISHED; an unknown run (or another caller's)
+	// NOT_FOUND, reason RUN_NOT_FOUND; a message over `steer_max_bytes` INVALID_ARGUMENT
+	// with BadRequest; more than `steer_max_pending` unread messages RESOURCE_EXHAUSTED,
+	// reason STEER_QUEUE_FULL, with RetryInfo.
+	SteerRun(ctx context.Context, in *SteerRunRequest, opts ...grpc.CallOption) (*SteerRunResponse, error)
+	// Starts a run and answers its run_id at once, without streaming it: follow it with
+	// WatchRun, or let its `delivery` target receive the Result. Refusals are the same
+	// statuses as Execute's. A repeated idempotency key answers the run that holds it.
+	StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error)
 }
 
 type toolServiceClient struct {
@@ -157,6 +171,24 @@ func (c *toolServiceClient) CancelRun(ctx context.Context, in *CancelRunRequest,
 	return out, nil
 }
 
+func (c *toolServiceClient) SteerRun(ctx context.Context, in *SteerRunRequest, opts ...grpc.CallOption) (*SteerRunResponse, error) {
+	out := new(SteerRunResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/SteerRun", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *toolServiceClient) StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error) {
+	out := new(StartRunResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/StartRun", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToolServiceServer is the server API for ToolService service.
 // All implementations must embed UnimplementedToolServiceServer
 // for forward compatibility
@@ -177,6 +209,20 @@ type ToolServiceServer interface {
 	WatchRun(*WatchRunRequest, ToolService_WatchRunServer) error
 	// Asks a run to stop; it ends with Result{OUTCOME_CANCELLED}.
 	CancelRun(context.Context, *CancelRunRequest) (*CancelRunResponse, error)
+	// Sends a steering message to a running tool: it reads it from `ctx.steering()` (a
+	// sandboxed snippet from the file named by $STEER_FILE), and the run's log gets a Notice
+	// with code STEERED and the text, which watchers see and WatchRun replays. The run's
+	// owner, a holder of admin_role, delegation_role or one of `run_steer_roles` (the critic)
+	// may steer; a watcher may not (PERMISSION_DENIED, STEER_NOT_ALLOWED). A finished run is
+	// FAILED_PRECONDITION, reason RUN_FINISHED; an unknown run (or another caller's)
+	// NOT_FOUND, reason RUN_NOT_FOUND; a message over `steer_max_bytes` INVALID_ARGUMENT
+	// with BadRequest; more than `steer_max_pending` unread messages RESOURCE_EXHAUSTED,
+	// reason STEER_QUEUE_FULL, with RetryInfo.
+	SteerRun(context.Context, *SteerRunRequest) (*SteerRunResponse, error)
+	// Starts a run and answers its run_id at once, without streaming it: follow it with
+	// WatchRun, or let its `delivery` target receive the Result. Refusals are the same
+	// statuses as Execute's. A repeated idempotency key answers the run that holds it.
+	StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error)
 	mustEmbedUnimplementedToolServiceServer()
 }
 
@@ -198,6 +244,12 @@ func (UnimplementedToolServiceServer) WatchRun(*WatchRunRequest, ToolService_Wat
 }
 func (UnimplementedToolServiceServer) CancelRun(context.Context, *CancelRunRequest) (*CancelRunResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method CancelRun not implemented")
+}
+func (UnimplementedToolServiceServer) SteerRun(context.Context, *SteerRunRequest) (*SteerRunResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method SteerRun not implemented")
+}
+func (UnimplementedToolServiceServer) StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method StartRun not implemented")
 }
 func (UnimplementedToolServiceServer) mustEmbedUnimplementedToolServiceServer() {}
 
@@ -311,6 +363,42 @@ func _ToolService_CancelRun_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ToolService_SteerRun_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SteerRunRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).SteerRun(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/SteerRun",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).SteerRun(ctx, req.(*SteerRunRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ToolService_StartRun_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StartRunRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).StartRun(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/StartRun",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).StartRun(ctx, req.(*StartRunRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _ToolService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "stargrpc.v1.ToolService",
 	HandlerType: (*ToolServiceServer)(nil),
@@ -322,6 +410,14 @@ var _ToolService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CancelRun",
 			Handler:    _ToolService_CancelRun_Handler,
+		},
+		{
+			MethodName: "SteerRun",
+			Handler:    _ToolService_SteerRun_Handler,
+		},
+		{
+			MethodName: "StartRun",
+			Handler:    _ToolService_StartRun_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

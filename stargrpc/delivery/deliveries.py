@@ -1,0 +1,269 @@
+"""Sends each Result to its delivery target when the run ends, at least once.
+
+Each delivery is a task: it waits for the run's Result (from the run itself, or from its log
+on any replica), then sends it — a signed HTTPS POST (:mod:`stargrpc.delivery.signing`) or
+an ``XADD`` to a Redis stream — retrying with exponential backoff
+(``delivery_retry_initial_seconds`` doubling up to ``delivery_retry_max_interval_seconds``)
+until it is taken or ``delivery_retry_seconds`` have passed. Every attempt and the final
+state are counted (``tool_executor_delivery_attempts``, ``tool_executor_deliveries``) and
+logged.
+
+In a fleet the pending deliveries live in Redis (``delivery:pending``, a hash of run id →
+target) with a lease per delivery (``delivery:{run_id}:lease``) that the replica working on
+it renews. A replica that dies leaves its deliveries pending: once a lease lapses another
+replica takes it over, reads the Result from the run's log (a run lost with its replica
+ends ``RUN_LOST``, and that Result is delivered) and sends it again — hence at least once:
+receivers de-duplicate by run id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import time
+from typing import Any
+
+import httpx
+import structlog
+from google.protobuf import json_format
+
+from stargrpc import metrics
+from stargrpc.delivery.signing import SIGNATURE_HEADER, sign
+from stargrpc.delivery.target import DeliveryTarget, delivery_policy
+from stargrpc.http_guard import vet_url
+from stargrpc.runlog import RunStore
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
+
+log = structlog.get_logger("stargrpc.delivery")
+
+
+class DeliveryFailed(Exception):
+    """One attempt did not deliver; the message says why."""
+
+
+class Deliveries:
+    """The deliveries of one server.
+
+    Attributes:
+        settings: The server's settings.
+        store: The run store, whose Redis (in a fleet) keeps the pending deliveries.
+    """
+
+    settings: Settings
+    store: RunStore
+    _redis: Any
+    _prefix: str
+    _replica: str
+    _lease_ms: int
+    _active: dict[str, asyncio.Task[None]]
+    _recovery: asyncio.Task[None] | None
+    _key: bytes | None
+
+    def __init__(self, settings: Settings, store: RunStore) -> None:
+        self.settings = settings
+        self.store = store
+        self._redis = getattr(store, "redis", None)
+        self._prefix = settings.redis_key_prefix
+        self._replica = str(getattr(store, "replica", "local"))
+        self._lease_ms = int(settings.run_lease_seconds * 1000)
+        self._active = {}
+        self._recovery = None
+        self._key = None
+
+    @property
+    def fleet(self) -> bool:
+        """Whether pending deliveries live in Redis (and Redis streams can be targets)."""
+        return self._redis is not None
+
+    def start(self) -> None:
+        """Starts taking over the deliveries other replicas left (in a fleet)."""
+        if self.fleet and self._recovery is None:
+            self._recovery = asyncio.create_task(self._recover_loop(), name="deliveries")
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        """Waits up to ``grace`` seconds for the deliveries under way, then stops them; in a
+        fleet, what is not delivered stays pending for another replica."""
+        if self._active and grace > 0:
+            await asyncio.wait(list(self._active.values()), timeout=grace)
+        tasks = list(self._active.values())
+        if self._recovery is not None:
+            tasks.append(self._recovery)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def track(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
+        """Delivers the Result of ``run_id`` to ``target`` when the run ends."""
+        if run_id not in self._active:
+            self._spawn(run_id, tool, target, taken_over=False)
+
+    def _spawn(self, run_id: str, tool: str, target: DeliveryTarget, *,
+               taken_over: bool) -> None:
+        task = asyncio.create_task(self._deliver_run(run_id, tool, target, taken_over),
+                                   name=f"delivery-{run_id}")
+        self._active[run_id] = task
+        task.add_done_callback(lambda _: self._active.pop(run_id, None))
+
+    # -- one delivery ----------------------------------------------------------------------
+
+    def _pending_key(self) -> str:
+        return f"{self._prefix}delivery:pending"
+
+    def _lease_key(self, run_id: str) -> str:
+        return f"{self._prefix}delivery:{run_id}:lease"
+
+    async def _deliver_run(self, run_id: str, tool: str, target: DeliveryTarget,
+                           taken_over: bool) -> None:
+        renewer = None
+        try:
+            if self.fleet:
+                if not taken_over:
+                    await self._register(run_id, tool, target)
+                renewer = asyncio.create_task(self._renew(run_id))
+            result = await self._result_of(run_id)
+            if result is None:
+                log.error("delivery_failed", run_id=run_id, kind=target.kind,
+                          reason="the run expired before its Result could be read")
+                metrics.DELIVERIES.labels(target.kind, "failed").inc()
+            else:
+                await self._send_with_retries(run_id, tool, target, result)
+            if self.fleet:
+                await self._redis.hdel(self._pending_key(), run_id)
+                await self._redis.delete(self._lease_key(run_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # Redis went away, say: in a fleet another replica takes it over
+            log.exception("delivery_interrupted", run_id=run_id, kind=target.kind)
+        finally:
+            if renewer is not None:
+                renewer.cancel()
+
+    async def _register(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
+        record = json.dumps({"tool": tool, "target": target.to_json()})
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._pending_key(), run_id, record)
+            pipe.set(self._lease_key(run_id), self._replica, px=self._lease_ms)
+            await pipe.execute()
+
+    async def _renew(self, run_id: str) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            with contextlib.suppress(Exception):
+                await self._redis.set(self._lease_key(run_id), self._replica,
+                                      px=self._lease_ms)
+
+    async def _result_of(self, run_id: str) -> events_pb2.Result | None:
+        run_log = await self.store.open(run_id)
+        # A run reaches Redis with its first events, a moment after it started: a delivery
+        # taken over from a replica that died then may look for it a little early.
+        for _ in range(20):
+            if run_log is not None:
+                break
+            await asyncio.sleep(self._lease_ms / 10_000)
+            run_log = await self.store.open(run_id)
+        if run_log is None:
+            return None
+        async for event in run_log.follow(max(0, run_log.last_seq - 1)):
+            if event.HasField("result"):
+                return event.result
+        return None
+
+    async def _send_with_retries(self, run_id: str, tool: str, target: DeliveryTarget,
+                                 result: events_pb2.Result) -> bool:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + settings.delivery_retry_seconds
+        wait = settings.delivery_retry_initial_seconds
+        attempt = 0
+        reason = ""
+        while True:
+            attempt += 1
+            try:
+                async with asyncio.timeout(settings.delivery_timeout_seconds):
+                    await self._send(run_id, tool, target, result)
+            except Exception as exc:
+                metrics.DELIVERY_ATTEMPTS.labels(target.kind, "failed").inc()
+                reason = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("delivery_attempt_failed", run_id=run_id, kind=target.kind,
+                            attempt=attempt, error=reason)
+            else:
+                metrics.DELIVERY_ATTEMPTS.labels(target.kind, "ok").inc()
+                metrics.DELIVERIES.labels(target.kind, "delivered").inc()
+                log.info("delivered", run_id=run_id, kind=target.kind, attempts=attempt)
+                return True
+            if loop.time() + wait > give_up_at:
+                break
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, settings.delivery_retry_max_interval_seconds)
+        metrics.DELIVERIES.labels(target.kind, "failed").inc()
+        log.error("delivery_failed", run_id=run_id, kind=target.kind, attempts=attempt,
+                  error=reason)
+        return False
+
+    async def _send(self, run_id: str, tool: str, target: DeliveryTarget,
+                    result: events_pb2.Result) -> None:
+        result_json = json_format.MessageToDict(result)
+        if target.kind == "redis_stream":
+            await self._redis.xadd(f"{self._prefix}{target.address}", {
+                "run_id": run_id, "tool_name": tool,
+                "outcome": events_pb2.Outcome.Name(result.outcome),
+                "result": json.dumps(result_json)})
+            return
+        body = json.dumps({"run_id": run_id, "tool_name": tool, "result": result_json}
+                          ).encode()
+        # Vetted again at each attempt: what the name resolves to may have changed.
+        vetted = await vet_url(target.address, delivery_policy(self.settings))
+        headers = {SIGNATURE_HEADER: sign(self._signing_key(), body, int(time.time())),
+                   "stargrpc-run-id": run_id, "content-type": "application/json",
+                   "host": vetted.host_header}
+        async with httpx.AsyncClient(verify=self._tls(), trust_env=False,
+                                     follow_redirects=False,
+                                     timeout=self.settings.delivery_timeout_seconds) as client:
+            response = await client.post(vetted.request_url, content=body, headers=headers,
+                                         extensions=vetted.extensions)
+        if not 200 <= response.status_code < 300:
+            raise DeliveryFailed(f"the receiver answered HTTP {response.status_code}")
+
+    def _signing_key(self) -> bytes:
+        if self._key is None:
+            path = self.settings.delivery_webhook_secret_file
+            if path is None:
+                raise DeliveryFailed("delivery_webhook_secret_file is not set")
+            self._key = path.read_bytes().strip()
+        return self._key
+
+    def _tls(self) -> ssl.SSLContext:
+        ca_file = self.settings.delivery_ca_file
+        return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+
+    # -- taking over -----------------------------------------------------------------------
+
+    async def _recover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 2000)
+            try:
+                await self._take_over()
+            except Exception as exc:
+                log.warning("deliveries_not_taken_over", error=str(exc))
+
+    async def _take_over(self) -> None:
+        pending = await self._redis.hgetall(self._pending_key())
+        for raw_id, raw in pending.items():
+            run_id = raw_id.decode()
+            if run_id in self._active:
+                continue
+            if not await self._redis.set(self._lease_key(run_id), self._replica,
+                                         px=self._lease_ms, nx=True):
+                continue  # another replica is on it
+            try:
+                record = json.loads(raw)
+                target = DeliveryTarget.from_json(record["target"])
+            except (ValueError, KeyError, TypeError):
+                log.error("delivery_record_unreadable", run_id=run_id)
+                await self._redis.hdel(self._pending_key(), run_id)
+                continue
+            log.info("delivery_taken_over", run_id=run_id, kind=target.kind)
+            self._spawn(run_id, str(record.get("tool", "")), target, taken_over=True)

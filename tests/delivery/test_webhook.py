@@ -1,0 +1,174 @@
+"""Webhook delivery through a real server to the example receiver (HTTPS on loopback):
+the signature it verifies, retries after it fails twice, and targets refused before the run
+starts."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from stargrpc import metrics
+from stargrpc.delivery import sign, verify
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.auth.certs import TestCA
+from tests.helpers import status_details
+from tests.runs_support import collect
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "webhook_receiver.py"
+KEY = b"a delivery key for tests"
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("webhook_receiver", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+receiver_module = _example()
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> dict[str, Path]:
+    return TestCA().server_files(tmp_path)
+
+
+def start_receiver(tls: dict[str, Path], *, fail_first: int = 0) -> Iterator:
+    receiver = receiver_module.serve(0, KEY, tls["tls_cert_file"], tls["tls_key_file"],
+                                     fail_first=fail_first)
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+        thread.join(5)
+
+
+@pytest.fixture
+def receiver(tls):
+    yield from start_receiver(tls)
+
+
+@pytest.fixture
+def flaky_receiver(tls):
+    yield from start_receiver(tls, fail_first=2)
+
+
+async def make_delivering_server(make_server, tmp_path: Path, tls: dict[str, Path]):
+    secret = tmp_path / "delivery.key"
+    secret.write_bytes(KEY + b"\n")
+    server = await make_server(delivery_allowlist=["127.0.0.1"],
+                               delivery_allowed_networks=["127.0.0.1/32"],
+                               delivery_webhook_secret_file=secret,
+                               delivery_ca_file=tls["tls_client_ca_file"],
+                               delivery_retry_initial_seconds=0.05,
+                               delivery_retry_seconds=30)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    return channel, tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+def with_webhook(url: str, **fields) -> tool_service_pb2.StartRunRequest:
+    request = tool_service_pb2.StartRunRequest(tool_name="echo",
+                                               arguments_json='{"text": "delivered"}', **fields)
+    request.delivery.webhook.url = url
+    return request
+
+
+async def wait_for(receiver, run_id: str) -> dict:
+    async with asyncio.timeout(30):
+        while run_id not in receiver.deliveries:
+            await asyncio.to_thread(receiver.received.wait, 1.0)
+            receiver.received.clear()
+    return receiver.deliveries[run_id]
+
+
+async def test_the_result_arrives_signed_and_the_example_receiver_verifies_it(
+        make_server, tmp_path, tls, receiver) -> None:
+    channel, stub = await make_delivering_server(make_server, tmp_path, tls)
+    url = f"https://127.0.0.1:{receiver.server_address[1]}/hook"
+    delivered = metrics.DELIVERIES.labels("webhook", "delivered")
+    before = delivered._value.get()
+    async with channel:
+        started = await stub.StartRun(with_webhook(url))
+        delivery = await wait_for(receiver, started.run_id)
+        events = await collect(stub.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=started.run_id)))
+
+    assert delivery["run_id"] == started.run_id and delivery["tool_name"] == "echo"
+    assert delivery["result"]["outcome"] == "OUTCOME_OK"
+    assert delivery["result"]["output"] == events[-1].result.output
+    assert receiver.refused == 0
+    assert delivered._value.get() == before + 1
+
+
+async def test_a_delivery_is_retried_after_the_receiver_fails_twice(
+        make_server, tmp_path, tls, flaky_receiver) -> None:
+    channel, stub = await make_delivering_server(make_server, tmp_path, tls)
+    url = f"https://127.0.0.1:{flaky_receiver.server_address[1]}/hook"
+    failed = metrics.DELIVERY_ATTEMPTS.labels("webhook", "failed")
+    before = failed._value.get()
+    async with channel:
+        executed = await collect(stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="echo", arguments_json='{"text": "x"}',
+            delivery=with_webhook(url).delivery)))
+        delivery = await wait_for(flaky_receiver, executed[-1].run_id)
+
+    assert flaky_receiver.attempts == 3
+    assert delivery["result"]["outcome"] == "OUTCOME_OK"
+    assert failed._value.get() == before + 2
+
+
+async def test_targets_are_refused_before_the_run_starts(make_server, tmp_path, tls) -> None:
+    channel, stub = await make_delivering_server(make_server, tmp_path, tls)
+    refusals = {}
+    async with channel:
+        for name, url in [("off the allowlist", "https://example.com/hook"),
+                          ("not https", "http://127.0.0.1:1/hook"),
+                          ("credentials", "https://user:pw@127.0.0.1/hook"),
+                          ("metadata address", "https://169.254.169.254/latest")]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.StartRun(with_webhook(url))
+            info = [d for d in status_details(refused.value)
+                    if isinstance(d, error_details_pb2.ErrorInfo)]
+            refusals[name] = (refused.value.code(), info[0].reason if info else "")
+        request = tool_service_pb2.StartRunRequest(tool_name="echo", arguments_json="{}")
+        request.delivery.redis_stream.stream = "results"
+        with pytest.raises(grpc.aio.AioRpcError) as no_fleet:
+            await stub.StartRun(request)
+        still = await collect(stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="echo", arguments_json='{"text": "x"}')))
+
+    assert refusals == {
+        "off the allowlist": (grpc.StatusCode.PERMISSION_DENIED, "DELIVERY_NOT_ALLOWED"),
+        "not https": (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+        "credentials": (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+        "metadata address": (grpc.StatusCode.PERMISSION_DENIED, "DELIVERY_NOT_ALLOWED"),
+    }
+    assert no_fleet.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert still[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+def test_the_signature_is_what_the_example_receiver_and_the_sdk_verify() -> None:
+    body = json.dumps({"run_id": "r1"}).encode()
+    header = sign(KEY, body, 1_700_000_000)
+
+    assert verify(KEY, header, body, now=1_700_000_100)
+    assert receiver_module.verify(KEY, header, body, now=1_700_000_100)
+    assert not receiver_module.verify(KEY, header, body + b" ", now=1_700_000_100)
+    assert not receiver_module.verify(b"another key", header, body, now=1_700_000_100)
+    assert not receiver_module.verify(KEY, header, body, now=1_700_000_000 + 301)
+    assert not receiver_module.verify(KEY, "v1=" + header.partition("v1=")[2], body)
