@@ -22,6 +22,7 @@ from stargrpc.client.aio import AsyncClient, Metadata
 from stargrpc.client.channel import open_channel
 from stargrpc.client.events import Catalog, Event, Result
 from stargrpc.client.retry import RetryPolicy
+from stargrpc.v1 import tool_service_pb2
 
 T = TypeVar("T")
 
@@ -165,6 +166,10 @@ class Client:
     def cancel(self, run_id: str, reason: str = "", **options: Any) -> bool:
         """See :meth:`AsyncClient.cancel`."""
         return self._run(self._client.cancel(run_id, reason, **options))
+
+    def list_runs(self, **options: Any) -> tool_service_pb2.ListRunsResponse:
+        """See :meth:`AsyncClient.list_runs`."""
+        return self._run(self._client.list_runs(**options))
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -7,6 +7,13 @@ Keys (all under ``redis_key_prefix``)::
     run:{id}:lease    string  the running replica's token; expires unless renewed
     run:{id}:cancel   string  a CancelRun reason for the replica running the run
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
+    runs:all          zset    every run's id, scored by its start (ms since the epoch)
+    runs:owner:{hash} zset    the same for the runs of one principal (ListRuns)
+
+The meta hash also holds ``started`` and ``summary`` (JSON: last seq, current step,
+outcome and end, as of the run's last written batch), which ListRuns shows. The indexes
+expire like the runs (their TTL is pushed out by each run's writes) and drop the ids of
+expired runs when a listing comes across them.
 
 A run is written by exactly one replica, which holds its **lease** and renews it (every
 second or so, and with every batch of events). Events are appended to an in-process log
@@ -76,7 +83,15 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, Unavailable
-from stargrpc.runlog import CancelHandler, Claim, MemoryRunLog, RunLog
+from stargrpc.runlog import (
+    CancelHandler,
+    Claim,
+    MemoryRunLog,
+    RunLog,
+    RunPage,
+    RunQuery,
+    RunSummary,
+)
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -90,18 +105,42 @@ _OUTAGE_RETRY_SECONDS = 0.2
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
 _READ_COUNT = 64
+#: Most run ids an index keeps (oldest dropped first); expired runs leave it sooner.
+_INDEX_MAX_RUNS = 100_000
+#: ListRuns looks at most this many index entries per page (filters may skip many).
+_LIST_SCAN_MAX = 2_000
+#: Index entries read per round trip of a listing.
+_LIST_CHUNK = 100
+
 #: How long the flusher waits for more events before it writes, unless a Result is waiting:
 #: a short call's START, END and Result then go in one script call instead of two or three.
 _FLUSH_LINGER = 0.002
 
-# Registers a run of this replica: its lease and its meta hash (state running). Prepended to
-# the scripts that register; they take KEYS[1] = lease and KEYS[3] = meta.
-_REGISTER = """
-local function register(token, lease_ms, ttl_ms, owner, tool, replica)
+# Keeps the run indexes (KEYS[5] every run, KEYS[6] its principal's) at least ``ttl_ms``.
+_INDEXED = """
+local function keep_indexes(ttl_ms)
+  for k = 5, 6 do
+    if redis.call('PTTL', KEYS[k]) < tonumber(ttl_ms) then
+      redis.call('PEXPIRE', KEYS[k], ttl_ms)
+    end
+  end
+end
+"""
+
+# Registers a run of this replica: its lease, its meta hash (state running) and its place in
+# the run indexes. Prepended to the scripts that register; they take KEYS[1] = lease,
+# KEYS[3] = meta, KEYS[5] and KEYS[6] = the indexes.
+_REGISTER = _INDEXED + f"""
+local function register(token, lease_ms, ttl_ms, owner, tool, replica, run_id, started_ms)
   redis.call('SET', KEYS[1], token, 'PX', lease_ms)
   redis.call('HSET', KEYS[3], 'owner', owner, 'tool', tool, 'replica', replica,
-             'state', 'running')
+             'state', 'running', 'started', started_ms)
   redis.call('PEXPIRE', KEYS[3], ttl_ms)
+  for k = 5, 6 do
+    redis.call('ZADD', KEYS[k], started_ms, run_id)
+    redis.call('ZREMRANGEBYRANK', KEYS[k], 0, -{_INDEX_MAX_RUNS + 1})
+  end
+  keep_indexes(ttl_ms)
 end
 """
 
@@ -126,17 +165,18 @@ end
 # first (its first batch: it has no lease yet). Idempotent per seq: a batch is resent when its
 # round trip timed out, and Redis may have applied it all the same; an event already stored
 # at its seq with the same bytes counts as written, other bytes there are a conflict.
-# KEYS: lease, events, meta, claim (or "") · ARGV: token, lease_ms, maxlen, finished,
-# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the seq of the
-# first event, then the bytes of each event (consecutive seqs; entry id "{seq}-0").
+# KEYS: lease, events, meta, claim (or ""), index of all runs, index of the owner's · ARGV:
+# token, lease_ms, maxlen, finished, retention_ms, running_ttl_ms, register ("1" or "0"),
+# owner, tool, replica, run id, started ms, summary JSON, the seq of the first event, then
+# the bytes of each event (consecutive seqs; entry id "{seq}-0").
 # Returns {1} written, {-1} the lease is another's or the run was declared lost, {-3, seq}
 # another event is stored at seq.
 _APPEND = _REGISTER + _LEASED + """
 local top = 0
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if #last > 0 then top = tonumber(string.match(last[1][1], '^%d+')) end
-local seq = tonumber(ARGV[11])
-local i = 12
+local seq = tonumber(ARGV[14])
+local i = 15
 local conflict = nil
 while i <= #ARGV and seq <= top do
   local stored = redis.call('XRANGE', KEYS[2], seq .. '-0', seq .. '-0')
@@ -147,7 +187,7 @@ while i <= #ARGV and seq <= top do
 end
 if i > #ARGV and not conflict then return {1} end
 if ARGV[7] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
-  register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10])
+  register(ARGV[1], ARGV[2], ARGV[6], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12])
 elseif not leased(ARGV[1], ARGV[2], ARGV[10]) then
   return {-1}
 end
@@ -156,6 +196,7 @@ for j = i, #ARGV do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'e', ARGV[j])
   seq = seq + 1
 end
+redis.call('HSET', KEYS[3], 'summary', ARGV[13])
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[3], 'state', 'finished')
   redis.call('DEL', KEYS[1])
@@ -166,6 +207,7 @@ else
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[6])
   redis.call('PEXPIRE', KEYS[3], ARGV[6])
+  keep_indexes(ARGV[6])
 end
 return {1}
 """
@@ -226,8 +268,9 @@ return 1
 # (ms since the epoch), it answers {-2}.
 # Returns {1} when claimed, {-2, Redis's time in ms} when too late, else {0, the value the key
 # holds (nil when none)}.
-# KEYS: lease, events, meta, claim · ARGV: token, lease_ms, running_ttl_ms, owner, tool,
-# replica, expected, mine, deadline_ms
+# KEYS: lease, events, meta, claim, index of all runs, index of the owner's · ARGV: token,
+# lease_ms, running_ttl_ms, owner, tool, replica, expected, mine, deadline_ms, run id,
+# started ms
 _CLAIM = _REGISTER + """
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -241,7 +284,7 @@ if held ~= ARGV[8] then
   end
 end
 redis.call('SET', KEYS[4], ARGV[8], 'PX', ARGV[3])
-register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+register(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10], ARGV[11])
 return {1}
 """
 
@@ -584,6 +627,16 @@ class RedisRunStore:
         digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()
         return f"{self.prefix}idem:{digest}"
 
+    def _index_keys(self, owner: str) -> list[str]:
+        """The run indexes a run of ``owner`` is in: every run's, then its principal's."""
+        return [self._index_key(None), self._index_key(owner)]
+
+    def _index_key(self, owner: str | None) -> str:
+        if owner is None:
+            return f"{self.prefix}runs:all"
+        # Hashed: a principal id may hold any character.
+        return f"{self.prefix}runs:owner:{hashlib.sha256(owner.encode()).hexdigest()[:40]}"
+
     @property
     def _running_ttl_ms(self) -> int:
         return self.retention_ms + self.lease_ms
@@ -663,10 +716,10 @@ class RedisRunStore:
         expected: bytes | str = ""
         for _ in range(10):
             reply: Any = await self._claim_script(
-                keys=[*self._run_keys(log.run_id), claim_key],
+                keys=[*self._run_keys(log.run_id), claim_key, *self._index_keys(log.owner)],
                 args=[self._token(log.run_id), self.lease_ms, self._running_ttl_ms,
                       log.owner, log.tool, self.replica, expected, mine,
-                      self._deadline_ms(log)])
+                      self._deadline_ms(log), log.run_id, log.started_ms])
             if reply[0] == 1:  # claimed, and the run registered with it
                 log.claim_key = claim_key
                 log.registered = True
@@ -718,6 +771,56 @@ class RedisRunStore:
             await self.redis.set(self._key(run_id, "cancel"), reason, px=self._running_ttl_ms)
         return True
 
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        key = self._index_key(query.owner)
+        top: int | str = "+inf" if query.after is None else query.after[0]
+        runs: list[RunSummary] = []
+        position: tuple[int, str] | None = None
+        offset = 0
+        while offset < _LIST_SCAN_MAX:
+            with _reachable("listing runs"):
+                entries: Any = await self.redis.zrevrangebyscore(
+                    key, top, "-inf", start=offset, num=_LIST_CHUNK, withscores=True)
+                if not entries:
+                    return RunPage(runs, None)
+                offset += len(entries)
+                # Equal scores come in reverse order of id, as positions compare.
+                wanted = [(int(score), member.decode()) for member, score in entries]
+                wanted = [at for at in wanted if query.is_after_cursor(at)]
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for _, run_id in wanted:
+                        pipe.hgetall(self._key(run_id))
+                    metas = await pipe.execute()
+                expired = [run_id for (_, run_id), meta in zip(wanted, metas, strict=True)
+                           if not meta]
+                if expired:
+                    await self.redis.zrem(key, *expired)
+            for (started, run_id), meta in zip(wanted, metas, strict=True):
+                if not meta:
+                    continue
+                summary = self._summary(run_id, started, meta)
+                if query.admits(summary):
+                    if len(runs) == query.limit:
+                        return RunPage(runs, runs[-1].position)
+                    runs.append(summary)
+                position = (started, run_id)
+        # Looked at enough for one call: the next page goes on from here.
+        return RunPage(runs, position)
+
+    def _summary(self, run_id: str, started_ms: int, meta: dict[bytes, bytes]) -> RunSummary:
+        local = self._local.get(run_id)
+        if local is not None:  # running here: fresher than what was last written
+            return local.summary()
+        written = json.loads(meta.get(b"summary", b"{}"))
+        finished = meta.get(b"state", b"running") != b"running"
+        # A run ended by the store (its replica lost, a conflict) has no outcome written.
+        outcome = int(written.get("outcome", 0)) or (events_pb2.OUTCOME_ERROR if finished else 0)
+        return RunSummary(run_id, meta.get(b"owner", b"").decode(),
+                          meta.get(b"tool", b"").decode(), started_ms, finished=finished,
+                          outcome=outcome, ended_ms=int(written.get("ended", 0)),
+                          last_seq=int(written.get("seq", 0)),
+                          current_step="" if finished else str(written.get("step", "")))
+
     async def flushed(self, within: float) -> bool:
         """Waits until every event appended so far is in Redis, at most ``within`` seconds;
         whether it is."""
@@ -762,9 +865,13 @@ class RedisRunStore:
             args.extend(("0", "", "", self.replica))
         else:
             args.extend(("1", log.owner, log.tool, self.replica))
-        args.append(batch[0][0])
+        final = batch[-1][2]
+        summary = {"seq": batch[-1][0], "step": "" if final else log.current_step}
+        if final:
+            summary.update(outcome=log.outcome, ended=log.ended_ms)
+        args.extend((log.run_id, log.started_ms, json.dumps(summary), batch[0][0]))
         args.extend(data for _, data, _ in batch)
-        return [*self._run_keys(log.run_id), log.claim_key], args
+        return [*self._run_keys(log.run_id), log.claim_key, *self._index_keys(log.owner)], args
 
     async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
                         line: _ScriptLine | None = None) -> list[Any]:

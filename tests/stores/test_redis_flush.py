@@ -77,7 +77,8 @@ async def test_a_run_without_key_reaches_redis_with_its_first_events(
 
     assert before == 0  # publishing wrote nothing: no round trip before the run starts
     assert running == {b"owner": b"alice", b"tool": b"echo", b"replica": store.replica.encode(),
-                       b"state": b"running"}
+                       b"state": b"running", b"started": str(run_log.started_ms).encode(),
+                       b"summary": b'{"seq": 1, "step": ""}'}
     assert leased > 0
     assert finished[b"state"] == b"finished"
     assert [e.seq for e in stored] == [1, 2, 3] and stored[-1].HasField("result")
