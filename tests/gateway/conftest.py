@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import httpx
 import pytest
@@ -47,7 +47,7 @@ async def staged(ctx: ToolContext, args: StagedArgs) -> str:
     return "staged run done"
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     brief = "brief"
     full = "full"
 
