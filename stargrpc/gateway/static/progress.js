@@ -129,13 +129,18 @@
       return control;
     };
 
-    if (kind === "object" && schema.properties) {
+    const fieldset = () => {
       const box = el("fieldset");
       box.dataset.path = path;
       const legend = el("legend", "", label);
       if (required) legend.append(el("span", "visually-hidden", " (required)"));
       box.append(legend);
       if (help) box.append(help);
+      return box;
+    };
+
+    if (kind === "object" && schema.properties) {
+      const box = fieldset();
       const needed = new Set(schema.required || []);
       const children = Object.entries(schema.properties).map(([key, sub]) =>
         [key, buildField(key, sub, root, needed.has(key), path ? `${path}.${key}` : key)]);
@@ -230,12 +235,7 @@
         control.value = shown === undefined || shown === null ? "" : String(shown);
       };
     } else if (kind === "array" && schema.items && typeOf(resolve(schema.items, root)) !== "json") {
-      const box = el("fieldset");
-      box.dataset.path = path;
-      const legend = el("legend", "", label);
-      if (required) legend.append(el("span", "visually-hidden", " (required)"));
-      box.append(legend);
-      if (help) box.append(help);
+      const box = fieldset();
       const list = el("div", "array-items");
       const add = el("button", "small", `Add ${label.toLowerCase()} item`);
       add.type = "button";
