@@ -16,6 +16,9 @@ are built once, stored once and sent as they are, which keeps the per-event cost
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import json
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -25,7 +28,13 @@ from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from stargrpc.errors import FailedPrecondition, WatcherTooSlow, reason_name
+from stargrpc.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    WatcherTooSlow,
+    reason_name,
+)
 from stargrpc.v1 import errors_pb2, events_pb2
 
 #: Largest serialised event a :class:`MemoryRunLog` keeps the bytes of (file chunks are
@@ -98,6 +107,112 @@ class Claim:
     run_id: str
     fingerprint: str
     won: bool
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run as ListRuns shows it.
+
+    Attributes:
+        run_id: The run.
+        owner: The id of the principal it belongs to.
+        tool: The tool being run.
+        started_ms: When it was created, in ms since the epoch.
+        finished: Whether its Result has been sent.
+        outcome: The Result's ``events_pb2.Outcome`` value, 0 while it runs.
+        ended_ms: When its Result was sent, in ms since the epoch; 0 while it runs or when
+            unknown.
+        last_seq: The seq of its newest event the store knows of.
+        current_step: The title of the step running now; empty when none.
+    """
+
+    run_id: str
+    owner: str
+    tool: str
+    started_ms: int
+    finished: bool = False
+    outcome: int = 0
+    ended_ms: int = 0
+    last_seq: int = 0
+    current_step: str = ""
+
+    @property
+    def position(self) -> tuple[int, str]:
+        """Where the run sorts in a listing: newest first, then by id."""
+        return (self.started_ms, self.run_id)
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """Which runs a listing wants.
+
+    Attributes:
+        owner: Only the runs of this principal; None for every principal's.
+        limit: Most runs in the page.
+        after: Only runs that sort after this :attr:`RunSummary.position` (the previous
+            page's cursor); None from the newest.
+        tool: Only runs of this tool; empty for any.
+        finished: Only finished (True) or running (False) runs; None for both.
+        outcome: Only runs that ended with this outcome; 0 for any.
+    """
+
+    owner: str | None
+    limit: int
+    after: tuple[int, str] | None = None
+    tool: str = ""
+    finished: bool | None = None
+    outcome: int = 0
+
+    def admits(self, run: RunSummary) -> bool:
+        """Whether ``run`` passes the filters (not the cursor)."""
+        return ((self.owner is None or run.owner == self.owner)
+                and (not self.tool or run.tool == self.tool)
+                and (self.finished is None or run.finished == self.finished)
+                and (not self.outcome or run.outcome == self.outcome))
+
+    def is_after_cursor(self, position: tuple[int, str]) -> bool:
+        """Whether a run at ``position`` comes after the cursor (newest first)."""
+        return self.after is None or position < self.after
+
+
+@dataclass(frozen=True)
+class RunPage:
+    """A page of a listing.
+
+    Attributes:
+        runs: Newest first.
+        cursor: Where the next page starts; None when no run is left.
+    """
+
+    runs: list[RunSummary]
+    cursor: tuple[int, str] | None
+
+
+def encode_page_token(cursor: tuple[int, str] | None) -> str:
+    """The opaque page token for ``cursor`` (empty for None)."""
+    if cursor is None:
+        return ""
+    return base64.urlsafe_b64encode(json.dumps(list(cursor)).encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> tuple[int, str] | None:
+    """The cursor of a page token from :func:`encode_page_token`.
+
+    Raises:
+        InvalidArgument: The token is not one this server made.
+    """
+    if not token:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        started, run_id = json.loads(raw)
+        if not isinstance(started, int) or not isinstance(run_id, str):
+            raise ValueError("not a cursor")
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise InvalidArgument("the page token is not valid", [FieldViolation(
+            "page_token", "not a token from next_page_token; start again without one")]
+        ) from exc
+    return (started, run_id)
 
 
 class CancelHandler(Protocol):
@@ -187,6 +302,14 @@ class RunStore(Protocol):
         """Releases connections and background tasks."""
         ...
 
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        """The runs ``query`` asks for, newest first, on every replica.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
 
 def run_finished_error(run_id: str) -> FailedPrecondition:
     """The refusal of a request that needs a run still going (steering it)."""
@@ -208,6 +331,10 @@ class MemoryRunLog:
     _finished: bool
     finished_at: float | None
     size: int
+    started_ms: int
+    ended_ms: int
+    outcome: int
+    _open_steps: dict[str, str]
 
     def __init__(self, run_id: str,
                  on_finish: Callable[[MemoryRunLog], None] | None = None, *,
@@ -223,10 +350,27 @@ class MemoryRunLog:
         self._finished = False
         self.finished_at = None
         self.size = 0
+        self.started_ms = time.time_ns() // 1_000_000
+        self.ended_ms = 0
+        self.outcome = 0
+        # Steps started and not ended, by id, oldest first: the last is the current one.
+        self._open_steps = {}
 
     @property
     def finished(self) -> bool:
         return self._finished
+
+    @property
+    def current_step(self) -> str:
+        """The title of the most recently started step that has not ended; empty if none."""
+        return next(reversed(self._open_steps.values()), "")
+
+    def summary(self) -> RunSummary:
+        """The run as ListRuns shows it."""
+        return RunSummary(self.run_id, self.owner, self.tool, self.started_ms,
+                          finished=self._finished, outcome=self.outcome,
+                          ended_ms=self.ended_ms, last_seq=len(self._events),
+                          current_step=self.current_step)
 
     @property
     def last_seq(self) -> int:
@@ -245,8 +389,18 @@ class MemoryRunLog:
             stamp_now(event.time)
         self._events.append(event)
         self._encoded.append(None)
-        if event.WhichOneof("kind") == "result":
+        kind = event.WhichOneof("kind")
+        if kind == "step":
+            phase = event.step.phase
+            if phase == events_pb2.STEP_PHASE_START:
+                self._open_steps[event.step.step.id] = event.step.step.title
+            elif phase == events_pb2.STEP_PHASE_END:
+                self._open_steps.pop(event.step.step.id, None)
+        elif kind == "result":
             self._finished = True
+            self.outcome = event.result.outcome
+            self.ended_ms = event.time.seconds * 1000 + event.time.nanos // 1_000_000
+            self._open_steps.clear()
             self.finished_at = time.monotonic()
             # Measured once, at the end, rather than per event on the append path.
             self.size = sum(map(events_pb2.RunEvent.ByteSize, self._events))
@@ -388,6 +542,22 @@ class MemoryRunStore:
 
     async def aclose(self) -> None:
         return None
+
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        self._expire()
+        runs: list[RunSummary] = []
+        # Logs are kept in creation order: newest first is the dict reversed.
+        for log in reversed(self._logs.values()):
+            if not query.is_after_cursor((log.started_ms, log.run_id)):
+                continue
+            if query.owner is not None and log.owner != query.owner:
+                continue
+            summary = log.summary()
+            if query.admits(summary):
+                if len(runs) == query.limit:
+                    return RunPage(runs, runs[-1].position)
+                runs.append(summary)
+        return RunPage(runs, None)
 
     def __len__(self) -> int:
         return len(self._logs)

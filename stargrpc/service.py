@@ -29,10 +29,17 @@ from stargrpc.errors import (
     reason_name,
 )
 from stargrpc.outcome import Outcome
-from stargrpc.principal import current_principal
+from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import check_steer_message
-from stargrpc.runlog import RunLog, run_finished_error
+from stargrpc.runlog import (
+    RunLog,
+    RunQuery,
+    RunSummary,
+    decode_page_token,
+    encode_page_token,
+    run_finished_error,
+)
 from stargrpc.runtime import ExecuteCall, Runtime, Submission
 from stargrpc.settings import Settings
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
@@ -302,6 +309,36 @@ class ToolService:
             raise  # abort_with never returns
         return tool_service_pb2.SteerRunResponse(run_id=log.run_id)
 
+    async def ListRuns(self, request: Any, context: grpc.aio.ServicerContext
+                       ) -> tool_service_pb2.ListRunsResponse:
+        await _refuse_malformed(request, context)
+        principal = current_principal.get()
+        sees_all = self._sees_all_runs(principal)
+        try:
+            if request.page_size > MAX_RUNS_PAGE:
+                raise InvalidArgument("page_size is too large", [FieldViolation(
+                    "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
+            state = request.state
+            query = RunQuery(
+                owner=None if sees_all else principal.id,
+                limit=request.page_size or DEFAULT_RUNS_PAGE,
+                after=decode_page_token(request.page_token),
+                tool=request.tool_name,
+                finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
+                else state == tool_service_pb2.RUN_STATE_FINISHED,
+                outcome=request.outcome)
+            page = await self.runtime.store.list_runs(query)
+        except RequestError as error:
+            await abort_with(context, error)
+            raise  # abort_with never returns
+        return tool_service_pb2.ListRunsResponse(
+            runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
+            next_page_token=encode_page_token(page.cursor))
+
+    def _sees_all_runs(self, principal: Principal) -> bool:
+        roles = (self.settings.admin_role, *self.settings.run_watch_roles)
+        return any(principal.has_role(role) for role in roles)
+
     async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
         """The log of ``run_id`` when the caller may see it: its owner, a holder of
         ``admin_role``, or of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly
@@ -350,6 +387,27 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
     return message
 
 
+#: ListRuns page size when the request leaves it 0, and the largest allowed.
+DEFAULT_RUNS_PAGE = 50
+MAX_RUNS_PAGE = 200
+
+
+def run_summary_message(run: RunSummary, *, with_principal: bool
+                        ) -> tool_service_pb2.RunSummary:
+    """A run of a listing as the contract's RunSummary."""
+    message = tool_service_pb2.RunSummary(
+        run_id=run.run_id, tool_name=run.tool,
+        principal=run.owner if with_principal else "",
+        state=tool_service_pb2.RUN_STATE_FINISHED if run.finished
+        else tool_service_pb2.RUN_STATE_RUNNING,
+        outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
+        current_step=run.current_step)
+    message.started_at.FromMilliseconds(run.started_ms)
+    if run.ended_ms:
+        message.ended_at.FromMilliseconds(run.ended_ms)
+    return message
+
+
 def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
     """Registers ``service`` on ``server`` with request decoding that tolerates bad bytes,
     and response encoding that sends pre-serialised events as they are."""
@@ -370,6 +428,8 @@ def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
             service.SteerRun, _tolerant(pb.SteerRunRequest), serializer),
         "StartRun": grpc.unary_unary_rpc_method_handler(
             service.StartRun, _tolerant(pb.StartRunRequest), serializer),
+        "ListRuns": grpc.unary_unary_rpc_method_handler(
+            service.ListRuns, _tolerant(pb.ListRunsRequest), serializer),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -12,6 +12,7 @@ from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb
 from stargrpc.cli.keys import keys
 from stargrpc.cli.mcp import mcp_stdio
+from stargrpc.cli.runs import runs
 from stargrpc.cli.serve import serve
 
 
@@ -34,6 +35,7 @@ main.add_command(call)
 main.add_command(watch)
 main.add_command(cancel)
 main.add_command(steer)
+main.add_command(runs)
 main.add_command(health)
 main.add_command(keys)
 main.add_command(kb)

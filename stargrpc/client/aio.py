@@ -376,6 +376,36 @@ class AsyncClient:
                 metadata=self._call_metadata(metadata), timeout=left),
             timeout)
 
+    async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
+                        page_size: int = 0, page_token: str = "",
+                        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                        metadata: Metadata | None = None) -> tool_service_pb2.ListRunsResponse:
+        """One page of the runs the caller may see, newest first (ListRuns).
+
+        Args:
+            tool: Only runs of this tool.
+            state: Only ``"running"`` or ``"finished"`` runs; empty for both.
+            outcome: Only runs that ended so, by Outcome name (``"OK"``, ``"FAILED"``, …).
+            page_size: Most runs in the page (0: the server's default).
+            page_token: ``next_page_token`` of the previous page.
+
+        Returns:
+            The page; its ``next_page_token`` is empty when no run is left.
+
+        Raises:
+            ValueError: ``state`` or ``outcome`` is not a known name.
+            CallError: The server refused the call (such as a bad page token).
+        """
+        request = tool_service_pb2.ListRunsRequest(
+            tool_name=tool, page_size=page_size, page_token=page_token,
+            state=f"RUN_STATE_{state.upper()}" if state else None,
+            outcome=f"OUTCOME_{outcome.upper()}" if outcome else None)
+        reply: tool_service_pb2.ListRunsResponse = await self._unary(
+            lambda left: self._stub.ListRuns(
+                request, metadata=self._call_metadata(metadata), timeout=left),
+            timeout)
+        return reply
+
     # -- streams ---------------------------------------------------------------------------
 
     async def _read(self, call: Any, cursor: _Cursor) -> AsyncIterator[Event]:

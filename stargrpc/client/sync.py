@@ -22,6 +22,7 @@ from stargrpc.client.aio import AsyncClient, Metadata
 from stargrpc.client.channel import open_channel
 from stargrpc.client.events import Catalog, Event, Result
 from stargrpc.client.retry import RetryPolicy
+from stargrpc.v1 import tool_service_pb2
 
 T = TypeVar("T")
 
@@ -169,6 +170,10 @@ class Client:
     def steer(self, run_id: str, message: str, **options: Any) -> None:
         """See :meth:`AsyncClient.steer`."""
         self._run(self._client.steer(run_id, message, **options))
+
+    def list_runs(self, **options: Any) -> tool_service_pb2.ListRunsResponse:
+        """See :meth:`AsyncClient.list_runs`."""
+        return self._run(self._client.list_runs(**options))
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -6,6 +6,11 @@ Routes:
 - ``GET  /v1/tools``                      the catalog (``ETag`` = catalog hash)
 - ``POST /v1/tools/{name}:execute``       start a run: 202 with its URLs; ``?wait=true``:
   200 with the Result; ``Accept: text/event-stream``: the run's events as SSE
+- ``GET  /v1/capabilities``               what this server offers the page (steering, …)
+- ``GET  /v1/runs``                       ListRuns: ``?tool=&state=&outcome=&page_size=
+  &page_token=``
+- ``GET  /v1/runs/events``                the first page of ListRuns as SSE (``runs``
+  events), sent again whenever it changes
 - ``GET  /v1/runs/{run_id}/events``       the run's events as SSE, replayed after
   ``Last-Event-ID`` (or ``?after_seq=``), then live until the Result
 - ``POST /v1/runs/{run_id}:cancel``       CancelRun
@@ -27,6 +32,7 @@ import grpc
 from google.protobuf import any_pb2, json_format
 from google.rpc import error_details_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette.event import ServerSentEvent
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -45,13 +51,15 @@ from stargrpc.gateway.http_errors import (
     rpc_error_response,
 )
 from stargrpc.gateway.sse import (
+    PING_SECONDS,
     EventSource,
     QueueSource,
     WatchSource,
+    encode_error,
     event_json,
     sse_stream,
 )
-from stargrpc.v1 import tool_service_pb2
+from stargrpc.v1 import events_pb2, tool_service_pb2
 
 STATIC_DIR = Path(__file__).parent / "static"
 
@@ -63,6 +71,10 @@ FIRST_EVENT_WAIT_SECONDS = 2.0
 #: On shutdown, how long open event streams get to deliver what is in flight (the Results of
 #: the runs the drain just ended) before they are cut.
 STREAM_CLOSE_GRACE_SECONDS = 3.0
+
+#: How often GET /v1/runs/events looks at the run list for changes (server side: the
+#: browser keeps one stream open and is sent the list when it changes).
+RUNS_WATCH_SECONDS = 1.0
 
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
@@ -177,6 +189,9 @@ class Gateway:
                 Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
                 Route("/v1/tools", self.list_tools, methods=["GET"]),
                 Route("/v1/tools/{name}:execute", self.execute, methods=["POST"]),
+                Route("/v1/capabilities", self.capabilities, methods=["GET"]),
+                Route("/v1/runs", self.list_runs, methods=["GET"]),
+                Route("/v1/runs/events", self.watch_runs, methods=["GET"]),
                 Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
             ],
@@ -205,12 +220,15 @@ class Gateway:
         self._closing.set()
         await self.client.aclose()
 
-    def _stream(self, source: EventSource) -> StreamingResponse:
+    def _stream(self, source: EventSource | AsyncIterator[bytes]) -> StreamingResponse:
+        chunks = (sse_stream(source, self._closing) if isinstance(source, EventSource)
+                  else source)
+
         async def counted() -> AsyncIterator[bytes]:
             self._open_streams += 1
             self._no_open_streams.clear()
             try:
-                async for chunk in sse_stream(source, self._closing):
+                async for chunk in chunks:
                     yield chunk
             finally:
                 self._open_streams -= 1
@@ -240,6 +258,64 @@ class Gateway:
             return Response(status_code=304, headers=etag)
         return JSONResponse(json_format.MessageToDict(reply, preserving_proto_field_name=True),
                             headers=etag)
+
+    async def capabilities(self, request: Request) -> Response:
+        """``GET /v1/capabilities``: what the page may offer on this server."""
+        routes = [getattr(route, "path", "") for route in self.app.routes]
+        steer = ("SteerRun" in _TOOL_SERVICE.methods_by_name
+                 and any(path.endswith(":steer") for path in routes))
+        return JSONResponse({"steer": steer, "cancel": True, "list_runs": True})
+
+    async def list_runs(self, request: Request) -> Response:
+        """``GET /v1/runs``: a page of ListRuns."""
+        try:
+            grpc_request = _list_runs_request(request)
+        except _BadRequest as bad:
+            return bad.response()
+        try:
+            reply = await self.client.list_runs(grpc_request, call_metadata(request))
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        return JSONResponse(_runs_json(reply))
+
+    async def watch_runs(self, request: Request) -> Response:
+        """``GET /v1/runs/events``: the first page of the list as a ``runs`` event, then
+        again each time it changes, until the client goes away."""
+        try:
+            grpc_request = _list_runs_request(request)
+        except _BadRequest as bad:
+            return bad.response()
+        metadata = call_metadata(request)
+        try:  # a refused caller gets an HTTP error, not a stream
+            first = await self.client.list_runs(grpc_request, metadata)
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+
+        async def changes() -> AsyncIterator[bytes]:
+            reply: tool_service_pb2.ListRunsResponse | None = first
+            sent = b""
+            quiet = 0.0
+            while not self._closing.is_set():
+                if reply is not None:
+                    body = json.dumps(_runs_json(reply), separators=(",", ":")).encode()
+                    if body != sent:
+                        sent, quiet = body, 0.0
+                        yield ServerSentEvent(body.decode(), event="runs", sep="\n").encode()
+                    elif quiet >= PING_SECONDS:
+                        quiet = 0.0
+                        yield ServerSentEvent(comment="keep-alive", sep="\n").encode()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), RUNS_WATCH_SECONDS)
+                quiet += RUNS_WATCH_SECONDS
+                try:
+                    reply = await self.client.list_runs(grpc_request, metadata)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() != grpc.StatusCode.UNAVAILABLE:
+                        yield encode_error(error)
+                        return
+                    reply = None  # the store is away for now: keep the last list shown
+
+        return self._stream(changes())
 
     async def execute(self, request: Request) -> Response:
         """``POST /v1/tools/{name}:execute``."""
@@ -364,6 +440,47 @@ def _after_seq(request: Request) -> int:
         raise _BadRequest("Last-Event-ID / after_seq must be a seq (a whole number >= 0)",
                           [("Last-Event-ID", f"not a seq: {given[:40]!r}")])
     return after_seq
+
+
+_TOOL_SERVICE = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"]
+
+
+def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
+    """The ListRuns request of ``GET /v1/runs?tool=&state=&outcome=&page_size=&page_token=``.
+
+    Raises:
+        _BadRequest: A parameter is not valid.
+    """
+    params = request.query_params
+    violations: list[tuple[str, str]] = []
+    message = tool_service_pb2.ListRunsRequest(tool_name=params.get("tool", ""),
+                                               page_token=params.get("page_token", ""))
+    state = params.get("state", "").upper().removeprefix("RUN_STATE_")
+    if state:
+        try:
+            message.state = tool_service_pb2.RunState.Value(f"RUN_STATE_{state}")
+        except ValueError:
+            violations.append(("state", "one of running, finished"))
+    outcome = params.get("outcome", "").upper().removeprefix("OUTCOME_")
+    if outcome:
+        try:
+            message.outcome = events_pb2.Outcome.Value(f"OUTCOME_{outcome}")
+        except ValueError:
+            violations.append(("outcome", "one of ok, denied, failed, error, timeout, "
+                                          "cancelled"))
+    size = params.get("page_size", "0")
+    if size.isdigit() and len(size) <= 4:
+        message.page_size = int(size)
+    else:
+        violations.append(("page_size", "a whole number from 0 to 200"))
+    if violations:
+        raise _BadRequest("the run list query is not valid", violations)
+    return message
+
+
+def _runs_json(reply: tool_service_pb2.ListRunsResponse) -> dict[str, Any]:
+    return json_format.MessageToDict(reply, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
 
 
 def _validation_response(exc: ValidationError) -> JSONResponse:

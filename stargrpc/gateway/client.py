@@ -107,6 +107,15 @@ class GatewayClient:
         request = tool_service_pb2.ListToolsRequest(known_catalog_hash=known_catalog_hash)
         return await self.stub.ListTools(request, metadata=metadata)
 
+    async def list_runs(self, request: tool_service_pb2.ListRunsRequest, metadata: Metadata
+                        ) -> tool_service_pb2.ListRunsResponse:
+        """ListRuns.
+
+        Raises:
+            grpc.aio.AioRpcError: The call was refused (bad page token, …).
+        """
+        return await self.stub.ListRuns(request, metadata=metadata)
+
     async def cancel(self, run_id: str, reason: str, metadata: Metadata) -> bool:
         """CancelRun; whether the run was still going.
 

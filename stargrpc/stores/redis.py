@@ -7,7 +7,15 @@ Keys (all under ``redis_key_prefix``)::
     run:{id}:lease    string  the running replica's token; expires unless renewed
     run:{id}:cancel   string  a CancelRun reason for the replica running the run
     run:{id}:steer    list    SteerRun messages (JSON) for the replica running the run
+    runs:all          zset    every run's id, scored by its start (ms since the epoch)
+    runs:owner:{hash} zset    the same for the runs of one principal (ListRuns)
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
+
+The meta hash also holds ``summary`` (JSON: last seq, current step, outcome and end, as of
+the run's last written batch), which ListRuns shows. The indexes are written apart from the
+run's scripts (on a cluster they live in slots of their own), when a run is registered and
+when it ends; they expire like the runs (each write pushes their TTL out) and drop the ids
+of expired runs when a listing comes across them.
 
 A run is written by exactly one replica, which holds its **lease** and renews it (every
 second or so, and with every batch of events). Events are appended to an in-process log
@@ -53,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -86,6 +95,9 @@ from stargrpc.runlog import (
     Claim,
     MemoryRunLog,
     RunLog,
+    RunPage,
+    RunQuery,
+    RunSummary,
     SteerHandler,
     run_finished_error,
 )
@@ -96,6 +108,12 @@ from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")
 
+#: Most run ids an index keeps (oldest dropped first); expired runs leave it sooner.
+_INDEX_MAX_RUNS = 100_000
+#: ListRuns looks at most this many index entries per page (filters may skip many).
+_LIST_SCAN_MAX = 2_000
+#: Index entries read per round trip of a listing.
+_LIST_CHUNK = 100
 #: The RetryInfo delay of a call refused because Redis did not answer.
 RETRY_AFTER_SECONDS = 1.0
 #: How long a watcher waits before reading again after Redis did not answer.
@@ -163,16 +181,17 @@ return 1
 # (asynchronous replication); the replica running the run still holds them and writes them
 # again, in order, before this batch.
 # KEYS: lease, events, meta[, claim (one Redis only)] · ARGV: token, lease_ms, maxlen, finished,
-# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the seq of the
-# first event, then the bytes of each event (consecutive seqs; entry id "{seq}-0").
+# retention_ms, running_ttl_ms, register ("1" or "0"), owner, tool, replica, the run's
+# summary JSON (ListRuns), the seq of the first event, then the bytes of each event
+# (consecutive seqs; entry id "{seq}-0").
 # Returns {1} written, {-1} the lease is another's or the run was declared lost, {-3, seq}
 # another event is stored at seq, {-4, top} events after top are missing before this batch.
 _APPEND = _REGISTER + _LEASED + """
 local top = 0
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if #last > 0 then top = tonumber(string.match(last[1][1], '^%d+')) end
-local seq = tonumber(ARGV[11])
-local i = 12
+local seq = tonumber(ARGV[12])
+local i = 13
 local conflict = nil
 while i <= #ARGV and seq <= top do
   local stored = redis.call('XRANGE', KEYS[2], seq .. '-0', seq .. '-0')
@@ -193,6 +212,7 @@ for j = i, #ARGV do
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'e', ARGV[j])
   seq = seq + 1
 end
+redis.call('HSET', KEYS[3], 'summary', ARGV[11])
 if ARGV[4] == '1' then
   redis.call('HSET', KEYS[3], 'state', 'finished')
   redis.call('DEL', KEYS[1])
@@ -857,6 +877,7 @@ class RedisRunStore:
                 log.claim_key = claim_key
                 log.claim_value = mine
                 log.registered = True
+                await self._index_runs([log])
                 return Claim(log.run_id, fingerprint, won=True)
             if reply[0] == -2:
                 ahead = int(reply[1]) - int(time.time() * 1000)
@@ -904,6 +925,85 @@ class RedisRunStore:
             # The replica running it sees this at its next lease renewal (about a second).
             await self.redis.set(self._key(run_id, "cancel"), reason, px=self._running_ttl_ms)
         return True
+
+    def _index_keys(self, owner: str) -> list[str]:
+        """The run indexes a run of ``owner`` is in: every run's, then its principal's."""
+        return [self._index_key(None), self._index_key(owner)]
+
+    def _index_key(self, owner: str | None) -> str:
+        if owner is None:
+            return f"{self.prefix}runs:all"
+        # Hashed: a principal id may hold any character.
+        return f"{self.prefix}runs:owner:{hashlib.sha256(owner.encode()).hexdigest()[:40]}"
+
+    async def _index_runs(self, logs: list[RedisRunLog]) -> None:
+        """Puts runs into the ListRuns indexes and pushes the indexes' TTL out. Apart from the
+        run's scripts (on a cluster the indexes live in other slots) and best effort: a run
+        missing from a listing for a while is better than a call that fails for it."""
+        if not logs:
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for run_log in logs:
+                        for key in self._index_keys(run_log.owner):
+                            pipe.zadd(key, {run_log.run_id: run_log.started_ms})
+                            pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
+                            # Every write sets the same TTL from now: it only ever grows.
+                            pipe.pexpire(key, self._running_ttl_ms)
+                    await pipe.execute()
+        except (RedisError, TimeoutError) as exc:
+            log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        key = self._index_key(query.owner)
+        top: int | str = "+inf" if query.after is None else query.after[0]
+        runs: list[RunSummary] = []
+        position: tuple[int, str] | None = None
+        offset = 0
+        while offset < _LIST_SCAN_MAX:
+            with _reachable("listing runs"):
+                entries: Any = await self.redis.zrevrangebyscore(
+                    key, top, "-inf", start=offset, num=_LIST_CHUNK, withscores=True)
+                if not entries:
+                    return RunPage(runs, None)
+                offset += len(entries)
+                # Equal scores come in reverse order of id, as positions compare.
+                wanted = [(int(score), member.decode()) for member, score in entries]
+                wanted = [at for at in wanted if query.is_after_cursor(at)]
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for _, run_id in wanted:
+                        pipe.hgetall(self._key(run_id))
+                    metas = await pipe.execute()
+                expired = [run_id for (_, run_id), meta in zip(wanted, metas, strict=True)
+                           if not meta]
+                if expired:
+                    await self.redis.zrem(key, *expired)
+            for (started, run_id), meta in zip(wanted, metas, strict=True):
+                if not meta:
+                    continue
+                summary = self._summary(run_id, started, meta)
+                if query.admits(summary):
+                    if len(runs) == query.limit:
+                        return RunPage(runs, runs[-1].position)
+                    runs.append(summary)
+                position = (started, run_id)
+        # Looked at enough for one call: the next page goes on from here.
+        return RunPage(runs, position)
+
+    def _summary(self, run_id: str, started_ms: int, meta: dict[bytes, bytes]) -> RunSummary:
+        local = self._local.get(run_id)
+        if local is not None:  # running here: fresher than what was last written
+            return local.summary()
+        written = json.loads(meta.get(b"summary", b"{}"))
+        finished = meta.get(b"state", b"running") != b"running"
+        # A run ended by the store (its replica lost, a conflict) has no outcome written.
+        outcome = int(written.get("outcome", 0)) or (events_pb2.OUTCOME_ERROR if finished else 0)
+        return RunSummary(run_id, meta.get(b"owner", b"").decode(),
+                          meta.get(b"tool", b"").decode(), started_ms, finished=finished,
+                          outcome=outcome, ended_ms=int(written.get("ended", 0)),
+                          last_seq=int(written.get("seq", 0)),
+                          current_step="" if finished else str(written.get("step", "")))
 
     async def request_steer(self, run_id: str, message: str, source: str) -> None:
         if run_id in self._local:
@@ -974,7 +1074,11 @@ class RedisRunStore:
             args.extend(("0", "", "", self.replica))
         else:
             args.extend(("1", log.owner, log.tool, self.replica))
-        args.append(batch[0][0])
+        final = batch[-1][2]
+        summary = {"seq": batch[-1][0], "step": "" if final else log.current_step}
+        if final:
+            summary.update(outcome=log.outcome, ended=log.ended_ms)
+        args.extend((json.dumps(summary), batch[0][0]))
         args.extend(data for _, data, _ in batch)
         return self._with_claim(self._run_keys(log.run_id), log.claim_key), args
 
@@ -1103,6 +1207,9 @@ class RedisRunStore:
                    if run_log._pending and not run_log.lease_lost]
         if not batches:
             return True
+        # Runs this round trip registers or ends go into (or stay in) the ListRuns indexes.
+        to_index = [run_log for run_log, batch in batches
+                    if not run_log.registered or batch[-1][2]]
         # Whatever fails is kept and written again: local readers are unaffected, remote
         # watchers wait, and the lease (renewed by these writes) is at stake.
         try:
@@ -1144,6 +1251,7 @@ class RedisRunStore:
                 self._forget(run_log)
             elif run_log._pending:
                 self._dirty[run_log.run_id] = run_log
+        await self._index_runs([run_log for run_log in to_index if run_log.registered])
         return ok
 
     def _stop_writing(self, run_log: RedisRunLog) -> None:

@@ -1,13 +1,26 @@
+import datetime
+
 from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from stargrpc.v1 import catalog_pb2 as _catalog_pb2
 from stargrpc.v1 import events_pb2 as _events_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_RUNNING: _ClassVar[RunState]
+    RUN_STATE_FINISHED: _ClassVar[RunState]
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_RUNNING: RunState
+RUN_STATE_FINISHED: RunState
 
 class ListToolsRequest(_message.Message):
     __slots__ = ("known_catalog_hash",)
@@ -175,3 +188,47 @@ class StartRunResponse(_message.Message):
     run_id: str
     attached: bool
     def __init__(self, run_id: _Optional[str] = ..., attached: _Optional[bool] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "tool_name", "state", "outcome")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    tool_name: str
+    state: RunState
+    outcome: _events_pb2.Outcome
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ...) -> None: ...
+
+class RunSummary(_message.Message):
+    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    tool_name: str
+    principal: str
+    state: RunState
+    outcome: _events_pb2.Outcome
+    started_at: _timestamp_pb2.Timestamp
+    ended_at: _timestamp_pb2.Timestamp
+    last_seq: int
+    current_step: str
+    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ...) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs", "next_page_token")
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
+    next_page_token: str
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -70,6 +70,11 @@ class ToolServiceStub:
                 request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.SerializeToString,
                 response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/stargrpc.v1.ToolService/ListRuns',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
 
 
 class ToolServiceServicer:
@@ -141,6 +146,18 @@ class ToolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRuns(self, request, context):
+        """The runs the caller may see, newest first: its own, or every principal's for a holder
+        of the admin role or of a `run_watch_roles` role. Runs in flight and those finished
+        within the run retention, on any replica. Filtered by tool, state and outcome, and
+        paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
+        may hold fewer than `page_size` runs when filters skip many). A malformed token is
+        INVALID_ARGUMENT with a field violation on `page_token`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +195,11 @@ def add_ToolServiceServicer_to_server(servicer, server):
                     servicer.StartRun,
                     request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.FromString,
                     response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +392,33 @@ class ToolService:
             '/stargrpc.v1.ToolService/StartRun',
             stargrpc_dot_v1_dot_tool__service__pb2.StartRunRequest.SerializeToString,
             stargrpc_dot_v1_dot_tool__service__pb2.StartRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/ListRuns',
+            stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

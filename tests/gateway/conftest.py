@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 import pytest
@@ -46,12 +47,53 @@ async def staged(ctx: ToolContext, args: StagedArgs) -> str:
     return "staged run done"
 
 
+class Mode(StrEnum):
+    brief = "brief"
+    full = "full"
+
+
+class Limits(BaseModel):
+    rows: int = Field(3, ge=1, le=10, description="Rows in the table.")
+    strict: bool = Field(False, description="Fail on anything odd.")
+
+
+class ReportArgs(BaseModel):
+    title: str = Field(description="The report's title.")
+    tags: list[str] = Field(default_factory=list, description="Labels for the report.")
+    mode: Mode = Field(Mode.brief, description="How much to say.")
+    draft: bool = Field(True, description="Mark it as a draft.")
+    limits: Limits = Field(default_factory=Limits, description="Bounds of the report.")
+    note: str | None = Field(None, description="An optional note.")
+
+
+@tool(kind="test")
+async def report(ctx: ToolContext, args: ReportArgs) -> dict[str, object]:
+    """Post a report as rich messages: markdown, a table, an image and a link card."""
+    async with ctx.step("Composing") as step:
+        await step.delta("composing the report\n")
+    ctx.send_rich_message("markdown", {"markdown": f"# {args.title}\n\nAll **{args.mode.value}** "
+                                       "checks passed.\n\n- fast\n- *calm*\n\n"
+                                       "<script>alert(1)</script>"})
+    ctx.send_rich_message("table", {"title": "Scores", "columns": ["name", "score"],
+                                    "rows": [[f"row {i}", i * 10]
+                                             for i in range(args.limits.rows)]})
+    ctx.send_rich_message("image", {"url": PIXEL, "alt": "a green square"})
+    ctx.send_rich_message("link", {"url": "https://example.com/report", "title": "Full report",
+                                   "description": "Everything in one place."})
+    return {"title": args.title, "tags": args.tags, "nested": {"rows": args.limits.rows}}
+
+
+#: A 2x2 green PNG.
+PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEklEQVR4nGNg"
+         "YGD4z8DAwMDAAAAOAgHvt0VGSgAAAABJRU5ErkJggg==")
+
+
 def gateway_registry() -> Registry:
-    """The bundled tools plus ``staged``."""
+    """The bundled tools plus ``staged`` and ``report``."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = spec_of(staged)
-    assert extra is not None
-    return Registry([*bundled.values(), extra])
+    extra = [spec_of(staged), spec_of(report)]
+    assert None not in extra
+    return Registry([*bundled.values(), *extra])  # type: ignore[list-item]
 
 
 @dataclass

@@ -48,6 +48,7 @@ async def start_from_the_page(page: Page, gateway: GatewayUnderTest, tool: str,
     await page.goto(gateway.base_url + "/")
     await expect(page.locator("#tool option[value='staged']")).to_have_count(1)
     await page.select_option("#tool", tool)
+    await page.click("#view-json")
     await page.fill("#arguments", json.dumps(arguments))
     await page.click("#run-button")
 
@@ -71,7 +72,7 @@ async def test_page_follows_a_run_live_survives_a_reload_and_shows_the_result(
         "data-status", "COMPLETE")
     await expect(page.locator('li.step[data-step-id="s0"] > ul.children > li.step')
                  ).to_have_count(2)
-    await expect(page.locator("#time-left")).to_contain_text("critic stops it in")
+    await expect(page.locator("#time-left")).to_contain_text("stops if nothing happens for")
     await expect(page.locator("#result")).to_be_hidden()
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(ARTIFACTS / "progress-page-live.png"), full_page=True)
@@ -87,7 +88,7 @@ async def test_page_follows_a_run_live_survives_a_reload_and_shows_the_result(
     await expect(page.locator("#result")).to_be_hidden()
     await expect(page.locator("#run-state")).to_have_text("running")
     # The countdown survives the reload: counted from the events' own times.
-    await expect(page.locator("#time-left")).to_contain_text("critic stops it in")
+    await expect(page.locator("#time-left")).to_contain_text("stops if nothing happens for")
     left = float(await page.locator("#time-left").get_attribute("data-seconds") or "-1")
     assert 0 < left <= gateway.server.settings.critic_soft_timeout
 
@@ -127,6 +128,7 @@ async def test_page_streams_count_deltas_and_cancels(gateway: GatewayUnderTest, 
 
     # A run that waits can be cancelled from the page.
     await page.select_option("#tool", "staged")
+    await page.click("#view-json")
     await page.fill("#arguments", json.dumps({"gate": name}))
     await page.click("#run-button")
     await expect(page.locator("#steps li.step .step-title")).to_have_count(3)

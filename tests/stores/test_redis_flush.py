@@ -77,12 +77,15 @@ async def test_a_run_without_key_reaches_redis_with_its_first_events(
 
     assert before == 0  # publishing wrote nothing: no round trip before the run starts
     assert running == {b"owner": b"alice", b"tool": b"echo", b"replica": store.replica.encode(),
-                       b"state": b"running"}
+                       b"state": b"running", b"summary": b'{"seq": 1, "step": ""}'}
     assert leased > 0
     assert finished[b"state"] == b"finished"
     assert [e.seq for e in stored] == [1, 2, 3] and stored[-1].HasField("result")
     assert lease_left == 0
     assert await redis.pttl(meta) > 0 and await redis.pttl(events) > 0
+    # ListRuns finds it by its start, in every run's index and its principal's.
+    for index in store._index_keys("alice"):
+        assert await redis.zscore(index, run_log.run_id) == run_log.started_ms
 
 
 async def test_a_run_that_loses_its_claim_leaves_nothing_in_redis(

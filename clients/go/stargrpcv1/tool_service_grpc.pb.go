@@ -47,6 +47,13 @@ type ToolServiceClient interface {
 	// WatchRun, or let its `delivery` target receive the Result. Refusals are the same
 	// statuses as Execute's. A repeated idempotency key answers the run that holds it.
 	StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error)
+	// The runs the caller may see, newest first: its own, or every principal's for a holder
+	// of the admin role or of a `run_watch_roles` role. Runs in flight and those finished
+	// within the run retention, on any replica. Filtered by tool, state and outcome, and
+	// paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
+	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
+	// INVALID_ARGUMENT with a field violation on `page_token`.
+	ListRuns(ctx context.Context, in *ListRunsRequest, opts ...grpc.CallOption) (*ListRunsResponse, error)
 }
 
 type toolServiceClient struct {
@@ -189,6 +196,15 @@ func (c *toolServiceClient) StartRun(ctx context.Context, in *StartRunRequest, o
 	return out, nil
 }
 
+func (c *toolServiceClient) ListRuns(ctx context.Context, in *ListRunsRequest, opts ...grpc.CallOption) (*ListRunsResponse, error) {
+	out := new(ListRunsResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/ListRuns", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToolServiceServer is the server API for ToolService service.
 // All implementations must embed UnimplementedToolServiceServer
 // for forward compatibility
@@ -223,6 +239,13 @@ type ToolServiceServer interface {
 	// WatchRun, or let its `delivery` target receive the Result. Refusals are the same
 	// statuses as Execute's. A repeated idempotency key answers the run that holds it.
 	StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error)
+	// The runs the caller may see, newest first: its own, or every principal's for a holder
+	// of the admin role or of a `run_watch_roles` role. Runs in flight and those finished
+	// within the run retention, on any replica. Filtered by tool, state and outcome, and
+	// paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
+	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
+	// INVALID_ARGUMENT with a field violation on `page_token`.
+	ListRuns(context.Context, *ListRunsRequest) (*ListRunsResponse, error)
 	mustEmbedUnimplementedToolServiceServer()
 }
 
@@ -250,6 +273,9 @@ func (UnimplementedToolServiceServer) SteerRun(context.Context, *SteerRunRequest
 }
 func (UnimplementedToolServiceServer) StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method StartRun not implemented")
+}
+func (UnimplementedToolServiceServer) ListRuns(context.Context, *ListRunsRequest) (*ListRunsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListRuns not implemented")
 }
 func (UnimplementedToolServiceServer) mustEmbedUnimplementedToolServiceServer() {}
 
@@ -399,6 +425,24 @@ func _ToolService_StartRun_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ToolService_ListRuns_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListRunsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).ListRuns(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/ListRuns",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).ListRuns(ctx, req.(*ListRunsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _ToolService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "stargrpc.v1.ToolService",
 	HandlerType: (*ToolServiceServer)(nil),
@@ -418,6 +462,10 @@ var _ToolService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "StartRun",
 			Handler:    _ToolService_StartRun_Handler,
+		},
+		{
+			MethodName: "ListRuns",
+			Handler:    _ToolService_ListRuns_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -1,0 +1,237 @@
+"""The grown-up progress page in headless Chromium: the runs list, a form for every bundled
+tool's schema (round-tripping with the JSON view), a refused call, rich messages, a re-join
+after a reload with the run's real arguments, keyboard-only use at 390 px, and an axe-core
+scan. Screenshots go to the test's tmp dir (its path is printed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.async_api import Browser, Page, expect
+
+from stargrpc.registry import load_registry
+from tests.gateway.conftest import GatewayUnderTest
+from tests.gateway.test_progress_page import browser
+
+__all__ = ["browser"]
+
+AXE_DIR = Path(__file__).parent / "axe"
+BUNDLED = sorted(load_registry(bundled=True, entry_points=False))
+
+
+@pytest.fixture(scope="session")
+def axe_source() -> str:
+    """axe-core's script, installed from the committed lock file when missing."""
+    script = AXE_DIR / "node_modules" / "axe-core" / "axe.min.js"
+    if not script.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.fail("the accessibility scan needs npm (apt-get install npm)")
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                       cwd=AXE_DIR, check=True, timeout=300)
+    return script.read_text()
+
+
+def sample(schema: dict[str, Any], root: dict[str, Any], name: str = "") -> Any:
+    """A value for ``schema`` unlike its default, so a round trip must carry it."""
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+    if "anyOf" in schema:
+        schema = next(s for s in schema["anyOf"] if s.get("type") != "null")
+    if "enum" in schema:
+        return schema["enum"][-1]
+    kind = schema.get("type")
+    if kind == "object" and "properties" in schema:
+        return {key: sample(sub, root, key) for key, sub in schema["properties"].items()}
+    if kind == "object":
+        return {"X-Sample": "1"}
+    if kind == "array":
+        return [sample(schema["items"], root), sample(schema["items"], root)]
+    if kind == "boolean":
+        return not schema.get("default", False)
+    if kind == "integer":
+        return int(schema.get("minimum", 0)) + 2
+    if kind == "number":
+        return 2.5
+    return f"line one of {name}\n    line two" if name in ("code", "command") else f"{name} x"
+
+
+async def open_page(browser: Browser, gateway: GatewayUnderTest, width: int = 1280) -> Page:
+    page = await browser.new_page(viewport={"width": width, "height": 900})
+    await page.goto(gateway.base_url + "/")
+    await expect(page.locator("#tool option[value='report']")).to_have_count(1)
+    return page
+
+
+async def inject_axe(page: Page, axe_source: str) -> None:
+    """Loads axe-core through the DevTools protocol: the page's CSP (no inline script)
+    stays on and would refuse a script tag."""
+    await page.evaluate(axe_source + "\n;true")
+
+
+async def json_view(page: Page) -> Any:
+    await page.click("#view-json")
+    value = json.loads(await page.input_value("#arguments"))
+    await page.click("#view-form")
+    return value
+
+
+async def test_a_form_for_every_tool_round_trips_with_the_json_view(
+        gateway: GatewayUnderTest, browser: Browser, tmp_path: Path) -> None:
+    page = await open_page(browser, gateway)
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    catalog = (await gateway.http.get("/v1/tools")).json()["tools"]
+    schemas = {tool["name"]: tool["input_schema"] for tool in catalog}
+    for name in [*BUNDLED, "report"]:
+        await page.select_option("#tool", name)
+        schema = schemas[name]
+        # Defaults and required marks are in the form as generated.
+        for key in schema.get("required", []):
+            await expect(page.locator(f"[data-path='{key}']").first).to_have_attribute(
+                "required", "")
+        wanted = sample(schema, schema)
+        await page.click("#view-json")
+        await page.fill("#arguments", json.dumps(wanted))
+        await page.click("#view-form")
+        assert await json_view(page) == wanted, name
+        await page.screenshot(path=str(tmp_path / f"form-{name}.png"), full_page=True)
+    # Code fields are a code editor, not a one-line JSON string.
+    await page.select_option("#tool", "python")
+    await expect(page.locator("textarea.code[data-path='code']")).to_have_count(1)
+    await page.select_option("#tool", "shell")
+    await expect(page.locator("textarea.code[data-path='command']")).to_have_count(1)
+
+    # Filled through the form controls, the call sends exactly what the JSON view shows.
+    await page.select_option("#tool", "report")
+    await page.fill("[data-path='title']", "Quarterly")
+    await page.click("text=Add tags item")
+    await page.fill("[data-path='tags[0]']", "alpha")
+    await page.select_option("[data-path='mode']", label="full")
+    await page.uncheck("[data-path='draft']")
+    await page.fill("[data-path='limits.rows']", "2")
+    shown = await json_view(page)
+    assert shown == {"title": "Quarterly", "tags": ["alpha"], "mode": "full", "draft": False,
+                     "limits": {"rows": 2, "strict": False}}
+    async with page.expect_request("**/v1/tools/report:execute") as sent:
+        await page.click("#run-button")
+    assert (await sent.value).post_data_json == {"arguments": shown}
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK")
+    assert errors == []
+    print(f"screenshots in {tmp_path}")
+
+
+async def test_rich_messages_refusals_the_runs_list_and_a_rejoin(
+        gateway: GatewayUnderTest, browser: Browser, gate, tmp_path: Path,
+        axe_source: str) -> None:
+    page = await open_page(browser, gateway)
+    await page.select_option("#tool", "report")
+    await page.fill("[data-path='title']", "Weekly")
+    await page.click("#run-button")
+    result = page.locator("#result")
+    await expect(result).to_have_attribute("data-outcome", "OK")
+    messages = page.locator("#result-messages")
+    await expect(messages.locator("h4")).to_have_text("Weekly")
+    await expect(messages.locator("strong")).to_have_text("brief")
+    await expect(messages.locator("table tbody tr")).to_have_count(3)
+    await expect(messages.locator("img")).to_have_attribute("alt", "a green square")
+    await expect(messages.locator(".link-card a")).to_have_attribute(
+        "href", "https://example.com/report")
+    assert await messages.locator("script").count() == 0  # markdown never becomes HTML
+    await expect(page.locator("#result-structured details")).to_have_count(3)
+    await expect(page.locator("#tools-box")).to_be_hidden()  # empty sections are hidden
+    await expect(page.locator("#files-box")).to_be_hidden()
+    # This server offers no steering: no steer box (it appears when /v1/capabilities says so).
+    await expect(page.locator("#steer-form")).to_be_hidden()
+    await page.screenshot(path=str(tmp_path / "rich-messages.png"), full_page=True)
+    first_run = await page.locator("#run-id").text_content()
+
+    # A refused call: the previous run's panel goes, the violation's description shows.
+    await page.select_option("#tool", "count")
+    await page.click("#view-json")
+    await page.fill("#arguments", json.dumps({"to": "many"}))
+    await page.click("#run-button")
+    error = page.locator("#form-error")
+    await expect(error).to_contain_text("count was not started")
+    await expect(error.locator("li")).to_contain_text("to")
+    assert "integer" in (await error.locator("li").first.text_content() or "")
+    await expect(page.locator("#run-view")).to_be_hidden()
+    await page.screenshot(path=str(tmp_path / "refused.png"), full_page=True)
+
+    # A run with its own arguments; after a reload the form shows those, not the defaults.
+    name, opened = gate
+    await page.select_option("#tool", "staged")
+    await page.click("#view-form")
+    await page.fill("[data-path='gate']", name)
+    await page.click("#run-button")
+    await expect(page.locator("#steps li.step .step-title")).to_have_count(3)
+    run_id = await page.locator("#run-id").text_content()
+    listed = page.locator(f"#runs-list button[data-run-id='{run_id}']")
+    await expect(listed.locator(".badge")).to_have_text("running")
+    await expect(page.locator(f"#runs-list button[data-run-id='{first_run}'] .badge")
+                 ).to_have_text("ok")
+    await page.screenshot(path=str(tmp_path / "runs-list.png"), full_page=True)
+    await page.reload()
+    await expect(page.locator("#run-id")).to_have_text(run_id or "")
+    await expect(page.locator("[data-path='gate']")).to_have_value(name)
+    await expect(page.locator("#run-arguments-json")).to_contain_text(name)
+    await expect(page.locator("#time-left")).to_contain_text("stops if nothing happens for")
+    await page.screenshot(path=str(tmp_path / "rejoined.png"), full_page=True)
+
+    # axe-core: no serious or critical violations, mid-run.
+    await inject_axe(page, axe_source)
+    report = await page.evaluate("axe.run(document, {resultTypes: ['violations']})")
+    bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3])
+           for v in report["violations"] if v["impact"] in ("serious", "critical")]
+    assert bad == []
+    opened.set()
+    await expect(listed.locator(".badge")).to_have_text("ok")
+
+    # The list opens any run: the first one again, by its list entry.
+    await page.locator(f"#runs-list button[data-run-id='{first_run}']").click()
+    await expect(page.locator("#run-id")).to_have_text(first_run or "")
+    await expect(result).to_have_attribute("data-outcome", "OK")
+    # Filters: only count runs (none finished OK), then only ok ones.
+    await page.select_option("#filter-tool", "count")
+    await expect(page.locator("#runs-list li")).to_have_count(0)
+    await page.select_option("#filter-tool", "")
+    await page.select_option("#filter-outcome", "ok")
+    await expect(page.locator("#runs-list li")).to_have_count(2)
+
+
+async def test_keyboard_only_at_390_pixels(gateway: GatewayUnderTest, browser: Browser,
+                                           tmp_path: Path, axe_source: str) -> None:
+    page = await open_page(browser, gateway, width=390)
+    await page.select_option("#tool", "echo")
+    await page.locator("#tool").focus()
+    # Tab to the text field, type, then on to Run and press Enter: no mouse.
+    for _ in range(10):
+        await page.keyboard.press("Tab")
+        if await page.evaluate("document.activeElement.dataset.path") == "text":
+            break
+    await page.keyboard.type("typed by keyboard")
+    for _ in range(10):
+        await page.keyboard.press("Tab")
+        if await page.evaluate("document.activeElement.id") == "run-button":
+            break
+    outline = await page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+    assert outline != "none"  # focus is visible
+    await page.keyboard.press("Enter")
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK")
+    # Streamed once in its step; the Result's copy of it (for the model) stays folded.
+    await expect(page.locator("#steps pre.step-output")).to_have_text("typed by keyboard")
+    await expect(page.locator("#result-output")).to_be_empty()
+    await expect(page.locator("#result-output-full")).to_have_text("typed by keyboard")
+    await expect(page.locator("#announcer")).to_contain_text("Run finished: ok")
+    width = await page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390  # nothing overflows sideways on a phone
+    await page.screenshot(path=str(tmp_path / "phone.png"), full_page=True)
+    await inject_axe(page, axe_source)
+    report = await page.evaluate("axe.run(document, {resultTypes: ['violations']})")
+    assert [v["id"] for v in report["violations"]
+            if v["impact"] in ("serious", "critical")] == []
