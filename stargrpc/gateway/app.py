@@ -14,6 +14,7 @@ Routes:
 - ``GET  /v1/runs/{run_id}/events``       the run's events as SSE, replayed after
   ``Last-Event-ID`` (or ``?after_seq=``), then live until the Result
 - ``POST /v1/runs/{run_id}:cancel``       CancelRun
+- ``POST /v1/runs/{run_id}:steer``        SteerRun: ``{"message": "…"}``
 
 Credentials travel in ``Authorization: Bearer …`` exactly as in gRPC metadata; the gateway
 forwards them (with the W3C trace context) and never looks at them.
@@ -106,6 +107,14 @@ class CancelBody(BaseModel):
     reason: str = ""
 
 
+class SteerBody(BaseModel):
+    """The JSON body of ``POST /v1/runs/{run_id}:steer``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+
+
 class _BadRequest(Exception):
     def __init__(self, message: str, violations: list[tuple[str, str]] | None = None,
                  status: int = 400) -> None:
@@ -194,6 +203,7 @@ class Gateway:
                 Route("/v1/runs/events", self.watch_runs, methods=["GET"]),
                 Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
+                Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
             ],
             middleware=[Middleware(SecurityHeaders)],
             exception_handlers={HTTPException: _http_exception},
@@ -386,6 +396,21 @@ class Gateway:
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         return JSONResponse({"cancelled": cancelled})
+
+    async def steer(self, request: Request) -> Response:
+        """``POST /v1/runs/{run_id}:steer``: SteerRun; 200 ``{"run_id": …}``."""
+        try:
+            body = SteerBody.model_validate(await self._json_body(request))
+        except _BadRequest as bad:
+            return bad.response()
+        except ValidationError as exc:
+            return _validation_response(exc)
+        try:
+            run_id = await self.client.steer(request.path_params["run_id"], body.message,
+                                             call_metadata(request))
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        return JSONResponse({"run_id": run_id})
 
     # -- request decoding ------------------------------------------------------------------
 

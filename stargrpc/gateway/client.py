@@ -126,6 +126,17 @@ class GatewayClient:
             tool_service_pb2.CancelRunRequest(run_id=run_id, reason=reason), metadata=metadata)
         return reply.cancelled
 
+    async def steer(self, run_id: str, message: str, metadata: Metadata) -> str:
+        """SteerRun; the run steered.
+
+        Raises:
+            grpc.aio.AioRpcError: The call was refused (unknown run, finished, too long, …).
+        """
+        reply = await self.stub.SteerRun(
+            tool_service_pb2.SteerRunRequest(run_id=run_id, message=message),
+            metadata=metadata)
+        return reply.run_id
+
     async def start_run(self, request: tool_service_pb2.ExecuteRequest, metadata: Metadata,
                         *, listen: bool = False) -> StartedRun:
         """Starts a run and keeps reading its Execute stream until the Result.

@@ -201,6 +201,32 @@ async def test_cancel_stops_a_run(gateway, gate) -> None:
     assert again.json() == {"cancelled": False}
 
 
+async def test_steer_reaches_a_live_run_and_refuses_what_it_must(gateway, gate) -> None:
+    name, opened = gate
+    run_id = await start(gateway, "staged", {"gate": name})
+
+    offered = await gateway.http.get("/v1/capabilities")
+    reply = await gateway.http.post(f"/v1/runs/{run_id}:steer", json={"message": "go left"})
+    empty = await gateway.http.post(f"/v1/runs/{run_id}:steer", json={})
+    extra = await gateway.http.post(f"/v1/runs/{run_id}:steer",
+                                    json={"message": "x", "who": "me"})
+    unknown = await gateway.http.post("/v1/runs/doesnotexist:steer", json={"message": "x"})
+    opened.set()
+    events = await read_sse(gateway.http, "GET", f"/v1/runs/{run_id}/events")
+    finished = await gateway.http.post(f"/v1/runs/{run_id}:steer", json={"message": "late"})
+
+    assert offered.json()["steer"] is True
+    assert reply.status_code == 200 and reply.json() == {"run_id": run_id}
+    steered = [e[2]["notice"] for e in events if "notice" in e[2]]
+    assert [(n["code"], n["message"]) for n in steered] == [("STEERED", "go left")]
+    assert empty.status_code == 400 and extra.status_code == 400
+    assert unknown.status_code == 404
+    assert detail(unknown.json(), "ErrorInfo")["reason"] == "RUN_NOT_FOUND"
+    assert finished.status_code == 400
+    assert finished.json()["error"]["status"] == "FAILED_PRECONDITION"
+    assert detail(finished.json(), "ErrorInfo")["reason"] == "RUN_FINISHED"
+
+
 def detail(body: dict[str, Any], type_suffix: str) -> dict[str, Any]:
     return next(d for d in body["error"]["details"] if d["@type"].endswith(type_suffix))
 

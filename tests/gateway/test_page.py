@@ -146,7 +146,7 @@ async def test_rich_messages_refusals_the_runs_list_and_a_rejoin(
     await expect(page.locator("#result-structured details")).to_have_count(3)
     await expect(page.locator("#tools-box")).to_be_hidden()  # empty sections are hidden
     await expect(page.locator("#files-box")).to_be_hidden()
-    # This server offers no steering: no steer box (it appears when /v1/capabilities says so).
+    # The run has ended: no steer box (it shows for a live run when /v1/capabilities offers it).
     await expect(page.locator("#steer-form")).to_be_hidden()
     await page.screenshot(path=str(tmp_path / "rich-messages.png"), full_page=True)
     first_run = await page.locator("#run-id").text_content()
