@@ -69,6 +69,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KB_NOT_CONFIGURED: _ClassVar[ErrorReason]
     KB_MISSING: _ClassVar[ErrorReason]
     HTTP_BAD_REDIRECT: _ClassVar[ErrorReason]
+    MCP_SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
+    MCP_SERVER_DIED: _ClassVar[ErrorReason]
+    MCP_ERROR: _ClassVar[ErrorReason]
+    MCP_CALL_TIMEOUT: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -132,3 +136,7 @@ HTTP_TOO_LARGE: ErrorReason
 KB_NOT_CONFIGURED: ErrorReason
 KB_MISSING: ErrorReason
 HTTP_BAD_REDIRECT: ErrorReason
+MCP_SERVER_UNAVAILABLE: ErrorReason
+MCP_SERVER_DIED: ErrorReason
+MCP_ERROR: ErrorReason
+MCP_CALL_TIMEOUT: ErrorReason
