@@ -416,15 +416,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _exited(process: SandboxProcess, ended: asyncio.Future[str]) -> None:
-    if ended.done():
-        return
-    code = process._proc.poll()  # the leader has exited: poll reaps nothing else
-    stopped = process.stopped
-    if stopped is not None:
-        ended.set_result(f"the process was stopped: {stopped.message}")
-    else:
-        ended.set_result("the process exited" + (f" (status {code})" if code is not None
-                                                  else ""))
+    if not ended.done():
+        ended.set_result(f"the server process ended: {process.describe_exit()}")
 
 
 async def _list_all(client: Client) -> list[types.Tool]:

@@ -308,7 +308,8 @@ class Sandbox:
         except BaseException:
             await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
             raise
-        process = SandboxProcess(proc, workdir, self._keep, self.limits)
+        process = SandboxProcess(proc, workdir, self._keep, self.limits,
+                                 wrapped=self.isolation.mode != "rlimits")
         await process._connect(_Output(self.limits.output_bytes, on_stderr))
         return process
 
@@ -514,10 +515,12 @@ class SandboxProcess:
     _pidfd: int
     _tasks: list[asyncio.Task[None]]
     _closed: bool
+    _wrapped: bool
 
     def __init__(self, proc: subprocess.Popen[bytes], workdir: _Workdir, keep: bool,
-                 limits: Limits) -> None:
+                 limits: Limits, *, wrapped: bool) -> None:
         self.pid = proc.pid
+        self._wrapped = wrapped
         self.stopped = None
         self._proc = proc
         self._workdir = workdir
@@ -553,6 +556,26 @@ class SandboxProcess:
                 self.stopped = disk_limit(self._limits)
                 _kill_group(self.pid)
                 return
+
+    def describe_exit(self) -> str:
+        """How the leader ended, once :attr:`exited` is done (it stays unreaped, holding
+        its process group, until :meth:`aclose`)."""
+        if self.stopped is not None:
+            return f"it was stopped: {self.stopped.message}"
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info = None
+        if info is None:
+            return "it exited"
+        if info.si_code == os.CLD_EXITED:
+            signal_number, status = _decode_status(info.si_status << 8,
+                                                   self._wrapped)
+        else:
+            signal_number, status = info.si_status, None
+        if signal_number is not None:
+            return f"it was killed by signal {signal.Signals(signal_number).name}"
+        return f"it exited with status {status}"
 
     async def aclose(self) -> int | None:
         """Kills the process group (if still running), reaps it and removes its working

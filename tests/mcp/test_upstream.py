@@ -205,20 +205,21 @@ async def test_a_server_that_goes_away_is_marked_unavailable_and_comes_back(
 
 
 def stdio_entry(**extra: Any) -> dict[str, Any]:
-    """The SDK server as a stdio command: this virtualenv's Python and the test script,
-    shown read-only inside bubblewrap."""
-    venv = Path(sys.prefix)
-    return {"name": "box", "command": str(venv / "bin" / "python"),
+    """The SDK server as a stdio command: the system's Python with this virtualenv's
+    packages and the test script, both shown read-only inside bubblewrap."""
+    packages = next(p for p in sys.path if p.startswith(sys.prefix)
+                    and p.endswith("site-packages"))
+    return {"name": "box", "command": "python3",
             "args": [str(Path(__file__).with_name("upstream_server.py"))],
-            "read_only_paths": [str(venv), str(Path(__file__).parent)], **extra}
+            "env": {"PYTHONPATH": packages},
+            "read_only_paths": [packages, str(Path(__file__).parent)], **extra}
 
 
 @pytest.fixture
-async def stdio_server(make_server: ServerFactory, tmp_path: Path) -> StargrpcServer:
+async def stdio_server(make_server: ServerFactory) -> StargrpcServer:
     if os.geteuid() != 0:
         pytest.skip("the sandbox's own user needs a root server")
     server = await make_server(mcp_servers=[stdio_entry()], sandbox_isolation="bwrap",
-                               sandbox_root=tmp_path / "box",
                                mcp_servers_restart_max_seconds=0.3)
     await tools_of(server, "box.progress")
     return server
