@@ -133,8 +133,7 @@ class RolePolicy:
         return None
 
     def access(self, spec: ToolSpec) -> ToolAccess:
-        key = (spec.name, spec.privileged, tuple(spec.allowed_roles) + ("",)
-               + spec.allowed_principals)
+        key = (spec.name, spec.privileged, (*spec.allowed_roles, "", *spec.allowed_principals))
         access = self._access.get(key)
         if access is None:
             access = self._access[key] = self._work_out_access(spec)

@@ -44,7 +44,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 from mcp_types.jsonrpc import CONNECTION_CLOSED, REQUEST_TIMEOUT
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
 from stargrpc.context import ToolContext
 from stargrpc.errors import ToolFailed
@@ -95,7 +95,8 @@ class UpstreamArguments(BaseModel):
 
 
 def _schema_model(name: str, schema: dict[str, Any] | None) -> type[UpstreamArguments]:
-    model = type(f"Upstream_{re.sub(r'[^A-Za-z0-9_]', '_', name)}", (UpstreamArguments,), {})
+    model = create_model(f"Upstream_{re.sub(r'[^A-Za-z0-9_]', '_', name)}",
+                         __base__=UpstreamArguments)
     model.upstream_schema = schema or {"type": "object"}
     return model
 

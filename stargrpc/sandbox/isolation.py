@@ -101,8 +101,8 @@ def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None,
              "--remount-ro", "/dev", *size, "--tmpfs", "/tmp",
              "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR]
     # After the working directory: a path under /work then lands on top of it.
-    for path in read_only_paths:
-        args += ["--ro-bind", str(path), str(path)]
+    for shown in read_only_paths:
+        args += ["--ro-bind", str(shown), str(shown)]
     return [*args, "--remount-ro", "/"]
 
 

@@ -25,7 +25,8 @@ from tests.helpers import key_channel, run_tool, status_details
 from tests.mcp.upstream_server import PNG, Observed, serve_http
 
 # The SDK deprecates MCP logging for the 2026-07-28 revision; log messages still flow.
-pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:The logging capability is deprecated")]
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:The logging capability is deprecated")]
 
 LOOPBACK = ["127.0.0.0/8"]
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +45,8 @@ async def http_upstream() -> AsyncIterator[tuple[str, Observed, Any]]:
         yield served
 
 
-async def tools_of(server: StargrpcServer, wanted: str, *, available: bool = True,
-                   timeout: float = 20) -> dict[str, Any]:
+async def tools_of(server: StargrpcServer, wanted: str, *, available: bool = True
+                   ) -> dict[str, Any]:
     """Waits (on catalog changes, bounded) until ``wanted`` is listed as (un)available."""
     async def wait() -> dict[str, Any]:
         async for registry in server.runtime.catalog_updates():
@@ -54,7 +55,7 @@ async def tools_of(server: StargrpcServer, wanted: str, *, available: bool = Tru
                 return dict(registry)
         raise AssertionError("unreachable")
 
-    return await asyncio.wait_for(wait(), timeout)
+    return await asyncio.wait_for(wait(), 20)
 
 
 def result_of(events: list[events_pb2.RunEvent]) -> events_pb2.Result:
@@ -268,9 +269,10 @@ async def test_stdio_server_killed_mid_call_ends_the_run_with_a_clear_result(
         async for response in stub.Execute(request):
             events.append(response.event)
             if len(events) == 1:  # the run has started: the call is on its way
-                while not only(stdio_server)._calls:
+                for _ in range(500):  # bounded: the call is sent right after the start
+                    if only(stdio_server)._calls:
+                        break
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.2)
                 os.killpg(server_pid(stdio_server), signal.SIGKILL)
     result = result_of(events)
     assert result.outcome == events_pb2.OUTCOME_FAILED
@@ -282,3 +284,35 @@ def _uid_of(pid: int) -> int:
         if line.startswith("Uid:"):
             return int(line.split()[1])
     raise AssertionError("no Uid line")
+
+
+async def test_a_server_that_never_answers_does_not_block_the_catalog(
+        make_server: ServerFactory) -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        server = await make_server(
+            mcp_servers=[{"name": "slow", "url": f"http://127.0.0.1:{port}/mcp",
+                          "connect_timeout_seconds": 0.5}],
+            mcp_servers_allowed_networks=LOOPBACK)
+        # Serving started without waiting for it; the local tools answer meanwhile.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "echo", {"text": "hi"}))
+        assert result.outcome == events_pb2.OUTCOME_OK
+        upstream = only(server)
+        for _ in range(100):  # bounded: the connect timeout is half a second
+            if "connect_timeout_seconds" in upstream.reason:
+                break
+            await asyncio.sleep(0.05)
+        assert "no answer within 0.5 s" in upstream.reason
+        assert accepted  # it was tried
+    finally:
+        for writer in accepted:
+            writer.close()
+        listener.close()
