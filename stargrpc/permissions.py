@@ -133,7 +133,7 @@ class RolePolicy:
         return None
 
     def access(self, spec: ToolSpec) -> ToolAccess:
-        key = (spec.name, spec.privileged, tuple(spec.allowed_roles))
+        key = (spec.name, spec.privileged, (*spec.allowed_roles, "", *spec.allowed_principals))
         access = self._access.get(key)
         if access is None:
             access = self._access[key] = self._work_out_access(spec)
@@ -146,7 +146,8 @@ class RolePolicy:
             return ToolAccess(roles=rule.roles, principals=rule.principals,
                               privileged=privileged)
         if self._default == "allow":
-            return ToolAccess(roles=list(spec.allowed_roles), privileged=privileged)
+            return ToolAccess(roles=list(spec.allowed_roles),
+                              principals=list(spec.allowed_principals), privileged=privileged)
         return ToolAccess(roles=[self._admin_role], privileged=privileged)
 
     def can_run(self, principal: Principal, spec: ToolSpec) -> bool:

@@ -65,6 +65,7 @@ class ToolSpec:
         privileged: Needs an explicit privileged role to run.
         allowed_roles: Roles allowed by the tool itself ("*" for all); configuration may
             override it.
+        allowed_principals: Principal ids allowed by the tool itself, besides its roles.
         soft_timeout: Critic soft timeout for this tool in seconds, if it differs from the
             server default.
         critic: The critic that judges this tool's runs instead of the server's: a
@@ -82,6 +83,7 @@ class ToolSpec:
     annotations: ToolAnnotations = ToolAnnotations()
     privileged: bool = False
     allowed_roles: tuple[str, ...] = ("*",)
+    allowed_principals: tuple[str, ...] = ()
     soft_timeout: float | None = None
     critic: object = None
     source: str = ""
@@ -98,7 +100,7 @@ class ToolSpec:
 
     def descriptor(self) -> dict[str, Any]:
         """A JSON-ready description of the tool; the catalog hash is computed over these."""
-        return {
+        described = {
             "name": self.name,
             "description": self.description,
             "input_schema": self.input_schema(),
@@ -114,6 +116,9 @@ class ToolSpec:
             "privileged": self.privileged,
             "allowed_roles": list(self.allowed_roles),
         }
+        if self.allowed_principals:  # absent otherwise, so existing catalog hashes stay
+            described["allowed_principals"] = list(self.allowed_principals)
+        return described
 
 
 def tool(

@@ -24,6 +24,7 @@ from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.mcp.server import McpEndpoint
+from stargrpc.mcp.upstream import Upstreams
 from stargrpc.permissions import RolePolicy
 from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
@@ -77,6 +78,8 @@ class StargrpcServer:
     interceptors: list[grpc.aio.ServerInterceptor]
     http: HttpEndpoints
     mcp: McpEndpoint | None
+    upstreams: Upstreams
+    _local: Registry
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
@@ -85,8 +88,11 @@ class StargrpcServer:
     def __init__(self, settings: Settings, *, registry: Registry | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None) -> None:
         self.settings = settings
+        # The local tools; the MCP servers of mcp_servers add theirs as they come and go.
+        self._local = registry if registry is not None else load_tools(settings)
+        self.upstreams = Upstreams(settings, self._upstream_changed)
         self.runtime = Runtime(
-            registry if registry is not None else load_tools(settings),
+            self.upstreams.catalog(self._local),
             store=make_store(settings),
             limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
             policy=RolePolicy.from_settings(settings),
@@ -131,6 +137,9 @@ class StargrpcServer:
             ("grpc.http2.max_pings_without_data", 0),
         ]
 
+    def _upstream_changed(self) -> None:
+        self.runtime.replace_registry(self.upstreams.catalog(self._local))
+
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING.
 
@@ -148,6 +157,7 @@ class StargrpcServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         self.service.deliveries.start()
+        self.upstreams.start()  # in the background: a slow MCP server never delays serving
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
             self.mcp = McpEndpoint(self.settings, self.port)
@@ -173,6 +183,7 @@ class StargrpcServer:
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
+        await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport
         # stops, so the gateway's own gRPC calls end cleanly.
         await self.http.stop()
@@ -191,9 +202,12 @@ class StargrpcServer:
     def reload_tools(self) -> None:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""
         try:
-            self.runtime.replace_registry(load_tools(self.settings))
+            registry = load_tools(self.settings)
+            self.runtime.replace_registry(self.upstreams.catalog(registry))
         except (ToolDefinitionError, CriticConfigError) as exc:
             log.error("reload_failed", error=str(exc))
+            return
+        self._local = registry
 
     async def serve_forever(self) -> None:
         """Starts, handles SIGTERM/SIGINT (stop) and SIGHUP (reload), returns once stopped."""

@@ -35,6 +35,52 @@ class ToolAccess(BaseModel):
     privileged: bool = Field(False, description="Also require the privileged role.")
 
 
+class McpServerEntry(BaseModel):
+    """One MCP server whose tools join the catalog (an entry of ``Settings.mcp_servers``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="Short name, in logs, "
+                      "reasons and the default prefix.")
+    url: str | None = Field(None, description="A streamable-HTTP MCP endpoint (http or https).")
+    command: str | None = Field(None, description="A stdio MCP server, started in the sandbox "
+                                "(looked up on the sandbox PATH unless absolute).")
+    args: list[str] = Field(default_factory=list, description="Arguments of command.")
+    env: dict[str, SecretStr] = Field(default_factory=dict, description="Environment "
+                                      "variables of command (besides the sandbox's).")
+    headers: dict[str, SecretStr] = Field(default_factory=dict, description="HTTP headers "
+                                          "sent to url, e.g. Authorization.")
+    read_only_paths: list[Path] = Field(default_factory=list, description="Host folders "
+                                        "shown read-only inside bubblewrap at the same path "
+                                        "(the server's code, a virtualenv).")
+    prefix: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{0,32}$", description="Put "
+                               "before each tool name; default '<name>.'.")
+    roles: list[str] = Field(default_factory=lambda: ["*"], description="Roles allowed to "
+                             "run its tools ('*' = any authenticated caller).")
+    principals: list[str] = Field(default_factory=list, description="Principal ids allowed "
+                                  "to run its tools.")
+    privileged: bool = Field(False, description="Its tools also need the privileged role.")
+    connect_timeout_seconds: float = Field(10.0, gt=0, le=300, description="Connecting and "
+                                           "listing the tools, before the server is marked "
+                                           "unavailable.")
+    call_timeout_seconds: float | None = Field(None, gt=0, description="Longest wait for "
+                                               "one call's answer; default: the critic alone "
+                                               "supervises.")
+    soft_timeout_seconds: float | None = Field(None, gt=0, description="Critic soft timeout "
+                                               "of its tools, when not the server's.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerEntry:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(f"mcp_servers entry {self.name!r}: give url or command (one)")
+        return self
+
+    @property
+    def tool_prefix(self) -> str:
+        """What goes before each upstream tool name."""
+        return f"{self.name}." if self.prefix is None else self.prefix
+
+
 class Settings(BaseSettings):
     """Every setting of the server. Environment: ``STARGRPC_<NAME>``; TOML: ``name = …``."""
 
@@ -338,6 +384,16 @@ class Settings(BaseSettings):
                                  "free one); off when unset.")
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
+    mcp_servers: list[McpServerEntry] = Field(
+        default_factory=list, description="MCP servers whose tools join the catalog (TOML "
+        "[[mcp_servers]] tables, or JSON in the environment); see the README's MCP section.")
+    mcp_servers_allowed_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="CIDRs an HTTP MCP server (mcp_servers url) may be "
+        "reached at although private, loopback or link-local (comma-separated); the other "
+        "rules of http_fetch apply as they are.")
+    mcp_servers_restart_max_seconds: float = Field(
+        30.0, ge=0.1, le=3600, description="Longest wait between two attempts to (re)start "
+        "or reconnect an MCP server; the wait doubles from 0.1 s up to this.")
 
     # -- delivery and steering (stargrpc/delivery, run.py steer, service.py) ---------------
     steer_max_bytes: int = Field(4096, ge=1, le=1024 * 1024, description="Longest SteerRun "
@@ -384,11 +440,15 @@ class Settings(BaseSettings):
             raise ValueError("the MCP endpoint (mcp_port) cannot be used with client "
                              "certificates (tls_client_ca_file): MCP callers would all "
                              "reach the service as the endpoint")
+        names = [entry.name for entry in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mcp_servers: each entry needs a name of its own: {names}")
         return self
 
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
                      "http_fetch_allowed_networks", "delivery_allowlist",
-                     "delivery_allowed_networks", mode="before")
+                     "delivery_allowed_networks", "mcp_servers_allowed_networks",
+                     mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -505,8 +565,9 @@ class Settings(BaseSettings):
                 shown[name] = mask_url(value)
             elif isinstance(value, Path):
                 shown[name] = str(value)
-            elif isinstance(value, list):
-                shown[name] = [str(v) for v in value]
+            elif isinstance(value, list):  # mcp_servers: entries with their secrets masked
+                shown[name] = [v.model_dump(mode="json") if isinstance(v, BaseModel)
+                               else str(v) for v in value]
             elif isinstance(value, dict):  # e.g. tool_permissions: entries as plain dicts
                 shown[name] = {k: v.model_dump() if isinstance(v, BaseModel) else v
                                for k, v in value.items()}

@@ -17,6 +17,7 @@ from stargrpc.sandbox.policy import Policy, decide, log_isolation
 from stargrpc.sandbox.runner import (
     OutputFile,
     Sandbox,
+    SandboxProcess,
     SandboxResult,
     isolation_for,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "OutputFile",
     "Policy",
     "Sandbox",
+    "SandboxProcess",
     "SandboxResult",
     "Verdict",
     "decide",

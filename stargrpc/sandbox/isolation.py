@@ -49,7 +49,8 @@ class Isolation:
 
     def command(self, argv: Sequence[str], workdir: Path, *, limits: Sequence[str],
                 uid: int | None, gid: int | None,
-                tmpfs_bytes: int | None = None) -> list[str]:
+                tmpfs_bytes: int | None = None,
+                read_only_paths: Sequence[Path] = ()) -> list[str]:
         """The full command line that runs ``argv`` in this mode.
 
         The sandbox user is taken with ``setpriv`` on the command line rather than by the
@@ -63,13 +64,16 @@ class Isolation:
             uid: The sandbox user, when the server is root.
             gid: The sandbox group.
             tmpfs_bytes: Size of each private tmpfs (bubblewrap's ``/tmp``, ``/dev/shm``).
+            read_only_paths: Host folders shown read-only at the same path inside
+                bubblewrap (the other modes see the host's file system anyway).
         """
         drop: list[str] = []
         if uid is not None and gid is not None:
             drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
                     "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]
         if self.mode == "bwrap":
-            return [*drop, *limits, *_bwrap_prefix(workdir, tmpfs_bytes), "--", *argv]
+            return [*drop, *limits, *_bwrap_prefix(workdir, tmpfs_bytes, read_only_paths),
+                    "--", *argv]
         if self.mode == "unshare":
             # unshare needs root to make the namespaces; the ids are dropped inside.
             return [*limits, "unshare", "--net", "--pid", "--fork", "--kill-child",
@@ -81,7 +85,8 @@ class Isolation:
         return BWRAP_WORKDIR if self.mode == "bwrap" else str(workdir)
 
 
-def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None) -> list[str]:
+def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None,
+                  read_only_paths: Sequence[Path] = ()) -> list[str]:
     args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--hostname", "sandbox"]
     for path in _SYSTEM_PATHS:
@@ -94,9 +99,11 @@ def _bwrap_prefix(workdir: Path, tmpfs_bytes: int | None = None) -> list[str]:
     size = [] if tmpfs_bytes is None else ["--size", str(tmpfs_bytes)]
     args += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm",
              "--remount-ro", "/dev", *size, "--tmpfs", "/tmp",
-             "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR,
-             "--remount-ro", "/"]
-    return args
+             "--bind", str(workdir), BWRAP_WORKDIR, "--chdir", BWRAP_WORKDIR]
+    # After the working directory: a path under /work then lands on top of it.
+    for shown in read_only_paths:
+        args += ["--ro-bind", str(shown), str(shown)]
+    return [*args, "--remount-ro", "/"]
 
 
 #: What each mode protects, one line.

@@ -36,7 +36,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -297,6 +297,44 @@ class Sandbox:
             # loop, and a second cancellation must not close them under it.
             await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
 
+    async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
+                    read_only_paths: Sequence[Path] = (),
+                    on_stderr: OutputCallback | None = None) -> SandboxProcess:
+        """Starts ``argv`` as a long-running process with stdin and stdout pipes (a stdio
+        server), under the same isolation, limits and per-run user as :meth:`run`; there is
+        no wall clock, and the disk cap is polled while it lives.
+
+        Args:
+            argv: The command; looked up on the sandbox PATH.
+            env: Extra environment variables.
+            read_only_paths: Host folders shown read-only inside bubblewrap.
+            on_stderr: Receives its stderr (within the output cap).
+
+        Returns:
+            The running process; :meth:`SandboxProcess.aclose` kills its process group and
+            removes its working directory.
+        """
+        workdir = self._make_workdir({})
+        try:
+            inside = self.isolation.workdir_inside(workdir.path)
+            command = self.isolation.command(argv, workdir.path,
+                                             limits=self.limits.prlimit_argv(),
+                                             uid=workdir.uid, gid=workdir.gid,
+                                             tmpfs_bytes=self.limits.disk_bytes,
+                                             read_only_paths=read_only_paths)
+            proc = subprocess.Popen(  # noqa: ASYNC220 (see _run_in)
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, cwd=workdir.path,
+                env=self._environment(inside, workdir.path, env or {}),
+                start_new_session=True, close_fds=True)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
+            raise
+        process = SandboxProcess(proc, workdir, self._keep, self.limits,
+                                 wrapped=self.isolation.mode != "rlimits")
+        await process._connect(_Output(self.limits.output_bytes, on_stderr))
+        return process
+
     async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float) -> SandboxResult:
@@ -474,6 +512,120 @@ class Sandbox:
                 budget -= len(data)
                 mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
                 final.files.append(OutputFile(name, data, mime))
+
+
+class SandboxProcess:
+    """A long-running sandboxed process (see :meth:`Sandbox.spawn`).
+
+    Attributes:
+        pid: The process id (and process group id) of the command's leader.
+        stdin: Writes to its standard input.
+        stdout: Reads its standard output.
+        exited: Done once the leader has exited, or the process was stopped.
+        stopped: Why the server stopped it (a limit), when it did.
+    """
+
+    pid: int
+    stdin: asyncio.StreamWriter
+    stdout: asyncio.StreamReader
+    exited: asyncio.Future[None]
+    stopped: Verdict | None
+    _proc: subprocess.Popen[bytes]
+    _workdir: _Workdir
+    _keep: bool
+    _limits: Limits
+    _pidfd: int
+    _tasks: list[asyncio.Task[None]]
+    _closed: bool
+    _wrapped: bool
+
+    def __init__(self, proc: subprocess.Popen[bytes], workdir: _Workdir, keep: bool,
+                 limits: Limits, *, wrapped: bool) -> None:
+        self.pid = proc.pid
+        self._wrapped = wrapped
+        self.stopped = None
+        self._proc = proc
+        self._workdir = workdir
+        self._keep = keep
+        self._limits = limits
+        self._tasks = []
+        self._closed = False
+
+    async def _connect(self, stderr: _Output) -> None:
+        loop = asyncio.get_running_loop()
+        self.stdout = asyncio.StreamReader(limit=16 * 1024 * 1024)
+        assert self._proc.stdout and self._proc.stdin and self._proc.stderr
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(self.stdout), self._proc.stdout)
+        errors = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(errors),
+                                     self._proc.stderr)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), self._proc.stdin)
+        self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        self._pidfd = os.pidfd_open(self.pid)
+        self.exited = loop.create_future()
+        loop.add_reader(self._pidfd, _set_done, self.exited)
+        self._tasks = [asyncio.create_task(stderr.pump(errors, "stderr")),
+                       asyncio.create_task(self._watch_disk())]
+
+    async def _watch_disk(self) -> None:
+        while not self.exited.done():
+            await asyncio.wait([self.exited], timeout=DISK_POLL_SECONDS * 4)
+            used = await asyncio.to_thread(_disk_used, os.dup(self._workdir.fd),
+                                           self._limits.disk_bytes)
+            if used is not None and used > self._limits.disk_bytes:
+                self.stopped = disk_limit(self._limits)
+                _kill_group(self.pid)
+                return
+
+    def describe_exit(self) -> str:
+        """How the leader ended, once :attr:`exited` is done (it stays unreaped, holding
+        its process group, until :meth:`aclose`)."""
+        if self.stopped is not None:
+            return f"it was stopped: {self.stopped.message}"
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info = None
+        if info is None:
+            return "it exited"
+        if info.si_code == os.CLD_EXITED:
+            signal_number, status = _decode_status(info.si_status << 8,
+                                                   self._wrapped)
+        else:
+            signal_number, status = info.si_status, None
+        if signal_number is not None:
+            return f"it was killed by signal {signal.Signals(signal_number).name}"
+        return f"it exited with status {status}"
+
+    async def aclose(self) -> int | None:
+        """Kills the process group (if still running), reaps it and removes its working
+        directory; safe to call more than once.
+
+        Returns:
+            The wait status of the leader, or None when it was already closed.
+        """
+        if self._closed:
+            return None
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.stdin.close()
+        _kill_group(self.pid)
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self.exited), 5.0)
+        _kill_group(self.pid)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        status, _ = _reap(self._proc)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=_DRAIN_SECONDS)
+        workdir = self._workdir
+        await _wait_group_gone(self.pid, workdir.uid if workdir.own_uid else None)
+        await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
+        return status
 
 
 @dataclass

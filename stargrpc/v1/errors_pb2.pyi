@@ -80,6 +80,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DELIVERY_NOT_ALLOWED: _ClassVar[ErrorReason]
     DELIVERY_UNAVAILABLE: _ClassVar[ErrorReason]
     DELIVERY_FAILED: _ClassVar[ErrorReason]
+    MCP_SERVER_UNAVAILABLE: _ClassVar[ErrorReason]
+    MCP_SERVER_DIED: _ClassVar[ErrorReason]
+    MCP_ERROR: _ClassVar[ErrorReason]
+    MCP_CALL_TIMEOUT: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -154,3 +158,7 @@ STEER_NOT_ALLOWED: ErrorReason
 DELIVERY_NOT_ALLOWED: ErrorReason
 DELIVERY_UNAVAILABLE: ErrorReason
 DELIVERY_FAILED: ErrorReason
+MCP_SERVER_UNAVAILABLE: ErrorReason
+MCP_SERVER_DIED: ErrorReason
+MCP_ERROR: ErrorReason
+MCP_CALL_TIMEOUT: ErrorReason

@@ -1,0 +1,556 @@
+"""MCP servers behind stargrpc (``mcp_servers``): their tools join the catalog as ordinary
+stargrpc tools, so a call to one goes through authentication, permissions, audit, the
+critic, limits and idempotency like any other.
+
+Each entry of ``mcp_servers`` gets an :class:`Upstream`, which keeps one connection (the
+official SDK's :class:`mcp.Client`) open in a task of its own: a stdio server is a
+long-running process of the sandbox (:meth:`stargrpc.sandbox.Sandbox.spawn`), an HTTP one
+is reached through the SSRF rules of ``http_fetch`` (:mod:`stargrpc.http_guard`). A server
+that cannot be reached, crashes or stops answering pings is restarted (reconnected) with a
+doubling backoff; meanwhile its tools stay listed, marked unavailable with the reason, and
+a call fails with ``MCP_SERVER_UNAVAILABLE``. Every change of what a server offers changes
+the catalog hash, so WatchCatalog tells clients; nothing waits on a slow server.
+
+During a call: MCP progress notifications become heartbeats (with progress when the server
+gives a total), MCP log messages become deltas (when the call is the only one in flight on
+that connection: a log message names no request), and the MCP result becomes the Result
+(text content → output, ``structuredContent`` → structured output, images, audio and
+embedded resources → sent files, ``isError`` → FAILED). Cancelling the run (CancelRun, the
+critic's deadline, the caller leaving) cancels the request, which sends
+``notifications/cancelled`` to the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import copy
+import json
+import mimetypes
+import re
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, ClassVar
+
+import anyio
+import httpx2
+import jsonschema
+import mcp_types as types
+import structlog
+from mcp import Client
+from mcp.client._transport import TransportStreams
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+from mcp_types.jsonrpc import CONNECTION_CLOSED, REQUEST_TIMEOUT
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
+
+from stargrpc.context import ToolContext
+from stargrpc.errors import ToolFailed
+from stargrpc.http_guard import HttpPolicy, Refused, canonical_host, vet_url
+from stargrpc.outcome import Outcome, ToolResult
+from stargrpc.registry import Registry, ToolAnnotations, ToolSpec
+from stargrpc.sandbox.policy import decide
+from stargrpc.sandbox.runner import Sandbox, SandboxProcess
+from stargrpc.settings import McpServerEntry, Settings
+
+log = structlog.get_logger("stargrpc.mcp.upstream")
+
+#: Seconds between two pings of an idle connection (a dead HTTP server is noticed so).
+PING_SECONDS = 5.0
+#: The first wait before a restart; it doubles up to ``mcp_servers_restart_max_seconds``.
+FIRST_BACKOFF_SECONDS = 0.1
+#: A connection that lived this long resets the backoff.
+STABLE_SECONDS = 10.0
+#: Largest line a stdio server may send (one JSON-RPC message).
+MAX_LINE_BYTES = 16 * 1024 * 1024
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class UpstreamArguments(BaseModel):
+    """Base of the argument model of an upstream tool: its JSON Schema is the one the MCP
+    server declares, and arguments are checked against it (precisely, by path) before the
+    server is contacted."""
+
+    model_config = ConfigDict(extra="allow")
+    upstream_schema: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The upstream tool's own schema."""
+        return copy.deepcopy(cls.upstream_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_schema(cls, value: Any) -> Any:
+        validator = jsonschema.validators.validator_for(cls.upstream_schema)(
+            cls.upstream_schema)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is not None:
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
+            raise ValueError(f"{where.lstrip('.') or 'arguments'}: {error.message}")
+        return value
+
+
+def _schema_model(name: str, schema: dict[str, Any] | None) -> type[UpstreamArguments]:
+    model = create_model(f"Upstream_{re.sub(r'[^A-Za-z0-9_]', '_', name)}",
+                         __base__=UpstreamArguments)
+    model.upstream_schema = schema or {"type": "object"}
+    return model
+
+
+class Upstream:
+    """One MCP server of ``mcp_servers``: its connection, its tools and its availability.
+
+    Attributes:
+        entry: Its settings entry.
+        tools: The tools it listed last (kept while it is unavailable).
+        reason: Why it is unavailable; empty while it is connected.
+    """
+
+    entry: McpServerEntry
+    tools: tuple[types.Tool, ...]
+    reason: str
+    _settings: Settings
+    _on_change: Callable[[], None]
+    _client: Client | None
+    _process: SandboxProcess | None
+    _calls: list[ToolContext]
+    _lost: asyncio.Event
+    _task: asyncio.Task[None] | None
+    _specs: list[ToolSpec]
+
+    def __init__(self, entry: McpServerEntry, settings: Settings,
+                 on_change: Callable[[], None]) -> None:
+        self.entry = entry
+        self.tools = ()
+        self.reason = "not connected yet"
+        self._settings = settings
+        self._on_change = on_change
+        self._client = None
+        self._process = None
+        self._calls = []
+        self._lost = asyncio.Event()
+        self._task = None
+        self._specs = []
+
+    @property
+    def available(self) -> bool:
+        """Whether calls reach the server now."""
+        return self._client is not None
+
+    def start(self) -> None:
+        """Starts connecting (and reconnecting) in the background."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.entry.name}")
+
+    async def aclose(self) -> None:
+        """Closes the connection (a stdio server's process group is killed)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=10)
+
+    def specs(self) -> list[ToolSpec]:
+        """Its tools as stargrpc tools (unavailable ones say so in their description)."""
+        return list(self._specs)
+
+    # -- the connection --------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        delay = FIRST_BACKOFF_SECONDS
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            attempt = asyncio.create_task(self._session())
+            timer = loop.call_later(self.entry.connect_timeout_seconds, self._give_up, attempt)
+            try:
+                reason = await attempt
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():  # closing, not a timeout
+                    attempt.cancel()
+                    await asyncio.wait([attempt], timeout=10)
+                    raise
+                reason = (f"no answer within {self.entry.connect_timeout_seconds:g} s "
+                          "(connect_timeout_seconds)")
+            except Exception as exc:  # whatever broke, the server is unavailable
+                reason = _describe(exc)
+            finally:
+                timer.cancel()
+            self._set_unavailable(reason)
+            if loop.time() - started > STABLE_SECONDS:
+                delay = FIRST_BACKOFF_SECONDS
+            log.warning("mcp_server_unavailable", server=self.entry.name, reason=reason,
+                        retry_in_seconds=round(delay, 2))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._settings.mcp_servers_restart_max_seconds)
+
+    def _give_up(self, attempt: asyncio.Task[str]) -> None:
+        if self._client is None:  # still connecting: a slow server must not hang forever
+            attempt.cancel()
+
+    async def _session(self) -> str:
+        """Connects, lists the tools, serves calls until the connection is lost; returns why
+        it was lost."""
+        async with AsyncExitStack() as stack:
+            transport, ended = await self._transport(stack)
+            client = await stack.enter_async_context(Client(
+                transport, logging_callback=self._on_log, message_handler=self._on_message,
+                log_level="debug", cache=None))
+            self._set_tools(await _list_all(client))
+            self._lost = asyncio.Event()
+            self._client = client
+            self._announce()
+            log.info("mcp_server_connected", server=self.entry.name, tools=len(self.tools))
+            try:
+                return await self._until_lost(client, ended)
+            finally:
+                self._client = None
+
+    async def _until_lost(self, client: Client, ended: asyncio.Future[str] | None) -> str:
+        lost = asyncio.ensure_future(self._lost.wait())
+        waiting: set[asyncio.Future[Any]] = {lost} | ({ended} if ended is not None else set())
+        try:
+            while True:
+                await asyncio.wait(waiting, timeout=PING_SECONDS,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if ended is not None and ended.done():
+                    return ended.result()
+                if lost.done():
+                    return "the connection was lost"
+                if self._calls:
+                    continue  # a call in flight keeps the connection busy enough
+                try:
+                    with anyio.fail_after(self.entry.connect_timeout_seconds):
+                        await client.session.send_ping()
+                except Exception as exc:
+                    return f"it stopped answering pings: {_describe(exc)}"
+        finally:
+            lost.cancel()
+
+    async def _transport(self, stack: AsyncExitStack
+                         ) -> tuple[Any, asyncio.Future[str] | None]:
+        """The transport to hand the SDK's Client, and (stdio) a future done with a
+        description once the process has exited."""
+        entry = self.entry
+        if entry.command is not None:
+            policy = await asyncio.to_thread(decide, self._settings)
+            if policy.refusal is not None:
+                raise _Unavailable(policy.refusal)
+            sandbox = Sandbox(self._settings)
+            env = {k: v.get_secret_value() for k, v in entry.env.items()}
+            process = await sandbox.spawn([entry.command, *entry.args], env=env,
+                                          read_only_paths=entry.read_only_paths,
+                                          on_stderr=self._on_stderr)
+            self._process = process
+            stack.push_async_callback(process.aclose)
+            ended = asyncio.get_running_loop().create_future()
+            process.exited.add_done_callback(lambda _: _exited(process, ended))
+            return _process_streams(process), ended
+        assert entry.url is not None
+        url, headers = await self._vetted(entry.url)
+        http = await stack.enter_async_context(httpx2.AsyncClient(
+            headers=headers, timeout=httpx2.Timeout(entry.connect_timeout_seconds, read=None)))
+        return streamable_http_client(url, http_client=http), None
+
+    async def _vetted(self, url: str) -> tuple[str, dict[str, str]]:
+        """The URL to connect to and the headers to send: the host is checked with the
+        rules of http_fetch (its addresses after DNS; private, loopback and link-local
+        ones only inside ``mcp_servers_allowed_networks``) and, over plain http, the
+        connection is pinned to the vetted address."""
+        headers = {k: v.get_secret_value() for k, v in self.entry.headers.items()}
+        host = httpx2.URL(url).host
+        policy = HttpPolicy((canonical_host(host),) if host else (),
+                            HttpPolicy.from_settings(self._settings.model_copy(update={
+                                "http_fetch_allowed_networks":
+                                    self._settings.mcp_servers_allowed_networks,
+                            })).allowed_networks)
+        try:
+            target = await vet_url(url, policy)
+        except Refused as exc:
+            raise _Unavailable(f"{exc} ({exc.code}; see mcp_servers_allowed_networks)") \
+                from exc
+        if target.url.scheme == "https":
+            return url, headers  # the certificate is checked against the name
+        return str(target.request_url), {**headers, "Host": target.host_header}
+
+    # -- what the server says --------------------------------------------------------------
+
+    def _set_tools(self, listed: list[types.Tool]) -> None:
+        self.tools = tuple(listed)
+
+    def _set_unavailable(self, reason: str) -> None:
+        was = self.reason
+        self.reason = reason or "unavailable"
+        self._client = None
+        # Only a change between available and not changes the catalog: a retry that fails
+        # for a slightly different reason does not make every client reload.
+        if not was and self.tools:
+            self._announce()
+
+    def _announce(self) -> None:
+        if self._client is not None:
+            self.reason = ""
+        self._specs = [spec for tool in self.tools
+                       if (spec := self._spec(tool)) is not None]
+        self._on_change()
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification) and self._client is not None:
+            client = self._client
+            try:
+                self._set_tools(await _list_all(client))
+            except Exception as exc:
+                log.warning("mcp_tools_relist_failed", server=self.entry.name,
+                            error=_describe(exc))
+                return
+            self._announce()
+
+    async def _on_log(self, params: types.LoggingMessageNotificationParams) -> None:
+        data = params.data if isinstance(params.data, str) else json.dumps(
+            params.data, ensure_ascii=False, default=str)
+        if len(self._calls) == 1:
+            await self._calls[0].delta(f"[{params.level}] {data}\n", channel="log")
+        else:  # no request is named: with several calls in flight, it belongs to none
+            log.info("mcp_server_log", server=self.entry.name, level=params.level,
+                     logger=params.logger, data=data[:2000])
+
+    async def _on_stderr(self, channel: str, text: str) -> None:
+        log.info("mcp_server_stderr", server=self.entry.name, text=text[:2000])
+
+    # -- tools -----------------------------------------------------------------------------
+
+    def _spec(self, tool: types.Tool) -> ToolSpec | None:
+        entry = self.entry
+        name = entry.tool_prefix + tool.name
+        if not _TOOL_NAME.fullmatch(name):
+            log.error("mcp_tool_skipped", server=entry.name, tool=tool.name[:100],
+                      reason="not a valid stargrpc tool name (1-64 of letters, digits, _-.)")
+            return None
+        hints = tool.annotations or types.ToolAnnotations()
+        description = (tool.description or tool.title or "").strip()
+        if self.reason:
+            description = f"[unavailable: {self.reason}] {description}"
+        upstream_name = tool.name
+
+        async def call(ctx: ToolContext, args: BaseModel) -> ToolResult:
+            return await self.call(ctx, upstream_name, dict(args.model_extra or {}))
+
+        output_model = (_schema_model(name + "_output", tool.output_schema)
+                        if tool.output_schema else None)
+        return ToolSpec(
+            name=name, description=description, fn=call,
+            args_model=_schema_model(name, tool.input_schema), output_model=output_model,
+            kind="mcp", categories=("mcp", entry.name),
+            annotations=ToolAnnotations(
+                read_only=bool(hints.read_only_hint),
+                destructive=bool(hints.destructive_hint),
+                idempotent=bool(hints.idempotent_hint),
+                open_world=hints.open_world_hint is not False),
+            privileged=entry.privileged, allowed_roles=tuple(entry.roles),
+            allowed_principals=tuple(entry.principals),
+            soft_timeout=entry.soft_timeout_seconds, source=f"mcp_servers[{entry.name}]")
+
+    async def call(self, ctx: ToolContext, tool_name: str, arguments: dict[str, Any]
+                   ) -> ToolResult:
+        """Calls ``tool_name`` on the server for the run of ``ctx``.
+
+        Raises:
+            ToolFailed: The server is unavailable (``MCP_SERVER_UNAVAILABLE``), went away
+                during the call (``MCP_SERVER_DIED``) or answered with a protocol error
+                (``MCP_ERROR``).
+        """
+        client = self._client
+        name = self.entry.name
+        if client is None:
+            raise ToolFailed(f"the MCP server {name!r} is unavailable: {self.reason}",
+                             code="MCP_SERVER_UNAVAILABLE")
+
+        async def on_progress(progress: float, total: float | None,
+                              message: str | None) -> None:
+            shown = message or (f"{progress:g} of {total:g}" if total else f"{progress:g}")
+            await ctx.heartbeat(shown, progress=min(max(progress / total, 0.0), 1.0)
+                                if total else None)
+
+        self._calls.append(ctx)
+        try:
+            result = await client.session.call_tool(
+                tool_name, arguments, read_timeout_seconds=self.entry.call_timeout_seconds,
+                progress_callback=on_progress)
+        except MCPError as exc:
+            if exc.code == REQUEST_TIMEOUT:
+                return ToolResult(outcome=Outcome.TIMEOUT, error_code="MCP_CALL_TIMEOUT",
+                                  error_message=f"the MCP server {name!r} did not answer "
+                                  f"within {self.entry.call_timeout_seconds:g} s")
+            if exc.code == CONNECTION_CLOSED or self._client is not client:
+                raise self._died(client) from exc
+            raise ToolFailed(f"the MCP server {name!r} answered with an error: "
+                             f"{exc.message[:500]}", code="MCP_ERROR") from exc
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, httpx2.HTTPError,
+                OSError) as exc:
+            raise self._died(client) from exc
+        finally:
+            self._calls.remove(ctx)
+        return _result(ctx, result)
+
+    def _died(self, client: Client) -> ToolFailed:
+        self._lost.set()
+        why = self.reason if self._client is not client and self.reason else \
+            "the connection was closed"
+        return ToolFailed(f"the MCP server {self.entry.name!r} went away during the call: "
+                          f"{why}", code="MCP_SERVER_DIED")
+
+
+class _Unavailable(Exception):
+    """A reason the server cannot be started or reached, said as it is."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _Unavailable):
+        return str(exc)
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(inner) for inner in exc.exceptions[:3])
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _exited(process: SandboxProcess, ended: asyncio.Future[str]) -> None:
+    if not ended.done():
+        ended.set_result(f"the server process ended: {process.describe_exit()}")
+
+
+async def _list_all(client: Client) -> list[types.Tool]:
+    tools: list[types.Tool] = []
+    cursor: str | None = None
+    for _ in range(100):  # pages; bounded against a server that never stops paging
+        params = types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await client.session.list_tools(params=params)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+@asynccontextmanager
+async def _process_streams(process: SandboxProcess) -> AsyncIterator[TransportStreams]:
+    """The SDK's stdio framing (one JSON-RPC message a line) over a sandboxed process's
+    pipes; the SDK's own ``stdio_client`` starts its process itself, outside the sandbox."""
+    read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def reader() -> None:
+        async with read_writer:
+            while True:
+                try:
+                    line = await process.stdout.readline()
+                except (ValueError, OSError):  # a line over the limit, or the pipe broke
+                    return
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    message: SessionMessage | Exception = SessionMessage(
+                        types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+                except ValueError as exc:
+                    message = exc
+                try:
+                    await read_writer.send(message)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+
+    async def writer() -> None:
+        try:
+            async with write_reader:
+                async for message in write_reader:
+                    data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    process.stdin.write(data.encode() + b"\n")
+                    await process.stdin.drain()
+        except (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await read_writer.aclose()  # the session sees the end instead of hanging
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(reader)
+        group.start_soon(writer)
+        try:
+            yield read_stream, write_stream
+        finally:
+            group.cancel_scope.cancel()
+
+
+def _result(ctx: ToolContext, result: types.CallToolResult) -> ToolResult:
+    """The Result of an MCP tool result: text → output, structured content → structured
+    output, images, audio and embedded resources → sent files, isError → FAILED."""
+    texts: list[str] = []
+    for index, block in enumerate(result.content, 1):
+        if isinstance(block, types.TextContent):
+            texts.append(block.text)
+        elif isinstance(block, types.ImageContent | types.AudioContent):
+            kind = "image" if isinstance(block, types.ImageContent) else "audio"
+            extension = mimetypes.guess_extension(block.mime_type) or ""
+            _send(ctx, f"{kind}-{index}{extension}", block.data, block.mime_type, texts)
+        elif isinstance(block, types.EmbeddedResource):
+            resource = block.resource
+            name = str(resource.uri).rstrip("/").rsplit("/", 1)[-1] or f"resource-{index}"
+            if isinstance(resource, types.TextResourceContents):
+                ctx.send_file(name, resource.text.encode(), resource.mime_type)
+            else:
+                _send(ctx, name, resource.blob, resource.mime_type, texts)
+        elif isinstance(block, types.ResourceLink):
+            texts.append(f"[resource: {block.uri}]")
+    output = "\n".join(texts)
+    structured = result.structured_content
+    if result.is_error:
+        return ToolResult(output=output, outcome=Outcome.FAILED, structured=structured,
+                          error_code="TOOL_FAILED",
+                          error_message=output[:500] or "the MCP tool reported an error")
+    return ToolResult(output=output, structured=structured)
+
+
+def _send(ctx: ToolContext, name: str, data: str, mime_type: str | None,
+          texts: list[str]) -> None:
+    try:
+        content = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        texts.append(f"[{name}: not valid base64; dropped]")
+        return
+    ctx.send_file(name, content, mime_type)
+
+
+class Upstreams:
+    """Every MCP server of ``mcp_servers``, and the catalog they add to the local tools."""
+
+    servers: list[Upstream]
+
+    def __init__(self, settings: Settings, on_change: Callable[[], None]) -> None:
+        self.servers = [Upstream(entry, settings, on_change) for entry in settings.mcp_servers]
+
+    def start(self) -> None:
+        """Starts connecting to each server in the background."""
+        for server in self.servers:
+            server.start()
+
+    async def aclose(self) -> None:
+        """Closes every connection."""
+        await asyncio.gather(*(server.aclose() for server in self.servers))
+
+    def catalog(self, local: Registry) -> Registry:
+        """``local`` with the upstream tools; one whose name a local tool (or an earlier
+        server) already has is left out and logged, never a reason to refuse the rest."""
+        specs = list(local.values())
+        taken = set(local)
+        for spec in _chain(server.specs() for server in self.servers):
+            if spec.name in taken:
+                log.error("mcp_tool_name_taken", tool=spec.name, source=spec.source)
+                continue
+            taken.add(spec.name)
+            specs.append(spec)
+        return Registry(specs)
+
+
+def _chain(lists: Iterable[list[ToolSpec]]) -> Iterable[ToolSpec]:
+    for specs in lists:
+        yield from specs

@@ -1,0 +1,319 @@
+"""MCP servers behind stargrpc (mcp_servers): servers written with the official SDK, one
+over streamable HTTP in this process, one over stdio in the sandbox; their tools are
+called over gRPC through the whole pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from stargrpc.mcp import upstream as upstream_module
+from stargrpc.mcp.upstream import Upstream
+from stargrpc.server import StargrpcServer
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.conftest import AuthServerFactory, ServerFactory
+from tests.helpers import key_channel, run_tool, status_details
+from tests.mcp.upstream_server import PNG, Observed, serve_http
+
+# The SDK deprecates MCP logging for the 2026-07-28 revision; log messages still flow.
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:The logging capability is deprecated")]
+
+LOOPBACK = ["127.0.0.0/8"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def quick_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead HTTP server is noticed within a fraction of a second."""
+    monkeypatch.setattr(upstream_module, "PING_SECONDS", 0.2)
+
+
+@pytest.fixture
+async def http_upstream() -> AsyncIterator[tuple[str, Observed, Any]]:
+    """The SDK server over streamable HTTP on 127.0.0.1."""
+    async with serve_http() as served:
+        yield served
+
+
+async def tools_of(server: StargrpcServer, wanted: str, *, available: bool = True
+                   ) -> dict[str, Any]:
+    """Waits (on catalog changes, bounded) until ``wanted`` is listed as (un)available."""
+    async def wait() -> dict[str, Any]:
+        async for registry in server.runtime.catalog_updates():
+            spec = registry.get(wanted)
+            if spec is not None and spec.description.startswith("[unavailable") != available:
+                return dict(registry)
+        raise AssertionError("unreachable")
+
+    return await asyncio.wait_for(wait(), 20)
+
+
+def result_of(events: list[events_pb2.RunEvent]) -> events_pb2.Result:
+    assert events[-1].HasField("result")
+    return events[-1].result
+
+
+def only(server: StargrpcServer) -> Upstream:
+    return server.upstreams.servers[0]
+
+
+async def reason_says(server: StargrpcServer, text: str) -> Upstream:
+    """Waits (bounded) until the server's only MCP server is unavailable for ``text``."""
+    upstream = only(server)
+    for _ in range(200):
+        if text in upstream.reason:
+            return upstream
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {upstream.reason!r}")
+
+
+async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any]) -> None:
+    url, observed, _ = http_upstream
+    server = await make_server(mcp_servers=[{"name": "up", "url": url, "roles": ["*"]}],
+                               mcp_servers_allowed_networks=LOOPBACK)
+    before = server.runtime.registry.catalog_hash
+    catalog = await tools_of(server, "up.progress")
+    assert {"up.progress", "up.hang", "up.fail", "up.image"} <= set(catalog)
+    assert "echo" in catalog  # the local tools stay
+    assert server.runtime.registry.catalog_hash != before
+    spec = catalog["up.progress"]
+    assert spec.input_schema()["properties"]["steps"]["type"] == "integer"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        listed = await stub.ListTools(tool_service_pb2.ListToolsRequest())
+        assert "up.progress" in {tool.name for tool in listed.tools}
+        events = await run_tool(stub, "up.progress", {"steps": 3})
+        result = result_of(events)
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+        assert result.output == "counted to 3"
+        assert result.structured_output.struct_value["result"] == "counted to 3"
+        beats = [e.heartbeat for e in events if e.HasField("heartbeat")]
+        assert [b.progress for b in beats] == pytest.approx([1 / 3, 2 / 3, 1.0])
+        assert beats[0].message == "step 1"
+        deltas = "".join(e.step.delta for e in events if e.HasField("step"))
+        assert "[info] did step 1" in deltas and "[info] did step 3" in deltas
+
+        events = await run_tool(stub, "up.image", {})
+        result = result_of(events)
+        assert result.outcome == events_pb2.OUTCOME_OK
+        [sent] = result.writeback.sent_files
+        assert sent.mime_type == "image/png" and sent.content == PNG
+
+        result = result_of(await run_tool(stub, "up.fail", {}))
+        assert result.outcome == events_pb2.OUTCOME_FAILED
+        assert result.error.code == "TOOL_FAILED"
+        assert "failed on purpose" in result.output
+
+        # Arguments are checked against the upstream schema before the server is called.
+        calls = len(observed.calls)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await run_tool(stub, "up.progress", {"steps": "many"})
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        [bad] = [d for d in status_details(refused.value)
+                 if isinstance(d, error_details_pb2.BadRequest)]
+        assert "steps: 'many' is not of type 'integer'" in bad.field_violations[0].description
+        assert len(observed.calls) == calls
+
+
+async def test_a_hung_call_is_stopped_by_the_critic_and_the_server_told(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any]) -> None:
+    url, observed, _ = http_upstream
+    server = await make_server(
+        mcp_servers=[{"name": "up", "url": url, "soft_timeout_seconds": 1.0}],
+        mcp_servers_allowed_networks=LOOPBACK)
+    await tools_of(server, "up.hang")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        result = result_of(await run_tool(stub, "up.hang", {}))
+    assert result.outcome == events_pb2.OUTCOME_TIMEOUT
+    assert result.error.code == "CRITIC_NO_PROGRESS"
+    # notifications/cancelled reached the server: its handler was cancelled.
+    await asyncio.wait_for(observed.cancelled.wait(), 10)
+
+
+async def test_a_permission_is_refused_before_the_server_is_contacted(
+        make_auth_server: AuthServerFactory, http_upstream: tuple[str, Observed, Any]) -> None:
+    url, observed, _ = http_upstream
+    auth = await make_auth_server(
+        roles=("reader",),
+        mcp_servers=[{"name": "up", "url": url, "roles": ["ops"], "principals": ["carol"]}],
+        mcp_servers_allowed_networks=LOOPBACK)
+    await tools_of(auth.server, "up.progress")
+    async with key_channel(auth.target, auth.key) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await run_tool(stub, "up.progress", {"steps": 1})
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert observed.calls == []
+    async with key_channel(auth.target, auth.add_key("ops-user", "ops")) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert observed.calls == ["progress"]
+    async with key_channel(auth.target, auth.add_key("carol", "nobody")) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+    assert result.outcome == events_pb2.OUTCOME_OK  # allowed by principal id
+
+
+async def test_loopback_is_refused_unless_allowed(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any]) -> None:
+    url, observed, _ = http_upstream
+    server = await make_server(mcp_servers=[{"name": "up", "url": url}])
+    upstream = await reason_says(server, "ADDRESS_REFUSED")
+    assert "127.0.0.1" in upstream.reason
+    assert "up.progress" not in server.runtime.registry
+    assert observed.calls == []
+    # The rest of the catalog serves as usual.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        result = result_of(await run_tool(stub, "echo", {"text": "still here"}))
+    assert result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_a_server_that_goes_away_is_marked_unavailable_and_comes_back(
+        make_server: ServerFactory) -> None:
+    async with serve_http() as (url, _, http):
+        port = http.servers[0].sockets[0].getsockname()[1]
+        server = await make_server(mcp_servers=[{"name": "up", "url": url,
+                                                 "connect_timeout_seconds": 2}],
+                                   mcp_servers_allowed_networks=LOOPBACK,
+                                   mcp_servers_restart_max_seconds=0.3)
+        await tools_of(server, "up.progress")
+        available_hash = server.runtime.registry.catalog_hash
+    catalog = await tools_of(server, "up.progress", available=False)
+    assert "up.progress" in catalog
+    assert server.runtime.registry.catalog_hash != available_hash
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+        assert result.outcome == events_pb2.OUTCOME_FAILED
+        assert result.error.code == "MCP_SERVER_UNAVAILABLE"
+        assert "'up' is unavailable" in result.error.message
+        async with serve_http(port):
+            await tools_of(server, "up.progress")
+            assert server.runtime.registry.catalog_hash == available_hash
+            result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+            assert result.outcome == events_pb2.OUTCOME_OK
+
+
+# -- stdio, in the sandbox -------------------------------------------------------------------
+
+
+def stdio_entry(**extra: Any) -> dict[str, Any]:
+    """The SDK server as a stdio command: the system's Python with this virtualenv's
+    packages and the test script, both shown read-only inside bubblewrap."""
+    packages = next(p for p in sys.path if p.startswith(sys.prefix)
+                    and p.endswith("site-packages"))
+    return {"name": "box", "command": "python3",
+            "args": [str(Path(__file__).with_name("upstream_server.py"))],
+            "env": {"PYTHONPATH": packages},
+            "read_only_paths": [packages, str(Path(__file__).parent)], **extra}
+
+
+@pytest.fixture
+async def stdio_server(make_server: ServerFactory) -> StargrpcServer:
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox's own user needs a root server")
+    server = await make_server(mcp_servers=[stdio_entry()], sandbox_isolation="bwrap",
+                               mcp_servers_restart_max_seconds=0.3)
+    await tools_of(server, "box.progress")
+    return server
+
+
+def server_pid(server: StargrpcServer) -> int:
+    """The pid of the stdio server's process group leader (the sandbox wrapper)."""
+    process = only(server)._process
+    assert process is not None
+    return process.pid
+
+
+async def test_stdio_server_runs_in_the_sandbox_and_is_restarted_after_a_crash(
+        stdio_server: StargrpcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stdio_server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        events = await run_tool(stub, "box.progress", {"steps": 2})
+        result = result_of(events)
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+        assert result.output == "counted to 2"
+        assert any(e.heartbeat.progress == 1.0 for e in events if e.HasField("heartbeat"))
+        first = server_pid(stdio_server)
+        assert _uid_of(first) != 0  # runs as the sandbox's user, not as the server's
+
+        result = result_of(await run_tool(stub, "box.crash", {}))
+        assert result.outcome == events_pb2.OUTCOME_FAILED
+        assert result.error.code == "MCP_SERVER_DIED"
+        assert "'box' went away during the call" in result.error.message
+
+        await tools_of(stdio_server, "box.progress")  # restarted (unavailable meanwhile)
+        for _ in range(100):
+            if only(stdio_server).available:
+                break
+            await asyncio.sleep(0.1)
+        result = result_of(await run_tool(stub, "box.progress", {"steps": 1}))
+        assert result.outcome == events_pb2.OUTCOME_OK
+        assert server_pid(stdio_server) != first
+
+
+async def test_stdio_server_killed_mid_call_ends_the_run_with_a_clear_result(
+        stdio_server: StargrpcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stdio_server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        request = tool_service_pb2.ExecuteRequest(tool_name="box.hang", arguments_json="{}")
+        events: list[events_pb2.RunEvent] = []
+        async for response in stub.Execute(request):
+            events.append(response.event)
+            if len(events) == 1:  # the run has started: the call is on its way
+                for _ in range(500):  # bounded: the call is sent right after the start
+                    if only(stdio_server)._calls:
+                        break
+                    await asyncio.sleep(0.01)
+                os.killpg(server_pid(stdio_server), signal.SIGKILL)
+    result = result_of(events)
+    assert result.outcome == events_pb2.OUTCOME_FAILED
+    assert result.error.code == "MCP_SERVER_DIED"
+
+
+def _uid_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError("no Uid line")
+
+
+async def test_a_server_that_never_answers_does_not_block_the_catalog(
+        make_server: ServerFactory) -> None:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing
+
+    listener = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        server = await make_server(
+            mcp_servers=[{"name": "slow", "url": f"http://127.0.0.1:{port}/mcp",
+                          "connect_timeout_seconds": 0.5}],
+            mcp_servers_allowed_networks=LOOPBACK)
+        # Serving started without waiting for it; the local tools answer meanwhile.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "echo", {"text": "hi"}))
+        assert result.outcome == events_pb2.OUTCOME_OK
+        await reason_says(server, "no answer within 0.5 s (connect_timeout_seconds)")
+        assert accepted  # it was tried
+    finally:
+        for writer in accepted:
+            writer.close()
+        listener.close()
