@@ -19,9 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
+from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
+from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
@@ -119,6 +121,9 @@ class StargrpcServer:
         )
         self._health = health.aio.HealthServicer()
         self.service = ToolService(self.runtime)
+        audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)), None)
+        if audit is not None:  # each delivery's final state goes into the trail
+            self.service.deliveries.on_final = delivery_auditor(audit.writer)
         add_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)

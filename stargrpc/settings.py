@@ -423,8 +423,8 @@ class Settings(BaseSettings):
     delivery_retry_max_interval_seconds: float = Field(60.0, gt=0, description="Longest wait "
                                                        "between two attempts.")
     delivery_retry_seconds: float = Field(600.0, ge=0, description="How long a delivery is "
-                                          "retried before it is given up (a notice and an "
-                                          "audit record say so).")
+                                          "retried before it is given up (an audit record "
+                                          "and the delivery_failed log line say so).")
 
     @model_validator(mode="after")
     def _check_critic(self) -> Settings:

@@ -23,6 +23,7 @@ import contextlib
 import json
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -61,6 +62,9 @@ class Deliveries:
     _active: dict[str, asyncio.Task[None]]
     _recovery: asyncio.Task[None] | None
     _key: bytes | None
+    #: Told the final state of each delivery (the audit trail records it): run id, tool,
+    #: target, "delivered" or "failed", attempts made, why it failed ("" when delivered).
+    on_final: Callable[[str, str, DeliveryTarget, str, int, str], None] | None
 
     def __init__(self, settings: Settings, store: RunStore) -> None:
         self.settings = settings
@@ -72,6 +76,7 @@ class Deliveries:
         self._active = {}
         self._recovery = None
         self._key = None
+        self.on_final = None
 
     @property
     def fleet(self) -> bool:
@@ -128,6 +133,8 @@ class Deliveries:
                 log.error("delivery_failed", run_id=run_id, kind=target.kind,
                           reason="the run expired before its Result could be read")
                 metrics.DELIVERIES.labels(target.kind, "failed").inc()
+                self._final(run_id, tool, target, "failed", 0,
+                            "the run expired before its Result could be read")
             else:
                 await self._send_with_retries(run_id, tool, target, result)
             if self.fleet:
@@ -193,6 +200,7 @@ class Deliveries:
                 metrics.DELIVERY_ATTEMPTS.labels(target.kind, "ok").inc()
                 metrics.DELIVERIES.labels(target.kind, "delivered").inc()
                 log.info("delivered", run_id=run_id, kind=target.kind, attempts=attempt)
+                self._final(run_id, tool, target, "delivered", attempt, "")
                 return True
             if loop.time() + wait > give_up_at:
                 break
@@ -201,7 +209,16 @@ class Deliveries:
         metrics.DELIVERIES.labels(target.kind, "failed").inc()
         log.error("delivery_failed", run_id=run_id, kind=target.kind, attempts=attempt,
                   error=reason)
+        self._final(run_id, tool, target, "failed", attempt, reason)
         return False
+
+    def _final(self, run_id: str, tool: str, target: DeliveryTarget, state: str,
+               attempts: int, reason: str) -> None:
+        if self.on_final is not None:
+            try:
+                self.on_final(run_id, tool, target, state, attempts, reason)
+            except Exception:  # the audit's trouble must not undo a delivery
+                log.exception("delivery_audit_failed", run_id=run_id)
 
     async def _send(self, run_id: str, tool: str, target: DeliveryTarget,
                     result: events_pb2.Result) -> None:

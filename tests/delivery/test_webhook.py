@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from google.rpc import error_details_pb2
 
 from stargrpc import metrics
 from stargrpc.delivery import sign, verify
+from stargrpc.delivery.audit import DELIVERY_METHOD
+from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.helpers import status_details
@@ -172,3 +175,46 @@ def test_the_signature_is_what_the_example_receiver_and_the_sdk_verify() -> None
     assert not receiver_module.verify(b"another key", header, body, now=1_700_000_100)
     assert not receiver_module.verify(KEY, header, body, now=1_700_000_000 + 301)
     assert not receiver_module.verify(KEY, "v1=" + header.partition("v1=")[2], body)
+
+
+async def _delivery_records(server, run_id: str, expected: int = 1) -> list:
+    """The audit records of the deliveries of ``run_id``, once ``expected`` are written
+    (a delivery's final state is recorded right after it is known; bounded wait)."""
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    async with asyncio.timeout(30):
+        while True:
+            await audit.writer.flush()
+            found = [r async for r in audit.writer.store.scan()
+                     if r.method == DELIVERY_METHOD and r.run_id == run_id]
+            if len(found) >= expected:
+                return found
+            await asyncio.sleep(0.05)
+
+
+async def test_each_delivery_s_final_state_is_an_audit_record(
+        make_server, tmp_path, tls, flaky_receiver) -> None:
+    secret = tmp_path / "delivery.key"
+    secret.write_bytes(KEY)
+    server = await make_server(delivery_allowlist=["127.0.0.1"],
+                               delivery_allowed_networks=["127.0.0.1/32"],
+                               delivery_webhook_secret_file=secret,
+                               delivery_ca_file=tls["tls_client_ca_file"],
+                               delivery_retry_initial_seconds=0.05,
+                               delivery_retry_seconds=0.3)
+    good = f"https://127.0.0.1:{flaky_receiver.server_address[1]}/hook?token=s3cret"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        delivered = await stub.StartRun(with_webhook(good))
+        # Nobody listens on this port: every attempt fails until the window closes.
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            dead = f"https://127.0.0.1:{unused.getsockname()[1]}/hook"
+        given_up = await stub.StartRun(with_webhook(dead))
+        [ok] = await _delivery_records(server, delivered.run_id)
+        [failed] = await _delivery_records(server, given_up.run_id)
+
+    assert (ok.outcome, ok.tool) == ("ok", "echo")
+    assert ok.detail.startswith("webhook https://127.0.0.1:") and "delivered after 3 " \
+        "attempts" in ok.detail
+    assert "s3cret" not in ok.detail  # the URL's token is scrubbed like any audited text
+    assert failed.outcome == "failed" and "failed after" in failed.detail

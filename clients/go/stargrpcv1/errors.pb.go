@@ -193,8 +193,9 @@ const (
 	// FAILED_PRECONDITION: this server cannot deliver to that kind of target (no webhook
 	// signing key, or no fleet Redis for a Redis stream).
 	ErrorReason_DELIVERY_UNAVAILABLE ErrorReason = 104
-	// A notice (Notice.code) and an audit fact: the run's Result could not be delivered to
-	// its target within the retry bounds; the run itself ended as its Result says.
+	// Reserved for a delivery given up: the run's Result could not be delivered to its
+	// target within the retry bounds (the audit record of the delivery says so, outcome
+	// failed); the run itself ended as its Result says.
 	ErrorReason_DELIVERY_FAILED ErrorReason = 105
 	// FAILED: the MCP server of the tool cannot be reached or started now; the tool's
 	// description in the catalog says why. It comes back by itself (the catalog hash changes).
