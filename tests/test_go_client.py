@@ -205,3 +205,22 @@ async def test_go_ctrl_c_during_call_cancels_the_run_and_cancel_says_it_ended(
     assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
     assert watched[-1].result.error.message == "the caller's context was cancelled"
     assert (again, again_err.strip()) == (2, "already ended")
+
+
+async def test_go_steers_a_live_run_and_is_refused_a_finished_one(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        go_cli: str) -> None:
+    target = ("-target", f"127.0.0.1:{server.port}")
+    running = stub.Execute(tool_service_pb2.ExecuteRequest(
+        tool_name="sleep", arguments_json='{"seconds": 60}'))
+    run_id = (await running.read()).event.run_id
+
+    steered = await _go(go_cli, *target, "steer", run_id, "wrap it up")
+    await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+    events = await asyncio.wait_for(collect(running), TIMEOUT)
+    late, _, late_err = await _go(go_cli, *target, "steer", run_id, "too late")
+
+    assert (steered[0], steered[2].strip()) == (0, "steered")
+    notices = [e.notice for e in events if e.HasField("notice") and e.notice.code == "STEERED"]
+    assert [n.message for n in notices] == ["wrap it up"]
+    assert late == 1 and "RUN_FINISHED" in late_err

@@ -291,3 +291,24 @@ async def _run_in(cwd: str, env: dict[str, str], *argv: str) -> tuple[int, str, 
     out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_node_steers_a_live_run_and_is_refused_a_finished_one(
+        make_server, node_cli: list[str]) -> None:
+    server = await make_server()
+    target = f"127.0.0.1:{server.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        running = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="sleep", arguments_json='{"seconds": 60}'))
+        run_id = (await running.read()).event.run_id
+        steered = await _node(node_cli, "steer", run_id, "wrap it up", "--target", target)
+        await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+        events = await collect(running)
+        late, _, late_err = await _node(node_cli, "steer", run_id, "too late", "--target",
+                                        target)
+
+    assert (steered[0], steered[2].strip()) == (0, "steered")
+    notices = [e.notice for e in events if e.HasField("notice") and e.notice.code == "STEERED"]
+    assert [n.message for n in notices] == ["wrap it up"]
+    assert late == 1 and "RUN_FINISHED" in late_err

@@ -5,6 +5,7 @@
 //   node clients/node/cli.js call count '{"to": 3}'         run a tool, events as they stream
 //   node clients/node/cli.js watch RUN_ID --after-seq 2     replay + follow a run
 //   node clients/node/cli.js cancel RUN_ID --reason "why"   stop a run
+//   node clients/node/cli.js steer RUN_ID "message"          steer a running tool
 //
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
@@ -151,6 +152,7 @@ async function callCancellingOnInterrupt(client, streamed, run) {
 
 const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
+  "steer RUN_ID MESSAGE\n" +
   "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
 
 class UsageError extends Error {}
@@ -220,6 +222,11 @@ async function main(argv) {
       if (!/^\d+$/.test(values["after-seq"])) throw new UsageError("--after-seq must be a seq (a whole number >= 0)");
       return await follow(client.watch(rest[0], values["after-seq"]), values.json, newRun(),
         `run ${rest[0]} has ended: nothing follows seq ${values["after-seq"]}`);
+    }
+    if (command === "steer" && rest.length === 2) {
+      await client.steerRun(rest[0], rest[1]);
+      console.error("steered");
+      return 0;
     }
     if (command === "cancel" && rest.length === 1) {
       const stopped = await client.cancelRun(rest[0], values.reason);

@@ -225,6 +225,17 @@ class StargrpcClient {
   }
 
   /**
+   * Sends a steering message to a running tool (SteerRun); resolves to the run id. Not
+   * retried: a retried steer could reach the tool twice.
+   */
+  steerRun(runId, message) {
+    return new Promise((resolve, reject) => {
+      this.stub.SteerRun({ run_id: runId, message }, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply.run_id)));
+    });
+  }
+
+  /**
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]

@@ -141,6 +141,14 @@ func (c *Client) Cancel(ctx context.Context, runID, reason string) (bool, error)
 	return reply.GetCancelled(), nil
 }
 
+// Steer sends a steering message to a running tool (SteerRun): it reads it through
+// ctx.steering(), and the run's log gets a STEERED notice. It is not retried, since a
+// retried steer could reach the tool twice.
+func (c *Client) Steer(ctx context.Context, runID, message string) error {
+	_, err := c.stub.SteerRun(ctx, &pb.SteerRunRequest{RunId: runID, Message: message})
+	return FromError(err)
+}
+
 // Call is one Execute.
 type Call struct {
 	// Tool is the tool's name.

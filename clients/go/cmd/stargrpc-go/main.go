@@ -1,10 +1,11 @@
 // Command stargrpc-go is a small command line on the Go client: list the tools, call one,
-// watch a run, cancel a run.
+// watch a run, steer or cancel a run.
 //
 //	stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] tools
 //	stargrpc-go call TOOL [ARGS_JSON]
 //	stargrpc-go watch [-after-seq N] RUN_ID
 //	stargrpc-go cancel [-reason TEXT] RUN_ID
+//	stargrpc-go steer RUN_ID MESSAGE
 //
 // The target and key default to $STARGRPC_TARGET (else localhost:50051) and
 // $STARGRPC_API_KEY. `call` prints "run <id>" on stderr and exits 0 only for OUTCOME_OK
@@ -34,6 +35,7 @@ const usage = `usage: stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] COM
   call TOOL [ARGS_JSON]          run a tool, print its events
   watch [-after-seq N] RUN_ID    replay a run after a seq, then follow it
   cancel [-reason TEXT] RUN_ID   stop a run
+  steer RUN_ID MESSAGE           send a running tool a message
 `
 
 func main() {
@@ -139,6 +141,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		fmt.Fprintln(stderr, "cancelled")
+		return 0
+	case command == "steer" && len(params) == 2:
+		if err := client.Steer(ctx, params[0], params[1]); err != nil {
+			return fail(stderr, err)
+		}
+		fmt.Fprintln(stderr, "steered")
 		return 0
 	}
 	fmt.Fprint(stderr, usage)
