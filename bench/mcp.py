@@ -87,14 +87,14 @@ async def _measure(call: Callable[[], Awaitable[None]], calls: int) -> list[floa
 
 
 async def _over_mcp(url: str, calls: int) -> list[float]:
-    async with httpx2.AsyncClient(timeout=30) as http:
-        async with Client(streamable_http_client(url, http_client=http)) as client:  # type: ignore[arg-type]
+    async with (httpx2.AsyncClient(timeout=30) as http,
+                Client(streamable_http_client(url, http_client=http)) as client):  # type: ignore[arg-type]
 
-            async def call() -> None:
-                result = await client.call_tool("echo", {"text": "hi"})
-                assert not result.is_error
+        async def call() -> None:
+            result = await client.call_tool("echo", {"text": "hi"})
+            assert not result.is_error
 
-            return await _measure(call, calls)
+        return await _measure(call, calls)
 
 
 async def _over_grpc(target: str, calls: int) -> list[float]:
