@@ -3,8 +3,9 @@
 Both run on uvicorn in the server's own event loop. The socket is bound and listening before
 uvicorn gets it, so port 0 works without a bind-release race and a client may connect as
 soon as :meth:`AsgiServer.start` returns. Under ``serve --workers N`` every worker process
-serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicorn's own ``serve()`` is not used: it would
-take over SIGTERM/SIGINT, which belong to :class:`~stargrpc.server.StargrpcServer`.
+serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicorn's own
+``serve()`` is not used: it would take over SIGTERM/SIGINT, which belong to
+:class:`~stargrpc.server.StargrpcServer`.
 """
 
 from __future__ import annotations
