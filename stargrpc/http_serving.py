@@ -2,8 +2,10 @@
 
 Both run on uvicorn in the server's own event loop. The socket is bound and listening before
 uvicorn gets it, so port 0 works without a bind-release race and a client may connect as
-soon as :meth:`AsgiServer.start` returns. uvicorn's own ``serve()`` is not used: it would
-take over SIGTERM/SIGINT, which belong to :class:`~stargrpc.server.StargrpcServer`.
+soon as :meth:`AsgiServer.start` returns. Under ``serve --workers N`` every worker process
+serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicorn's own
+``serve()`` is not used: it would take over SIGTERM/SIGINT, which belong to
+:class:`~stargrpc.server.StargrpcServer`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ log = structlog.get_logger("stargrpc.http")
 HTTP_SHUTDOWN_GRACE_SECONDS = 3
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(128)
         sock.setblocking(False)
@@ -47,19 +51,23 @@ class AsgiServer:
     Attributes:
         name: What it serves, for the logs.
         port: The bound port, once started.
+        reuse_port: Share the port with the other worker processes (``SO_REUSEPORT``).
     """
 
     name: str
     port: int
+    reuse_port: bool
     _app: Any
     _host: str
     _requested_port: int
     _server: uvicorn.Server | None
     _socket: socket.socket | None
 
-    def __init__(self, name: str, app: Any, host: str, port: int) -> None:
+    def __init__(self, name: str, app: Any, host: str, port: int, *,
+                 reuse_port: bool = False) -> None:
         self.name = name
         self.port = 0
+        self.reuse_port = reuse_port
         self._app = app
         self._host = host
         self._requested_port = port
@@ -75,7 +83,7 @@ class AsgiServer:
         Raises:
             OSError: The address cannot be bound.
         """
-        self._socket = _bind(self._host, self._requested_port)
+        self._socket = _bind(self._host, self._requested_port, self.reuse_port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(
             self._app, lifespan="off", log_config=None, access_log=False,
@@ -172,7 +180,7 @@ class HttpEndpoints:
         try:
             if s.metrics_port is not None:
                 metrics = AsgiServer("metrics", metrics_app(), s.metrics_host or s.host,
-                                     s.metrics_port)
+                                     s.metrics_port, reuse_port=s.workers > 1)
                 self._servers.append(metrics)
                 self.metrics_port = await metrics.start()
             if s.http_port is not None:
@@ -182,7 +190,7 @@ class HttpEndpoints:
                                        max_body_bytes=s.max_receive_message_bytes)
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
-                                 s.http_port)
+                                 s.http_port, reuse_port=s.workers > 1)
                 self._servers.append(web)
                 self.gateway_port = await web.start()
         except BaseException:

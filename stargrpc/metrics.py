@@ -2,11 +2,22 @@
 
 Every module that has something to count imports its metric from here, so the names are
 defined once. Serving them over HTTP (``serve --metrics-port``) lives elsewhere.
+
+Under ``serve --workers N`` every process writes its values to files in
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, chosen by that variable
+before this module is imported) and :func:`scrape_registry` adds them up; the gauges say how
+(``livesum``: the sum over the processes alive).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+#: The variable that puts prometheus-client in multiprocess mode (see the module docstring).
+MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 #: The registry every stargrpc metric is on (not the process-global default registry, so a
 #: test can run several servers in one process without name clashes).
@@ -20,7 +31,8 @@ DURATION_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
     registry=REGISTRY)
 RUNS_IN_FLIGHT = Gauge(
-    "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY)
+    "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY,
+    multiprocess_mode="livesum")
 EVENTS_STREAMED = Counter(
     "tool_executor_events_streamed", "Run events sent to clients, by RPC.", ["rpc"],
     registry=REGISTRY)
@@ -42,10 +54,21 @@ AUTH_FAILURES = Counter(
     ["reason"], registry=REGISTRY)
 AUDIT_QUEUE_DEPTH = Gauge(
     "tool_executor_audit_queue_depth", "Audit records waiting to be written.",
-    registry=REGISTRY)
+    registry=REGISTRY, multiprocess_mode="livesum")
 DELIVERY_ATTEMPTS = Counter(
     "tool_executor_delivery_attempts", "Attempts to deliver a Result, by target kind and "
     "result (ok, failed).", ["kind", "result"], registry=REGISTRY)
 DELIVERIES = Counter(
     "tool_executor_deliveries", "Results whose delivery ended, by target kind and final "
     "state (delivered, failed).", ["kind", "state"], registry=REGISTRY)
+
+
+def scrape_registry() -> CollectorRegistry:
+    """What ``/metrics`` serves: :data:`REGISTRY`, or in multiprocess mode a registry that
+    adds up the values every worker process wrote."""
+    folder = os.environ.get(MULTIPROC_DIR_VARIABLE)
+    if not folder:
+        return REGISTRY
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    return registry

@@ -181,6 +181,10 @@ class Settings(BaseSettings):
     # -- lifecycle -------------------------------------------------------------------------
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="How long in-flight runs "
                                           "may take to finish after SIGTERM.")
+    workers: int = Field(
+        1, ge=1, le=256, description="Server processes sharing the gRPC (and HTTP) ports, "
+        "supervised by the first ('auto' = the cores this process may use); more than one "
+        "needs redis_url.")
     keepalive_time_seconds: float = Field(30.0, gt=0, description="HTTP/2 keepalive ping "
                                           "interval.")
     keepalive_timeout_seconds: float = Field(10.0, gt=0, description="Time to wait for a "
@@ -443,6 +447,22 @@ class Settings(BaseSettings):
         names = [entry.name for entry in self.mcp_servers]
         if len(set(names)) != len(names):
             raise ValueError(f"mcp_servers: each entry needs a name of its own: {names}")
+        return self
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_workers(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return len(os.sched_getaffinity(0)) or 1
+        return value
+
+    @model_validator(mode="after")
+    def _check_workers(self) -> Settings:
+        # Runs, WatchRun, CancelRun and idempotency keys must be seen by every process.
+        if self.workers > 1 and not self.redis_url:
+            raise ValueError(f"workers = {self.workers} needs a run store the processes "
+                             "share: set redis_url (--redis-url); without it each process "
+                             "would keep its own runs and idempotency keys")
         return self
 
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",

@@ -20,6 +20,7 @@ from stargrpc.logs import configure_logging
 from stargrpc.secret_env import hand_over_and_reexec, take_over
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
+from stargrpc.workers import WorkerSupervisor
 
 #: The settings flags of `stargrpc serve`, shared by `stargrpc doctor`.
 SETTINGS_OPTIONS = [
@@ -69,6 +70,10 @@ SETTINGS_OPTIONS = [
     click.option("--mcp-port", "mcp_port", type=int, default=None,
                  help="Serve the tools as a streamable-HTTP MCP endpoint at /mcp on this port "
                  "[env STARGRPC_MCP_PORT; default off]."),
+    click.option("--workers", "workers", default=None, metavar="N|auto",
+                 help="Server processes sharing the ports, supervised by this one; 'auto' = "
+                 "the cores available; more than one needs --redis-url [env "
+                 "STARGRPC_WORKERS; default 1]."),
     click.option("--tracing/--no-tracing", "tracing", default=None,
                  help="Record OpenTelemetry traces (OTLP, set up by the OTEL_EXPORTER_OTLP_* "
                  "variables) [env STARGRPC_TRACING; default off]."),
@@ -89,6 +94,7 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     # Only as the program itself: never replace a program that merely embeds this command.
     handover_failed = hand_over_and_reexec() if _is_main_program() else None
     handed_over = take_over()
+    overrides = setting_overrides(tools_dir, flags, handed_over)
     settings = settings_from_flags(config_file, tools_dir, flags, handed_over)
     configure_logging(settings.log_level, settings.log_format, cache=True)
     log = structlog.get_logger("stargrpc.cli")
@@ -98,7 +104,10 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     if handover_failed:
         log.warning("secrets_left_in_environment", reason=handover_failed)
     try:
-        announce_first_key(settings)
+        announce_first_key(settings)  # before any worker starts: one key, no race
+        if settings.workers > 1:
+            sys.exit(asyncio.run(
+                WorkerSupervisor(settings, overrides, config_file).run()))
         asyncio.run(_serve(settings))
     except AuthConfigError as exc:
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
@@ -127,14 +136,21 @@ def settings_from_flags(config_file: Path | None, tools_dir: tuple[Path, ...],
     Raises:
         click.UsageError: The settings are invalid.
     """
+    try:
+        return Settings.load(config_file, **setting_overrides(tools_dir, flags, below_flags))
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings:\n{exc}") from exc
+
+
+def setting_overrides(tools_dir: tuple[Path, ...], flags: dict[str, object],
+                      below_flags: dict[str, str] | None = None) -> dict[str, object]:
+    """What :func:`settings_from_flags` loads the settings with, besides the environment and
+    the config file (see there for the arguments)."""
     overrides: dict[str, object] = {**(below_flags or {}),
                                     **{k: v for k, v in flags.items() if v is not None}}
     if tools_dir:
         overrides["tools_dir"] = list(tools_dir)
-    try:
-        return Settings.load(config_file, **overrides)
-    except ValidationError as exc:
-        raise click.UsageError(f"invalid settings:\n{exc}") from exc
+    return overrides
 
 
 def _is_main_program() -> bool:

@@ -1,0 +1,323 @@
+"""``stargrpc serve --workers 2``: two real worker processes on one port behave as one server.
+
+Connections are spread by the kernel (``SO_REUSEPORT``), so each test opens channels until it
+holds one to each worker, told apart by the ``whoami`` tool (the worker's process id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import httpx
+import jwt
+import pytest
+
+from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.procs import ServerProcess, server_env
+
+pytestmark = pytest.mark.timeout(180)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+WORKERS = 2
+#: Channels opened at most to find a connection to each worker.
+MAX_CHANNELS = 60
+
+WHOAMI = '''
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel
+
+from stargrpc import ToolContext, tool
+
+
+class NoArgs(BaseModel):
+    pass
+
+
+@tool(kind="test")
+async def whoami(ctx: ToolContext, args: NoArgs) -> str:
+    """The process id of the worker that ran this."""
+    return str(os.getpid())
+'''
+
+RELOADED = '''
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from stargrpc import ToolContext, tool
+
+
+class NoArgs(BaseModel):
+    pass
+
+
+@tool(kind="test")
+async def reloaded(ctx: ToolContext, args: NoArgs) -> str:
+    """Appears after SIGHUP."""
+    return "reloaded"
+'''
+
+
+def _worker_pids(server: ServerProcess) -> set[int]:
+    return {int(str(line["pid"])) for line in server.lines
+            if line.get("event") == "worker_started"}
+
+
+@contextmanager
+def workers(tmp_path: Path, *args: str, auth: bool = False,
+            **env: str) -> Iterator[ServerProcess]:
+    """``stargrpc serve --workers 2`` with a Redis key prefix of its own and the ``whoami``
+    tool, once both workers serve."""
+    tools = tmp_path / "tools"
+    tools.mkdir(exist_ok=True)
+    (tools / "whoami.py").write_text(WHOAMI)
+    environ = server_env(tmp_path / "state", STARGRPC_REDIS_KEY_PREFIX=f"t-{uuid.uuid4().hex}:",
+                         **env)
+    if auth:
+        environ.pop("STARGRPC_INSECURE_NO_AUTH")
+    server = ServerProcess(["--workers", str(WORKERS), "--redis-url", REDIS_URL,
+                            "--tools-dir", str(tools), *args], environ)
+    try:
+        serving = [line for line in server.lines if line.get("event") == "serving"]
+        while len(serving) < WORKERS:
+            serving.append(server.wait_for(
+                lambda line: line.get("event") == "serving" and line not in serving, 60))
+        yield server
+    finally:
+        pids = _worker_pids(server)
+        server.stop(60)
+        for pid in pids:  # none outlives the supervisor
+            assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid), pid
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+async def whoami(channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]] = (),
+                 idempotency_key: str = "") -> tuple[str, int]:
+    """(run id, pid of the worker that ran it)."""
+    stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+    run_id, output = "", ""
+    async for response in stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="whoami", arguments_json="{}", idempotency_key=idempotency_key),
+            metadata=tuple(metadata), timeout=30):
+        run_id = response.event.run_id
+        if response.event.HasField("result"):
+            assert response.event.result.outcome == events_pb2.OUTCOME_OK, response
+            output = response.event.result.output
+    return run_id, int(output)
+
+
+async def one_channel_per_worker(target: str, metadata: Sequence[tuple[str, str]] = (),
+                                 ) -> tuple[dict[int, grpc.aio.Channel], int]:
+    """A channel to each worker (by pid), and how many whoami runs finding them took."""
+    found: dict[int, grpc.aio.Channel] = {}
+    for runs in range(1, MAX_CHANNELS + 1):
+        # A subchannel pool of its own: a new connection, not one shared with the others.
+        channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool",
+                                                              1)])
+        _, pid = await whoami(channel, metadata)
+        if pid in found:
+            await channel.close()
+        else:
+            found[pid] = channel
+        if len(found) == WORKERS:
+            return found, runs
+    raise AssertionError(f"{MAX_CHANNELS} connections all reached {sorted(found)}")
+
+
+async def last_event(call: grpc.aio.UnaryStreamCall) -> events_pb2.RunEvent:
+    """The last event of a stream already being read with ``read()``."""
+    last = None
+    while (response := await call.read()) is not grpc.aio.EOF:
+        last = response.event
+    assert last is not None
+    return last
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if match and ",".join(sorted((match.group(1) or "").split(","))) == wanted:
+            total += float(match.group(2))
+    return total
+
+
+async def test_two_workers_share_runs_keys_audit_and_metrics(tmp_path: Path) -> None:
+    with workers(tmp_path, "--metrics-port", "0", auth=True) as server:
+        # One first-start admin key, made by the supervisor before any worker started.
+        announced = [line for line in server.lines if line.get("event") == "raw"
+                     and "no API keys were configured" in str(line.get("text"))]
+        assert len(announced) == 1
+        keys = json.loads((tmp_path / "state" / "keys.json").read_text())
+        assert len(keys["keys"]) == 1
+        raw = [str(line["text"]) for line in server.lines if line.get("event") == "raw"]
+        key = raw[next(i for i, text in enumerate(raw) if text.endswith("Bearer <key>':")) + 1]
+        auth = (("authorization", f"Bearer {key}"),)
+        channels, runs = await one_channel_per_worker(server.target, auth)
+        try:
+            (pid_a, a), (pid_b, b) = channels.items()
+            assert {pid_a, pid_b} == _worker_pids(server)
+            stub_a = tool_service_pb2_grpc.ToolServiceStub(a)
+            stub_b = tool_service_pb2_grpc.ToolServiceStub(b)
+
+            # Idempotency: the same key on the other worker replays the first run.
+            first_run, _ = await whoami(a, auth, idempotency_key="same-key")
+            again_run, again_pid = await whoami(b, auth, idempotency_key="same-key")
+            runs += 1
+            assert (again_run, again_pid) == (first_run, pid_a)
+
+            # WatchRun and CancelRun on the other worker reach the run. (The idempotency key
+            # registers the run in Redis before its first event, as in
+            # tests/stores/test_redis_replicas.py: without one the run store writes events
+            # behind, and a WatchRun elsewhere right after the first event may not see it.)
+            call = stub_a.Execute(tool_service_pb2.ExecuteRequest(
+                tool_name="sleep", arguments_json='{"seconds": 60, "heartbeat_every": 0.2}',
+                idempotency_key="sleep-key"),
+                metadata=auth, timeout=60)
+            run_id = (await call.read()).event.run_id
+            watch = stub_b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=run_id),
+                                    metadata=auth, timeout=60)
+            watched = await watch.read()
+            assert watched.event.run_id == run_id and watched.event.seq == 1
+            await stub_b.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id),
+                                   metadata=auth, timeout=30)
+            assert (await last_event(call)).result.outcome == events_pb2.OUTCOME_CANCELLED
+            assert (await last_event(watch)).result.outcome == events_pb2.OUTCOME_CANCELLED
+        finally:
+            for channel in channels.values():
+                await channel.close()
+
+        # Metrics add up over the workers, whichever one answers the scrape.
+        metrics_port = next(int(str(line["address"]).rsplit(":", 1)[1]) for line in server.lines
+                            if line.get("event") == "http_serving"
+                            and line.get("what") == "metrics")
+        seen = set()
+        for _ in range(6):
+            async with httpx.AsyncClient() as client:  # a new connection each time
+                text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            seen.add((metric_value(text, "tool_executor_tasks_total", tool="whoami",
+                                   outcome="ok"),
+                      metric_value(text, "tool_executor_tasks_total", tool="sleep",
+                                   outcome="cancelled"),
+                      metric_value(text, "tool_executor_runs_in_flight")))
+        assert seen == {(float(runs), 1.0, 0.0)}, text
+
+    # One intact audit chain in the shared SQLite file, every call in it.
+    result = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "stargrpc.cli", "audit", "verify", "--store",
+                         f"sqlite:///{tmp_path / 'state' / 'audit.db'}"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    checked = re.search(r"ok: (\d+) records", result.stdout)
+    assert checked is not None and int(checked.group(1)) >= runs + 2  # + the replay, sleep
+
+
+async def test_a_killed_worker_is_restarted_sighup_reloads_all_sigterm_drains_all(
+        tmp_path: Path) -> None:
+    with workers(tmp_path) as server:
+        channels, _ = await one_channel_per_worker(server.target)
+        for channel in channels.values():
+            await channel.close()
+        victim = min(channels)
+        os.kill(victim, signal.SIGKILL)
+        exited = await asyncio.to_thread(server.wait_for, lambda line: line.get(
+            "event") == "worker_exited" and line.get("pid") == victim, 30)
+        assert exited["status"] == "killed by SIGKILL"
+        restarted = await asyncio.to_thread(server.wait_for, lambda line: line.get(
+            "event") == "worker_started" and line.get("worker") == exited["worker"]
+            and line.get("pid") != victim, 30)
+        earlier = [line for line in server.lines if line.get("event") == "serving"]
+        await asyncio.to_thread(server.wait_for, lambda line: line.get("event") == "serving"
+                                and line.get("worker") == exited["worker"]
+                                and all(line is not seen for seen in earlier), 60)
+        channels, _ = await one_channel_per_worker(server.target)
+        assert restarted["pid"] in channels and victim not in channels
+
+        # SIGHUP: every worker's catalog gains the new tool.
+        (tmp_path / "tools" / "reloaded.py").write_text(RELOADED)
+        server.signal(signal.SIGHUP)
+        for channel in channels.values():
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            deadline = time.monotonic() + 30
+            while "reloaded" not in {t.name for t in (await stub.ListTools(
+                    tool_service_pb2.ListToolsRequest(), timeout=10)).tools}:
+                assert time.monotonic() < deadline, "a worker did not reload"
+                await asyncio.sleep(0.1)
+
+        # SIGTERM: the run in flight on each worker ends with its Result, then all exit.
+        calls = [tool_service_pb2_grpc.ToolServiceStub(channel).Execute(
+            tool_service_pb2.ExecuteRequest(tool_name="count",
+                                            arguments_json='{"to": 4, "delay": 0.25}'),
+            timeout=60) for channel in channels.values()]
+        for call in calls:
+            await call.read()  # started
+        server.signal(signal.SIGTERM)
+        for call in calls:
+            last = await last_event(call)
+            assert last.result.outcome == events_pb2.OUTCOME_OK
+            assert last.result.output == "counted to 4"
+        for channel in channels.values():
+            await channel.close()
+        assert await asyncio.to_thread(server.proc.wait, 60) == 0
+        done = await asyncio.to_thread(
+            server.wait_for, lambda line: line.get("event") == "workers_stopped", 10)
+        assert done["exit_status"] == 0
+        stopped = [line for line in server.lines if line.get("event") == "worker_stopped"]
+        assert {line["status"] for line in stopped} == {"exit status 0"}
+        assert len(stopped) == WORKERS
+
+
+async def test_secrets_reach_the_workers_but_not_their_environment(tmp_path: Path) -> None:
+    secret = "workers-hs256-secret-" + uuid.uuid4().hex
+    issuer, audience = "https://idp.example", "stargrpc"
+    with workers(tmp_path, auth=True, STARGRPC_JWT_SECRET=secret, STARGRPC_JWT_ISSUER=issuer,
+                 STARGRPC_JWT_AUDIENCE=audience) as server:
+        now = int(time.time())
+        token = jwt.encode({"sub": "user-1", "iss": issuer, "aud": audience, "iat": now,
+                            "exp": now + 300, "roles": ["admin"]}, secret, algorithm="HS256")
+        auth = (("authorization", f"Bearer {token}"),)
+        channels, _ = await one_channel_per_worker(server.target, auth)  # both accept it
+        for channel in channels.values():
+            await channel.close()
+        for pid in (server.proc.pid, *channels):
+            for name in ("environ", "cmdline"):
+                shown = await asyncio.to_thread(Path(f"/proc/{pid}/{name}").read_bytes)
+                assert secret.encode() not in shown, (pid, name)
+
+
+def test_more_than_one_worker_without_a_shared_run_store_is_refused(tmp_path: Path) -> None:
+    env = server_env(tmp_path)
+    env.pop("STARGRPC_REDIS_URL", None)
+    done = subprocess.run([sys.executable, "-m", "stargrpc.cli", "serve", "--workers", "2",
+                           "--port", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "needs a run store the processes share: set redis_url (--redis-url)" in done.stderr
+
+
+def test_auto_is_the_number_of_usable_cores() -> None:
+    settings = Settings.load(workers="auto", redis_url=REDIS_URL)
+    assert settings.workers == len(os.sched_getaffinity(0))
+    assert Settings.load().workers == 1
