@@ -26,7 +26,7 @@ _FILE_MESSAGE, _FILE_ENUM, _FILE_SERVICE = 4, 5, 6
 _MESSAGE_FIELD, _MESSAGE_NESTED, _MESSAGE_ENUM = 2, 3, 4
 _ENUM_VALUE, _SERVICE_METHOD = 2, 2
 
-_SCALARS = {
+_SCALARS: dict[int, str] = {
     value: name.removeprefix("TYPE_").lower()
     for name, value in descriptor_pb2.FieldDescriptorProto.Type.items()
 }
@@ -62,7 +62,7 @@ def _anchor(short: str) -> str:
 
 def _plain(field: descriptor_pb2.FieldDescriptorProto) -> str:
     if field.type_name:
-        return field.type_name.lstrip(".").removeprefix(PACKAGE + ".")
+        return str(field.type_name).lstrip(".").removeprefix(PACKAGE + ".")
     return _SCALARS[field.type]
 
 
