@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1
 # stargrpc: multi-stage build; the runtime image has the virtualenv and bubblewrap (the
 # sandbox of the python and shell tools) and runs as non-root. bubblewrap needs the
-# container started with the seccomp profile from deploy/seccomp_profile.py (see README,
-# "Docker"); without it the sandboxed tools are refused (SANDBOX_UNAVAILABLE), never run
+# container started with the seccomp profile from deploy/seccomp_profile.py (see
+# docs/operate/docker.md); without it the sandboxed tools are refused (SANDBOX_UNAVAILABLE), never run
 # with weaker isolation. `docker run … stargrpc doctor` says which applies.
 
 FROM python:3.11-slim AS build

@@ -390,7 +390,7 @@ class Settings(BaseSettings):
                                  "host.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
-        "[[mcp_servers]] tables, or JSON in the environment); see the README's MCP section.")
+        "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md.")
     mcp_servers_allowed_networks: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="CIDRs an HTTP MCP server (mcp_servers url) may be "
         "reached at although private, loopback or link-local (comma-separated); the other "

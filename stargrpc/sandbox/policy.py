@@ -43,7 +43,7 @@ log = structlog.get_logger("stargrpc.sandbox")
 
 #: What makes bubblewrap work where it is missing or blocked.
 BWRAP_FIX = ("install bubblewrap and allow it unprivileged user namespaces (in a container: "
-             "see the README's Docker section for the seccomp profile)")
+             "see docs/operate/docker.md for the seccomp profile)")
 
 
 @dataclass(frozen=True)
