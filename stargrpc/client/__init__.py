@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from stargrpc.client.aio import AsyncClient
 from stargrpc.client.channel import open_channel
-from stargrpc.client.errors import CallError, ClientError, ResumeError, ToolRunError, Violation
+from stargrpc.client.errors import CallError, ClientError, ResumeError, Violation
 from stargrpc.client.events import (
     Catalog,
     Event,
@@ -46,6 +46,7 @@ from stargrpc.client.events import (
     StepEnded,
     StepStarted,
     ToolInfo,
+    ToolRunError,
     event_from_proto,
 )
 from stargrpc.client.retry import NO_RETRY, RetryPolicy
@@ -115,4 +116,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__)
