@@ -15,31 +15,10 @@ from urllib.parse import urlsplit
 
 from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import AuditRecord
-from stargrpc.audit.sql import (
-    ADDED_COLUMNS,
-    INDEXABLE,
-    TABLE,
-    Query,
-    scan_in_batches,
-    schema_sql,
-    select_sql,
-    sqlite_path,
-)
+from stargrpc.audit.sql import TABLE, Query, sqlite_path
 
-# The shared SQL pieces stay importable from here, where callers have long found them.
-__all__ = [
-    "ADDED_COLUMNS",
-    "INDEXABLE",
-    "TABLE",
-    "AuditStore",
-    "Query",
-    "default_store_url",
-    "open_store",
-    "scan_in_batches",
-    "schema_sql",
-    "select_sql",
-    "sqlite_path",
-]
+# Where callers have long found them; the SQL both stores share is in stargrpc.audit.sql.
+__all__ = ["TABLE", "AuditStore", "Query", "default_store_url", "open_store", "sqlite_path"]
 
 
 class AuditStore(Protocol):
