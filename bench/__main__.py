@@ -12,8 +12,9 @@ stargrpc and, beside it, in the floor (whose layers are only their I/O).
     python -m bench --quick     # reduced pass, under a minute
     python -m bench --profile   # also py-spy profiles of the hot paths
 
-Each run is saved in ``bench/results/`` (JSON with every figure, and the table as Markdown)
-with a description of the machine. Only 127.0.0.1 is ever used; every loop is bounded.
+Each run is saved in ``bench/runs/`` (git-ignored; JSON with every figure, and the table as
+Markdown) with a description of the machine; ``--keep`` saves it in ``bench/results/``, the
+run the repository keeps. Only 127.0.0.1 is ever used; every loop is bounded.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from bench import profiling
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
+RUNS = BENCH / "runs"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 #: Server start-up (imports, tool loading) may take this long on a busy machine.
 START_TIMEOUT = 90.0
@@ -712,10 +714,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also record py-spy profiles of the hot paths.")
     parser.add_argument("--no-layers", action="store_true",
                         help="Skip the per-layer CPU measurements.")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS,
-                        help="Where to save the run [default: bench/results].")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="Where to save the run [default: bench/runs, git-ignored].")
+    parser.add_argument("--keep", action="store_true",
+                        help="Save the run in bench/results, the run the repository keeps.")
     parser.add_argument("--no-save", action="store_true", help="Print only.")
     args = parser.parse_args(argv)
+    if args.results_dir is None:
+        args.results_dir = RESULTS if args.keep else RUNS
+    elif args.keep:
+        parser.error("--keep saves in bench/results: give it or --results-dir, not both")
     # Killed (timeout, CI): unwind normally, so that every server started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"

@@ -16,13 +16,31 @@ The public API for tool authors::
 
 from __future__ import annotations
 
-from stargrpc.context import Step, SyncToolContext, ToolContext
-from stargrpc.errors import ToolDenied, ToolFailed
-from stargrpc.outcome import Outcome, ToolResult
-from stargrpc.principal import Principal
-from stargrpc.registry import tool
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stargrpc.context import Step, SyncToolContext, ToolContext
+    from stargrpc.errors import ToolDenied, ToolFailed
+    from stargrpc.outcome import Outcome, ToolResult
+    from stargrpc.principal import Principal
+    from stargrpc.registry import tool
 
 __version__ = "0.1.0"
+
+# Loaded on first use (PEP 562), so that importing a light part of the package, such as
+# ``stargrpc.client``, does not load the server (settings, registry, the run machinery).
+_LAZY: dict[str, str] = {
+    "Outcome": "stargrpc.outcome",
+    "Principal": "stargrpc.principal",
+    "Step": "stargrpc.context",
+    "SyncToolContext": "stargrpc.context",
+    "ToolContext": "stargrpc.context",
+    "ToolDenied": "stargrpc.errors",
+    "ToolFailed": "stargrpc.errors",
+    "ToolResult": "stargrpc.outcome",
+    "tool": "stargrpc.registry",
+}
 
 __all__ = [
     "Outcome",
@@ -36,3 +54,16 @@ __all__ = [
     "__version__",
     "tool",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stargrpc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

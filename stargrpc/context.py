@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -24,7 +24,7 @@ from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 
 if TYPE_CHECKING:
-    from stargrpc.run import Run
+    from stargrpc.registry import ToolSpec
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,57 @@ class WriteBack:
     rich_messages: list[RichMessageRecord] = field(default_factory=list)
 
 
+class RunHandle(Protocol):
+    """What a context and its steps need of their run (:class:`stargrpc.run.Run`).
+
+    A protocol rather than the class, so that the run builds on the context and not the
+    other way round.
+    """
+
+    run_id: str
+    spec: ToolSpec
+    principal: Principal
+    invocation: Mapping[str, Any]
+    settings: Settings
+    writeback: WriteBack
+    root_step: Step
+    audit_arguments: dict[str, Any] | None
+    audit_result: str | None
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether someone asked the run to stop."""
+        ...
+
+    def next_step_id(self) -> str:
+        """A step id unique within the run."""
+        ...
+
+    async def start_step(self, step: Step) -> None:
+        """Emits the START of ``step``."""
+        ...
+
+    async def end_step(self, step: Step, *, error: bool) -> None:
+        """Emits the END of ``step``."""
+        ...
+
+    async def emit_delta(self, step: Step, text: str, channel: str) -> None:
+        """Emits partial output of ``step``."""
+        ...
+
+    async def emit_heartbeat(self, message: str, progress: float | None) -> None:
+        """Emits a heartbeat."""
+        ...
+
+    async def next_steering(self) -> str:
+        """Waits for the next steering message."""
+        ...
+
+    def steering_pending(self) -> list[str]:
+        """The steering messages not read yet, taken off the queue."""
+        ...
+
+
 # The innermost open step of the running task, so nested steps find their parent.
 _current_step: ContextVar[Step | None] = ContextVar("stargrpc_current_step", default=None)
 
@@ -86,10 +137,10 @@ class Step:
     title: str
     summary: str
     detail: dict[str, Any] | None
-    _run: Run
+    _run: RunHandle
     _token: Any
 
-    def __init__(self, run: Run, step_id: str, parent_id: str, title: str, kind: str,
+    def __init__(self, run: RunHandle, step_id: str, parent_id: str, title: str, kind: str,
                  detail: Mapping[str, Any] | None = None) -> None:
         # Weak: the run holds its top-level step, and the tool's context variables its
         # open steps; a strong reference back would make each a cycle.
@@ -145,10 +196,10 @@ class ToolContext:
     principal: Principal
     invocation: Mapping[str, Any]
     settings: Settings
-    _run: Run
+    _run: RunHandle
     _logger: Any
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunHandle) -> None:
         self._run = run
         self.run_id = run.run_id
         self.tool_name = run.spec.name

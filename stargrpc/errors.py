@@ -43,6 +43,34 @@ from grpc_status import rpc_status
 from stargrpc.v1 import errors_pb2
 
 #: The ErrorInfo domain of every error this service reports.
+__all__ = [
+    "ERROR_DOMAIN",
+    "Aborted",
+    "AuthConfigError",
+    "CatalogStale",
+    "CredentialsRejected",
+    "CriticConfigError",
+    "FailedPrecondition",
+    "FieldViolation",
+    "IdempotencyKeyReused",
+    "InvalidArgument",
+    "KeysFileError",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "RequestError",
+    "ResourceExhausted",
+    "RunFinished",
+    "StargrpcError",
+    "ToolDefinitionError",
+    "ToolDenied",
+    "ToolFailed",
+    "ToolOutcomeError",
+    "Unauthenticated",
+    "Unavailable",
+    "WatcherTooSlow",
+]
+
 ERROR_DOMAIN = "stargrpc"
 
 

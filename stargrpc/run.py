@@ -192,11 +192,6 @@ class Run:
         """Whether someone asked the run to stop."""
         return self._stop is not None
 
-    @property
-    def stop_reason(self) -> StopRequest | None:
-        """Why the run was stopped, if it was."""
-        return self._stop
-
     def stop(self, outcome: Outcome, code: str, message: str) -> bool:
         """Asks the run to stop: the tool is cancelled and the run ends with ``outcome``.
 

@@ -420,10 +420,6 @@ class Runtime:
         run.steer(message, source=source)
         return True
 
-    def get(self, run_id: str) -> Run | None:
-        """A run in flight in this process."""
-        return self.runs.get(run_id)
-
     async def drain(self, grace: float) -> None:
         """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
         what is left (each still ends with its Result)."""

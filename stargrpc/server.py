@@ -34,7 +34,7 @@ from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
-from stargrpc.stores import make_store
+from stargrpc.stores.factory import make_store
 from stargrpc.tracing import TracingRunInterceptor
 
 log = structlog.get_logger("stargrpc.server")

@@ -131,3 +131,6 @@ def run_tool_sync(tool: Callable[..., Any] | ToolSpec,
                   **options: Any) -> RecordedRun:
     """:func:`run_tool` for synchronous tests."""
     return asyncio.run(run_tool(tool, arguments, **options))
+
+
+__all__ = ["TEST_PRINCIPAL", "RecordedRun", "run_tool", "run_tool_sync"]

@@ -51,3 +51,24 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
     assert "| floor cost | floor share |" in done.stdout
     assert "| Call latency p50" in done.stdout
     assert (tmp_path / saved.name.replace(".json", ".md")).exists()
+
+
+def test_new_runs_go_to_an_ignored_folder_unless_kept() -> None:
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "bench/runs/20990101T000000Z-full.json"],
+        cwd=ROOT, timeout=30, check=False)
+    assert ignored.returncode == 0
+    kept = subprocess.run(
+        ["git", "check-ignore", "-q", "bench/results/20990101T000000Z-full.json"],
+        cwd=ROOT, timeout=30, check=False)
+    assert kept.returncode == 1
+    assert len(list((ROOT / "bench" / "results").glob("*-full.json"))) == 1
+
+
+def test_keep_and_a_results_dir_together_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--keep", "--results-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--keep" in done.stderr
+    assert not any(tmp_path.iterdir())

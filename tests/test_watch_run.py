@@ -162,7 +162,7 @@ async def test_a_slow_watcher_is_ended_with_where_to_resume_and_never_slows_the_
         slow = watch(stub, run_id)
         got = [(await slow.read()).event]  # caught up with the live run: now stop reading
         gate.touch()
-        run = server.runtime.get(run_id)
+        run = server.runtime.runs.get(run_id)
         assert run is not None
         # The run sends everything while the watcher reads nothing: it is not slowed down.
         async with contextlib.aclosing(run.log.follow()) as events:

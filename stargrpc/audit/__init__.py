@@ -6,6 +6,7 @@
 - :mod:`~stargrpc.audit.chain` — the hash chain, its verification and its anchors;
 - :mod:`~stargrpc.audit.store` — the store protocol and :func:`open_store` (SQLite by
   default, PostgreSQL for a fleet);
+- :mod:`~stargrpc.audit.sql` — the table and queries the two stores share;
 - :mod:`~stargrpc.audit.writer` — the writer: group commit, retries, the bounded wait.
 
 The interceptor that produces the records is :mod:`stargrpc.interceptors.audit`; the

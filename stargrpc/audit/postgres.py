@@ -22,7 +22,7 @@ import asyncpg
 from stargrpc.audit.chain import seal
 from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
-from stargrpc.audit.store import (
+from stargrpc.audit.sql import (
     ADDED_COLUMNS,
     TABLE,
     Query,

@@ -43,7 +43,7 @@ import structlog
 from stargrpc.audit.chain import seal
 from stargrpc.audit.key import ChainKey, make_private_folders
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
-from stargrpc.audit.store import (
+from stargrpc.audit.sql import (
     ADDED_COLUMNS,
     TABLE,
     Query,

@@ -25,9 +25,12 @@ with WatchRun from the last event seen — see :mod:`stargrpc.client.aio`.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from stargrpc.client.aio import AsyncClient
 from stargrpc.client.channel import open_channel
-from stargrpc.client.errors import CallError, ClientError, ResumeError, ToolRunError, Violation
+from stargrpc.client.errors import CallError, ClientError, ResumeError, Violation
 from stargrpc.client.events import (
     Catalog,
     Event,
@@ -43,18 +46,31 @@ from stargrpc.client.events import (
     StepEnded,
     StepStarted,
     ToolInfo,
+    ToolRunError,
     event_from_proto,
-)
-from stargrpc.client.registry import (
-    FALLBACK_METHOD,
-    IN_PROCESS_METHOD,
-    CollectedWriteBack,
-    RemoteToolRegistry,
-    WriteBackTarget,
 )
 from stargrpc.client.retry import NO_RETRY, RetryPolicy
 from stargrpc.client.sync import Client
 from stargrpc.outcome import Outcome
+
+if TYPE_CHECKING:
+    from stargrpc.client.registry import (
+        FALLBACK_METHOD,
+        IN_PROCESS_METHOD,
+        CollectedWriteBack,
+        RemoteToolRegistry,
+        WriteBackTarget,
+    )
+
+# The remote tool registry runs tools inside a server's pipeline, so it needs the server's
+# modules: it loads on first use (PEP 562) and a plain client never pays for it.
+_LAZY = frozenset({
+    "FALLBACK_METHOD",
+    "IN_PROCESS_METHOD",
+    "CollectedWriteBack",
+    "RemoteToolRegistry",
+    "WriteBackTarget",
+})
 
 __all__ = [
     "FALLBACK_METHOD",
@@ -89,3 +105,15 @@ __all__ = [
     "event_from_proto",
     "open_channel",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'stargrpc.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module("stargrpc.client.registry"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -5,7 +5,8 @@ Hierarchy::
     ClientError
     ├── CallError       the server refused the call (a gRPC status with its rich details)
     ├── ResumeError     a broken stream could not be resumed without a gap
-    └── ToolRunError    Result.raise_for_outcome() on an outcome other than OK
+    └── ToolRunError    Result.raise_for_outcome() on an outcome other than OK (defined
+                        beside Result in :mod:`stargrpc.client.events`)
 
 A run that ends badly is *not* an exception: it is a Result with an outcome. Only
 ``raise_for_outcome()`` turns it into one, on request.
@@ -14,14 +15,10 @@ A run that ends badly is *not* an exception: it is a Result with an outcome. Onl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
-if TYPE_CHECKING:
-    from stargrpc.client.events import Result
 
 
 class ClientError(Exception):
@@ -110,12 +107,3 @@ class ResumeError(ClientError):
         super().__init__(message)
         self.run_id = run_id
         self.last_seq = last_seq
-
-
-class ToolRunError(ClientError):
-    """Raised by :meth:`Result.raise_for_outcome` for an outcome other than OK."""
-
-    def __init__(self, result: Result) -> None:
-        detail = result.error_message or result.output
-        super().__init__(f"{result.outcome.name}: {result.error_code or ''} {detail}".strip())
-        self.result = result

@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from stargrpc.client.errors import ClientError
 from stargrpc.outcome import Outcome
 from stargrpc.v1 import catalog_pb2, events_pb2
 
@@ -211,10 +212,17 @@ class Result(Event):
             ToolRunError: The outcome is anything but OK.
         """
         if not self.ok:
-            from stargrpc.client.errors import ToolRunError
-
             raise ToolRunError(self)
         return self
+
+
+class ToolRunError(ClientError):
+    """Raised by :meth:`Result.raise_for_outcome` for an outcome other than OK."""
+
+    def __init__(self, result: Result) -> None:
+        detail = result.error_message or result.output
+        super().__init__(f"{result.outcome.name}: {result.error_code or ''} {detail}".strip())
+        self.result = result
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -213,11 +213,6 @@ class Gateway:
         """Opens the gRPC channel."""
         await self.client.start()
 
-    @property
-    def open_streams(self) -> int:
-        """Event streams being served right now."""
-        return self._open_streams
-
     async def streams_closed(self) -> None:
         """Returns once no event stream is open."""
         await self._no_open_streams.wait()

@@ -2,23 +2,9 @@
 
 :class:`~stargrpc.runlog.MemoryRunStore` is the embedded default (one process);
 :class:`~stargrpc.stores.redis.RedisRunStore` is shared by a fleet of replicas. One setting
-picks between them: ``redis_url`` (``serve --redis-url`` / ``STARGRPC_REDIS_URL``).
+picks between them: ``redis_url`` (``serve --redis-url`` / ``STARGRPC_REDIS_URL``), read by
+:func:`stargrpc.stores.factory.make_store`.
+
+The package itself imports nothing, so that validating a Redis URL (the settings use
+:mod:`stargrpc.stores.connect`) does not load the run machinery.
 """
-
-from __future__ import annotations
-
-from stargrpc.runlog import MemoryRunStore, RunStore
-from stargrpc.settings import Settings
-
-
-def make_store(settings: Settings) -> RunStore:
-    """The run store ``settings`` describe: Redis when ``redis_url`` is set, else memory."""
-    if settings.redis_url:
-        from stargrpc.stores.redis import RedisRunStore  # only a fleet needs the client
-
-        return RedisRunStore.from_settings(settings)
-    return MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs,
-                          settings.max_finished_run_bytes)
-
-
-__all__ = ["make_store"]

@@ -1,0 +1,18 @@
+"""Which run store a server uses, from its settings."""
+
+from __future__ import annotations
+
+from stargrpc.runlog import MemoryRunStore, RunStore
+from stargrpc.settings import Settings
+
+
+def make_store(settings: Settings) -> RunStore:
+    """The run store ``settings`` describe: Redis when ``redis_url`` is set, else memory."""
+    if settings.redis_url:
+        from stargrpc.stores.redis import RedisRunStore  # only a fleet needs the client
+
+        return RedisRunStore.from_settings(settings)
+    return MemoryRunStore(settings.run_retention_seconds, settings.max_finished_runs,
+                          settings.max_finished_run_bytes)
+
+
