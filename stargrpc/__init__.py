@@ -16,7 +16,7 @@ The public API for tool authors::
 
 from __future__ import annotations
 
-from stargrpc.context import Step, SyncToolContext, ToolContext
+from stargrpc.context import Step, SyncStep, SyncToolContext, ToolContext
 from stargrpc.errors import ToolDenied, ToolFailed
 from stargrpc.outcome import Outcome, ToolResult
 from stargrpc.principal import Principal
@@ -28,6 +28,7 @@ __all__ = [
     "Outcome",
     "Principal",
     "Step",
+    "SyncStep",
     "SyncToolContext",
     "ToolContext",
     "ToolDenied",
