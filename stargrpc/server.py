@@ -23,6 +23,7 @@ from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.limits import ConcurrencyLimits
+from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
 from stargrpc.permissions import RolePolicy
@@ -115,6 +116,9 @@ class StargrpcServer:
     def __init__(self, settings: Settings, *, registry: Registry | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None) -> None:
         self.settings = settings
+        # An embedded server honours log_level and log_format as the command does, unless
+        # the program embedding it configured logging itself.
+        configure_embedded_logging(settings.log_level, settings.log_format)
         # The local tools; the MCP servers of mcp_servers add theirs as they come and go.
         self._local = registry if registry is not None else load_tools(settings)
         self.upstreams = Upstreams(settings, self._upstream_changed)
