@@ -27,5 +27,5 @@ async def test_a_tool_module_loads_by_path_as_the_server_loads_it() -> None:
 def test_a_broken_tool_module_names_its_file(tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\n")
-    with pytest.raises(ToolDefinitionError, match="broken.py"):
+    with pytest.raises(ToolDefinitionError, match=r"broken\.py"):
         load_tool_module(broken)

@@ -25,7 +25,7 @@ def _examples() -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "readme_write_a_tool",
                                  "__file__": str(ROOT / "tests" / "test_readme_tools.py")}
     for block in _section_blocks():
-        exec(compile(block, "README.md (Write a tool)", "exec"), namespace)  # noqa: S102
+        exec(compile(block, "README.md (Write a tool)", "exec"), namespace)
     return namespace
 
 
