@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stargrpc.context import Step, SyncToolContext, ToolContext
+    from stargrpc.context import Step, SyncStep, SyncToolContext, ToolContext
     from stargrpc.errors import ToolDenied, ToolFailed
     from stargrpc.outcome import Outcome, ToolResult
     from stargrpc.principal import Principal
@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "Outcome": "stargrpc.outcome",
     "Principal": "stargrpc.principal",
     "Step": "stargrpc.context",
+    "SyncStep": "stargrpc.context",
     "SyncToolContext": "stargrpc.context",
     "ToolContext": "stargrpc.context",
     "ToolDenied": "stargrpc.errors",
@@ -46,6 +47,7 @@ __all__ = [
     "Outcome",
     "Principal",
     "Step",
+    "SyncStep",
     "SyncToolContext",
     "ToolContext",
     "ToolDenied",

@@ -302,16 +302,68 @@ class ToolContext:
         return self._run.steering_pending()
 
 
+class SyncStep:
+    """An open step of a plain ``def`` tool: ``with ctx.step("Title") as step:``, ending
+    COMPLETE when the block ends normally and ERROR when it raises."""
+
+    _ctx: SyncToolContext
+    _step: Step
+
+    def __init__(self, ctx: SyncToolContext, step: Step) -> None:
+        self._ctx = ctx
+        self._step = step
+
+    @property
+    def id(self) -> str:
+        """The step's id."""
+        return self._step.id
+
+    @property
+    def title(self) -> str:
+        """The step's title."""
+        return self._step.title
+
+    @property
+    def summary(self) -> str:
+        """A one-line summary, sent when the step ends."""
+        return self._step.summary
+
+    @summary.setter
+    def summary(self, value: str) -> None:
+        self._step.summary = value
+
+    def delta(self, text: str, *, channel: str = "") -> None:
+        """Streams partial output of this step (see :meth:`Step.delta`)."""
+        self._ctx._call(lambda: self._step.delta(text, channel=channel))
+
+    def __enter__(self) -> SyncStep:
+        # The run's events, not Step.__aenter__: the open-step context variable of the
+        # loop would not follow this thread, so the sync context keeps its own stack.
+        self._ctx._call(lambda: self._step._run.start_step(self._step))
+        self._ctx._open.append(self)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._ctx._open and self._ctx._open[-1] is self:
+            self._ctx._open.pop()
+        self._ctx._call(lambda: self._step._run.end_step(self._step,
+                                                         error=exc_type is not None))
+
+
 class SyncToolContext:
-    """The context of a plain ``def`` tool, which runs in a worker thread: the same methods,
-    blocking until the event loop has recorded each event."""
+    """The context of a plain ``def`` tool, which runs in a worker thread: the same methods
+    as :class:`ToolContext` (``step()`` is a plain ``with`` block), blocking until the
+    event loop has recorded each event."""
 
     _ctx: ToolContext
     _loop: asyncio.AbstractEventLoop
+    _open: list[SyncStep]
 
     def __init__(self, ctx: ToolContext, loop: asyncio.AbstractEventLoop) -> None:
         self._ctx = ctx
         self._loop = loop
+        self._open = []
         self.run_id = ctx.run_id
         self.tool_name = ctx.tool_name
         self.principal = ctx.principal
@@ -329,9 +381,23 @@ class SyncToolContext:
 
         asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
+    def step(self, title: str, *, kind: str | None = None, parent: SyncStep | None = None,
+             detail: Mapping[str, Any] | None = None) -> SyncStep:
+        """A new step, nested under ``parent`` or the innermost open step; use it as
+        ``with ctx.step("Title") as step:`` (see :meth:`ToolContext.step`)."""
+        if parent is None and self._open:
+            parent = self._open[-1]
+        step = self._ctx.step(title, kind=kind, detail=detail,
+                              parent=parent._step if parent is not None
+                              else self._ctx._run.root_step)
+        return SyncStep(self, step)
+
     def delta(self, text: str, *, channel: str = "") -> None:
-        """Streams partial output on the top-level step."""
-        self._call(lambda: self._ctx.delta(text, channel=channel))
+        """Streams partial output on the innermost open step (or the top-level step)."""
+        if not text:
+            return
+        step = self._open[-1]._step if self._open else self._ctx._run.root_step
+        self._call(lambda: step.delta(text, channel=channel))
 
     def heartbeat(self, message: str = "", *, progress: float | None = None) -> None:
         """Says the tool is alive."""
@@ -348,6 +414,11 @@ class SyncToolContext:
     def send_rich_message(self, kind: str, payload: Mapping[str, Any]) -> None:
         """See :meth:`ToolContext.send_rich_message`."""
         self._ctx.send_rich_message(kind, payload)
+
+    def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
+                   result: str | None = None) -> None:
+        """See :meth:`ToolContext.audit_view`."""
+        self._ctx.audit_view(arguments=arguments, result=result)
 
     @property
     def cancelled(self) -> bool:

@@ -55,3 +55,28 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.WARNING))
+
+
+# The processors of the configuration an embedded server made, to tell it from one the
+# embedding program made (or a test's capture_logs swapped in), which a server leaves alone.
+_server_made: tuple[list[Any], tuple[Any, ...]] | None = None
+
+
+def configure_embedded_logging(level: str, fmt: str) -> bool:
+    """Configures logging for an embedded server from its settings, unless the embedding
+    program configured structlog itself (a later server replaces an earlier server's
+    configuration, so its ``log_level`` holds too).
+
+    Returns:
+        Whether logging was configured.
+    """
+    global _server_made
+    if structlog.is_configured():
+        current = structlog.get_config()["processors"]
+        if _server_made is None or current is not _server_made[0] \
+                or tuple(current) != _server_made[1]:
+            return False
+    configure_logging(level, fmt)
+    processors = structlog.get_config()["processors"]
+    _server_made = (processors, tuple(processors))
+    return True

@@ -304,14 +304,33 @@ def load_directory(directory: Path) -> list[ToolSpec]:
     """
     if not directory.is_dir():
         raise ToolDefinitionError(f"tools directory {directory} does not exist")
-    digest = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:12]
     specs: list[ToolSpec] = []
     for path in sorted(directory.glob("*.py")):
         if path.name.startswith("_"):
             continue
-        module_name = f"stargrpc_tools_{digest}.{path.stem}"
-        specs.extend(specs_in_module(_import_file(module_name, path)))
+        specs.extend(specs_in_module(_import_file(tool_module_name(path), path)))
     return specs
+
+
+def tool_module_name(path: Path) -> str:
+    """The name a tool module of a tools directory is imported under: unique to the
+    directory, so two directories may each have a ``count.py``."""
+    digest = hashlib.sha256(str(path.resolve().parent).encode()).hexdigest()[:12]
+    return f"stargrpc_tools_{digest}.{path.stem}"
+
+
+def import_tool_module(path: Path) -> ModuleType:
+    """Imports one tool module by its path, under :func:`tool_module_name` (once: a module
+    already imported from that file is returned as it is).
+
+    Raises:
+        ToolDefinitionError: It fails to import; the message names the file.
+    """
+    name = tool_module_name(path)
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path.resolve()):
+        return loaded
+    return _import_file(name, path.resolve())
 
 
 def _import_file(module_name: str, path: Path) -> ModuleType:

@@ -25,11 +25,13 @@ from stargrpc.http_serving import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.limits import ConcurrencyLimits
+from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
 from stargrpc.permissions import RolePolicy
 from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
+from stargrpc.runlog import RunStore
 from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
@@ -65,6 +67,32 @@ def load_tools(settings: Settings) -> Registry:
                          entry_points=settings.entry_point_tools)
 
 
+def build_runtime(settings: Settings, registry: Registry, *,
+                  store: RunStore | None = None) -> Runtime:
+    """The runtime a server with ``settings`` runs its tools in: its permission policy,
+    argument and concurrency limits and run pipeline (supervision always, tracing when on).
+    :func:`stargrpc.testing.run_tool` builds its runtime here too, so a test sees what a
+    server would do.
+
+    Raises:
+        CriticConfigError: The server's critic or a tool's cannot be loaded.
+    """
+    return Runtime(
+        registry,
+        store=store,
+        limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
+        policy=RolePolicy.from_settings(settings),
+        settings=settings,
+        concurrency=ConcurrencyLimits(
+            settings.max_concurrent_runs, settings.max_concurrent_runs_per_principal,
+            settings.max_concurrent_runs_per_tool,
+            retry_after=settings.limit_retry_after_seconds),
+        # The run's span and its steps' (see stargrpc.tracing). Supervision needs no
+        # mention: the runtime puts every run under its critic.
+        interceptors=[TracingRunInterceptor()] if settings.tracing else (),
+    )
+
+
 class StargrpcServer:
     """One stargrpc server process.
 
@@ -90,23 +118,14 @@ class StargrpcServer:
     def __init__(self, settings: Settings, *, registry: Registry | None = None,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None) -> None:
         self.settings = settings
+        # An embedded server honours log_level and log_format as the command does, unless
+        # the program embedding it configured logging itself.
+        configure_embedded_logging(settings.log_level, settings.log_format)
         # The local tools; the MCP servers of mcp_servers add theirs as they come and go.
         self._local = registry if registry is not None else load_tools(settings)
         self.upstreams = Upstreams(settings, self._upstream_changed)
-        self.runtime = Runtime(
-            self.upstreams.catalog(self._local),
-            store=make_store(settings),
-            limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
-            policy=RolePolicy.from_settings(settings),
-            settings=settings,
-            concurrency=ConcurrencyLimits(
-                settings.max_concurrent_runs, settings.max_concurrent_runs_per_principal,
-                settings.max_concurrent_runs_per_tool,
-                retry_after=settings.limit_retry_after_seconds),
-            # The run's span and its steps' (see stargrpc.tracing). Supervision needs no
-            # mention: the runtime puts every run under its critic.
-            interceptors=[TracingRunInterceptor()] if settings.tracing else (),
-        )
+        self.runtime = build_runtime(settings, self.upstreams.catalog(self._local),
+                                     store=make_store(settings))
         # The HTTP gateway and the metrics endpoint, each when its port is set.
         self.http = HttpEndpoints(settings)
         self.mcp = None  # the MCP endpoint, when mcp_port is set (started with the server)

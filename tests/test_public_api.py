@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "stargrpc"
 
 PUBLIC: dict[str, set[str]] = {
     "stargrpc": {
-        "Outcome", "Principal", "Step", "SyncToolContext", "ToolContext", "ToolDenied",
+        "Outcome", "Principal", "Step", "SyncStep", "SyncToolContext", "ToolContext", "ToolDenied",
         "ToolFailed", "ToolResult", "__version__", "tool",
     },
     "stargrpc.client": {
@@ -32,7 +32,9 @@ PUBLIC: dict[str, set[str]] = {
         "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Violation",
         "WriteBackTarget", "event_from_proto", "open_channel",
     },
-    "stargrpc.testing": {"TEST_PRINCIPAL", "RecordedRun", "run_tool", "run_tool_sync"},
+    "stargrpc.testing": {"TEST_PRINCIPAL", "RecordedRun", "ServedTools", "StepNode",
+                         "load_tool_module", "record", "run_tool", "run_tool_sync", "serve",
+                         "serve_tools"},
     "stargrpc.errors": {
         "ERROR_DOMAIN", "Aborted", "AuthConfigError", "CatalogStale", "CredentialsRejected",
         "CriticConfigError", "FailedPrecondition", "FieldViolation", "IdempotencyKeyReused",

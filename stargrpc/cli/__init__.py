@@ -12,6 +12,7 @@ from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb
 from stargrpc.cli.keys import keys
 from stargrpc.cli.mcp import mcp_stdio
+from stargrpc.cli.new_tool import new_tool
 from stargrpc.cli.runs import runs
 from stargrpc.cli.serve import serve
 
@@ -40,5 +41,6 @@ main.add_command(health)
 main.add_command(keys)
 main.add_command(kb)
 main.add_command(mcp_stdio)
+main.add_command(new_tool)
 
 __all__ = ["main"]

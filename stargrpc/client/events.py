@@ -127,11 +127,13 @@ class Notice(Event):
     Attributes:
         level: ``"INFO"`` or ``"WARNING"``.
         code: A stable code such as ``"CRITIC_NO_PROGRESS"``.
+        source: Who caused it, when someone did (for ``STEERED``: who steered).
     """
 
     level: str
     code: str
     message: str
+    source: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,7 +352,7 @@ def event_from_proto(event: events_pb2.RunEvent) -> Event:
         notice = event.notice
         return Notice(**common,
                       level=events_pb2.NoticeLevel.Name(notice.level).removeprefix("NOTICE_LEVEL_"),
-                      code=notice.code, message=notice.message)
+                      code=notice.code, message=notice.message, source=notice.source)
     elif kind == "file_chunk":
         chunk = event.file_chunk
         return FileChunk(**common, file_id=chunk.file_id, offset=chunk.offset, data=chunk.data,

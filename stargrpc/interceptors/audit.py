@@ -31,6 +31,7 @@ from stargrpc.audit.key import default_key_path, load_or_create_key
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
 from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and_cut
 from stargrpc.audit.store import AuditStore, default_store_url, open_store
+from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
 from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
@@ -79,12 +80,15 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     Attributes:
         writer: The batched writer records go to.
+        view: How a run's arguments and result become the record's (shared with
+            :func:`stargrpc.testing.run_tool`).
         limits: How much of arguments and results a record keeps.
         max_result_chars: Longest result text kept.
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
     """
 
     writer: AuditWriter
+    view: AuditLimits
     limits: RedactionLimits
     max_result_chars: int
     commit_timeout: float
@@ -100,9 +104,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)
-        self.limits = RedactionLimits(max_value_chars=settings.audit_max_value_chars,
-                                      max_total_chars=settings.audit_max_arguments_chars)
-        self.max_result_chars = settings.audit_max_result_chars
+        self.view = AuditLimits.from_settings(settings)
+        self.limits = self.view.values
+        self.max_result_chars = self.view.max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
         self._wrapped = WrappedHandlers()
         self._open_calls = 0
@@ -303,7 +307,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             auth_method=principal.method if principal else "",
             tool=record.tool,
             run_id=record.run_id,
-            arguments=redacted_json(arguments, self.limits) if arguments is not None else "",
+            arguments=self.view.arguments_text(arguments),
             result=self._result_text(call, run.audit_result if run is not None else None),
             invocation=redacted_json(call.invocation, self.limits) if call.invocation else "",
             outcome=record.outcome,
@@ -314,21 +318,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         )
 
     def _result_text(self, call: _Call, substitute: str | None) -> str:
-        # Text is scrubbed of the secrets written inside it (a DSN's password, a token in
-        # a URL), whoever chose it: a tool's own audit view may quote what it was given.
-        if substitute is not None:  # the tool chose what the audit shows
-            return scrub_and_cut(substitute, self.max_result_chars)
-        if call.record.result_view is not None:
-            return scrub_and_cut(call.record.result_view, self.max_result_chars)
-        result = call.result
-        if result is None:
-            return ""
-        if result.HasField("structured_output"):
-            structured = json_format.MessageToDict(result.structured_output)
-            limits = RedactionLimits(self.limits.max_value_chars, self.limits.max_items,
-                                     self.limits.max_depth, self.max_result_chars)
-            return redacted_json(structured, limits)
-        return scrub_and_cut(result.output, self.max_result_chars)
+        if substitute is None:  # the tool chose nothing: what the call chose, if anything
+            substitute = call.record.result_view
+        return self.view.result_text(call.result, substitute)
 
     def _log(self, record: AuditRecord) -> None:
         fields: dict[str, Any] = {
