@@ -45,7 +45,9 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        # One write per line (the line and its newline together), so that processes sharing
+        # the stream (--workers) never interleave within a line.
+        logger_factory=structlog.WriteLoggerFactory(out),
         cache_logger_on_first_use=cache,
     )
     # grpc and other libraries log through the standard library: give them the same sink.
