@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, json_format
@@ -113,6 +113,9 @@ class SteerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     message: str
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class _BadRequest(Exception):
@@ -378,34 +381,39 @@ class Gateway:
         return self._stream(source)
 
     async def cancel(self, request: Request) -> Response:
-        """``POST /v1/runs/{run_id}:cancel``."""
-        try:
-            body = CancelBody.model_validate(await self._json_body(request))
-        except _BadRequest as bad:
-            return bad.response()
-        except ValidationError as exc:
-            return _validation_response(exc)
-        try:
+        """``POST /v1/runs/{run_id}:cancel``: CancelRun; 200 ``{"cancelled": …}``."""
+
+        async def send(body: CancelBody) -> dict[str, Any]:
             cancelled = await self.client.cancel(request.path_params["run_id"], body.reason,
                                                  call_metadata(request))
-        except grpc.aio.AioRpcError as error:
-            return rpc_error_response(error)
-        return JSONResponse({"cancelled": cancelled})
+            return {"cancelled": cancelled}
+
+        return await self._run_command(request, CancelBody, send)
 
     async def steer(self, request: Request) -> Response:
         """``POST /v1/runs/{run_id}:steer``: SteerRun; 200 ``{"run_id": …}``."""
+
+        async def send(body: SteerBody) -> dict[str, Any]:
+            run_id = await self.client.steer(request.path_params["run_id"], body.message,
+                                             call_metadata(request))
+            return {"run_id": run_id}
+
+        return await self._run_command(request, SteerBody, send)
+
+    async def _run_command(self, request: Request, body_type: type[_Body],
+                           send: Callable[[_Body], Awaitable[dict[str, Any]]]) -> Response:
+        """A ``POST /v1/runs/{run_id}:…`` command: the JSON body checked as ``body_type``,
+        then the unary call ``send`` makes; its refusal is the HTTP form of its status."""
         try:
-            body = SteerBody.model_validate(await self._json_body(request))
+            body = body_type.model_validate(await self._json_body(request))
         except _BadRequest as bad:
             return bad.response()
         except ValidationError as exc:
             return _validation_response(exc)
         try:
-            run_id = await self.client.steer(request.path_params["run_id"], body.message,
-                                             call_metadata(request))
+            return JSONResponse(await send(body))
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
-        return JSONResponse({"run_id": run_id})
 
     # -- request decoding ------------------------------------------------------------------
 
