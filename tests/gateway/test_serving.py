@@ -4,10 +4,12 @@ stops the process cleanly."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import httpx
 
+from stargrpc.http_serving import AsgiServer
 from tests.procs import ServerProcess, serve
 
 
@@ -32,3 +34,26 @@ def test_serve_starts_the_gateway_and_the_metrics_endpoint(tmp_path: Path) -> No
     assert ran.json()["result"]["output"] == "from the CLI"
     assert 'tool_executor_tasks_total{outcome="ok",tool="echo"} 1.0' in scraped.text
     assert status == 0
+
+
+async def test_http_connections_send_without_waiting_for_acks(tmp_path: Path) -> None:
+    # Nagle's algorithm off on every accepted connection: with it on, each response after
+    # the first on a kept-alive connection waited for the client's delayed ACK (~40 ms).
+    async def app(scope, receive, send) -> None:  # a minimal ASGI app
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = AsgiServer("test", app, "127.0.0.1", 0)
+    port = await server.start()
+    try:
+        async with httpx.AsyncClient() as client:
+            for _ in range(2):  # the same kept-alive connection
+                assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+            assert server._server is not None
+            accepted = [protocol.transport.get_extra_info("socket")
+                        for protocol in server._server.server_state.connections]
+            assert accepted
+            assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                       for sock in accepted)
+    finally:
+        await server.stop()
