@@ -61,7 +61,6 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 STOP_GRACE_SECONDS = 2.0
 
 #: The code of the notice that records a message sent to the running tool.
-STEERED = "STEERED"
 
 #: A run lets the event loop serve others after this many events of its own.
 YIELD_EVERY_EVENTS = 16

@@ -30,12 +30,13 @@ from stargrpc.client.channel import bearer_metadata, open_channel
 from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
 from stargrpc.client.retry import RESUMABLE, RetryPolicy
+from stargrpc.errors import reason_name
 from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 T = TypeVar("T")
 
-_CATALOG_STALE = errors_pb2.ErrorReason.Name(errors_pb2.CATALOG_STALE)
-_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
+_CATALOG_STALE = reason_name(errors_pb2.CATALOG_STALE)
+_RUN_FINISHED = reason_name(errors_pb2.RUN_FINISHED)
 
 Metadata = Sequence[tuple[str, str]]
 

@@ -17,9 +17,10 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from starlette.responses import JSONResponse
 
+from stargrpc.errors import reason_name
 from stargrpc.v1 import errors_pb2
 
-_RUN_FINISHED = errors_pb2.ErrorReason.Name(errors_pb2.RUN_FINISHED)
+_RUN_FINISHED = reason_name(errors_pb2.RUN_FINISHED)
 
 #: HTTP status per gRPC code (the mapping of google.rpc.Code).
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
