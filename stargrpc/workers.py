@@ -42,7 +42,7 @@ from typing import Any
 
 import structlog
 
-from stargrpc.audit.key import default_key_path, load_or_create_key
+from stargrpc.audit.key import audit_key_path, load_or_create_key
 from stargrpc.metrics import MULTIPROC_DIR_VARIABLE
 from stargrpc.secret_env import HANDOVER_VARIABLE, secret_variables
 from stargrpc.settings import Settings
@@ -150,7 +150,7 @@ class WorkerSupervisor:
     def _prepare(self) -> None:
         s = self.settings
         # Made here, so workers starting together read one key instead of racing to make it.
-        load_or_create_key(s.audit_hmac_key_file or default_key_path(s.state_dir))
+        load_or_create_key(audit_key_path(s))
         self._overrides["port"] = self._reserve(s.host, s.port)
         for name, host in (("http_port", s.http_host), ("metrics_port", s.metrics_host),
                            ("mcp_port", s.mcp_host)):

@@ -23,6 +23,10 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stargrpc.settings import Settings
 
 #: The shortest secret accepted, in bytes.
 MIN_KEY_BYTES = 32
@@ -69,6 +73,11 @@ def make_private_folders(folder: Path) -> None:
 def default_key_path(state_dir: Path) -> Path:
     """The key file used when ``audit_hmac_key_file`` is not set."""
     return state_dir / "audit-hmac.key"
+
+
+def audit_key_path(settings: Settings) -> Path:
+    """The server's audit key file: ``audit_hmac_key_file``, else the default one."""
+    return settings.audit_hmac_key_file or default_key_path(settings.state_dir)
 
 
 def load_key(path: Path) -> ChainKey:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.sql import TABLE, Query, sqlite_path
+
+if TYPE_CHECKING:
+    from stargrpc.settings import Settings
 
 # Where callers have long found them; the SQL both stores share is in stargrpc.audit.sql.
 __all__ = ["TABLE", "AuditStore", "Query", "default_store_url", "open_store", "sqlite_path"]
@@ -54,6 +57,11 @@ class AuditStore(Protocol):
 def default_store_url(state_dir: Path) -> str:
     """The store used when none is configured: SQLite under the state directory."""
     return f"sqlite:///{(state_dir / 'audit.db').as_posix()}"
+
+
+def audit_store_url(settings: Settings) -> str:
+    """The server's audit store: ``audit_store``, else the default one."""
+    return settings.audit_store or default_store_url(settings.state_dir)
 
 
 def open_store(url: str, key: ChainKey | None = None) -> AuditStore:

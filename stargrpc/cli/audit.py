@@ -26,7 +26,7 @@ from stargrpc.audit.chain import Anchor, VerifyReport
 from stargrpc.audit.chain import verify as verify_chain
 from stargrpc.audit.key import AuditKeyError, ChainKey, default_key_path, load_key
 from stargrpc.audit.record import OUTCOMES, AuditRecord, format_time
-from stargrpc.audit.store import AuditStore, Query, default_store_url, open_store, sqlite_path
+from stargrpc.audit.store import AuditStore, Query, audit_store_url, open_store, sqlite_path
 from stargrpc.settings import Settings, mask_url
 
 #: Exit status of ``audit verify`` when the chain is broken.
@@ -60,7 +60,7 @@ def _resolve_url(store_url: str | None, config_file: Path | None) -> str:
     if store_url:
         return store_url
     settings = _settings(config_file)
-    return settings.audit_store or default_store_url(settings.state_dir)
+    return audit_store_url(settings)
 
 
 def _keys(key_files: tuple[Path, ...], config_file: Path | None,

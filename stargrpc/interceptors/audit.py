@@ -27,10 +27,10 @@ import grpc
 import structlog
 from google.protobuf import json_format
 
-from stargrpc.audit.key import default_key_path, load_or_create_key
+from stargrpc.audit.key import audit_key_path, load_or_create_key
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
 from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and_cut
-from stargrpc.audit.store import AuditStore, default_store_url, open_store
+from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
@@ -97,10 +97,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
-            key = load_or_create_key(settings.audit_hmac_key_file
-                                     or default_key_path(settings.state_dir))
-            store = open_store(settings.audit_store or default_store_url(settings.state_dir),
-                               key)
+            key = load_or_create_key(audit_key_path(settings))
+            store = open_store(audit_store_url(settings), key)
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)

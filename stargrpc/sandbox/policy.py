@@ -26,8 +26,8 @@ from pathlib import Path
 
 import structlog
 
-from stargrpc.audit.key import default_key_path
-from stargrpc.audit.store import default_store_url, sqlite_path
+from stargrpc.audit.key import audit_key_path
+from stargrpc.audit.store import audit_store_url, sqlite_path
 from stargrpc.auth.authenticator import keys_path
 from stargrpc.sandbox.isolation import (
     _SYSTEM_PATHS,
@@ -92,12 +92,11 @@ def secret_files(settings: Settings) -> list[tuple[str, Path, str]]:
     found = [("state folder", settings.state_dir,
               "chmod 700 the state folder (and run sandboxed commands as another user)"),
              ("keys file", keys_path(settings), keep_private)]
-    audit_url = settings.audit_store or default_store_url(settings.state_dir)
+    audit_url = audit_store_url(settings)
     if audit_url.startswith("sqlite:"):
         with contextlib.suppress(ValueError):
             found.append(("audit database", sqlite_path(audit_url), keep_private))
-    found.append(("audit key file", settings.audit_hmac_key_file
-                  or default_key_path(settings.state_dir), keep_private))
+    found.append(("audit key file", audit_key_path(settings), keep_private))
     if settings.tls_key_file is not None:
         found.append(("TLS private key", settings.tls_key_file, keep_private))
     if settings.jwt_secret_file is not None:
