@@ -16,6 +16,7 @@ Kubernetes pod spec) or from a process allowed to read the server's memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -33,8 +34,7 @@ _PREFIX = "STARGRPC_"
 
 def secret_variables(environ: Mapping[str, str]) -> dict[str, str]:
     """The ``STARGRPC_*`` variables of ``environ`` that hold a secret, by name."""
-    secret_fields = {name for name, info in Settings.model_fields.items()
-                     if info.annotation is not None and SecretStr in _members(info.annotation)}
+    secret_fields = _secret_fields()
     found = {}
     for name, value in environ.items():
         if not name.upper().startswith(_PREFIX):
@@ -89,6 +89,13 @@ def take_over() -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {name[len(_PREFIX):].lower(): value for name, value in secrets.items()}
+
+
+@functools.cache
+def _secret_fields() -> frozenset[str]:
+    """The settings whose type is a secret."""
+    return frozenset(name for name, info in Settings.model_fields.items()
+                     if info.annotation is not None and SecretStr in _members(info.annotation))
 
 
 def _has_password(value: str) -> bool:

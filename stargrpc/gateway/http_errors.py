@@ -17,6 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from starlette.responses import JSONResponse
 
+from stargrpc.client.errors import CallError
 from stargrpc.errors import reason_name
 from stargrpc.v1 import errors_pb2
 
@@ -89,12 +90,5 @@ def _rich_status(error: grpc.aio.AioRpcError) -> status_pb2.Status | None:
 def is_run_finished(error: grpc.aio.AioRpcError) -> bool:
     """Whether a WatchRun failed only because it asked for events after the end of a
     finished run (OUT_OF_RANGE, ErrorInfo reason RUN_FINISHED): the end, not a failure."""
-    if error.code() is not grpc.StatusCode.OUT_OF_RANGE:
-        return False
-    rich = _rich_status(error)
-    for packed in rich.details if rich is not None else ():
-        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            packed.Unpack(info)
-            return info.reason == _RUN_FINISHED
-    return False
+    return error.code() is grpc.StatusCode.OUT_OF_RANGE and \
+        CallError.from_rpc_error(error).reason == _RUN_FINISHED
