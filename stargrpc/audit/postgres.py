@@ -96,14 +96,13 @@ class PostgresAuditStore:
         return self._pool
 
     async def _writer_connection(self) -> asyncpg.Connection:
-        # A connection of its own rather than one from the pool: a pool resets a connection
-        # (a round trip) every time it is released.
-        pool = self._db
+        # A connection of its own, outside the pool: a pool resets a connection (a round
+        # trip) every time it is released, and takes back one it finds broken — after which
+        # the writer could not even ask whether it is closed.
         if self._writer is not None and self._writer.is_closed():
-            await pool.release(self._writer)  # lost (the server restarted): a new one
-            self._writer = None
+            self._writer = None  # lost (the server restarted or the link broke): a new one
         if self._writer is None:
-            self._writer = await pool.acquire()
+            self._writer = await asyncpg.connect(self.url)
         return self._writer
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
@@ -139,7 +138,7 @@ class PostgresAuditStore:
     async def aclose(self) -> None:
         if self._pool is not None:
             if self._writer is not None:
-                await self._pool.release(self._writer)
+                await self._writer.close()
                 self._writer = None
             await self._pool.close()
             self._pool = None

@@ -57,6 +57,7 @@ class AuditWriter:
     _append_now: _AppendNow | None
     _scheduled: bool
     _task: asyncio.Task[None] | None
+    _release_timer: asyncio.TimerHandle | None
     _started: bool
     _closed: bool
 
@@ -73,6 +74,7 @@ class AuditWriter:
         self._append_now = getattr(store, "append_now", None)
         self._scheduled = False
         self._task = None
+        self._release_timer = None
         self._started = False
         self._closed = False
 
@@ -169,9 +171,10 @@ class AuditWriter:
         self._task = asyncio.create_task(self._write_batch(batch), name="audit-writer")
 
     async def _write_batch(self, batch: list[_Entry]) -> None:
-        # The store makes this batch wait: bound how long its callers wait with it.
-        release = (asyncio.get_running_loop().call_later(self.commit_wait, _release, batch)
-                   if self.commit_wait > 0 else None)
+        # The store makes this batch wait: bound how long its callers wait with it — and the
+        # callers of the records queued behind it, which wait for this write to end first.
+        release = (asyncio.get_running_loop().call_later(
+            self.commit_wait, self._release_waiting, batch) if self.commit_wait > 0 else None)
         try:
             self._settle(batch, await self._write(batch))
         except asyncio.CancelledError:
@@ -182,7 +185,20 @@ class AuditWriter:
             self._task = None
             if release is not None:
                 release.cancel()
+            if self._release_timer is not None:
+                self._release_timer.cancel()
+                self._release_timer = None
         self._schedule()
+
+    def _release_waiting(self, batch: list[_Entry]) -> None:
+        """The store has kept a write waiting ``commit_wait``: every caller still waiting —
+        the batch's and those queued behind it — goes on without its commit (the records
+        stay queued, to be written when the store answers). Callers that queue meanwhile
+        are let go ``commit_wait`` later, for as long as this write lasts."""
+        _release(batch)
+        _release(list(self._queue))
+        self._release_timer = asyncio.get_running_loop().call_later(
+            self.commit_wait, self._release_waiting, batch)
 
     async def _write(self, batch: list[_Entry]) -> list[AuditRecord]:
         delay = 0.05
