@@ -312,3 +312,12 @@ async def test_node_steers_a_live_run_and_is_refused_a_finished_one(
     notices = [e.notice for e in events if e.HasField("notice") and e.notice.code == "STEERED"]
     assert [n.message for n in notices] == ["wrap it up"]
     assert late == 1 and "RUN_FINISHED" in late_err
+
+
+async def test_node_ends_a_delta_s_unfinished_line_before_the_next_one(
+        server, node_cli: list[str]) -> None:
+    code, out, _ = await _node(node_cli, "call", "echo", '{"text": "no newline"}',
+                               "--target", f"127.0.0.1:{server.port}")
+
+    assert code == 0
+    assert "no newline\n✓ echo" in out  # not "no newline✓ echo"

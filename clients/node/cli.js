@@ -39,6 +39,14 @@ class Renderer {
     this.asJson = asJson;
     this.depth = new Map();
     this.streamed = ""; // the text of every DELTA shown, stderr aside
+    this.midLine = false; // the last DELTA shown did not end its line
+  }
+
+  /** Writes a whole line, first ending a DELTA's unfinished one. */
+  line(text) {
+    if (this.midLine) process.stdout.write("\n");
+    this.midLine = false;
+    console.log(text);
   }
 
   render(event) {
@@ -50,21 +58,22 @@ class Renderer {
       const { phase, step, delta, channel } = event.step;
       if (phase === "STEP_PHASE_START") {
         this.depth.set(step.id, (this.depth.get(step.parent_id || "") ?? -1) + 1);
-        console.log(`${"  ".repeat(this.depth.get(step.id))}▶ ${step.title}`);
+        this.line(`${"  ".repeat(this.depth.get(step.id))}▶ ${step.title}`);
       } else if (phase === "STEP_PHASE_DELTA") {
         if (channel !== "stderr") this.streamed += delta || "";
         process.stdout.write(delta || "");
+        if (delta) this.midLine = !delta.endsWith("\n");
       } else if (phase === "STEP_PHASE_END") {
         const mark = step.status === "STEP_STATUS_COMPLETE" ? "✓" : "✗";
-        console.log(`${"  ".repeat(this.depth.get(step.id) || 0)}${mark} ${step.title}`);
+        this.line(`${"  ".repeat(this.depth.get(step.id) || 0)}${mark} ${step.title}`);
       }
     } else if (event.heartbeat) {
-      console.log(`· ${event.heartbeat.message || "alive"}`);
+      this.line(`· ${event.heartbeat.message || "alive"}`);
     } else if (event.notice) {
-      console.log(`! ${event.notice.message}`);
+      this.line(`! ${event.notice.message}`);
     } else if (event.result) {
       const { outcome, output, error } = event.result;
-      console.log(`= ${outcome.replace("OUTCOME_", "")}`);
+      this.line(`= ${outcome.replace("OUTCOME_", "")}`);
       const unseen = this.notStreamed(output || "");
       if (unseen) console.log(unseen);
       if (error) console.log(`error ${error.code}: ${error.message}`);
