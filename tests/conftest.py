@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,31 @@ ServerFactory = Callable[..., Awaitable[StargrpcServer]]
 
 # Settings that mean "this test configures authentication itself".
 _AUTH_SETTING_PREFIXES = ("insecure_no_auth", "keys_file", "auth_", "jwt_", "tls_", "mtls_")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_reachable_by_other_users() -> Iterator[None]:
+    """Several tests run code as other users (the image's uid 10001, a sandbox uid, the
+    postgres user) from this checkout and its virtual environment. A checkout under a
+    private folder (``mktemp -d`` makes them 0700) would be out of their reach: for the
+    session, each folder above the checkout and the interpreter gets the traverse bit for
+    others (never read: nothing is listed), then its mode back."""
+    if os.geteuid() != 0:
+        yield
+        return
+    here = Path(__file__).resolve().parent.parent
+    changed: dict[Path, int] = {}
+    for start in (here, Path(sys.executable).resolve().parent):
+        for folder in (start, *start.parents):
+            mode = folder.stat().st_mode & 0o7777
+            if folder not in changed and not mode & 0o001:
+                changed[folder] = mode
+                folder.chmod(mode | 0o001)
+    try:
+        yield
+    finally:
+        for folder, mode in changed.items():
+            folder.chmod(mode)
 
 
 @pytest.fixture
