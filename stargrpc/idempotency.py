@@ -8,7 +8,7 @@ repeat with another tool or other arguments is refused with FAILED_PRECONDITION,
 reason ``IDEMPOTENCY_KEY_REUSED``. In a fleet, a run whose replica died loses its claim once
 its lease expires, so a retry on another replica runs the tool again (once).
 
-The claim itself lives in the run store (:meth:`stargrpc.runlog.RunStore.claim`); this module
+The claim itself lives in the run store (:meth:`stargrpc.stores.base.RunStore.claim`); this module
 holds what is the same for every store: the fingerprint a key is checked against.
 """
 

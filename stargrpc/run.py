@@ -47,8 +47,8 @@ from stargrpc.event_sizes import (
 from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.runlog import RunLog, run_finished_error, stamp_now
 from stargrpc.settings import Settings
+from stargrpc.stores.base import RunLog, run_finished_error, stamp_now
 from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.run")

@@ -26,7 +26,8 @@ import structlog
 
 from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
-from stargrpc.calls import current_call
+from stargrpc.call_record import current_call
+from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.critic.loading import Critics
 from stargrpc.critic.supervision import Supervision, SupervisionPolicy
 from stargrpc.errors import (
@@ -38,14 +39,14 @@ from stargrpc.errors import (
     Unavailable,
 )
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
-from stargrpc.limits import ConcurrencyLimits
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import Run
-from stargrpc.runlog import MemoryRunStore, RunLog, RunStore
 from stargrpc.settings import Settings
+from stargrpc.stores.base import RunLog, RunStore
+from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.runtime")

@@ -19,23 +19,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
+from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
-from stargrpc.http_serving import HttpEndpoints
+from stargrpc.http_server import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.limits import ConcurrencyLimits
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
 from stargrpc.permissions import RolePolicy
 from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
-from stargrpc.runlog import RunStore
 from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
 from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
 from stargrpc.settings import Settings
+from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
 from stargrpc.tracing import TracingRunInterceptor
 

@@ -32,7 +32,9 @@ from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import check_steer_message
-from stargrpc.runlog import (
+from stargrpc.runtime import ExecuteCall, Runtime, Submission
+from stargrpc.settings import Settings
+from stargrpc.stores.base import (
     RunLog,
     RunQuery,
     RunSummary,
@@ -40,8 +42,6 @@ from stargrpc.runlog import (
     encode_page_token,
     run_finished_error,
 )
-from stargrpc.runtime import ExecuteCall, Runtime, Submission
-from stargrpc.settings import Settings
 from stargrpc.streaming import EventFrame, StreamedResponse, event_responses, serialize_response
 from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 

@@ -5,7 +5,7 @@ Two things keep the per-event cost of a stream low:
 - **Each event is serialised once.** ``ExecuteResponse`` and ``WatchRunResponse`` hold one
   field, ``RunEvent event = 1``, so both have the same wire form: that field's tag and
   length, then the event's bytes. The log keeps each event's bytes once they are made
-  (:meth:`stargrpc.runlog.MemoryRunLog.encoded`, shared by every stream of the run), and a
+  (:meth:`stargrpc.stores.memory.MemoryRunLog.encoded`, shared by every stream of the run), and a
   stream yields :class:`EventFrame` objects that :func:`serialize_response` passes to gRPC
   as they are — instead of copying each event into a new response message and serialising
   that again for every stream.
@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import BytesValue
 
-from stargrpc.runlog import MemoryRunLog, RunLog
+from stargrpc.stores.base import RunLog
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 #: Most text (UTF-8 bytes) one coalesced DELTA message carries; a single larger delta
@@ -101,7 +102,7 @@ async def event_responses(log: RunLog, after_seq: int,
         after_seq: Replay from the event after this one.
         response_type: ``ExecuteResponse`` or ``WatchRunResponse``, for the Result.
         coalesce: Merge consecutive waiting DELTAs of a step and channel (module docstring).
-        max_lag: As for :meth:`stargrpc.runlog.RunLog.follow`.
+        max_lag: As for :meth:`stargrpc.stores.base.RunLog.follow`.
         count: Called with the number of events each response stood for, once it is sent.
 
     Raises:

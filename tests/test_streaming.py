@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
-from stargrpc.runlog import MemoryRunLog
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.streaming import MAX_COALESCED_BYTES, EventFrame, event_responses
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.stores.conftest import REDIS_URL

@@ -4,7 +4,7 @@ Configuration (settings): ``http_fetch_allowlist`` (hosts; empty refuses all),
 ``http_fetch_allowed_networks`` (private networks allowed anyway), ``http_fetch_max_bytes``,
 ``http_fetch_timeout_seconds``, ``http_fetch_max_redirects``. Private, loopback, link-local
 and metadata addresses are refused after DNS resolution, on every redirect hop, and the
-connection goes to the address that was checked (see ``stargrpc.http_guard``). A redirect
+connection goes to the address that was checked (see ``stargrpc.egress``). A redirect
 to another origin (scheme, host or port) goes without the caller's headers and the
 cookies collected so far.
 """
@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel, Field, field_validator
 
 from stargrpc import ToolContext, ToolDenied, ToolFailed, ToolResult, tool
-from stargrpc.http_guard import (
+from stargrpc.egress import (
     BadRedirect,
     HttpPolicy,
     Refused,

@@ -6,7 +6,7 @@ import click
 
 from stargrpc import __version__
 from stargrpc.cli.audit import audit
-from stargrpc.cli.calls import call, cancel, steer, tools, watch
+from stargrpc.cli.client_commands import call, cancel, steer, tools, watch
 from stargrpc.cli.doctor import doctor
 from stargrpc.cli.health import health
 from stargrpc.cli.kb import kb

@@ -9,7 +9,7 @@ import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stargrpc.cli.calls import connection_options
+from stargrpc.cli.client_commands import connection_options
 from stargrpc.client.channel import bearer_metadata, channel_credentials
 
 

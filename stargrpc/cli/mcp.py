@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from stargrpc.cli.calls import connection_options
+from stargrpc.cli.client_commands import connection_options
 from stargrpc.logs import configure_logging
 from stargrpc.mcp.stdio import serve_stdio
 

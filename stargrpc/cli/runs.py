@@ -9,7 +9,7 @@ from typing import Any
 import click
 from google.protobuf import json_format
 
-from stargrpc.cli.calls import _fail, connection_options
+from stargrpc.cli.client_commands import _fail, connection_options
 from stargrpc.client import Client, ClientError
 from stargrpc.v1 import events_pb2, tool_service_pb2
 

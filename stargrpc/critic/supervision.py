@@ -45,7 +45,7 @@ from typing import Any
 import structlog
 
 from stargrpc import metrics
-from stargrpc.calls import CallRecord, current_call
+from stargrpc.call_record import CallRecord, current_call
 from stargrpc.critic.base import (
     Critic,
     CriticError,

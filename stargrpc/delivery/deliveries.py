@@ -33,9 +33,9 @@ from google.protobuf import json_format
 from stargrpc import metrics
 from stargrpc.delivery.signing import SIGNATURE_HEADER, sign
 from stargrpc.delivery.target import DeliveryTarget, delivery_policy
-from stargrpc.http_guard import vet_url
-from stargrpc.runlog import RunStore
+from stargrpc.egress import vet_url
 from stargrpc.settings import Settings
+from stargrpc.stores.base import RunStore
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.delivery")

@@ -1,6 +1,6 @@
 """The delivery target of a request, checked before its run starts: a webhook must name an
 ``https`` URL whose host is on ``delivery_allowlist`` and resolves only to addresses the
-SSRF rules of ``http_fetch`` accept (:mod:`stargrpc.http_guard`); a Redis stream needs a
+SSRF rules of ``http_fetch`` accept (:mod:`stargrpc.egress`); a Redis stream needs a
 fleet (``redis_url``) and a plain name."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from stargrpc.egress import HttpPolicy, Refused, vet_url
 from stargrpc.errors import FailedPrecondition, FieldViolation, InvalidArgument, PermissionDenied
 from stargrpc.errors import reason_name as _reason_name
-from stargrpc.http_guard import HttpPolicy, Refused, vet_url
 from stargrpc.settings import Settings
 from stargrpc.v1 import errors_pb2, tool_service_pb2
 

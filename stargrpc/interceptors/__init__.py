@@ -4,7 +4,7 @@ Order, outermost first, and why:
 
 0. **tracing** (``tracing = true`` only; :mod:`stargrpc.tracing`) — the call's span, parented
    by the caller's trace context, so that it covers everything below.
-1. **audit** — opens the call's :class:`~stargrpc.calls.CallRecord` and writes it when the
+1. **audit** — opens the call's :class:`~stargrpc.call_record.CallRecord` and writes it when the
    call ends, so it sees *every* attempt, including those authentication refuses.
 2. **auth** — establishes the principal from credentials (never from the request body) or
    ends the call UNAUTHENTICATED.

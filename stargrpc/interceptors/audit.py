@@ -1,6 +1,6 @@
 """The audit interceptor, outermost in the chain: one audit record for every call attempt.
 
-It opens the call's :class:`~stargrpc.calls.CallRecord` before anything else runs, so the
+It opens the call's :class:`~stargrpc.call_record.CallRecord` before anything else runs, so the
 record exists even for calls that authentication refuses; the inner parts fill it in
 (authentication the principal, ``Runtime.prepare`` the tool, run id and arguments). When
 the call ends the interceptor names the outcome — from the run's Result for an Execute that
@@ -33,7 +33,7 @@ from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
-from stargrpc.calls import CallRecord, current_call
+from stargrpc.call_record import CallRecord, current_call
 from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,

@@ -4,7 +4,7 @@ It wraps the handler of every method (all four call shapes, and methods that do 
 so probing for them needs credentials too) with a check that runs first inside the call:
 it reads the ``authorization`` metadata and the TLS peer, sets
 :data:`stargrpc.principal.current_principal` (and binds ``principal`` for the logs), and
-fills the open :class:`~stargrpc.calls.CallRecord`. Refusals are UNAUTHENTICATED with the
+fills the open :class:`~stargrpc.call_record.CallRecord`. Refusals are UNAUTHENTICATED with the
 same generic message whatever went wrong; the cause goes to the log and the
 ``tool_executor_auth_failures`` metric only. Health checks and reflection are open by
 default (``auth_open_health``, ``auth_open_reflection``). Which tools a principal may run
@@ -22,7 +22,7 @@ import structlog
 
 from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
-from stargrpc.calls import current_call
+from stargrpc.call_record import current_call
 from stargrpc.errors import CredentialsRejected, abort_with
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
-from stargrpc.http_serving import AsgiServer, gateway_tls, grpc_target
+from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
 from stargrpc.settings import Settings
 

@@ -5,7 +5,7 @@ critic, limits and idempotency like any other.
 Each entry of ``mcp_servers`` gets an :class:`Upstream`, which keeps one connection (the
 official SDK's :class:`mcp.Client`) open in a task of its own: a stdio server is a
 long-running process of the sandbox (:meth:`stargrpc.sandbox.Sandbox.spawn`), an HTTP one
-is reached through the SSRF rules of ``http_fetch`` (:mod:`stargrpc.http_guard`). A server
+is reached through the SSRF rules of ``http_fetch`` (:mod:`stargrpc.egress`). A server
 that cannot be reached, crashes or stops answering pings is restarted (reconnected) with a
 doubling backoff; meanwhile its tools stay listed, marked unavailable with the reason, and
 a call fails with ``MCP_SERVER_UNAVAILABLE``. Every change of what a server offers changes
@@ -47,8 +47,8 @@ from mcp_types.jsonrpc import CONNECTION_CLOSED, REQUEST_TIMEOUT
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
 from stargrpc.context import ToolContext
+from stargrpc.egress import HttpPolicy, Refused, canonical_host, vet_url
 from stargrpc.errors import ToolFailed
-from stargrpc.http_guard import HttpPolicy, Refused, canonical_host, vet_url
 from stargrpc.outcome import Outcome, ToolResult
 from stargrpc.registry import Registry, ToolAnnotations, ToolSpec
 from stargrpc.sandbox.policy import decide

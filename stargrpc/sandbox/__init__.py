@@ -2,7 +2,7 @@
 
 - :mod:`stargrpc.sandbox.runner` — :class:`Sandbox`, one run from working directory to
   collected output files.
-- :mod:`stargrpc.sandbox.limits` — the rlimits and how a run that hit one is recognised.
+- :mod:`stargrpc.sandbox.rlimits` — the rlimits and how a run that hit one is recognised.
 - :mod:`stargrpc.sandbox.isolation` — bubblewrap / unshare / rlimits-only, and detection.
 - :mod:`stargrpc.sandbox.policy` — whether sandboxed tools may run with the mode that works
   here (fail closed when it cannot keep a run away from the server's secrets).
@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 from stargrpc.sandbox.isolation import Isolation
-from stargrpc.sandbox.limits import Limits, Verdict
 from stargrpc.sandbox.policy import Policy, decide, log_isolation
+from stargrpc.sandbox.rlimits import Limits, Verdict
 from stargrpc.sandbox.runner import (
     OutputFile,
     Sandbox,

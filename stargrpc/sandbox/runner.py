@@ -44,7 +44,7 @@ import structlog
 
 from stargrpc.sandbox import fsops
 from stargrpc.sandbox.isolation import SANDBOX_PATH, Isolation, detect
-from stargrpc.sandbox.limits import Limits, Verdict, classify, disk_limit
+from stargrpc.sandbox.rlimits import Limits, Verdict, classify, disk_limit
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.sandbox")

@@ -1,6 +1,6 @@
 """Run stores: where run event logs, run owners and idempotency claims live.
 
-:class:`~stargrpc.runlog.MemoryRunStore` is the embedded default (one process);
+:class:`~stargrpc.stores.memory.MemoryRunStore` is the embedded default (one process);
 :class:`~stargrpc.stores.redis.RedisRunStore` is shared by a fleet of replicas. One setting
 picks between them: ``redis_url`` (``serve --redis-url`` / ``STARGRPC_REDIS_URL``), read by
 :func:`stargrpc.stores.factory.make_store`.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from stargrpc.runlog import MemoryRunStore, RunStore
 from stargrpc.settings import Settings
+from stargrpc.stores.base import RunStore
+from stargrpc.stores.memory import MemoryRunStore
 
 
 def make_store(settings: Settings) -> RunStore:

@@ -90,10 +90,10 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
-from stargrpc.runlog import (
+from stargrpc.settings import Settings
+from stargrpc.stores.base import (
     CancelHandler,
     Claim,
-    MemoryRunLog,
     RunLog,
     RunPage,
     RunQuery,
@@ -101,9 +101,9 @@ from stargrpc.runlog import (
     SteerHandler,
     run_finished_error,
 )
-from stargrpc.settings import Settings
 from stargrpc.stores.connect import connect
 from stargrpc.stores.keys import KeyLayout
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")

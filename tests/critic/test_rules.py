@@ -20,9 +20,9 @@ from stargrpc.critic.supervision import (
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
 from stargrpc.run import Run
-from stargrpc.runlog import MemoryRunLog
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2
 from tests.critic.tools import hangs, impatient
 from tests.helpers import phases

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from stargrpc.http_serving import AsgiServer
+from stargrpc.http_server import AsgiServer
 from tests.procs import ServerProcess, serve
 
 

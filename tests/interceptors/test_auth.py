@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stargrpc import metrics
 from stargrpc.auth import KeyStore
-from stargrpc.calls import CallRecord, current_call
+from stargrpc.call_record import CallRecord, current_call
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings

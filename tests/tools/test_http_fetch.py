@@ -17,7 +17,7 @@ import httpx
 import pytest
 from google.rpc import error_details_pb2
 
-from stargrpc.http_guard import HttpPolicy, origin
+from stargrpc.egress import HttpPolicy, origin
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.helpers import as_dict, run_tool, status_details

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from stargrpc.errors import WatcherTooSlow
-from stargrpc.runlog import ENCODED_KEEP_BYTES, MemoryRunStore
+from stargrpc.stores.base import ENCODED_KEEP_BYTES
+from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 

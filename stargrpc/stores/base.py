@@ -1,0 +1,316 @@
+"""What every run store offers: per-run event logs with a gapless ``seq``, run owners and
+idempotency claims (the protocols :class:`RunLog` and :class:`RunStore`, and the values they
+trade in).
+
+The Execute stream, WatchRun streams and idempotent replays all read a run through its log,
+so a run can outlive the stream that started it. :mod:`stargrpc.stores.memory` is the
+embedded default; :mod:`stargrpc.stores.redis` implements the same protocols for a fleet of
+replicas sharing Redis.
+
+A store holds three things: the run logs, who owns each run (only the owner, or a role with
+watch rights, may watch or cancel it), and idempotency claims — ``(principal, key)`` →
+the run that key started, with a fingerprint of the tool and arguments it was used for.
+
+Events are kept as ``RunEvent`` protobuf messages rather than a parallel Python model: they
+are built once, stored once and sent as they are, which keeps the per-event cost low.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from stargrpc.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    reason_name,
+)
+from stargrpc.v1 import errors_pb2, events_pb2
+
+#: Largest serialised event a :class:`MemoryRunLog` keeps the bytes of (file chunks are
+#: larger, and serialising them costs little beside sending them).
+ENCODED_KEEP_BYTES = 16 * 1024
+
+
+def stamp_now(timestamp: Timestamp) -> None:
+    """Sets ``timestamp`` to now.
+
+    ``Timestamp.GetCurrentTime()`` goes through ``datetime`` in Python (6-8 µs); this is the
+    same value from one ``time.time_ns()`` (about 1 µs), and it runs for every event.
+    """
+    timestamp.seconds, timestamp.nanos = divmod(time.time_ns(), 1_000_000_000)
+
+
+class RunLog(Protocol):
+    """The event log of one run.
+
+    Attributes:
+        run_id: The run.
+        owner: The id of the principal the run belongs to.
+        tool: The tool being run.
+    """
+
+    run_id: str
+    owner: str
+    tool: str
+
+    @property
+    def finished(self) -> bool:
+        """Whether the Result has been appended."""
+        ...
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the newest event, 0 when empty."""
+        ...
+
+    async def append(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        """Stamps ``run_id``, ``seq`` and ``time`` on ``event`` and stores it.
+
+        Raises:
+            RuntimeError: The log already holds its Result.
+        """
+        ...
+
+    def follow(self, after_seq: int = 0, *, max_lag: int = 0
+               ) -> AsyncIterator[events_pb2.RunEvent]:
+        """Yields the events after ``after_seq``, then new ones as they come, until the Result.
+
+        Args:
+            after_seq: Replay from the event after this one.
+            max_lag: When non-zero, a follower that had caught up with the live run and then
+                fell more than this many events behind ends with :class:`WatcherTooSlow`.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer to an idempotency claim.
+
+    Attributes:
+        run_id: The run the key belongs to: the caller's own when it ``won``.
+        fingerprint: What the key was first used for (tool and arguments).
+        won: Whether the caller's run now holds the key (and must run).
+    """
+
+    run_id: str
+    fingerprint: str
+    won: bool
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run as ListRuns shows it.
+
+    Attributes:
+        run_id: The run.
+        owner: The id of the principal it belongs to.
+        tool: The tool being run.
+        started_ms: When it was created, in ms since the epoch.
+        finished: Whether its Result has been sent.
+        outcome: The Result's ``events_pb2.Outcome`` value, 0 while it runs.
+        ended_ms: When its Result was sent, in ms since the epoch; 0 while it runs or when
+            unknown.
+        last_seq: The seq of its newest event the store knows of.
+        current_step: The title of the step running now; empty when none.
+    """
+
+    run_id: str
+    owner: str
+    tool: str
+    started_ms: int
+    finished: bool = False
+    outcome: int = 0
+    ended_ms: int = 0
+    last_seq: int = 0
+    current_step: str = ""
+
+    @property
+    def position(self) -> tuple[int, str]:
+        """Where the run sorts in a listing: newest first, then by id."""
+        return (self.started_ms, self.run_id)
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """Which runs a listing wants.
+
+    Attributes:
+        owner: Only the runs of this principal; None for every principal's.
+        limit: Most runs in the page.
+        after: Only runs that sort after this :attr:`RunSummary.position` (the previous
+            page's cursor); None from the newest.
+        tool: Only runs of this tool; empty for any.
+        finished: Only finished (True) or running (False) runs; None for both.
+        outcome: Only runs that ended with this outcome; 0 for any.
+    """
+
+    owner: str | None
+    limit: int
+    after: tuple[int, str] | None = None
+    tool: str = ""
+    finished: bool | None = None
+    outcome: int = 0
+
+    def admits(self, run: RunSummary) -> bool:
+        """Whether ``run`` passes the filters (not the cursor)."""
+        return ((self.owner is None or run.owner == self.owner)
+                and (not self.tool or run.tool == self.tool)
+                and (self.finished is None or run.finished == self.finished)
+                and (not self.outcome or run.outcome == self.outcome))
+
+    def is_after_cursor(self, position: tuple[int, str]) -> bool:
+        """Whether a run at ``position`` comes after the cursor (newest first)."""
+        return self.after is None or position < self.after
+
+
+@dataclass(frozen=True)
+class RunPage:
+    """A page of a listing.
+
+    Attributes:
+        runs: Newest first.
+        cursor: Where the next page starts; None when no run is left.
+    """
+
+    runs: list[RunSummary]
+    cursor: tuple[int, str] | None
+
+
+def encode_page_token(cursor: tuple[int, str] | None) -> str:
+    """The opaque page token for ``cursor`` (empty for None)."""
+    if cursor is None:
+        return ""
+    return base64.urlsafe_b64encode(json.dumps(list(cursor)).encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> tuple[int, str] | None:
+    """The cursor of a page token from :func:`encode_page_token`.
+
+    Raises:
+        InvalidArgument: The token is not one this server made.
+    """
+    if not token:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        started, run_id = json.loads(raw)
+        if not isinstance(started, int) or not isinstance(run_id, str):
+            raise ValueError("not a cursor")
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise InvalidArgument("the page token is not valid", [FieldViolation(
+            "page_token", "not a token from next_page_token; start again without one")]
+        ) from exc
+    return (started, run_id)
+
+
+class CancelHandler(Protocol):
+    """Stops a run of this process; whether it was still going."""
+
+    def __call__(self, run_id: str, reason: str, failure_code: str = "") -> bool:
+        """Ends the run ``Result{CANCELLED}`` with ``reason``, or ``Result{ERROR,
+        failure_code}`` when a failure code is given (the store cannot keep the run)."""
+        ...
+
+
+class SteerHandler(Protocol):
+    """Steers a run of this process; whether it runs here."""
+
+    def __call__(self, run_id: str, message: str, source: str) -> bool:
+        """Hands ``message`` to the run (see :meth:`stargrpc.run.Run.steer`, whose refusals
+        it raises); False when no such run is going in this process."""
+        ...
+
+
+class RunStore(Protocol):
+    """Where run logs, their owners and idempotency claims live.
+
+    Attributes:
+        cancel_handler: Set by the runtime: stops a run of this process, given its id and
+            the reason, and says whether it was still going.
+        steer_handler: Set by the runtime: steers a run of this process.
+    """
+
+    cancel_handler: CancelHandler | None
+    steer_handler: SteerHandler | None
+
+    def create(self, run_id: str, owner: str = "", tool: str = "") -> RunLog:
+        """A new, empty log for ``run_id``, owned by principal ``owner``."""
+        ...
+
+    async def open(self, run_id: str) -> RunLog | None:
+        """The log of ``run_id`` wherever the run lives, or None when unknown or expired.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def publish(self, log: RunLog) -> None:
+        """Makes a new run visible to every replica: before it starts when it then wins an
+        idempotency claim (the claim registers it), else with its first events (a shared
+        store writes the run and its first batch in one go, off the call's critical path).
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
+        """Claims idempotency key ``key`` of ``owner`` for the run of ``log``, or returns the
+        run that holds it (an unfinished run whose replica died loses its claim).
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def discard(self, log: RunLog) -> None:
+        """Forgets a published run that will not start after all (it lost its claim)."""
+        ...
+
+    async def request_cancel(self, run_id: str, reason: str) -> bool:
+        """Asks the replica running ``run_id`` to cancel it.
+
+        Returns:
+            Whether the run was still going.
+        """
+        ...
+
+    async def request_steer(self, run_id: str, message: str, source: str) -> None:
+        """Hands a steering message to the run ``run_id`` wherever it runs.
+
+        Raises:
+            FailedPrecondition: The run has ended (reason RUN_FINISHED).
+            ResourceExhausted: The run holds too many unread steering messages.
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Releases connections and background tasks."""
+        ...
+
+    async def list_runs(self, query: RunQuery) -> RunPage:
+        """The runs ``query`` asks for, newest first, on every replica.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+
+def run_finished_error(run_id: str) -> FailedPrecondition:
+    """The refusal of a request that needs a run still going (steering it)."""
+    return FailedPrecondition("the run has ended; it cannot be steered",
+                              reason=reason_name(errors_pb2.RUN_FINISHED),
+                              metadata={"run_id": run_id})
