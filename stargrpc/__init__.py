@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stargrpc.context import Step, SyncStep, SyncToolContext, ToolContext
+    from stargrpc.context import SyncToolContext, SyncToolStep, ToolContext, ToolStep
     from stargrpc.errors import ToolDenied, ToolFailed
     from stargrpc.outcome import Outcome, ToolResult
     from stargrpc.principal import Principal
@@ -33,26 +33,26 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Outcome": "stargrpc.outcome",
     "Principal": "stargrpc.principal",
-    "Step": "stargrpc.context",
-    "SyncStep": "stargrpc.context",
     "SyncToolContext": "stargrpc.context",
+    "SyncToolStep": "stargrpc.context",
     "ToolContext": "stargrpc.context",
     "ToolDenied": "stargrpc.errors",
     "ToolFailed": "stargrpc.errors",
     "ToolResult": "stargrpc.outcome",
+    "ToolStep": "stargrpc.context",
     "tool": "stargrpc.registry",
 }
 
 __all__ = [
     "Outcome",
     "Principal",
-    "Step",
-    "SyncStep",
     "SyncToolContext",
+    "SyncToolStep",
     "ToolContext",
     "ToolDenied",
     "ToolFailed",
     "ToolResult",
+    "ToolStep",
     "__version__",
     "tool",
 ]

@@ -82,7 +82,7 @@ class RunHandle(Protocol):
     invocation: Mapping[str, Any]
     settings: Settings
     writeback: WriteBack
-    root_step: Step
+    root_step: ToolStep
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
 
@@ -95,15 +95,15 @@ class RunHandle(Protocol):
         """A step id unique within the run."""
         ...
 
-    async def start_step(self, step: Step) -> None:
+    async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
         ...
 
-    async def end_step(self, step: Step, *, error: bool) -> None:
+    async def end_step(self, step: ToolStep, *, error: bool) -> None:
         """Emits the END of ``step``."""
         ...
 
-    async def emit_delta(self, step: Step, text: str, channel: str) -> None:
+    async def emit_delta(self, step: ToolStep, text: str, channel: str) -> None:
         """Emits partial output of ``step``."""
         ...
 
@@ -121,10 +121,10 @@ class RunHandle(Protocol):
 
 
 # The innermost open step of the running task, so nested steps find their parent.
-_current_step: ContextVar[Step | None] = ContextVar("stargrpc_current_step", default=None)
+_current_step: ContextVar[ToolStep | None] = ContextVar("stargrpc_current_step", default=None)
 
 
-class Step:
+class ToolStep:
     """An open step of a run. Use it as ``async with ctx.step("Title") as step:``.
 
     Leaving the block normally ends the step COMPLETE; leaving it with an exception ends it
@@ -163,7 +163,7 @@ class Step:
         if text:
             await self._run.emit_delta(self, text, channel)
 
-    async def __aenter__(self) -> Step:
+    async def __aenter__(self) -> ToolStep:
         await self._run.start_step(self)
         self._token = _current_step.set(self)
         return self
@@ -218,8 +218,8 @@ class ToolContext:
                 run_id=self.run_id, tool=self.tool_name)
         return self._logger
 
-    def step(self, title: str, *, kind: str | None = None, parent: Step | None = None,
-             detail: Mapping[str, Any] | None = None) -> Step:
+    def step(self, title: str, *, kind: str | None = None, parent: ToolStep | None = None,
+             detail: Mapping[str, Any] | None = None) -> ToolStep:
         """A new step, nested under ``parent`` or the innermost open step.
 
         Args:
@@ -230,7 +230,7 @@ class ToolContext:
             detail: Structured details shown with the step.
         """
         parent_step = parent or _current_step.get() or self._run.root_step
-        return Step(self._run, self._run.next_step_id(), parent_step.id, title,
+        return ToolStep(self._run, self._run.next_step_id(), parent_step.id, title,
                     kind if kind is not None else (self._run.spec.kind or "tool"), detail)
 
     async def delta(self, text: str, *, channel: str = "") -> None:
@@ -302,14 +302,14 @@ class ToolContext:
         return self._run.steering_pending()
 
 
-class SyncStep:
+class SyncToolStep:
     """An open step of a plain ``def`` tool: ``with ctx.step("Title") as step:``, ending
     COMPLETE when the block ends normally and ERROR when it raises."""
 
     _ctx: SyncToolContext
-    _step: Step
+    _step: ToolStep
 
-    def __init__(self, ctx: SyncToolContext, step: Step) -> None:
+    def __init__(self, ctx: SyncToolContext, step: ToolStep) -> None:
         self._ctx = ctx
         self._step = step
 
@@ -333,11 +333,11 @@ class SyncStep:
         self._step.summary = value
 
     def delta(self, text: str, *, channel: str = "") -> None:
-        """Streams partial output of this step (see :meth:`Step.delta`)."""
+        """Streams partial output of this step (see :meth:`ToolStep.delta`)."""
         self._ctx._call(lambda: self._step.delta(text, channel=channel))
 
-    def __enter__(self) -> SyncStep:
-        # The run's events, not Step.__aenter__: the open-step context variable of the
+    def __enter__(self) -> SyncToolStep:
+        # The run's events, not ToolStep.__aenter__: the open-step context variable of the
         # loop would not follow this thread, so the sync context keeps its own stack.
         self._ctx._call(lambda: self._step._run.start_step(self._step))
         self._ctx._open.append(self)
@@ -358,7 +358,7 @@ class SyncToolContext:
 
     _ctx: ToolContext
     _loop: asyncio.AbstractEventLoop
-    _open: list[SyncStep]
+    _open: list[SyncToolStep]
 
     def __init__(self, ctx: ToolContext, loop: asyncio.AbstractEventLoop) -> None:
         self._ctx = ctx
@@ -381,8 +381,8 @@ class SyncToolContext:
 
         asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
-    def step(self, title: str, *, kind: str | None = None, parent: SyncStep | None = None,
-             detail: Mapping[str, Any] | None = None) -> SyncStep:
+    def step(self, title: str, *, kind: str | None = None, parent: SyncToolStep | None = None,
+             detail: Mapping[str, Any] | None = None) -> SyncToolStep:
         """A new step, nested under ``parent`` or the innermost open step; use it as
         ``with ctx.step("Title") as step:`` (see :meth:`ToolContext.step`)."""
         if parent is None and self._open:
@@ -390,7 +390,7 @@ class SyncToolContext:
         step = self._ctx.step(title, kind=kind, detail=detail,
                               parent=parent._step if parent is not None
                               else self._ctx._run.root_step)
-        return SyncStep(self, step)
+        return SyncToolStep(self, step)
 
     def delta(self, text: str, *, channel: str = "") -> None:
         """Streams partial output on the innermost open step (or the top-level step)."""

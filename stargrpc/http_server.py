@@ -18,15 +18,38 @@ import structlog
 import uvicorn
 from cryptography import x509
 from cryptography.x509.oid import NameOID
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from stargrpc.gateway import Gateway
-from stargrpc.metrics_http import metrics_app
+from stargrpc.metrics import scrape_registry
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.http")
 
 #: How long open HTTP connections get to finish once an HTTP server stops.
 HTTP_SHUTDOWN_GRACE_SECONDS = 3
+
+
+def metrics_app(registry: CollectorRegistry | None = None) -> Starlette:
+    """The Prometheus scrape endpoint: an ASGI app serving ``registry`` (default
+    :func:`~stargrpc.metrics.scrape_registry`, under ``--workers`` the sum over the worker
+    processes) at ``/metrics``, in the text format or OpenMetrics when the scraper asks for
+    it; everything else is 404. It gets a port of its own (``serve --metrics-port``), not
+    the gateway's, so that operators can keep it off the public network."""
+    if registry is None:
+        registry = scrape_registry()
+
+    async def scrape(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type,
+                        headers={"Cache-Control": "no-store"})
+
+    return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])])
 
 
 def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -26,7 +26,7 @@ from google.protobuf import json_format, struct_pb2
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
-from stargrpc.context import SentFileRecord, Step, SyncToolContext, ToolContext, WriteBack
+from stargrpc.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
@@ -110,14 +110,14 @@ class Run:
     invocation: Mapping[str, Any]
     log: RunLog
     writeback: WriteBack
-    root_step: Step
+    root_step: ToolStep
     observers: list[EventObserver]
     finish_hooks: list[Callable[[Run], None]]
     result: events_pb2.Result | None
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
     started_monotonic: float
-    _open_steps: dict[str, Step]
+    _open_steps: dict[str, ToolStep]
     _step_started: dict[str, Any]
     _step_counter: int
     _emitted: int
@@ -168,7 +168,7 @@ class Run:
         self._main_task = None
         self._done = asyncio.Event()
         self._steering = asyncio.Queue(self.settings.steer_max_pending)
-        self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
+        self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -559,7 +559,7 @@ class Run:
         self._step_counter += 1
         return step_id
 
-    async def start_step(self, step: Step) -> None:
+    async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
         event = events_pb2.RunEvent()
         stamp_now(event.time)
@@ -571,7 +571,7 @@ class Run:
         self._step_started[step.id] = event.time
         await self._emit(event)
 
-    async def end_step(self, step: Step, *, error: bool) -> None:
+    async def end_step(self, step: ToolStep, *, error: bool) -> None:
         """Emits the END of ``step`` (once; later calls do nothing)."""
         if self._open_steps.pop(step.id, None) is None:
             return
@@ -585,7 +585,7 @@ class Run:
         message.step.ended_at.CopyFrom(event.time)
         await self._emit(event)
 
-    async def emit_delta(self, step: Step, text: str, channel: str) -> None:
+    async def emit_delta(self, step: ToolStep, text: str, channel: str) -> None:
         """Emits partial output of ``step``: one DELTA, or several in order when ``text`` is
         larger than one event may carry."""
         if len(channel) > self._sizes.label_chars:
@@ -675,7 +675,7 @@ def _size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, 
     return message.ByteSize()
 
 
-def _fill_step(message: events_pb2.Step, step: Step, status: int, sizes: EventSizes) -> None:
+def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: EventSizes) -> None:
     label = sizes.label_chars
     message.id = step.id
     message.parent_id = step.parent_id

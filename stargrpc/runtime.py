@@ -4,8 +4,8 @@ It owns everything between a decoded request and a running :class:`~stargrpc.run
 tool lookup, the catalog-hash check, argument validation, the permission check and the
 run's event log. It knows nothing of protobuf requests; ``service.py`` maps those.
 
-**The run pipeline.** Every run any entry point submits (gRPC Execute, the HTTP gateway and
-the MCP endpoint through it, :func:`stargrpc.testing.run_tool`) is launched through one chain
+**The run pipeline.** Every run any entry point admits (gRPC Execute, the HTTP gateway and
+the MCP endpoint through it, :func:`stargrpc.testing.run_tool`) is started through one chain
 of :class:`RunInterceptor` objects over a :class:`RunInput` — Temporal's inbound
 interceptors: each holds ``next`` and delegates by default, so a field added to the input
 breaks nobody. Outermost first: the embedder's interceptors (tracing, when on), then
@@ -53,8 +53,10 @@ log = structlog.get_logger("stargrpc.runtime")
 
 
 @dataclass(frozen=True)
-class ExecuteCall:
-    """A decoded Execute request."""
+class RunRequest:
+    """What a caller asks the runtime to run, whatever the entry point (gRPC Execute or
+    StartRun, the HTTP gateway and MCP through them, :mod:`stargrpc.testing`,
+    :class:`~stargrpc.client.RemoteToolRegistry`)."""
 
     tool_name: str
     arguments: dict[str, Any]
@@ -67,7 +69,7 @@ class ExecuteCall:
 
 @dataclass(frozen=True)
 class RunInput:
-    """What the run pipeline launches.
+    """What the run pipeline starts.
 
     Attributes:
         run: The prepared run (not started).
@@ -87,7 +89,7 @@ class RunInput:
 
 
 class RunInterceptor:
-    """A stage of the run pipeline. Override :meth:`launch` and call ``self.next.launch``
+    """A stage of the run pipeline. Override :meth:`start` and call ``self.next.start``
     (the default does only that); the runtime sets ``next`` when it builds the chain.
 
     Attributes:
@@ -96,9 +98,9 @@ class RunInterceptor:
 
     next: RunInterceptor
 
-    def launch(self, input: RunInput) -> Run:
-        """Launches ``input.run`` (by default: hands it to the next stage)."""
-        return self.next.launch(input)
+    def start(self, input: RunInput) -> Run:
+        """Starts ``input.run`` (by default: hands it to the next stage)."""
+        return self.next.start(input)
 
 
 class SupervisionInterceptor(RunInterceptor):
@@ -117,11 +119,11 @@ class SupervisionInterceptor(RunInterceptor):
         self.critics = critics
         self.verdict_timeout = verdict_timeout
 
-    def launch(self, input: RunInput) -> Run:
-        """Attaches the run's supervision, then launches it."""
+    def start(self, input: RunInput) -> Run:
+        """Attaches the run's supervision, then starts it."""
         Supervision(input.run, input.policy, self.critics.for_tool(input.spec),
                     verdict_timeout=self.verdict_timeout).start()
-        return self.next.launch(input)
+        return self.next.start(input)
 
 
 class _StartRun(RunInterceptor):
@@ -130,7 +132,7 @@ class _StartRun(RunInterceptor):
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
 
-    def launch(self, input: RunInput) -> Run:
+    def start(self, input: RunInput) -> Run:
         run = input.run
         runs = self._runtime.runs
         runs[run.run_id] = run
@@ -145,7 +147,7 @@ class _StartRun(RunInterceptor):
 
 
 @dataclass(frozen=True)
-class Submission:
+class Admission:
     """What an Execute reads: the run's log, and the run itself when this call started it.
 
     Attributes:
@@ -247,9 +249,9 @@ class Runtime:
         self._interceptors.insert(0, interceptor)
         self._pipeline = self._chain()
 
-    def launch(self, input: RunInput) -> Run:
-        """Launches a prepared run through the run pipeline and tracks it until it ends."""
-        return self._pipeline.launch(input)
+    def _start(self, input: RunInput) -> Run:
+        """Starts a prepared run through the run pipeline; it is tracked until it ends."""
+        return self._pipeline.start(input)
 
     async def aclose(self) -> None:
         """Lets go of what the runtime holds open (a remote critic's channel)."""
@@ -311,55 +313,55 @@ class Runtime:
 
     # -- runs ------------------------------------------------------------------------------
 
-    def prepare(self, call: ExecuteCall, principal: Principal) -> Run:
-        """Checks a call and builds its run, without starting it.
+    def _prepare(self, request: RunRequest, principal: Principal) -> Run:
+        """Checks a request and builds its run, without starting it.
 
         Raises:
-            RequestError: Any reason to refuse the call before it runs.
+            RequestError: Any reason to refuse the request before it runs.
         """
         if self.draining:
             raise Unavailable("the server is shutting down; retry on another replica",
                               reason="DRAINING")
-        spec = self.lookup(call.tool_name)
-        if call.catalog_hash and call.catalog_hash != self._registry.catalog_hash:
+        spec = self.lookup(request.tool_name)
+        if request.catalog_hash and request.catalog_hash != self._registry.catalog_hash:
             raise CatalogStale(
                 "the catalog has changed since the caller loaded it; reload it with ListTools",
                 metadata={"current_catalog_hash": self._registry.catalog_hash,
-                          "given_catalog_hash": call.catalog_hash[:80]})
+                          "given_catalog_hash": request.catalog_hash[:80]})
         record = current_call.get()
         if record is not None:
             record.tool = spec.name
             record.privileged = spec.privileged
-            record.idempotency_key = call.idempotency_key
-            record.arguments = call.arguments
+            record.idempotency_key = request.idempotency_key
+            record.arguments = request.arguments
         # Identity fields in the request count only for callers that may act for others.
-        principal = self.policy.delegate(principal, call.invocation)
+        principal = self.policy.delegate(principal, request.invocation)
         if record is not None:
             record.principal = principal
         self.policy.check(principal, spec)
-        args = validate(spec.args_model, call.arguments)
+        args = validate(spec.args_model, request.arguments)
         run_id = uuid.uuid4().hex
         if record is not None:
             record.run_id = run_id
-        return Run(run_id, spec, args, principal, call.invocation,
+        return Run(run_id, spec, args, principal, request.invocation,
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
                    settings=self.settings)
 
-    async def submit(self, call: ExecuteCall, principal: Principal) -> Submission:
-        """Checks a call, then starts its run — or, when its idempotency key is already
+    async def admit(self, request: RunRequest, principal: Principal) -> Admission:
+        """Checks a request, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
 
         Raises:
-            RequestError: Any reason to refuse the call before it runs, including a key
+            RequestError: Any reason to refuse the request before it runs, including a key
                 reused for another tool or arguments, a concurrency limit, or a shared
                 store that cannot be reached.
         """
-        key = call.idempotency_key
+        key = request.idempotency_key
         if len(key) > MAX_KEY_LENGTH:
             raise InvalidArgument("idempotency_key is too long", [FieldViolation(
                 "idempotency_key", f"at most {MAX_KEY_LENGTH} characters")])
-        run = self.prepare(call, principal)
-        # Reserve a place first so that a refused call leaves no claim behind; a call that
+        run = self._prepare(request, principal)
+        # Reserve a place first so that a refused request leaves no claim behind; a request that
         # turns out to attach gives its place back at once.
         try:
             permit = self.concurrency.acquire(principal.id, run.spec.name)
@@ -369,7 +371,7 @@ class Runtime:
         try:
             await self.store.publish(run.log)
             if key:
-                wanted = fingerprint(run.spec.name, call.arguments)
+                wanted = fingerprint(run.spec.name, request.arguments)
                 claim = await self.store.claim(principal.id, key, wanted, run.log)
                 if not claim.won:
                     await self.store.discard(run.log)
@@ -383,19 +385,19 @@ class Runtime:
                         record.run_id = claim.run_id
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
-                    return Submission(log=held, run=None)
+                    return Admission(log=held, run=None)
         except BaseException:
             permit.release()
             # The run never started: forget its log too (best effort — the store may be
-            # the very thing that failed), so a refused call leaves nothing behind.
+            # the very thing that failed), so a refused request leaves nothing behind.
             with contextlib.suppress(Exception):
                 await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
-        policy = call.policy or SupervisionPolicy.for_call(self.settings)
-        started = self.launch(RunInput(run=run, spec=run.spec, principal=run.principal,
-                                       arguments=call.arguments, policy=policy))
-        return Submission(log=run.log, run=started)
+        policy = request.policy or SupervisionPolicy.for_call(self.settings)
+        started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
+                                       arguments=request.arguments, policy=policy))
+        return Admission(log=run.log, run=started)
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
         """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,

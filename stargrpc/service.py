@@ -32,7 +32,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import check_steer_message
-from stargrpc.runtime import ExecuteCall, Runtime, Submission
+from stargrpc.runtime import Admission, RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     RunLog,
@@ -153,16 +153,16 @@ class ToolService:
         try:
             call = self._decode_execute(request, policy)
             target = await self._delivery_target(request)
-            submitted = await self.runtime.submit(call, current_principal.get())
+            admitted = await self.runtime.admit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
             return
-        self._deliver(submitted, target)
+        self._deliver(admitted, target)
         streamed_to_end = False
         try:
             # Pre-serialised responses (and the Result as a message): stargrpc.streaming.
             async for response in event_responses(
-                    submitted.log, 0, tool_service_pb2.ExecuteResponse,
+                    admitted.log, 0, tool_service_pb2.ExecuteResponse,
                     coalesce=request.coalesce_deltas, count=_EXECUTE_EVENTS.inc):
                 yield response
             streamed_to_end = True
@@ -172,8 +172,8 @@ class ToolService:
             # The stream went away early (cancelled, or closed at a yield). A run with an
             # idempotency key outlives it (resume with WatchRun or retry with the key); one
             # without a key has no way back, so it is cancelled.
-            if not streamed_to_end and submitted.run is not None and not call.idempotency_key:
-                submitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
+            if not streamed_to_end and admitted.run is not None and not call.idempotency_key:
+                admitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
     async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
@@ -185,13 +185,13 @@ class ToolService:
         try:
             call = self._decode_execute(request, policy)
             target = await self._delivery_target(request)
-            submitted = await self.runtime.submit(call, current_principal.get())
+            admitted = await self.runtime.admit(call, current_principal.get())
         except RequestError as error:
             await abort_with(context, error)
             raise  # abort_with never returns
-        self._deliver(submitted, target)
-        return tool_service_pb2.StartRunResponse(run_id=submitted.log.run_id,
-                                                 attached=submitted.run is None)
+        self._deliver(admitted, target)
+        return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
+                                                 attached=admitted.run is None)
 
     async def _delivery_target(self, request: tool_service_pb2.ExecuteRequest
                                | tool_service_pb2.StartRunRequest) -> DeliveryTarget | None:
@@ -201,16 +201,16 @@ class ToolService:
         return await checked_target(request.delivery, self.settings,
                                     fleet=self.deliveries.fleet)
 
-    def _deliver(self, submitted: Submission, target: DeliveryTarget | None) -> None:
+    def _deliver(self, admitted: Admission, target: DeliveryTarget | None) -> None:
         """Has the Result of a run this call started delivered to ``target``. A call that
         attached to the run holding its idempotency key adds no delivery: the first call's
         target is the run's."""
-        if target is not None and submitted.run is not None:
-            self.deliveries.track(submitted.run.run_id, submitted.run.spec.name, target)
+        if target is not None and admitted.run is not None:
+            self.deliveries.track(admitted.run.run_id, admitted.run.spec.name, target)
 
     def _decode_execute(self, request: tool_service_pb2.ExecuteRequest
                         | tool_service_pb2.StartRunRequest,
-                        policy: SupervisionPolicy) -> ExecuteCall:
+                        policy: SupervisionPolicy) -> RunRequest:
         limits = self.runtime.limits
         which = request.WhichOneof("args")
         if which == "arguments_json":
@@ -223,7 +223,7 @@ class ToolService:
         invocation = (json_format.MessageToDict(request.context,
                                                 preserving_proto_field_name=True)
                       if request.HasField("context") else {})
-        return ExecuteCall(tool_name=request.tool_name, arguments=arguments,
+        return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
                            policy=policy)

@@ -125,7 +125,7 @@ class Settings(BaseSettings):
         256 * MiB, ge=0, description="Bytes of events (serialised) the finished runs kept in "
         "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
-    # -- runs, retries and replicas (runlog.py, stores/, idempotency.py, limits.py) --------
+    # -- runs, retries and replicas (stores/, idempotency.py, concurrency.py) -------------
     redis_url: str = Field("", description="The run store shared by replicas: "
                            "redis://host:port/db (one Redis), redis+cluster://host:port[,…] "
                            "(Redis Cluster) or redis+sentinel://host:port[,…]/service_name "
@@ -196,7 +196,7 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON otherwise.")
 
-    # -- HTTP gateway, metrics and traces (stargrpc/gateway, metrics_http.py, tracing.py) --
+    # -- HTTP gateway, metrics and traces (stargrpc/gateway, http_server.py, tracing.py) ---
     http_port: int | None = Field(None, ge=0, le=65535, description="Serve the HTTP gateway "
                                   "and the progress page on this port (0 picks a free one); "
                                   "off when unset.")
@@ -322,7 +322,7 @@ class Settings(BaseSettings):
             raise ValueError("use sqlite:///PATH or postgresql://user@host/db")
         return value
 
-    # -- sandbox and bundled tools (stargrpc/sandbox, http_guard.py, kb/, tools/) ----------
+    # -- sandbox and bundled tools (stargrpc/sandbox, egress.py, kb/, tools/) --------------
     sandbox_isolation: Literal["auto", "bwrap", "unshare", "rlimits"] = Field(
         "auto", description="How sandboxed commands are isolated: auto picks the strongest "
         "that works here (bwrap, then unshare, then rlimits only) and refuses to run them "

@@ -169,12 +169,12 @@ def _call_span(name: str, context: grpc.aio.ServicerContext) -> Iterator[Span]:
 
 
 class TracingRunInterceptor(RunInterceptor):
-    """Traces each run it launches (see the module docstring)."""
+    """Traces each run it starts (see the module docstring)."""
 
-    def launch(self, input: RunInput) -> Run:
-        """Opens the run's span, then launches the run."""
+    def start(self, input: RunInput) -> Run:
+        """Opens the run's span, then starts the run."""
         RunTracer(input.run, tracer())
-        return self.next.launch(input)
+        return self.next.start(input)
 
 
 class RunTracer:
@@ -202,7 +202,7 @@ class RunTracer:
         self.run_span = run_tracer.start_span(f"run {run.spec.name}", kind=SpanKind.INTERNAL,
                                               attributes=attributes)
         run.observers.append(self.observe)
-        # Current from here on in the launching task, whose context the run's task copies
+        # Current from here on in the starting task, whose context the run's task copies
         # when it starts; the call's span (TracingInterceptor) restores its own on exit.
         otel_context.attach(trace.set_span_in_context(self.run_span))
 

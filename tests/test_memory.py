@@ -39,9 +39,9 @@ def _track(server: StargrpcServer) -> list[weakref.ref[object]]:
     refs: list[weakref.ref[object]] = []
 
     class Remember(RunInterceptor):
-        def launch(self, input: RunInput) -> Run:
+        def start(self, input: RunInput) -> Run:
             refs.extend((weakref.ref(input.run), weakref.ref(input.run.log)))
-            return self.next.launch(input)
+            return self.next.start(input)
 
     server.runtime.add_interceptor(Remember())
     return refs

@@ -21,8 +21,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "stargrpc"
 
 PUBLIC: dict[str, set[str]] = {
     "stargrpc": {
-        "Outcome", "Principal", "Step", "SyncStep", "SyncToolContext", "ToolContext", "ToolDenied",
-        "ToolFailed", "ToolResult", "__version__", "tool",
+        "Outcome", "Principal", "SyncToolContext", "SyncToolStep", "ToolContext", "ToolDenied",
+        "ToolFailed", "ToolResult", "ToolStep", "__version__", "tool",
     },
     "stargrpc.client": {
         "FALLBACK_METHOD", "IN_PROCESS_METHOD", "NO_RETRY", "AsyncClient", "CallError",

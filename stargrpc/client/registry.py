@@ -78,7 +78,7 @@ from stargrpc.permissions import RolePolicy, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry
 from stargrpc.run import Run
-from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.client.registry")
@@ -433,21 +433,21 @@ class RemoteToolRegistry:
             text = arguments if isinstance(arguments, str) else json.dumps(dict(arguments or {}))
             # Supervised as on a server: the configured critic, the caller's deadline.
             policy = SupervisionPolicy.for_call(self.runtime.settings, timeout)
-            call = ExecuteCall(tool_name=tool, arguments=decode_json(text, self.runtime.limits),
+            call = RunRequest(tool_name=tool, arguments=decode_json(text, self.runtime.limits),
                                idempotency_key=idempotency_key or "", invocation=invocation,
                                policy=policy)
             audit.arguments = call.arguments
-            submitted = await self.runtime.submit(call, self.principal)
+            admitted = await self.runtime.admit(call, self.principal)
         except RequestError as error:
             audit.outcome = outcome_for_status(error.code)
             audit.detail = "; ".join(filter(None, (detail, f"{error.reason}: {error.message}")))
             await self._audit(audit)
             raise _call_error(error) from None
-        run = submitted.run
+        run = admitted.run
         chunks: dict[str, list[FileChunk]] = {}
         result: Result | None = None
         try:
-            async for raw in submitted.log.follow(0):
+            async for raw in admitted.log.follow(0):
                 event = event_from_proto(raw)
                 _keep_chunk(event, chunks)
                 if on_event is not None:

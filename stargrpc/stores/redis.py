@@ -607,7 +607,7 @@ def _pack(conn: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
     return [hiredis.pack_command(command) for command in commands]
 
 
-class _ScriptLine:
+class _FlushConnection:
     """One connection of the flusher's own, driven directly: the script calls of a round
     trip are packed and sent in one write and their replies read back in order.
 
@@ -716,7 +716,7 @@ class RedisRunStore:
         self.timeout = timeout
         self.flush_timeout = flush_timeout
         # A cluster's writes go to the node of each run's slot: through the client's pipeline.
-        self._flush_line = None if isinstance(redis, RedisCluster) else _ScriptLine(redis)
+        self._flush_line = None if isinstance(redis, RedisCluster) else _FlushConnection(redis)
         self.prefix = prefix
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.retention_ms = max(1, int(retention * 1000))
@@ -1095,7 +1095,7 @@ class RedisRunStore:
         return reply
 
     async def _call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
-                        line: _ScriptLine | None = None, *, durable: bool = False
+                        line: _FlushConnection | None = None, *, durable: bool = False
                         ) -> list[Any]:
         """Runs ``script`` once per (keys, args) in one pipeline (one round trip), on
         ``line`` when given; each reply, or the error of that call. Loads the script first

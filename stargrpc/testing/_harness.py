@@ -31,7 +31,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec, import_tool_module, spec_of
 from stargrpc.run import Run
-from stargrpc.runtime import ExecuteCall
+from stargrpc.runtime import RunRequest
 from stargrpc.server import StargrpcServer, build_runtime
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
@@ -265,11 +265,11 @@ async def run_tool(tool: Callable[..., Any] | ToolSpec,
         arguments = arguments.model_dump(mode="json", by_alias=True)
     settings = settings if settings is not None else Settings()
     runtime = build_runtime(settings, Registry([spec]))
-    call = ExecuteCall(tool_name=spec.name, arguments=dict(arguments or {}),
+    call = RunRequest(tool_name=spec.name, arguments=dict(arguments or {}),
                        invocation=dict(invocation or {}))
     try:
-        submitted = await runtime.submit(call, principal)
-        run = submitted.run
+        admitted = await runtime.admit(call, principal)
+        run = admitted.run
         assert run is not None  # no idempotency key: always a new run
         if on_start is not None:
             on_start(run)

@@ -20,7 +20,7 @@ from stargrpc.critic.supervision import (
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
 from stargrpc.run import Run
-from stargrpc.runtime import ExecuteCall, Runtime
+from stargrpc.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2
@@ -219,10 +219,10 @@ async def test_tool_soft_timeout_overrides_the_default() -> None:
 
 async def test_a_run_submitted_without_a_policy_is_supervised_by_the_servers() -> None:
     runtime = Runtime(Registry([spec_of(hangs)]), settings=Settings(critic_soft_timeout=0.4))
-    submitted = await runtime.submit(ExecuteCall(tool_name="hangs", arguments={}),
+    admitted = await runtime.admit(RunRequest(tool_name="hangs", arguments={}),
                                      Principal("tester"))
-    assert submitted.run is not None
-    result = await asyncio.wait_for(submitted.run.wait(), WAIT)
+    assert admitted.run is not None
+    result = await asyncio.wait_for(admitted.run.wait(), WAIT)
 
     assert result.error.code == NO_PROGRESS
     assert result.error.message == "no progress for 0.4 s"
