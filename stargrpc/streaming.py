@@ -5,7 +5,8 @@ Two things keep the per-event cost of a stream low:
 - **Each event is serialised once.** ``ExecuteResponse`` and ``WatchRunResponse`` hold one
   field, ``RunEvent event = 1``, so both have the same wire form: that field's tag and
   length, then the event's bytes. The log keeps each event's bytes once they are made
-  (:meth:`stargrpc.stores.memory.MemoryRunLog.encoded`, shared by every stream of the run), and a
+  (:meth:`stargrpc.stores.base.RunLog.encoded`: the embedded log shares them among every
+  stream of the run; a log read from Redis passes on the bytes Redis gave), and a
   stream yields :class:`EventFrame` objects that :func:`serialize_response` passes to gRPC
   as they are — instead of copying each event into a new response message and serialising
   that again for every stream.
@@ -34,7 +35,6 @@ from google.protobuf.message import Message
 from google.protobuf.wrappers_pb2 import BytesValue
 
 from stargrpc.stores.base import RunLog
-from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 #: Most text (UTF-8 bytes) one coalesced DELTA message carries; a single larger delta
@@ -108,17 +108,6 @@ async def event_responses(log: RunLog, after_seq: int,
     Raises:
         RequestError: From the log (the watcher fell too far behind, a store went away).
     """
-    if not isinstance(log, MemoryRunLog):
-        # A log read from elsewhere (another replica's run, through Redis): one event at a
-        # time, its bytes made here, never coalesced (the log does not say what waits).
-        async for event in log.follow(after_seq, max_lag=max_lag):
-            if event.HasField("result"):
-                yield response_type(event=event)
-            else:
-                yield EventFrame(event, frame(event.SerializeToString()))
-            if count is not None:
-                count(1)
-        return
     async with aclosing(log.follow_batches(after_seq, max_lag=max_lag)) as batches:
         async for batch in batches:
             responses = (_coalesced(log, batch) if coalesce and len(batch) > 1
@@ -138,7 +127,7 @@ async def event_responses(log: RunLog, after_seq: int,
 # whole run being replayed), and stand None for the Result, which can only be the last
 # event of a batch.
 
-def _one_each(log: MemoryRunLog, batch: Sequence[events_pb2.RunEvent]
+def _one_each(log: RunLog, batch: Sequence[events_pb2.RunEvent]
               ) -> Iterator[EventFrame | None]:
     """One frame per event."""
     encoded = log.encoded
@@ -150,7 +139,7 @@ def _one_each(log: MemoryRunLog, batch: Sequence[events_pb2.RunEvent]
             yield EventFrame(event, frame(encoded(event.seq)))
 
 
-def _coalesced(log: MemoryRunLog, batch: Sequence[events_pb2.RunEvent]
+def _coalesced(log: RunLog, batch: Sequence[events_pb2.RunEvent]
                ) -> Iterator[EventFrame | None]:
     """One frame per event, except one per run of DELTAs that can be merged."""
     index, end = 0, len(batch)

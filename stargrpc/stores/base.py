@@ -21,7 +21,7 @@ import base64
 import binascii
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +88,21 @@ class RunLog(Protocol):
             after_seq: Replay from the event after this one.
             max_lag: When non-zero, a follower that had caught up with the live run and then
                 fell more than this many events behind ends with :class:`WatcherTooSlow`.
+        """
+        ...
+
+    def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
+                       ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
+        """As :meth:`follow`, but yields every event waiting at once, in order: what a
+        stream that fell behind its run may send as fewer messages."""
+        ...
+
+    def encoded(self, seq: int) -> bytes:
+        """The serialised bytes of event ``seq`` of the latest batch this log yielded (a log
+        that keeps them need not serialise an event again for each stream).
+
+        Raises:
+            IndexError: The log has no bytes for that event.
         """
         ...
 

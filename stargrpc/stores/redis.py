@@ -67,7 +67,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -519,6 +519,7 @@ class RemoteRunLog:
     _store: RedisRunStore
     _finished: bool
     _last_seq: int
+    _raw: dict[int, bytes]
 
     def __init__(self, store: RedisRunStore, run_id: str, owner: str, tool: str,
                  finished: bool, last_seq: int) -> None:
@@ -528,6 +529,7 @@ class RemoteRunLog:
         self.tool = tool
         self._finished = finished
         self._last_seq = last_seq
+        self._raw = {}
 
     @property
     def finished(self) -> bool:
@@ -542,6 +544,20 @@ class RemoteRunLog:
 
     async def follow(self, after_seq: int = 0, *, max_lag: int = 0
                      ) -> AsyncIterator[events_pb2.RunEvent]:
+        batches = self.follow_batches(after_seq, max_lag=max_lag)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    def encoded(self, seq: int) -> bytes:
+        """The bytes of event ``seq`` as Redis gave them, for the events of the latest
+        batch (one follower per opened log: :meth:`RedisRunStore.open` makes one each)."""
+        return self._raw[seq]
+
+    async def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
+                             ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
+        """As :meth:`follow`; a batch is what one read from Redis returned."""
         # Reading from Redis holds nothing per watcher, so ``max_lag`` is not needed here;
         # the stream's own trimming is what a slow watcher can fall behind.
         del max_lag
@@ -572,19 +588,29 @@ class RemoteRunLog:
             outage_since = None
             if not reply:
                 continue
+            batch: list[events_pb2.RunEvent] = []
+            self._raw = {}
             for entry_id, fields in reply[0][1]:
                 seq = int(entry_id.split(b"-", 1)[0])
                 if seq != expected:
+                    if batch:
+                        break  # send what came before the gap first
                     raise Aborted(
                         f"events {expected}..{seq - 1} of run {self.run_id} were trimmed "
                         f"(run_max_events); resume with after_seq={seq - 1} to skip them",
                         reason="EVENTS_TRIMMED",
                         metadata={"run_id": self.run_id, "first_kept_seq": str(seq)})
-                event = events_pb2.RunEvent.FromString(fields[b"e"])
-                yield event
+                data = fields[b"e"]
+                event = events_pb2.RunEvent.FromString(data)
+                self._raw[event.seq] = data  # as the stream asks for it (by the event's seq)
+                batch.append(event)
                 expected += 1
                 last_id = entry_id.decode()
                 if event.HasField("result"):
+                    break
+            if batch:
+                yield batch
+                if batch[-1].HasField("result"):
                     return
 
 

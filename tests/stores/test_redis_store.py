@@ -175,6 +175,30 @@ async def test_a_large_file_of_a_run_on_a_arrives_intact_through_b(pair) -> None
     assert sent.streamed and sent.size == size
 
 
+async def test_a_watcher_on_b_that_asks_for_coalescing_gets_the_deltas_of_a_merged(
+        pair, tmp_path: Path) -> None:
+    # Every event of the finished run waits in Redis, so B reads them in batches and merges
+    # the DELTAs of one step, as the replica running the run would for a watcher behind it.
+    a, b = pair
+    executed = await collect(a.Execute(execute_request(
+        "tally", {"path": str(tmp_path / "t"), "deltas": 40}), metadata=ALICE))
+    watched = await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=executed[0].run_id, coalesce_deltas=True), metadata=ALICE))
+
+    def is_delta(event: events_pb2.RunEvent) -> bool:
+        return event.HasField("step") and event.step.phase == events_pb2.STEP_PHASE_DELTA
+
+    def texts(events: list[events_pb2.RunEvent]) -> str:
+        return "".join(e.step.delta for e in events if is_delta(e))
+
+    merged = [e for e in watched if is_delta(e) and e.first_seq]
+    assert merged and len(watched) < len(executed)
+    assert texts(watched) == texts(executed)
+    assert [e.seq for e in watched if not is_delta(e)] == \
+        [e.seq for e in executed if not is_delta(e)]
+    assert watched[-1].result == executed[-1].result
+
+
 async def test_every_key_a_run_leaves_in_redis_expires(pair, redis_prefix: str) -> None:
     a, b = pair
     request = execute_request("echo", {"text": "x"}, idempotency_key=key())
