@@ -257,12 +257,11 @@ def tune_garbage_collector() -> None:
     """Settles the collector for serving, once everything is loaded.
 
     Everything alive after start-up (modules, descriptors, the catalog) lives as long as the
-    process: ``gc.freeze()`` moves it out of the collector's way, so a full collection no
-    longer walks it; that walk was the longest pause of a serving process (measured over
-    10,000 sequential calls: the slowest took about 55 ms, about 10 ms frozen). Every call
-    allocates many short-lived objects, and with Python's thresholds the young generations
-    are collected several times per call; :data:`GC_THRESHOLDS` collects them less often
-    (measured: p99 call latency 3.5 → 3.1 ms, p99.9 7 → 5 ms, CPU per call 4 % less).
+    process: ``gc.freeze()`` moves it out of the collector's way, so a full collection does
+    not walk it (that walk is the longest pause a serving process would otherwise have).
+    Every call allocates many short-lived objects, and with Python's thresholds the young
+    generations are collected several times per call; :data:`GC_THRESHOLDS` collects them
+    less often, which shortens the tail of call latency (figures in ``bench/README.md``).
     """
     gc.collect()
     gc.freeze()

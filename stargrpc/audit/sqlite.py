@@ -7,10 +7,9 @@ of the process (only a power loss can take the last commits).
 
 An append (BEGIN IMMEDIATE, read the chain's head, seal, INSERT, COMMIT) is tried first
 right on the event loop, on a connection that never waits: its busy timeout is zero and it
-never checkpoints, so all it does is append a few pages to the WAL in the page cache
-(tens of µs). Handing every append to a thread cost several times that in thread switches
-(``python -m bench.micro``: 14 µs of CPU per one-record transaction on the loop, 103 µs
-through a thread). When another writer holds the lock, or the
+never checkpoints, so all it does is append a few pages to the WAL in the page cache —
+less than the thread switches of handing it to a thread (``bench/README.md`` has the
+figures). When another writer holds the lock, or the
 fast attempt fails for any reason, the append goes to the store's own thread, whose
 connection waits for the lock (``busy_timeout``) and reports real errors. That thread also
 checkpoints the WAL every :data:`CHECKPOINT_EVERY` fast commits, off the event loop and
@@ -56,9 +55,8 @@ from stargrpc.audit.sql import (
 _TYPES = {"seq": "INTEGER PRIMARY KEY", "id": "TEXT NOT NULL UNIQUE",
           "duration_ms": "REAL NOT NULL", "privileged": "INTEGER NOT NULL"}
 
-# Indexed by time and run only: an index is a b-tree more to write on every append, and
-# the time index bounds a query by tool or principal to its time range. Without the tool
-# and principal indexes an append writes two pages fewer to the WAL (43 against 57 µs).
+# Indexed by time and run only: every index is a b-tree more to write on every append, and
+# the time index bounds a query by tool or principal to its time range.
 _SCHEMA = schema_sql(_TYPES, indexed=("time", "run_id"))
 
 _INSERT = (f"INSERT INTO {TABLE} ({', '.join(FIELDS)}) "
@@ -207,9 +205,9 @@ class SqliteAuditStore:
 class _StoreThread:
     """The thread that owns the store's connection and runs functions for the event loop.
 
-    Leaner than a one-worker ``ThreadPoolExecutor`` driven by ``run_in_executor`` (measured
-    at about half the CPU per hop: no concurrent future, condition or wrapped future in
-    between), and a hop is paid on every audited call.
+    Leaner than a one-worker ``ThreadPoolExecutor`` driven by ``run_in_executor`` (no
+    concurrent future, condition or wrapped future in between), which matters because a
+    hop may be paid on every audited call.
     """
 
     def __init__(self) -> None:

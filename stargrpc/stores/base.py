@@ -43,8 +43,8 @@ ENCODED_KEEP_BYTES = 16 * 1024
 def stamp_now(timestamp: Timestamp) -> None:
     """Sets ``timestamp`` to now.
 
-    ``Timestamp.GetCurrentTime()`` goes through ``datetime`` in Python (6-8 µs); this is the
-    same value from one ``time.time_ns()`` (about 1 µs), and it runs for every event.
+    ``Timestamp.GetCurrentTime()`` goes through ``datetime`` in Python; this is the same
+    value from one ``time.time_ns()``, and it runs for every event.
     """
     timestamp.seconds, timestamp.nanos = divmod(time.time_ns(), 1_000_000_000)
 
