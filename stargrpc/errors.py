@@ -69,6 +69,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "WatcherTooSlow",
+    "reason_name",
 ]
 
 ERROR_DOMAIN = "stargrpc"
@@ -116,6 +117,11 @@ class RequestError(StargrpcError):
         """The google.rpc detail messages attached to the status."""
         return [error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN,
                                             metadata=self.metadata)]
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        """Ends the call being served with this error's status; never returns."""
+        status = self.to_status()
+        await context.abort(status.code, status.details, status.trailing_metadata)
 
     def to_status(self) -> grpc.Status:
         """The gRPC status (code, message, rich details in trailing metadata)."""
@@ -331,9 +337,3 @@ _CODE_NUMBERS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
     grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
 }
-
-
-async def abort_with(context: grpc.aio.ServicerContext, error: RequestError) -> None:
-    """Ends the call with the status of ``error``; never returns."""
-    status = error.to_status()
-    await context.abort(status.code, status.details, status.trailing_metadata)

@@ -25,7 +25,6 @@ from stargrpc.errors import (
     PermissionDenied,
     RequestError,
     RunFinished,
-    abort_with,
     reason_name,
 )
 from stargrpc.outcome import Outcome
@@ -155,7 +154,7 @@ class ToolService:
             target = await self._delivery_target(request)
             admitted = await self.runtime.admit(call, current_principal.get())
         except RequestError as error:
-            await abort_with(context, error)
+            await error.abort(context)
             return
         self._deliver(admitted, target)
         streamed_to_end = False
@@ -167,7 +166,7 @@ class ToolService:
                 yield response
             streamed_to_end = True
         except RequestError as error:  # an attached run's shared store went away
-            await abort_with(context, error)
+            await error.abort(context)
         finally:
             # The stream went away early (cancelled, or closed at a yield). A run with an
             # idempotency key outlives it (resume with WatchRun or retry with the key); one
@@ -187,8 +186,8 @@ class ToolService:
             target = await self._delivery_target(request)
             admitted = await self.runtime.admit(call, current_principal.get())
         except RequestError as error:
-            await abort_with(context, error)
-            raise  # abort_with never returns
+            await error.abort(context)
+            raise  # abort never returns
         self._deliver(admitted, target)
         return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
                                                  attached=admitted.run is None)
@@ -237,7 +236,7 @@ class ToolService:
             if log.finished and after_seq >= log.last_seq:
                 raise await self._run_finished(log, after_seq)
         except RequestError as error:
-            await abort_with(context, error)
+            await error.abort(context)
             return
         result_sent = False
         try:
@@ -255,7 +254,7 @@ class ToolService:
                     raise NotFound("the run has expired", reason=_RUN_NOT_FOUND)
                 raise await self._run_finished(finished, after_seq)
         except RequestError as error:  # fell too far behind, or the store went away
-            await abort_with(context, error)
+            await error.abort(context)
 
     @staticmethod
     async def _run_finished(log: RunLog, after_seq: int) -> RunFinished:
@@ -281,8 +280,8 @@ class ToolService:
             reason = request.reason[:500] or "cancelled by the caller"
             cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
         except RequestError as error:
-            await abort_with(context, error)
-            raise  # abort_with never returns
+            await error.abort(context)
+            raise  # abort never returns
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
     async def SteerRun(self, request: Any, context: grpc.aio.ServicerContext
@@ -305,8 +304,8 @@ class ToolService:
             await self.runtime.store.request_steer(log.run_id, request.message,
                                                    f"principal {principal.describe()}")
         except RequestError as error:
-            await abort_with(context, error)
-            raise  # abort_with never returns
+            await error.abort(context)
+            raise  # abort never returns
         return tool_service_pb2.SteerRunResponse(run_id=log.run_id)
 
     async def ListRuns(self, request: Any, context: grpc.aio.ServicerContext
@@ -329,8 +328,8 @@ class ToolService:
                 outcome=request.outcome)
             page = await self.runtime.store.list_runs(query)
         except RequestError as error:
-            await abort_with(context, error)
-            raise  # abort_with never returns
+            await error.abort(context)
+            raise  # abort never returns
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
             next_page_token=encode_page_token(page.cursor))
@@ -366,7 +365,7 @@ class ToolService:
 
 async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, MalformedRequest):
-        await abort_with(context, request.to_error())
+        await request.to_error().abort(context)
 
 
 def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:

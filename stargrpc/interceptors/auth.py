@@ -23,7 +23,7 @@ import structlog
 from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.call_record import current_call
-from stargrpc.errors import CredentialsRejected, abort_with
+from stargrpc.errors import CredentialsRejected
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
@@ -120,8 +120,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 record.outcome = "unauthenticated"
                 record.detail = f"credentials refused: {error.cause}"
             log.info("unauthenticated", cause=error.cause, method=method, peer=context.peer())
-            await abort_with(context, error)
-            raise  # abort_with raises; this keeps type checkers and readers sure of it
+            await error.abort(context)
+            raise  # abort raises; this keeps type checkers and readers sure of it
         # Each call runs in its own task, so this never leaks into another call.
         current_principal.set(principal)
         structlog.contextvars.bind_contextvars(principal=principal.id)
