@@ -1,9 +1,7 @@
 """OpenTelemetry traces (``tracing = true``): a span per call, a span per run, a span per step.
 
-- :class:`TracingInterceptor`, outermost in the chain, takes the W3C trace context
-  (``traceparent``/``tracestate``) from the call's metadata and wraps each ToolService call in
-  a SERVER span named like ``stargrpc.v1.ToolService/Execute``, current for the call's task.
-  The HTTP gateway forwards these headers, so a browser's or proxy's trace continues here.
+- :class:`~stargrpc.interceptors.tracing.TracingInterceptor`, outermost in the gRPC
+  interceptor chain, opens the call's SERVER span from the caller's W3C trace context.
 - :class:`TracingRunInterceptor`, a stage of the run pipeline
   (:class:`stargrpc.runtime.RunInterceptor`), opens the run's span (``run <tool>``)
   as a child of the call's span and follows the run through ``run.observers``: each step
@@ -18,35 +16,21 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import grpc
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from stargrpc.run import Run
 from stargrpc.runtime import RunInput, RunInterceptor
-from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.tracing")
 
 TRACER_NAME = "stargrpc"
-
-# gRPC codes that mark a server span as failed (OpenTelemetry's RPC conventions): the
-# others (NOT_FOUND, PERMISSION_DENIED, …) are the caller's problem, not the server's.
-_SERVER_ERROR_CODES = frozenset({
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DATA_LOSS,
-})
-
 
 def tracer() -> trace.Tracer:
     """stargrpc's tracer, from the global tracer provider."""
@@ -81,88 +65,6 @@ def configure_tracing(settings: Settings) -> None:
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     log.info("tracing_on", exporter=settings.tracing_exporter)
-
-
-# -- calls -------------------------------------------------------------------------------------
-
-
-class TracingInterceptor(grpc.aio.ServerInterceptor):
-    """A SERVER span per ToolService call, parented by the caller's trace context.
-
-    Other services (health, reflection) pass through untraced: they are noise in a trace.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        configure_tracing(settings)
-
-    async def start(self) -> None:
-        """Nothing to start (see :class:`stargrpc.server.Lifecycle`)."""
-
-    async def aclose(self) -> None:
-        """Flushes spans not exported yet."""
-        flush = getattr(trace.get_tracer_provider(), "force_flush", None)
-        if flush is not None:
-            await asyncio.to_thread(flush)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        name = method.lstrip("/")
-        if handler.unary_unary is not None:
-            unary = handler.unary_unary
-
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _call_span(name, context):
-                    return await unary(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext
-                                   ) -> AsyncIterator[Any]:
-                # grpc.aio serves each call in a task of its own, which iterates this
-                # generator: the span is current for the whole call and for nothing else.
-                with _call_span(name, context):
-                    async for response in stream(request, context):
-                        yield response
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler  # ToolService has no client-streaming methods
-
-
-@contextmanager
-def _call_span(name: str, context: grpc.aio.ServicerContext) -> Iterator[Span]:
-    carrier = {key: value for key, value in (context.invocation_metadata() or ())
-               if isinstance(value, str)}
-    service, _, method = name.partition("/")
-    with tracer().start_as_current_span(
-            name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-            record_exception=False, set_status_on_exception=False) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            code = context.code() if isinstance(exc, grpc.aio.AbortError) else None
-            if code is None:  # a real fault (or a cancelled call), not a refusal
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            code = context.code()
-            if isinstance(code, grpc.StatusCode):
-                span.set_attribute("rpc.grpc.status_code", code.value[0])
-                if code in _SERVER_ERROR_CODES:
-                    span.set_status(Status(StatusCode.ERROR, code.name))
 
 
 # -- runs --------------------------------------------------------------------------------------

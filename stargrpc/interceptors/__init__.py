@@ -2,8 +2,8 @@
 
 Order, outermost first, and why:
 
-0. **tracing** (``tracing = true`` only; :mod:`stargrpc.tracing`) — the call's span, parented
-   by the caller's trace context, so that it covers everything below.
+0. **tracing** (``tracing = true`` only; :mod:`stargrpc.interceptors.tracing`) — the call's
+   span, parented by the caller's trace context, so that it covers everything below.
 1. **audit** — opens the call's :class:`~stargrpc.call_record.CallRecord` and writes it when the
    call ends, so it sees *every* attempt, including those authentication refuses.
 2. **auth** — establishes the principal from credentials (never from the request body) or
@@ -22,8 +22,8 @@ import grpc
 from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.critic import CriticInterceptor
+from stargrpc.interceptors.tracing import TracingInterceptor
 from stargrpc.settings import Settings
-from stargrpc.tracing import TracingInterceptor
 
 
 def build_chain(settings: Settings) -> Sequence[grpc.aio.ServerInterceptor]:
