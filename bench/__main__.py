@@ -453,6 +453,25 @@ def peer_specs(stack: Stack, fleet: Stack | None, workdir: Path) -> tuple[list[S
     return specs, missing
 
 
+@contextlib.contextmanager
+def _seed_keys_swept(specs: list[ServerSpec]) -> Iterator[None]:
+    """Deletes the seed design's keys once its worker stopped (the worker deletes them
+    itself when it stops cleanly; this covers one that did not)."""
+    try:
+        yield
+    finally:
+        prefixes = [spec.argv[spec.argv.index("--prefix") + 1] for spec in specs
+                    if spec.name == "seed"]
+        if prefixes:
+            import redis
+
+            with contextlib.suppress(redis.RedisError), redis.Redis.from_url(REDIS_URL) as db:
+                for prefix in prefixes:
+                    keys = list(db.scan_iter(match=f"{prefix}*", count=1000))
+                    for start in range(0, len(keys), 1000):
+                        db.unlink(*keys[start:start + 1000])
+
+
 def _for(step: dict[str, Any], running: list[Server]) -> dict[str, Any]:
     """A plan step for the servers taking part in it (``PARTS``), with their process ids
     where it takes them."""
@@ -461,7 +480,18 @@ def _for(step: dict[str, Any], running: list[Server]) -> dict[str, Any]:
     step = {**step, "targets": chosen}
     if "server_pids" in step:
         step["server_pids"] = [running[k].pid for k in chosen]
+    if step["measure"] == "concurrency":
+        step["process_pids"] = [[running[k].pid, *_children(running[k].pid)] for k in chosen]
     return step
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (the workers of ``--workers``), from /proc."""
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 def run_pair(sizes: Sizes, stack: Stack, fleet: Stack | None, workdir: Path, say: Any
@@ -477,7 +507,7 @@ def run_pair(sizes: Sizes, stack: Stack, fleet: Stack | None, workdir: Path, say
     peers, missing = peer_specs(stack, fleet, workdir)
     specs = [*pair_specs(stack, workdir), *peers]
     say(f"starting {', '.join(spec.name for spec in specs)}")
-    with servers(specs, workdir) as running:
+    with _seed_keys_swept(specs), servers(specs, workdir) as running:
         plan = [*server_plan(sizes, running), cpu_step(sizes, running)]
         if not sizes.held_fresh_server:
             plan.append(held_step(sizes, running))
@@ -710,8 +740,13 @@ PEER_NAMES = {
 
 def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]:
     """Each server's figures of the peers table, each with its ratio to bare grpc.aio; the
-    servers that could not run here with the reason."""
+    servers that could not run here with the reason; and how ``--workers``' processes
+    shared the concurrency rounds (``"workers_cpu_split"``: each process's share of their
+    CPU, the supervisor first)."""
     peers: dict[str, Any] = {}
+    split = (pair.get("workers", {}).get("concurrency") or {}).get("process_cpu_s") or []
+    if sum(split) > 0:
+        peers["workers_cpu_split"] = [used / sum(split) for used in split]
     for name in PEER_NAMES:
         if name in missing:
             peers[name] = {"missing": missing[name]}
@@ -723,7 +758,7 @@ def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]
     return peers
 
 
-def build_targets(pair: dict[str, Any]) -> list[TargetRow]:
+def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
     """The targets table of issue 15, from one run's figures."""
     rows: list[TargetRow] = []
 
@@ -753,7 +788,7 @@ def build_targets(pair: dict[str, Any]) -> list[TargetRow]:
     against_bare("Server CPU per trivial call, embedded", "stargrpc", ("cpu", "cpu_us_per_call"),
                  "µs", "≤ 1.5x", lambda r: r <= 1.5)
     concurrency = ("concurrency", "calls_per_s")
-    against_bare("200 concurrent 10 ms runs, one process (embedded)", "stargrpc", concurrency,
+    against_bare(f"{sizes.concurrency} concurrent 10 ms runs, one process (embedded)", "stargrpc", concurrency,
                  "calls/s", "≥ 0.7x", lambda r: r >= 0.7)
     against_bare(f"The same with `--workers {WORKERS}` (Redis run log), against bare's one "
                  "process", "workers", concurrency, "calls/s", "≥ 1.0x", lambda r: r >= 1.0)
@@ -827,6 +862,8 @@ def _peer_table(peers: dict[str, Any], sizes: Sizes) -> list[str]:
              "| server CPU per trivial call, µs |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, figures in peers.items():
+        if name not in PEER_NAMES:
+            continue
         if "missing" in figures:
             lines.append(f"| {PEER_NAMES[name]} | not measured: {figures['missing']} "
                          "| | | | |")
@@ -838,7 +875,11 @@ def _peer_table(peers: dict[str, Any], sizes: Sizes) -> list[str]:
             "Ratios in parentheses are to bare grpc.aio in this run. The seed design has no "
             "stream; the MCP server's is the progress notifications of one tool call. "
             "Server CPU is the serving process's own (for the seed design its worker's): the "
-            "work the shared Redis and PostgreSQL do for a call is not in it, nor the client's.",
+            "work the shared Redis and PostgreSQL do for a call is not in it, nor the client's."
+            + (f" `--workers {WORKERS}` spread its calls over {WORKER_CHANNELS} connections; "
+               "its processes' shares of its CPU in the concurrency rounds (supervisor first): "
+               + ", ".join(f"{share:.0%}" for share in peers["workers_cpu_split"]) + "."
+               if peers.get("workers_cpu_split") else ""),
             ""]
 
 
@@ -1009,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
                 pair, missing = run_pair(sizes, stack, fleet, workdir, say)
             # The layers are measured with the run log in Redis, so that it is one of them.
             layer_stack = with_redis(stack) or stack
+            info["layer_costs_layers"] = layer_stack.layers
             layers = (run_layers(sizes, layer_stack, workdir, say)
                       if sizes.layers and not args.no_layers else None)
             if args.profile or not args.no_save:
@@ -1017,10 +1059,14 @@ def main(argv: list[str] | None = None) -> int:
                         if args.profile else None)
         except BenchFailure as exc:
             print(f"bench: {exc}", file=sys.stderr)
+            # The servers' last words, before their folder goes.
+            for log in sorted(workdir.glob("*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-5:]
+                print(f"--- {log.name}:", *tail, sep="\n", file=sys.stderr)
             return 1
     rows = build_rows(pair, sizes)
     peers = build_peers(pair, missing)
-    targets = build_targets(pair)
+    targets = build_targets(pair, sizes)
     info["machine"]["load_average_end"] = os.getloadavg()
     info["seconds"] = round(time.monotonic() - started, 1)
     report = render(peers, targets, rows, layers, stack, layer_stack, info, sizes)

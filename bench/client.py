@@ -330,10 +330,12 @@ async def stream(clients: list[Target], n: int, runs: int, slow_every: int = 0,
             for runs_ in figures]
 
 
-async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: float = 10.0
-                      ) -> list[dict[str, Any]]:
+async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: float = 10.0,
+                      process_pids: list[list[int]] | None = None) -> list[dict[str, Any]]:
     """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``, the servers
-    taking turns round by round."""
+    taking turns round by round. With ``process_pids`` (per server, its processes) the CPU
+    each process used over the rounds is given too: how a server of several processes
+    shared the load out."""
 
     async def one_round(client: Target) -> float:
         started = time.perf_counter()
@@ -343,14 +345,18 @@ async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: f
 
     for client in clients:
         await one_round(client)  # warm-up: connections, code paths, allocator
+    pids = process_pids or [[] for _ in clients]
+    before = [[server_cpu_seconds(pid) for pid in group] for group in pids]
     walls: list[list[float]] = [[] for _ in clients]
     for r in range(rounds):
         for k in _turns(r, len(clients)):
             walls[k].append(await one_round(clients[k]))
+    used = [[server_cpu_seconds(pid) - b for pid, b in zip(group, start, strict=True)]
+            for group, start in zip(pids, before, strict=True)]
     return [{"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
              "median_wall_s": statistics.median(w), "calls_per_s":
              concurrent / statistics.median(w), "best_calls_per_s": concurrent / min(w),
-             "walls_s": w} for w in walls]
+             "walls_s": w, "process_cpu_s": u} for w, u in zip(walls, used, strict=True)]
 
 
 async def held(clients: list[Client], streams: int, seconds: float, server_pids: list[int],

@@ -147,6 +147,15 @@ class SeedCaller:
                                                            single_connection_client=True)
         self._pipe = Pipe(self._client)
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
+        self._reader.add_done_callback(self._reader_ended)
+
+    def _reader_ended(self, reader: asyncio.Task[None]) -> None:
+        # Nothing would answer the calls waiting: they fail now, with the reader's error.
+        error = (reader.exception() if not reader.cancelled() else None) or RuntimeError(
+            "the reply reader stopped")
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_exception(error)
 
     async def call(self, tool: str, arguments: dict[str, Any] | None = None,
                    seconds: float = 60.0) -> dict[str, Any]:
@@ -162,6 +171,8 @@ class SeedCaller:
                                             "p", request))
             if isinstance(sent, Exception):
                 raise sent
+            if self._reader.done():
+                self._reader_ended(self._reader)
             return await asyncio.wait_for(reply, seconds)
         finally:
             self._waiting.pop(correlation, None)
@@ -224,22 +235,28 @@ class SeedWorker:
     async def serve(self, stop: asyncio.Event) -> None:
         """Takes requests until ``stop`` is set."""
         while not stop.is_set():
-            found = await self._reader_client.xreadgroup(
-                GROUP, self._name, {self._requests: ">"}, count=READ_BATCH, block=1000)
-            batch = [(entry_id, json.loads(_fields(fields)[b"p"]))
-                     for _, entries in found or () for entry_id, fields in entries]
-            if not batch:
-                continue
-            # Every claim of the batch in one round trip.
-            claims = await asyncio.gather(*(self._pipe.send(
-                ("SET", f"{self._prefix}claim:{request['idem_key']}", "1", "NX", "EX",
-                 CLAIM_SECONDS)) for _, request in batch))
-            for (entry_id, request), [claimed] in zip(batch, claims, strict=True):
-                task = asyncio.create_task(
-                    self._handle(entry_id, request) if claimed is not None
-                    else self._answer_again(entry_id, request))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+            try:
+                await self._take(READ_BATCH)
+            except redis.RedisError as exc:  # say so, and read again
+                print(json.dumps({"event": "redis_error", "error": repr(exc)}), flush=True)
+
+    async def _take(self, count: int) -> None:
+        found = await self._reader_client.xreadgroup(
+            GROUP, self._name, {self._requests: ">"}, count=count, block=1000)
+        batch = [(entry_id, json.loads(_fields(fields)[b"p"]))
+                 for _, entries in found or () for entry_id, fields in entries]
+        if not batch:
+            return
+        # Every claim of the batch in one round trip.
+        claims = await asyncio.gather(*(self._pipe.send(
+            ("SET", f"{self._prefix}claim:{request['idem_key']}", "1", "NX", "EX",
+             CLAIM_SECONDS)) for _, request in batch))
+        for (entry_id, request), [claimed] in zip(batch, claims, strict=True):
+            task = asyncio.create_task(
+                self._handle(entry_id, request) if claimed is not None
+                else self._answer_again(entry_id, request))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _handle(self, entry_id: bytes, request: dict[str, Any]) -> None:
         correlation = request.get("correlation_id", "")
@@ -299,7 +316,11 @@ async def serve(url: str, prefix: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(json.dumps({"event": "serving", "address": f"seed:{url}#{prefix}"}), flush=True)
     serving = asyncio.create_task(worker.serve(stop))
-    await stop.wait()
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        stopped.cancel()
+        await serving  # it only ends early on an error: raise it (the log shows it)
     # Bounded: a read blocks at most its 1 s, then sees stop.
     with contextlib.suppress(TimeoutError, redis.RedisError):
         await asyncio.wait_for(serving, 5.0)
