@@ -788,8 +788,8 @@ def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
     against_bare("Server CPU per trivial call, embedded", "stargrpc", ("cpu", "cpu_us_per_call"),
                  "µs", "≤ 1.5x", lambda r: r <= 1.5)
     concurrency = ("concurrency", "calls_per_s")
-    against_bare(f"{sizes.concurrency} concurrent 10 ms runs, one process (embedded)", "stargrpc", concurrency,
-                 "calls/s", "≥ 0.7x", lambda r: r >= 0.7)
+    against_bare(f"{sizes.concurrency} concurrent 10 ms runs, one process (embedded)",
+                 "stargrpc", concurrency, "calls/s", "≥ 0.7x", lambda r: r >= 0.7)
     against_bare(f"The same with `--workers {WORKERS}` (Redis run log), against bare's one "
                  "process", "workers", concurrency, "calls/s", "≥ 1.0x", lambda r: r >= 1.0)
     against_bare("Stream deltas/s, embedded", "stargrpc", ("stream", "median_events_per_s"),
