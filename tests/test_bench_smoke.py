@@ -67,7 +67,7 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
     assert isinstance(layers["cpu_us_per_call"]["all on"], float)
     floor = layers["floor_cpu_us_per_call"]
     present = [layer for layer in ("audit", "run log", "auth")
-               if results["layers"][layer].startswith("on")]
+               if results["layer_costs_layers"][layer].startswith("on")]
     expected = {"all on", *(f"{layer} off" for layer in present),
                 *(["all off"] if present else [])}
     assert set(floor) == expected, floor
