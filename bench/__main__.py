@@ -741,12 +741,9 @@ PEER_NAMES = {
 def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]:
     """Each server's figures of the peers table, each with its ratio to bare grpc.aio; the
     servers that could not run here with the reason; and how ``--workers``' processes
-    shared the concurrency rounds (``"workers_cpu_split"``: each process's share of their
-    CPU, the supervisor first)."""
+    shared the concurrency rounds (``"cpu_split"``: each process's share of their CPU, the
+    supervisor first)."""
     peers: dict[str, Any] = {}
-    split = (pair.get("workers", {}).get("concurrency") or {}).get("process_cpu_s") or []
-    if sum(split) > 0:
-        peers["workers_cpu_split"] = [used / sum(split) for used in split]
     for name in PEER_NAMES:
         if name in missing:
             peers[name] = {"missing": missing[name]}
@@ -755,6 +752,9 @@ def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]
         for figure, path in PEER_FIGURES.items():
             value = _figure(pair, name, *path)
             peers[name][figure] = (value, _ratio(value, _figure(pair, "baseline", *path)))
+    split = (pair.get("workers", {}).get("concurrency") or {}).get("process_cpu_s") or []
+    if "workers" in peers and sum(split) > 0:
+        peers["workers"]["cpu_split"] = [used / sum(split) for used in split]
     return peers
 
 
@@ -862,8 +862,6 @@ def _peer_table(peers: dict[str, Any], sizes: Sizes) -> list[str]:
              "| server CPU per trivial call, µs |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, figures in peers.items():
-        if name not in PEER_NAMES:
-            continue
         if "missing" in figures:
             lines.append(f"| {PEER_NAMES[name]} | not measured: {figures['missing']} "
                          "| | | | |")
@@ -878,8 +876,8 @@ def _peer_table(peers: dict[str, Any], sizes: Sizes) -> list[str]:
             "work the shared Redis and PostgreSQL do for a call is not in it, nor the client's."
             + (f" `--workers {WORKERS}` spread its calls over {WORKER_CHANNELS} connections; "
                "its processes' shares of its CPU in the concurrency rounds (supervisor first): "
-               + ", ".join(f"{share:.0%}" for share in peers["workers_cpu_split"]) + "."
-               if peers.get("workers_cpu_split") else ""),
+               + ", ".join(f"{share:.0%}" for share in peers["workers"]["cpu_split"]) + "."
+               if peers.get("workers", {}).get("cpu_split") else ""),
             ""]
 
 

@@ -69,10 +69,16 @@ def parse_address(address: str) -> tuple[str, str]:
     return url, prefix
 
 
+#: Errors after which a connection is made again (someone may kill clients on a shared
+#: Redis: ``CLIENT KILL``).
+_LOST = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
 class Pipe:
     """Commands to Redis, every command queued in one turn of the loop sent in one round
     trip on a connection of its own (packed by hiredis, no pool lookup, lock or socket
-    timeout task per command)."""
+    timeout task per command). A batch whose connection was lost is sent once more on a
+    new one (the callers' commands are written to be safe to repeat)."""
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
         self._client = client
@@ -95,21 +101,28 @@ class Pipe:
                 await self._wanted.wait()
                 self._wanted.clear()
                 batch, self._queue = self._queue, []
-                try:
-                    await conn.send_packed_command(
-                        [hiredis.pack_command(tuple(c)) for cs, _ in batch for c in cs],
-                        check_health=False)
-                    for commands, future in batch:
-                        replies = [await self._read(conn) for _ in commands]
-                        if not future.done():
-                            future.set_result(replies)
-                except (redis.ConnectionError, OSError) as exc:
-                    await conn.disconnect(nowait=True)  # reconnects on the next send
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
+                for attempt in range(2):
+                    try:
+                        await self._round_trip(conn, batch)
+                        break
+                    except _LOST as exc:
+                        await conn.disconnect(nowait=True)  # reconnects on the next send
+                        if attempt == 1:
+                            for _, future in batch:
+                                if not future.done():
+                                    future.set_exception(exc)
         finally:
             await self._client.connection_pool.release(conn)
+
+    async def _round_trip(self, conn: Any,
+                          batch: list[tuple[Sequence[Command], asyncio.Future[list[Any]]]]
+                          ) -> None:
+        await conn.send_packed_command(
+            [hiredis.pack_command(tuple(c)) for cs, _ in batch for c in cs], check_health=False)
+        replies = [[await self._read(conn) for _ in commands] for commands, _ in batch]
+        for (_, future), found in zip(batch, replies, strict=True):
+            if not future.done():
+                future.set_result(found)
 
     @staticmethod
     async def _read(conn: Any) -> Any:
@@ -142,9 +155,11 @@ class SeedCaller:
         self._requests = f"{prefix}requests"
         self._replies = f"{prefix}reply:{uuid.uuid4().hex}"
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        self._client = redis.asyncio.Redis.from_url(url, socket_timeout=None)
-        self._reader_client = redis.asyncio.Redis.from_url(url, socket_timeout=None,
-                                                           single_connection_client=True)
+        self._client = redis.asyncio.Redis.from_url(url, socket_timeout=None,
+                                                    client_name="bench-seed-caller")
+        self._reader_client = redis.asyncio.Redis.from_url(
+            url, socket_timeout=None, single_connection_client=True,
+            client_name="bench-seed-caller")
         self._pipe = Pipe(self._client)
         self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         self._reader.add_done_callback(self._reader_ended)
@@ -178,10 +193,14 @@ class SeedCaller:
             self._waiting.pop(correlation, None)
 
     async def _read_replies(self) -> None:
-        last = "0-0"  # the stream is this caller's own, new: everything on it is a reply
+        last: str | bytes = "0-0"  # the stream is this caller's own, new: all of it replies
         while True:
-            found = await self._reader_client.xread({self._replies: last}, count=512,
-                                                    block=5000)
+            try:
+                found = await self._reader_client.xread({self._replies: last}, count=512,
+                                                        block=5000)
+            except _LOST:  # read again from the last reply seen, on a new connection
+                await asyncio.sleep(0.05)
+                continue
             for _, entries in found or ():
                 for entry_id, fields in entries:
                     last = entry_id
@@ -222,9 +241,11 @@ class SeedWorker:
         self._prefix = prefix
         self._requests = f"{prefix}requests"
         self._name = name
-        self._client = redis.asyncio.Redis.from_url(url, socket_timeout=None)
-        self._reader_client = redis.asyncio.Redis.from_url(url, socket_timeout=None,
-                                                           single_connection_client=True)
+        self._client = redis.asyncio.Redis.from_url(url, socket_timeout=None,
+                                                    client_name="bench-seed-worker")
+        self._reader_client = redis.asyncio.Redis.from_url(
+            url, socket_timeout=None, single_connection_client=True,
+            client_name="bench-seed-worker")
         self._pipe = Pipe(self._client)
         self._running: set[asyncio.Task[None]] = set()
 
@@ -234,26 +255,36 @@ class SeedWorker:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Takes requests until ``stop`` is set."""
+        pending = False
         while not stop.is_set():
             try:
-                await self._take(READ_BATCH)
+                await self._take(READ_BATCH, pending)
+                pending = False
             except redis.RedisError as exc:  # say so, and read again
-                print(json.dumps({"event": "redis_error", "error": repr(exc)}), flush=True)
+                print(json.dumps({"event": "redis_error", "error": f"{exc!r}: {exc}"}),
+                      flush=True)
+                # Requests delivered on a lost connection are this worker's, pending: take
+                # them again first.
+                pending = isinstance(exc, _LOST)
+                await asyncio.sleep(0.05)
 
-    async def _take(self, count: int) -> None:
+    async def _take(self, count: int, pending: bool = False) -> None:
         found = await self._reader_client.xreadgroup(
-            GROUP, self._name, {self._requests: ">"}, count=count, block=1000)
+            GROUP, self._name, {self._requests: "0" if pending else ">"}, count=count,
+            block=None if pending else 1000)
         batch = [(entry_id, json.loads(_fields(fields)[b"p"]))
                  for _, entries in found or () for entry_id, fields in entries]
         if not batch:
             return
-        # Every claim of the batch in one round trip.
+        # Every claim of the batch in one round trip. The previous holder comes back (GET): a
+        # claim this worker already holds (sent again after a lost connection) is its own.
         claims = await asyncio.gather(*(self._pipe.send(
-            ("SET", f"{self._prefix}claim:{request['idem_key']}", "1", "NX", "EX",
-             CLAIM_SECONDS)) for _, request in batch))
-        for (entry_id, request), [claimed] in zip(batch, claims, strict=True):
+            ("SET", f"{self._prefix}claim:{request['idem_key']}", self._name, "NX", "GET",
+             "EX", CLAIM_SECONDS)) for _, request in batch))
+        mine = (None, self._name.encode())
+        for (entry_id, request), [holder] in zip(batch, claims, strict=True):
             task = asyncio.create_task(
-                self._handle(entry_id, request) if claimed is not None
+                self._handle(entry_id, request) if holder in mine
                 else self._answer_again(entry_id, request))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
