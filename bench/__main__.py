@@ -213,7 +213,14 @@ def run_plan(targets: list[Server], plan: list[dict[str, Any]], token: str = "",
     if done.returncode != 0 or "error" in figures:
         raise BenchFailure(f"measuring {names} failed: "
                            f"{figures.get('error') or done.stderr[-1500:]}")
+    for retried in figures.pop("retried_unavailable", []):
+        for reason, count in retried.items():
+            RETRIED[reason] = RETRIED.get(reason, 0) + count
     return dict(figures)
+
+
+#: Calls the client made again after UNAVAILABLE in this run, by reason (``bench/client.py``).
+RETRIED: dict[str, int] = {}
 
 
 # -- the servers ---------------------------------------------------------------------------
@@ -923,6 +930,11 @@ def render(peers: dict[str, Any], targets: list[TargetRow], rows: list[Row],
         lines += ["**What each layer costs**, with the run log in Redis so that it is one of "
                   "them: " + "; ".join(f"**{k}** {v}" for k, v in layer_stack.layers.items()),
                   "", *_layer_table(layers, layer_stack)]
+    if info.get("retried_unavailable"):
+        lines += ["Calls made again after UNAVAILABLE (the shared Redis lost its connections; "
+                  "their time counts): " + "; ".join(
+                      f"{count} x {reason}"
+                      for reason, count in info["retried_unavailable"].items()), ""]
     m = info["machine"]
     lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux "
               f"{m['kernel']}, Python {m['python']}, grpcio {m['grpcio']}, protobuf "
@@ -1067,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = build_targets(pair, sizes)
     info["machine"]["load_average_end"] = os.getloadavg()
     info["seconds"] = round(time.monotonic() - started, 1)
+    info["retried_unavailable"] = RETRIED
     report = render(peers, targets, rows, layers, stack, layer_stack, info, sizes)
     if profiles:
         report += render_profiles(profiles)
