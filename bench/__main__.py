@@ -14,7 +14,7 @@ grpc.aio's and the floor's. Then it measures the server CPU per call with each l
 floor (whose layers are only their I/O).
 
     python -m bench             # full run, a few minutes
-    python -m bench --quick     # reduced pass, under a minute
+    python -m bench --quick     # reduced pass, a minute or two
     python -m bench --profile   # also py-spy profiles of the hot paths
 
 Each run is saved in ``bench/runs/`` (git-ignored; JSON with every figure, and the table as
@@ -1019,7 +1019,7 @@ def render_profiles(profiles: dict[str, Any], top: int = 12) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="A reduced pass, under a minute.")
+    parser.add_argument("--quick", action="store_true", help="A reduced pass, a minute or two.")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true",
                         help="Also record py-spy profiles of the hot paths.")
