@@ -276,15 +276,16 @@ class SeedWorker:
                  for _, entries in found or () for entry_id, fields in entries]
         if not batch:
             return
-        # Every claim of the batch in one round trip. The previous holder comes back (GET): a
-        # claim this worker already holds (sent again after a lost connection) is its own.
+        # Every claim of the batch in one round trip, each holding the id of the request it
+        # was made for: the previous holder comes back (GET), so a claim sent again for the
+        # same request (after a lost connection) is still its own, while another request
+        # with the same idempotency key finds it taken.
         claims = await asyncio.gather(*(self._pipe.send(
-            ("SET", f"{self._prefix}claim:{request['idem_key']}", self._name, "NX", "GET",
-             "EX", CLAIM_SECONDS)) for _, request in batch))
-        mine = (None, self._name.encode())
+            ("SET", f"{self._prefix}claim:{request['idem_key']}", entry_id, "NX", "GET",
+             "EX", CLAIM_SECONDS)) for entry_id, request in batch))
         for (entry_id, request), [holder] in zip(batch, claims, strict=True):
             task = asyncio.create_task(
-                self._handle(entry_id, request) if holder in mine
+                self._handle(entry_id, request) if holder in (None, entry_id)
                 else self._answer_again(entry_id, request))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
