@@ -25,6 +25,7 @@ run the repository keeps. Only 127.0.0.1 is ever used; every loop is bounded.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -41,6 +42,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import asyncpg
+import redis
 
 from bench import profiling
 
@@ -310,7 +314,6 @@ def with_redis(stack: Stack) -> Stack | None:
 
 def _postgres(statement: str) -> None:
     """Runs one statement on the fleet's PostgreSQL database."""
-    import asyncpg
 
     async def run() -> None:
         conn = await asyncpg.connect(POSTGRES_URL, timeout=10)
@@ -318,8 +321,6 @@ def _postgres(statement: str) -> None:
             await conn.execute(statement)
         finally:
             await conn.close()
-
-    import asyncio
 
     asyncio.run(run())
 
@@ -470,8 +471,6 @@ def _seed_keys_swept(specs: list[ServerSpec]) -> Iterator[None]:
         prefixes = [spec.argv[spec.argv.index("--prefix") + 1] for spec in specs
                     if spec.name == "seed"]
         if prefixes:
-            import redis
-
             with contextlib.suppress(redis.RedisError), redis.Redis.from_url(REDIS_URL) as db:
                 for prefix in prefixes:
                     keys = list(db.scan_iter(match=f"{prefix}*", count=1000))
