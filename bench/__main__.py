@@ -446,10 +446,10 @@ def peer_specs(stack: Stack, fleet: Stack | None, workdir: Path) -> tuple[list[S
     redis_stack = with_redis(stack)
     if redis_stack is not None:
         # Its own audit file: the embedded server's is not shared with another server.
-        env = {**redis_stack.env, "STARGRPC_WORKERS": str(WORKERS),
+        env = {**redis_stack.env,
                "STARGRPC_AUDIT_STORE": f"sqlite:///{workdir / 'workers-audit.db'}"}
-        specs.append(ServerSpec("workers", stargrpc_argv(), env, serving=WORKERS,
-                                channels=WORKER_CHANNELS))
+        specs.append(ServerSpec("workers", [*stargrpc_argv(), "--workers", str(WORKERS)], env,
+                                serving=WORKERS, channels=WORKER_CHANNELS))
         prefix = f"bench:seed:{uuid.uuid4().hex[:12]}:"
         specs.append(ServerSpec("seed", [sys.executable, "-m", "bench.seed_peer",
                                          "--redis-url", REDIS_URL, "--prefix", prefix],
