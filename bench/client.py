@@ -1,4 +1,4 @@
-"""The benchmark client: the SAME code drives stargrpc and the bare baseline.
+"""The benchmark client: the SAME code drives stargrpc, the bare baseline and the peers.
 
 It runs a plan of measurements against one or more servers over one channel each, the
 servers taking turns call by call (or run by run), so that the noise of a shared machine
@@ -7,10 +7,18 @@ falls on all of them alike; it prints the figures as one JSON object::
     python -m bench.client --target 127.0.0.1:A --target 127.0.0.1:B \\
         --plan '[{"measure": "latency", "calls": 2000, "warmup": 200}]'
 
+A target is a gRPC server (``127.0.0.1:PORT``; ``grpc*N:127.0.0.1:PORT`` spreads the calls
+over N channels, each its own connection, for a server whose processes share the port), the
+seed-design peer (``seed:REDIS_URL#PREFIX``, :mod:`bench.seed_peer`) or the MCP peer
+(``mcp:URL``, :mod:`bench.mcp`, driven by the official SDK's client). A plan step's
+``targets`` (indices into the ``--target`` list) names the servers it measures; by default
+all of them.
+
 Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms, coalesce,
 server_pids, coalesce_deltas), concurrency
 (concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
-warmup, server_pids, block).
+warmup, server_pids, block). The peers take part in latency, concurrency and cpu; the MCP
+peer in stream too (its tool reports progress); held and the slow reader are gRPC's.
 
 It runs in its own process (the orchestrator, ``python -m bench``, starts it), so client and
 server never share an interpreter. Every loop is bounded in count and in time, and the only
@@ -33,6 +41,8 @@ from typing import Any
 
 import grpc
 
+from bench.mcp import McpPeerClient
+from bench.seed_peer import SeedCaller, parse_address
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 #: Width of one streamed delta, as the benchmark tools send them ("0000001\n").
@@ -48,6 +58,11 @@ class BenchError(RuntimeError):
     """A call did not produce what the benchmark expects."""
 
 
+#: Calls made a second time after UNAVAILABLE, by the server's reason (printed with the
+#: figures, so that a run that needed them says so).
+RETRIES: dict[str, int] = {}
+
+
 @dataclass
 class Call:
     """What one Execute delivered."""
@@ -55,7 +70,7 @@ class Call:
     seconds: float
     messages: int
     wire_bytes: int
-    result: events_pb2.Result
+    result: Any  # events_pb2.Result over gRPC, the peer's own reply otherwise
 
 
 def server_cpu_seconds(pid: int) -> float:
@@ -77,16 +92,28 @@ def percentile(values: Sequence[float], share: float) -> float:
 
 
 class Client:
-    """One channel to one server, and the Execute calls the measurements make."""
+    """One channel to one server (or ``channels`` of them, each its own connection, taking
+    the calls in turn), and the Execute calls the measurements make."""
 
-    def __init__(self, target: str, token: str = "") -> None:
+    def __init__(self, target: str, token: str = "", channels: int = 1) -> None:
         # Many streams on one connection: lift the client's own per-connection limits so the
-        # server, not the client, is what is measured.
-        self.channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ])
-        self.stub = tool_service_pb2_grpc.ToolServiceStub(self.channel)
+        # server, not the client, is what is measured. A local subchannel pool gives each
+        # channel a connection of its own, which the kernel hands to one of the processes
+        # sharing the port (SO_REUSEPORT).
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if channels > 1:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channels = [grpc.aio.insecure_channel(target, options=options)
+                         for _ in range(max(1, channels))]
+        self.stubs = [tool_service_pb2_grpc.ToolServiceStub(c) for c in self.channels]
+        self._next = 0
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    @property
+    def stub(self) -> tool_service_pb2_grpc.ToolServiceStub:
+        stub = self.stubs[self._next]
+        self._next = (self._next + 1) % len(self.stubs)
+        return stub
 
     def start(self, tool_name: str, arguments: dict[str, Any] | None = None,
               timeout: float = CALL_TIMEOUT, coalesce_deltas: bool = False) -> Any:
@@ -102,14 +129,25 @@ class Client:
     async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
                       expect_messages: int | None = None,
                       rpc_timeout: float = CALL_TIMEOUT) -> Call:
-        """Runs one call to its Result."""
+        """Runs one call to its Result. A call refused with UNAVAILABLE before its first
+        message ("retry shortly": a shared Redis that lost its connections) is made once
+        more, as a client following that advice would; the time of both counts, and
+        :data:`RETRIES` counts them."""
         started = time.perf_counter()
         messages = wire = 0
         last = None
-        async for response in self.start(tool_name, arguments, rpc_timeout):
-            messages += 1
-            wire += response.ByteSize()
-            last = response
+        for attempt in range(2):
+            try:
+                async for response in self.start(tool_name, arguments, rpc_timeout):
+                    messages += 1
+                    wire += response.ByteSize()
+                    last = response
+                break
+            except grpc.aio.AioRpcError as exc:
+                if attempt or messages or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                RETRIES[exc.details() or "UNAVAILABLE"] = RETRIES.get(
+                    exc.details() or "UNAVAILABLE", 0) + 1
         seconds = time.perf_counter() - started
         if last is None or not last.event.HasField("result"):
             raise BenchError(f"{tool_name}: the stream ended without a Result")
@@ -121,7 +159,93 @@ class Client:
         return Call(seconds, messages, wire, last.event.result)
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
+
+
+class SeedPeer:
+    """The seed-design peer through the same measurements: one reply per call."""
+
+    def __init__(self, address: str) -> None:
+        self.caller = SeedCaller(*parse_address(address))
+
+    async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
+                      expect_messages: int | None = None,
+                      rpc_timeout: float = CALL_TIMEOUT) -> Call:
+        started = time.perf_counter()
+        reply = await self.caller.call(tool_name, arguments, rpc_timeout)
+        seconds = time.perf_counter() - started
+        if "error" in reply:
+            raise BenchError(f"{tool_name}: {reply['error']}")
+        return Call(seconds, 1, 0, reply)
+
+    async def close(self) -> None:
+        await self.caller.close()
+
+
+class McpPeer:
+    """The MCP peer through the same measurements, with the SDK's client."""
+
+    def __init__(self, address: str) -> None:
+        self.client = McpPeerClient(address[len("mcp:"):])
+
+    async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
+                      expect_messages: int | None = None,
+                      rpc_timeout: float = CALL_TIMEOUT) -> Call:
+        started = time.perf_counter()
+        try:
+            result = await self.client.call(tool_name, arguments, seconds=rpc_timeout)
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from exc
+        return Call(time.perf_counter() - started, 1, 0, result)
+
+    async def stream_once(self, n: int, server_pid: int | None) -> dict[str, float]:
+        """One ``bench_stream`` call: ``n`` progress notifications, each checked to arrive
+        once and in order."""
+        cpu_before = server_cpu_seconds(server_pid) if server_pid else 0.0
+        expected = 1
+
+        async def progress(value: float, total: float | None, message: str | None) -> None:
+            nonlocal expected
+            if int(value) != expected or message != f"{expected:07d}\n":
+                raise BenchError(f"progress {expected} missing or out of order")
+            expected += 1
+
+        started = time.perf_counter()
+        try:
+            await self.client.call("bench_stream", {"n": n}, progress=progress)
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from exc
+        seconds = time.perf_counter() - started
+        cpu_used = server_cpu_seconds(server_pid) - cpu_before if server_pid else 0.0
+        if expected - 1 != n:
+            raise BenchError(f"stream: {expected - 1} of {n} progress notifications")
+        return {"seconds": seconds, "messages": n, "events": n, "bytes": 0,
+                "messages_per_s": n / seconds, "events_per_s": n / seconds,
+                "tool_events_per_s": 0.0, "server_cpu_us_per_event": cpu_used / n * 1e6}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+Target = Client | SeedPeer | McpPeer
+
+
+async def connect(target: str, token: str = "") -> Target:
+    """The client for a ``--target`` (module docstring); only 127.0.0.1 is ever reached."""
+    if target.startswith("seed:"):
+        return SeedPeer(target)
+    if target.startswith("mcp:"):
+        peer = McpPeer(target)
+        await peer.client.open()
+        return peer
+    channels = 1
+    if target.startswith("grpc*"):
+        count, target = target[len("grpc*"):].split(":", 1)
+        channels = min(max(1, int(count)), 64)
+    if not target.startswith(("127.", "localhost:")):
+        raise SystemExit("the benchmark only talks to 127.0.0.1")
+    return Client(target, token, channels)
 
 
 def _turns(index: int, count: int) -> list[int]:
@@ -131,7 +255,7 @@ def _turns(index: int, count: int) -> list[int]:
     return [(index + k) % count for k in range(count)]
 
 
-async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[str, Any]]:
+async def latency(clients: list[Target], calls: int, warmup: int) -> list[dict[str, Any]]:
     """Sequential trivial calls (START, END, Result), the servers taking turns call by call:
     latency percentiles after warm-up."""
     for client in clients:
@@ -149,9 +273,13 @@ async def latency(clients: list[Client], calls: int, warmup: int) -> list[dict[s
              "bytes_per_call": w} for s, w in zip(seconds, wire, strict=True)]
 
 
-async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
+async def _stream_once(client: Target, n: int, slow_every: int, slow_ms: float,
                        coalesce: int, server_pid: int | None, coalesce_deltas: bool
                        ) -> dict[str, float]:
+    if isinstance(client, McpPeer):
+        return await client.stream_once(n, server_pid)
+    if not isinstance(client, Client):
+        raise BenchError("this peer has no stream of deltas")
     cpu_before = server_cpu_seconds(server_pid) if server_pid else 0.0
     started = time.perf_counter()
     messages = events = wire = 0
@@ -190,7 +318,7 @@ async def _stream_once(client: Client, n: int, slow_every: int, slow_ms: float,
     }
 
 
-async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
+async def stream(clients: list[Target], n: int, runs: int, slow_every: int = 0,
                  slow_ms: float = 1.0, coalesce: int = 1,
                  server_pids: list[int] | None = None,
                  coalesce_deltas: bool = False) -> list[dict[str, Any]]:
@@ -218,12 +346,14 @@ async def stream(clients: list[Client], n: int, runs: int, slow_every: int = 0,
             for runs_ in figures]
 
 
-async def concurrency(clients: list[Client], concurrent: int, rounds: int, ms: float = 10.0
-                      ) -> list[dict[str, Any]]:
+async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: float = 10.0,
+                      process_pids: list[list[int]] | None = None) -> list[dict[str, Any]]:
     """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``, the servers
-    taking turns round by round."""
+    taking turns round by round. With ``process_pids`` (per server, its processes) the CPU
+    each process used over the rounds is given too: how a server of several processes
+    shared the load out."""
 
-    async def one_round(client: Client) -> float:
+    async def one_round(client: Target) -> float:
         started = time.perf_counter()
         await asyncio.gather(*(client.execute("bench_wait", {"ms": ms}, expect_messages=3)
                                for _ in range(concurrent)))
@@ -231,14 +361,18 @@ async def concurrency(clients: list[Client], concurrent: int, rounds: int, ms: f
 
     for client in clients:
         await one_round(client)  # warm-up: connections, code paths, allocator
+    pids = process_pids or [[] for _ in clients]
+    before = [[server_cpu_seconds(pid) for pid in group] for group in pids]
     walls: list[list[float]] = [[] for _ in clients]
     for r in range(rounds):
         for k in _turns(r, len(clients)):
             walls[k].append(await one_round(clients[k]))
+    used = [[server_cpu_seconds(pid) - b for pid, b in zip(group, start, strict=True)]
+            for group, start in zip(pids, before, strict=True)]
     return [{"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
              "median_wall_s": statistics.median(w), "calls_per_s":
              concurrent / statistics.median(w), "best_calls_per_s": concurrent / min(w),
-             "walls_s": w} for w in walls]
+             "walls_s": w, "process_cpu_s": u} for w, u in zip(walls, used, strict=True)]
 
 
 async def held(clients: list[Client], streams: int, seconds: float, server_pids: list[int],
@@ -320,7 +454,7 @@ async def _until_idle(pid: int, *, quiet_s: float = 0.25, limit_s: float = 20.0)
         before = now
 
 
-async def cpu(clients: list[Client], calls: int, warmup: int, server_pids: list[int],
+async def cpu(clients: list[Target], calls: int, warmup: int, server_pids: list[int],
               block: int = 1) -> list[dict[str, Any]]:
     """Each server's CPU time per sequential trivial call (user + system, from /proc), the
     servers taking turns ``block`` calls at a time.
@@ -365,25 +499,26 @@ MEASURES: dict[str, Callable[..., Awaitable[list[dict[str, Any]]]]] = {
 }
 
 
-async def run_plan(clients: list[Client], plan: list[dict[str, Any]]
+async def run_plan(clients: list[Target], plan: list[dict[str, Any]]
                    ) -> dict[str, list[dict[str, Any]]]:
-    """Runs each planned measurement in turn on every client; the figures by the plan's
-    ``name`` (default: the measure), one entry per client in the order given."""
+    """Runs each planned measurement in turn on its ``targets`` (default: every client); the
+    figures by the plan's ``name`` (default: the measure), one entry per client measured, in
+    the order of ``targets``."""
     figures = {}
     for entry in plan:
         arguments = dict(entry)
         measure = arguments.pop("measure")
         name = arguments.pop("name", measure)
-        figures[name] = await MEASURES[measure](clients, **arguments)
+        chosen = [clients[k] for k in arguments.pop("targets", range(len(clients)))]
+        figures[name] = await MEASURES[measure](chosen, **arguments)
     return figures
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    for target in args.target:
-        if not target.startswith(("127.", "localhost:")):
-            raise SystemExit("the benchmark only talks to 127.0.0.1")
-    clients = [Client(target, args.token) for target in args.target]
+    clients: list[Target] = []
     try:
+        for target in args.target:
+            clients.append(await connect(target, args.token))
         return await run_plan(clients, json.loads(args.plan))
     finally:
         for client in clients:
@@ -397,6 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     except (BenchError, grpc.aio.AioRpcError) as exc:
         print(json.dumps({"error": str(exc)[:500]}))
         sys.exit(1)
+    if RETRIES:
+        figures["retried_unavailable"] = [RETRIES]
     print(json.dumps(figures))
 
 

@@ -1,4 +1,5 @@
-"""``python -m bench.mcp``: one tool call three ways, measured in the same run.
+"""``python -m bench.mcp``: one tool call three ways, measured in the same run; and the MCP
+peer of ``python -m bench``.
 
 - **gRPC**: stargrpc's Execute of ``echo``, the Python SDK (``stargrpc.client``);
 - **stargrpc over MCP**: the same call through stargrpc's MCP endpoint (``--mcp-port``),
@@ -13,12 +14,22 @@ ratio to the gRPC call. Performance is judged from these printed ratios, never b
 
     python -m bench.mcp             # 300 calls each
     python -m bench.mcp --smoke     # 20 calls each (the test that keeps this code alive)
+
+The plain server is :func:`peer_server` (``python -m bench.mcp --serve --port N``): an MCP
+server of the official SDK over streamable HTTP, as its documentation starts one, with
+``echo`` and the benchmark's tools — ``bench_trivial``, ``bench_wait`` (awaits ``ms``) and
+``bench_stream`` (reports ``n`` progress notifications, each carrying one delta's text).
+``python -m bench`` measures it beside stargrpc through :class:`McpPeerClient`, the SDK's
+own client.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
+import json
 import os
 import signal
 import socket
@@ -29,10 +40,14 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
+import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import Context, MCPServer
 
 from stargrpc.client import AsyncClient
 
@@ -40,21 +55,90 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Longest wait for a server process to listen.
 _START_SECONDS = 60.0
 
-_PLAIN_SERVER = """
-import sys
-from mcp.server.mcpserver import MCPServer
 
-server = MCPServer("plain-echo")
 
-@server.tool()
-async def echo(text: str) -> str:
-    \"\"\"Say the text back.\"\"\"
-    return text
+def peer_server() -> MCPServer:
+    """The plain MCP server: ``echo`` and the benchmark's tools, written with the SDK."""
+    server = MCPServer("bench-peer")
 
-import uvicorn
-uvicorn.run(server.streamable_http_app(), host="127.0.0.1", port=int(sys.argv[1]),
-            log_level="warning")
-"""
+    @server.tool()
+    async def echo(text: str) -> str:
+        """Say the text back."""
+        return text
+
+    @server.tool()
+    async def bench_trivial() -> str:
+        """Do nothing (call latency)."""
+        return ""
+
+    @server.tool()
+    async def bench_wait(ms: float = 10.0) -> str:
+        """Await ``ms`` milliseconds (concurrency)."""
+        await asyncio.sleep(ms / 1000)
+        return ""
+
+    @server.tool()
+    async def bench_stream(ctx: Context, n: int = 1000) -> str:
+        """Report ``n`` progress notifications, each with one delta's text (streaming)."""
+        for i in range(1, n + 1):
+            await ctx.report_progress(i, n, f"{i:07d}\n")
+        return f"streamed {n}"
+
+    return server
+
+
+async def serve_peer(port: int) -> None:
+    """Serves :func:`peer_server` on 127.0.0.1 (``port`` 0: any free one) with uvicorn; prints
+    ``{"event": "serving", "address": "mcp:URL"}`` once it listens, and stops on SIGTERM."""
+    # Said to be TCP, so that asyncio switches Nagle's algorithm off on every connection
+    # accepted (a plain socket() leaves it on: 40 ms more per call, the delayed ACK).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    config = uvicorn.Config(peer_server().streamable_http_app(), log_level="warning",
+                            lifespan="on")
+    # Listening from here on: a connection made before uvicorn accepts waits in the backlog.
+    sock.listen(2048)
+    # The same collector settings as `stargrpc serve` and the bare baseline.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5_000, 20, 20)
+    print(json.dumps({"event": "serving",
+                      "address": f"mcp:http://127.0.0.1:{sock.getsockname()[1]}/mcp"}),
+          flush=True)
+    await uvicorn.Server(config).serve(sockets=[sock])  # it handles SIGTERM and SIGINT
+
+
+class McpPeerClient:
+    """The official SDK's client over streamable HTTP, as the benchmark client drives it."""
+
+    def __init__(self, url: str) -> None:
+        if urlsplit(url).hostname not in ("127.0.0.1", "localhost"):
+            raise ValueError("the benchmark only talks to 127.0.0.1")
+        self.url = url
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Client | None = None
+
+    async def open(self) -> McpPeerClient:
+        # The SDK's default HTTP client (its own timeouts and connection limits).
+        self._client = await self._stack.enter_async_context(
+            Client(streamable_http_client(self.url)))  # type: ignore[arg-type]
+        return self
+
+    async def call(self, tool: str, arguments: dict[str, Any] | None = None,
+                   progress: Callable[[float, float | None, str | None], Awaitable[None]]
+                   | None = None, seconds: float = 60.0) -> Any:
+        """One tool call to its result; raises when the tool reports an error."""
+        assert self._client is not None, "open() first"
+        result = await self._client.call_tool(tool, arguments or {},
+                                              read_timeout_seconds=seconds,
+                                              progress_callback=progress)
+        if result.is_error:
+            raise RuntimeError(f"{tool}: {result.content}")
+        return result
+
+    async def close(self) -> None:
+        await self._stack.aclose()
 
 
 def _free_port() -> int:
@@ -118,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.mcp", description=__doc__)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--smoke", action="store_true", help="20 calls each")
+    parser.add_argument("--serve", action="store_true",
+                        help="Only serve the plain MCP server (on --port) until SIGTERM.")
+    parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.serve:
+        asyncio.run(serve_peer(args.port))
+        return 0
     calls = 20 if args.smoke else min(max(args.calls, 10), 10_000)
     grpc_port, mcp_port, plain_port = _free_port(), _free_port(), _free_port()
     with tempfile.TemporaryDirectory(prefix="bench-mcp-") as state:
@@ -128,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                               str(grpc_port), "--mcp-port", str(mcp_port),
                               "--insecure-no-auth"], env=env, cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            subprocess.Popen([sys.executable, "-c", _PLAIN_SERVER, str(plain_port)], env=env,
+            subprocess.Popen([sys.executable, "-m", "bench.mcp", "--serve", "--port",
+                              str(plain_port)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
         ]
         try:
