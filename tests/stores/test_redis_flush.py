@@ -141,17 +141,25 @@ async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> 
     assert opened is not None and opened.finished and opened.last_seq == 3
 
 
-async def test_the_flusher_reconnects_when_its_connection_is_cut(store: RedisRunStore) -> None:
-    first = await _published(store)
-    _run_whole(first)
-    assert await store.flushed(10)
-    # Cut every connection of the flusher's client (as a Redis restart or a proxy would).
-    await store.redis.client_kill_filter(_type="normal", skipme=True)
+async def test_the_flusher_reconnects_when_its_connection_is_cut(tmp_path: Path) -> None:
+    # A Redis of the test's own: cutting connections on the shared one would cut everybody's.
+    own = OwnRedis(_free_port(), tmp_path)
+    own.start()
+    store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0"))
+    try:
+        first = await _published(store)
+        _run_whole(first)
+        assert await store.flushed(10)
+        # Cut every connection of the flusher's client (as a Redis restart or a proxy would).
+        await store.redis.client_kill_filter(_type="normal", skipme=True)
 
-    second = await _published(store)
-    _run_whole(second)
-    assert await store.flushed(10)
-    opened = await RedisRunStore(store.redis, prefix=store.prefix).open(second.run_id)
+        second = await _published(store)
+        _run_whole(second)
+        assert await store.flushed(10)
+        opened = await RedisRunStore(store.redis).open(second.run_id)
+    finally:
+        await store.aclose()
+        own.stop()
 
     assert opened is not None and opened.finished and opened.last_seq == 3
 
