@@ -28,12 +28,13 @@ one connection, however many runs are going.
 A run costs Redis **one** script call when it can: a run without an idempotency key is
 registered (lease and meta hash) by the same script call that appends its first batch of
 events, after the run has started, so nothing of it is on the call's critical path; other
-replicas find it from then on (a couple of milliseconds after its START). A run with a key
-is registered by the script that wins its claim, before it starts (a replica that sees the
-claim must find the run). Either way a call fails within ``redis_timeout_seconds`` with UNAVAILABLE
-when Redis is down or stalled: a claim needs Redis, and a run without a key is refused while
-the store's last attempt to reach Redis failed (checked with a PING until Redis answers
-again).
+replicas find it from then on (a couple of milliseconds after its START; one asked about it
+sooner waits for that write, going by the time in the run id: see ``_first_write_of``). A
+run with a key is registered by the script that wins its claim, before it starts (a replica
+that sees the claim must find the run). Either way a call fails within
+``redis_timeout_seconds`` with UNAVAILABLE when Redis is down or stalled: a claim needs
+Redis, and a run without a key is refused while the store's last attempt to reach Redis
+failed (checked with a PING until Redis answers again).
 
 Redis stalls more often than it dies, so every write is safe to repeat: a round trip that
 timed out may still be applied when Redis resumes. Appends are idempotent per seq (an event
@@ -93,6 +94,7 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
+from stargrpc.run_ids import minted_ms
 from stargrpc.runlog import (
     CancelHandler,
     Claim,
@@ -820,16 +822,46 @@ class RedisRunStore:
         if local is not None:
             return local
         with _reachable("looking up the run"):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self._key(run_id))
-                pipe.xrevrange(self._key(run_id, "events"), count=1)
-                meta, last = await pipe.execute()
+            meta, last = await self._look_up(run_id)
+            if not meta and await self._first_write_of(run_id):
+                meta, last = await self._look_up(run_id)
         if not meta:
             return None
         last_seq = int(last[0][0].split(b"-", 1)[0]) if last else 0
         return RemoteRunLog(self, run_id, meta.get(b"owner", b"").decode(),
                             meta.get(b"tool", b"").decode(),
                             finished=meta.get(b"state") != b"running", last_seq=last_seq)
+
+    async def _look_up(self, run_id: str) -> tuple[dict[bytes, bytes], list[Any]]:
+        """A run's meta hash (empty when Redis has none) and its last event."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._key(run_id))
+            pipe.xrevrange(self._key(run_id, "events"), count=1)
+            meta, last = await pipe.execute()
+        return meta, last
+
+    async def _first_write_of(self, run_id: str) -> bool:
+        """Waits for the first events of a run that Redis does not know yet but that was
+        admitted a moment ago, going by its id (see :mod:`stargrpc.run_ids`): a run without
+        an idempotency key reaches Redis with its first flush, a few milliseconds after its
+        START — which its caller may already have passed on to a watcher on this replica.
+        Blocks on the run's event stream (XREAD), at most until the first flush could still
+        be landing (the call's and a flush's timeout, and a second for the clocks of two
+        hosts); whether an event came. An id of another form, or an older one, is not
+        waited for."""
+        minted = minted_ms(run_id)
+        if minted is None:
+            return False
+        window_ms = int((self.timeout + self.flush_timeout + 1.0) * 1000)
+        until = time.monotonic() + min(window_ms, minted + window_ms - time.time() * 1000) / 1000
+        key = self._key(run_id, "events")
+        while (left := until - time.monotonic()) > 0:
+            # In slices: a blocking read must end within the client's socket timeout.
+            reply = await self.redis.xread({key: "0-0"}, count=1,
+                                           block=max(1, min(int(left * 1000), self.block_ms)))
+            if reply:
+                return True
+        return False
 
     async def publish(self, log: RunLog) -> None:
         # No round trip: the run is registered by its claim or by its first flush.
