@@ -438,12 +438,15 @@ def _log_unavailable(action: str, error: str) -> None:
 @contextlib.contextmanager
 def _as_redis_error() -> Iterator[None]:
     """Reports what redis-py's cluster client raises on a connection torn down under it (a
-    node killed mid-command: an AttributeError on the closed writer, an OSError) as the
+    node killed mid-command: an AttributeError on the closed writer, an OSError), or when no
+    node of the cluster answers (a RedisClusterException, which is no RedisError), as the
     connection error it is."""
     try:
         yield
     except (AttributeError, OSError) as exc:
         raise RedisConnectionError(f"connection lost ({type(exc).__name__}: {exc})") from exc
+    except RedisClusterException as exc:  # no node reachable, or no node serving a slot
+        raise RedisConnectionError(f"Redis Cluster unreachable ({exc})") from exc
 
 
 @contextlib.contextmanager
@@ -1014,16 +1017,20 @@ class RedisRunStore:
             return
         try:
             async with asyncio.timeout(self.timeout):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for run_log in logs:
-                        for key in self._index_keys(run_log.owner):
-                            pipe.zadd(key, {run_log.run_id: run_log.started_ms})
-                            pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
-                            # Every write sets the same TTL from now: it only ever grows.
-                            pipe.pexpire(key, self._running_ttl_ms)
-                    await pipe.execute()
+                with _as_redis_error():
+                    await self._index_pipeline(logs)
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+
+    async def _index_pipeline(self, logs: list[RedisRunLog]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_log in logs:
+                for key in self._index_keys(run_log.owner):
+                    pipe.zadd(key, {run_log.run_id: run_log.started_ms})
+                    pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
+                    # Every write sets the same TTL from now: it only ever grows.
+                    pipe.pexpire(key, self._running_ttl_ms)
+            await pipe.execute()
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         key = self._index_key(query.owner)
@@ -1083,10 +1090,20 @@ class RedisRunStore:
         payload = json.dumps({"message": message, "source": source})
         with _reachable("steering the run"):
             # The replica running it picks this up at its next lease renewal (about a
-            # second).
-            left = await self._steer_script(
-                keys=[self._key(run_id), self._key(run_id, "steer")],
-                args=[self.max_pending_steers, payload, self._running_ttl_ms])
+            # second). The script names the steer list, which mostly does not exist yet: while
+            # the run's slot moves, Redis refuses it (TRYAGAIN) without running it, so it is
+            # sent again until the slot has moved or the call's time is up.
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    left = await self._steer_script(
+                        keys=[self._key(run_id), self._key(run_id, "steer")],
+                        args=[self.max_pending_steers, payload, self._running_ttl_ms])
+                    break
+                except _SLOT_MOVING:
+                    if time.monotonic() + _SLOT_MOVING_RETRY_SECONDS >= deadline:
+                        raise
+                    await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
         if left == -1:
             raise run_finished_error(run_id)
         if left == 0:
@@ -1277,7 +1294,14 @@ class RedisRunStore:
                 self._linger = None
             logs, self._dirty = self._dirty, {}
             self._slot_moving = False
-            if await self._flush(list(logs.values())):
+            try:
+                flushed = await self._flush(list(logs.values()))
+            except Exception:  # the flusher writes every run's events: it must go on
+                log.exception("redis_flush_error")
+                for run_log in logs.values():
+                    self._dirty.setdefault(run_log.run_id, run_log)
+                flushed = False
+            if flushed:
                 delay = 0.05
             else:
                 await asyncio.sleep(delay)
@@ -1541,11 +1565,12 @@ class RedisRunStore:
         which a node serves (or redirects with ASK) while the run's slot is being moved."""
         if not runs:
             return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_log in runs:
-                pipe.get(self._key(run_log.run_id, "cancel"))
-                pipe.lpop(self._key(run_log.run_id, "steer"), self.max_pending_steers)
-            found: list[Any] = list(await pipe.execute(raise_on_error=False))
+        with _as_redis_error():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for run_log in runs:
+                    pipe.get(self._key(run_log.run_id, "cancel"))
+                    pipe.lpop(self._key(run_log.run_id, "steer"), self.max_pending_steers)
+                found: list[Any] = list(await pipe.execute(raise_on_error=False))
         replies: list[list[Any]] = []
         for run_log, reason, steers in zip(runs, found[::2], found[1::2], strict=True):
             for error in (e for e in (reason, steers) if isinstance(e, Exception)):

@@ -1,10 +1,11 @@
 """The run store while a Redis Cluster reshards (3 primaries, 3 replicas, on loopback): two
-replicas stream runs — keyed calls, long streams watched from the other replica — while half
-of a primary's slots move, three times over, each move held open so that the scripts meet
-it (slots MIGRATING with no key moved yet, then a run's events moved and its lease and meta
+replicas stream runs — keyed calls, long streams watched from the other replica, a run
+steered from the other replica — while a quarter of each primary's slots (and every long
+run's slot) moves to the next primary, each move held open so that the scripts meet it
+(slots MIGRATING with no key moved yet, then a run's events moved and its lease and meta
 hash not: Redis answers ASK and TRYAGAIN). Afterwards no event is lost, every run is whole
-in its streams and in Redis, watchers resumed mid-move without gap or duplicate, and every
-key ran its tool once."""
+in its streams and in Redis, watchers resumed mid-move without gap or duplicate, every key
+ran its tool once, and the steered run got every message."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ async def _watch_resuming(stub: Any, run_id: str, resume: asyncio.Event
     return seen + rest
 
 
+async def _steer(stub: Any, run_id: str, message: str) -> None:
+    """SteerRun, sent again (as its RetryInfo says) while it fails UNAVAILABLE: a steer
+    refused because the run's slot was moving was not left, so nothing is sent twice."""
+    for _ in range(40):
+        try:
+            await stub.SteerRun(tool_service_pb2.SteerRunRequest(run_id=run_id,
+                                                                  message=message))
+            return
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"SteerRun {message!r} never went through")
+
+
 async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
         make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
     replicas = await _two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
@@ -80,7 +95,11 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
             for round_ in range(3):
                 if round_ == 0:  # the watchers come back while these slots are open
                     asyncio.get_running_loop().call_later(_HOLD / 2, resume_watchers.set)
-                moves.append(await asyncio.to_thread(move_quarter, round_))
+                move = asyncio.ensure_future(asyncio.to_thread(move_quarter, round_))
+                await asyncio.sleep(_HOLD / 2)  # into the window the move holds open
+                # Steered from B while the slots are open (the listening run's, in one round).
+                await _steer(stubs[1], listening_id, f"round {round_}")
+                moves.append(await move)
         finally:
             resume_watchers.set()
             resharded.set()
@@ -103,8 +122,13 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
                                     idempotency_key=key()) for _ in range(_LONG_RUNS)]
         calls = [stubs[i % 2].Execute(request) for i, request in enumerate(requests)]
         firsts = [(await call.read()).event for call in calls]
+        # A run on A that waits for three steering messages, left from B, one per move.
+        listening = stubs[0].Execute(execute_request("listen", {"count": 3}))
+        listening_id = (await listening.read()).event.run_id
+        listened = asyncio.ensure_future(collect(listening))
         # The hash tag of a run's keys is its id.
-        run_slots.update(key_slot(first.run_id.encode()) for first in firsts)
+        run_slots.update(key_slot(run_id.encode())
+                         for run_id in [listening_id, *(first.run_id for first in firsts)])
         executing = [asyncio.create_task(collect(call)) for call in calls]
         attached = [asyncio.create_task(collect(stubs[(i + 1) % 2].Execute(request)))
                     for i, request in enumerate(requests)]
@@ -115,6 +139,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
         keyed = await asyncio.wait_for(asyncio.gather(
             *(keyed_worker(w) for w in range(_WORKERS))), 180)
         await asyncio.wait_for(mover, 120)
+        steered = await asyncio.wait_for(listened, 60)
         executed = [[first, *await asyncio.wait_for(task, 60)]
                     for first, task in zip(firsts, executing, strict=True)]
         joined = [await asyncio.wait_for(task, 60) for task in attached]
@@ -140,6 +165,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
 
     assert len(moves) == 3 and sum(count for *_, count in moves) > 0, moves
     assert run_slots <= moved_slots
+    assert steered[-1].result.output == "round 0 | round 1 | round 2"
     for events, joined_events, watched_events, replayed_events, in_redis in zip(
             executed, joined, watched, replayed, stored_long, strict=True):
         _assert_whole(events)
