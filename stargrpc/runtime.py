@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import Run
+from stargrpc.run_ids import new_run_id
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -340,7 +340,7 @@ class Runtime:
             record.principal = principal
         self.policy.check(principal, spec)
         args = validate(spec.args_model, request.arguments)
-        run_id = uuid.uuid4().hex
+        run_id = new_run_id()
         if record is not None:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,

@@ -17,15 +17,17 @@ import httpx
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from redis import Redis as SyncRedis
 
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.runs_support import HeaderPrincipal, as_principal, execute_request, run_registry
-from tests.stores.conftest import redis_prefix, replicas
+from tests.stores.conftest import LoopbackCluster, redis_cluster, redis_prefix, replicas
 
 pb = tool_service_pb2
-__all__ = ["redis_prefix", "replicas"]  # the Redis fixtures, shared with tests/stores
+# The Redis fixtures, shared with tests/stores.
+__all__ = ["redis_cluster", "redis_prefix", "replicas"]
 Stub = tool_service_pb2_grpc.ToolServiceStub
 
 
@@ -159,6 +161,52 @@ async def test_list_runs_across_two_replicas_on_redis(replicas, tmp_path: Path) 
     async with (grpc.aio.insecure_channel(f"127.0.0.1:{first_server.port}") as one,
                 grpc.aio.insecure_channel(f"127.0.0.1:{second_server.port}") as two):
         await check_ownership_filters_and_paging(Stub(one), Stub(two), tmp_path)
+
+
+async def test_list_runs_across_two_replicas_on_a_redis_cluster(
+        make_server: ServerFactory, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
+    """The same on a Redis Cluster (3 primaries, 3 replicas), where the indexes and the
+    runs live in slots of their own on different nodes; then, once the slots of the indexes
+    and of every listed run have moved to other primaries, the listings are unchanged."""
+    servers = [await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
+                                 redis_url=redis_cluster.url, redis_key_prefix="stargrpc:")
+               for _ in range(2)]
+    async with (grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as one,
+                grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as two):
+        first, second = Stub(one), Stub(two)
+        await check_ownership_filters_and_paging(first, second, tmp_path)
+        before = {who: await list_all(first, who) for who in (ALICE, BOB, OPS)}
+        paged = await list_all(second, OPS, page_size=3)
+        listed = {run.run_id for run in before[OPS]}
+        keys = [f"stargrpc:runs:{name}" for name in ("all", "owner:*")]
+        await asyncio.to_thread(_move_slots_of, redis_cluster, keys, listed)
+        after = {who: await list_all(second, who) for who in (ALICE, BOB, OPS)}
+        assert [r.run_id for r in await list_all(first, OPS, page_size=3)] == [
+            r.run_id for r in paged]
+    for who in (ALICE, BOB, OPS):
+        assert [r.SerializeToString() for r in after[who]] == [
+            r.SerializeToString() for r in before[who]]
+    assert [r.run_id for r in paged] == [r.run_id for r in before[OPS]]
+
+
+def _move_slots_of(cluster: LoopbackCluster, patterns: list[str], run_ids: set[str]) -> None:
+    """Moves the slots of the keys matching ``patterns`` and of the runs ``run_ids`` to
+    the next primary (each primary's share to the one after it)."""
+    from redis.crc import key_slot
+
+    wanted = {key_slot(run_id.encode()) for run_id in run_ids}  # the runs' hash tags
+    primaries = sorted(cluster.primary_ports())
+    for port in primaries:
+        node = SyncRedis(host="127.0.0.1", port=port)
+        try:
+            for pattern in patterns:
+                wanted.update(key_slot(k) for k in node.scan_iter(match=pattern, count=1000))
+        finally:
+            node.close()
+    shares = [sorted(wanted & set(cluster.slots_of(port))) for port in primaries]
+    for i, (port, share) in enumerate(zip(primaries, shares, strict=True)):
+        if share:
+            cluster.move_slots(port, primaries[(i + 1) % 3], share)
 
 
 async def test_bad_page_tokens_and_sizes_are_refused_and_the_server_goes_on(

@@ -124,9 +124,15 @@ def connect(url: str, *, timeout: float) -> tuple[Redis | RedisCluster, Topology
         return Redis.from_url(url, retry=retry, **common), "single"
     auth: dict[str, Any] = {"username": target.username, "password": target.password}
     if target.topology == "cluster":
+        # reinitialize_steps=0: a MOVED reply (a slot moved, or a replica promoted) patches
+        # the client's slot table with the node it names. By default redis-py instead
+        # rebuilds the table on every fifth MOVED by closing every connection of the client,
+        # those of other commands in flight included: during a resharding that broke
+        # watchers' reads, claims and flushes all over the fleet (connection errors for
+        # commands that had nothing to do with the moving slots).
         client = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in target.hosts],
-            ssl=target.tls, retry=retry, **auth, **common)
+            ssl=target.tls, retry=retry, reinitialize_steps=0, **auth, **common)
         return client, "cluster"
     sentinel = Sentinel(
         list(target.hosts), sentinel_kwargs={**common, **(auth if target.sentinel_auth else {})},

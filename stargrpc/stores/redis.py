@@ -28,12 +28,13 @@ one connection, however many runs are going.
 A run costs Redis **one** script call when it can: a run without an idempotency key is
 registered (lease and meta hash) by the same script call that appends its first batch of
 events, after the run has started, so nothing of it is on the call's critical path; other
-replicas find it from then on (a couple of milliseconds after its START). A run with a key
-is registered by the script that wins its claim, before it starts (a replica that sees the
-claim must find the run). Either way a call fails within ``redis_timeout_seconds`` with UNAVAILABLE
-when Redis is down or stalled: a claim needs Redis, and a run without a key is refused while
-the store's last attempt to reach Redis failed (checked with a PING until Redis answers
-again).
+replicas find it from then on (a couple of milliseconds after its START; one asked about it
+sooner waits for that write, going by the time in the run id: see ``_first_write_of``). A
+run with a key is registered by the script that wins its claim, before it starts (a replica
+that sees the claim must find the run). Either way a call fails within
+``redis_timeout_seconds`` with UNAVAILABLE when Redis is down or stalled: a claim needs
+Redis, and a run without a key is refused while the store's last attempt to reach Redis
+failed (checked with a PING until Redis answers again).
 
 Redis stalls more often than it dies, so every write is safe to repeat: a round trip that
 timed out may still be applied when Redis resumes. Appends are idempotent per seq (an event
@@ -72,16 +73,19 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
+    AskError,
+    ClusterError,
     MaxConnectionsError,
     NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:  # installed with redis[hiredis]; without it redis-py packs commands itself
@@ -90,6 +94,7 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
+from stargrpc.run_ids import minted_ms
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     CancelHandler,
@@ -125,6 +130,15 @@ _READ_COUNT = 64
 #: How long the flusher waits for more events before it writes, unless a Result is waiting:
 #: a short call's START, END and Result then go in one script call instead of two or three.
 _FLUSH_LINGER = 0.002
+#: How long a claim waits before it tries again while its slots are being moved
+#: (TRYAGAIN), and the longest the flusher waits to write again meanwhile.
+_SLOT_MOVING_RETRY_SECONDS = 0.05
+_SLOT_MOVING_FLUSH_DELAY_CAP = 0.2
+#: What a Redis Cluster answers while a slot moves (or fails over): TRYAGAIN (a multi-key
+#: script whose keys are split between two nodes, or not all there), a MOVED or ASK left
+#: over, CLUSTERDOWN, and redis-py's "TTL exhausted" after it retried those for a while.
+#: Redis is up; the command is to be sent again shortly.
+_SLOT_MOVING = (TryAgainError, AskError, ClusterError)
 
 # Registers a run of this replica: its lease and its meta hash (state running). Prepended to
 # the scripts that register; they take KEYS[1] = lease and KEYS[3] = meta.
@@ -229,9 +243,13 @@ return {1}
 
 # Renew the lease of a running run (taking it back if it lapsed); report a pending cancel
 # and hand over the steering messages other replicas left for it.
-# KEYS: lease, events, meta, cancel, steer[, claim (one Redis only)] · ARGV: token, lease_ms,
-# running_ttl_ms, replica, the claim's value · Returns {-1} (lease lost) or
+# KEYS: lease, events, meta[, cancel, steer[, claim (one Redis only)]] · ARGV: token,
+# lease_ms, running_ttl_ms, replica, the claim's value · Returns {-1} (lease lost) or
 # {1 cancel | 0, reason, steers...}.
+# On a cluster the script takes the first three keys only, which a running run has: a
+# script naming a key that does not exist (cancel and steer mostly do not) is refused with
+# TRYAGAIN for as long as its slot is being moved. The cancel and steer keys are read there
+# by single-key commands after the lease is renewed (see RedisRunStore._renew_loop).
 _RENEW = _LEASED + _KEEP_CLAIM + """
 if not leased(ARGV[1], ARGV[2], ARGV[4]) then return {-1} end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -239,11 +257,13 @@ redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 if KEYS[6] then keep_claim(KEYS[6], ARGV[5], ARGV[3]) end
 local reply = {0, ''}
-local reason = redis.call('GET', KEYS[4])
-if reason then reply = {1, reason} end
-local steers = redis.call('LRANGE', KEYS[5], 0, -1)
-if #steers > 0 then redis.call('DEL', KEYS[5]) end
-for i = 1, #steers do reply[#reply + 1] = steers[i] end
+if KEYS[4] then
+  local reason = redis.call('GET', KEYS[4])
+  if reason then reply = {1, reason} end
+  local steers = redis.call('LRANGE', KEYS[5], 0, -1)
+  if #steers > 0 then redis.call('DEL', KEYS[5]) end
+  for i = 1, #steers do reply[#reply + 1] = steers[i] end
+end
 return reply
 """
 
@@ -418,12 +438,15 @@ def _log_unavailable(action: str, error: str) -> None:
 @contextlib.contextmanager
 def _as_redis_error() -> Iterator[None]:
     """Reports what redis-py's cluster client raises on a connection torn down under it (a
-    node killed mid-command: an AttributeError on the closed writer, an OSError) as the
+    node killed mid-command: an AttributeError on the closed writer, an OSError), or when no
+    node of the cluster answers (a RedisClusterException, which is no RedisError), as the
     connection error it is."""
     try:
         yield
     except (AttributeError, OSError) as exc:
         raise RedisConnectionError(f"connection lost ({type(exc).__name__}: {exc})") from exc
+    except RedisClusterException as exc:  # no node reachable, or no node serving a slot
+        raise RedisConnectionError(f"Redis Cluster unreachable ({exc})") from exc
 
 
 @contextlib.contextmanager
@@ -442,6 +465,12 @@ def _reachable(action: str) -> Iterator[None]:
         _log_unavailable(action, str(exc))
         raise Unavailable(f"the shared run store (Redis) is unreachable ({action}); retry "
                           "shortly", reason="RUN_STORE_UNAVAILABLE",
+                          retry_after=RETRY_AFTER_SECONDS) from exc
+    except _SLOT_MOVING as exc:  # a cluster moving the slot: Redis is up, try again soon
+        _log_unavailable(action, f"slot moving: {exc}")
+        raise Unavailable(f"the shared run store (Redis Cluster) is moving or failing over "
+                          f"this run's slot ({action}); retry shortly",
+                          reason="RUN_STORE_UNAVAILABLE",
                           retry_after=RETRY_AFTER_SECONDS) from exc
     except RedisError as exc:  # Redis answered with an error: still not the caller's fault
         log.error("redis_failed", action=action, error=str(exc))
@@ -728,6 +757,7 @@ class RedisRunStore:
     _linger: asyncio.TimerHandle | None
     _flushed: asyncio.Event
     _flusher: asyncio.Task[None] | None
+    _slot_moving: bool
 
     def __init__(self, redis: Redis | RedisCluster, *, prefix: str = "stargrpc:",
                  retention: float = 600.0, lease: float = 10.0, max_events: int = 100_000,
@@ -770,6 +800,8 @@ class RedisRunStore:
         self._linger = None
         self._flushed = asyncio.Event()
         self._flusher = None
+        # Whether the last flush failed (partly) because a cluster was moving a slot.
+        self._slot_moving = False
         self._append_script = redis.register_script(_APPEND)
         self._renew_script = redis.register_script(_RENEW)
         self._end_script = redis.register_script(_END)
@@ -819,16 +851,46 @@ class RedisRunStore:
         if local is not None:
             return local
         with _reachable("looking up the run"):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self._key(run_id))
-                pipe.xrevrange(self._key(run_id, "events"), count=1)
-                meta, last = await pipe.execute()
+            meta, last = await self._look_up(run_id)
+            if not meta and await self._first_write_of(run_id):
+                meta, last = await self._look_up(run_id)
         if not meta:
             return None
         last_seq = int(last[0][0].split(b"-", 1)[0]) if last else 0
         return RemoteRunLog(self, run_id, meta.get(b"owner", b"").decode(),
                             meta.get(b"tool", b"").decode(),
                             finished=meta.get(b"state") != b"running", last_seq=last_seq)
+
+    async def _look_up(self, run_id: str) -> tuple[dict[bytes, bytes], list[Any]]:
+        """A run's meta hash (empty when Redis has none) and its last event."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._key(run_id))
+            pipe.xrevrange(self._key(run_id, "events"), count=1)
+            meta, last = await pipe.execute()
+        return meta, last
+
+    async def _first_write_of(self, run_id: str) -> bool:
+        """Waits for the first events of a run that Redis does not know yet but that was
+        admitted a moment ago, going by its id (see :mod:`stargrpc.run_ids`): a run without
+        an idempotency key reaches Redis with its first flush, a few milliseconds after its
+        START — which its caller may already have passed on to a watcher on this replica.
+        Blocks on the run's event stream (XREAD), at most until the first flush could still
+        be landing (the call's and a flush's timeout, and a second for the clocks of two
+        hosts); whether an event came. An id of another form, or an older one, is not
+        waited for."""
+        minted = minted_ms(run_id)
+        if minted is None:
+            return False
+        window_ms = int((self.timeout + self.flush_timeout + 1.0) * 1000)
+        until = time.monotonic() + min(window_ms, minted + window_ms - time.time() * 1000) / 1000
+        key = self._key(run_id, "events")
+        while (left := until - time.monotonic()) > 0:
+            # In slices: a blocking read must end within the client's socket timeout.
+            reply = await self.redis.xread({key: "0-0"}, count=1,
+                                           block=max(1, min(int(left * 1000), self.block_ms)))
+            if reply:
+                return True
+        return False
 
     async def publish(self, log: RunLog) -> None:
         # No round trip: the run is registered by its claim or by its first flush.
@@ -860,7 +922,14 @@ class RedisRunStore:
         try:
             with _reachable("claiming the idempotency key"):
                 async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
-                    return await self._claim(log, claim_key, fingerprint, mine)
+                    while True:
+                        try:
+                            return await self._claim(log, claim_key, fingerprint, mine)
+                        except _SLOT_MOVING:
+                            # The run's slot or the claim's is being moved (TRYAGAIN until
+                            # its keys are all on one node): every step of a claim is safe
+                            # to repeat, so try again until the call's deadline.
+                            await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
         except (Unavailable, TimeoutError) as exc:
             # Redis may apply the claim after this call gave up (it stalled, or the reply
             # was lost): undo it in the background once it no longer can.
@@ -939,8 +1008,12 @@ class RedisRunStore:
         if isinstance(log, RedisRunLog) and not log.registered:
             return  # never reached Redis (it lost its claim): nothing to delete
         with _reachable("discarding the run"):
-            await self.redis.delete(self._key(log.run_id), self._key(log.run_id, "lease"),
-                                    self._key(log.run_id, "events"))
+            # One key per command: a DEL of several is refused (TRYAGAIN) while the run's
+            # slot is being moved with only some of them on the node.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for part in ("", "lease", "events"):
+                    pipe.delete(self._key(log.run_id, part))
+                await pipe.execute()
 
     async def request_cancel(self, run_id: str, reason: str) -> bool:
         if run_id in self._local and self.cancel_handler is not None:
@@ -970,16 +1043,20 @@ class RedisRunStore:
             return
         try:
             async with asyncio.timeout(self.timeout):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for run_log in logs:
-                        for key in self._index_keys(run_log.owner):
-                            pipe.zadd(key, {run_log.run_id: run_log.started_ms})
-                            pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
-                            # Every write sets the same TTL from now: it only ever grows.
-                            pipe.pexpire(key, self._running_ttl_ms)
-                    await pipe.execute()
+                with _as_redis_error():
+                    await self._index_pipeline(logs)
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+
+    async def _index_pipeline(self, logs: list[RedisRunLog]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_log in logs:
+                for key in self._index_keys(run_log.owner):
+                    pipe.zadd(key, {run_log.run_id: run_log.started_ms})
+                    pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
+                    # Every write sets the same TTL from now: it only ever grows.
+                    pipe.pexpire(key, self._running_ttl_ms)
+            await pipe.execute()
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         key = self._index_key(query.owner)
@@ -1039,10 +1116,20 @@ class RedisRunStore:
         payload = json.dumps({"message": message, "source": source})
         with _reachable("steering the run"):
             # The replica running it picks this up at its next lease renewal (about a
-            # second).
-            left = await self._steer_script(
-                keys=[self._key(run_id), self._key(run_id, "steer")],
-                args=[self.max_pending_steers, payload, self._running_ttl_ms])
+            # second). The script names the steer list, which mostly does not exist yet: while
+            # the run's slot moves, Redis refuses it (TRYAGAIN) without running it, so it is
+            # sent again until the slot has moved or the call's time is up.
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    left = await self._steer_script(
+                        keys=[self._key(run_id), self._key(run_id, "steer")],
+                        args=[self.max_pending_steers, payload, self._running_ttl_ms])
+                    break
+                except _SLOT_MOVING:
+                    if time.monotonic() + _SLOT_MOVING_RETRY_SECONDS >= deadline:
+                        raise
+                    await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
         if left == -1:
             raise run_finished_error(run_id)
         if left == 0:
@@ -1177,7 +1264,23 @@ class RedisRunStore:
                 for node in nodes.values() or [None]:
                     extra = {"target_nodes": node} if node is not None else {}
                     pipe.execute_command("WAIT", *wait, **extra)
-            replies = list(await pipe.execute(raise_on_error=False))
+            if isinstance(pipe, ClusterPipeline):
+                # redis-py would send each redirected call again one after the other, each
+                # retrying TRYAGAIN for up to half a second: one run whose slot is being
+                # moved would hold up every run's round trip. Redirected calls are sent
+                # again here side by side; a TRYAGAIN is answered as such (the caller writes
+                # that run again shortly).
+                replies = list(await pipe.execute(raise_on_error=False,
+                                                  allow_redirections=False))
+            else:
+                replies = list(await pipe.execute(raise_on_error=False))
+        redirected = [i for i, reply in enumerate(replies[:len(calls)])
+                      if isinstance(reply, AskError)]  # MOVED or ASK
+        if redirected:
+            again = await asyncio.gather(*(self._one(self.redis, sha, *calls[i])
+                                           for i in redirected), return_exceptions=True)
+            for i, reply in zip(redirected, again, strict=True):
+                replies[i] = reply
         if wait is not None:
             _check_acknowledged(replies[len(calls):], *wait)
         return replies[:len(calls)]
@@ -1216,11 +1319,22 @@ class RedisRunStore:
                 self._linger.cancel()
                 self._linger = None
             logs, self._dirty = self._dirty, {}
-            if await self._flush(list(logs.values())):
+            self._slot_moving = False
+            try:
+                flushed = await self._flush(list(logs.values()))
+            except Exception:  # the flusher writes every run's events: it must go on
+                log.exception("redis_flush_error")
+                for run_log in logs.values():
+                    self._dirty.setdefault(run_log.run_id, run_log)
+                flushed = False
+            if flushed:
                 delay = 0.05
             else:
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                # Redis down or stalled: back off. A slot being moved: Redis answers, and
+                # the run's writes go through again as soon as its keys are on one node.
+                delay = min(delay * 2,
+                            _SLOT_MOVING_FLUSH_DELAY_CAP if self._slot_moving else 2.0)
             if self._dirty:
                 self._schedule_flush(urgent=any(log.finished for log in self._dirty.values()))
             else:
@@ -1253,7 +1367,14 @@ class RedisRunStore:
         for (run_log, batch), reply in zip(batches, replies, strict=True):
             if isinstance(reply, Exception):
                 self._failed(reply)
-                log.warning("redis_flush_failed", run_id=run_log.run_id, error=str(reply))
+                if isinstance(reply, _SLOT_MOVING):
+                    self._slot_moving = True
+                    log.info("redis_flush_deferred", run_id=run_log.run_id,
+                             detail="the run's slot is being moved; written again shortly",
+                             error=str(reply))
+                else:
+                    log.warning("redis_flush_failed", run_id=run_log.run_id,
+                                error=str(reply))
                 self._dirty[run_log.run_id] = run_log
                 ok = False
                 continue
@@ -1372,8 +1493,10 @@ class RedisRunStore:
 
     async def _undo_abandoned(self) -> None:
         """Undoes the claims whose calls gave up (see :data:`_ABANDON`), in one round trip."""
+        # Taken now: calls giving up meanwhile add to it while these round trips wait.
+        abandoned = list(self._abandoned.items())
         calls = []
-        for run_id, (claim_key, mine, deadline_ms) in self._abandoned.items():
+        for run_id, (claim_key, mine, deadline_ms) in abandoned:
             event = events_pb2.RunEvent(run_id=run_id, seq=1)
             event.time.GetCurrentTime()
             event.result.outcome = events_pb2.OUTCOME_ERROR
@@ -1384,61 +1507,102 @@ class RedisRunStore:
             calls.append((self._with_claim(self._run_keys(run_id), claim_key),
                           [mine, deadline_ms, self._token(run_id), event.SerializeToString(),
                            self.retention_ms]))
-        run_ids = list(self._abandoned)
         replies = await self._call_all(self._abandon_script, calls, durable=True)
         if self.cluster:  # the claims live in other slots: their half, in the same way
             claims = await self._call_all(self._abandon_claim_script, [
                 ([claim_key], [mine, deadline_ms])
-                for claim_key, mine, deadline_ms in self._abandoned.values()], durable=True)
+                for _, (claim_key, mine, deadline_ms) in abandoned], durable=True)
             replies = [1 if (run, claim) == (1, 1) else 0
                        for run, claim in zip(replies, claims, strict=True)]
-        for run_id, reply in zip(run_ids, replies, strict=True):
+        for (run_id, _), reply in zip(abandoned, replies, strict=True):
             if reply == 1:
-                del self._abandoned[run_id]
+                self._abandoned.pop(run_id, None)
 
     async def _renew_loop(self) -> None:
         interval = min(1.0, self.lease_ms / 3000)
         while True:
             await asyncio.sleep(interval)
-            # An unregistered run has no lease yet: its first flush sets it.
-            if self._abandoned:
-                try:
-                    await self._undo_abandoned()
-                except RedisError as exc:
-                    log.warning("redis_abandoned_claims_not_undone", error=str(exc))
-            runs = [run_log for run_log in self._local.values()
-                    if run_log.registered and not run_log.finished]
-            if not runs:
-                continue
-            try:  # every run's renewal in one round trip
-                replies = await self._call_all(self._renew_script, [(
-                    self._with_claim([*self._run_keys(run_log.run_id),
-                                      self._key(run_log.run_id, "cancel"),
-                                      self._key(run_log.run_id, "steer")], run_log.claim_key),
-                    [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms,
-                     self.replica, run_log.claim_value],
-                ) for run_log in runs])
-                claimed = [run_log for run_log, reply in zip(runs, replies, strict=True)
-                           if self.cluster and run_log.claim_key
-                           and not isinstance(reply, Exception) and reply[0] != -1]
+            try:
+                await self._renew_once()
+            except Exception:  # one bad round must not end the renewal of every run
+                log.exception("redis_lease_renewal_error")
+
+    async def _renew_once(self) -> None:
+        """Undoes abandoned claims, then renews the lease of every run of this replica (in
+        one round trip) and hands over what other replicas left for them."""
+        if self._abandoned:
+            try:
+                await self._undo_abandoned()
+            except RedisError as exc:
+                log.warning("redis_abandoned_claims_not_undone", error=str(exc))
+        # An unregistered run has no lease yet: its first flush sets it.
+        runs = [run_log for run_log in self._local.values()
+                if run_log.registered and not run_log.finished]
+        if not runs:
+            return
+        try:  # every run's renewal in one round trip
+            replies = await self._call_all(self._renew_script, [(
+                self._renew_keys(run_log),
+                [self._token(run_log.run_id), self.lease_ms, self._running_ttl_ms,
+                 self.replica, run_log.claim_value],
+            ) for run_log in runs])
+            if self.cluster:
+                renewed = [(i, run_log) for i, (run_log, reply)
+                           in enumerate(zip(runs, replies, strict=True))
+                           if not isinstance(reply, Exception) and reply[0] != -1]
+                claimed = [run_log for _, run_log in renewed if run_log.claim_key]
                 if claimed:  # a cluster keeps their claims, in their own slots, alike
                     await self._call_all(self._renew_claim_script, [
                         ([run_log.claim_key], [run_log.claim_value, self._running_ttl_ms])
                         for run_log in claimed])
-            except RedisError as exc:
-                self._failed(exc)
-                log.warning("redis_lease_renewal_failed", error=str(exc))
+                for (i, _), reply in zip(renewed, await self._pending_for(
+                        [run_log for _, run_log in renewed]), strict=True):
+                    replies[i] = reply
+        except RedisError as exc:
+            self._failed(exc)
+            log.warning("redis_lease_renewal_failed", error=str(exc))
+            return
+        for run_log, reply in zip(runs, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.warning("redis_lease_renewal_failed", run_id=run_log.run_id,
+                            error=str(reply))
                 continue
-            for run_log, reply in zip(runs, replies, strict=True):
-                if isinstance(reply, Exception):
-                    log.warning("redis_lease_renewal_failed", run_id=run_log.run_id,
-                                error=str(reply))
-                    continue
-                if reply[0] == -1:
-                    if not run_log.lease_lost:
-                        self._lease_lost(run_log)
-                    continue
-                if reply[0] == 1 and self.cancel_handler is not None:
-                    self.cancel_handler(run_log.run_id, reply[1].decode(errors="replace"))
-                for payload in reply[2:]:
-                    self._hand_over_steer(run_log.run_id, payload)
+            if reply[0] == -1:
+                if not run_log.lease_lost:
+                    self._lease_lost(run_log)
+                continue
+            if reply[0] == 1 and self.cancel_handler is not None:
+                self.cancel_handler(run_log.run_id, reply[1].decode(errors="replace"))
+            for payload in reply[2:]:
+                self._hand_over_steer(run_log.run_id, payload)
+
+    def _renew_keys(self, run_log: RedisRunLog) -> list[str]:
+        """The keys of a run's :data:`_RENEW` call: on a cluster only those a running run
+        has (see there)."""
+        keys = self._run_keys(run_log.run_id)
+        if self.cluster:
+            return keys
+        return self._with_claim([*keys, self._key(run_log.run_id, "cancel"),
+                                 self._key(run_log.run_id, "steer")], run_log.claim_key)
+
+    async def _pending_for(self, runs: list[RedisRunLog]) -> list[list[Any]]:
+        """On a cluster, after their leases were renewed: each run's pending cancel and
+        steering messages, as :data:`_RENEW` reports them on one Redis. Single-key commands,
+        which a node serves (or redirects with ASK) while the run's slot is being moved."""
+        if not runs:
+            return []
+        with _as_redis_error():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for run_log in runs:
+                    pipe.get(self._key(run_log.run_id, "cancel"))
+                    pipe.lpop(self._key(run_log.run_id, "steer"), self.max_pending_steers)
+                found: list[Any] = list(await pipe.execute(raise_on_error=False))
+        replies: list[list[Any]] = []
+        for run_log, reason, steers in zip(runs, found[::2], found[1::2], strict=True):
+            for error in (e for e in (reason, steers) if isinstance(e, Exception)):
+                log.warning("redis_cancel_or_steer_not_read", run_id=run_log.run_id,
+                            error=str(error))
+            reason = None if isinstance(reason, Exception) else reason
+            steers = [] if isinstance(steers, Exception) or steers is None else steers
+            replies.append([1 if reason is not None else 0, reason or b"", *steers])
+        return replies

@@ -12,8 +12,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -136,6 +138,19 @@ def _cli(port: int, *args: str, timeout: float = 10) -> str:
                           text=True, timeout=timeout).stdout.strip()
 
 
+def _node(port: int) -> SyncRedis:
+    """A plain (non-cluster) client of one node, for the cluster's own administration."""
+    return SyncRedis(host="127.0.0.1", port=port, socket_timeout=30)
+
+
+def _each(node: SyncRedis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Each command's reply, sent in one pipeline; the first error raised."""
+    pipe = node.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return list(pipe.execute())
+
+
 def _until(what: str, check: Callable[[], bool], within: float = 30) -> None:
     """Waits (polling, bounded) until ``check()`` holds; processes give no event to await."""
     deadline = time.monotonic() + within
@@ -229,6 +244,55 @@ class LoopbackCluster(RedisProcesses):
     def replica_ports(self) -> list[int]:
         """The ports of the live replicas."""
         return [port for port, role in self.roles().items() if role == "slave"]
+
+    def slots_of(self, port: int) -> list[int]:
+        """The slots primary ``port`` serves (CLUSTER SLOTS, asked of that node)."""
+        slots: list[int] = []
+        for first, last, primary, *_ in _node(port).execute_command("CLUSTER", "SLOTS"):
+            if int(primary[1]) == port:
+                slots.extend(range(int(first), int(last) + 1))
+        return slots
+
+    def move_slots(self, source: int, target: int, slots: list[int], *, hold: float = 0.0,
+                   first: Callable[[bytes], bool] | None = None) -> int:
+        """Moves ``slots`` from primary ``source`` to primary ``target`` the way
+        ``redis-cli --cluster reshard`` does — IMPORTING on the target, MIGRATING on the
+        source, MIGRATE of their keys, then the slot given to the target on every primary —
+        but holding each stage open for ``hold`` seconds, so that commands meet it: first
+        with the slots open and no key moved yet, then (with ``first``) with the keys
+        ``first`` picks moved and the others not. The number of keys moved."""
+        src, dst = _node(source), _node(target)
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        _each(dst, [("CLUSTER", "SETSLOT", s, "IMPORTING", src_id) for s in slots])
+        _each(src, [("CLUSTER", "SETSLOT", s, "MIGRATING", dst_id) for s in slots])
+        time.sleep(hold)  # a window of time by design: commands arrive in the open slots
+        moved = 0
+        if first is not None:
+            moved += self._migrate(src, target, slots, first)
+            time.sleep(hold)  # a run's keys now split across two nodes
+        for _ in range(50):  # keys made meanwhile (on the source, by commands it still took)
+            count = self._migrate(src, target, slots, lambda _key: True)
+            moved += count
+            if count == 0:
+                break
+        primaries = [target, source, *(p for p in self.primary_ports() if p not in
+                                        (source, target))]
+        for port in primaries:
+            _each(_node(port), [("CLUSTER", "SETSLOT", s, "NODE", dst_id) for s in slots])
+        return moved
+
+    @staticmethod
+    def _migrate(src: SyncRedis, target: int, slots: list[int],
+                 which: Callable[[bytes], bool]) -> int:
+        keys = _each(src, [("CLUSTER", "GETKEYSINSLOT", s, 1000) for s in slots])
+        moved = 0
+        for found in keys:  # slot by slot, as redis-cli does (MIGRATE takes one slot's keys)
+            picked = [key for key in found if which(key)]
+            if picked:
+                src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 10_000, "KEYS",
+                                    *picked)
+                moved += len(picked)
+        return moved
 
     def await_failover(self, killed: int) -> None:
         """Waits until the cluster serves every slot again after primary ``killed`` died."""

@@ -214,3 +214,52 @@ async def test_every_key_a_run_leaves_in_redis_expires(pair, redis_prefix: str) 
         await redis.aclose()
     assert len(keys) >= 5  # two runs (hash + stream each) and one claim, at least
     assert all(ttl > 0 for ttl in ttls.values()), ttls
+
+
+async def test_a_watcher_on_b_of_a_run_just_admitted_on_a_waits_for_its_first_write(
+        make_server, stallable_redis) -> None:
+    """The race a fleet meets when a client passes a run id on at once: the run (without an
+    idempotency key) has started on A, its caller has every event already (A streams from
+    memory), and Redis has none of it yet — its first write held up (here: writes paused
+    with CLIENT PAUSE WRITE on a Redis of the test's own). WatchRun on B waits for the
+    run's first write instead of answering NOT_FOUND; an id of the same age that no replica
+    admitted is NOT_FOUND all the same once the wait is over."""
+    from tests.runs_support import HeaderPrincipal, run_registry
+
+    servers = [await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
+                                 redis_url=stallable_redis.url, redis_key_prefix="race:",
+                                 redis_timeout_seconds=1.0) for _ in range(2)]
+    admin = Redis.from_url(stallable_redis.url)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in servers]
+    try:
+        a, b = (tool_service_pb2_grpc.ToolServiceStub(c) for c in channels)
+        await collect(a.Execute(execute_request("echo", {"text": "warm"}), metadata=ALICE))
+        await admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+        executed = await collect(a.Execute(execute_request("count", {"to": 5}),
+                                           metadata=ALICE))
+        watch = b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id),
+                           metadata=ALICE)
+        watching = asyncio.ensure_future(collect(watch))
+        for _ in range(400):  # until B waits on the run's stream (or answered already)
+            clients = (await admin.execute_command("CLIENT", "LIST")).decode()
+            if watching.done() or any("cmd=xread" in line and "flags=b" in line
+                                      for line in clients.splitlines()):
+                break
+            await asyncio.sleep(0.01)  # Redis's client list has no event to await
+        assert not watching.done(), watching.result()
+        assert not (await admin.get("race:run:" + executed[0].run_id))  # nothing written
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        watched = await asyncio.wait_for(watching, 30)
+
+        unknown = executed[0].run_id[:20] + "0" * 12  # as young, but admitted nowhere
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=unknown),
+                                     metadata=ALICE))
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+        for channel in channels:
+            await channel.close()
+    assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert stripped(watched) == stripped(executed)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND

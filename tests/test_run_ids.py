@@ -1,0 +1,28 @@
+"""Run ids: version-7 UUIDs whose time a replica reads back, unique, and other forms told
+apart (they are never waited for)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from stargrpc.run_ids import minted_ms, new_run_id
+
+
+def test_run_ids_are_uuid7_hex_that_tell_when_they_were_made() -> None:
+    before = int(time.time() * 1000)
+    ids = [new_run_id() for _ in range(1000)]
+    after = int(time.time() * 1000)
+
+    assert len(set(ids)) == len(ids)
+    for run_id in ids:
+        parsed = uuid.UUID(hex=run_id)
+        assert parsed.hex == run_id and len(run_id) == 32
+        assert parsed.version == 7 and parsed.variant == uuid.RFC_4122
+        minted = minted_ms(run_id)
+        assert minted is not None and before <= minted <= after
+
+
+def test_ids_of_other_forms_have_no_time() -> None:
+    for other in (uuid.uuid4().hex, "nope", "7" * 32, new_run_id()[:31] + "g", ""):
+        assert minted_ms(other) is None
