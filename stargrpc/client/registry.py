@@ -44,7 +44,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -57,6 +57,7 @@ from stargrpc.arguments import decode_json
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
 from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
 from stargrpc.audit.store import AuditStore
+from stargrpc.client._files import StreamedFiles
 from stargrpc.client.aio import AsyncClient, InvocationContext, Metadata
 from stargrpc.client.channel import open_channel
 from stargrpc.client.errors import CallError, Violation
@@ -119,7 +120,7 @@ class _Attempt:
 
     events: int = 0
     unconnected: bool = False
-    chunks: dict[str, list[FileChunk]] = field(default_factory=dict)
+    chunks: StreamedFiles = field(default_factory=StreamedFiles)
 
 
 class RemoteToolRegistry:
@@ -444,7 +445,7 @@ class RemoteToolRegistry:
             await self._audit(audit)
             raise _call_error(error) from None
         run = submitted.run
-        chunks: dict[str, list[FileChunk]] = {}
+        chunks = StreamedFiles()
         result: Result | None = None
         try:
             async for raw in submitted.log.follow(0):
@@ -555,27 +556,23 @@ def _call_error(error: RequestError) -> CallError:
                      violations=violations, retry_delay=delay)
 
 
-def _keep_chunk(event: Event, chunks: dict[str, list[FileChunk]]) -> None:
+def _keep_chunk(event: Event, chunks: StreamedFiles) -> None:
     if isinstance(event, FileChunk):
-        chunks.setdefault(event.file_id, []).append(event)
+        chunks.add(event.file_id, event.offset, event.data)
 
 
-def _assembled(sent: SentFile, chunks: Iterable[FileChunk]) -> SentFile:
+def _assembled(sent: SentFile, chunks: StreamedFiles) -> SentFile:
     """``sent`` with the content of its chunks, when they make up the whole file."""
-    data = b"".join(chunk.data for chunk in sorted(chunks, key=lambda c: c.offset))
-    if len(data) != sent.size:
-        return sent
-    return dataclasses.replace(sent, content=data)
+    data = chunks.content(sent.file_id, sent.size) if sent.streamed else None
+    return sent if data is None else dataclasses.replace(sent, content=data)
 
 
-def _deliver(result: Result, chunks: dict[str, list[FileChunk]],
-             into: WriteBackTarget | None) -> Result:
+def _deliver(result: Result, chunks: StreamedFiles, into: WriteBackTarget | None) -> Result:
     """The Result with streamed files put back together, its write-backs appended to
     ``into``; the same for remote and local runs."""
     if chunks:
-        result = dataclasses.replace(result, files=[
-            _assembled(sent, chunks[sent.file_id]) if sent.streamed and sent.file_id in chunks
-            else sent for sent in result.files])
+        result = dataclasses.replace(result, files=[_assembled(sent, chunks)
+                                                    for sent in result.files])
     if into is not None:
         into.sent_files.extend(result.files)
         into.injected_tools.extend(result.injected_tools)
