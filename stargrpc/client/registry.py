@@ -55,8 +55,9 @@ import structlog
 
 from stargrpc.arguments import decode_json
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
-from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
+from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore
+from stargrpc.audit.view import AuditLimits
 from stargrpc.client._files import StreamedFiles
 from stargrpc.client.aio import AsyncClient, InvocationContext, Metadata
 from stargrpc.client.channel import open_channel
@@ -81,6 +82,7 @@ from stargrpc.registry import Registry
 from stargrpc.run import Run
 from stargrpc.runtime import ExecuteCall, Runtime
 from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.client.registry")
 
@@ -171,8 +173,7 @@ class RemoteToolRegistry:
     _channel: grpc.aio.Channel | None
     _client: AsyncClient | None
     _audit_store: AuditStore | None
-    _limits: RedactionLimits
-    _max_result_chars: int
+    _audit_limits: AuditLimits
     connect_timeout: float | None
     _own_channel: bool
 
@@ -209,9 +210,7 @@ class RemoteToolRegistry:
         self._client = (AsyncClient(channel, api_key=api_key, token=token, metadata=metadata,
                                     retry=retry) if channel is not None else None)
         self._audit_store = audit_store
-        self._limits = RedactionLimits(max_value_chars=settings.audit_max_value_chars,
-                                       max_total_chars=settings.audit_max_arguments_chars)
-        self._max_result_chars = settings.audit_max_result_chars
+        self._audit_limits = AuditLimits.from_settings(settings)
         self.connect_timeout = connect_timeout
         self._own_channel = own_channel
 
@@ -465,8 +464,7 @@ class RemoteToolRegistry:
         return _deliver(result, chunks, into)
 
     async def _audit(self, audit: _LocalAudit) -> None:
-        record = audit.record(self.principal, self.runtime.registry, self._limits,
-                              self._max_result_chars)
+        record = audit.record(self.principal, self.runtime.registry, self._audit_limits)
         # As the server's audit log: arguments and results only in the store, except for
         # privileged tools.
         hidden = {"seq", "prev_hash", "hash"} | (set() if record.privileged
@@ -499,7 +497,8 @@ class _LocalAudit:
     arguments: dict[str, Any] | None = None
     outcome: str = ""
     run_id: str = ""
-    result_text: str = ""
+    result: events_pb2.Result | None = None
+    result_view: str | None = None
     acting_for: str = ""
 
     def finish(self, result: Result, run: Run | None, *, principal: Principal) -> None:
@@ -510,23 +509,23 @@ class _LocalAudit:
         if result.error_code:
             self.detail = "; ".join(filter(None, (self.detail,
                                                   f"{result.error_code}: {result.error_message}")))
-        substitute = run.audit_result if run is not None else None
-        self.result_text = substitute if substitute is not None else result.output
+        self.result = result.raw.result
+        self.result_view = run.audit_result if run is not None else None
         if run is not None and run.audit_arguments is not None:
             self.arguments = run.audit_arguments
 
-    def record(self, principal: Principal, registry: Registry, limits: RedactionLimits,
-               max_result_chars: int) -> AuditRecord:
-        """The audit record, redacted and cut as the server's are."""
+    def record(self, principal: Principal, registry: Registry, limits: AuditLimits
+               ) -> AuditRecord:
+        """The audit record, redacted and cut by the server's own audit limits."""
         spec = registry.get(self.tool)
         return AuditRecord(
             id=uuid.uuid4().hex, time=self.at, method=self.method, peer="local",
             principal=principal.id, acting_for=self.acting_for, auth_method=principal.method,
             tool=cut(self.tool, 200), run_id=self.run_id,
-            arguments=redacted_json(self.arguments, limits) if self.arguments is not None else "",
-            result=cut(self.result_text, max_result_chars),
-            invocation=redacted_json(self.invocation, limits) if self.invocation else "",
-            outcome=self.outcome or "error", detail=cut(self.detail, 300),
+            arguments=limits.arguments_text(self.arguments),
+            result=limits.result_text(self.result, self.result_view),
+            invocation=limits.invocation_text(self.invocation),
+            outcome=self.outcome or "error", detail=limits.detail_text(self.detail),
             duration_ms=round((time.monotonic() - self.started) * 1000, 3),
             idempotency_key=self.idempotency_key,
             privileged=spec.privileged if spec is not None else False)
