@@ -246,13 +246,12 @@ async def vet_url(url: str | httpx.URL, policy: HttpPolicy) -> VettedTarget:
     if parsed.scheme not in ("http", "https") or not parsed.raw_host:
         raise Refused(f"only http and https URLs with a host can be fetched, not {url!s:.200}",
                       "BAD_URL")
-    host = canonical_host(parsed.raw_host.decode("ascii"))
+    _, host, port = origin(parsed)
     if parsed.userinfo:
         raise Refused("URLs with credentials in them are not fetched", "BAD_URL")
     _check_literal(host)
     if not policy.host_allowed(host):
         raise Refused(f"refused: {host} is not on the http_fetch allowlist", "HOST_NOT_ALLOWED")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
     addresses = await _resolve(host, port)
     for address in addresses:
         problem = policy.address_problem(address)

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import SecretStr
@@ -57,9 +58,7 @@ def hand_over_and_reexec(argv: list[str] | None = None) -> str | None:
     secrets = secret_variables(os.environ)
     if not secrets or HANDOVER_VARIABLE in os.environ:
         return None
-    fd = os.memfd_create("stargrpc-secrets", 0)
-    os.write(fd, json.dumps(secrets).encode())
-    os.lseek(fd, 0, os.SEEK_SET)
+    fd = write_handover("stargrpc-secrets", secrets)
     os.set_inheritable(fd, True)
     environ = {k: v for k, v in os.environ.items() if k not in secrets}
     environ[HANDOVER_VARIABLE] = str(fd)
@@ -79,16 +78,47 @@ def hand_over_and_reexec(argv: list[str] | None = None) -> str | None:
 def take_over() -> dict[str, str]:
     """In the re-executed program: the handed-over secrets as setting overrides (field name
     → value); empty when none were. The memory file is closed, the variable removed."""
-    raw = os.environ.pop(HANDOVER_VARIABLE, None)
-    if raw is None:
-        return {}
-    fd = int(raw)
     try:
-        with os.fdopen(fd, "rb") as handle:
-            secrets: dict[str, str] = json.loads(handle.read())
+        secrets: dict[str, str] = read_handover(HANDOVER_VARIABLE) or {}
     except (OSError, ValueError):
         return {}
     return {name[len(_PREFIX):].lower(): value for name, value in secrets.items()}
+
+
+def write_handover(name: str, payload: Any) -> int:
+    """An anonymous memory file holding ``payload`` as JSON, read from its start: for a
+    program started next (execve, or a child given it in ``pass_fds``) to read with
+    :func:`read_handover`, its number in an environment variable. Values JSON does not know
+    are written as text. The caller closes it.
+
+    Args:
+        name: The file's name (shown in ``/proc/<pid>/fd``).
+        payload: What to hand over.
+    """
+    fd = os.memfd_create(name, 0)
+    try:
+        os.write(fd, json.dumps(payload, default=str).encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_handover(variable: str) -> Any:
+    """What :func:`write_handover` wrote, in the memory file whose number is in the
+    environment ``variable``; None when it is not set. The variable is removed and the file
+    closed.
+
+    Raises:
+        OSError: The number is not an open file.
+        ValueError: The variable is not a number, or the file holds no JSON.
+    """
+    raw = os.environ.pop(variable, None)
+    if raw is None:
+        return None
+    with os.fdopen(int(raw), "rb") as handle:
+        return json.loads(handle.read())
 
 
 @functools.cache

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -44,7 +43,12 @@ import structlog
 
 from stargrpc.audit.key import audit_key_path, load_or_create_key
 from stargrpc.metrics import MULTIPROC_DIR_VARIABLE
-from stargrpc.secret_env import HANDOVER_VARIABLE, secret_variables
+from stargrpc.secret_env import (
+    HANDOVER_VARIABLE,
+    read_handover,
+    secret_variables,
+    write_handover,
+)
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.workers")
@@ -195,10 +199,8 @@ class WorkerSupervisor:
         environ, secrets = self._environment()
         payload = {"config_file": str(self._config_file) if self._config_file else None,
                    "overrides": {**secrets, **self._overrides}}
-        fd = os.memfd_create("stargrpc-worker-settings", 0)
+        fd = write_handover("stargrpc-worker-settings", payload)
         try:
-            os.write(fd, json.dumps(payload, default=str).encode())
-            os.lseek(fd, 0, os.SEEK_SET)
             environ[SETTINGS_FD_VARIABLE] = str(fd)
             environ[INDEX_VARIABLE] = str(worker.index)
             process = await asyncio.create_subprocess_exec(
@@ -296,9 +298,7 @@ def _die_with_parent() -> None:
 
 
 def _read_payload() -> tuple[Path | None, dict[str, Any]]:
-    fd = int(os.environ.pop(SETTINGS_FD_VARIABLE))
-    with os.fdopen(fd, "rb") as handle:
-        payload = json.loads(handle.read())
+    payload = read_handover(SETTINGS_FD_VARIABLE)
     config = payload.get("config_file")
     return (Path(config) if config else None), dict(payload["overrides"])
 

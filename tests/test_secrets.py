@@ -14,7 +14,13 @@ import pytest
 from pydantic import ValidationError
 
 from stargrpc.sandbox import decide
-from stargrpc.secret_env import secret_variables
+from stargrpc.secret_env import (
+    HANDOVER_VARIABLE,
+    read_handover,
+    secret_variables,
+    take_over,
+    write_handover,
+)
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry
@@ -119,6 +125,26 @@ def test_secret_variables_are_the_secret_settings_and_urls_with_a_password() -> 
         "OTHER_TOKEN": "not ours",
     })
     assert sorted(found) == ["STARGRPC_JWT_SECRET", "STARGRPC_REDIS_URL"]
+
+
+def test_a_handover_is_read_once_then_closed_and_forgotten(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fd = write_handover("stargrpc-test", {"key": "s3cr3t", "folder": tmp_path})
+    monkeypatch.setenv("_STARGRPC_TEST_HANDOVER", str(fd))
+
+    assert read_handover("_STARGRPC_TEST_HANDOVER") == {"key": "s3cr3t",
+                                                         "folder": str(tmp_path)}
+    assert "_STARGRPC_TEST_HANDOVER" not in os.environ
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the reader
+    assert read_handover("_STARGRPC_TEST_HANDOVER") is None
+
+
+def test_a_handover_that_is_no_open_file_is_no_secret(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    monkeypatch.setenv(HANDOVER_VARIABLE, "999999")
+    assert take_over() == {}
+    assert HANDOVER_VARIABLE not in os.environ
 
 
 def test_serve_removes_secret_variables_from_proc_environ(tmp_path: Path) -> None:

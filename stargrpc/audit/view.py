@@ -19,6 +19,9 @@ from stargrpc.audit.redact import RedactionLimits, redacted_json, scrub_and_cut
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
+#: Longest ``detail`` kept in a record.
+MAX_DETAIL_CHARS = 300
+
 
 @dataclass(frozen=True)
 class AuditLimits:
@@ -42,6 +45,15 @@ class AuditLimits:
     def arguments_text(self, arguments: Mapping[str, Any] | None) -> str:
         """The arguments as the audit records them (redacted JSON; empty for none)."""
         return redacted_json(arguments, self.values) if arguments is not None else ""
+
+    def invocation_text(self, invocation: Mapping[str, Any] | None) -> str:
+        """The invocation context as the audit records it (redacted JSON; empty for none)."""
+        return redacted_json(invocation, self.values) if invocation else ""
+
+    @staticmethod
+    def detail_text(detail: str) -> str:
+        """The detail as the audit records it: scrubbed of secrets, cut."""
+        return scrub_and_cut(detail, MAX_DETAIL_CHARS)
 
     def result_text(self, result: events_pb2.Result | None, substitute: str | None) -> str:
         """The result as the audit records it: ``substitute`` when the tool (or the call)

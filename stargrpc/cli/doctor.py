@@ -60,7 +60,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     isolation = policy.isolation
     fixes: list[str] = []
     if policy.refusal is not None:
-        fixes.append(policy.refusal.split("; fix: ", 1)[-1])
+        fixes.append(policy.fix or policy.refusal)
     fixes += [f"{place.what} {place.path}: {place.fix}" for place in policy.reachable
               if policy.refusal is None]
     environment = []

@@ -29,7 +29,7 @@ from google.protobuf import json_format
 from stargrpc.client.channel import bearer_metadata, open_channel
 from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
-from stargrpc.client.retry import RESUMABLE, RetryPolicy
+from stargrpc.client.retry import NO_RETRY, RESUMABLE, RetryPolicy
 from stargrpc.errors import reason_name
 from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
 
@@ -153,8 +153,10 @@ class AsyncClient:
         return (*self._metadata, *(extra or ()))
 
     async def _unary(self, send: Callable[[float | None], Awaitable[T]],
-                     timeout: float | None) -> T:  # noqa: ASYNC109 (a gRPC deadline)
-        """One unary call with the retry policy applied."""
+                     timeout: float | None,  # noqa: ASYNC109 (a gRPC deadline)
+                     retry: RetryPolicy | None = None) -> T:
+        """One unary call with the retry policy applied (``retry``, else the client's)."""
+        policy = retry if retry is not None else self._retry
         deadline = _Deadline(timeout)
         attempt = 0
         while True:
@@ -163,8 +165,8 @@ class AsyncClient:
                 return await send(deadline.remaining())
             except grpc.aio.AioRpcError as exc:
                 error = CallError.from_rpc_error(exc)
-            delay = (self._retry.delay(attempt, error)
-                     if self._retry.should_retry_call(error) else None)
+            delay = (policy.delay(attempt, error)
+                     if policy.should_retry_call(error) else None)
             if delay is None:
                 raise error
             await deadline.sleep(delay, error)
@@ -366,6 +368,10 @@ class AsyncClient:
                     metadata: Metadata | None = None) -> None:
         """Sends a steering message to a running tool (SteerRun).
 
+        Sent once, never retried (whatever the retry policy): a message sent again after an
+        UNAVAILABLE the server had in fact acted on would reach the tool twice. The caller,
+        who knows whether a repeat does harm, decides.
+
         Raises:
             CallError: Unknown run or not the caller's (NOT_FOUND), the run has ended
                 (FAILED_PRECONDITION), the message is empty or too long
@@ -375,7 +381,7 @@ class AsyncClient:
             lambda left: self._stub.SteerRun(
                 tool_service_pb2.SteerRunRequest(run_id=run_id, message=message),
                 metadata=self._call_metadata(metadata), timeout=left),
-            timeout)
+            timeout, retry=NO_RETRY)
 
     async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
                         page_size: int = 0, page_token: str = "",

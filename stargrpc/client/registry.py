@@ -44,7 +44,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -55,8 +55,10 @@ import structlog
 
 from stargrpc.arguments import decode_json
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
-from stargrpc.audit.redact import RedactionLimits, cut, redacted_json
+from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore
+from stargrpc.audit.view import AuditLimits
+from stargrpc.client._files import StreamedFiles
 from stargrpc.client.aio import AsyncClient, InvocationContext, Metadata
 from stargrpc.client.channel import open_channel
 from stargrpc.client.errors import CallError, Violation
@@ -80,6 +82,7 @@ from stargrpc.registry import Registry
 from stargrpc.run import Run
 from stargrpc.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
+from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.client.registry")
 
@@ -119,7 +122,7 @@ class _Attempt:
 
     events: int = 0
     unconnected: bool = False
-    chunks: dict[str, list[FileChunk]] = field(default_factory=dict)
+    chunks: StreamedFiles = field(default_factory=StreamedFiles)
 
 
 class RemoteToolRegistry:
@@ -170,8 +173,7 @@ class RemoteToolRegistry:
     _channel: grpc.aio.Channel | None
     _client: AsyncClient | None
     _audit_store: AuditStore | None
-    _limits: RedactionLimits
-    _max_result_chars: int
+    _audit_limits: AuditLimits
     connect_timeout: float | None
     _own_channel: bool
 
@@ -208,9 +210,7 @@ class RemoteToolRegistry:
         self._client = (AsyncClient(channel, api_key=api_key, token=token, metadata=metadata,
                                     retry=retry) if channel is not None else None)
         self._audit_store = audit_store
-        self._limits = RedactionLimits(max_value_chars=settings.audit_max_value_chars,
-                                       max_total_chars=settings.audit_max_arguments_chars)
-        self._max_result_chars = settings.audit_max_result_chars
+        self._audit_limits = AuditLimits.from_settings(settings)
         self.connect_timeout = connect_timeout
         self._own_channel = own_channel
 
@@ -444,7 +444,7 @@ class RemoteToolRegistry:
             await self._audit(audit)
             raise _call_error(error) from None
         run = admitted.run
-        chunks: dict[str, list[FileChunk]] = {}
+        chunks = StreamedFiles()
         result: Result | None = None
         try:
             async for raw in admitted.log.follow(0):
@@ -464,8 +464,7 @@ class RemoteToolRegistry:
         return _deliver(result, chunks, into)
 
     async def _audit(self, audit: _LocalAudit) -> None:
-        record = audit.record(self.principal, self.runtime.registry, self._limits,
-                              self._max_result_chars)
+        record = audit.record(self.principal, self.runtime.registry, self._audit_limits)
         # As the server's audit log: arguments and results only in the store, except for
         # privileged tools.
         hidden = {"seq", "prev_hash", "hash"} | (set() if record.privileged
@@ -498,7 +497,8 @@ class _LocalAudit:
     arguments: dict[str, Any] | None = None
     outcome: str = ""
     run_id: str = ""
-    result_text: str = ""
+    result: events_pb2.Result | None = None
+    result_view: str | None = None
     acting_for: str = ""
 
     def finish(self, result: Result, run: Run | None, *, principal: Principal) -> None:
@@ -509,23 +509,23 @@ class _LocalAudit:
         if result.error_code:
             self.detail = "; ".join(filter(None, (self.detail,
                                                   f"{result.error_code}: {result.error_message}")))
-        substitute = run.audit_result if run is not None else None
-        self.result_text = substitute if substitute is not None else result.output
+        self.result = result.raw.result
+        self.result_view = run.audit_result if run is not None else None
         if run is not None and run.audit_arguments is not None:
             self.arguments = run.audit_arguments
 
-    def record(self, principal: Principal, registry: Registry, limits: RedactionLimits,
-               max_result_chars: int) -> AuditRecord:
-        """The audit record, redacted and cut as the server's are."""
+    def record(self, principal: Principal, registry: Registry, limits: AuditLimits
+               ) -> AuditRecord:
+        """The audit record, redacted and cut by the server's own audit limits."""
         spec = registry.get(self.tool)
         return AuditRecord(
             id=uuid.uuid4().hex, time=self.at, method=self.method, peer="local",
             principal=principal.id, acting_for=self.acting_for, auth_method=principal.method,
             tool=cut(self.tool, 200), run_id=self.run_id,
-            arguments=redacted_json(self.arguments, limits) if self.arguments is not None else "",
-            result=cut(self.result_text, max_result_chars),
-            invocation=redacted_json(self.invocation, limits) if self.invocation else "",
-            outcome=self.outcome or "error", detail=cut(self.detail, 300),
+            arguments=limits.arguments_text(self.arguments),
+            result=limits.result_text(self.result, self.result_view),
+            invocation=limits.invocation_text(self.invocation),
+            outcome=self.outcome or "error", detail=limits.detail_text(self.detail),
             duration_ms=round((time.monotonic() - self.started) * 1000, 3),
             idempotency_key=self.idempotency_key,
             privileged=spec.privileged if spec is not None else False)
@@ -555,27 +555,23 @@ def _call_error(error: RequestError) -> CallError:
                      violations=violations, retry_delay=delay)
 
 
-def _keep_chunk(event: Event, chunks: dict[str, list[FileChunk]]) -> None:
+def _keep_chunk(event: Event, chunks: StreamedFiles) -> None:
     if isinstance(event, FileChunk):
-        chunks.setdefault(event.file_id, []).append(event)
+        chunks.add(event.file_id, event.offset, event.data)
 
 
-def _assembled(sent: SentFile, chunks: Iterable[FileChunk]) -> SentFile:
+def _assembled(sent: SentFile, chunks: StreamedFiles) -> SentFile:
     """``sent`` with the content of its chunks, when they make up the whole file."""
-    data = b"".join(chunk.data for chunk in sorted(chunks, key=lambda c: c.offset))
-    if len(data) != sent.size:
-        return sent
-    return dataclasses.replace(sent, content=data)
+    data = chunks.content(sent.file_id, sent.size) if sent.streamed else None
+    return sent if data is None else dataclasses.replace(sent, content=data)
 
 
-def _deliver(result: Result, chunks: dict[str, list[FileChunk]],
-             into: WriteBackTarget | None) -> Result:
+def _deliver(result: Result, chunks: StreamedFiles, into: WriteBackTarget | None) -> Result:
     """The Result with streamed files put back together, its write-backs appended to
     ``into``; the same for remote and local runs."""
     if chunks:
-        result = dataclasses.replace(result, files=[
-            _assembled(sent, chunks[sent.file_id]) if sent.streamed and sent.file_id in chunks
-            else sent for sent in result.files])
+        result = dataclasses.replace(result, files=[_assembled(sent, chunks)
+                                                    for sent in result.files])
     if into is not None:
         into.sent_files.extend(result.files)
         into.injected_tools.extend(result.injected_tools)

@@ -33,7 +33,6 @@ import grpc
 from google.protobuf import any_pb2, json_format
 from google.rpc import error_details_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette.event import ServerSentEvent
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -51,12 +50,11 @@ from stargrpc.gateway.http_errors import (
     is_run_finished,
     rpc_error_response,
 )
+from stargrpc.gateway.runs_watch import RunListWatch, runs_json
 from stargrpc.gateway.sse import (
-    PING_SECONDS,
     EventSource,
     QueueSource,
     WatchSource,
-    encode_error,
     event_json,
     sse_stream,
 )
@@ -72,10 +70,6 @@ FIRST_EVENT_WAIT_SECONDS = 2.0
 #: On shutdown, how long open event streams get to deliver what is in flight (the Results of
 #: the runs the drain just ended) before they are cut.
 STREAM_CLOSE_GRACE_SECONDS = 3.0
-
-#: How often GET /v1/runs/events looks at the run list for changes (server side: the
-#: browser keeps one stream open and is sent the list when it changes).
-RUNS_WATCH_SECONDS = 1.0
 
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
@@ -176,10 +170,12 @@ class Gateway:
     Attributes:
         client: The loopback gRPC client.
         app: The ASGI app.
+        runs_watch: The polls behind the live run lists (``GET /v1/runs/events``).
     """
 
     client: GatewayClient
     app: Starlette
+    runs_watch: RunListWatch
     _closing: asyncio.Event
     _max_body_bytes: int
     _open_streams: int
@@ -191,6 +187,7 @@ class Gateway:
         self.client = GatewayClient(grpc_target, credentials=credentials,
                                     server_name=server_name)
         self._closing = asyncio.Event()
+        self.runs_watch = RunListWatch(self.client, self._closing)
         self._max_body_bytes = max_body_bytes
         self._open_streams = 0
         self._no_open_streams = asyncio.Event()
@@ -281,7 +278,7 @@ class Gateway:
             reply = await self.client.list_runs(grpc_request, call_metadata(request))
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
-        return JSONResponse(_runs_json(reply))
+        return JSONResponse(runs_json(reply))
 
     async def watch_runs(self, request: Request) -> Response:
         """``GET /v1/runs/events``: the first page of the list as a ``runs`` event, then
@@ -296,31 +293,7 @@ class Gateway:
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
 
-        async def changes() -> AsyncIterator[bytes]:
-            reply: tool_service_pb2.ListRunsResponse | None = first
-            sent = b""
-            quiet = 0.0
-            while not self._closing.is_set():
-                if reply is not None:
-                    body = json.dumps(_runs_json(reply), separators=(",", ":")).encode()
-                    if body != sent:
-                        sent, quiet = body, 0.0
-                        yield ServerSentEvent(body.decode(), event="runs", sep="\n").encode()
-                    elif quiet >= PING_SECONDS:
-                        quiet = 0.0
-                        yield ServerSentEvent(comment="keep-alive", sep="\n").encode()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closing.wait(), RUNS_WATCH_SECONDS)
-                quiet += RUNS_WATCH_SECONDS
-                try:
-                    reply = await self.client.list_runs(grpc_request, metadata)
-                except grpc.aio.AioRpcError as error:
-                    if error.code() != grpc.StatusCode.UNAVAILABLE:
-                        yield encode_error(error)
-                        return
-                    reply = None  # the store is away for now: keep the last list shown
-
-        return self._stream(changes())
+        return self._stream(self.runs_watch.follow(grpc_request, metadata, first))
 
     async def execute(self, request: Request) -> Response:
         """``POST /v1/tools/{name}:execute``."""
@@ -502,11 +475,6 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
     if violations:
         raise _BadRequest("the run list query is not valid", violations)
     return message
-
-
-def _runs_json(reply: tool_service_pb2.ListRunsResponse) -> dict[str, Any]:
-    return json_format.MessageToDict(reply, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
 
 
 def _validation_response(exc: ValidationError) -> JSONResponse:

@@ -15,6 +15,7 @@ import mcp_types as types
 from google.protobuf import json_format
 from mcp.shared.exceptions import MCPError
 
+from stargrpc.client._files import StreamedFiles
 from stargrpc.client.errors import CallError
 from stargrpc.v1 import catalog_pb2, events_pb2
 
@@ -70,7 +71,7 @@ class ProgressView:
 
     titles: dict[str, str] = field(default_factory=dict)
     current: str = ""
-    files: dict[str, bytearray] = field(default_factory=dict)
+    files: StreamedFiles = field(default_factory=StreamedFiles)
 
     def message(self, event: events_pb2.RunEvent) -> str | None:
         """The progress message of ``event``; None for events that show nothing (file
@@ -99,8 +100,8 @@ class ProgressView:
         if kind == "notice":
             return f"{event.notice.code}: {event.notice.message}"
         if kind == "file_chunk":
-            self.files.setdefault(event.file_chunk.file_id, bytearray()).extend(
-                event.file_chunk.data)
+            chunk = event.file_chunk
+            self.files.add(chunk.file_id, chunk.offset, chunk.data)
         return None
 
 
@@ -123,9 +124,9 @@ def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None
         if result.output:
             text += f"\n{result.output}"
         content.append(types.TextContent(text=text))
-    chunks = view.files if view is not None else {}
+    chunks = view.files if view is not None else StreamedFiles()
     for sent in result.writeback.sent_files:
-        data = bytes(chunks.get(sent.file_id, b"")) if sent.streamed else sent.content
+        data = (chunks.content(sent.file_id, sent.size) or b"") if sent.streamed else sent.content
         content.append(_file_content(final.run_id, sent, data))
     structured = None
     if result.HasField("structured_output"):

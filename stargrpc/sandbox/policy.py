@@ -69,6 +69,8 @@ class Policy:
         isolation: The mode that works (None when none does).
         user: Who sandboxed commands run as.
         refusal: Why sandboxed tools are refused, naming the fix; None when they run.
+        fix: The change that lets them run, as the refusal names it; None when they run,
+            or when the sandbox is unavailable (the refusal says why).
         weak: The mode cannot keep a run away from the server's secrets.
         weak_reasons: Why it is weak.
         reachable: Secrets a run could read in this mode.
@@ -79,6 +81,7 @@ class Policy:
     isolation: Isolation | None
     user: str
     refusal: str | None = None
+    fix: str | None = None
     weak: bool = False
     weak_reasons: list[str] = field(default_factory=list)
     reachable: list[SecretPlace] = field(default_factory=list)
@@ -151,23 +154,26 @@ def decide(settings: Settings) -> Policy:
     minimum = settings.sandbox_isolation_min
     if MODES.index(isolation.mode) > MODES.index(minimum):
         why = "; ".join(f"{mode}: {reason}" for mode, reason in isolation.skipped.items())
+        stronger = _stronger_fix(isolation)
         return Policy(isolation, user, weak=weak, weak_reasons=reasons, reachable=reachable,
                       refusal=f"sandbox isolation {isolation.mode} is weaker than "
-                      f"sandbox_isolation_min={minimum} ({why}); fix: {_stronger_fix(isolation)}")
+                      f"sandbox_isolation_min={minimum} ({why}); fix: {stronger}", fix=stronger)
     allowed_by = None
-    refusal = None
+    refusal: str | None = None
+    fix: str | None = None
     if weak:
         if settings.sandbox_isolation != "auto":
             allowed_by = f"sandbox_isolation={settings.sandbox_isolation}"
         elif settings.sandbox_allow_weak_isolation:
             allowed_by = "sandbox_allow_weak_isolation=true"
         else:
+            fix = (f"{_weak_fix(isolation, reachable, uid)} — or run them anyway with "
+                   "sandbox_allow_weak_isolation=true")
             refusal = (f"sandboxed tools are disabled: isolation {isolation.mode} cannot keep "
                        f"a run away from the server's secrets ({'; '.join(reasons)}); fix: "
-                       f"{_weak_fix(isolation, reachable, uid)} — or run them anyway with "
-                       "sandbox_allow_weak_isolation=true")
-    return Policy(isolation, user, refusal=refusal, weak=weak, weak_reasons=reasons,
-                  reachable=reachable, allowed_by=allowed_by)
+                       f"{fix}")
+    return Policy(isolation, user, refusal=refusal, fix=fix, weak=weak,
+                  weak_reasons=reasons, reachable=reachable, allowed_by=allowed_by)
 
 
 def log_isolation(settings: Settings, tools: Sequence[str] = ()) -> Policy:

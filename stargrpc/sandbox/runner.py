@@ -36,9 +36,10 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import structlog
 
@@ -163,7 +164,7 @@ def _take_uid(first: int, last: int) -> int:
     """A uid of the range that no run of this process holds and no process runs as."""
     for _ in range(_UID_TRIES):
         uid = first + secrets.randbelow(last - first + 1)
-        if uid not in _uids_in_use and not _processes_of(uid):
+        if uid not in _uids_in_use and not _live_processes(uid=uid):
             _uids_in_use.add(uid)
             return uid
     raise RuntimeError("no free user id left in sandbox_uid_range")
@@ -279,8 +280,7 @@ class Sandbox:
         """
         workdir = self._make_workdir(files or {})
         try:
-            inside = self.isolation.workdir_inside(workdir.path)
-            full_env = self._environment(inside, workdir.path, env or {})
+            full_env = self._environment(workdir.path, env or {})
             started = time.monotonic()
             pump = (asyncio.create_task(_pump_steering(steering, workdir.steer_fd))
                     if steering is not None else None)
@@ -316,69 +316,42 @@ class Sandbox:
         """
         workdir = self._make_workdir({})
         try:
-            inside = self.isolation.workdir_inside(workdir.path)
-            command = self.isolation.command(argv, workdir.path,
-                                             limits=self.limits.prlimit_argv(),
-                                             uid=workdir.uid, gid=workdir.gid,
-                                             tmpfs_bytes=self.limits.disk_bytes,
-                                             read_only_paths=read_only_paths)
-            proc = subprocess.Popen(  # noqa: ASYNC220 (see _run_in)
-                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, cwd=workdir.path,
-                env=self._environment(inside, workdir.path, env or {}),
-                start_new_session=True, close_fds=True)
+            leader = _Leader(self._command(argv, workdir, read_only_paths), workdir,
+                             self._environment(workdir.path, env or {}),
+                             stdin=subprocess.PIPE)
         except BaseException:
             await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
             raise
-        process = SandboxProcess(proc, workdir, self._keep, self.limits,
+        process = SandboxProcess(leader, workdir, self._keep, self.limits,
                                  wrapped=self.isolation.mode != "rlimits")
         await process._connect(_Output(self.limits.output_bytes, on_stderr))
         return process
 
+    def _command(self, argv: list[str], workdir: _Workdir,
+                 read_only_paths: Sequence[Path] = ()) -> list[str]:
+        """``argv`` under the limits and the isolation wrapper, as the run's user."""
+        return self.isolation.command(argv, workdir.path, limits=self.limits.prlimit_argv(),
+                                      uid=workdir.uid, gid=workdir.gid,
+                                      tmpfs_bytes=self.limits.disk_bytes,
+                                      read_only_paths=read_only_paths)
+
     async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float) -> SandboxResult:
-        command = self.isolation.command(argv, workdir.path,
-                                         limits=self.limits.prlimit_argv(),
-                                         uid=workdir.uid, gid=workdir.gid,
-                                         tmpfs_bytes=self.limits.disk_bytes)
-        # Popen, not asyncio's subprocess: the exit must be reaped here with wait4 (for the
-        # CPU time of the tree); Popen only spawns (vfork+exec), so it returns at once.
-        proc = subprocess.Popen(  # noqa: ASYNC220
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, cwd=workdir.path, env=env, start_new_session=True,
-            close_fds=True)
-        loop = asyncio.get_running_loop()
+        leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
         output = _Output(self.limits.output_bytes, on_output)
         pumps = []
-        for pipe, channel in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-            reader = asyncio.StreamReader()
-            protocol = asyncio.StreamReaderProtocol(reader)
-            await loop.connect_read_pipe(lambda p=protocol: p, pipe)  # type: ignore[misc]
+        for pipe, channel in ((leader.proc.stdout, "stdout"), (leader.proc.stderr, "stderr")):
+            reader = await _read_pipe(pipe)
             pumps.append(asyncio.create_task(output.pump(reader, channel)))
-        pidfd = os.pidfd_open(proc.pid)
-        exited: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(pidfd, _set_done, exited)
         stopped: Verdict | None = None
         try:
-            stopped = await self._wait(exited, started, on_tick, workdir)
+            stopped = await self._wait(leader.exited, started, on_tick, workdir)
         finally:
-            if not exited.done():
-                # Wall clock, disk cap, cancellation or an error: take the whole group down.
-                _kill_group(proc.pid)
-                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(exited), 5.0)
-            # The leader is a zombie (its pgid still reserved): kill strays, then reap.
-            _kill_group(proc.pid)
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-            status, cpu = _reap(proc)
-            _, still_open = await asyncio.wait(pumps, timeout=_DRAIN_SECONDS)
-            for pump in still_open:
-                pump.cancel()
-            await _wait_group_gone(proc.pid, workdir.uid if workdir.own_uid else None)
+            # Wall clock, disk cap, cancellation or an error: the whole group goes down.
+            status, cpu = await leader.end(workdir, pumps, drain=True)
         final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
-        return self._result(proc, status, cpu, stopped, output, started, final)
+        return self._result(status, cpu, stopped, output, started, final)
 
     async def _wait(self, exited: asyncio.Future[None], started: float,
                     on_tick: TickCallback | None, workdir: _Workdir) -> Verdict | None:
@@ -394,9 +367,7 @@ class Sandbox:
                                                       now + DISK_POLL_SECONDS) - now)
             if exited.done():
                 break
-            used = await asyncio.to_thread(_disk_used, os.dup(workdir.fd),
-                                           self.limits.disk_bytes)
-            if used is not None and used > self.limits.disk_bytes:
+            if await _over_disk_cap(workdir, self.limits.disk_bytes):
                 return disk_limit(self.limits)
             now = time.monotonic()
             if now >= next_tick and now < deadline:
@@ -405,9 +376,8 @@ class Sandbox:
                     await on_tick(now - started)
         return None
 
-    def _result(self, proc: subprocess.Popen[bytes], status: int, cpu: float,
-                stopped: Verdict | None, output: _Output, started: float,
-                final: _Final) -> SandboxResult:
+    def _result(self, status: int, cpu: float, stopped: Verdict | None, output: _Output,
+                started: float, final: _Final) -> SandboxResult:
         exit_signal, exit_status = _decode_status(status, self.isolation.mode != "rlimits")
         verdict = stopped or classify(
             self.limits, exit_signal=exit_signal, exit_status=exit_status, cpu_seconds=cpu,
@@ -452,8 +422,8 @@ class Sandbox:
             raise
         return workdir
 
-    def _environment(self, inside: str, workdir: Path, extra: Mapping[str, str]
-                     ) -> dict[str, str]:
+    def _environment(self, workdir: Path, extra: Mapping[str, str]) -> dict[str, str]:
+        inside = self.isolation.workdir_inside(workdir)
         env = {name: os.environ[name] for name in self._env_allowlist if name in os.environ}
         tmp = "/tmp" if self.isolation.mode == "bwrap" else str(workdir / "tmp")
         env.update({"PATH": SANDBOX_PATH, "HOME": inside, "TMPDIR": tmp,
@@ -530,21 +500,21 @@ class SandboxProcess:
     stdout: asyncio.StreamReader
     exited: asyncio.Future[None]
     stopped: Verdict | None
-    _proc: subprocess.Popen[bytes]
+    _leader: _Leader
     _workdir: _Workdir
     _keep: bool
     _limits: Limits
-    _pidfd: int
     _tasks: list[asyncio.Task[None]]
     _closed: bool
     _wrapped: bool
 
-    def __init__(self, proc: subprocess.Popen[bytes], workdir: _Workdir, keep: bool,
-                 limits: Limits, *, wrapped: bool) -> None:
-        self.pid = proc.pid
+    def __init__(self, leader: _Leader, workdir: _Workdir, keep: bool, limits: Limits, *,
+                 wrapped: bool) -> None:
+        self.pid = leader.proc.pid
+        self.exited = leader.exited
         self._wrapped = wrapped
         self.stopped = None
-        self._proc = proc
+        self._leader = leader
         self._workdir = workdir
         self._keep = keep
         self._limits = limits
@@ -552,29 +522,21 @@ class SandboxProcess:
         self._closed = False
 
     async def _connect(self, stderr: _Output) -> None:
+        proc = self._leader.proc
+        assert proc.stdout and proc.stdin and proc.stderr
+        self.stdout = await _read_pipe(proc.stdout, limit=16 * 1024 * 1024)
+        errors = await _read_pipe(proc.stderr)
         loop = asyncio.get_running_loop()
-        self.stdout = asyncio.StreamReader(limit=16 * 1024 * 1024)
-        assert self._proc.stdout and self._proc.stdin and self._proc.stderr
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(self.stdout), self._proc.stdout)
-        errors = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(errors),
-                                     self._proc.stderr)
         transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), self._proc.stdin)
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), proc.stdin)
         self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-        self._pidfd = os.pidfd_open(self.pid)
-        self.exited = loop.create_future()
-        loop.add_reader(self._pidfd, _set_done, self.exited)
         self._tasks = [asyncio.create_task(stderr.pump(errors, "stderr")),
                        asyncio.create_task(self._watch_disk())]
 
     async def _watch_disk(self) -> None:
         while not self.exited.done():
             await asyncio.wait([self.exited], timeout=DISK_POLL_SECONDS * 4)
-            used = await asyncio.to_thread(_disk_used, os.dup(self._workdir.fd),
-                                           self._limits.disk_bytes)
-            if used is not None and used > self._limits.disk_bytes:
+            if await _over_disk_cap(self._workdir, self._limits.disk_bytes):
                 self.stopped = disk_limit(self._limits)
                 _kill_group(self.pid)
                 return
@@ -611,21 +573,65 @@ class SandboxProcess:
         self._closed = True
         with contextlib.suppress(Exception):
             self.stdin.close()
-        _kill_group(self.pid)
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(self.exited), 5.0)
-        _kill_group(self.pid)
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        status, _ = _reap(self._proc)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks, timeout=_DRAIN_SECONDS)
-        workdir = self._workdir
-        await _wait_group_gone(self.pid, workdir.uid if workdir.own_uid else None)
-        await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
+        status, _ = await self._leader.end(self._workdir, self._tasks, drain=False)
+        await asyncio.shield(asyncio.to_thread(_finish, self._workdir, self._keep))
         return status
+
+
+class _Leader:
+    """A started command's leader, in a session (and process group) of its own, watched
+    through a pidfd: :attr:`exited` is done once it exits; it stays unreaped, holding its
+    process group, until :meth:`end`.
+
+    Attributes:
+        proc: The leader (its pipes: stdout and stderr, and stdin when asked for).
+        exited: Done once the leader has exited.
+    """
+
+    proc: subprocess.Popen[bytes]
+    exited: asyncio.Future[None]
+    _pidfd: int
+
+    def __init__(self, command: list[str], workdir: _Workdir, env: Mapping[str, str], *,
+                 stdin: int) -> None:
+        # Popen, not asyncio's subprocess: the exit must be reaped here with wait4 (for the
+        # CPU time of the tree); Popen only spawns (vfork+exec), so it returns at once.
+        self.proc = subprocess.Popen(
+            command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=workdir.path, env=env, start_new_session=True, close_fds=True)
+        loop = asyncio.get_running_loop()
+        self._pidfd = os.pidfd_open(self.proc.pid)
+        self.exited = loop.create_future()
+        loop.add_reader(self._pidfd, _set_done, self.exited)
+
+    async def end(self, workdir: _Workdir, tasks: Sequence[asyncio.Task[None]], *,
+                  drain: bool) -> tuple[int, float]:
+        """Kills the process group (at once when the leader still runs), reaps the leader,
+        lets ``tasks`` (that read its pipes) finish for a moment (``drain``) or cancels
+        them, and kills what is left of the run's processes.
+
+        Returns:
+            The leader's wait status and the CPU time of its tree.
+        """
+        pid = self.proc.pid
+        if not self.exited.done():
+            _kill_group(pid)
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self.exited), 5.0)
+        # The leader is a zombie (its pgid still reserved): kill strays, then reap.
+        _kill_group(pid)
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        status, cpu = _reap(self.proc)
+        if not drain:
+            for task in tasks:
+                task.cancel()
+        if tasks:
+            _, still_open = await asyncio.wait(tasks, timeout=_DRAIN_SECONDS)
+            for task in still_open:
+                task.cancel()
+        await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
+        return status, cpu
 
 
 @dataclass
@@ -723,15 +729,28 @@ async def _pump_steering(steering: AsyncIterator[str], steer_fd: int) -> None:
             log.warning("steer_file_write_failed", error=str(exc))
 
 
-def _disk_used(run_fd: int, cap: int) -> int | None:
-    """Disk use of the working directory (in a thread; closes ``run_fd``, a duplicate);
-    None when it could not be measured this time."""
+async def _over_disk_cap(workdir: _Workdir, cap: int) -> bool:
+    """Whether the working directory uses more than ``cap`` bytes of disk now (measured in a
+    thread; False when it could not be measured this time)."""
+    return await asyncio.to_thread(_disk_used_over, os.dup(workdir.fd), cap)
+
+
+def _disk_used_over(run_fd: int, cap: int) -> bool:
+    """:func:`_over_disk_cap` in the thread; closes ``run_fd``, a duplicate."""
     try:
-        return fsops.measure(run_fd, cap).bytes
+        return fsops.measure(run_fd, cap).bytes > cap
     except (fsops.Moved, OSError):
-        return None
+        return False
     finally:
         os.close(run_fd)
+
+
+async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024) -> asyncio.StreamReader:
+    """A stream reader on one of the leader's pipes."""
+    reader = asyncio.StreamReader(limit=limit)
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    return reader
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
@@ -750,51 +769,50 @@ async def _wait_group_gone(pgid: int, uid: int | None) -> None:
     for init is; bounded, so a process that escaped cannot stall us."""
     deadline = time.monotonic() + _DRAIN_SECONDS
     while time.monotonic() < deadline:
-        strays = _processes_of(uid) if uid is not None else []
-        if not _group_members(pgid) and not strays:
+        left = _live_processes(pgid=pgid, uid=uid)
+        if not left:
             return
         _kill_group(pgid)
-        for pid in strays:
+        for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         await asyncio.sleep(0.05)
 
 
-def _proc_entries() -> Iterator[str]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            yield entry.name
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for pid in _proc_entries():
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        # After the ")" of the command name: state, ppid, pgrp, …
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(pid))
-    return members
-
-
-def _processes_of(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real, effective or saved uid is ``uid``."""
+def _live_processes(*, pgid: int | None = None, uid: int | None = None) -> list[int]:
+    """Live (non-zombie) processes of the process group ``pgid`` or whose real, effective
+    or saved uid is ``uid``: one pass over /proc, one read of each process's status."""
+    wanted_uid = None if uid is None else str(uid).encode()
     found = []
-    for pid in _proc_entries():
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
         try:
-            with open(f"/proc/{pid}/status", "rb") as handle:
+            with open(f"/proc/{entry.name}/status", "rb") as handle:
                 status = handle.read()
         except OSError:
             continue
         fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-        uids = fields.get(b"Uid", b"").split()[:3]
-        if str(uid).encode() in uids and not fields.get(b"State", b"").strip().startswith(
-                b"Z"):
-            found.append(int(pid))
+        if fields.get(b"State", b"").strip().startswith(b"Z"):
+            continue
+        if ((wanted_uid is not None and wanted_uid in fields.get(b"Uid", b"").split()[:3])
+                or (pgid is not None and _pgid_of(entry.name, fields) == pgid)):
+            found.append(int(entry.name))
     return found
+
+
+def _pgid_of(pid: str, status: dict[bytes, bytes]) -> int | None:
+    """The process group of ``pid``: from its status (NSpgid, first the id as this /proc
+    sees it), or from its stat on a kernel older than 4.1."""
+    ids = status.get(b"NSpgid", b"").split()
+    if ids:
+        return int(ids[0])
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            # After the ")" of the command name: state, ppid, pgrp, …
+            return int(handle.read().rsplit(b")", 1)[1].split()[2])
+    except OSError:
+        return None
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float]:

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from stargrpc.audit.view import AuditLimits, AuditView
 from stargrpc.auth.authenticator import LocalPrincipal
 from stargrpc.auth.keys import KeyStore
+from stargrpc.client._files import StreamedFiles
 from stargrpc.client.aio import AsyncClient
 from stargrpc.client.events import (
     Heartbeat,
@@ -186,13 +187,14 @@ class RecordedRun:
     def sent_files(self) -> list[SentFile]:
         """The files the tool sent back, each with its whole content (a large file's
         chunks put back together)."""
-        chunks: dict[str, list[bytes]] = {}
+        chunks = StreamedFiles()
         for event in self.events:
             if event.HasField("file_chunk"):
-                chunks.setdefault(event.file_chunk.file_id, []).append(event.file_chunk.data)
+                chunk = event.file_chunk
+                chunks.add(chunk.file_id, chunk.offset, chunk.data)
         files = []
         for f in self.result.writeback.sent_files:
-            content = b"".join(chunks.get(f.file_id, ())) if f.streamed else f.content
+            content = (chunks.content(f.file_id, f.size) or b"") if f.streamed else f.content
             files.append(SentFile(file_id=f.file_id, name=f.name, mime_type=f.mime_type,
                                   size=f.size, sha256=f.sha256, content=content,
                                   streamed=f.streamed))

@@ -152,6 +152,21 @@ async def test_unavailable_gives_up_after_the_policy_s_attempts(
     assert len(recorder.seen("Execute")) == FAST_RETRY.max_attempts
 
 
+async def test_steering_is_sent_once_even_when_it_fails_transiently(
+        client: AsyncClient, recorder: Recorder) -> None:
+    run_id = (await client.call("echo", {"text": "x"})).run_id
+    recorder.fail("SteerRun", Unavailable("draining"))
+    recorder.fail("CancelRun", Unavailable("draining"))
+
+    with pytest.raises(CallError) as raised:
+        await client.steer(run_id, "look left")
+    cancelled = await client.cancel(run_id)  # idempotent: retried as usual
+
+    assert raised.value.code is grpc.StatusCode.UNAVAILABLE
+    assert len(recorder.seen("SteerRun")) == 1
+    assert len(recorder.seen("CancelRun")) == 2 and cancelled is False
+
+
 async def test_retry_info_is_honoured(client: AsyncClient, recorder: Recorder) -> None:
     recorder.fail("Execute", ResourceExhausted("too many runs", retry_after=0.4))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -88,6 +89,12 @@ async def refuse(ctx: ToolContext, args: NoteArgs) -> str:
 
 
 @tool(kind="test")
+async def connect(ctx: ToolContext, args: NoteArgs) -> dict[str, str]:
+    """Returns what a careless tool might: a secret in its structured output."""
+    return {"url": f"postgresql://app:{args.text}@db/app", "token": args.text}
+
+
+@tool(kind="test")
 async def late(ctx: ToolContext, args: NoteArgs) -> str:
     """Added to the server's catalog after the registry loaded it."""
     return args.text
@@ -95,7 +102,7 @@ async def late(ctx: ToolContext, args: NoteArgs) -> str:
 
 #: The agent runtime's own tools: the test tool modules and the tools above.
 LOCAL = Registry([*load_directory(RUN_TOOLS_DIR),
-                  *(spec for spec in map(spec_of, (courier, launch, stuck, refuse))
+                  *(spec for spec in map(spec_of, (courier, launch, stuck, refuse, connect))
                     if spec is not None)])
 #: The server's: the same, plus the bundled tools (``echo`` is not held locally).
 SERVER = Registry([*load_registry().values(), *LOCAL.values()])
@@ -502,6 +509,17 @@ async def test_in_process_runs_go_through_the_runtime_pipeline(
     trusted = await open_registry(None, principal=Principal(
         id="agent", roles=frozenset({"privileged"}), method="local"))
     assert (await trusted.call("launch", {"text": "x"})).output == "launched x"
+
+
+async def test_a_local_audit_record_is_redacted_as_the_servers_are(
+        open_registry: Opener, audit_store: AuditStore) -> None:
+    registry = await open_registry(None, audit_store=audit_store)
+    result = await registry.call("connect", {"text": "hunter2"})
+
+    assert "hunter2" in result.output  # the caller gets what the tool returned
+    (record,) = await audit_store.query(Query())
+    assert json.loads(record.result) == {"url": "postgresql://app:<redacted>@db/app",
+                                         "token": "<redacted>"}
 
 
 async def test_a_cancelled_in_process_call_stops_its_run(open_registry: Opener,

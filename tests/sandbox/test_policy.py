@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
+from stargrpc.cli.doctor import build_report
 from stargrpc.sandbox import decide
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
@@ -79,6 +80,19 @@ def no_bwrap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     root = Path(tempfile.mkdtemp(prefix="stargrpc-policy-"))
     yield root  # type: ignore[misc]
     shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_root
+def test_a_refusal_names_its_fix_which_the_doctor_lists(no_bwrap: Path, tmp_path: Path
+                                                        ) -> None:
+    settings = Settings.load(state_dir=tmp_path / "state", sandbox_root=no_bwrap,
+                             sandbox_isolation_min="bwrap")
+    policy = decide(settings)
+
+    assert policy.refusal is not None and policy.fix is not None
+    assert "install bubblewrap" in policy.fix
+    assert policy.refusal.endswith(f"; fix: {policy.fix}")
+    assert policy.fix in build_report(settings)["fixes"]
 
 
 @needs_root

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from stargrpc.sandbox import Limits, Sandbox, isolation_for
+from stargrpc.sandbox.runner import _live_processes
 from stargrpc.settings import MiB, Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
@@ -203,3 +204,55 @@ def test_a_sandbox_root_planted_as_a_symlink_is_refused(tmp_path) -> None:
 
     with pytest.raises(RuntimeError, match="is not a directory owned by the server's user"):
         sandbox(tmp_path, sandbox_root=tmp_path / "root")
+
+
+async def test_a_spawned_server_talks_over_stdio_and_its_whole_group_goes_at_close(
+        tmp_path) -> None:
+    token = marker()
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")  # shows the real path
+    process = await box.spawn(["sh", "-c", f"pwd; {sleeper(token)} & exec cat"])
+    try:
+        workdir = Path((await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip())
+        process.stdin.write(b"ping\n")
+        assert await asyncio.wait_for(process.stdout.readline(), 30) == b"ping\n"
+        assert await wait_until_running(token)
+        assert not process.exited.done()
+    finally:
+        status = await process.aclose()
+
+    assert status is not None and os.WIFSIGNALED(status)  # killed at close
+    assert await process.aclose() is None  # a second close does nothing
+    assert await wait_until_gone(token) == []
+    assert workdir.name.startswith("run-")
+    assert not exists(workdir)
+
+
+async def test_a_spawned_server_past_the_disk_cap_is_stopped(tmp_path) -> None:
+    limits = Limits(cpu_seconds=5, file_size_bytes=16 * MiB, disk_bytes=4 * MiB)
+    process = await sandbox(tmp_path, limits).spawn(
+        ["sh", "-c", "head -c 8000000 /dev/zero > big; exec sleep 600"])
+    try:
+        await asyncio.wait_for(asyncio.shield(process.exited), 30)
+        assert process.stopped is not None
+        assert process.stopped.code == "DISK_LIMIT"
+        assert process.describe_exit() == "it was stopped: stopped: disk limit of 4 MB exceeded"
+    finally:
+        await process.aclose()
+
+
+async def test_one_pass_over_proc_finds_a_group_and_a_user() -> None:
+    group = await asyncio.create_subprocess_exec(
+        "sleep", "600", start_new_session=True)
+    other = await asyncio.create_subprocess_exec(
+        "sleep", "600", user=65533 if os.geteuid() == 0 else None)
+    try:
+        assert _live_processes(pgid=group.pid) == [group.pid]
+        if os.geteuid() == 0:
+            assert _live_processes(uid=65533) == [other.pid]
+            assert sorted(_live_processes(pgid=group.pid, uid=65533)) == sorted(
+                [group.pid, other.pid])
+    finally:
+        for proc in (group, other):
+            proc.kill()
+            await proc.wait()
+    assert _live_processes(pgid=group.pid) == []

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from google.rpc import error_details_pb2
 
-from stargrpc.egress import HttpPolicy, origin
+from stargrpc.egress import HttpPolicy, origin, vet_url
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.helpers import as_dict, run_tool, status_details
@@ -331,6 +331,19 @@ def test_an_origin_is_scheme_host_and_port_with_default_ports_filled_in() -> Non
 
     assert all(origin(httpx.URL(a)) == origin(httpx.URL(b)) for a, b in same)
     assert all(origin(httpx.URL(a)) != origin(httpx.URL(b)) for a, b in different)
+
+
+async def test_a_vetted_url_names_the_port_of_its_origin() -> None:
+    policy = HttpPolicy(allowlist=("127.0.0.1", "::1"),
+                        allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),
+                                          ipaddress.ip_network("::1/128")))
+    cases = {"https://127.0.0.1/": "127.0.0.1", "http://127.0.0.1:8080/x": "127.0.0.1:8080",
+             "http://[::1]:81/": "[::1]:81", "https://[::1]:443/": "[::1]"}
+    for url, host_header in cases.items():
+        target = await vet_url(url, policy)
+        assert target.host_header == host_header
+        assert target.request_url.port == target.url.port
+        assert origin(target.request_url) == origin(target.url)
 
 
 def test_allowlist_entries_match_every_spelling_of_a_name() -> None:

@@ -1,0 +1,86 @@
+"""The live run list (GET /v1/runs/events): streams asking the same share one ListRuns poll."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from httpx_sse import aconnect_sse
+
+from stargrpc.gateway import runs_watch
+from stargrpc.gateway.runs_watch import RunListWatch
+from tests.gateway.conftest import GatewayUnderTest
+
+BOUND = 30.0
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runs_watch, "RUNS_WATCH_SECONDS", 0.1)
+
+
+async def lists(gw: GatewayUnderTest, stack: contextlib.AsyncExitStack,
+                **params: str) -> AsyncIterator[list[str]]:
+    """The run ids of each ``runs`` event of one open stream."""
+    source = await stack.enter_async_context(
+        aconnect_sse(gw.http, "GET", "/v1/runs/events", params=params))
+    assert source.response.status_code == 200
+    events = source.aiter_sse()
+
+    async def ids() -> AsyncIterator[list[str]]:
+        async for message in events:
+            if message.event == "runs":
+                yield [run["run_id"] for run in json.loads(message.data)["runs"]]
+    return ids()
+
+
+async def until_listed(stream: AsyncIterator[list[str]], run_id: str) -> list[str]:
+    async with asyncio.timeout(BOUND):
+        async for ids in stream:
+            if run_id in ids:
+                return ids
+    raise AssertionError("the stream ended")
+
+
+async def test_streams_that_ask_the_same_share_one_poll_until_the_last_goes(
+        gateway: GatewayUnderTest) -> None:
+    assert gateway.server.http.gateway is not None
+    watch: RunListWatch = gateway.server.http.gateway.runs_watch
+    earlier = (await gateway.http.post("/v1/tools/echo:execute?wait=true",
+                                       json={"arguments": {"text": "earlier"}})).json()
+    async with contextlib.AsyncExitStack() as stack:
+        first, second = [await lists(gateway, stack) for _ in range(2)]
+        echoes = await lists(gateway, stack, tool="echo")
+        others = await lists(gateway, stack, tool="count")
+        shown = [await anext(stream) for stream in (first, second, echoes, others)]
+        assert shown == [[earlier["run_id"]]] * 3 + [[]]
+        assert watch.polls == 3  # all runs (two streams), echo runs, count runs
+
+        added = (await gateway.http.post("/v1/tools/echo:execute?wait=true",
+                                         json={"arguments": {"text": "added"}})).json()
+        for stream in (first, second, echoes):
+            assert (await until_listed(stream, added["run_id"]))[0] == added["run_id"]
+
+    # The server notices each client went away on its own time: look, bounded.
+    for _ in range(int(BOUND / 0.05)):
+        if watch.polls == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert watch.polls == 0
+
+
+async def test_closing_the_gateway_ends_every_stream_of_a_shared_poll(
+        gateway: GatewayUnderTest) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        streams = [await lists(gateway, stack) for _ in range(2)]
+        for stream in streams:
+            await anext(stream)
+        await gateway.server.stop(grace=0)  # the gateway closes: the poll and its streams end
+
+        for stream in streams:
+            async with asyncio.timeout(BOUND):
+                left = [ids async for ids in stream]
+            assert left == []
