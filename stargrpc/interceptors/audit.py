@@ -34,6 +34,7 @@ from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
+from stargrpc.errors import RequestError, abort_with
 from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
@@ -54,6 +55,10 @@ MAX_DETAIL_CHARS = 300
 _SIZE_CODES = frozenset((OUTPUT_TRUNCATED, RESULT_TOO_LARGE))
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+
+#: What runs first inside an audited call: given the request and the call's context, it
+#: returns the request to hand on, or raises a RequestError that ends the call.
+Admission = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 @dataclass
@@ -124,7 +129,22 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: _Continuation,
                                 handler_call_details: grpc.HandlerCallDetails
                                 ) -> grpc.RpcMethodHandler | None:
-        call = _Call(CallRecord(method=handler_call_details.method))
+        call = self.open_call(handler_call_details.method)
+        try:
+            handler = await continuation(handler_call_details)
+        except BaseException as exc:
+            self.conclude_failed(call, exc)
+            raise
+        if handler is None:
+            self.unknown_method(call)
+            return None
+        return self._wrapped.get(handler, self.wrap)
+
+    def open_call(self, method: str) -> _Call:
+        """Opens the record of a call of ``method`` in this task, before anything else of
+        the call runs; it is written when the call ends (:meth:`audited_stream` and
+        :meth:`audited_unary`), or when the task ends if the handler never ran."""
+        call = _Call(CallRecord(method=method))
         # grpc.aio serves each call in a task of its own: inner interceptors and the
         # handler see this record, and nothing else does.
         current_call.set(call.record)
@@ -135,19 +155,20 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             # grpc.aio does not run the handler of a call cancelled before its request
             # arrived: the record is then written when the call's task ends.
             task.add_done_callback(lambda _: self._write_unwritten(call))
-        try:
-            handler = await continuation(handler_call_details)
-        except BaseException as exc:
-            self._conclude(call, None, exc)
-            raise
-        if handler is None:
-            call.record.outcome = "invalid"
-            call.record.detail = "unknown method"
-            self._write(call)
-            return None
-        return self._wrapped.get(handler, self._wrap)
+        return call
 
-    def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def unknown_method(self, call: _Call) -> None:
+        """Writes the record of a call of a method that does not exist."""
+        call.record.outcome = "invalid"
+        call.record.detail = "unknown method"
+        self._write(call)
+
+    def conclude_failed(self, call: _Call, exc: BaseException) -> None:
+        """Writes the record of a call whose handler could not even be found."""
+        self._conclude(call, None, exc)
+
+    def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` with its calls recorded (their records opened by :meth:`open_call`)."""
         # The request is kept for the record only when it is one message, not a stream.
         return rewrap(
             handler,
@@ -156,11 +177,32 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def _unary(self, behavior: Callable[..., Any], *, peek: bool
                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        return self.audited_unary(
+            lambda request, context: call_behaviour(behavior, request, context), peek=peek)
+
+    def audited_unary(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
+                                               Awaitable[Any]], *, peek: bool,
+                      admit: Admission | None = None
+                      ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """``behavior`` (a coroutine function) recorded: the call's record (opened by
+        :meth:`open_call`) is concluded and written when it returns or raises.
+
+        Args:
+            behavior: The call's behaviour, as grpc.aio calls it.
+            peek: Whether the request is one message, to note what it names.
+            admit: Runs first, inside the record (the interceptors composed with this
+                one: :mod:`stargrpc.interceptors.composed`).
+        """
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                response = await call_behaviour(behavior, request, context)
+                if admit is not None:
+                    try:
+                        request = admit(request, context)
+                    except RequestError as error:
+                        await abort_with(context, error)
+                response = await behavior(request, context)
             except BaseException as exc:
                 self._conclude(call, context, exc)
                 raise
@@ -174,15 +216,36 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # An async generator is iterated directly: a wrapping generator would add a hop per
         # streamed message.
         direct = inspect.isasyncgenfunction(behavior)
+        return self.audited_stream(
+            behavior if direct
+            else lambda request, context: iterate_responses(behavior, request, context),
+            peek=peek)
 
+    def audited_stream(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
+                                                AsyncIterator[Any]], *, peek: bool,
+                       admit: Admission | None = None
+                       ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        """``behavior`` (returning an async iterator of responses) recorded: an Execute's
+        Result waits for its record's commit, and the record is concluded and written when
+        the stream ends.
+
+        Args:
+            behavior: The call's behaviour, as grpc.aio calls it.
+            peek: Whether the request is one message, to note what it names.
+            admit: Runs first, inside the record (the interceptors composed with this
+                one: :mod:`stargrpc.interceptors.composed`).
+        """
         async def audited(request: Any, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[Any]:
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                responses = (behavior(request, context) if direct
-                             else iterate_responses(behavior, request, context))
-                async for response in responses:
+                if admit is not None:
+                    try:
+                        request = admit(request, context)
+                    except RequestError as error:
+                        await abort_with(context, error)
+                async for response in behavior(request, context):
                     if isinstance(response, EventFrame):
                         if response.event.HasField("notice") and \
                                 response.event.notice.code in _SIZE_CODES:
