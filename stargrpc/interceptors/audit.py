@@ -10,6 +10,10 @@ batched writer.
 An Execute's Result is held back until its record is committed, so that every Result a
 client has seen has its record in the store even if the process is killed right after
 (bounded by ``audit_commit_timeout_seconds``; concurrent calls share one commit).
+
+Notable records (privileged tools, outcomes other than ok) also go to the log as an
+``audit`` line; routine ones only with ``audit_log_lines = "all"`` (a structlog line costs
+more than the record's commit).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         limits: How much of arguments and results a record keeps.
         max_result_chars: Longest result text kept.
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
+        log_lines: Which calls get an ``audit`` log line too (``audit_log_lines``).
     """
 
     writer: AuditWriter
@@ -97,6 +102,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     limits: RedactionLimits
     max_result_chars: int
     commit_timeout: float
+    log_lines: str
     _wrapped: WrappedHandlers
     _open_calls: int
 
@@ -111,6 +117,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self.limits = self.view.values
         self.max_result_chars = self.view.max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
+        self.log_lines = settings.audit_log_lines
         self._wrapped = WrappedHandlers()
         self._open_calls = 0
 
@@ -339,7 +346,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # the cycle collector's next full collection.
         call.record.run = None
         call.result = None
-        self._log(record)
+        notable = record.privileged or record.outcome != "ok"
+        if notable and self.log_lines != "off" or self.log_lines == "all":
+            self._log(record, notable)
         try:
             # With no other call open, no record will come to share this one's transaction:
             # commit it at once rather than on the next turn of the loop.
@@ -383,7 +392,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             substitute = call.record.result_view
         return self.view.result_text(call.result, substitute)
 
-    def _log(self, record: AuditRecord) -> None:
+    def _log(self, record: AuditRecord, notable: bool) -> None:
         fields: dict[str, Any] = {
             "method": record.method, "tool": record.tool, "principal": record.who,
             "peer": record.peer, "outcome": record.outcome, "detail": record.detail,
@@ -397,7 +406,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # run_id as a field rather than bound to the context: the same line (explicit fields
         # win over bound ones), without binding and resetting a context variable per call.
         fields["run_id"] = record.run_id
-        if record.privileged or record.outcome != "ok":
+        if notable:
             log.warning("audit", **fields)
         else:
             log.info("audit", **fields)
