@@ -49,7 +49,8 @@ def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Pat
         shutil.copytree(state, own)
         tree_env = {**env, "STARGRPC_STATE_DIR": str(own),
                     "PYTHONPATH": str(path.resolve())}
-        argv = [sys.executable, "-m", "stargrpc.cli", "serve", "--tools-dir",
+        # -P: the tree on PYTHONPATH comes first (not the working directory, this checkout).
+        argv = [sys.executable, "-P", "-m", "stargrpc.cli", "serve", "--tools-dir",
                 str(ROOT / "bench" / "tools")]
         specs.append(ServerSpec(name, argv, tree_env))
     return specs

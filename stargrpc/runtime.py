@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from stargrpc.errors import (
     Unavailable,
 )
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.ids import random_id
 from stargrpc.limits import ConcurrencyLimits
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
@@ -337,7 +337,7 @@ class Runtime:
             record.principal = principal
         self.policy.check(principal, spec)
         args = validate(spec.args_model, call.arguments)
-        run_id = uuid.uuid4().hex
+        run_id = random_id()
         if record is not None:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, call.invocation,

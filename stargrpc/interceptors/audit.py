@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.calls import CallRecord, current_call
 from stargrpc.errors import RequestError, abort_with
 from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
+from stargrpc.ids import random_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
@@ -347,7 +347,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         call.record.run = None
         call.result = None
         notable = record.privileged or record.outcome != "ok"
-        if notable and self.log_lines != "off" or self.log_lines == "all":
+        if (notable and self.log_lines != "off") or self.log_lines == "all":
             self._log(record, notable)
         try:
             # With no other call open, no record will come to share this one's transaction:
@@ -368,7 +368,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         if arguments is None:
             arguments = record.arguments
         return AuditRecord(
-            id=uuid.uuid4().hex,
+            id=random_id(),
             time=call.time,
             method=record.method,
             peer=record.peer,
