@@ -134,8 +134,8 @@ class Run:
     _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
     _finisher: asyncio.Task[None] | None
-    _done: asyncio.Event
-    _steering: asyncio.Queue[str]
+    _done: asyncio.Event | None
+    _steering_queue: asyncio.Queue[str] | None
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
@@ -171,8 +171,9 @@ class Run:
         self._abandon_timer = None
         self._main_task = None
         self._finisher = None
-        self._done = asyncio.Event()
-        self._steering = asyncio.Queue(self.settings.steer_max_pending)
+        # Made when first needed: most runs are never waited on nor steered.
+        self._done = None
+        self._steering_queue = None
         self.root_step = Step(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -251,20 +252,31 @@ class Run:
         # before anything the tool does about it.
         self.log.append_nowait(event)  # type: ignore[attr-defined]
 
+    @property
+    def _steering(self) -> asyncio.Queue[str]:
+        if self._steering_queue is None:
+            self._steering_queue = asyncio.Queue(self.settings.steer_max_pending)
+        return self._steering_queue
+
     async def next_steering(self) -> str:
         """Waits for the next steering message."""
         return await self._steering.get()
 
     def steering_pending(self) -> list[str]:
         """The steering messages not read yet, in order, taken off the queue."""
-        pending = []
+        pending: list[str] = []
+        if self._steering_queue is None:
+            return pending
         while not self._steering.empty():
             pending.append(self._steering.get_nowait())
         return pending
 
     async def wait(self) -> events_pb2.Result:
         """Waits for the run to end and returns its Result."""
-        await self._done.wait()
+        if self.result is None:
+            if self._done is None:
+                self._done = asyncio.Event()
+            await self._done.wait()
         assert self.result is not None
         return self.result
 
@@ -387,14 +399,16 @@ class Run:
             self.root_step.summary = outcome.error_message
         await self.end_step(self.root_step, error=not ok)
         result, notices = self._result_message(outcome, duration)
-        await self._stream_large_files()
-        result = self._with_inline_files(result)
+        if self.writeback.sent_files:  # the tool's, or the output moved into one
+            await self._stream_large_files()
+            result = self._with_inline_files(result)
         for code, message in notices:
             await self.emit_notice(code, message)
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
         for hook in self.finish_hooks:
             try:
                 hook(self)
@@ -441,11 +455,14 @@ class Run:
             result.error.message = cut_text(
                 outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
         result.duration.FromNanoseconds(int(duration * 1e9))
-        inline_bytes = self._choose_inline_files(quarter)
-        dropped = self._list_writeback(result.writeback, quarter)
-        if dropped:
-            notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
-                                              "and were dropped"))
+        inline_bytes = 0
+        writeback = self.writeback
+        if writeback.sent_files or writeback.injected_tools or writeback.rich_messages:
+            inline_bytes = self._choose_inline_files(quarter)
+            dropped = self._list_writeback(result.writeback, quarter)
+            if dropped:
+                notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
+                                                  "and were dropped"))
         if outcome.structured is not None:
             self._add_structured(result, outcome.structured, quarter, notices)
         # What is left for the output: the listing of the files it may move into is small.
