@@ -74,6 +74,8 @@ class _Call:
     written: bool = False
     result: events_pb2.Result | None = None
     invocation: dict[str, Any] | None = None
+    #: Writes the record when the call's task ends, for a handler that never ran.
+    on_task_done: Callable[[Any], None] | None = None
     #: What was cut or dropped to fit the Result sent (its OUTPUT_TRUNCATED and
     #: RESULT_TOO_LARGE notices).
     cuts: list[str] = field(default_factory=list)
@@ -160,8 +162,10 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         task = asyncio.current_task()
         if task is not None:
             # grpc.aio does not run the handler of a call cancelled before its request
-            # arrived: the record is then written when the call's task ends.
-            task.add_done_callback(lambda _: self._write_unwritten(call))
+            # arrived: the record is then written when the call's task ends (the handler,
+            # once it runs, takes that over: _begin).
+            call.on_task_done = lambda _: self._write_unwritten(call)
+            task.add_done_callback(call.on_task_done)
         return call
 
     def unknown_method(self, call: _Call) -> None:
@@ -273,6 +277,13 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     # -- the record ------------------------------------------------------------------------
 
     def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if call.on_task_done is not None:
+            # The handler runs: it writes the record however it ends (a callback less to
+            # run per call).
+            task = asyncio.current_task()
+            if task is not None:
+                task.remove_done_callback(call.on_task_done)
+            call.on_task_done = None
         record = call.record
         record.peer = context.peer() or ""
         if request is None:
