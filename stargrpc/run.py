@@ -128,6 +128,7 @@ class Run:
     _streamed_sizes: dict[str, int]
     _to_stream: set[str]
     _sizes: EventSizes
+    _append_nowait: Callable[[events_pb2.RunEvent], Any] | None
     _tool_running: bool
     _cancel_sent: bool
     _abandoned: bool
@@ -147,6 +148,7 @@ class Run:
         self.principal = principal
         self.invocation = invocation
         self.log = log
+        self._append_nowait = getattr(log, "append_nowait", None)
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
@@ -683,7 +685,11 @@ class Run:
     async def _emit(self, event: events_pb2.RunEvent) -> None:
         for observer in self.observers:
             observer(event)
-        await self.log.append(event)
+        append_nowait = self._append_nowait
+        if append_nowait is not None:  # the logs of this package: no coroutine per event
+            append_nowait(event)
+        else:
+            await self.log.append(event)
         self._emitted += 1
         if self._emitted % YIELD_EVERY_EVENTS == 0:
             # Appending never waits, so a tool that emits without awaiting anything else

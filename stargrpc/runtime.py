@@ -137,10 +137,15 @@ class _StartRun(RunInterceptor):
         if record is not None:
             record.run = run
         metrics.RUNS_IN_FLIGHT.inc()
-        run.finish_hooks.append(_count_finished)
-        task = run.start()
-        task.add_done_callback(lambda _: runs.pop(run.run_id, None))
+        run.finish_hooks.append(self._finished)
+        run.start()
         return run
+
+    def _finished(self, run: Run) -> None:
+        # Once its Result is in the log the run is no longer in flight (a tool that ignored
+        # its cancellation may still hold the run's task: it is not waited for).
+        self._runtime.runs.pop(run.run_id, None)
+        _count_finished(run)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ class _Call:
     written: bool = False
     result: events_pb2.Result | None = None
     invocation: dict[str, Any] | None = None
-    #: Writes the record when the call's task ends, for a handler that never ran.
+    #: The call's task, and what writes the record when it ends if the handler never ran.
+    task: asyncio.Task[Any] | None = None
     on_task_done: Callable[[Any], None] | None = None
     #: What was cut or dropped to fit the Result sent (its OUTPUT_TRUNCATED and
     #: RESULT_TOO_LARGE notices).
@@ -164,6 +165,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             # grpc.aio does not run the handler of a call cancelled before its request
             # arrived: the record is then written when the call's task ends (the handler,
             # once it runs, takes that over: _begin).
+            call.task = task
             call.on_task_done = lambda _: self._write_unwritten(call)
             task.add_done_callback(call.on_task_done)
         return call
@@ -277,13 +279,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     # -- the record ------------------------------------------------------------------------
 
     def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
-        if call.on_task_done is not None:
+        if call.task is not None and call.on_task_done is not None:
             # The handler runs: it writes the record however it ends (a callback less to
             # run per call).
-            task = asyncio.current_task()
-            if task is not None:
-                task.remove_done_callback(call.on_task_done)
-            call.on_task_done = None
+            call.task.remove_done_callback(call.on_task_done)
+            call.task = call.on_task_done = None
         record = call.record
         record.peer = context.peer() or ""
         if request is None:
