@@ -103,10 +103,9 @@ class Authenticator:
                 cached = self._key_principals.get(key.id)
                 if cached is not None and cached[0] is key:  # the same record: unchanged
                     return cached[1]
-                principal = Principal(id=key.name, roles=frozenset(key.roles),
-                                      method="api_key")
-                self._key_principals[key.id] = (key, principal)
-                return principal
+                made = Principal(id=key.name, roles=frozenset(key.roles), method="api_key")
+                self._key_principals[key.id] = (key, made)
+                return made
             if self.jwt is not None:
                 return self.jwt.verify(token)
             raise CredentialsRejected("unknown_token_kind")

@@ -136,5 +136,5 @@ def compose(chain: Sequence[grpc.aio.ServerInterceptor]) -> list[grpc.aio.Server
         if index < len(chain) and type(chain[index]) is CriticInterceptor:
             critic = chain[index]
             index += 1
-        composed.append(ComposedInterceptor(audit, auth, critic))  # type: ignore[arg-type]
+        composed.append(ComposedInterceptor(audit, auth, critic))
     return composed
