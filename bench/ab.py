@@ -56,6 +56,21 @@ def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Pat
     return specs
 
 
+def _more(running: list[Any], token: str) -> dict[str, tuple[float, float, float]]:
+    pids = [s.pid for s in running]
+    figures = run_plan(running, [
+        {"measure": "stream", "n": 5000, "runs": 3, "server_pids": pids},
+        {"measure": "concurrency", "concurrent": 200, "rounds": 3},
+        {"measure": "held", "streams": 500, "seconds": 60.0, "server_pids": pids,
+         "open_timeout": 40.0},
+    ], token)
+    return {server.name: (stream["median_events_per_s"], concurrency["calls_per_s"],
+                          held["kb_per_open_run"] or 0.0)
+            for server, stream, concurrency, held in zip(
+                running, figures["stream"], figures["concurrency"], figures["held"],
+                strict=True)}
+
+
 def _profile(running: list[Any], name: str, token: str) -> None:
     server = next(s for s in running if s.name == name)
     raw = Path(tempfile.mkstemp(prefix=f"ab-{name}-", suffix=".txt")[1])
@@ -81,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--more", action="store_true",
+                        help="then, once: stream throughput (5,000 deltas), 200 concurrent "
+                             "10 ms runs and memory per held stream (500 open)")
     parser.add_argument("--profile", metavar="NAME",
                         help="then py-spy this server under 2,000 sequential calls and print "
                              "its summary (the raw profile is kept in /tmp)")
@@ -123,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{s.name} {c['cpu_us_per_call']:.0f} µs"
                     for s, c in zip(running, figures["cpu"], strict=True)),
                     file=sys.stderr, flush=True)
+            if args.more:
+                more = _more(running, stack.token)
             if args.profile:
                 _profile(running, args.profile, stack.token)
     bare_cpu, bare_p50, bare_p99 = min(cpu["bare"]), min(p50["bare"]), min(p99["bare"])
@@ -140,6 +160,16 @@ def main(argv: list[str] | None = None) -> None:
               f"{l50 / bare_p50:.2f}x | {l99:.3f} | {l99 / bare_p99:.2f}x |")
         result[name] = {"cpu_us_per_call": c, "p50_ms": l50, "p99_ms": l99,
                         "samples": {"cpu": cpu[name], "p50": p50[name], "p99": p99[name]}}
+    if args.more:
+        print("| server | stream events/s | ratio | 200 concurrent 10 ms calls/s | ratio | "
+              "KiB per held stream | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        bare = more["bare"]
+        for name, figures in more.items():
+            print(f"| {name} | {figures[0]:,.0f} | {figures[0] / bare[0]:.2f}x | "
+                  f"{figures[1]:,.0f} | {figures[1] / bare[1]:.2f}x | {figures[2]:.1f} | "
+                  f"{figures[2] / bare[2]:.2f}x |")
+            result[name]["more"] = figures
     print(json.dumps(result))
 
 
