@@ -49,6 +49,8 @@ def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str
 
 def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
     """Raw JSON text as a dict, with integers kept exact."""
+    if text == "{}":  # most calls of a tool without arguments
+        return {}
     size = len(text.encode())
     if size > limits.max_bytes:
         raise _too_large("arguments_json", size, limits)
@@ -82,8 +84,8 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
     Raises:
         InvalidArgument: With a ``google.rpc.BadRequest`` listing each bad field.
     """
-    violations = _non_finite_numbers(raw, field_prefix)
-    if model.model_config.get("extra") is None:
+    violations = _non_finite_numbers(raw, field_prefix) if raw else []
+    if raw and model.model_config.get("extra") is None:
         known = set()
         for name, info in model.model_fields.items():
             known.add(name)

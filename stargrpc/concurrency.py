@@ -75,8 +75,11 @@ class ConcurrencyLimits:
         if self.per_tool and self._by_tool[tool] >= self.per_tool:
             self._refuse("tool", self.per_tool, f"tool {tool!r}")
         self._in_flight += 1
-        self._by_principal[principal] += 1
-        self._by_tool[tool] += 1
+        # Counted only where a limit needs the count (the limits are fixed).
+        if self.per_principal:
+            self._by_principal[principal] += 1
+        if self.per_tool:
+            self._by_tool[tool] += 1
         return Permit(self, principal, tool)
 
     def _refuse(self, scope: str, limit: int, who: str) -> None:
@@ -89,8 +92,9 @@ class ConcurrencyLimits:
     def _release(self, permit: Permit) -> None:
         self._in_flight -= 1
         # Drop zero counts so a stream of distinct principals does not grow the maps.
-        for counter, name in ((self._by_principal, permit.principal),
-                              (self._by_tool, permit.tool)):
-            counter[name] -= 1
-            if counter[name] <= 0:
-                del counter[name]
+        for limit, counter, name in ((self.per_principal, self._by_principal, permit.principal),
+                                     (self.per_tool, self._by_tool, permit.tool)):
+            if limit:
+                counter[name] -= 1
+                if counter[name] <= 0:
+                    del counter[name]

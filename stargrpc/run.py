@@ -11,6 +11,7 @@ cancellation, a supervisor stop — the run still ends with that Result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -127,12 +128,15 @@ class Run:
     _streamed_sizes: dict[str, int]
     _to_stream: set[str]
     _sizes: EventSizes
-    _tool_task: asyncio.Task[Any] | None
+    _append_nowait: Callable[[events_pb2.RunEvent], Any] | None
+    _tool_running: bool
+    _cancel_sent: bool
     _abandoned: bool
     _abandon_timer: asyncio.TimerHandle | None
     _main_task: asyncio.Task[None] | None
-    _done: asyncio.Event
-    _steering: asyncio.Queue[str]
+    _finisher: asyncio.Task[None] | None
+    _done: asyncio.Event | None
+    _steering_queue: asyncio.Queue[str] | None
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
@@ -144,6 +148,7 @@ class Run:
         self.principal = principal
         self.invocation = invocation
         self.log = log
+        self._append_nowait = getattr(log, "append_nowait", None)
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
@@ -162,12 +167,15 @@ class Run:
         self._to_stream = set()
         self._sizes = _event_sizes(min(self.settings.max_event_bytes,
                                           self.settings.max_send_message_bytes))
-        self._tool_task = None
+        self._tool_running = False
+        self._cancel_sent = False
         self._abandoned = False
         self._abandon_timer = None
         self._main_task = None
-        self._done = asyncio.Event()
-        self._steering = asyncio.Queue(self.settings.steer_max_pending)
+        self._finisher = None
+        # Made when first needed: most runs are never waited on nor steered.
+        self._done = None
+        self._steering_queue = None
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,8 +208,10 @@ class Run:
         if self.finished or self._stop is not None:
             return False
         self._stop = StopRequest(outcome, code, message)
-        if self._tool_task is not None and not self._tool_task.done():
-            self._tool_task.cancel(message)
+        if self._tool_running and self._main_task is not None:
+            # The tool runs in the run's own task: cancelling that task cancels the tool.
+            self._cancel_sent = True
+            self._main_task.cancel(message)
             # A tool that swallows its cancellation must not keep the run (and every stream
             # following it) hanging: after a grace period the run ends without it.
             self._abandon_timer = asyncio.get_running_loop().call_later(
@@ -244,20 +254,31 @@ class Run:
         # before anything the tool does about it.
         self.log.append_nowait(event)  # type: ignore[attr-defined]
 
+    @property
+    def _steering(self) -> asyncio.Queue[str]:
+        if self._steering_queue is None:
+            self._steering_queue = asyncio.Queue(self.settings.steer_max_pending)
+        return self._steering_queue
+
     async def next_steering(self) -> str:
         """Waits for the next steering message."""
         return await self._steering.get()
 
     def steering_pending(self) -> list[str]:
         """The steering messages not read yet, in order, taken off the queue."""
-        pending = []
+        pending: list[str] = []
+        if self._steering_queue is None:
+            return pending
         while not self._steering.empty():
             pending.append(self._steering.get_nowait())
         return pending
 
     async def wait(self) -> events_pb2.Result:
         """Waits for the run to end and returns its Result."""
-        await self._done.wait()
+        if self.result is None:
+            if self._done is None:
+                self._done = asyncio.Event()
+            await self._done.wait()
         assert self.result is not None
         return self.result
 
@@ -270,48 +291,50 @@ class Run:
             log.exception("run_machinery_failed", run_id=self.run_id, tool=self.spec.name)
             outcome = ToolResult(outcome=Outcome.ERROR, error_code="INTERNAL",
                                  error_message="the server failed while running the tool")
+        if self._abandoned:
+            return  # the run ended without the tool (see _abandon_tool)
         await self._finish(outcome, time.monotonic() - started)
 
     async def _run_tool(self) -> ToolResult:
         ctx = ToolContext(self)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, tool=self.spec.name)
-        if self.spec.is_async:
-            coro = self.spec.fn(ctx, self.args) if self.spec.takes_args else self.spec.fn(ctx)
+        if self._stop is not None:  # stopped before the tool even started
+            return self._stopped_result()
+        spec = self.spec
+        if spec.is_async:
+            coro = spec.fn(ctx, self.args) if spec.takes_args else spec.fn(ctx)
         else:
             sync_ctx = SyncToolContext(ctx, asyncio.get_running_loop())
             call = (
-                (lambda: self.spec.fn(sync_ctx, self.args)) if self.spec.takes_args
-                else (lambda: self.spec.fn(sync_ctx))
+                (lambda: spec.fn(sync_ctx, self.args)) if spec.takes_args
+                else (lambda: spec.fn(sync_ctx))
             )
             coro = asyncio.to_thread(call)
-        self._tool_task = asyncio.ensure_future(coro)
-        if self._stop is not None:  # stopped before the tool even started
-            self._tool_task.cancel()
+        # The tool's coroutine runs in this run's own task (no task of its own, no shield:
+        # a task and a future less per run). stop() cancels this task while the tool runs.
+        self._tool_running = True
         try:
-            # Shielded: cancelling this run's own task (abandoning a tool that ignores its
-            # cancellation, or a hard shutdown) must wake the run up even when the tool
-            # does not end.
-            value = await asyncio.shield(self._tool_task)
+            value = await coro
         except asyncio.CancelledError:
-            if self._abandoned:
-                log.warning("tool_ignored_cancellation", run_id=self.run_id,
-                            tool=self.spec.name, grace_seconds=STOP_GRACE_SECONDS)
-            elif not self._tool_task.done():
-                # This run's own task was cancelled (the server is going down hard):
-                # take the tool down with it and still end the run properly.
+            self._tool_ended()
+            if not self._abandoned and self._external_cancel():
+                # This run's task was cancelled from outside (the server is going down
+                # hard): the tool went down with it; still end the run properly.
                 self._stop = self._stop or StopRequest(
                     Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
-                self._tool_task.cancel()
-                await asyncio.wait({self._tool_task}, timeout=STOP_GRACE_SECONDS)
             return self._stopped_result()
         except ToolOutcomeError as exc:
+            await self._settle_cancel()
             return classify_exception(exc)
         except Exception:
-            log.exception("tool_raised", run_id=self.run_id, tool=self.spec.name)
+            await self._settle_cancel()
+            if not self._abandoned:
+                log.exception("tool_raised", run_id=self.run_id, tool=self.spec.name)
             return ToolResult(
                 outcome=Outcome.ERROR, error_code="TOOL_EXCEPTION",
                 error_message=f"the tool failed with an internal error (run {self.run_id})",
             )
+        await self._settle_cancel()
         if self._stop is not None:
             # The tool returned even though it was asked to stop (e.g. it swallowed the
             # cancellation): the stop still decides the outcome.
@@ -323,11 +346,46 @@ class Run:
             return ToolResult(outcome=Outcome.ERROR, error_code="TOOL_BAD_RETURN",
                               error_message="the tool returned a value that cannot be sent")
 
+    def _tool_ended(self) -> None:
+        self._tool_running = False
+        if self._abandon_timer is not None:
+            self._abandon_timer.cancel()
+            self._abandon_timer = None
+
+    def _external_cancel(self) -> bool:
+        """Takes back the cancellation :meth:`stop` sent, if any; whether this task was
+        also cancelled by someone else."""
+        task = self._main_task
+        if task is None:
+            return False
+        if self._cancel_sent:
+            self._cancel_sent = False
+            task.uncancel()
+        return task.cancelling() > 0
+
+    async def _settle_cancel(self) -> None:
+        """After the tool ended without raising CancelledError: a cancellation :meth:`stop`
+        sent may not have reached it (it returned before its next await), and would then
+        hit this task's next await instead. One turn of the loop takes it."""
+        self._tool_ended()
+        if not self._cancel_sent:
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0)
+        self._external_cancel()
+
     def _abandon_tool(self) -> None:
-        if self._tool_task is None or self._tool_task.done() or self._main_task is None:
+        """The tool ignored its cancellation for the grace period: the run ends without
+        it, in a task of its own (the run's task stays with the tool)."""
+        self._abandon_timer = None
+        if not self._tool_running or self.finished or self._abandoned:
             return
         self._abandoned = True
-        self._main_task.cancel()
+        log.warning("tool_ignored_cancellation", run_id=self.run_id,
+                    tool=self.spec.name, grace_seconds=STOP_GRACE_SECONDS)
+        self._finisher = asyncio.get_running_loop().create_task(
+            self._finish(self._stopped_result(), time.monotonic() - self.started_monotonic),
+            name=f"run-{self.run_id}-abandoned")
 
     def _stopped_result(self) -> ToolResult:
         stop = self._stop or StopRequest(Outcome.CANCELLED, "CANCELLED", "the run was cancelled")
@@ -343,14 +401,16 @@ class Run:
             self.root_step.summary = outcome.error_message
         await self.end_step(self.root_step, error=not ok)
         result, notices = self._result_message(outcome, duration)
-        await self._stream_large_files()
-        result = self._with_inline_files(result)
+        if self.writeback.sent_files:  # the tool's, or the output moved into one
+            await self._stream_large_files()
+            result = self._with_inline_files(result)
         for code, message in notices:
             await self.emit_notice(code, message)
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
         for hook in self.finish_hooks:
             try:
                 hook(self)
@@ -366,7 +426,6 @@ class Run:
         whenever the cycle collector next makes a full collection."""
         self.observers.clear()
         self.finish_hooks.clear()
-        self._tool_task = None
         if self._abandon_timer is not None:
             self._abandon_timer.cancel()
             self._abandon_timer = None
@@ -398,11 +457,14 @@ class Run:
             result.error.message = cut_text(
                 outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
         result.duration.FromNanoseconds(int(duration * 1e9))
-        inline_bytes = self._choose_inline_files(quarter)
-        dropped = self._list_writeback(result.writeback, quarter)
-        if dropped:
-            notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
-                                              "and were dropped"))
+        inline_bytes = 0
+        writeback = self.writeback
+        if writeback.sent_files or writeback.injected_tools or writeback.rich_messages:
+            inline_bytes = self._choose_inline_files(quarter)
+            dropped = self._list_writeback(result.writeback, quarter)
+            if dropped:
+                notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
+                                                  "and were dropped"))
         if outcome.structured is not None:
             self._add_structured(result, outcome.structured, quarter, notices)
         # What is left for the output: the listing of the files it may move into is small.
@@ -623,7 +685,11 @@ class Run:
     async def _emit(self, event: events_pb2.RunEvent) -> None:
         for observer in self.observers:
             observer(event)
-        await self.log.append(event)
+        append_nowait = self._append_nowait
+        if append_nowait is not None:  # the logs of this package: no coroutine per event
+            append_nowait(event)
+        else:
+            await self.log.append(event)
         self._emitted += 1
         if self._emitted % YIELD_EVERY_EVENTS == 0:
             # Appending never waits, so a tool that emits without awaiting anything else

@@ -38,12 +38,12 @@ from stargrpc.errors import (
     Unavailable,
 )
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.ids import new_run_id
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.run import Run
-from stargrpc.run_ids import new_run_id
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -140,10 +140,15 @@ class _StartRun(RunInterceptor):
         if record is not None:
             record.run = run
         metrics.RUNS_IN_FLIGHT.inc()
-        run.finish_hooks.append(_count_finished)
-        task = run.start()
-        task.add_done_callback(lambda _: runs.pop(run.run_id, None))
+        run.finish_hooks.append(self._finished)
+        run.start()
         return run
+
+    def _finished(self, run: Run) -> None:
+        # Once its Result is in the log the run is no longer in flight (a tool that ignored
+        # its cancellation may still hold the run's task: it is not waited for).
+        self._runtime.runs.pop(run.run_id, None)
+        _count_finished(run)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.interceptors.composed import compose
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
@@ -135,7 +136,8 @@ class StargrpcServer:
         self.interceptors = list(interceptors if interceptors is not None
                                  else build_chain(settings))
         self._server = grpc.aio.server(
-            interceptors=self.interceptors,
+            # audit, auth and critic served as one wrapper per call (same order, same work).
+            interceptors=compose(self.interceptors),
             options=self._channel_options(),
         )
         self._health = health.aio.HealthServicer()

@@ -148,10 +148,12 @@ class ToolService:
             request, policy = request.request, request.policy
         else:
             policy = SupervisionPolicy.for_call(self.settings, context.time_remaining())
-        await _refuse_malformed(request, context)
+        if isinstance(request, MalformedRequest):
+            await request.to_error().abort(context)
         try:
             call = self._decode_execute(request, policy)
-            target = await self._delivery_target(request)
+            target = (await self._delivery_target(request) if request.HasField("delivery")
+                      else None)
             admitted = await self.runtime.admit(call, current_principal.get())
         except RequestError as error:
             await error.abort(context)

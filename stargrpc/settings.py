@@ -291,6 +291,11 @@ class Settings(BaseSettings):
         "<state_dir>/audit-hmac.key: keep it outside the state folder (a read-only secret) "
         "to protect the trail from whoever can write that folder; one file for every "
         "replica of a fleet.")
+    audit_log_lines: Literal["all", "notable", "off"] = Field(
+        "notable", description="Which calls also get an 'audit' log line (the trail in the "
+        "audit store has every call, whatever this says): all; notable (default: privileged "
+        "tools and every call not ok — refused, denied, failed, timed out, cancelled — each "
+        "a warning); off.")
     audit_max_batch: int = Field(500, ge=1, le=10_000, description="Most audit records "
                                  "written in one transaction.")
     audit_commit_timeout_seconds: float = Field(

@@ -108,19 +108,25 @@ async def event_responses(log: RunLog, after_seq: int,
     Raises:
         RequestError: From the log (the watcher fell too far behind, a store went away).
     """
-    async with aclosing(log.follow_batches(after_seq, max_lag=max_lag)) as batches:
-        async for batch in batches:
-            responses = (_coalesced(log, batch) if coalesce and len(batch) > 1
-                         else _one_each(log, batch))
-            for response in responses:
-                if response is None:  # the Result, always the last event of a run
-                    yield response_type(event=batch[-1])
-                    if count is not None:
-                        count(1)
-                    return
-                yield response
-                if count is not None:
-                    count(response.events)
+    sent = 0  # events sent and not counted yet: counted once per batch (a lock each time)
+    try:
+        async with aclosing(log.follow_batches(after_seq, max_lag=max_lag)) as batches:
+            async for batch in batches:
+                responses = (_coalesced(log, batch) if coalesce and len(batch) > 1
+                             else _one_each(log, batch))
+                for response in responses:
+                    if response is None:  # the Result, always the last event of a run
+                        yield response_type(event=batch[-1])
+                        sent += 1
+                        return
+                    yield response
+                    sent += response.events
+                if count is not None and sent:
+                    count(sent)
+                    sent = 0
+    finally:
+        if count is not None and sent:
+            count(sent)
 
 
 # The two below make each response only when it is about to be sent (a batch can be a

@@ -166,6 +166,18 @@ async def test_invalid_raw_json(stub) -> None:
     await _still_serving(stub)
 
 
+async def test_empty_raw_json_is_refused_and_an_empty_object_is_no_arguments(stub) -> None:
+    # "{}" takes a shortcut past the JSON parser; "" (set, but empty) must not.
+    empty = tool_service_pb2.ExecuteRequest(tool_name="echo")
+    empty.arguments_json = ""
+    error = await _refused(stub, empty)
+    assert "invalid JSON" in _violations(error)["arguments_json"]
+    error = await _refused(stub, tool_service_pb2.ExecuteRequest(tool_name="echo",
+                                                                 arguments_json="{}"))
+    assert "arguments.text" in _violations(error)  # echo's text is required
+    await _still_serving(stub)
+
+
 async def _audited(server: StargrpcServer) -> list[tuple[str, str]]:
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
     await audit.writer.flush()

@@ -146,6 +146,8 @@ def scrub_and_cut(text: str, limit: int) -> str:
     Scrubbed before it is cut, so that a secret the cut would split is still found whole;
     of a long text only what the cut keeps and a margin after it are scanned.
     """
+    if not text:
+        return text
     if len(text) > limit + _SCAN_MARGIN:
         return f"{scrub_text(text[:limit + _SCAN_MARGIN])[:limit]}…[+{len(text) - limit} chars]"
     return cut(scrub_text(text), limit)
@@ -188,6 +190,8 @@ def _redact(value: Any, limits: RedactionLimits, depth: int) -> Any:
 
 def redacted_json(value: Any, limits: RedactionLimits | None = None) -> str:
     """``value`` redacted (:func:`redact`) as compact JSON text, capped in length."""
+    if type(value) is dict and not value:  # a call without arguments
+        return "{}"
     limits = limits or RedactionLimits()
     text = json.dumps(redact(value, limits), ensure_ascii=False, separators=(",", ":"),
                       default=str)

@@ -106,15 +106,19 @@ class AuditWriter:
         if self._closed:
             raise RuntimeError("the audit writer is closed")
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
+        if alone and not self._queue and not self._scheduled and self._task is None \
+                and self._started and self._append_now is not None:
+            # Committed right here, never queued (the queue's bookkeeping and gauge skipped);
+            # when the store declines, the record queues as any other.
+            stored = self._append_at_once([record])
+            if stored is not None:
+                future.set_result(stored[0])
+                return future
         self._queue.append((record, future))
         self._pending += 1
         self._idle.clear()
         metrics.AUDIT_QUEUE_DEPTH.inc()
-        if alone and len(self._queue) == 1 and not self._scheduled and self._task is None \
-                and self._started and self._append_now is not None:
-            self._write_queued()  # falls back to the task when the store must be awaited
-        else:
-            self._schedule()
+        self._schedule()
         return future
 
     async def flush(self) -> None:
@@ -159,16 +163,21 @@ class AuditWriter:
             return
         batch = self._take_batch()
         if self._append_now is not None:
-            try:
-                stored = self._append_now([record for record, _ in batch])
-            except Exception as exc:  # the task's retries report it if it persists
-                log.warning("audit_fast_write_failed", error=str(exc) or type(exc).__name__)
-                stored = None
+            stored = self._append_at_once([record for record, _ in batch])
             if stored is not None:
                 self._settle(batch, stored)
                 self._schedule()
                 return
         self._task = asyncio.create_task(self._write_batch(batch), name="audit-writer")
+
+    def _append_at_once(self, records: list[AuditRecord]) -> list[AuditRecord] | None:
+        """The store's fast path; None when it declines or fails (then the task writes)."""
+        assert self._append_now is not None
+        try:
+            return self._append_now(records)
+        except Exception as exc:  # the task's retries report it if it persists
+            log.warning("audit_fast_write_failed", error=str(exc) or type(exc).__name__)
+            return None
 
     async def _write_batch(self, batch: list[_Entry]) -> None:
         # The store makes this batch wait: bound how long its callers wait with it — and the

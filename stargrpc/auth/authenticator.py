@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stargrpc.auth.jwt import JwtVerifier
-from stargrpc.auth.keys import KEY_PREFIX, KeyStore
+from stargrpc.auth.keys import KEY_PREFIX, ApiKey, KeyStore
 from stargrpc.auth.mtls import CertificateIdentity
 from stargrpc.errors import CredentialsRejected
 from stargrpc.principal import Principal
@@ -80,6 +80,8 @@ class Authenticator:
                     else None)
         self.certificates = (CertificateIdentity(settings.mtls_roles)
                              if settings.tls_client_ca_file is not None else None)
+        # The principal of each API key, made once per reading of the keys file.
+        self._key_principals: dict[str, tuple[ApiKey, Principal]] = {}
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]],
                      auth_context: Mapping[str, Sequence[bytes]]) -> Principal:
@@ -98,7 +100,12 @@ class Authenticator:
         if token is not None:
             if token.startswith(KEY_PREFIX):
                 key = self.keys.verify(token)
-                return Principal(id=key.name, roles=frozenset(key.roles), method="api_key")
+                cached = self._key_principals.get(key.id)
+                if cached is not None and cached[0] is key:  # the same record: unchanged
+                    return cached[1]
+                made = Principal(id=key.name, roles=frozenset(key.roles), method="api_key")
+                self._key_principals[key.id] = (key, made)
+                return made
             if self.jwt is not None:
                 return self.jwt.verify(token)
             raise CredentialsRejected("unknown_token_kind")

@@ -27,7 +27,8 @@ event of a supervised run carries ``critic_time_left``: the time before the run 
 stopped if nothing else happened.
 
 **Cost.** One ``run.observers`` callback per event (the judge's look at it, a few comparisons,
-one Duration stamp) plus a single ``loop.call_at`` timer per run. An extension only records
+one Duration stamp) plus a single alarm per run, on one loop timer that every run of the
+event loop shares (:class:`_Alarms`). An extension only records
 the new deadline; the timer is not rescheduled per event. When it fires it looks at the
 latest deadline and either acts (warn, ask, stop) or re-arms itself for the next point that
 matters, so a run that streams thousands of deltas a second costs no timer churn.
@@ -36,9 +37,13 @@ matters, so a run that streams thousands of deltas a second costs no timer churn
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
+import time
+import weakref
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +140,113 @@ class SupervisedRequest:
     policy: SupervisionPolicy
 
 
+class _Alarm:
+    """A callback due at a time on :class:`_Alarms`; :meth:`cancel` as for a TimerHandle."""
+
+    __slots__ = ("_alarms", "callback")
+
+    def __init__(self, callback: Callable[[], None], alarms: _Alarms) -> None:
+        self.callback: Callable[[], None] | None = callback
+        self._alarms = alarms
+
+    def cancel(self) -> None:
+        """The callback will not be called."""
+        if self.callback is not None:
+            self.callback = None
+            self._alarms.cancelled += 1
+
+
+class _Alarms:
+    """The supervision timers of one event loop, on one loop timer set for the earliest.
+
+    A run's alarm is armed when it starts and cancelled when it ends, which for most runs
+    comes long before it is due: a ``loop.call_at`` per run would leave each cancelled
+    TimerHandle in the loop's heap (ordered by a comparison written in Python) until it is
+    due or swept. Here an alarm is a (time, count, alarm) tuple, ordered in C, in a heap of
+    its own; a cancelled one is skipped when its time comes, or swept with the others once
+    they are half the heap. The loop timer is moved only for an alarm earlier than every
+    other (all runs share the same timeouts, so a new run's alarm comes last).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Weakly: the alarms are kept per loop in a WeakKeyDictionary, by the loop.
+        self.loop = weakref.ref(loop)
+        self.heap: list[tuple[float, int, _Alarm]] = []
+        self.cancelled = 0
+        self._order = itertools.count()
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_at = math.inf
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Alarm:
+        """Calls ``callback`` at loop time ``when`` (or just before, as the loop's timers)."""
+        alarm = _Alarm(callback, self)
+        heapq.heappush(self.heap, (when, next(self._order), alarm))
+        if when < self._armed_at:
+            self._arm(when)
+        elif self.cancelled > _SWEEP_AT and self.cancelled * 2 > len(self.heap):
+            self.heap = [entry for entry in self.heap if entry[2].callback is not None]
+            heapq.heapify(self.heap)
+            self.cancelled = 0
+        return alarm
+
+    def _arm(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        loop = self.loop()
+        assert loop is not None  # alarms are set from a callback of the loop
+        self._handle = loop.call_at(when, self._fire)
+        self._armed_at = when
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._armed_at = math.inf
+        heap = self.heap
+        # The loop runs a timer up to its clock's resolution early: so do the alarms.
+        loop = self.loop()
+        assert loop is not None  # this runs in it
+        limit = loop.time() + _CLOCK_RESOLUTION
+        due = []
+        while heap and heap[0][0] <= limit:
+            alarm = heapq.heappop(heap)[2]
+            if alarm.callback is None:
+                self.cancelled -= 1
+            else:
+                due.append(alarm)
+        if heap:
+            self._arm(heap[0][0])
+        for alarm in due:
+            callback, alarm.callback = alarm.callback, None
+            if callback is None:  # cancelled by an earlier callback of this round
+                self.cancelled -= 1
+                continue
+            try:
+                callback()
+            except Exception:
+                log.exception("supervision_timer_failed")
+
+
+#: Cancelled alarms left in the heap before they are swept (when half of it).
+_SWEEP_AT = 1024
+_CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution
+
+#: The alarms of each event loop (the last one looked up kept at hand).
+_LOOP_ALARMS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Alarms] = \
+    weakref.WeakKeyDictionary()
+_last_alarms: _Alarms | None = None
+
+
+def _alarms(loop: asyncio.AbstractEventLoop) -> _Alarms:
+    global _last_alarms
+    last = _last_alarms
+    if last is not None and last.loop() is loop:
+        return last
+    alarms = _LOOP_ALARMS.get(loop)
+    if alarms is None:
+        alarms = _LOOP_ALARMS[loop] = _Alarms(loop)
+    _last_alarms = alarms
+    return alarms
+
+
 def _seconds(value: float) -> str:
     return f"{round(value, 2):g} s"
 
@@ -174,7 +286,7 @@ class Supervision:
     _seen_extend: float
     _rules_progress: float
     _asking_until: float
-    _timer: asyncio.TimerHandle | None
+    _timer: _Alarm | None
     _tasks: set[asyncio.Task[None]]
 
     def __init__(self, run: Run, policy: SupervisionPolicy, critic: Critic | None = None, *,
@@ -387,8 +499,8 @@ class Supervision:
             soft_point = self._soft_at
         else:
             soft_point = self._soft_at - self._soft_span / 2
-        self._timer = self._loop.call_at(min(soft_point, self._hard_at, self._deadline_at),
-                                         self._check)
+        self._timer = _alarms(self._loop).call_at(
+            min(soft_point, self._hard_at, self._deadline_at), self._check)
 
     def _rearm(self) -> None:
         if self._timer is not None:

@@ -10,6 +10,10 @@ batched writer.
 An Execute's Result is held back until its record is committed, so that every Result a
 client has seen has its record in the store even if the process is killed right after
 (bounded by ``audit_commit_timeout_seconds``; concurrent calls share one commit).
+
+Notable records (privileged tools, outcomes other than ok) also go to the log as an
+``audit`` line; routine ones only with ``audit_log_lines = "all"`` (a structlog line costs
+more than the record's commit).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -34,7 +37,9 @@ from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
+from stargrpc.errors import RequestError
 from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
+from stargrpc.ids import random_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
@@ -55,6 +60,10 @@ _SIZE_CODES = frozenset((OUTPUT_TRUNCATED, RESULT_TOO_LARGE))
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
+#: What runs first inside an audited call: given the request and the call's context, it
+#: returns the request to hand on, or raises a RequestError that ends the call.
+Admission = Callable[[Any, grpc.aio.ServicerContext], Any]
+
 
 @dataclass
 class _Call:
@@ -65,6 +74,9 @@ class _Call:
     written: bool = False
     result: events_pb2.Result | None = None
     invocation: dict[str, Any] | None = None
+    #: The call's task, and what writes the record when it ends if the handler never ran.
+    task: asyncio.Task[Any] | None = None
+    on_task_done: Callable[[Any], None] | None = None
     #: What was cut or dropped to fit the Result sent (its OUTPUT_TRUNCATED and
     #: RESULT_TOO_LARGE notices).
     cuts: list[str] = field(default_factory=list)
@@ -85,6 +97,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         limits: How much of arguments and results a record keeps.
         max_result_chars: Longest result text kept.
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
+        log_lines: Which calls get an ``audit`` log line too (``audit_log_lines``).
     """
 
     writer: AuditWriter
@@ -92,6 +105,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     limits: RedactionLimits
     max_result_chars: int
     commit_timeout: float
+    log_lines: str
     _wrapped: WrappedHandlers
     _open_calls: int
 
@@ -106,6 +120,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self.limits = self.view.values
         self.max_result_chars = self.view.max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
+        self.log_lines = settings.audit_log_lines
         self._wrapped = WrappedHandlers()
         self._open_calls = 0
 
@@ -124,7 +139,22 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: _Continuation,
                                 handler_call_details: grpc.HandlerCallDetails
                                 ) -> grpc.RpcMethodHandler | None:
-        call = _Call(CallRecord(method=handler_call_details.method))
+        call = self.open_call(handler_call_details.method)
+        try:
+            handler = await continuation(handler_call_details)
+        except BaseException as exc:
+            self.conclude_failed(call, exc)
+            raise
+        if handler is None:
+            self.unknown_method(call)
+            return None
+        return self._wrapped.get(handler, self.wrap)
+
+    def open_call(self, method: str) -> _Call:
+        """Opens the record of a call of ``method`` in this task, before anything else of
+        the call runs; it is written when the call ends (:meth:`audited_stream` and
+        :meth:`audited_unary`), or when the task ends if the handler never ran."""
+        call = _Call(CallRecord(method=method))
         # grpc.aio serves each call in a task of its own: inner interceptors and the
         # handler see this record, and nothing else does.
         current_call.set(call.record)
@@ -133,21 +163,25 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         task = asyncio.current_task()
         if task is not None:
             # grpc.aio does not run the handler of a call cancelled before its request
-            # arrived: the record is then written when the call's task ends.
-            task.add_done_callback(lambda _: self._write_unwritten(call))
-        try:
-            handler = await continuation(handler_call_details)
-        except BaseException as exc:
-            self._conclude(call, None, exc)
-            raise
-        if handler is None:
-            call.record.outcome = "invalid"
-            call.record.detail = "unknown method"
-            self._write(call)
-            return None
-        return self._wrapped.get(handler, self._wrap)
+            # arrived: the record is then written when the call's task ends (the handler,
+            # once it runs, takes that over: _begin).
+            call.task = task
+            call.on_task_done = lambda _: self._write_unwritten(call)
+            task.add_done_callback(call.on_task_done)
+        return call
 
-    def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def unknown_method(self, call: _Call) -> None:
+        """Writes the record of a call of a method that does not exist."""
+        call.record.outcome = "invalid"
+        call.record.detail = "unknown method"
+        self._write(call)
+
+    def conclude_failed(self, call: _Call, exc: BaseException) -> None:
+        """Writes the record of a call whose handler could not even be found."""
+        self._conclude(call, None, exc)
+
+    def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` with its calls recorded (their records opened by :meth:`open_call`)."""
         # The request is kept for the record only when it is one message, not a stream.
         return rewrap(
             handler,
@@ -156,11 +190,32 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def _unary(self, behavior: Callable[..., Any], *, peek: bool
                ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        return self.audited_unary(
+            lambda request, context: call_behaviour(behavior, request, context), peek=peek)
+
+    def audited_unary(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
+                                               Awaitable[Any]], *, peek: bool,
+                      admit: Admission | None = None
+                      ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """``behavior`` (a coroutine function) recorded: the call's record (opened by
+        :meth:`open_call`) is concluded and written when it returns or raises.
+
+        Args:
+            behavior: The call's behaviour, as grpc.aio calls it.
+            peek: Whether the request is one message, to note what it names.
+            admit: Runs first, inside the record (the interceptors composed with this
+                one: :mod:`stargrpc.interceptors.composed`).
+        """
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                response = await call_behaviour(behavior, request, context)
+                if admit is not None:
+                    try:
+                        request = admit(request, context)
+                    except RequestError as error:
+                        await error.abort(context)
+                response = await behavior(request, context)
             except BaseException as exc:
                 self._conclude(call, context, exc)
                 raise
@@ -174,15 +229,36 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # An async generator is iterated directly: a wrapping generator would add a hop per
         # streamed message.
         direct = inspect.isasyncgenfunction(behavior)
+        return self.audited_stream(
+            behavior if direct
+            else lambda request, context: iterate_responses(behavior, request, context),
+            peek=peek)
 
+    def audited_stream(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
+                                                AsyncIterator[Any]], *, peek: bool,
+                       admit: Admission | None = None
+                       ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        """``behavior`` (returning an async iterator of responses) recorded: an Execute's
+        Result waits for its record's commit, and the record is concluded and written when
+        the stream ends.
+
+        Args:
+            behavior: The call's behaviour, as grpc.aio calls it.
+            peek: Whether the request is one message, to note what it names.
+            admit: Runs first, inside the record (the interceptors composed with this
+                one: :mod:`stargrpc.interceptors.composed`).
+        """
         async def audited(request: Any, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[Any]:
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                responses = (behavior(request, context) if direct
-                             else iterate_responses(behavior, request, context))
-                async for response in responses:
+                if admit is not None:
+                    try:
+                        request = admit(request, context)
+                    except RequestError as error:
+                        await error.abort(context)
+                async for response in behavior(request, context):
                     if isinstance(response, EventFrame):
                         if response.event.HasField("notice") and \
                                 response.event.notice.code in _SIZE_CODES:
@@ -203,6 +279,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     # -- the record ------------------------------------------------------------------------
 
     def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if call.task is not None and call.on_task_done is not None:
+            # The handler runs: it writes the record however it ends (a callback less to
+            # run per call).
+            call.task.remove_done_callback(call.on_task_done)
+            call.task = call.on_task_done = None
         record = call.record
         record.peer = context.peer() or ""
         if request is None:
@@ -276,7 +357,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # the cycle collector's next full collection.
         call.record.run = None
         call.result = None
-        self._log(record)
+        notable = record.privileged or record.outcome != "ok"
+        if (notable and self.log_lines != "off") or self.log_lines == "all":
+            self._log(record, notable)
         try:
             # With no other call open, no record will come to share this one's transaction:
             # commit it at once rather than on the next turn of the loop.
@@ -296,7 +379,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         if arguments is None:
             arguments = record.arguments
         return AuditRecord(
-            id=uuid.uuid4().hex,
+            id=random_id(),
             time=call.time,
             method=record.method,
             peer=record.peer,
@@ -320,7 +403,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             substitute = call.record.result_view
         return self.view.result_text(call.result, substitute)
 
-    def _log(self, record: AuditRecord) -> None:
+    def _log(self, record: AuditRecord, notable: bool) -> None:
         fields: dict[str, Any] = {
             "method": record.method, "tool": record.tool, "principal": record.who,
             "peer": record.peer, "outcome": record.outcome, "detail": record.detail,
@@ -334,7 +417,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # run_id as a field rather than bound to the context: the same line (explicit fields
         # win over bound ones), without binding and resetting a context variable per call.
         fields["run_id"] = record.run_id
-        if record.privileged or record.outcome != "ok":
+        if notable:
             log.warning("audit", **fields)
         else:
             log.info("audit", **fields)

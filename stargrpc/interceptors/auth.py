@@ -95,12 +95,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
-        if method.lstrip("/").rpartition("/")[0] in self._open_services:
+        if self.is_open(method):
             return handler
         if handler is None:
-            return _unknown_method(self._admitter(method))
+            return self.unknown_method(method)
         return self._guarded.get(handler, lambda h: guard(h, self._admitter(method)),
                                  key=method)
+
+    def is_open(self, method: str) -> bool:
+        """Whether calls of ``method`` (a full method name) need no credentials."""
+        return method.lstrip("/").rpartition("/")[0] in self._open_services
+
+    def unknown_method(self, method: str) -> grpc.RpcMethodHandler:
+        """The handler of ``method``, which does not exist: UNAUTHENTICATED without
+        credentials, UNIMPLEMENTED with them."""
+        return _unknown_method(self._admitter(method))
 
     def _admitter(self, method: str) -> Admit:
         async def admit(context: grpc.aio.ServicerContext) -> Principal:
@@ -109,22 +118,36 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return admit
 
     async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
-        record = current_call.get()
+        try:
+            return self.admit_now(context, method)
+        except CredentialsRejected as error:
+            await error.abort(context)
+            raise  # abort raises; this keeps type checkers and readers sure of it
+
+    def admit_now(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
+        """Authenticates a call of ``method``: sets its principal (the context variable,
+        the log's bound fields, the call's record) and returns it.
+
+        Raises:
+            CredentialsRejected: The call must end UNAUTHENTICATED (``error.abort(context)``);
+                the refusal is already counted, logged and in the call's record.
+        """
         try:
             principal = self._authenticator.authenticate(
-                tuple(context.invocation_metadata() or ()),
+                context.invocation_metadata() or (),
                 context.auth_context() if self._authenticator.certificates else {})
         except CredentialsRejected as error:
             metrics.AUTH_FAILURES.labels(error.cause).inc()
+            record = current_call.get()
             if record is not None:
                 record.outcome = "unauthenticated"
                 record.detail = f"credentials refused: {error.cause}"
             log.info("unauthenticated", cause=error.cause, method=method, peer=context.peer())
-            await error.abort(context)
-            raise  # abort raises; this keeps type checkers and readers sure of it
+            raise
         # Each call runs in its own task, so this never leaks into another call.
         current_principal.set(principal)
         structlog.contextvars.bind_contextvars(principal=principal.id)
+        record = current_call.get()
         if record is not None:
             record.principal = principal
         return principal

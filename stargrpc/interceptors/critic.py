@@ -48,10 +48,20 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if (handler is None or handler_call_details.method != EXECUTE_METHOD
-                or handler.unary_stream is None):
+        if not self.applies(handler_call_details.method, handler):
             return handler
         return self._supervised_handlers.get(handler, self._supervise)
+
+    @staticmethod
+    def applies(method: str, handler: grpc.RpcMethodHandler | None) -> bool:
+        """Whether calls of ``method`` served by ``handler`` get a supervision policy."""
+        return (handler is not None and method == EXECUTE_METHOD
+                and handler.unary_stream is not None)
+
+    def supervised_request(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> SupervisedRequest:
+        """``request`` with the supervision policy of its call."""
+        return SupervisedRequest(request, self.policy(context))
 
     def _supervise(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         assert handler.unary_stream is not None
@@ -68,8 +78,7 @@ class CriticInterceptor(grpc.aio.ServerInterceptor):
     def _supervised(self, behavior: _StreamBehavior) -> _StreamBehavior:
         async def supervised(request: Any, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[Any]:
-            async for response in behavior(SupervisedRequest(request, self.policy(context)),
-                                           context):
+            async for response in behavior(self.supervised_request(request, context), context):
                 yield response
 
         return supervised

@@ -35,7 +35,7 @@ class MemoryRunLog:
     tool: str
     _events: list[events_pb2.RunEvent]
     _encoded: list[bytes | None]
-    _wakeup: asyncio.Event
+    _wakeup: asyncio.Event | None
     _waiting: int
     _finished: bool
     finished_at: float | None
@@ -54,7 +54,7 @@ class MemoryRunLog:
         self._on_finish = on_finish
         self._events = []
         self._encoded = []
-        self._wakeup = asyncio.Event()
+        self._wakeup = None  # made by the first follower that waits
         self._waiting = 0  # followers waiting on _wakeup
         self._finished = False
         self.finished_at = None
@@ -116,12 +116,13 @@ class MemoryRunLog:
             if self._on_finish is not None:
                 self._on_finish(self)
         if self._waiting:
-            # Wake every follower waiting on the current event, then give later waiters a
-            # fresh one: a follower never misses a wake-up between checking and waiting.
+            # Wake every follower waiting on the current event; later waiters make a fresh
+            # one: a follower never misses a wake-up between checking and waiting.
             # Followers that are behind are not waiting, and then this is skipped (it costs
             # as much as the rest of an append).
-            wakeup, self._wakeup = self._wakeup, asyncio.Event()
-            wakeup.set()
+            wakeup, self._wakeup = self._wakeup, None
+            if wakeup is not None:
+                wakeup.set()
         return event
 
     def encoded(self, seq: int) -> bytes:
@@ -169,9 +170,12 @@ class MemoryRunLog:
             if self._finished:
                 return
             caught_up = True
+            wakeup = self._wakeup
+            if wakeup is None:
+                wakeup = self._wakeup = asyncio.Event()
             self._waiting += 1
             try:
-                await self._wakeup.wait()
+                await wakeup.wait()
             finally:
                 self._waiting -= 1
 

@@ -94,7 +94,7 @@ except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
 from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
-from stargrpc.run_ids import minted_ms
+from stargrpc.ids import minted_ms
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     CancelHandler,
@@ -688,11 +688,26 @@ class _FlushConnection:
             RedisError: Redis could not be reached (or cut the connection), or
                 (:class:`NotReplicated`) not enough replicas acknowledged the calls.
         """
-        conn = self._conn
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)
                                            for keys, args in calls]
         if wait is not None:
             commands.append(("WAIT", *wait))
+        replies = await self.commands(commands)
+        if wait is not None:
+            try:
+                _check_acknowledged(replies[len(calls):], *wait)
+            except BaseException:
+                await self._conn.disconnect(nowait=True)
+                raise
+        return replies[:len(calls)]
+
+    async def commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Each command's reply, or the error Redis answered it with, in one round trip.
+
+        Raises:
+            RedisError: Redis could not be reached (or cut the connection).
+        """
+        conn = self._conn
         try:
             await conn.send_packed_command(_pack(conn, commands), check_health=False)
             replies: list[Any] = []
@@ -701,9 +716,7 @@ class _FlushConnection:
                     replies.append(await conn.read_response())
                 except ResponseError as exc:  # this call's answer; the others still come
                     replies.append(exc)
-            if wait is not None:
-                _check_acknowledged(replies[len(calls):], *wait)
-            return replies[:len(calls)]
+            return replies
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
@@ -871,7 +884,7 @@ class RedisRunStore:
 
     async def _first_write_of(self, run_id: str) -> bool:
         """Waits for the first events of a run that Redis does not know yet but that was
-        admitted a moment ago, going by its id (see :mod:`stargrpc.run_ids`): a run without
+        admitted a moment ago, going by its id (see :mod:`stargrpc.ids`): a run without
         an idempotency key reaches Redis with its first flush, a few milliseconds after its
         START — which its caller may already have passed on to a watcher on this replica.
         Blocks on the run's event stream (XREAD), at most until the first flush could still
@@ -1035,28 +1048,39 @@ class RedisRunStore:
         # Hashed: a principal id may hold any character.
         return f"{self.prefix}runs:owner:{hashlib.sha256(owner.encode()).hexdigest()[:40]}"
 
-    async def _index_runs(self, logs: list[RedisRunLog]) -> None:
+    async def _index_runs(self, logs: list[RedisRunLog], line: _FlushConnection | None = None
+                          ) -> None:
         """Puts runs into the ListRuns indexes and pushes the indexes' TTL out. Apart from the
         run's scripts (on a cluster the indexes live in other slots) and best effort: a run
-        missing from a listing for a while is better than a call that fails for it."""
+        missing from a listing for a while is better than a call that fails for it. On
+        ``line`` (the flusher's own connection) when given, else through the client."""
         if not logs:
             return
+        commands: list[tuple[Any, ...]] = []
+        for run_log in logs:
+            for key in self._index_keys(run_log.owner):
+                commands.append(("ZADD", key, run_log.started_ms, run_log.run_id))
+                commands.append(("ZREMRANGEBYRANK", key, 0, -(_INDEX_MAX_RUNS + 1)))
+                # Every write sets the same TTL from now: it only ever grows.
+                commands.append(("PEXPIRE", key, self._running_ttl_ms))
         try:
             async with asyncio.timeout(self.timeout):
+                if line is not None:
+                    # The flusher's connection, packed by hiredis: the client's pipeline
+                    # costs several times more CPU for the same commands.
+                    with _as_redis_error():
+                        failed = [r for r in await line.commands(commands)
+                                  if isinstance(r, Exception)]
+                    if failed:
+                        raise failed[0]
+                    return
                 with _as_redis_error():
-                    await self._index_pipeline(logs)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for command in commands:
+                            pipe.execute_command(*command)
+                        await pipe.execute()
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
-
-    async def _index_pipeline(self, logs: list[RedisRunLog]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_log in logs:
-                for key in self._index_keys(run_log.owner):
-                    pipe.zadd(key, {run_log.run_id: run_log.started_ms})
-                    pipe.zremrangebyrank(key, 0, -(_INDEX_MAX_RUNS + 1))
-                    # Every write sets the same TTL from now: it only ever grows.
-                    pipe.pexpire(key, self._running_ttl_ms)
-            await pipe.execute()
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         key = self._index_key(query.owner)
@@ -1398,7 +1422,8 @@ class RedisRunStore:
                 self._forget(run_log)
             elif run_log._pending:
                 self._dirty[run_log.run_id] = run_log
-        await self._index_runs([run_log for run_log in to_index if run_log.registered])
+        await self._index_runs([run_log for run_log in to_index if run_log.registered],
+                               self._flush_line)
         return ok
 
     def _stop_writing(self, run_log: RedisRunLog) -> None:

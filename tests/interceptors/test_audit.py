@@ -248,10 +248,14 @@ async def test_watch_and_cancel_name_their_run(server, stub) -> None:
     assert all(r.outcome == "ok" for r in records)
 
 
-async def test_log_levels_and_the_bound_run_id(server, stub, log_lines) -> None:
-    ok = await run_tool(stub, "login", {"user": "a", "password": "b"})
-    privileged = await run_tool(stub, "run_command", {"command": "uptime"})
-    await run_tool(stub, "fails")
+async def test_log_levels_and_the_bound_run_id(make_server: ServerFactory, log_lines
+                                               ) -> None:
+    server = await make_server(registry=_registry(), audit_log_lines="all")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        ok = await run_tool(stub, "login", {"user": "a", "password": "b"})
+        privileged = await run_tool(stub, "run_command", {"command": "uptime"})
+        await run_tool(stub, "fails")
 
     lines = _parsed(log_lines, "audit")
     assert [(line["tool"], line["level"]) for line in lines] == [
@@ -260,6 +264,32 @@ async def test_log_levels_and_the_bound_run_id(server, stub, log_lines) -> None:
     assert lines[1]["run_id"] == privileged[-1].run_id
     assert json.loads(lines[1]["arguments"]) == {"command": "uptime"}
     assert "arguments" not in lines[0]  # only privileged calls log their arguments
+
+
+async def test_by_default_only_notable_calls_get_a_log_line(server, stub, log_lines) -> None:
+    ok = await run_tool(stub, "login", {"user": "a", "password": "b"})
+    privileged = await run_tool(stub, "run_command", {"command": "uptime"})
+    failed = await run_tool(stub, "fails")
+
+    lines = _parsed(log_lines, "audit")
+    assert [(line["run_id"], line["level"]) for line in lines] == [
+        (privileged[-1].run_id, "warning"), (failed[-1].run_id, "warning")]
+    # The trail has every call, the routine one too.
+    records = await _records(server)
+    assert [r.run_id for r in records] == [ok[-1].run_id, privileged[-1].run_id,
+                                           failed[-1].run_id]
+
+
+async def test_audit_log_lines_off_leaves_the_trail_whole(make_server: ServerFactory,
+                                                          log_lines) -> None:
+    server = await make_server(registry=_registry(), audit_log_lines="off")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        await run_tool(stub, "run_command", {"command": "uptime"})
+        await run_tool(stub, "fails")
+
+    assert _parsed(log_lines, "audit") == []
+    assert [r.outcome for r in await _records(server)] == ["ok", "failed"]
 
 
 def _token(sub: str, roles: list[str], **claims: Any) -> str:

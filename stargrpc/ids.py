@@ -1,15 +1,26 @@
-"""Run ids: 32 hex digits, a UUID of version 7 — the time it was made (ms since the epoch)
-followed by 74 random bits.
+"""Ids: random ones for audit records, and run ids that say when they were made.
 
-Unguessable like any random UUID, and a replica that is asked about a run it cannot find yet
-can tell from its id alone whether the run was only just admitted on another replica (and
-reaches the shared store with its first write in a moment) or is unknown.
+A run id is 32 hex digits, a UUID of version 7 — the time it was made (ms since the epoch)
+followed by 74 random bits. Unguessable like any random UUID, and a replica that is asked
+about a run it cannot find yet can tell from its id alone whether the run was only just
+admitted on another replica (and reaches the shared store with its first write in a moment)
+or is unknown.
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+
+def random_id() -> str:
+    """A random version-4 UUID as 32 hex digits: what ``uuid.uuid4().hex`` gives, without
+    building a ``UUID`` object (twice as fast; a call takes two)."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    return raw.hex()
+
 
 _MS_BITS = 48
 _VERSION = 0x7
@@ -36,5 +47,3 @@ def minted_ms(run_id: str) -> int | None:
         return None
     return int(run_id[:12], 16)
 
-
-__all__ = ["minted_ms", "new_run_id"]

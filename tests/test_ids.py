@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from stargrpc.run_ids import minted_ms, new_run_id
+from stargrpc.ids import minted_ms, new_run_id
 
 
 def test_run_ids_are_uuid7_hex_that_tell_when_they_were_made() -> None:

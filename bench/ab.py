@@ -1,0 +1,177 @@
+"""``python -m bench.ab``: stargrpc source trees side by side, against bare grpc.aio and the
+floor, on the trivial call (START, END, Result).
+
+Each ``--tree NAME=PATH`` is a checkout of stargrpc (e.g. the commit before a change,
+unpacked with ``git archive``); its server runs with ``PYTHONPATH=PATH`` so it imports that
+tree's code, every layer on as a user runs it: API-key auth, the SQLite audit, the critic,
+and the in-memory run log (``--redis``: the Redis run log; the floor then writes to Redis
+too). Every server has a state directory of its own (the same API key copied into each), so
+no two audit trails share a SQLite file. The servers take turns under one client
+(``bench/client.py``): CPU per call in blocks of calls, then latency call by call; over
+``--repeats`` the least CPU and the least p50 of each are kept (noise only adds).
+
+    python -m bench.ab --tree before=/tmp/base --tree after=. --repeats 3
+
+Prints one table: CPU per call, p50 and p99, each as a ratio to bare, and the framework's
+own CPU (the server's CPU less the floor's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench import profiling
+from bench.__main__ import (
+    REDIS_URL,
+    ROOT,
+    ServerSpec,
+    baseline_argv,
+    floor_spec,
+    run_plan,
+    servers,
+    stargrpc_stack,
+)
+
+
+def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Path
+                ) -> list[ServerSpec]:
+    specs = []
+    state = Path(env["STARGRPC_STATE_DIR"])
+    for name, path in trees:
+        own = workdir / f"{name}-state"
+        shutil.copytree(state, own)
+        tree_env = {**env, "STARGRPC_STATE_DIR": str(own),
+                    "PYTHONPATH": str(path.resolve())}
+        # -P: the tree on PYTHONPATH comes first (not the working directory, this checkout).
+        argv = [sys.executable, "-P", "-m", "stargrpc.cli", "serve", "--tools-dir",
+                str(ROOT / "bench" / "tools")]
+        specs.append(ServerSpec(name, argv, tree_env))
+    return specs
+
+
+def _more(running: list[Any], token: str) -> dict[str, tuple[float, float, float]]:
+    pids = [s.pid for s in running]
+    figures = run_plan(running, [
+        {"measure": "stream", "n": 5000, "runs": 3, "server_pids": pids},
+        {"measure": "concurrency", "concurrent": 200, "rounds": 3},
+        {"measure": "held", "streams": 500, "seconds": 60.0, "server_pids": pids,
+         "open_timeout": 40.0},
+    ], token)
+    return {server.name: (stream["median_events_per_s"], concurrency["calls_per_s"],
+                          held["kb_per_open_run"] or 0.0)
+            for server, stream, concurrency, held in zip(
+                running, figures["stream"], figures["concurrency"], figures["held"],
+                strict=True)}
+
+
+def _profile(running: list[Any], name: str, token: str) -> None:
+    server = next(s for s in running if s.name == name)
+    raw = Path(tempfile.mkstemp(prefix=f"ab-{name}-", suffix=".txt")[1])
+    recorder = profiling.Recorder(server.pid, raw, rate=500)
+    try:
+        run_plan([server], [{"measure": "latency", "calls": 2000, "warmup": 0}], token)
+    finally:
+        recorded = recorder.stop()
+    if recorded is not None:
+        print(profiling.summarize(recorded).render(top=60), file=sys.stderr)
+        print(f"raw profile: {recorded}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", required=True,
+                        help="NAME=PATH of a stargrpc checkout (repeatable)")
+    parser.add_argument("--redis", action="store_true",
+                        help="the Redis run log instead of the in-memory one")
+    parser.add_argument("--calls", type=int, default=600, help="CPU calls per repeat")
+    parser.add_argument("--latency-calls", type=int, default=400)
+    parser.add_argument("--block", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--more", action="store_true",
+                        help="then, once: stream throughput (5,000 deltas), 200 concurrent "
+                             "10 ms runs and memory per held stream (500 open)")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="then py-spy this server under 2,000 sequential calls and print "
+                             "its summary (the raw profile is kept in /tmp)")
+    args = parser.parse_args(argv)
+    trees = []
+    for entry in args.tree:
+        name, _, path = entry.partition("=")
+        trees.append((name, Path(path or ".")))
+    with tempfile.TemporaryDirectory(prefix="stargrpc-ab-") as tmp:
+        workdir = Path(tmp)
+        stack = stargrpc_stack(workdir)
+        env = dict(stack.env)
+        if args.redis:
+            env["STARGRPC_REDIS_URL"] = REDIS_URL
+        else:
+            env.pop("STARGRPC_REDIS_URL", None)
+        stack.env = env
+        specs = [ServerSpec("bare", baseline_argv(), dict(os.environ))]
+        if not args.no_floor:
+            floor = floor_spec(stack, workdir)
+            specs.append(ServerSpec("floor", floor.argv, floor.env))
+        specs += _tree_specs(trees, env, workdir)
+        cpu: dict[str, list[float]] = {s.name: [] for s in specs}
+        p50: dict[str, list[float]] = {s.name: [] for s in specs}
+        p99: dict[str, list[float]] = {s.name: [] for s in specs}
+        with servers(specs, workdir) as running:
+            for repeat in range(args.repeats):
+                plan: list[dict[str, Any]] = [
+                    {"measure": "cpu", "calls": args.calls, "warmup": 30 if repeat else 100,
+                     "server_pids": [s.pid for s in running], "block": args.block},
+                    {"measure": "latency", "calls": args.latency_calls, "warmup": 10},
+                ]
+                figures = run_plan(running, plan, stack.token)
+                for server, c, lat in zip(running, figures["cpu"], figures["latency"],
+                                          strict=True):
+                    cpu[server.name].append(c["cpu_us_per_call"])
+                    p50[server.name].append(lat["p50_ms"])
+                    p99[server.name].append(lat["p99_ms"])
+                print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
+                    f"{s.name} {c['cpu_us_per_call']:.0f} µs"
+                    for s, c in zip(running, figures["cpu"], strict=True)),
+                    file=sys.stderr, flush=True)
+            if args.more:
+                more = _more(running, stack.token)
+            if args.profile:
+                _profile(running, args.profile, stack.token)
+    bare_cpu, bare_p50, bare_p99 = min(cpu["bare"]), min(p50["bare"]), min(p99["bare"])
+    floor_cpu = min(cpu["floor"]) if "floor" in cpu else None
+    print(f"run log: {'Redis' if args.redis else 'in memory'}; {args.repeats} repeats of "
+          f"{args.calls} CPU calls (blocks of {args.block}) and {args.latency_calls} "
+          "latency calls; least of the repeats")
+    print("| server | CPU µs/call | ratio | over floor µs | p50 ms | ratio | p99 ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    result = {}
+    for name in cpu:
+        c, l50, l99 = min(cpu[name]), min(p50[name]), min(p99[name])
+        over = f"{c - floor_cpu:.0f}" if floor_cpu is not None else "—"
+        print(f"| {name} | {c:.0f} | {c / bare_cpu:.2f}x | {over} | {l50:.3f} | "
+              f"{l50 / bare_p50:.2f}x | {l99:.3f} | {l99 / bare_p99:.2f}x |")
+        result[name] = {"cpu_us_per_call": c, "p50_ms": l50, "p99_ms": l99,
+                        "samples": {"cpu": cpu[name], "p50": p50[name], "p99": p99[name]}}
+    if args.more:
+        print("| server | stream events/s | ratio | 200 concurrent 10 ms calls/s | ratio | "
+              "KiB per held stream | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        bare = more["bare"]
+        for name, figures in more.items():
+            print(f"| {name} | {figures[0]:,.0f} | {figures[0] / bare[0]:.2f}x | "
+                  f"{figures[1]:,.0f} | {figures[1] / bare[1]:.2f}x | {figures[2]:.1f} | "
+                  f"{figures[2] / bare[2]:.2f}x |")
+            result[name]["more"] = figures
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

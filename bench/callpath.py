@@ -1,0 +1,217 @@
+"""``python -m bench.callpath``: the framework's own CPU per trivial call, in-process.
+
+stargrpc's part of an Execute of ``bench_trivial`` (START, END, Result) without the
+transport: a real :class:`~stargrpc.server.StargrpcServer` as ``stargrpc serve`` builds it
+(API-key auth, the SQLite audit, the critic, the in-memory run log; ``--redis`` for the
+Redis one), its interceptor chain run the way grpc.aio runs it (each call in a task of its
+own, the interceptors' continuations, then the handler's responses serialised), against a
+servicer context that answers what the layers ask of gRPC's. What is left out is grpc.aio
+itself and the socket: this is the part of a call a change to stargrpc can make cheaper,
+measured without the noise of the transport (``bench/ab.py`` measures the whole call).
+
+    python -m bench.callpath                 # CPU µs per call, best of 5 rounds
+    python -m bench.callpath --profile       # and a cProfile of the rounds, by own time
+
+Bounded: a fixed number of calls; everything in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import os
+import pstats
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from stargrpc.service import SERVICE_NAME
+from stargrpc.settings import Settings
+from stargrpc.streaming import serialize_response
+from stargrpc.v1 import tool_service_pb2
+
+EXECUTE = f"/{SERVICE_NAME}/Execute"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class _Details(grpc.HandlerCallDetails):
+    def __init__(self, method: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
+
+
+class _Context:
+    """What the layers ask of grpc.aio's servicer context, answered as it would."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+        self._code: grpc.StatusCode | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def time_remaining(self) -> float:
+        return 60.0
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return ""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> None:
+        self._code = code
+        raise RuntimeError(f"aborted: {code} {details}")
+
+
+async def _handler(interceptors: Sequence[grpc.aio.ServerInterceptor],
+                   lookup: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+                   details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    """The handler of a call through the interceptors, as grpc.aio's server finds it."""
+
+    async def innermost(d: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return lookup(d)
+
+    continuation: Callable[[grpc.HandlerCallDetails],
+                           Awaitable[grpc.RpcMethodHandler | None]] = innermost
+    for interceptor in reversed(interceptors):
+        continuation = _bind(interceptor, continuation)
+    return await continuation(details)
+
+
+def _bind(interceptor: grpc.aio.ServerInterceptor,
+          inner: Callable[[grpc.HandlerCallDetails], Awaitable[Any]]
+          ) -> Callable[[grpc.HandlerCallDetails], Awaitable[Any]]:
+    async def continuation(details: grpc.HandlerCallDetails) -> Any:
+        return await interceptor.intercept_service(inner, details)
+
+    return continuation
+
+
+async def _measure(args: argparse.Namespace, folder: Path) -> None:
+    from stargrpc.auth.keys import KeyStore
+    from stargrpc.logs import configure_logging
+    from stargrpc.server import StargrpcServer
+
+    overrides: dict[str, Any] = {
+        "host": "127.0.0.1", "port": 0, "state_dir": folder / "state", "log_format": "json",
+        "tools_dir": [Path(__file__).parent / "tools"], "insecure_no_auth": False,
+        "max_concurrent_runs": 0, "max_concurrent_runs_per_principal": 0,
+    }
+    if args.redis:
+        overrides["redis_url"] = REDIS_URL
+    settings = Settings.load(**overrides)
+    log_file = (folder / "server.log").open("w")
+    configure_logging(settings.log_level, "json", stream=log_file, cache=True)
+    _, token = KeyStore(settings.state_dir / "keys.json").create("bench", ["admin"])
+    from stargrpc.interceptors import build_chain
+
+    chain = [i for i in build_chain(settings)
+             if type(i).__module__.rsplit(".", 1)[-1] not in args.without]
+    server = StargrpcServer(settings, interceptors=chain)
+    # The parts the server serves calls with: its chain as served, and its handlers.
+    for component in server.interceptors:
+        start = getattr(component, "start", None)
+        if start is not None:
+            await start()
+    try:
+        from stargrpc.interceptors.composed import compose
+    except ImportError:  # a tree from before the chain was composed
+        interceptors = list(server.interceptors)
+    else:
+        interceptors = compose(server.interceptors)
+    execute = _execute_handler(server)
+    metadata = (("authorization", f"Bearer {token}"),)
+    request = tool_service_pb2.ExecuteRequest(tool_name="bench_trivial", arguments_json="{}")
+    data = request.SerializeToString()
+    details = _Details(EXECUTE, metadata)
+
+    def lookup(d: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return execute if d.method == EXECUTE else None
+
+    async def one_call() -> int:
+        context = _Context(metadata)
+        handler = await _handler(interceptors, lookup, details)
+        assert handler is not None and handler.unary_stream is not None
+        message = handler.request_deserializer(data)
+        sent = 0
+        async for response in handler.unary_stream(message, context):
+            handler.response_serializer(response)
+            sent += 1
+        return sent
+
+    loop = asyncio.get_running_loop()
+
+    async def rounds(calls: int) -> float:
+        started = time.process_time()
+        for _ in range(calls):
+            # Each call in a task of its own, as grpc.aio serves it.
+            sent = await loop.create_task(one_call())
+            assert sent == 3, sent
+        return (time.process_time() - started) / calls * 1e6
+
+    await rounds(200)  # warm-up
+    import gc
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5_000, 20, 20)
+    profile = cProfile.Profile() if args.profile else None
+    figures = []
+    for _ in range(args.rounds):
+        if profile is not None:
+            profile.enable()
+        figures.append(await rounds(args.calls))
+        if profile is not None:
+            profile.disable()
+    print(f"stargrpc's own CPU per trivial call ({'Redis' if args.redis else 'in-memory'} "
+          f"run log): best {min(figures):.1f} µs, median "
+          f"{sorted(figures)[len(figures) // 2]:.1f} µs over {args.rounds} rounds of "
+          f"{args.calls} calls")
+    if profile is not None:
+        stats = pstats.Stats(profile)
+        stats.sort_stats("tottime").print_stats(args.top)
+    await server.runtime.store.aclose()
+    for component in reversed(server.interceptors):
+        close = getattr(component, "aclose", None)
+        if close is not None:
+            await close()
+    log_file.close()
+
+
+def _execute_handler(server: Any) -> grpc.RpcMethodHandler:
+    from stargrpc.service import _tolerant
+
+    return grpc.unary_stream_rpc_method_handler(
+        server.service.Execute, _tolerant(tool_service_pb2.ExecuteRequest), serialize_response)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.callpath", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--redis", action="store_true", help="the Redis run log")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--without", action="append", default=[],
+                        help="leave this layer (audit, auth, critic) out of the chain")
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args(argv)
+    os.environ.pop("STARGRPC_CONFIG", None)
+    with tempfile.TemporaryDirectory(prefix="stargrpc-callpath-") as folder:
+        asyncio.run(_measure(args, Path(folder)))
+
+
+if __name__ == "__main__":
+    main()
