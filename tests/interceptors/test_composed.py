@@ -12,8 +12,8 @@ from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.composed import ComposedInterceptor, compose
 from stargrpc.interceptors.critic import CriticInterceptor
+from stargrpc.interceptors.tracing import TracingInterceptor
 from stargrpc.settings import Settings
-from stargrpc.tracing import TracingInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry
 from tests.helpers import key_channel, run_tool
