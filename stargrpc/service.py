@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
+from stargrpc.call_record import current_call
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
@@ -162,9 +163,11 @@ class ToolService:
         streamed_to_end = False
         try:
             # Pre-serialised responses (and the Result as a message): stargrpc.streaming.
+            record = current_call.get()
             async for response in event_responses(
                     admitted.log, 0, tool_service_pb2.ExecuteResponse,
-                    coalesce=request.coalesce_deltas, count=_EXECUTE_EVENTS.inc):
+                    coalesce=request.coalesce_deltas, count=_EXECUTE_EVENTS.inc,
+                    before_result=record.before_result if record is not None else None):
                 yield response
             streamed_to_end = True
         except RequestError as error:  # an attached run's shared store went away

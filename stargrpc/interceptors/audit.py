@@ -2,14 +2,15 @@
 
 It opens the call's :class:`~stargrpc.call_record.CallRecord` before anything else runs, so the
 record exists even for calls that authentication refuses; the inner parts fill it in
-(authentication the principal, ``Runtime.prepare`` the tool, run id and arguments). When
+(authentication the principal, ``Runtime.admit`` the tool, run id and arguments). When
 the call ends the interceptor names the outcome — from the run's Result for an Execute that
 ran, otherwise from the gRPC status the call ended with — and hands the record to the
 batched writer.
 
 An Execute's Result is held back until its record is committed, so that every Result a
 client has seen has its record in the store even if the process is killed right after
-(bounded by ``audit_commit_timeout_seconds``; concurrent calls share one commit).
+(bounded by ``audit_commit_timeout_seconds``; concurrent calls share one commit): the record's
+``before_result``, which Execute awaits with the Result before sending it, commits it.
 
 Notable records (privileged tools, outcomes other than ok) also go to the log as an
 ``audit`` line; routine ones only with ``audit_log_lines = "all"`` (a structlog line costs
@@ -19,6 +20,7 @@ more than the record's commit).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,7 +40,6 @@ from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
 from stargrpc.errors import RequestError
-from stargrpc.event_sizes import OUTPUT_TRUNCATED, RESULT_TOO_LARGE
 from stargrpc.ids import random_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
@@ -48,7 +49,6 @@ from stargrpc.interceptors._shapes import (
 )
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings
-from stargrpc.streaming import EventFrame
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.audit")
@@ -56,17 +56,15 @@ log = structlog.get_logger("stargrpc.audit")
 #: Longest ``detail`` kept in a record.
 MAX_DETAIL_CHARS = 300
 
-_SIZE_CODES = frozenset((OUTPUT_TRUNCATED, RESULT_TOO_LARGE))
-
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 #: What runs first inside an audited call: given the request and the call's context, it
 #: returns the request to hand on, or raises a RequestError that ends the call.
-Admission = Callable[[Any, grpc.aio.ServicerContext], Any]
+Gate = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 @dataclass
-class _Call:
+class _AuditedCall:
     """One call being audited: its record, when it began, and whether it is written."""
 
     record: CallRecord
@@ -77,14 +75,11 @@ class _Call:
     #: The call's task, and what writes the record when it ends if the handler never ran.
     task: asyncio.Task[Any] | None = None
     on_task_done: Callable[[Any], None] | None = None
-    #: What was cut or dropped to fit the Result sent (its OUTPUT_TRUNCATED and
-    #: RESULT_TOO_LARGE notices).
-    cuts: list[str] = field(default_factory=list)
 
 
 #: The call being audited: set by the interceptor, read by the wrapped handler, which
 #: grpc.aio runs in the same task (so a wrapped handler can be built once per method).
-_current = ContextVar[_Call]("stargrpc_audited_call")
+_current = ContextVar[_AuditedCall]("stargrpc_audited_call")
 
 
 class AuditInterceptor(grpc.aio.ServerInterceptor):
@@ -150,11 +145,12 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             return None
         return self._wrapped.get(handler, self.wrap)
 
-    def open_call(self, method: str) -> _Call:
+    def open_call(self, method: str) -> _AuditedCall:
         """Opens the record of a call of ``method`` in this task, before anything else of
         the call runs; it is written when the call ends (:meth:`audited_stream` and
         :meth:`audited_unary`), or when the task ends if the handler never ran."""
-        call = _Call(CallRecord(method=method))
+        call = _AuditedCall(CallRecord(method=method))
+        call.record.before_result = functools.partial(self._commit, call)
         # grpc.aio serves each call in a task of its own: inner interceptors and the
         # handler see this record, and nothing else does.
         current_call.set(call.record)
@@ -170,13 +166,13 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             task.add_done_callback(call.on_task_done)
         return call
 
-    def unknown_method(self, call: _Call) -> None:
+    def unknown_method(self, call: _AuditedCall) -> None:
         """Writes the record of a call of a method that does not exist."""
         call.record.outcome = "invalid"
         call.record.detail = "unknown method"
         self._write(call)
 
-    def conclude_failed(self, call: _Call, exc: BaseException) -> None:
+    def conclude_failed(self, call: _AuditedCall, exc: BaseException) -> None:
         """Writes the record of a call whose handler could not even be found."""
         self._conclude(call, None, exc)
 
@@ -195,7 +191,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def audited_unary(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
                                                Awaitable[Any]], *, peek: bool,
-                      admit: Admission | None = None
+                      gate: Gate | None = None
                       ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         """``behavior`` (a coroutine function) recorded: the call's record (opened by
         :meth:`open_call`) is concluded and written when it returns or raises.
@@ -203,16 +199,16 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         Args:
             behavior: The call's behaviour, as grpc.aio calls it.
             peek: Whether the request is one message, to note what it names.
-            admit: Runs first, inside the record (the interceptors composed with this
+            gate: Runs first, inside the record (the interceptors composed with this
                 one: :mod:`stargrpc.interceptors.composed`).
         """
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                if admit is not None:
+                if gate is not None:
                     try:
-                        request = admit(request, context)
+                        request = gate(request, context)
                     except RequestError as error:
                         await error.abort(context)
                 response = await behavior(request, context)
@@ -236,7 +232,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def audited_stream(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
                                                 AsyncIterator[Any]], *, peek: bool,
-                       admit: Admission | None = None
+                       gate: Gate | None = None
                        ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         """``behavior`` (returning an async iterator of responses) recorded: an Execute's
         Result waits for its record's commit, and the record is concluded and written when
@@ -245,7 +241,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         Args:
             behavior: The call's behaviour, as grpc.aio calls it.
             peek: Whether the request is one message, to note what it names.
-            admit: Runs first, inside the record (the interceptors composed with this
+            gate: Runs first, inside the record (the interceptors composed with this
                 one: :mod:`stargrpc.interceptors.composed`).
         """
         async def audited(request: Any, context: grpc.aio.ServicerContext
@@ -253,21 +249,12 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             call = _current.get()
             self._begin(call, request if peek else None, context)
             try:
-                if admit is not None:
+                if gate is not None:
                     try:
-                        request = admit(request, context)
+                        request = gate(request, context)
                     except RequestError as error:
                         await error.abort(context)
                 async for response in behavior(request, context):
-                    if isinstance(response, EventFrame):
-                        if response.event.HasField("notice") and \
-                                response.event.notice.code in _SIZE_CODES:
-                            notice = response.event.notice
-                            call.cuts.append(f"{notice.code}: {notice.message}")
-                    elif isinstance(response, tool_service_pb2.ExecuteResponse) and \
-                            response.event.HasField("result"):
-                        call.result = response.event.result
-                        await self._commit(call, context)
                     yield response
             except BaseException as exc:
                 self._conclude(call, context, exc)
@@ -278,7 +265,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     # -- the record ------------------------------------------------------------------------
 
-    def _begin(self, call: _Call, request: Any, context: grpc.aio.ServicerContext) -> None:
+    def _begin(self, call: _AuditedCall, request: Any, context: grpc.aio.ServicerContext) -> None:
         if call.task is not None and call.on_task_done is not None:
             # The handler runs: it writes the record however it ends (a callback less to
             # run per call).
@@ -298,10 +285,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             call.invocation = json_format.MessageToDict(request.context,
                                                         preserving_proto_field_name=True)
 
-    async def _commit(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+    async def _commit(self, call: _AuditedCall, result: events_pb2.Result) -> None:
         """Writes the record of an Execute whose Result is about to be sent, and waits (a
-        bounded time) until it is committed."""
-        future = self._conclude(call, context, None)
+        bounded time) until it is committed (the call record's ``before_result``)."""
+        call.result = result
+        future = self._conclude(call, None, None)
         if future is None or self.commit_timeout <= 0:
             return
         try:
@@ -314,7 +302,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         except RuntimeError:
             pass  # the writer closed; _write logged it
 
-    def _conclude(self, call: _Call, context: grpc.aio.ServicerContext | None,
+    def _conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
                   exc: BaseException | None) -> asyncio.Future[AuditRecord] | None:
         """Names the outcome of the call and writes its record (once)."""
         if call.written:
@@ -325,8 +313,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             if call.result.HasField("error"):
                 record.detail = record.detail or \
                     f"{call.result.error.code}: {call.result.error.message}"
-            if call.cuts:  # the client got less than the tool gave: say what
-                record.detail = "; ".join(filter(None, (record.detail, *call.cuts)))
+            cuts = record.run.cuts if record.run is not None else ()
+            if cuts:  # the client got less than the tool gave: say what
+                record.detail = "; ".join(filter(None, (record.detail, *cuts)))
         elif not record.outcome:
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
@@ -339,7 +328,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
         return self._write(call)
 
-    def _write_unwritten(self, call: _Call) -> None:
+    def _write_unwritten(self, call: _AuditedCall) -> None:
         if call.written:
             return
         record = call.record
@@ -348,7 +337,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             record.detail = record.detail or "the call ended before its handler ran"
         self._write(call)
 
-    def _write(self, call: _Call) -> asyncio.Future[AuditRecord] | None:
+    def _write(self, call: _AuditedCall) -> asyncio.Future[AuditRecord] | None:
         call.written = True
         self._open_calls -= 1
         record = self._audit_record(call)
@@ -356,6 +345,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # holds: a reference back to the run (or its Result) would keep both alive until
         # the cycle collector's next full collection.
         call.record.run = None
+        call.record.before_result = None  # it holds the call: a cycle otherwise
         call.result = None
         notable = record.privileged or record.outcome != "ok"
         if (notable and self.log_lines != "off") or self.log_lines == "all":
@@ -369,7 +359,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                       record=record.as_dict())
             return None
 
-    def _audit_record(self, call: _Call) -> AuditRecord:
+    def _audit_record(self, call: _AuditedCall) -> AuditRecord:
         record = call.record
         principal = record.principal
         if principal is None and record.outcome != "unauthenticated":
@@ -398,7 +388,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             privileged=record.privileged,
         )
 
-    def _result_text(self, call: _Call, substitute: str | None) -> str:
+    def _result_text(self, call: _AuditedCall, substitute: str | None) -> str:
         if substitute is None:  # the tool chose nothing: what the call chose, if anything
             substitute = call.record.result_view
         return self.view.result_text(call.result, substitute)

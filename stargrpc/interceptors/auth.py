@@ -40,7 +40,7 @@ _REFLECTION = frozenset({"grpc.reflection.v1alpha.ServerReflection",
                          "grpc.reflection.v1.ServerReflection"})
 _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 
-Admit = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
+Authenticate = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -99,7 +99,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if handler is None:
             return self.unknown_method(method)
-        return self._guarded.get(handler, lambda h: guard(h, self._admitter(method)),
+        return self._guarded.get(handler, lambda h: guard(h, self._authenticator_for(method)),
                                  key=method)
 
     def is_open(self, method: str) -> bool:
@@ -109,22 +109,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def unknown_method(self, method: str) -> grpc.RpcMethodHandler:
         """The handler of ``method``, which does not exist: UNAUTHENTICATED without
         credentials, UNIMPLEMENTED with them."""
-        return _unknown_method(self._admitter(method))
+        return _unknown_method(self._authenticator_for(method))
 
-    def _admitter(self, method: str) -> Admit:
-        async def admit(context: grpc.aio.ServicerContext) -> Principal:
+    def _authenticator_for(self, method: str) -> Authenticate:
+        async def authenticate(context: grpc.aio.ServicerContext) -> Principal:
             return await self._admit(context, method)
 
-        return admit
+        return authenticate
 
     async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
         try:
-            return self.admit_now(context, method)
+            return self.authenticate_now(context, method)
         except CredentialsRejected as error:
             await error.abort(context)
             raise  # abort raises; this keeps type checkers and readers sure of it
 
-    def admit_now(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
+    def authenticate_now(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
         """Authenticates a call of ``method``: sets its principal (the context variable,
         the log's bound fields, the call's record) and returns it.
 
@@ -153,27 +153,27 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return principal
 
 
-def guard(handler: grpc.RpcMethodHandler, admit: Admit) -> grpc.RpcMethodHandler:
-    """``handler`` with ``admit`` awaited before its behaviour, for any call shape."""
-    return rewrap(handler, unary=lambda inner, _: _unary_response(inner, admit),
-                  stream=lambda inner, _: _stream_response(inner, admit))
+def guard(handler: grpc.RpcMethodHandler, authenticate: Authenticate) -> grpc.RpcMethodHandler:
+    """``handler`` with ``authenticate`` awaited before its behaviour, for any call shape."""
+    return rewrap(handler, unary=lambda inner, _: _unary_response(inner, authenticate),
+                  stream=lambda inner, _: _stream_response(inner, authenticate))
 
 
-def _unary_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
+def _unary_response(inner: Callable[..., Any], authenticate: Authenticate) -> Callable[..., Any]:
     async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await admit(context)
+        await authenticate(context)
         return await call_behaviour(inner, request, context)
 
     return behaviour
 
 
-def _stream_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., Any]:
+def _stream_response(inner: Callable[..., Any], authenticate: Authenticate) -> Callable[..., Any]:
     # An async generator is iterated directly: one wrapping generator less per message.
     direct = inspect.isasyncgenfunction(inner)
 
     async def generator(request: Any, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[Any]:
-        await admit(context)
+        await authenticate(context)
         responses = (inner(request, context) if direct
                      else iterate_responses(inner, request, context))
         async for response in responses:
@@ -182,12 +182,12 @@ def _stream_response(inner: Callable[..., Any], admit: Admit) -> Callable[..., A
     return generator
 
 
-def _unknown_method(admit: Admit) -> grpc.RpcMethodHandler:
+def _unknown_method(authenticate: Authenticate) -> grpc.RpcMethodHandler:
     """A handler for a method that does not exist: UNAUTHENTICATED without credentials,
     UNIMPLEMENTED with them. Raw bytes in, so it fits a call of any shape."""
 
     async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        await admit(context)
+        await authenticate(context)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     return grpc.stream_stream_rpc_method_handler(behaviour)

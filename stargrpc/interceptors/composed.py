@@ -5,7 +5,7 @@ and chained they each wrap the handler: a call then runs three wrapping behaviou
 stream, three generators every response passes through — and three ``intercept_service``
 coroutines. :func:`compose` serves an ``audit → auth → critic`` run of the chain, in that
 order, as one :class:`ComposedInterceptor`: the audit's record around the call, with the
-authentication and the supervision policy run first inside it (the audit's ``admit``), and
+authentication and the supervision policy run first inside it (the audit's ``gate``), and
 the handler's responses passed on by the audit's one generator. What each layer does, and in
 which order, is unchanged; only the wrapping is shared.
 """
@@ -24,7 +24,7 @@ from stargrpc.interceptors._shapes import (
     iterate_responses,
     rewrap,
 )
-from stargrpc.interceptors.audit import Admission, AuditInterceptor
+from stargrpc.interceptors.audit import AuditInterceptor, Gate
 from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.critic import CriticInterceptor
 
@@ -72,42 +72,42 @@ class ComposedInterceptor(grpc.aio.ServerInterceptor):
         return self._wrapped.get(handler, lambda h: self._wrap(h, method), key=method)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        admit = self._admission(method, handler)
+        gate = self._gate(method, handler)
         audit = self.audit
 
         def unary(inner: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             return audit.audited_unary(
                 lambda request, context: call_behaviour(inner, request, context),
-                peek=not streaming, admit=admit)
+                peek=not streaming, gate=gate)
 
         def stream(inner: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
             behaviour = (inner if inspect.isasyncgenfunction(inner)
                          else lambda request, context: iterate_responses(inner, request,
                                                                          context))
-            return audit.audited_stream(behaviour, peek=not streaming, admit=admit)
+            return audit.audited_stream(behaviour, peek=not streaming, gate=gate)
 
         return rewrap(handler, unary=unary, stream=stream)
 
-    def _admission(self, method: str, handler: grpc.RpcMethodHandler) -> Admission | None:
+    def _gate(self, method: str, handler: grpc.RpcMethodHandler) -> Gate | None:
         """What runs first inside the record of a call of ``method``: authentication (unless
         the method is open), then the supervision policy (Execute only)."""
         auth = self.auth if self.auth is not None and not self.auth.is_open(method) else None
         critic = (self.critic if self.critic is not None and self.critic.applies(method, handler)
                   else None)
         if auth is not None and critic is not None:
-            admit_now, supervised = auth.admit_now, critic.supervised_request
+            authenticate_now, supervised = auth.authenticate_now, critic.supervised_request
 
             def authenticated_and_supervised(request: Any,
                                              context: grpc.aio.ServicerContext) -> Any:
-                admit_now(context, method)
+                authenticate_now(context, method)
                 return supervised(request, context)
 
             return authenticated_and_supervised
         if auth is not None:
-            admit_only = auth.admit_now
+            authenticate_only = auth.authenticate_now
 
             def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                admit_only(context, method)
+                authenticate_only(context, method)
                 return request
 
             return authenticated
