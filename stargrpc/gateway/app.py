@@ -223,6 +223,7 @@ class Gateway:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.streams_closed(), grace)
         self._closing.set()
+        self.runs_watch.wake_all()  # a stream waiting for its poll's next answer ends now
         await self.client.aclose()
 
     def _stream(self, source: EventSource | AsyncIterator[bytes]) -> StreamingResponse:

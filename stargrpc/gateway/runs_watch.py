@@ -67,7 +67,8 @@ class _Poll:
         self.changed = asyncio.Event()
         self.task = None
 
-    def _tell(self) -> None:
+    def tell(self) -> None:
+        """Wakes the streams that follow this poll."""
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
 
@@ -88,8 +89,8 @@ class _Poll:
             body = _body(reply)
             if body != self.body:
                 self.body = body
-                self._tell()
-        self._tell()
+                self.tell()
+        self.tell()
 
 
 class RunListWatch:
@@ -153,6 +154,12 @@ class RunListWatch:
                 self._forget(key, poll)
                 if poll.task is not None:
                     poll.task.cancel()
+
+    def wake_all(self) -> None:
+        """Wakes every stream waiting for its poll (the gateway is closing: they end rather
+        than wait for a ListRuns in flight to come back)."""
+        for poll in list(self._polls.values()):
+            poll.tell()
 
     def _forget(self, key: _Key, poll: _Poll) -> None:
         if self._polls.get(key) is poll:
