@@ -54,3 +54,18 @@ def test_the_hash_covers_json_s_own_canonical_text() -> None:
         key = rng.choice(keys)
         assert record_hash(record, key) == _reference_hash(record, key), record
 
+
+
+def test_the_interceptor_s_record_has_every_field_and_no_other(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from stargrpc.audit.record import FIELDS
+    from stargrpc.call_record import CallRecord
+    from stargrpc.interceptors.audit import AuditInterceptor, _AuditedCall
+    from stargrpc.settings import Settings
+
+    assert isinstance(tmp_path, Path)
+    interceptor = AuditInterceptor(Settings.load(state_dir=tmp_path))
+    made = interceptor._audit_record(_AuditedCall(CallRecord(method="/m")))
+    assert tuple(vars(made)) == FIELDS
+    assert made == AuditRecord(**vars(made))  # type: ignore[arg-type]
