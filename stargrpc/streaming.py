@@ -114,9 +114,7 @@ async def event_responses(log: RunLog, after_seq: int,
     try:
         async with aclosing(log.follow_batches(after_seq, max_lag=max_lag)) as batches:
             async for batch in batches:
-                responses = (_coalesced(log, batch) if coalesce and len(batch) > 1
-                             else _one_each(log, batch))
-                for response in responses:
+                for response in batch_responses(log, batch, coalesce):
                     if response is None:  # the Result, always the last event of a run
                         if before_result is not None:
                             await before_result(batch[-1].result)
@@ -131,6 +129,13 @@ async def event_responses(log: RunLog, after_seq: int,
     finally:
         if count is not None and sent:
             count(sent)
+
+
+def batch_responses(log: RunLog, batch: Sequence[events_pb2.RunEvent], coalesce: bool
+                    ) -> Iterator[EventFrame | None]:
+    """The frames of one batch of ``log``'s events (merging waiting DELTAs when
+    ``coalesce``), None standing for the Result (only ever the last event of a batch)."""
+    return _coalesced(log, batch) if coalesce and len(batch) > 1 else _one_each(log, batch)
 
 
 # The two below make each response only when it is about to be sent (a batch can be a

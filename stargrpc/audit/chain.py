@@ -16,12 +16,15 @@ rewriting of the records up to it, key or no key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
+import math
 import operator
 from collections.abc import AsyncIterable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stargrpc.audit.key import ChainKey
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
@@ -50,12 +53,38 @@ def _hash_of(record: AuditRecord, seq: int, prev_hash: str, key_id: str,
     values[_SEQ] = seq
     values[_PREV_HASH] = prev_hash
     values[_KEY_ID] = key_id
-    canonical = _CANONICAL.encode({name: value for name, value
-                                   in zip(_SORTED, values, strict=True)
-                                   if value != ""}).encode("utf-8")
+    canonical = _canonical_json(values).encode("utf-8")
     if key is None:
         return hashlib.sha256(canonical).hexdigest()
-    return hmac.digest(key.secret, canonical, "sha256").hex()
+    keyed = _keyed(key.secret).copy()  # the key's HMAC state made once, copied per record
+    keyed.update(canonical)
+    return keyed.hexdigest()
+
+
+def _canonical_json(values: Sequence[Any]) -> str:
+    """What ``_CANONICAL`` makes of the hashed fields with these values (in
+    :data:`_SORTED`'s order), empty text left out — the same text, written here field by
+    field for the types a record holds (anything else goes to the encoder itself)."""
+    parts = []
+    for prefix, value in zip(_PREFIXES, values, strict=True):
+        kind = type(value)
+        if kind is str:
+            if value:
+                parts.append(prefix + _STRING(value))
+        elif kind is bool:
+            parts.append(prefix + ("true" if value else "false"))
+        elif kind is int:
+            parts.append(prefix + int.__repr__(value))
+        elif kind is float and math.isfinite(value):
+            parts.append(prefix + float.__repr__(value))
+        elif value != "":
+            parts.append(prefix + _CANONICAL.encode(value))
+    return "{" + ",".join(parts) + "}"
+
+
+@functools.lru_cache(maxsize=16)
+def _keyed(secret: bytes) -> hmac.HMAC:
+    return hmac.new(secret, digestmod=hashlib.sha256)
 
 
 #: The fields a record's hash covers (all but ``hash``).
@@ -68,6 +97,11 @@ _SEQ, _PREV_HASH, _KEY_ID = (_SORTED.index(name) for name in ("seq", "prev_hash"
 
 #: Keys come in sorted order already (_SORTED): the output is that of sort_keys=True.
 _CANONICAL = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+#: Each hashed field's key as the canonical JSON writes it, and how it writes a string
+#: (the encoder's own function for ``ensure_ascii=False``).
+_PREFIXES = tuple(_CANONICAL.encode(name) + ":" for name in _SORTED)
+_STRING = json.encoder.encode_basestring
 
 
 def seal(records: Iterable[AuditRecord], last_seq: int, last_hash: str,

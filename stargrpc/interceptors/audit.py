@@ -33,7 +33,13 @@ import structlog
 from google.protobuf import json_format
 
 from stargrpc.audit.key import audit_key_path, load_or_create_key
-from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
+from stargrpc.audit.record import (
+    AuditRecord,
+    outcome_for_result,
+    outcome_for_status,
+    record_of,
+    utc_now,
+)
 from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and_cut
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
@@ -368,25 +374,27 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         arguments = run.audit_arguments if run is not None else None
         if arguments is None:
             arguments = record.arguments
-        return AuditRecord(
-            id=random_id(),
-            time=call.time,
-            method=record.method,
-            peer=record.peer,
-            principal=principal.id if principal else "",
-            acting_for=principal.acting_for if principal else "",
-            auth_method=principal.method if principal else "",
-            tool=record.tool,
-            run_id=record.run_id,
-            arguments=self.view.arguments_text(arguments),
-            result=self._result_text(call, run.audit_result if run is not None else None),
-            invocation=redacted_json(call.invocation, self.limits) if call.invocation else "",
-            outcome=record.outcome,
-            detail=scrub_and_cut(record.detail, MAX_DETAIL_CHARS),
-            duration_ms=round((time.monotonic() - record.started) * 1000, 3),
-            idempotency_key=record.idempotency_key,
-            privileged=record.privileged,
-        )
+        # Every field, by name (record_of: no dataclass __init__); the store places it.
+        return record_of({
+            "id": random_id(),
+            "time": call.time,
+            "method": record.method,
+            "peer": record.peer,
+            "principal": principal.id if principal else "",
+            "acting_for": principal.acting_for if principal else "",
+            "auth_method": principal.method if principal else "",
+            "tool": record.tool,
+            "run_id": record.run_id,
+            "arguments": self.view.arguments_text(arguments),
+            "result": self._result_text(call, run.audit_result if run is not None else None),
+            "invocation": redacted_json(call.invocation, self.limits) if call.invocation else "",
+            "outcome": record.outcome,
+            "detail": scrub_and_cut(record.detail, MAX_DETAIL_CHARS),
+            "duration_ms": round((time.monotonic() - record.started) * 1000, 3),
+            "idempotency_key": record.idempotency_key,
+            "privileged": record.privileged,
+            "key_id": "", "seq": 0, "prev_hash": "", "hash": "",
+        })
 
     def _result_text(self, call: _AuditedCall, substitute: str | None) -> str:
         if substitute is None:  # the tool chose nothing: what the call chose, if anything
