@@ -132,6 +132,8 @@ class Run:
     _to_stream: set[str]
     _sizes: EventSizes
     _append_nowait: Callable[[events_pb2.RunEvent], Any] | None
+    #: A steering notice still being appended to a log without ``append_nowait``.
+    _steer_append: asyncio.Future[None] | None
     _tool_running: bool
     _cancel_sent: bool
     _abandoned: bool
@@ -152,6 +154,7 @@ class Run:
         self.invocation = invocation
         self.log = log
         self._append_nowait = getattr(log, "append_nowait", None)
+        self._steer_append = None
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
@@ -247,16 +250,16 @@ class Run:
                 f"the run already holds {self._steering.maxsize} unread steering messages",
                 retry_after=self.settings.limit_retry_after_seconds,
                 reason=_STEER_QUEUE_FULL, metadata={"run_id": self.run_id}) from None
-        event = events_pb2.RunEvent()
-        event.notice.level = events_pb2.NOTICE_LEVEL_INFO
-        event.notice.code = STEERED
-        event.notice.message = cut_text(message, self._sizes.label_chars)
-        event.notice.source = cut_text(source, self._sizes.label_chars)
+        event = self._notice(STEERED, message, warning=False, source=source)
         for observer in self.observers:
             observer(event)
         # Appended at once, before the tool can read the message: the log shows the steer
         # before anything the tool does about it.
-        self.log.append_nowait(event)  # type: ignore[attr-defined]
+        if self._append_nowait is not None:
+            self._append_nowait(event)
+        else:  # a log of another kind: appended before the run's next event (_emit)
+            self._steer_append = asyncio.ensure_future(
+                self._append_after(self._steer_append, event))
 
     @property
     def _steering(self) -> asyncio.Queue[str]:
@@ -681,12 +684,19 @@ class Run:
         """Emits a notice from the server, such as a supervisor warning."""
         if self.finished:
             return
+        await self._emit(self._notice(code, message, warning=warning))
+
+    def _notice(self, code: str, message: str, *, warning: bool, source: str = ""
+                ) -> events_pb2.RunEvent:
         event = events_pb2.RunEvent()
-        event.notice.level = (events_pb2.NOTICE_LEVEL_WARNING if warning
-                              else events_pb2.NOTICE_LEVEL_INFO)
-        event.notice.code = cut_text(code, self._sizes.label_chars)
-        event.notice.message = cut_text(message, self._sizes.label_chars)
-        await self._emit(event)
+        notice = event.notice
+        notice.level = (events_pb2.NOTICE_LEVEL_WARNING if warning
+                        else events_pb2.NOTICE_LEVEL_INFO)
+        notice.code = cut_text(code, self._sizes.label_chars)
+        notice.message = cut_text(message, self._sizes.label_chars)
+        if source:
+            notice.source = cut_text(source, self._sizes.label_chars)
+        return event
 
     async def _emit(self, event: events_pb2.RunEvent) -> None:
         for observer in self.observers:
@@ -695,6 +705,9 @@ class Run:
         if append_nowait is not None:  # the logs of this package: no coroutine per event
             append_nowait(event)
         else:
+            steered, self._steer_append = self._steer_append, None
+            if steered is not None:  # a steer came first: its notice goes first
+                await steered
             await self.log.append(event)
         self._emitted += 1
         if self._emitted % YIELD_EVERY_EVENTS == 0:
@@ -702,6 +715,12 @@ class Run:
             # would hold the event loop until it returns: its own stream could not start
             # sending, and every other call would wait. Give the loop a turn now and then.
             await asyncio.sleep(0)
+
+    async def _append_after(self, previous: asyncio.Future[None] | None,
+                            event: events_pb2.RunEvent) -> None:
+        if previous is not None:
+            await previous
+        await self.log.append(event)
 
     def _remember_output(self, text: str) -> None:
         self._output_tail.append(text)

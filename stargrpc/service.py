@@ -159,14 +159,10 @@ class ToolService:
         if isinstance(request, MalformedRequest):
             await request.to_error().abort(context)
         try:
-            call = self._decode_execute(request, policy)
-            target = (await self._delivery_target(request) if request.HasField("delivery")
-                      else None)
-            admitted = await self.runtime.admit(call, current_principal.get())
+            admitted = await self._admit(request, policy)
         except RequestError as error:
             await error.abort(context)
             return
-        self._deliver(admitted, target)
         streamed_to_end = False
         log, coalesce = admitted.log, request.coalesce_deltas
         record = current_call.get()
@@ -200,7 +196,8 @@ class ToolService:
             # The stream went away early (cancelled, or closed at a yield). A run with an
             # idempotency key outlives it (resume with WatchRun or retry with the key); one
             # without a key has no way back, so it is cancelled.
-            if not streamed_to_end and admitted.run is not None and not call.idempotency_key:
+            if (not streamed_to_end and admitted.run is not None
+                    and not request.idempotency_key):
                 admitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
@@ -211,15 +208,28 @@ class ToolService:
         # unary call is not the run's.
         policy = SupervisionPolicy.for_call(self.settings)
         try:
-            call = self._decode_execute(request, policy)
-            target = await self._delivery_target(request)
-            admitted = await self.runtime.admit(call, current_principal.get())
+            admitted = await self._admit(request, policy)
         except RequestError as error:
             await error.abort(context)
             raise  # abort never returns
-        self._deliver(admitted, target)
         return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
                                                  attached=admitted.run is None)
+
+    async def _admit(self, request: tool_service_pb2.ExecuteRequest
+                     | tool_service_pb2.StartRunRequest, policy: SupervisionPolicy
+                     ) -> Admission:
+        """What Execute and StartRun share: the request decoded, its delivery target
+        checked, the run admitted, and its Result's delivery arranged.
+
+        Raises:
+            RequestError: Any reason to refuse the call before its run starts.
+        """
+        call = self._decode_execute(request, policy)
+        target = (await self._delivery_target(request) if request.HasField("delivery")
+                  else None)
+        admitted = await self.runtime.admit(call, current_principal.get())
+        self._deliver(admitted, target)
+        return admitted
 
     async def _delivery_target(self, request: tool_service_pb2.ExecuteRequest
                                | tool_service_pb2.StartRunRequest) -> DeliveryTarget | None:
@@ -323,8 +333,7 @@ class ToolService:
             check_steer_message(request.message, settings.steer_max_bytes)
             log = await self._visible_run(request.run_id,
                                           (*steer_roles, *settings.run_watch_roles))
-            if not (log.owner == principal.id or principal.has_role(settings.admin_role)
-                    or any(principal.has_role(role) for role in steer_roles)):
+            if not self._may_act_on(log, steer_roles):
                 raise PermissionDenied("the caller may watch this run but not steer it",
                                        reason=_STEER_NOT_ALLOWED,
                                        metadata={"run_id": log.run_id})
@@ -377,14 +386,15 @@ class ToolService:
             Unavailable: The shared run store cannot be reached.
         """
         log = await self.runtime.store.open(run_id) if run_id else None
-        principal = current_principal.get()
-        if log is not None and (
-            log.owner == principal.id
-            or principal.has_role(self.settings.admin_role)
-            or any(principal.has_role(role) for role in extra_roles)
-        ):
+        if log is not None and self._may_act_on(log, extra_roles):
             return log
         raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
+
+    def _may_act_on(self, log: RunLog, roles: Iterable[str]) -> bool:
+        """Whether the caller owns the run, holds ``admin_role``, or one of ``roles``."""
+        principal = current_principal.get()
+        return (log.owner == principal.id or principal.has_role(self.settings.admin_role)
+                or any(principal.has_role(role) for role in roles))
 
     @property
     def settings(self) -> Settings:
