@@ -125,6 +125,9 @@ RETRY_AFTER_SECONDS = 1.0
 _OUTAGE_RETRY_SECONDS = 0.2
 #: A flush sends at most this many bytes of events in one script call.
 _FLUSH_BATCH_BYTES = 4 * 1024 * 1024
+#: Most lookups of runs unknown to Redis but minted a moment ago (by their id) that wait for
+#: the run's first write at once, per store; further ones are not found at once.
+MAX_FRESH_RUN_WAITS = 64
 #: Entries a watcher reads per XREAD (file chunks are up to a few hundred KiB each).
 _READ_COUNT = 64
 #: How long the flusher waits for more events before it writes, unless a Result is waiting:
@@ -762,6 +765,7 @@ class RedisRunStore:
     max_pending_steers: int
     healthy: bool
     _local: dict[str, RedisRunLog]
+    _fresh_waits: int
     _abandoned: dict[str, tuple[str, str, int]]
     _clock_ahead_ms: int
     _renewer: asyncio.Task[None] | None
@@ -800,6 +804,7 @@ class RedisRunStore:
         # unless a PING gets through.
         self.healthy = False
         self._local = {}
+        self._fresh_waits = 0
         # Claims whose call gave up, by run id: (claim key, its value, deadline in ms since
         # the epoch). The renewer undoes them once Redis's clock is past the deadline.
         self._abandoned = {}
@@ -892,8 +897,17 @@ class RedisRunStore:
         hosts); whether an event came. An id of another form, or an older one, is not
         waited for."""
         minted = minted_ms(run_id)
-        if minted is None:
+        # Anyone may name a fresh-looking id of a run that does not exist: each wait holds a
+        # Redis connection, so only so many wait at once; the rest are answered at once.
+        if minted is None or self._fresh_waits >= MAX_FRESH_RUN_WAITS:
             return False
+        self._fresh_waits += 1
+        try:
+            return await self._first_event_within(run_id, minted)
+        finally:
+            self._fresh_waits -= 1
+
+    async def _first_event_within(self, run_id: str, minted: int) -> bool:
         window_ms = int((self.timeout + self.flush_timeout + 1.0) * 1000)
         until = time.monotonic() + min(window_ms, minted + window_ms - time.time() * 1000) / 1000
         key = self._key(run_id, "events")

@@ -16,7 +16,9 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from stargrpc.errors import Unavailable
+from stargrpc.ids import new_run_id
 from stargrpc.settings import Settings
+from stargrpc.stores import redis as redis_store
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2
 from tests.stores.conftest import REDIS_URL
@@ -221,3 +223,26 @@ async def test_only_the_flusher_goes_without_a_socket_timeout(redis_prefix: str)
         assert store.flush_timeout > 0
     finally:
         await store.aclose()
+
+
+async def test_forged_fresh_run_ids_hold_at_most_so_many_redis_waits(store: RedisRunStore,
+                                                                      monkeypatch) -> None:
+    # An attacker names ids that look minted a moment ago, of runs that do not exist: each
+    # lookup would block on Redis for the first-write window. Only MAX_FRESH_RUN_WAITS do;
+    # the next is answered at once, while those still wait.
+    monkeypatch.setattr(redis_store, "MAX_FRESH_RUN_WAITS", 4)
+    waiting = [asyncio.create_task(store.open(new_run_id())) for _ in range(4)]
+    for _ in range(1000):  # until all four wait on Redis
+        if store._fresh_waits == 4:
+            break
+        await asyncio.sleep(0.01)
+    extra = asyncio.create_task(store.open(new_run_id()))
+    try:
+        done, _ = await asyncio.wait([extra, *waiting], return_when=asyncio.FIRST_COMPLETED)
+        assert done == {extra}
+        assert extra.result() is None
+    finally:
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    assert store._fresh_waits == 0
