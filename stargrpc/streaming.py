@@ -19,15 +19,15 @@ Two things keep the per-event cost of a stream low:
   or dropped, and nothing is merged across any other event. A reader that keeps up finds
   one event waiting at a time and gets one message per event, as without coalescing.
 
-The Result is never framed: it goes out as a real response message of the call's type,
-after ``before_result`` (Execute passes its call record's: the audit commits the record of
-the call there, before the client can see the Result). Interceptors that look at other
+The Result is never framed: it goes out as a real response message of the call's type
+(Execute first awaits its call record's ``before_result`` with it: the audit commits the
+record of the call there, before the client can see the Result). Interceptors that look at other
 responses get an :class:`EventFrame`, whose :attr:`~EventFrame.event` is the RunEvent sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any, NamedTuple
 
@@ -93,9 +93,8 @@ def serialize_response(message: StreamedResponse | Message) -> bytes:
 async def event_responses(log: RunLog, after_seq: int,
                           response_type: Callable[..., EventResponse], *,
                           coalesce: bool = False, max_lag: int = 0,
-                          count: Callable[[int], Any] | None = None,
-                          before_result: Callable[[events_pb2.Result], Awaitable[None]]
-                          | None = None) -> AsyncIterator[StreamedResponse]:
+                          count: Callable[[int], Any] | None = None
+                          ) -> AsyncIterator[StreamedResponse]:
     """The responses of a stream of ``log``'s events after ``after_seq``, to its Result.
 
     Args:
@@ -105,7 +104,6 @@ async def event_responses(log: RunLog, after_seq: int,
         coalesce: Merge consecutive waiting DELTAs of a step and channel (module docstring).
         max_lag: As for :meth:`stargrpc.stores.base.RunLog.follow`.
         count: Called with the number of events each response stood for, once it is sent.
-        before_result: Awaited with the Result before it is yielded.
 
     Raises:
         RequestError: From the log (the watcher fell too far behind, a store went away).
@@ -116,8 +114,6 @@ async def event_responses(log: RunLog, after_seq: int,
             async for batch in batches:
                 for response in batch_responses(log, batch, coalesce):
                     if response is None:  # the Result, always the last event of a run
-                        if before_result is not None:
-                            await before_result(batch[-1].result)
                         yield response_type(event=batch[-1])
                         sent += 1
                         return
