@@ -38,7 +38,7 @@ from stargrpc.errors import (
     Unavailable,
 )
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
-from stargrpc.ids import new_run_id
+from stargrpc.ids import new_id
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
@@ -345,7 +345,7 @@ class Runtime:
             record.principal = principal
         self.policy.check(principal, spec)
         args = validate(spec.args_model, request.arguments)
-        run_id = new_run_id()
+        run_id = new_id()
         if record is not None:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,

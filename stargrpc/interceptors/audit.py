@@ -46,7 +46,7 @@ from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
 from stargrpc.errors import RequestError
-from stargrpc.ids import random_id
+from stargrpc.ids import new_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
@@ -376,7 +376,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             arguments = record.arguments
         # Every field, by name (record_of: no dataclass __init__); the store places it.
         return record_of({
-            "id": random_id(),
+            "id": new_id(),
             "time": call.time,
             "method": record.method,
             "peer": record.peer,

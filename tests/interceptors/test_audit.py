@@ -24,6 +24,7 @@ from stargrpc.audit.chain import verify
 from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import Query, default_store_url, open_store
+from stargrpc.ids import minted_ms
 from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry, spec_of
@@ -156,6 +157,8 @@ async def test_an_execute_leaves_one_complete_record(server, stub) -> None:
     assert record.privileged is False
     assert record.duration_ms > 0
     assert record.seq == 1 and record.hash
+    # Its id says when it was made: the trail's index of ids grows at its end.
+    assert minted_ms(record.id) is not None
     assert json.loads(record.arguments) == {"user": "ann", "password": "<redacted>"}
     assert json.loads(record.result) == {"user": "ann", "session_token": "<redacted>"}
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from stargrpc.errors import Unavailable
-from stargrpc.ids import new_run_id
+from stargrpc.ids import new_id
 from stargrpc.settings import Settings
 from stargrpc.stores import redis as redis_store
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
@@ -231,12 +231,12 @@ async def test_forged_fresh_run_ids_hold_at_most_so_many_redis_waits(store: Redi
     # lookup would block on Redis for the first-write window. Only MAX_FRESH_RUN_WAITS do;
     # the next is answered at once, while those still wait.
     monkeypatch.setattr(redis_store, "MAX_FRESH_RUN_WAITS", 4)
-    waiting = [asyncio.create_task(store.open(new_run_id())) for _ in range(4)]
+    waiting = [asyncio.create_task(store.open(new_id())) for _ in range(4)]
     for _ in range(1000):  # until all four wait on Redis
         if store._fresh_waits == 4:
             break
         await asyncio.sleep(0.01)
-    extra = asyncio.create_task(store.open(new_run_id()))
+    extra = asyncio.create_task(store.open(new_id()))
     try:
         done, _ = await asyncio.wait([extra, *waiting], return_when=asyncio.FIRST_COMPLETED)
         assert done == {extra}
