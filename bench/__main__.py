@@ -103,11 +103,13 @@ MODES = {
                    concurrency_rounds=2, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
                    cpu_block=20, layers=True),
-    # The tiniest pass, for the smoke test: every code path, no meaningful numbers.
+    # The tiniest pass, for the smoke test: every code path, no meaningful numbers — but
+    # CPU calls enough for each server to use several of the kernel's 10 ms clock ticks
+    # (/proc counts no less): ten calls of the leanest server could read as no CPU at all.
     "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
                    slow_every=10, slow_ms=1.0, coalesce=10, concurrency=5, concurrency_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
-                   cpu_calls=10, cpu_warmup=2, cpu_repeats=1, cpu_block=2, layers=True),
+                   cpu_calls=200, cpu_warmup=2, cpu_repeats=1, cpu_block=20, layers=True),
 }
 
 
