@@ -40,7 +40,7 @@ from stargrpc.audit.record import (
     record_of,
     utc_now,
 )
-from stargrpc.audit.redact import RedactionLimits, cut, redacted_json, scrub_and_cut
+from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
@@ -58,9 +58,6 @@ from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.audit")
-
-#: Longest ``detail`` kept in a record.
-MAX_DETAIL_CHARS = 300
 
 _Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -93,18 +90,15 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     Attributes:
         writer: The batched writer records go to.
-        view: How a run's arguments and result become the record's (shared with
+        view: How much of a call a record keeps, and how a run's arguments, result,
+            invocation context and detail become the record's (shared with
             :func:`stargrpc.testing.run_tool`).
-        limits: How much of arguments and results a record keeps.
-        max_result_chars: Longest result text kept.
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
         log_lines: Which calls get an ``audit`` log line too (``audit_log_lines``).
     """
 
     writer: AuditWriter
     view: AuditLimits
-    limits: RedactionLimits
-    max_result_chars: int
     commit_timeout: float
     log_lines: str
     _wrapped: WrappedHandlers
@@ -118,8 +112,6 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)
         self.view = AuditLimits.from_settings(settings)
-        self.limits = self.view.values
-        self.max_result_chars = self.view.max_result_chars
         self.commit_timeout = settings.audit_commit_timeout_seconds
         self.log_lines = settings.audit_log_lines
         self._wrapped = WrappedHandlers()
@@ -387,9 +379,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             "run_id": record.run_id,
             "arguments": self.view.arguments_text(arguments),
             "result": self._result_text(call, run.audit_result if run is not None else None),
-            "invocation": redacted_json(call.invocation, self.limits) if call.invocation else "",
+            "invocation": self.view.invocation_text(call.invocation),
             "outcome": record.outcome,
-            "detail": scrub_and_cut(record.detail, MAX_DETAIL_CHARS),
+            "detail": self.view.detail_text(record.detail),
             "duration_ms": round((time.monotonic() - record.started) * 1000, 3),
             "idempotency_key": record.idempotency_key,
             "privileged": record.privileged,
