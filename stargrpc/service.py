@@ -166,15 +166,16 @@ class ToolService:
             return
         streamed_to_end = False
         log, coalesce = admitted.log, request.coalesce_deltas
-        if admitted.run is not None:
-            # The run's task was scheduled when the run started: one turn of the loop lets
-            # it go first, so that a run that ends without waiting (most do) is read in one
-            # batch, with no wake-up of this stream (an event and a loop turn less per call).
-            await asyncio.sleep(0)
         record = current_call.get()
         before_result = record.before_result if record is not None else None
         sent = 0  # events sent and not counted yet: counted once per batch
         try:
+            if admitted.run is not None:
+                # The run's task was scheduled when the run started: one turn of the loop
+                # lets it go first, so that a run that ends without waiting (most do) is
+                # read in one batch, with no wake-up of this stream (an event and a loop
+                # turn less per call). Inside the try: a call cancelled here stops its run.
+                await asyncio.sleep(0)
             # Pre-serialised responses (and the Result as a message), as
             # stargrpc.streaming.event_responses makes them, written out here: one async
             # generator less for every message of every Execute.

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stargrpc.principal import Principal, current_principal
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import phases, status_details
 from tests.runs_support import (
@@ -245,3 +246,37 @@ async def test_a_cancelled_run_reports_its_outcome_past_the_end(stub, tmp_path: 
 
     assert _run_finished(caught.value)["outcome"] == "OUTCOME_CANCELLED"
     assert other.value.code() == grpc.StatusCode.NOT_FOUND  # nothing leaks to others
+
+
+class _BareContext:
+    """What Execute asks of its servicer context when no interceptor is in front of it."""
+
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: object) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def test_a_call_cancelled_at_its_first_wait_stops_its_run(make_server, tmp_path: Path
+                                                                 ) -> None:
+    # Execute lets a new run's task go first (one turn of the loop) before it reads the
+    # run's log: a call cancelled right there, before it sent anything, still stops a run
+    # without a key, as a call cancelled later does.
+    server = await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()])
+    current_principal.set(Principal(id="alice", roles=frozenset(), method="test"))
+    stream = server.service.Execute(execute_request(
+        "tally", {"path": str(tmp_path / "tally"), "deltas": 0,
+                  "gate": str(tmp_path / "never")}), _BareContext())
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # the call admits its run and waits for the first time
+    [run] = server.runtime.runs.values()
+    assert not first.done()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+    result = await asyncio.wait_for(run.wait(), 10)
+
+    assert result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert result.error.code == "CLIENT_CANCELLED"
