@@ -22,9 +22,12 @@ that may never come). Under steady appends a passive checkpoint never catches up
 last commit, so the WAL never starts over by itself: once it has grown past
 :data:`WAL_FRAMES_LIMIT` the thread restarts it (a checkpoint that waits for the last
 frame), and meanwhile the loop hands its appends to the thread, behind the restart, instead
-of keeping the write lock from it. The restarted WAL is written again from its start —
-overwriting a file is cheaper than growing one, which is why it is not truncated to
-nothing — and ``journal_size_limit`` cuts it back to the limit whenever it starts over.
+of keeping the write lock from it. A reader that keeps a snapshot open holds a restart back:
+the restart waits a moment for it (:data:`RESTART_WAIT_SECONDS`), not the whole busy
+timeout, and is tried again later; the WAL grows past its limit for as long as that reader
+stays. The restarted WAL is written again from its start — overwriting a file is cheaper
+than growing one, which is why it is not truncated to nothing — and ``journal_size_limit``
+cuts it back to the limit whenever it starts over.
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ WAL_FRAMES_LIMIT = 10_000
 #: Checkpoints one hand-over to the thread runs at most, one more each time appends went
 #: on meanwhile (the next commit hands over again).
 _CHECKPOINT_ROUNDS = 20
+
+#: How long the store's connection waits for a lock another connection holds (appends on
+#: the thread wait for the write lock this long before they fail and are retried).
+BUSY_TIMEOUT_SECONDS = 10.0
+
+#: How long a restart of the WAL waits for readers to leave it. Appends wait behind a
+#: restart, so a reader that keeps a snapshot open (a backup, a forgotten transaction in a
+#: shell) must not hold them for the whole busy timeout: the restart gives up instead, and
+#: is tried again after the next CHECKPOINT_EVERY commits.
+RESTART_WAIT_SECONDS = 0.25
 
 log = structlog.get_logger("stargrpc.audit")
 
@@ -294,8 +307,8 @@ def make_private_file(path: Path) -> None:
 
 def _connect(path: str) -> sqlite3.Connection:
     # isolation_level=None: transactions are spelled out (BEGIN IMMEDIATE … COMMIT).
-    # timeout: wait up to 10 s for a lock another connection (or process) holds.
-    db = sqlite3.connect(path, isolation_level=None, timeout=10.0)
+    # timeout: how long to wait for a lock another connection (or process) holds.
+    db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
     try:
         _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
@@ -360,11 +373,17 @@ def _checkpoint_passive(db: sqlite3.Connection) -> int:
 def _restart_wal(db: sqlite3.Connection) -> None:
     """Copies the whole WAL into the database so that the next commit writes the WAL from
     its start, holding the write lock while it does (appends queue behind it on this
-    thread: a pause, not a loss)."""
+    thread: a pause, not a loss) — waiting at most :data:`RESTART_WAIT_SECONDS` for readers
+    still on older snapshots to let go."""
     # RESTART rather than TRUNCATE: a WAL truncated to nothing grows again frame by frame,
     # and appending to a file costs the file system more than overwriting it (about 7 µs
     # of every append on the loop, measured in bench/README.md).
-    db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+    db.execute(f"PRAGMA busy_timeout={int(RESTART_WAIT_SECONDS * 1000)}")
+    try:
+        # Busy (a reader kept its snapshot): as far as a passive checkpoint gets, no restart.
+        db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+    finally:
+        db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_SECONDS * 1000)}")
 
 
 def _limit_wal_file(db: sqlite3.Connection) -> None:

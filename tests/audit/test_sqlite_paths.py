@@ -52,12 +52,20 @@ async def test_an_append_waits_for_a_writer_holding_the_lock_without_blocking_th
     assert report.intact and report.checked == 2
 
 
-async def test_the_wal_is_checkpointed_and_stays_small(sqlite_url: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def _store_with_small_wal(sqlite_url: str, monkeypatch: pytest.MonkeyPatch,
+                                frames: int) -> SqliteAuditStore:
+    """An open store that checkpoints every 50 commits and restarts its WAL past ``frames``
+    frames."""
     monkeypatch.setattr(sqlite_store, "CHECKPOINT_EVERY", 50)
-    monkeypatch.setattr(sqlite_store, "WAL_FRAMES_LIMIT", 200)
+    monkeypatch.setattr(sqlite_store, "WAL_FRAMES_LIMIT", frames)
     store = SqliteAuditStore(sqlite_url)
     await store.open()
+    return store
+
+
+async def test_the_wal_is_checkpointed_and_stays_small(sqlite_url: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    store = await _store_with_small_wal(sqlite_url, monkeypatch, 200)
     wal = Path(str(sqlite_path(sqlite_url)) + "-wal")
     try:
         for _ in range(1500):  # one transaction each: pages enough for a WAL of megabytes
@@ -95,11 +103,8 @@ async def test_appends_made_while_a_checkpoint_runs_are_checkpointed_after_it(
     # On a loaded machine a checkpoint's fsync can outlast a whole burst of appends on the
     # loop. The checkpoint measured the WAL at its start, small; the WAL the burst grew
     # must still be emptied once it stops.
-    monkeypatch.setattr(sqlite_store, "CHECKPOINT_EVERY", 50)
-    # Above what 50 appends write: the first checkpoint sees no reason to truncate.
-    monkeypatch.setattr(sqlite_store, "WAL_FRAMES_LIMIT", 1000)
-    store = SqliteAuditStore(sqlite_url)
-    await store.open()
+    # A limit above what 50 appends write: the first checkpoint sees no reason to restart.
+    store = await _store_with_small_wal(sqlite_url, monkeypatch, 1000)
     path = sqlite_path(sqlite_url)
     wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
     checkpointed, release = threading.Event(), threading.Event()
@@ -137,6 +142,46 @@ async def test_appends_made_while_a_checkpoint_runs_are_checkpointed_after_it(
     assert frames > 1000 and backfilled == frames
     # The burst wrote several times the limit; what is left is within it.
     assert wal_bytes <= 1000 * 4096
+
+
+async def test_a_reader_keeping_its_snapshot_holds_appends_back_a_moment_only(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A backup, or a transaction left open in a shell, keeps a snapshot of the trail: the
+    # WAL cannot start over under it. Each restart used to wait the whole busy timeout for
+    # it (10 s, with the write lock held and every append behind it); it waits a moment and
+    # gives up, and the WAL starts over once the reader is gone.
+    store = await _store_with_small_wal(sqlite_url, monkeypatch, 200)
+    path = sqlite_path(sqlite_url)
+    reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    slowest = 0.0
+    try:
+        await store.append([make_record()])
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM audit_records").fetchone()  # holds its snapshot
+        for _ in range(400):  # several restarts' worth of WAL
+            started = asyncio.get_running_loop().time()
+            await store.append([make_record(arguments="x" * 2000)])
+            slowest = max(slowest, asyncio.get_running_loop().time() - started)
+        grown = _wal_frames(Path(f"{path}-shm"))
+        reader.execute("COMMIT")  # the reader lets go
+        for _ in range(60):  # a round of checkpoints: the restart goes through now
+            await store.append([make_record()])
+        await store.query(Query(limit=1))  # on the store's thread: after its checkpoints
+        await store.append([make_record()])  # the first commit after it starts the WAL over
+        frames = _wal_frames(Path(f"{path}-shm"))
+        wal_bytes = await asyncio.to_thread(os.path.getsize, f"{path}-wal")
+        report = await verify(store.scan())
+    finally:
+        reader.close()
+        await store.aclose()
+
+    assert report.intact and report.checked == 462
+    # A few restart waits of a quarter second at the most, never the 10 s busy timeout.
+    assert slowest < sqlite_store.BUSY_TIMEOUT_SECONDS / 2
+    # The WAL grew past its limit while the reader stayed, started over once it left, and
+    # its file was cut back to the limit.
+    assert grown > 200 and frames < 200
+    assert wal_bytes <= 200 * 4096
 
 
 async def test_records_submitted_together_are_committed_together_on_the_loop(
