@@ -443,9 +443,11 @@ def _as_redis_error() -> Iterator[None]:
     """Reports what redis-py's cluster client raises on a connection torn down under it (a
     node killed mid-command: an AttributeError on the closed writer, an OSError), or when no
     node of the cluster answers (a RedisClusterException, which is no RedisError), as the
-    connection error it is."""
+    connection error it is; a bare TimeoutError (an OSError too) as the timeout it is."""
     try:
         yield
+    except TimeoutError as exc:  # no answer in time: the connection may well be fine
+        raise RedisTimeoutError(f"no answer in time ({exc or 'timed out'})") from exc
     except (AttributeError, OSError) as exc:
         raise RedisConnectionError(f"connection lost ({type(exc).__name__}: {exc})") from exc
     except RedisClusterException as exc:  # no node reachable, or no node serving a slot

@@ -13,6 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stargrpc.errors import Unavailable
+from stargrpc.stores.redis import _reachable
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
@@ -92,3 +94,15 @@ async def test_redis_down_is_unavailable_fast_and_recovers_when_it_returns(
     assert back[-1].result.output == "hi"
     assert back_again[-1].result.output == "hi"
     assert serving.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_call_that_timed_out_is_told_apart_from_a_lost_connection() -> None:
+    # redis-py's cluster client can let a bare TimeoutError (an OSError) out of a command
+    # that ran out of time: the caller is refused UNAVAILABLE either way, and the log says
+    # which it was rather than "connection lost".
+    for raised, said in ((TimeoutError(), "no answer in time"),
+                         (ConnectionResetError("reset by peer"), "connection lost")):
+        with pytest.raises(Unavailable) as refused, _reachable("claim"):
+            raise raised
+        assert refused.value.reason == "RUN_STORE_UNAVAILABLE"
+        assert said in str(refused.value.__cause__)
