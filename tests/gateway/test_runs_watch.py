@@ -7,12 +7,14 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
 from stargrpc.gateway import runs_watch
 from stargrpc.gateway.runs_watch import RunListWatch
-from tests.gateway.conftest import GatewayUnderTest
+from tests.conftest import AuthServerFactory
+from tests.gateway.conftest import GatewayUnderTest, gateway_registry
 
 BOUND = 30.0
 
@@ -84,3 +86,48 @@ async def test_closing_the_gateway_ends_every_stream_of_a_shared_poll(
             async with asyncio.timeout(BOUND):
                 left = [ids async for ids in stream]
             assert left == []
+
+
+async def test_closing_the_gateway_ends_a_stream_whose_poll_waits_for_list_runs(
+        gateway: GatewayUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The poll's ListRuns is in flight (the server slow to answer) when the gateway closes:
+    # the stream ends at once rather than when, or if, that answer comes.
+    assert gateway.server.http.gateway is not None
+    client = gateway.server.http.gateway.client
+    asked, never = asyncio.Event(), asyncio.Event()
+
+    async def unanswered(*_: object) -> object:
+        asked.set()
+        await never.wait()
+        raise AssertionError("never answered")
+
+    async with contextlib.AsyncExitStack() as stack:
+        stream = await lists(gateway, stack)
+        await anext(stream)
+        monkeypatch.setattr(client, "list_runs", unanswered)
+        async with asyncio.timeout(BOUND):
+            await asked.wait()  # the poll is waiting for its answer now
+        await gateway.server.stop(grace=0)
+
+        async with asyncio.timeout(BOUND):
+            left = [ids async for ids in stream]
+        assert left == []
+
+
+async def test_a_key_revoked_while_its_run_list_is_open_ends_the_stream_with_the_refusal(
+        make_auth_server: AuthServerFactory) -> None:
+    auth = await make_auth_server(gateway_registry(), roles=("admin",), http_port=0)
+    base_url = f"http://127.0.0.1:{auth.server.http.gateway_port}"
+    headers = {"authorization": f"Bearer {auth.key}"}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30, headers=headers) as http, \
+            aconnect_sse(http, "GET", "/v1/runs/events") as source:
+        assert source.response.status_code == 200
+        events = source.aiter_sse()
+        assert (await anext(events)).event == "runs"
+        auth.keys.revoke("tester")  # the next poll's ListRuns is refused
+
+        async with asyncio.timeout(BOUND):
+            rest = [message async for message in events if message.event != "runs"]
+
+    assert [message.event for message in rest] == ["error"]
+    assert json.loads(rest[0].data)["error"]["status"] == "UNAUTHENTICATED"
