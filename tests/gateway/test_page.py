@@ -15,6 +15,7 @@ import pytest
 from playwright.async_api import Browser, Page, expect
 
 from stargrpc.registry import load_registry
+from tests.conftest import AuthServerFactory
 from tests.gateway.conftest import GatewayUnderTest
 from tests.gateway.test_progress_page import browser
 
@@ -235,3 +236,22 @@ async def test_keyboard_only_at_390_pixels(gateway: GatewayUnderTest, browser: B
     report = await page.evaluate("axe.run(document, {resultTypes: ['violations']})")
     assert [v["id"] for v in report["violations"]
             if v["impact"] in ("serious", "critical")] == []
+
+
+async def test_enter_in_the_key_field_lists_the_tools_and_runs_nothing(
+        make_auth_server: AuthServerFactory, browser: Browser) -> None:
+    # On a server that needs a key the tool list is empty until one is given; pressing
+    # Enter in the key field submits the run form. It once asked to execute a tool with
+    # no name (a 404); it lists the tools instead.
+    auth = await make_auth_server(roles=("admin",), http_port=0)
+    page = await browser.new_page()
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(f"{request.method} {request.url}"))
+    await page.goto(f"http://127.0.0.1:{auth.server.http.gateway_port}/")
+    await page.fill("#token", auth.key)
+    await page.press("#token", "Enter")
+
+    await expect(page.locator("#tool option[value='count']")).to_have_count(1)
+    assert not [r for r in requests if r.startswith("POST")]
+    await expect(page.locator("#form-error")).to_be_hidden()
+    await page.close()

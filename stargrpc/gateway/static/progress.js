@@ -439,6 +439,12 @@
   async function startRun(event) {
     event.preventDefault();
     hideError();
+    if (!$("tool").value) {
+      // Enter pressed in the key field before the tools were listed: there is nothing to
+      // run yet, and the key is what the list was waiting for.
+      await loadTools();
+      return;
+    }
     let args;
     try {
       args = currentArguments();
