@@ -10,7 +10,7 @@ depends on context variables flowing back out of an inner interceptor.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,8 +42,9 @@ class CallRecord:
         outcome: ok, denied, failed, error, timeout, cancelled, unauthenticated or invalid.
         detail: A short, user-safe detail.
         extra: Anything else an interceptor wants to keep with the record.
-        before_result: Awaited with an Execute's Result before the caller can see it (the
-            audit commits the record there, so every Result seen has its record stored).
+        before_result: Awaited with the batch of run events that ends with an Execute's
+            Result, before the caller can see the Result (the audit commits the record
+            there, so every Result seen has its record stored).
     """
 
     method: str
@@ -60,7 +61,7 @@ class CallRecord:
     outcome: str = ""
     detail: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-    before_result: Callable[[events_pb2.Result], Awaitable[None]] | None = None
+    before_result: Callable[[Sequence[events_pb2.RunEvent]], Awaitable[None]] | None = None
 
 
 #: The record of the call being served, when an interceptor opened one.

@@ -20,7 +20,10 @@ So nothing a tool controls may make one event larger than the limit:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from stargrpc.v1 import events_pb2
 
 #: Room left in a message for what surrounds the Result or an event (response and RunEvent
 #: tags, run id, seq, time, critic time left).
@@ -38,6 +41,29 @@ MAX_DETAIL_BYTES = 64 * 1024
 #: Notice codes of a Result that was fitted to the send limit.
 OUTPUT_TRUNCATED = "OUTPUT_TRUNCATED"
 RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+_CUT_CODES = frozenset({OUTPUT_TRUNCATED, RESULT_TOO_LARGE})
+
+
+def cut_notice(event: events_pb2.RunEvent) -> str | None:
+    """``"CODE: message"`` when ``event`` announces a cut (:data:`OUTPUT_TRUNCATED`,
+    :data:`RESULT_TOO_LARGE`): the client got less than the tool gave. Else None."""
+    if event.WhichOneof("kind") != "notice" or event.notice.code not in _CUT_CODES:
+        return None
+    return f"{event.notice.code}: {event.notice.message}"
+
+
+def cuts_before_result(events: Sequence[events_pb2.RunEvent]) -> list[str]:
+    """The cuts announced by the notices right before the Result that ends ``events`` (a
+    run announces them there, in the batch that carries its Result), in order."""
+    cuts = []
+    index = len(events) - 2
+    while index >= 0 and events[index].WhichOneof("kind") == "notice":
+        cut = cut_notice(events[index])
+        if cut is not None:
+            cuts.append(cut)
+        index -= 1
+    cuts.reverse()
+    return cuts
 
 #: The sent files an over-large output or structured output moves into.
 OUTPUT_FILE_NAME = "output.txt"

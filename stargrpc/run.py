@@ -18,7 +18,7 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +117,6 @@ class Run:
     result: events_pb2.Result | None
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
-    #: What was cut or dropped to fit the Result (its OUTPUT_TRUNCATED and RESULT_TOO_LARGE
-    #: notices), for the audit record.
-    cuts: Sequence[str]
     started_monotonic: float
     _open_steps: dict[str, ToolStep]
     _step_started: dict[str, Any]
@@ -161,7 +158,6 @@ class Run:
         self.result = None
         self.audit_arguments = None
         self.audit_result = None
-        self.cuts = ()
         self.started_monotonic = time.monotonic()
         self._open_steps = {}
         self._step_started = {}
@@ -413,8 +409,6 @@ class Run:
             result = self._with_inline_files(result)
         for code, message in notices:
             await self.emit_notice(code, message)
-        if notices:
-            self.cuts = [f"{code}: {message}" for code, message in notices]
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result

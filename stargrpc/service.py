@@ -184,7 +184,7 @@ class ToolService:
                     for response in batch_responses(log, batch, coalesce):
                         if response is None:  # the Result, the run's last event
                             if before_result is not None:
-                                await before_result(batch[-1].result)
+                                await before_result(batch)
                             yield tool_service_pb2.ExecuteResponse(event=batch[-1])
                             sent += 1
                             streamed_to_end = True

@@ -20,7 +20,7 @@ from stargrpc.registry import Registry, spec_of
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.run_tools.blob import blob_bytes
-from tests.runs_support import collect, execute_request, run_registry
+from tests.runs_support import collect, execute_request, key, run_registry
 
 MiB = 1024 * 1024
 BIG = 50 * MiB
@@ -280,3 +280,22 @@ async def test_everything_else_a_tool_controls_is_bounded(make_server) -> None:
         assert len(beat.message) <= 4096
     _, outcome, detail = (await _audit_details(server))[0]
     assert outcome == "ok" and detail.startswith("RESULT_TOO_LARGE: ")
+
+
+async def test_a_call_replaying_a_cut_result_has_the_cut_in_its_record(make_server) -> None:
+    # The second call holds the first's idempotency key: it replays that run rather than
+    # running the tool. Its client gets the same cut Result and notice, and its audit
+    # record says so too (it once did only for the call that started the run).
+    server = await make_server(registry=_size_registry(), max_send_message_bytes=MiB)
+    request = execute_request("huge_output", {"size": 2 * MiB}, idempotency_key=key())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        first = await collect(stub.Execute(request))
+        again = await collect(stub.Execute(request))
+
+    assert again[-1].run_id == first[-1].run_id
+    for events in (first, again):
+        assert [e.notice.code for e in events if e.HasField("notice")] == ["OUTPUT_TRUNCATED"]
+    details = await _audit_details(server)
+    assert len(details) == 2
+    assert all(detail.startswith("OUTPUT_TRUNCATED: the output (") for _, _, detail in details)

@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +74,8 @@ from stargrpc.client.events import (
 from stargrpc.client.retry import RetryPolicy
 from stargrpc.critic.supervision import SupervisionPolicy
 from stargrpc.errors import InvalidArgument, RequestError, ResourceExhausted, Unavailable
+from stargrpc.event_sizes import cut_notice
+from stargrpc.ids import new_id
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import RolePolicy, ToolPolicy
 from stargrpc.principal import Principal
@@ -446,8 +447,12 @@ class RemoteToolRegistry:
         run = admitted.run
         chunks = StreamedFiles()
         result: Result | None = None
+        cuts: list[str] = []  # what the caller got less of than the tool gave, as on a server
         try:
             async for raw in admitted.log.follow(0):
+                cut = cut_notice(raw)
+                if cut is not None:
+                    cuts.append(cut)
                 event = event_from_proto(raw)
                 _keep_chunk(event, chunks)
                 if on_event is not None:
@@ -459,7 +464,8 @@ class RemoteToolRegistry:
             if result is None and run is not None:  # the caller went away: so does the run
                 run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED", "the caller cancelled the call")
         assert result is not None, "a run's log always ends with its Result"
-        audit.finish(result, run, principal=run.principal if run is not None else self.principal)
+        audit.finish(result, run, cuts,
+                     principal=run.principal if run is not None else self.principal)
         await self._audit(audit)
         return _deliver(result, chunks, into)
 
@@ -501,14 +507,15 @@ class _LocalAudit:
     result_view: str | None = None
     acting_for: str = ""
 
-    def finish(self, result: Result, run: Run | None, *, principal: Principal) -> None:
-        """Takes the outcome from the run's Result (and the tool's audit view, if any)."""
+    def finish(self, result: Result, run: Run | None, cuts: Sequence[str], *,
+               principal: Principal) -> None:
+        """Takes the outcome from the run's Result (and the tool's audit view, if any), and
+        the cuts its notices announced."""
         self.outcome = outcome_for_result(result.raw.result)
         self.run_id = result.run_id
         self.acting_for = principal.acting_for
-        if result.error_code:
-            self.detail = "; ".join(filter(None, (self.detail,
-                                                  f"{result.error_code}: {result.error_message}")))
+        error = f"{result.error_code}: {result.error_message}" if result.error_code else ""
+        self.detail = "; ".join(filter(None, (self.detail, error, *cuts)))
         self.result = result.raw.result
         self.result_view = run.audit_result if run is not None else None
         if run is not None and run.audit_arguments is not None:
@@ -519,7 +526,7 @@ class _LocalAudit:
         """The audit record, redacted and cut by the server's own audit limits."""
         spec = registry.get(self.tool)
         return AuditRecord(
-            id=uuid.uuid4().hex, time=self.at, method=self.method, peer="local",
+            id=new_id(), time=self.at, method=self.method, peer="local",
             principal=principal.id, acting_for=self.acting_for, auth_method=principal.method,
             tool=cut(self.tool, 200), run_id=self.run_id,
             arguments=limits.arguments_text(self.arguments),

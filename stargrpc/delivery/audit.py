@@ -9,13 +9,13 @@ the log lines.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 from stargrpc.audit.record import AuditRecord, utc_now
 from stargrpc.audit.redact import scrub_text
 from stargrpc.audit.writer import AuditWriter
 from stargrpc.delivery.target import DeliveryTarget
+from stargrpc.ids import new_id
 
 #: The ``method`` of a delivery's audit record (``stargrpc audit query --method``).
 DELIVERY_METHOD = "/stargrpc.delivery/Deliver"
@@ -39,7 +39,7 @@ def delivery_auditor(writer: AuditWriter
                  f"attempt{'s' if attempts != 1 else ''}"
         if reason:
             detail += f"; {scrub_text(reason)[:_MAX_REASON_CHARS]}"
-        writer.submit(AuditRecord(id=uuid.uuid4().hex, time=utc_now(), method=DELIVERY_METHOD,
+        writer.submit(AuditRecord(id=new_id(), time=utc_now(), method=DELIVERY_METHOD,
                                   tool=tool, run_id=run_id,
                                   outcome="ok" if state == "delivered" else "failed",
                                   detail=detail))

@@ -20,10 +20,9 @@ more than the record's commit).
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
 from stargrpc.errors import RequestError
+from stargrpc.event_sizes import cuts_before_result
 from stargrpc.ids import new_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
@@ -74,6 +74,8 @@ class _AuditedCall:
     time: str = field(default_factory=utc_now)
     written: bool = False
     result: events_pb2.Result | None = None
+    #: What the client got less of than the tool gave, as the notices before the Result say.
+    cuts: Sequence[str] = ()
     invocation: dict[str, Any] | None = None
     #: The call's task, and what writes the record when it ends if the handler never ran.
     task: asyncio.Task[Any] | None = None
@@ -148,7 +150,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         the call runs; it is written when the call ends (:meth:`audited_stream` and
         :meth:`audited_unary`), or when the task ends if the handler never ran."""
         call = _AuditedCall(CallRecord(method=method))
-        call.record.before_result = functools.partial(self._commit, call)
+        call.record.before_result = self._commit
         # grpc.aio serves each call in a task of its own: inner interceptors and the
         # handler see this record, and nothing else does.
         current_call.set(call.record)
@@ -283,10 +285,15 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             call.invocation = json_format.MessageToDict(request.context,
                                                         preserving_proto_field_name=True)
 
-    async def _commit(self, call: _AuditedCall, result: events_pb2.Result) -> None:
-        """Writes the record of an Execute whose Result is about to be sent, and waits (a
-        bounded time) until it is committed (the call record's ``before_result``)."""
-        call.result = result
+    async def _commit(self, events: Sequence[events_pb2.RunEvent]) -> None:
+        """Writes the record of an Execute whose Result (the last of ``events``) is about to
+        be sent, and waits (a bounded time) until it is committed (the call record's
+        ``before_result``, awaited in the call's own task)."""
+        call = _current.get()
+        call.result = events[-1].result
+        # Read from what this call streams, so a call that attached to (or replays) the
+        # run holding its idempotency key records the cuts too.
+        call.cuts = cuts_before_result(events)
         future = self._conclude(call, None, None)
         if future is None or self.commit_timeout <= 0:
             return
@@ -311,9 +318,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             if call.result.HasField("error"):
                 record.detail = record.detail or \
                     f"{call.result.error.code}: {call.result.error.message}"
-            cuts = record.run.cuts if record.run is not None else ()
-            if cuts:  # the client got less than the tool gave: say what
-                record.detail = "; ".join(filter(None, (record.detail, *cuts)))
+            if call.cuts:  # the client got less than the tool gave: say what
+                record.detail = "; ".join(filter(None, (record.detail, *call.cuts)))
         elif not record.outcome:
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
@@ -343,7 +349,6 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # holds: a reference back to the run (or its Result) would keep both alive until
         # the cycle collector's next full collection.
         call.record.run = None
-        call.record.before_result = None  # it holds the call: a cycle otherwise
         call.result = None
         notable = record.privileged or record.outcome != "ok"
         if (notable and self.log_lines != "off") or self.log_lines == "all":

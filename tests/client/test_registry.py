@@ -43,6 +43,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, load_directory, load_registry, spec_of
 from stargrpc.server import StargrpcServer
+from stargrpc.settings import Settings
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Recorder
 from tests.conftest import ServerFactory
@@ -538,3 +539,23 @@ async def test_a_cancelled_in_process_call_stops_its_run(open_registry: Opener,
     result = await asyncio.wait_for(run.wait(), BOUND)
 
     assert result.outcome == Outcome.CANCELLED.value
+
+
+@tool(kind="test")
+async def verbose(ctx: ToolContext, args: NoteArgs) -> str:
+    """Returns two mebibytes of text: more than a Result of a 1 MiB send limit holds."""
+    return args.text * (2 * 1024 * 1024 // max(1, len(args.text)))
+
+
+async def test_a_local_audit_record_says_what_was_cut_as_the_servers_do(
+        open_registry: Opener, audit_store: AuditStore) -> None:
+    spec = spec_of(verbose)
+    assert spec is not None
+    registry = await open_registry(None, audit_store=audit_store, local=Registry([spec]),
+                                   settings=Settings(max_send_message_bytes=1024 * 1024))
+    result = await registry.call("verbose", {"text": "words "})
+
+    assert "[output truncated: " in result.output
+    (record,) = await audit_store.query(Query())
+    assert record.outcome == "ok"
+    assert record.detail.startswith("OUTPUT_TRUNCATED: the output (")
