@@ -204,8 +204,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         """
         async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _current.get()
-            self._begin(call, request if peek else None, context)
             try:
+                # Inside the try: whatever fails from here on, the record is written.
+                self._begin(call, request if peek else None, context)
                 if gate is not None:
                     try:
                         request = gate(request, context)
@@ -247,8 +248,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         async def audited(request: Any, context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[Any]:
             call = _current.get()
-            self._begin(call, request if peek else None, context)
             try:
+                # Inside the try: whatever fails from here on, the record is written.
+                self._begin(call, request if peek else None, context)
                 if gate is not None:
                     try:
                         request = gate(request, context)

@@ -443,3 +443,25 @@ async def test_a_call_whose_handler_never_ran_is_still_recorded(tmp_path: Any) -
         await store.aclose()
     assert (record.method, record.outcome) == (EXECUTE, "cancelled")
     assert record.detail == "the call ended before its handler ran"
+
+
+async def test_a_call_whose_record_fails_to_begin_is_still_recorded(
+        server, stub, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whatever goes wrong once the handler runs — even noting what the request names —
+    # the call ends with its record written, and later calls still commit theirs at once.
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    original = AuditInterceptor._begin
+
+    def broken(self: AuditInterceptor, *args: Any) -> None:
+        raise RuntimeError("the peer could not be read")
+
+    monkeypatch.setattr(AuditInterceptor, "_begin", broken)
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await run_tool(stub, "login", {"user": "ann", "password": "pw"})
+    monkeypatch.setattr(AuditInterceptor, "_begin", original)
+    await run_tool(stub, "login", {"user": "bob", "password": "pw"})
+
+    assert failed.value.code() == grpc.StatusCode.UNKNOWN
+    records = await _records(server)
+    assert [r.outcome for r in records] == ["error", "ok"]
+    assert audit._open_calls == 0
