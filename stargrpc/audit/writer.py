@@ -106,19 +106,25 @@ class AuditWriter:
         if self._closed:
             raise RuntimeError("the audit writer is closed")
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
+        declined = False
         if alone and not self._queue and not self._scheduled and self._task is None \
                 and self._started and self._append_now is not None:
-            # Committed right here, never queued (the queue's bookkeeping and gauge skipped);
-            # when the store declines, the record queues as any other.
+            # Committed right here, never queued (the queue's bookkeeping and gauge skipped).
             stored = self._append_at_once([record])
             if stored is not None:
                 future.set_result(stored[0])
                 return future
+            declined = True
         self._queue.append((record, future))
         self._pending += 1
         self._idle.clear()
         metrics.AUDIT_QUEUE_DEPTH.inc()
-        self._schedule()
+        if declined:
+            # The store just declined to append at once (another writer holds the lock):
+            # straight to the task that waits for it, not another try on the next turn.
+            self._write_in_task(self._take_batch())
+        else:
+            self._schedule()
         return future
 
     async def flush(self) -> None:
@@ -168,6 +174,9 @@ class AuditWriter:
                 self._settle(batch, stored)
                 self._schedule()
                 return
+        self._write_in_task(batch)
+
+    def _write_in_task(self, batch: list[_Entry]) -> None:
         self._task = asyncio.create_task(self._write_batch(batch), name="audit-writer")
 
     def _append_at_once(self, records: list[AuditRecord]) -> list[AuditRecord] | None:

@@ -140,3 +140,30 @@ async def test_a_caller_stops_waiting_for_a_slow_store_and_the_record_still_land
     await writer.aclose()
     assert store.transactions == 1
     assert writer.pending == 0
+
+
+async def test_a_record_the_store_declines_to_append_at_once_goes_to_the_task_at_once(
+        sqlite_url: str) -> None:
+    # Another writer holds the lock: the store declines the append on the loop. The record
+    # goes straight to the write task (which waits for the lock), not through another
+    # try on the next turn of the loop.
+    store = open_store(sqlite_url)
+    tries: list[int] = []
+
+    class Declining:
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        def append_now(self, records: Sequence[AuditRecord]) -> None:
+            tries.append(len(records))
+            return None  # as when another process holds the write lock
+
+    writer = AuditWriter(Declining())  # type: ignore[arg-type]
+    await writer.start()
+    future = writer.submit(make_record(), alone=True)
+    assert writer._task is not None  # already handed to the task
+    stored = await future
+    await writer.aclose()
+
+    assert stored.seq == 1
+    assert tries == [1]
