@@ -23,8 +23,11 @@ log = structlog.get_logger("stargrpc.gateway")
 
 Metadata = Sequence[tuple[str, str]]
 
+#: The trace context of a request: passed on to the gRPC call, never part of its answer.
+TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
+
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
-FORWARDED_HEADERS = ("authorization", "traceparent", "tracestate", "x-request-id")
+FORWARDED_HEADERS = ("authorization", *TRACE_HEADERS)
 
 
 @dataclass

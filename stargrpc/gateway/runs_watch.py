@@ -18,18 +18,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import structlog
 from google.protobuf import json_format
 from sse_starlette.event import ServerSentEvent
 
-from stargrpc.gateway.client import GatewayClient, Metadata
-from stargrpc.gateway.sse import PING_SECONDS, encode_error
+from stargrpc.gateway.client import TRACE_HEADERS, GatewayClient, Metadata
+from stargrpc.gateway.sse import PING_SECONDS, encode_error, error_event
 from stargrpc.v1 import tool_service_pb2
+
+log = structlog.get_logger("stargrpc.gateway")
 
 #: How often a poll looks at the run list for changes.
 RUNS_WATCH_SECONDS = 1.0
 
 #: Metadata that travels with a call but does not change its answer.
-_TRACE_HEADERS = frozenset({"traceparent", "tracestate", "x-request-id"})
+_UNCHANGING = frozenset(TRACE_HEADERS)
 
 _Key = tuple[bytes, tuple[tuple[str, str], ...]]
 
@@ -49,13 +52,14 @@ class _Poll:
 
     Attributes:
         body: The latest list, as compact JSON.
-        error: The refusal that ended the poll, once one did.
+        error: The SSE ``error`` event of what ended the poll (a refusal, a failure), once
+            something did.
         streams: How many streams follow it.
         changed: Set when ``body`` or ``error`` changes (then replaced by a fresh one).
     """
 
     body: bytes
-    error: grpc.aio.AioRpcError | None
+    error: bytes | None
     streams: int
     changed: asyncio.Event
     task: asyncio.Task[None] | None
@@ -84,7 +88,12 @@ class _Poll:
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     continue  # the store is away for now: keep the last list shown
-                self.error = error
+                self.error = encode_error(error)
+                break
+            except Exception:  # the gateway's own fault: its streams are told, not left
+                log.exception("run_list_poll_failed")
+                self.error = error_event(grpc.StatusCode.INTERNAL,
+                                         "the gateway failed to read the run list")
                 break
             body = _body(reply)
             if body != self.body:
@@ -123,7 +132,7 @@ class RunListWatch:
         """
         sent = _body(first)
         key = (request.SerializeToString(deterministic=True),
-               tuple((k, v) for k, v in metadata if k not in _TRACE_HEADERS))
+               tuple((k, v) for k, v in metadata if k not in _UNCHANGING))
         poll = self._polls.get(key)
         if poll is None:
             poll = self._polls[key] = _Poll(sent)
@@ -139,7 +148,7 @@ class RunListWatch:
                     sent = poll.body
                     yield ServerSentEvent(sent.decode(), event="runs", sep="\n").encode()
                 if poll.error is not None:
-                    yield encode_error(poll.error)
+                    yield poll.error
                     return
                 if poll.task is not None and poll.task.done():
                     return  # closing

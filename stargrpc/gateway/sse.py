@@ -112,7 +112,12 @@ def encode_event(event: events_pb2.RunEvent, *, retry: int | None = None) -> byt
 def encode_error(error: grpc.aio.AioRpcError) -> bytes:
     """A failed gRPC stream as an SSE ``error`` event."""
     code = error.code()
-    body = error_body(HTTP_STATUS.get(code, 500), code.name, error.details() or code.name)
+    return error_event(code, error.details() or code.name)
+
+
+def error_event(code: grpc.StatusCode, message: str) -> bytes:
+    """An SSE ``error`` event with the gRPC status ``code`` and ``message``."""
+    body = error_body(HTTP_STATUS.get(code, 500), code.name, message)
     return ServerSentEvent(json.dumps(body, separators=(",", ":")), event="error",
                            sep="\n").encode()
 

@@ -131,3 +131,24 @@ async def test_a_key_revoked_while_its_run_list_is_open_ends_the_stream_with_the
 
     assert [message.event for message in rest] == ["error"]
     assert json.loads(rest[0].data)["error"]["status"] == "UNAUTHENTICATED"
+
+
+async def test_a_poll_that_fails_ends_its_streams_with_an_error(
+        gateway: GatewayUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not a refusal from the server but the gateway's own failure: the stream is told
+    # (an error event), not ended as if the gateway were closing.
+    assert gateway.server.http.gateway is not None
+    client = gateway.server.http.gateway.client
+
+    async def broken(*_: object) -> object:
+        raise ValueError("a bug in the gateway")
+
+    async with aconnect_sse(gateway.http, "GET", "/v1/runs/events") as source:
+        events = source.aiter_sse()
+        assert (await anext(events)).event == "runs"
+        monkeypatch.setattr(client, "list_runs", broken)
+        async with asyncio.timeout(BOUND):
+            rest = [message async for message in events if message.event != "runs"]
+
+    assert [message.event for message in rest] == ["error"]
+    assert json.loads(rest[0].data)["error"]["status"] == "INTERNAL"
