@@ -396,6 +396,49 @@ class Run:
                           error_code=stop.code, error_message=stop.message)
 
     async def _finish(self, outcome: ToolResult, duration: float) -> None:
+        """Ends the run with its Result. Whatever goes wrong on the way (an observer, the
+        fitting of the Result, the store), the run still ends: an ERROR Result stands in
+        for one that could not be made, waiters wake and the finish hooks run, once — they
+        take the run off the runtime's books and give back its concurrency permit."""
+        try:
+            await self._emit_result(outcome, duration)
+        except Exception:
+            log.exception("run_finish_failed", run_id=self.run_id, tool=self.spec.name)
+            if self.result is None:
+                result = self._fallback_result(duration)
+                # Straight into the log: an observer may be what failed.
+                try:
+                    await self.log.append(events_pb2.RunEvent(result=result))
+                except Exception:
+                    log.exception("run_result_lost", run_id=self.run_id, tool=self.spec.name)
+                self.result = result
+        finally:
+            if self.result is None:  # cancelled on the way (the server going down hard)
+                self.result = self._fallback_result(duration)
+            self._ended()
+
+    def _fallback_result(self, duration: float) -> events_pb2.Result:
+        result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
+        result.error.code = "INTERNAL"
+        result.error.message = "the server failed while ending the run"
+        result.duration.FromNanoseconds(int(duration * 1e9))
+        return result
+
+    def _ended(self) -> None:
+        """Wakes the run's waiters and runs its finish hooks (once: they are taken off)."""
+        if self._done is not None:
+            self._done.set()
+        hooks, self.finish_hooks = self.finish_hooks, []
+        for hook in hooks:
+            try:
+                hook(self)
+            except Exception:
+                log.exception("finish_hook_failed", run_id=self.run_id)
+        self._let_go()
+
+    async def _emit_result(self, outcome: ToolResult, duration: float) -> None:
+        """Ends the open steps, streams the files chosen to stream, then appends the
+        Result and sets :attr:`result`."""
         ok = outcome.outcome is Outcome.OK
         for step in reversed(list(self._open_steps.values())):
             if step is not self.root_step:
@@ -412,14 +455,6 @@ class Run:
         event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result
-        if self._done is not None:
-            self._done.set()
-        for hook in self.finish_hooks:
-            try:
-                hook(self)
-            except Exception:
-                log.exception("finish_hook_failed", run_id=self.run_id)
-        self._let_go()
 
     def _let_go(self) -> None:
         """Drops what the ended run no longer needs and what would keep it in a reference

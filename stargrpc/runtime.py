@@ -432,11 +432,19 @@ class Runtime:
         """Refuses new runs, waits up to ``grace`` seconds for runs in flight, then cancels
         what is left (each still ends with its Result)."""
         self.draining = True
-        tasks = [run.start() for run in self.runs.values()]
-        if tasks:
-            log.info("draining", runs=len(tasks), grace_seconds=grace)
-            _, pending = await asyncio.wait(tasks, timeout=grace)
+        runs = list(self.runs.values())
+        if not runs:
+            return
+        log.info("draining", runs=len(runs), grace_seconds=grace)
+        # Waits for the runs' Results, not their tasks: a tool that ignored its cancellation
+        # keeps its run's task after the run has ended without it (Run._abandon_tool).
+        waits = [asyncio.ensure_future(run.wait()) for run in runs]
+        try:
+            _, pending = await asyncio.wait(waits, timeout=grace)
             for run in list(self.runs.values()):
                 run.stop(Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
             if pending:
                 await asyncio.wait(pending, timeout=5)
+        finally:
+            for wait in waits:
+                wait.cancel()

@@ -1,0 +1,100 @@
+"""The runtime's own bookkeeping: drain, and runs leaving it however they end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stargrpc import ToolContext, metrics, tool
+from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc.outcome import Outcome
+from stargrpc.principal import Principal
+from stargrpc.registry import NoArguments, Registry, spec_of
+from stargrpc.run import Run
+from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.v1 import events_pb2
+
+STARTED = asyncio.Event()
+RELEASE = asyncio.Event()
+
+
+@tool()
+async def stubborn(ctx: ToolContext, args: NoArguments) -> str:
+    """Swallows every cancellation until released."""
+    STARTED.set()
+    while not RELEASE.is_set():
+        try:
+            await RELEASE.wait()
+        except asyncio.CancelledError:
+            continue
+    return "released"
+
+
+async def test_drain_returns_once_a_stopped_run_has_ended_without_its_stubborn_tool() -> None:
+    STARTED.clear()
+    RELEASE.clear()
+    runtime = Runtime(Registry([spec_of(stubborn)]))
+    admitted = await runtime.admit(RunRequest(tool_name="stubborn", arguments={}),
+                                   Principal("tester"))
+    run = admitted.run
+    assert run is not None
+    task = run.start()
+    try:
+        await asyncio.wait_for(STARTED.wait(), 10)
+        draining = asyncio.create_task(runtime.drain(30))
+        await asyncio.sleep(0)
+        assert run.stop(Outcome.CANCELLED, "CANCELLED", "enough")
+        # The run ends without its tool after the stop grace; drain must not wait for the
+        # tool (which never ends) until its own 30 s grace is over.
+        async with asyncio.timeout(15):
+            await draining
+        assert run.result is not None
+        assert run.result.outcome == events_pb2.OUTCOME_CANCELLED
+        assert not task.done()  # the tool still holds the run's task
+        assert runtime.runs == {}
+    finally:
+        RELEASE.set()  # let the stubborn task end, or the event loop cannot close
+        await asyncio.wait_for(task, 10)
+
+
+@tool()
+async def quick(ctx: ToolContext, args: NoArguments) -> str:
+    """Returns at once."""
+    return "done"
+
+
+async def _run_whose_ending_fails(monkeypatch: pytest.MonkeyPatch, where: str
+                                  ) -> tuple[Runtime, Run, list[events_pb2.RunEvent]]:
+    runtime = Runtime(Registry([spec_of(quick)]), concurrency=ConcurrencyLimits(total=1))
+    in_flight = metrics.RUNS_IN_FLIGHT._value.get()
+    if where == "result_message":
+        def broken(*_: object) -> None:
+            raise RuntimeError("the Result cannot be made")
+        monkeypatch.setattr(Run, "_result_message", broken)
+    admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                   Principal("tester"))
+    run = admitted.run
+    assert run is not None
+    if where == "observer":
+        def observer(event: events_pb2.RunEvent) -> None:
+            if event.HasField("result"):
+                raise RuntimeError("an observer broke on the Result")
+        run.observers.append(observer)  # before the run's task has had a turn
+    await asyncio.wait_for(run.wait(), 10)
+    assert metrics.RUNS_IN_FLIGHT._value.get() == in_flight
+    events = [event async for event in run.log.follow()]
+    return runtime, run, events
+
+
+@pytest.mark.parametrize("where", ["observer", "result_message"])
+async def test_a_run_whose_ending_fails_still_ends_and_leaves_the_runtime(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    runtime, run, events = await _run_whose_ending_fails(monkeypatch, where)
+
+    assert runtime.runs == {}
+    assert runtime.concurrency.in_flight == 0  # the permit is back
+    assert run.result is not None
+    assert run.result.error.code == "INTERNAL"
+    assert events[-1].result == run.result  # the log still ends with a Result
+    assert await asyncio.wait_for(runtime.drain(30), 10) is None
