@@ -79,10 +79,13 @@ def take_over() -> dict[str, str]:
     """In the re-executed program: the handed-over secrets as setting overrides (field name
     → value); empty when none were. The memory file is closed, the variable removed."""
     try:
-        secrets: dict[str, str] = read_handover(HANDOVER_VARIABLE) or {}
+        secrets = read_handover(HANDOVER_VARIABLE)
     except (OSError, ValueError):
         return {}
-    return {name[len(_PREFIX):].lower(): value for name, value in secrets.items()}
+    if not isinstance(secrets, dict):  # none, or not what this program hands over
+        return {}
+    return {name[len(_PREFIX):].lower(): str(value) for name, value in secrets.items()
+            if isinstance(name, str) and name.upper().startswith(_PREFIX)}
 
 
 def write_handover(name: str, payload: Any) -> int:

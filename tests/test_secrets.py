@@ -189,3 +189,15 @@ def test_a_weakly_isolated_snippet_finds_no_secret_in_the_server_environment(
         assert result.outcome == events_pb2.OUTCOME_OK, result.error
         assert f"read {server.proc.pid} True" in result.output
         assert "clean" in result.output and SECRET not in result.output
+
+
+def test_a_handover_that_holds_no_object_of_names_is_no_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Valid JSON, but not the names and values this program hands over: no settings from
+    # it, and no crash at start-up.
+    for payload in ([1, 2], "text", 7, {"OTHER": "x", "STARGRPC_REDIS_URL": "redis://h"}):
+        fd = write_handover("stargrpc-test", payload)
+        monkeypatch.setenv(HANDOVER_VARIABLE, str(fd))
+        taken = take_over()
+        assert taken == ({"redis_url": "redis://h"} if isinstance(payload, dict) else {})
+        assert HANDOVER_VARIABLE not in os.environ
