@@ -23,12 +23,12 @@ from stargrpc.interceptors._shapes import (
     iterate_responses,
     rewrap,
 )
+from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.tracing import configure_tracing, tracer
-from stargrpc.v1 import tool_service_pb2
 
 #: The service whose calls get spans.
-TRACED_SERVICE = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
+TRACED_SERVICE = SERVICE_NAME
 
 # gRPC codes that mark a server span as failed (OpenTelemetry's RPC conventions): the
 # others (NOT_FOUND, PERMISSION_DENIED, …) are the caller's problem, not the server's.
