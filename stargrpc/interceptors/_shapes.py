@@ -3,13 +3,14 @@
 grpc.aio serves a coroutine, an async generator and a plain function differently, so a
 wrapper must keep the shape of what it wraps. :func:`rewrap` rebuilds a handler of the
 same shape around a wrapped behaviour; :func:`call_behaviour` and
-:func:`iterate_responses` run any behaviour from inside an async wrapper;
+:func:`responses_of` run any behaviour from inside an async wrapper;
 :class:`WrappedHandlers` keeps each wrapped handler so it is built once per method.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -87,14 +88,18 @@ async def call_behaviour(behaviour: Callable[..., Any], request: Any,
     return await asyncio.to_thread(behaviour, request, context)
 
 
-async def iterate_responses(behaviour: Callable[..., Any], request: Any,
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-    """The responses of a streaming behaviour: an async generator directly, a plain
-    generator function off the event loop."""
+def responses_of(behaviour: Callable[..., Any]
+                 ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    """A streaming behaviour as an async generator function, decided once when a handler
+    is wrapped: an async generator function as it is (a wrapping generator would add a hop
+    per streamed message), a plain generator function run off the event loop."""
     if inspect.isasyncgenfunction(behaviour):
-        async for response in behaviour(request, context):
-            yield response
-        return
+        return behaviour
+    return functools.partial(_iterate_off_the_loop, behaviour)
+
+
+async def _iterate_off_the_loop(behaviour: Callable[..., Any], request: Any,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     responses: Iterator[Any] = await asyncio.to_thread(behaviour, request, context)
     while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
         yield response

@@ -20,7 +20,6 @@ more than the record's commit).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
@@ -50,7 +49,7 @@ from stargrpc.ids import new_id
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
-    iterate_responses,
+    responses_of,
     rewrap,
 )
 from stargrpc.principal import current_principal
@@ -223,13 +222,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 
     def _stream(self, behavior: Callable[..., Any], *, peek: bool
                 ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
-        # An async generator is iterated directly: a wrapping generator would add a hop per
-        # streamed message.
-        direct = inspect.isasyncgenfunction(behavior)
-        return self.audited_stream(
-            behavior if direct
-            else lambda request, context: iterate_responses(behavior, request, context),
-            peek=peek)
+        return self.audited_stream(responses_of(behavior), peek=peek)
 
     def audited_stream(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
                                                 AsyncIterator[Any]], *, peek: bool,

@@ -13,7 +13,6 @@ is decided later, by :mod:`stargrpc.permissions`.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from stargrpc.errors import CredentialsRejected
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
-    iterate_responses,
+    responses_of,
     rewrap,
 )
 from stargrpc.principal import Principal, current_principal
@@ -168,15 +167,12 @@ def _unary_response(inner: Callable[..., Any], authenticate: Authenticate) -> Ca
 
 
 def _stream_response(inner: Callable[..., Any], authenticate: Authenticate) -> Callable[..., Any]:
-    # An async generator is iterated directly: one wrapping generator less per message.
-    direct = inspect.isasyncgenfunction(inner)
+    responses_from = responses_of(inner)
 
     async def generator(request: Any, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[Any]:
         await authenticate(context)
-        responses = (inner(request, context) if direct
-                     else iterate_responses(inner, request, context))
-        async for response in responses:
+        async for response in responses_from(request, context):
             yield response
 
     return generator

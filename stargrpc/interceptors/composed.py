@@ -12,7 +12,6 @@ which order, is unchanged; only the wrapping is shared.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ import grpc
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
-    iterate_responses,
+    responses_of,
     rewrap,
 )
 from stargrpc.interceptors.audit import AuditInterceptor, Gate
@@ -81,10 +80,7 @@ class ComposedInterceptor(grpc.aio.ServerInterceptor):
                 peek=not streaming, gate=gate)
 
         def stream(inner: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-            behaviour = (inner if inspect.isasyncgenfunction(inner)
-                         else lambda request, context: iterate_responses(inner, request,
-                                                                         context))
-            return audit.audited_stream(behaviour, peek=not streaming, gate=gate)
+            return audit.audited_stream(responses_of(inner), peek=not streaming, gate=gate)
 
         return rewrap(handler, unary=unary, stream=stream)
 

@@ -20,7 +20,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
-    iterate_responses,
+    responses_of,
     rewrap,
 )
 from stargrpc.service import SERVICE_NAME
@@ -80,12 +80,14 @@ def _traced(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
         return traced
 
     def stream(behaviour: Callable[..., Any], _streaming: bool) -> Callable[..., Any]:
+        responses_from = responses_of(behaviour)
+
         async def traced(request: Any, context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[Any]:
             # grpc.aio serves each call in a task of its own, which iterates this
             # generator: the span is current for the whole call and for nothing else.
             with _call_span(name, context):
-                async for response in iterate_responses(behaviour, request, context):
+                async for response in responses_from(request, context):
                     yield response
 
         return traced
