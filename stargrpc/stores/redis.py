@@ -79,6 +79,7 @@ from redis.exceptions import (
     AskError,
     ClusterError,
     MaxConnectionsError,
+    MovedError,
     NoScriptError,
     RedisClusterException,
     RedisError,
@@ -1316,7 +1317,16 @@ class RedisRunStore:
                 replies = list(await pipe.execute(raise_on_error=False))
         redirected = [i for i, reply in enumerate(replies[:len(calls)])
                       if isinstance(reply, AskError)]  # MOVED or ASK
-        if redirected:
+        if redirected and wait is not None:
+            # The WAITs above count the writes of the nodes the calls were sent to, not of
+            # the node a redirected call would be sent to again: a redirected durable write
+            # is answered with its redirect (one of _SLOT_MOVING: a claim tries again, a
+            # flush writes again shortly). A MOVED slot is noted first, so that the call is
+            # then sent (with its WAIT) to the node that serves it now.
+            for i in redirected:
+                if isinstance(replies[i], MovedError) and isinstance(self.redis, RedisCluster):
+                    await self.redis.nodes_manager.move_slot(replies[i])
+        elif redirected:
             again = await asyncio.gather(*(self._one(self.redis, sha, *calls[i])
                                            for i in redirected), return_exceptions=True)
             for i, reply in zip(redirected, again, strict=True):
