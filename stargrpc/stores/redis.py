@@ -430,6 +430,12 @@ class NotReplicated(RedisTimeoutError):
     UNAVAILABLE), since a failover could still lose it."""
 
 
+class _ClaimTooLate(Exception):
+    """Redis answered that the call's deadline (by its clock) passed before the claim
+    reached it. No OSError, unlike a TimeoutError: no Redis failure, and not reported as
+    one by :func:`_as_redis_error`."""
+
+
 def _log_clock_ahead(ahead_ms: int) -> None:
     log.warning("redis_clock_ahead", ahead_ms=ahead_ms,
                 detail="Redis's clock runs ahead of this host's; claims allow for it")
@@ -444,7 +450,10 @@ def _as_redis_error() -> Iterator[None]:
     """Reports what redis-py's cluster client raises on a connection torn down under it (a
     node killed mid-command: an AttributeError on the closed writer, an OSError), or when no
     node of the cluster answers (a RedisClusterException, which is no RedisError), as the
-    connection error it is; a bare TimeoutError (an OSError too) as the timeout it is."""
+    connection error it is; a bare TimeoutError (an OSError too) as the timeout it is.
+
+    Only around redis-py's calls: a deadline of this module's own (``asyncio.timeout``)
+    is kept outside, or its TimeoutError would be reported as Redis's."""
     try:
         yield
     except TimeoutError as exc:  # no answer in time: the connection may well be fine
@@ -928,8 +937,10 @@ class RedisRunStore:
         log.deadline = time.monotonic() + self.timeout
         if not self.healthy:
             try:
-                with _reachable("registering the run"):
-                    async with asyncio.timeout(self.timeout):
+                # The deadline outside _reachable: running out of it is told as such, not as
+                # a timeout of redis-py's (which _reachable reports as Redis unreachable).
+                async with asyncio.timeout(self.timeout):
+                    with _reachable("registering the run"):
                         await self.redis.ping()
             except TimeoutError as exc:
                 _log_unavailable("registering the run", "no answer in time")
@@ -950,8 +961,10 @@ class RedisRunStore:
         # Redis's clock decides whether the claim came too late (see _CLAIM); the call gives
         # up at the same moment by this process's clock.
         try:
-            with _reachable("claiming the idempotency key"):
-                async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+            # The call's deadline outside _reachable, which reports a timeout of redis-py's
+            # as Redis unreachable: this one (or a claim Redis found late) is told as such.
+            async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                with _reachable("claiming the idempotency key"):
                     while True:
                         try:
                             return await self._claim(log, claim_key, fingerprint, mine)
@@ -960,13 +973,15 @@ class RedisRunStore:
                             # its keys are all on one node): every step of a claim is safe
                             # to repeat, so try again until the call's deadline.
                             await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
-        except (Unavailable, TimeoutError) as exc:
+        except (Unavailable, TimeoutError, _ClaimTooLate) as exc:
             # Redis may apply the claim after this call gave up (it stalled, or the reply
             # was lost): undo it in the background once it no longer can.
             self._abandoned[log.run_id] = (claim_key, mine, self._deadline_ms(log))
             if isinstance(exc, Unavailable):
                 raise
-            _log_unavailable("claiming the idempotency key", "no answer in time")
+            _log_unavailable("claiming the idempotency key", "the call's deadline passed "
+                             "before Redis took the claim" if isinstance(exc, _ClaimTooLate)
+                             else "no answer in time")
             raise Unavailable("the shared run store (Redis) did not answer in time (claiming "
                               "the idempotency key); retry shortly",
                               reason="RUN_STORE_UNAVAILABLE",
@@ -1007,7 +1022,7 @@ class RedisRunStore:
             if reply[0] == -2:
                 ahead = int(reply[1]) - int(time.time() * 1000)
                 if ahead <= self._clock_ahead_ms or time.monotonic() >= log.deadline:
-                    raise TimeoutError
+                    raise _ClaimTooLate
                 # Not late: Redis's clock is ahead of this host's. Count with it from now on.
                 _log_clock_ahead(ahead)
                 self._clock_ahead_ms = ahead
