@@ -596,8 +596,15 @@ class RemoteRunLog:
 
     def encoded(self, seq: int) -> bytes:
         """The bytes of event ``seq`` as Redis gave them, for the events of the latest
-        batch (one follower per opened log: :meth:`RedisRunStore.open` makes one each)."""
-        return self._raw[seq]
+        batch (one follower per opened log: :meth:`RedisRunStore.open` makes one each).
+
+        Raises:
+            IndexError: That event is not in the latest batch (as :class:`RunLog` says).
+        """
+        try:
+            return self._raw[seq]
+        except KeyError:
+            raise IndexError(f"no bytes of event {seq} of run {self.run_id}") from None
 
     async def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
                              ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
