@@ -79,6 +79,7 @@ from redis.exceptions import (
     AskError,
     ClusterError,
     MaxConnectionsError,
+    MovedError,
     NoScriptError,
     RedisClusterException,
     RedisError,
@@ -429,6 +430,12 @@ class NotReplicated(RedisTimeoutError):
     UNAVAILABLE), since a failover could still lose it."""
 
 
+class _ClaimTooLate(Exception):
+    """Redis answered that the call's deadline (by its clock) passed before the claim
+    reached it. No OSError, unlike a TimeoutError: no Redis failure, and not reported as
+    one by :func:`_as_redis_error`."""
+
+
 def _log_clock_ahead(ahead_ms: int) -> None:
     log.warning("redis_clock_ahead", ahead_ms=ahead_ms,
                 detail="Redis's clock runs ahead of this host's; claims allow for it")
@@ -443,7 +450,10 @@ def _as_redis_error() -> Iterator[None]:
     """Reports what redis-py's cluster client raises on a connection torn down under it (a
     node killed mid-command: an AttributeError on the closed writer, an OSError), or when no
     node of the cluster answers (a RedisClusterException, which is no RedisError), as the
-    connection error it is; a bare TimeoutError (an OSError too) as the timeout it is."""
+    connection error it is; a bare TimeoutError (an OSError too) as the timeout it is.
+
+    Only around redis-py's calls: a deadline of this module's own (``asyncio.timeout``)
+    is kept outside, or its TimeoutError would be reported as Redis's."""
     try:
         yield
     except TimeoutError as exc:  # no answer in time: the connection may well be fine
@@ -586,8 +596,15 @@ class RemoteRunLog:
 
     def encoded(self, seq: int) -> bytes:
         """The bytes of event ``seq`` as Redis gave them, for the events of the latest
-        batch (one follower per opened log: :meth:`RedisRunStore.open` makes one each)."""
-        return self._raw[seq]
+        batch (one follower per opened log: :meth:`RedisRunStore.open` makes one each).
+
+        Raises:
+            IndexError: That event is not in the latest batch (as :class:`RunLog` says).
+        """
+        try:
+            return self._raw[seq]
+        except KeyError:
+            raise IndexError(f"no bytes of event {seq} of run {self.run_id}") from None
 
     async def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
                              ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
@@ -927,8 +944,10 @@ class RedisRunStore:
         log.deadline = time.monotonic() + self.timeout
         if not self.healthy:
             try:
-                with _reachable("registering the run"):
-                    async with asyncio.timeout(self.timeout):
+                # The deadline outside _reachable: running out of it is told as such, not as
+                # a timeout of redis-py's (which _reachable reports as Redis unreachable).
+                async with asyncio.timeout(self.timeout):
+                    with _reachable("registering the run"):
                         await self.redis.ping()
             except TimeoutError as exc:
                 _log_unavailable("registering the run", "no answer in time")
@@ -949,8 +968,10 @@ class RedisRunStore:
         # Redis's clock decides whether the claim came too late (see _CLAIM); the call gives
         # up at the same moment by this process's clock.
         try:
-            with _reachable("claiming the idempotency key"):
-                async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+            # The call's deadline outside _reachable, which reports a timeout of redis-py's
+            # as Redis unreachable: this one (or a claim Redis found late) is told as such.
+            async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                with _reachable("claiming the idempotency key"):
                     while True:
                         try:
                             return await self._claim(log, claim_key, fingerprint, mine)
@@ -959,13 +980,15 @@ class RedisRunStore:
                             # its keys are all on one node): every step of a claim is safe
                             # to repeat, so try again until the call's deadline.
                             await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
-        except (Unavailable, TimeoutError) as exc:
+        except (Unavailable, TimeoutError, _ClaimTooLate) as exc:
             # Redis may apply the claim after this call gave up (it stalled, or the reply
             # was lost): undo it in the background once it no longer can.
             self._abandoned[log.run_id] = (claim_key, mine, self._deadline_ms(log))
             if isinstance(exc, Unavailable):
                 raise
-            _log_unavailable("claiming the idempotency key", "no answer in time")
+            _log_unavailable("claiming the idempotency key", "the call's deadline passed "
+                             "before Redis took the claim" if isinstance(exc, _ClaimTooLate)
+                             else "no answer in time")
             raise Unavailable("the shared run store (Redis) did not answer in time (claiming "
                               "the idempotency key); retry shortly",
                               reason="RUN_STORE_UNAVAILABLE",
@@ -1006,7 +1029,7 @@ class RedisRunStore:
             if reply[0] == -2:
                 ahead = int(reply[1]) - int(time.time() * 1000)
                 if ahead <= self._clock_ahead_ms or time.monotonic() >= log.deadline:
-                    raise TimeoutError
+                    raise _ClaimTooLate
                 # Not late: Redis's clock is ahead of this host's. Count with it from now on.
                 _log_clock_ahead(ahead)
                 self._clock_ahead_ms = ahead
@@ -1316,7 +1339,16 @@ class RedisRunStore:
                 replies = list(await pipe.execute(raise_on_error=False))
         redirected = [i for i, reply in enumerate(replies[:len(calls)])
                       if isinstance(reply, AskError)]  # MOVED or ASK
-        if redirected:
+        if redirected and wait is not None:
+            # The WAITs above count the writes of the nodes the calls were sent to, not of
+            # the node a redirected call would be sent to again: a redirected durable write
+            # is answered with its redirect (one of _SLOT_MOVING: a claim tries again, a
+            # flush writes again shortly). A MOVED slot is noted first, so that the call is
+            # then sent (with its WAIT) to the node that serves it now.
+            for i in redirected:
+                if isinstance(replies[i], MovedError) and isinstance(self.redis, RedisCluster):
+                    await self.redis.nodes_manager.move_slot(replies[i])
+        elif redirected:
             again = await asyncio.gather(*(self._one(self.redis, sha, *calls[i])
                                            for i in redirected), return_exceptions=True)
             for i, reply in zip(redirected, again, strict=True):

@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import MovedError
 
 from stargrpc.stores.connect import connect
+from stargrpc.stores.redis import _SLOT_MOVING, NotReplicated, RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.runs_support import (
     HeaderPrincipal,
@@ -23,7 +27,7 @@ from tests.runs_support import (
     run_registry,
     stripped,
 )
-from tests.stores.conftest import LoopbackCluster
+from tests.stores.conftest import LoopbackCluster, _cli
 
 
 def _assert_whole(events: list[events_pb2.RunEvent]) -> None:
@@ -172,3 +176,40 @@ async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
     for events, (_, streams) in zip(watched, calls[::25], strict=True):
         assert stripped(events) == stripped(streams[-1])
     assert len(calls) == 500
+
+
+async def test_a_durable_write_redirected_to_another_node_is_not_taken_as_replicated(
+        redis_cluster: LoopbackCluster) -> None:
+    # A slot moved after the client learnt the slot map: the node it writes to answers
+    # MOVED. The node it moved to has lost its replica, so a write there is acknowledged by
+    # no replica; the WAIT sent to the old node (which took no write) must not vouch for it.
+    client, _ = connect(redis_cluster.url, timeout=2.0)
+    assert isinstance(client, RedisCluster)
+    store = RedisRunStore(client, prefix="stargrpc:", wait_replicas=1, wait_timeout_ms=300)
+    script = client.register_script("redis.call('SET', KEYS[1], ARGV[1]) return 1")
+    name = "stargrpc:redirected-durable-write"
+    try:
+        await client.set(name, "before")  # the slot map, learnt while the slot is at source
+        await client.script_load(script.script)  # so that EVALSHA meets the redirect
+        slot = key_slot(name.encode())
+        # Each node's role as it says itself (another node's view may lag just after start).
+        replication = {port: _cli(port, "info", "replication").splitlines()
+                       for port in redis_cluster.ports}
+        primaries = [port for port, lines in replication.items() if "role:master" in lines]
+        source = next(p for p in primaries if slot in redis_cluster.slots_of(p))
+        target = next(p for p in primaries if p != source)
+        assert redis_cluster.move_slots(source, target, [slot]) == 1
+        replica = next(port for port, lines in replication.items()
+                       if "role:slave" in lines and f"master_port:{target}" in lines)
+        redis_cluster.kill(replica)
+
+        first = await store._call_all(script, [([name], ["after"])], durable=True)
+        # Not written elsewhere without its WAIT: answered with the redirect, to try again.
+        assert isinstance(first[0], MovedError) and isinstance(first[0], _SLOT_MOVING)
+        assert await client.get(name) == b"before"
+        # Sent again (by the claim or the flush), it goes to the node serving the slot now,
+        # with its own WAIT, which tells that no replica has the write.
+        with pytest.raises(NotReplicated):
+            await store._call_all(script, [([name], ["after"])], durable=True)
+    finally:
+        await client.aclose()

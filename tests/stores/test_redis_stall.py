@@ -22,6 +22,7 @@ import pytest
 from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
+from stargrpc.errors import Unavailable
 from stargrpc.server import StargrpcServer
 from stargrpc.stores.redis import RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
@@ -128,6 +129,51 @@ async def test_a_claim_allows_for_a_redis_clock_ahead_of_the_replicas(
 
     assert claim.won
     assert [entry["event"] for entry in logs] == ["redis_clock_ahead"]
+
+
+async def test_a_claim_redis_found_late_is_told_as_such_not_as_redis_unreachable(
+        redis_prefix: str) -> None:
+    # Redis answers the claim (its clock says the call's deadline passed): the call is
+    # refused for running out of time, and the log says Redis answered late, not that it
+    # was unreachable or did not answer.
+    store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
+    store._deadline_ms = lambda log: 1  # type: ignore[method-assign]
+    try:
+        run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
+        await store.publish(run_log)
+        with capture_logs() as logs, pytest.raises(Unavailable) as refused:
+            await store.claim("alice", "k", "fp", run_log)
+    finally:
+        await store.aclose()
+
+    assert "did not answer in time (claiming the idempotency key)" in str(refused.value)
+    assert [(entry["event"], entry.get("error")) for entry in logs
+            if entry["event"] != "redis_clock_ahead"] == [
+        ("redis_unavailable", "the call's deadline passed before Redis took the claim")]
+
+
+async def test_the_calls_own_deadline_in_a_stall_is_told_as_such(
+        stallable_redis: StallableRedis) -> None:
+    # No socket timeout: only the store's own deadlines (asyncio.timeout) end these calls,
+    # and each says it ran out of time rather than that Redis is unreachable.
+    store = RedisRunStore(Redis.from_url(stallable_redis.url), timeout=0.3)
+    try:
+        run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
+        await store.publish(run_log)
+        stallable_redis.stall()
+        with capture_logs() as logs, pytest.raises(Unavailable) as claim_refused:
+            await store.claim("alice", "k", "fp", run_log)
+        store.healthy = False  # the next publish asks Redis first
+        with pytest.raises(Unavailable) as publish_refused:
+            await store.publish(store.create(uuid.uuid4().hex, owner="alice", tool="echo"))
+    finally:
+        stallable_redis.resume()
+        await store.aclose()
+
+    assert "did not answer in time (claiming the idempotency key)" in str(claim_refused.value)
+    assert "did not answer in time (registering the run)" in str(publish_refused.value)
+    assert ("redis_unavailable", "no answer in time") in [
+        (entry["event"], entry.get("error")) for entry in logs]
 
 
 async def test_a_keyed_call_in_a_stall_fails_within_the_timeout_and_its_retry_runs_once(

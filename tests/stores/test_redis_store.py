@@ -10,6 +10,7 @@ import grpc
 import pytest
 from redis.asyncio import Redis
 
+from stargrpc.stores.redis import RedisRunStore, RemoteRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.run_tools.blob import blob_bytes
@@ -263,3 +264,15 @@ async def test_a_watcher_on_b_of_a_run_just_admitted_on_a_waits_for_its_first_wr
     assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
     assert stripped(watched) == stripped(executed)
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_remote_log_without_the_bytes_of_an_event_raises_index_error(
+        redis_prefix: str) -> None:
+    # As RunLog.encoded says (and the in-memory log does): IndexError, not a KeyError.
+    store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
+    try:
+        remote = RemoteRunLog(store, "run", "alice", "echo", finished=False, last_seq=0)
+        with pytest.raises(IndexError):
+            remote.encoded(1)
+    finally:
+        await store.aclose()
