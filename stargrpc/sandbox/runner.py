@@ -324,7 +324,12 @@ class Sandbox:
             raise
         process = SandboxProcess(leader, workdir, self._keep, self.limits,
                                  wrapped=self.isolation.mode != "rlimits")
-        await process._connect(_Output(self.limits.output_bytes, on_stderr))
+        try:
+            await process._connect(_Output(self.limits.output_bytes, on_stderr))
+        except BaseException:
+            # Cancelled or failed while its pipes were connected: nobody else will close it.
+            await process.aclose()
+            raise
         return process
 
     def _command(self, argv: list[str], workdir: _Workdir,
@@ -340,12 +345,15 @@ class Sandbox:
                       started: float) -> SandboxResult:
         leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
         output = _Output(self.limits.output_bytes, on_output)
-        pumps = []
-        for pipe, channel in ((leader.proc.stdout, "stdout"), (leader.proc.stderr, "stderr")):
-            reader = await _read_pipe(pipe)
-            pumps.append(asyncio.create_task(output.pump(reader, channel)))
+        pumps: list[asyncio.Task[None]] = []
         stopped: Verdict | None = None
         try:
+            # Inside the try: connecting a pipe takes loop turns, and a cancellation landing
+            # there must still bring the group down before the folder and uid are given back.
+            for pipe, channel in ((leader.proc.stdout, "stdout"),
+                                  (leader.proc.stderr, "stderr")):
+                reader = await leader.read_pipe(pipe)
+                pumps.append(asyncio.create_task(output.pump(reader, channel)))
             stopped = await self._wait(leader.exited, started, on_tick, workdir)
         finally:
             # Wall clock, disk cap, cancellation or an error: the whole group goes down.
@@ -524,12 +532,9 @@ class SandboxProcess:
     async def _connect(self, stderr: _Output) -> None:
         proc = self._leader.proc
         assert proc.stdout and proc.stdin and proc.stderr
-        self.stdout = await _read_pipe(proc.stdout, limit=16 * 1024 * 1024)
-        errors = await _read_pipe(proc.stderr)
-        loop = asyncio.get_running_loop()
-        transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), proc.stdin)
-        self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
+        self.stdout = await self._leader.read_pipe(proc.stdout, limit=16 * 1024 * 1024)
+        errors = await self._leader.read_pipe(proc.stderr)
+        self.stdin = await self._leader.write_pipe(proc.stdin)
         self._tasks = [asyncio.create_task(stderr.pump(errors, "stderr")),
                        asyncio.create_task(self._watch_disk())]
 
@@ -591,6 +596,7 @@ class _Leader:
     proc: subprocess.Popen[bytes]
     exited: asyncio.Future[None]
     _pidfd: int
+    _loose: list[IO[bytes]]
 
     def __init__(self, command: list[str], workdir: _Workdir, env: Mapping[str, str], *,
                  stdin: int) -> None:
@@ -599,16 +605,59 @@ class _Leader:
         self.proc = subprocess.Popen(
             command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=workdir.path, env=env, start_new_session=True, close_fds=True)
+        #: Its pipes not (yet) handed to a transport, closed by :meth:`end`.
+        self._loose = [pipe for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr)
+                       if pipe is not None]
+        self._pidfd = -1
+        try:
+            loop = asyncio.get_running_loop()
+            self._pidfd = os.pidfd_open(self.proc.pid)
+            self.exited = loop.create_future()
+            loop.add_reader(self._pidfd, _set_done, self.exited)
+        except BaseException:
+            # No caller holds the leader yet: it would run on, unwatched and unreaped.
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Kills the group, reaps the leader and closes what was opened (the leader never
+        got watched; a killed process exits at once, so the blocking reap is short)."""
+        _kill_group(self.proc.pid)
+        with contextlib.suppress(ChildProcessError):
+            _reap(self.proc)
+        if self._pidfd >= 0:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+        self._close_loose()
+
+    def _close_loose(self) -> None:
+        for pipe in self._loose:
+            with contextlib.suppress(OSError):
+                pipe.close()
+        self._loose = []
+
+    async def read_pipe(self, pipe: IO[bytes] | None,
+                        limit: int = 64 * 1024) -> asyncio.StreamReader:
+        """A stream reader on one of its pipes (its transport owns the pipe from then on)."""
+        reader = await _read_pipe(pipe, limit)
+        self._loose.remove(pipe)  # type: ignore[arg-type]
+        return reader
+
+    async def write_pipe(self, pipe: IO[bytes] | None) -> asyncio.StreamWriter:
+        """A stream writer on its stdin (its transport owns the pipe from then on)."""
         loop = asyncio.get_running_loop()
-        self._pidfd = os.pidfd_open(self.proc.pid)
-        self.exited = loop.create_future()
-        loop.add_reader(self._pidfd, _set_done, self.exited)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), pipe)
+        self._loose.remove(pipe)  # type: ignore[arg-type]
+        return asyncio.StreamWriter(transport, protocol, None, loop)
 
     async def end(self, workdir: _Workdir, tasks: Sequence[asyncio.Task[None]], *,
                   drain: bool) -> tuple[int, float]:
         """Kills the process group (at once when the leader still runs), reaps the leader,
         lets ``tasks`` (that read its pipes) finish for a moment (``drain``) or cancels
-        them, and kills what is left of the run's processes.
+        them, and kills what is left of the run's processes. Pipes never handed to a reader
+        (the start was cancelled first) are closed.
 
         Returns:
             The leader's wait status and the CPU time of its tree.
@@ -623,6 +672,7 @@ class _Leader:
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
         status, cpu = _reap(self.proc)
+        self._close_loose()
         if not drain:
             for task in tasks:
                 task.cancel()
