@@ -7,8 +7,7 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -44,6 +43,7 @@ from stargrpc.stores.base import (
     encode_page_token,
     run_finished_error,
 )
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.streaming import (
     EventFrame,
     StreamedResponse,
@@ -169,31 +169,39 @@ class ToolService:
         record = current_call.get()
         before_result = record.before_result if record is not None else None
         sent = 0  # events sent and not counted yet: counted once per batch
+        follower: AsyncGenerator[Sequence[events_pb2.RunEvent], None] | None = None
         try:
+            batch: Sequence[events_pb2.RunEvent] = ()
             if admitted.run is not None:
                 # The run's task was scheduled when the run started: one turn of the loop
                 # lets it go first, so that a run that ends without waiting (most do) is
-                # read in one batch, with no wake-up of this stream (an event and a loop
-                # turn less per call). Inside the try: a call cancelled here stops its run.
+                # read in one batch, straight from its log: no follower, no wake-up of this
+                # stream. Inside the try: a call cancelled here stops its run.
                 await asyncio.sleep(0)
+                batch = _held_events(log)
             # Pre-serialised responses (and the Result as a message), as
             # stargrpc.streaming.event_responses makes them, written out here: one async
             # generator less for every message of every Execute.
-            async with aclosing(log.follow_batches(0)) as batches:
-                async for batch in batches:
-                    for response in batch_responses(log, batch, coalesce):
-                        if response is None:  # the Result, the run's last event
-                            if before_result is not None:
-                                await before_result(batch)
-                            yield tool_service_pb2.ExecuteResponse(event=batch[-1])
-                            sent += 1
-                            streamed_to_end = True
-                            return
-                        yield response
-                        sent += response.events
-                    if sent:
-                        _EXECUTE_EVENTS.inc(sent)
-                        sent = 0
+            while True:
+                for response in batch_responses(log, batch, coalesce) if batch else ():
+                    if response is None:  # the Result, the run's last event
+                        if before_result is not None:
+                            await before_result(batch)
+                        yield tool_service_pb2.ExecuteResponse(event=batch[-1])
+                        sent += 1
+                        streamed_to_end = True
+                        return
+                    yield response
+                    sent += response.events
+                if sent:
+                    _EXECUTE_EVENTS.inc(sent)
+                    sent = 0
+                if follower is None:
+                    follower = log.follow_batches(len(batch))
+                next_batch = await anext(follower, None)
+                if next_batch is None:
+                    break
+                batch = next_batch
             streamed_to_end = True
         except RequestError as error:  # an attached run's shared store went away
             await error.abort(context)
@@ -207,6 +215,8 @@ class ToolService:
                     and not request.idempotency_key):
                 admitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
+            if follower is not None:
+                await follower.aclose()
 
     async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.StartRunResponse:
@@ -407,6 +417,11 @@ class ToolService:
     def settings(self) -> Settings:
         """The server's settings."""
         return self.runtime.settings
+
+
+def _held_events(log: RunLog) -> Sequence[events_pb2.RunEvent]:
+    """The events a log of this process holds now (none for a log of another kind)."""
+    return log.held_events() if isinstance(log, MemoryRunLog) else ()
 
 
 async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:

@@ -309,3 +309,42 @@ async def test_a_tool_streaming_without_pause_does_not_hold_up_other_calls(
         assert answer[-1].event.result.output == "quick"
         assert not _EMITTED[signal].is_set()
         hogging.cancel()
+
+
+#: Released by the test: the ``pausing`` tool waits for it after its first deltas.
+_RELEASE: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+
+@tool()
+async def pausing(ctx: ToolContext, args: BurstArgs) -> str:
+    """``n`` deltas without ever giving the loop a turn, then a wait for the test, then one
+    delta more: its call reads the first events straight from the log, the rest by
+    following it."""
+    for i in range(args.n):
+        await ctx.delta(f"{i}\n")
+    await _RELEASE[args.signal].wait()
+    await ctx.delta("after\n")
+    return "done"
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+async def test_a_run_that_waits_after_its_first_events_streams_them_once_then_the_rest(
+        make_server: Any, coalesce: bool) -> None:
+    server = await make_server(registry=Registry([spec_of(pausing)]))
+    signal = uuid.uuid4().hex
+    first_texts = "".join(f"{i}\n" for i in range(5))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        call = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="pausing", arguments_json=json.dumps({"n": 5, "signal": signal}),
+            coalesce_deltas=coalesce))
+        received: list[events_pb2.RunEvent] = []
+        while "".join(event.step.delta for event in received) != first_texts:
+            received.append((await asyncio.wait_for(call.read(), timeout=30)).event)
+        _RELEASE[signal].set()
+        received += await read_all(call)
+    # Every event once and in order, whichever way each part of the run was read.
+    check_stream(received, [("START", "s0", "", ""),
+                            *[("DELTA", "s0", "", f"{i}\n") for i in range(5)],
+                            ("DELTA", "s0", "", "after\n"), ("END", "s0", "", ""),
+                            ("RESULT", "", "", "")])
