@@ -16,6 +16,7 @@ import pytest
 
 from stargrpc.audit import sqlite as sqlite_store
 from stargrpc.audit.chain import verify
+from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.sqlite import SqliteAuditStore
 from stargrpc.audit.store import Query, sqlite_path
 from stargrpc.audit.writer import AuditWriter
@@ -207,15 +208,20 @@ async def test_records_submitted_together_are_committed_together_on_the_loop(
 async def test_a_record_alone_is_committed_before_submit_returns(sqlite_url: str) -> None:
     writer = AuditWriter(SqliteAuditStore(sqlite_url))
     await writer.start()
-    alone = writer.submit(make_record(), alone=True)
-    assert alone.done() and alone.result().seq == 1
+    # Committed right here: the stored record itself, no future (nor queue) in between.
+    alone = writer.submit_alone(make_record())
+    assert isinstance(alone, AuditRecord) and alone.seq == 1 and alone.hash
+    assert writer.pending == 0
 
     # Others queued: it waits for them, to share their transaction.
     queued = writer.submit(make_record())
-    joining = writer.submit(make_record(), alone=True)
+    joining = writer.submit_alone(make_record())
+    assert isinstance(joining, asyncio.Future)
     assert not queued.done() and not joining.done()
     assert [(await queued).seq, (await joining).seq] == [2, 3]
     await writer.aclose()
+    with pytest.raises(RuntimeError):
+        writer.submit_alone(make_record())
 
 
 async def test_the_trail_is_indexed_by_time_only(sqlite_url: str) -> None:
@@ -241,3 +247,4 @@ async def test_the_trail_is_indexed_by_time_only(sqlite_url: str) -> None:
     # page anywhere in its b-tree on every append.
     assert indexes == {"audit_records_time"}
     assert found.tool == "echo"
+
