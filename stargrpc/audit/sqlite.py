@@ -59,13 +59,18 @@ from stargrpc.audit.sql import (
     sqlite_path,
 )
 
-_TYPES = {"seq": "INTEGER PRIMARY KEY", "id": "TEXT NOT NULL UNIQUE",
+# Record ids are not UNIQUE in a file made by this version: nothing looks a record up by
+# its id, and the constraint's index was a b-tree more written on every append (about a
+# fifth of an append's time). Ids are version-7 UUIDs (74 random bits within each
+# millisecond), and a row added behind the writer's back breaks the chain anyway. Files
+# made by older versions keep their constraint (dropping it takes a rebuild of the table).
+_TYPES = {"seq": "INTEGER PRIMARY KEY", "id": "TEXT NOT NULL",
           "duration_ms": "REAL NOT NULL", "privileged": "INTEGER NOT NULL"}
 
-# Indexed by time only (besides seq and the unique id): every index is a page more to write
-# on every append, and the time index bounds a query by tool or principal to its time range.
-# An index keyed by something random (a run id) would dirty a page anywhere in its b-tree
-# on every append; records' ids and times grow, so their indexes are written at their end.
+# Indexed by time only (besides seq): every index is a page more to write on every append,
+# and the time index bounds a query by tool or principal to its time range. An index keyed
+# by something random (a run id) would dirty a page anywhere in its b-tree on every append;
+# records' times grow, so their index is written at its end.
 _SCHEMA = schema_sql(_TYPES, indexed=("time",))
 
 _INSERT = (f"INSERT INTO {TABLE} ({', '.join(FIELDS)}) "

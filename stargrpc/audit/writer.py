@@ -8,8 +8,9 @@ task writes the batch with the store's ``append``.
 
 Nothing is dropped: a failed write is retried (with backoff) until it succeeds or the
 writer is closed, and :meth:`AuditWriter.aclose` writes everything still queued. A caller
-that must know its record is durable awaits the future :meth:`AuditWriter.submit` returns;
-when the store keeps it waiting longer than ``commit_wait``, the future fails with
+that must know its record is durable awaits the future :meth:`AuditWriter.submit` returns
+(:meth:`AuditWriter.submit_alone` returns the stored record itself when it committed it at
+once); when the store keeps it waiting longer than ``commit_wait``, the future fails with
 :class:`AuditCommitPending` while the record is still being written.
 """
 
@@ -89,32 +90,40 @@ class AuditWriter:
         """Records submitted and not yet written."""
         return self._pending
 
-    def submit(self, record: AuditRecord, *, alone: bool = False
-               ) -> asyncio.Future[AuditRecord]:
+    def submit(self, record: AuditRecord) -> asyncio.Future[AuditRecord]:
         """Queues ``record``; the future resolves to the stored record once committed.
-
-        Args:
-            record: The record.
-            alone: The caller knows no other record is coming to share its transaction
-                (no other call in flight): when nothing is queued and the store can append
-                without waiting, the record is committed right here and the future comes
-                back done, sparing the caller a turn of the event loop.
 
         Raises:
             RuntimeError: The writer is closed.
         """
         if self._closed:
             raise RuntimeError("the audit writer is closed")
+        return self._enqueue(record, declined=False)
+
+    def submit_alone(self, record: AuditRecord
+                     ) -> AuditRecord | asyncio.Future[AuditRecord]:
+        """Like :meth:`submit`, for a caller that knows no other record is coming to share
+        its transaction (no other call in flight): when nothing is queued and the store can
+        append without waiting, the record is committed right here and returned as stored
+        — no future to make and await, and no turn of the event loop. Otherwise the
+        future :meth:`submit` gives.
+
+        Raises:
+            RuntimeError: The writer is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the audit writer is closed")
+        if self._queue or self._scheduled or self._task is not None or not self._started \
+                or self._append_now is None:
+            return self._enqueue(record, declined=False)
+        # Committed right here, never queued (the queue's bookkeeping and gauge skipped).
+        stored = self._append_at_once([record])
+        if stored is not None:
+            return stored[0]
+        return self._enqueue(record, declined=True)
+
+    def _enqueue(self, record: AuditRecord, *, declined: bool) -> asyncio.Future[AuditRecord]:
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
-        declined = False
-        if alone and not self._queue and not self._scheduled and self._task is None \
-                and self._started and self._append_now is not None:
-            # Committed right here, never queued (the queue's bookkeeping and gauge skipped).
-            stored = self._append_at_once([record])
-            if stored is not None:
-                future.set_result(stored[0])
-                return future
-            declined = True
         self._queue.append((record, future))
         self._pending += 1
         self._idle.clear()

@@ -81,6 +81,10 @@ class _AuditedCall:
     on_task_done: Callable[[Any], None] | None = None
 
 
+#: What writing a record gives: the record as stored when it was committed at once, the
+#: future of its commit when it was queued, None when it was not written (the writer closed).
+_Written = AuditRecord | asyncio.Future[AuditRecord] | None
+
 #: The call being audited: set by the interceptor, read by the wrapped handler, which
 #: grpc.aio runs in the same task (so a wrapped handler can be built once per method).
 _current = ContextVar[_AuditedCall]("stargrpc_audited_call")
@@ -272,9 +276,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             return
         # What the request names, so that even a call refused before the runtime looked at
         # it is recorded with its tool, run or key (cut: it is unchecked input).
-        for name in ("tool", "run_id", "idempotency_key"):
-            value = getattr(request, "tool_name" if name == "tool" else name, "")
-            if isinstance(value, str) and value and not getattr(record, name):
+        for name, attribute in _named_by(type(request)):
+            value = getattr(request, attribute, "")
+            if value and isinstance(value, str) and not getattr(record, name):
                 setattr(record, name, cut(value, 200))
         if isinstance(request, tool_service_pb2.ExecuteRequest) and request.HasField("context"):
             call.invocation = json_format.MessageToDict(request.context,
@@ -290,8 +294,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # run holding its idempotency key records the cuts too.
         call.cuts = cuts_before_result(events)
         future = self._conclude(call, None, None)
-        if future is None or self.commit_timeout <= 0:
-            return
+        if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
+            return  # committed already (the stored record), not written, or not waited for
         try:
             # The future is this call's alone. The writer bounds the wait itself (one timer
             # per batch that has to wait for the store, none for a commit done at once).
@@ -303,7 +307,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             pass  # the writer closed; _write logged it
 
     def _conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
-                  exc: BaseException | None) -> asyncio.Future[AuditRecord] | None:
+                  exc: BaseException | None) -> _Written:
         """Names the outcome of the call and writes its record (once)."""
         if call.written:
             return None
@@ -336,7 +340,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             record.detail = record.detail or "the call ended before its handler ran"
         self._write(call)
 
-    def _write(self, call: _AuditedCall) -> asyncio.Future[AuditRecord] | None:
+    def _write(self, call: _AuditedCall) -> _Written:
         call.written = True
         self._open_calls -= 1
         record = self._audit_record(call)
@@ -351,7 +355,9 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         try:
             # With no other call open, no record will come to share this one's transaction:
             # commit it at once rather than on the next turn of the loop.
-            return self.writer.submit(record, alone=self._open_calls == 0)
+            if self._open_calls == 0:
+                return self.writer.submit_alone(record)
+            return self.writer.submit(record)
         except RuntimeError:
             log.error("audit_record_not_stored", reason="the audit writer is closed",
                       record=record.as_dict())
@@ -411,6 +417,27 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             log.warning("audit", **fields)
         else:
             log.info("audit", **fields)
+
+
+#: What a request may name that its call's record keeps: (record field, request field).
+_NAMED = (("tool", "tool_name"), ("run_id", "run_id"), ("idempotency_key", "idempotency_key"))
+
+
+def _named_by(kind: type) -> tuple[tuple[str, str], ...]:
+    """Which of :data:`_NAMED` a request of type ``kind`` may carry: for a protobuf message
+    the fields it defines (the others are never set), worked out once per type rather than
+    looked up one by one on every call; for anything else all of them."""
+    named = _NAMED_BY.get(kind)
+    if named is None:
+        fields = getattr(getattr(kind, "DESCRIPTOR", None), "fields_by_name", None)
+        named = _NAMED if fields is None else tuple(
+            pair for pair in _NAMED if pair[1] in fields)
+        _NAMED_BY[kind] = named
+    return named
+
+
+#: :func:`_named_by` of each request type met (the services' message types: a few).
+_NAMED_BY: dict[type, tuple[tuple[str, str], ...]] = {}
 
 
 def _outcome_of_call(context: grpc.aio.ServicerContext | None,

@@ -16,6 +16,7 @@ import pytest
 
 from stargrpc.audit import sqlite as sqlite_store
 from stargrpc.audit.chain import verify
+from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.sqlite import SqliteAuditStore
 from stargrpc.audit.store import Query, sqlite_path
 from stargrpc.audit.writer import AuditWriter
@@ -207,15 +208,20 @@ async def test_records_submitted_together_are_committed_together_on_the_loop(
 async def test_a_record_alone_is_committed_before_submit_returns(sqlite_url: str) -> None:
     writer = AuditWriter(SqliteAuditStore(sqlite_url))
     await writer.start()
-    alone = writer.submit(make_record(), alone=True)
-    assert alone.done() and alone.result().seq == 1
+    # Committed right here: the stored record itself, no future (nor queue) in between.
+    alone = writer.submit_alone(make_record())
+    assert isinstance(alone, AuditRecord) and alone.seq == 1 and alone.hash
+    assert writer.pending == 0
 
     # Others queued: it waits for them, to share their transaction.
     queued = writer.submit(make_record())
-    joining = writer.submit(make_record(), alone=True)
+    joining = writer.submit_alone(make_record())
+    assert isinstance(joining, asyncio.Future)
     assert not queued.done() and not joining.done()
     assert [(await queued).seq, (await joining).seq] == [2, 3]
     await writer.aclose()
+    with pytest.raises(RuntimeError):
+        writer.submit_alone(make_record())
 
 
 async def test_the_trail_is_indexed_by_time_only(sqlite_url: str) -> None:
@@ -241,3 +247,48 @@ async def test_the_trail_is_indexed_by_time_only(sqlite_url: str) -> None:
     # page anywhere in its b-tree on every append.
     assert indexes == {"audit_records_time"}
     assert found.tool == "echo"
+
+
+def _id_indexes(path: Path) -> list[str]:
+    """The indexes on the trail's ``id`` column (a UNIQUE constraint's automatic one)."""
+    with sqlite3.connect(path) as db:
+        names = [row[1] for row in db.execute("PRAGMA index_list(audit_records)")]
+        return [name for name in names
+                if [row[2] for row in db.execute(f"PRAGMA index_info({name})")] == ["id"]]
+
+
+async def test_a_new_trail_keeps_no_index_of_ids(sqlite_url: str) -> None:
+    # Nothing looks a record up by its id; a unique index on it was a b-tree more to write
+    # on every append (ids are version-7 UUIDs: 74 random bits within each millisecond).
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    await store.append([make_record(), make_record()])
+    await store.aclose()
+    assert _id_indexes(sqlite_path(sqlite_url)) == []
+
+
+async def test_an_older_trail_keeps_its_unique_ids_and_still_takes_records(
+        sqlite_url: str) -> None:
+    # A file an older version made keeps its UNIQUE constraint (dropping it would take a
+    # rebuild of the table): it goes on taking records, and refusing a repeated id.
+    path = sqlite_path(sqlite_url)
+    old_schema = [statement.replace("(id TEXT NOT NULL,", "(id TEXT NOT NULL UNIQUE,")
+                  for statement in sqlite_store._SCHEMA]
+    assert old_schema != sqlite_store._SCHEMA
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as db:
+        for statement in old_schema:
+            db.execute(statement)
+    assert len(_id_indexes(path)) == 1
+
+    store = SqliteAuditStore(sqlite_url)
+    await store.open()
+    first = make_record()
+    await store.append([first, make_record()])
+    with pytest.raises(sqlite3.IntegrityError):
+        sqlite_store._append(store._fast, [first])  # type: ignore[arg-type]
+    report = await verify(store.scan())
+    await store.aclose()
+
+    assert report.intact and report.checked == 2
+    assert len(_id_indexes(path)) == 1

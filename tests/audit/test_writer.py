@@ -160,10 +160,12 @@ async def test_a_record_the_store_declines_to_append_at_once_goes_to_the_task_at
 
     writer = AuditWriter(Declining())  # type: ignore[arg-type]
     await writer.start()
-    future = writer.submit(make_record(), alone=True)
+    future = writer.submit_alone(make_record())
+    assert isinstance(future, asyncio.Future)
     assert writer._task is not None  # already handed to the task
     stored = await future
     await writer.aclose()
 
     assert stored.seq == 1
     assert tries == [1]
+
