@@ -43,7 +43,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.run import Run
+from stargrpc.run import Run, duration_seconds
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -181,7 +181,7 @@ def _count_finished(run: Run) -> None:
                   metrics.DURATION_SECONDS.labels(key[0]))
         _FINISHED_SERIES[key] = series
     series[0].inc()
-    series[1].observe(run.result.duration.ToNanoseconds() / 1e9)
+    series[1].observe(duration_seconds(run.result.duration))
 
 
 class Runtime:
