@@ -26,6 +26,9 @@ from stargrpc.stores.base import (
 )
 from stargrpc.v1 import events_pb2
 
+_START = events_pb2.STEP_PHASE_START
+_END = events_pb2.STEP_PHASE_END
+
 
 class MemoryRunLog:
     """A run log held in this process."""
@@ -100,11 +103,13 @@ class MemoryRunLog:
         self._encoded.append(None)
         kind = event.WhichOneof("kind")
         if kind == "step":
-            phase = event.step.phase
-            if phase == events_pb2.STEP_PHASE_START:
-                self._open_steps[event.step.step.id] = event.step.step.title
-            elif phase == events_pb2.STEP_PHASE_END:
-                self._open_steps.pop(event.step.step.id, None)
+            message = event.step
+            phase = message.phase
+            if phase == _START:
+                step = message.step
+                self._open_steps[step.id] = step.title
+            elif phase == _END:
+                self._open_steps.pop(message.step.id, None)
         elif kind == "result":
             self._finished = True
             self.outcome = event.result.outcome
