@@ -8,6 +8,7 @@ import pytest
 
 from stargrpc import ToolContext, metrics, tool
 from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc.errors import InvalidArgument
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
@@ -98,3 +99,22 @@ async def test_a_run_whose_ending_fails_still_ends_and_leaves_the_runtime(
     assert run.result.error.code == "INTERNAL"
     assert events[-1].result == run.result  # the log still ends with a Result
     assert await asyncio.wait_for(runtime.drain(30), 10) is None
+
+
+@pytest.mark.parametrize("arguments", [{"x": 1}, {"": None}, {"success": False}])
+async def test_a_tool_without_arguments_still_refuses_any_argument(
+        arguments: dict[str, object]) -> None:
+    runtime = Runtime(Registry([spec_of(quick)]))
+    with pytest.raises(InvalidArgument) as refused:
+        await runtime.admit(RunRequest(tool_name="quick", arguments=arguments),
+                            Principal("tester"))
+    assert [v.field for v in refused.value.violations] == [f"arguments.{next(iter(arguments))}"]
+    assert runtime.runs == {} and runtime.concurrency.in_flight == 0
+
+    # Without arguments it runs, every time.
+    for _ in range(2):
+        admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                       Principal("tester"))
+        assert admitted.run is not None
+        assert admitted.run.args.model_dump() == {}
+        assert (await asyncio.wait_for(admitted.run.wait(), 10)).output == "done"
