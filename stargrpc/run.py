@@ -141,6 +141,26 @@ class Run:
     _done: asyncio.Event | None
     _steering_queue: asyncio.Queue[str] | None
 
+    # What every run starts with and most never change: the class holds it until a run
+    # sets its own (a run is made for every call, and each attribute set costs).
+    result = None
+    audit_arguments = None
+    audit_result = None
+    _steer_append = None
+    _step_counter = 0
+    _emitted = 0
+    _output_tail_size = 0
+    _stop = None
+    _tool_running = False
+    _cancel_sent = False
+    _abandoned = False
+    _abandon_timer = None
+    _main_task = None
+    _finisher = None
+    # Made when first needed: most runs are never waited on nor steered.
+    _done = None
+    _steering_queue = None
+
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
                  settings: Settings | None = None) -> None:
@@ -152,34 +172,17 @@ class Run:
         self.invocation = invocation
         self.log = log
         self._append_nowait = getattr(log, "append_nowait", None)
-        self._steer_append = None
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
-        self.result = None
-        self.audit_arguments = None
-        self.audit_result = None
         self.started_monotonic = time.monotonic()
         self._open_steps = {}
         self._step_started = {}
-        self._step_counter = 0
-        self._emitted = 0
         self._output_tail = []
-        self._output_tail_size = 0
-        self._stop = None
         self._streamed_sizes = {}
         self._to_stream = set()
         self._sizes = _event_sizes(min(self.settings.max_event_bytes,
                                           self.settings.max_send_message_bytes))
-        self._tool_running = False
-        self._cancel_sent = False
-        self._abandoned = False
-        self._abandon_timer = None
-        self._main_task = None
-        self._finisher = None
-        # Made when first needed: most runs are never waited on nor steered.
-        self._done = None
-        self._steering_queue = None
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
