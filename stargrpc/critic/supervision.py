@@ -37,6 +37,7 @@ matters, so a run that streams thousands of deltas a second costs no timer churn
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import math
@@ -121,6 +122,8 @@ class SupervisionPolicy:
                  ) -> SupervisionPolicy:
         """The server's policy for a call with ``time_remaining`` seconds before its
         deadline (None: no deadline). Needs a running event loop."""
+        if time_remaining is None and cls is SupervisionPolicy:
+            return _without_deadline(settings.critic_soft_timeout, settings.critic_hard_timeout)
         deadline = None
         if time_remaining is not None:
             deadline = asyncio.get_running_loop().time() + time_remaining
@@ -129,6 +132,13 @@ class SupervisionPolicy:
     def soft_timeout_for(self, spec: ToolSpec) -> float:
         """The soft timeout that applies to a run of ``spec``."""
         return spec.soft_timeout if spec.soft_timeout else self.soft_timeout
+
+
+@functools.lru_cache(maxsize=16)
+def _without_deadline(soft_timeout: float, hard_timeout: float) -> SupervisionPolicy:
+    # A call without a deadline gets the server's policy, the same for every such call: one
+    # instance (it is immutable) rather than a frozen dataclass made for each.
+    return SupervisionPolicy(soft_timeout, hard_timeout)
 
 
 @dataclass(frozen=True)
