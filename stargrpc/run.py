@@ -100,6 +100,7 @@ class Run:
         observers: Hooks called with each event before it is appended.
         finish_hooks: Hooks called once with the run after its Result is in the log.
         result: The Result, once the run has ended.
+        duration_ns: The Result's duration in nanoseconds, once the run is ending.
         settings: The server's settings.
     """
 
@@ -115,6 +116,7 @@ class Run:
     observers: list[EventObserver]
     finish_hooks: list[Callable[[Run], None]]
     result: events_pb2.Result | None
+    duration_ns: int | None
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
     started_monotonic: float
@@ -144,6 +146,7 @@ class Run:
     # What every run starts with and most never change: the class holds it until a run
     # sets its own (a run is made for every call, and each attribute set costs).
     result = None
+    duration_ns = None
     audit_arguments = None
     audit_result = None
     _steer_append = None
@@ -404,6 +407,8 @@ class Run:
         fitting of the Result, the store), the run still ends: an ERROR Result stands in
         for one that could not be made, waiters wake and the finish hooks run, once — they
         take the run off the runtime's books and give back its concurrency permit."""
+        # What every Result of the run says (the metrics read it here, not off the message).
+        self.duration_ns = int(duration * 1e9)
         try:
             await self._emit_result(outcome, duration)
         except Exception:
@@ -809,11 +814,6 @@ def set_duration(message: duration_pb2.Duration, seconds: float) -> None:
         whole += 1
         nanos -= 1_000_000_000
     message.seconds, message.nanos = whole, nanos
-
-
-def duration_seconds(message: duration_pb2.Duration) -> float:
-    """``message`` in seconds: ``Duration.ToNanoseconds() / 1e9``, without the helper."""
-    return (message.seconds * 1_000_000_000 + message.nanos) / 1e9
 
 
 @functools.cache

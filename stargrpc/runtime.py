@@ -44,7 +44,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
-from stargrpc.run import Run, duration_seconds
+from stargrpc.run import Run
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -177,7 +177,7 @@ _FINISHED_SERIES: dict[tuple[str, int], tuple[Any, Any]] = {}
 
 
 def _count_finished(run: Run) -> None:
-    assert run.result is not None
+    assert run.result is not None and run.duration_ns is not None
     metrics.RUNS_IN_FLIGHT.dec()
     key = (run.spec.name, run.result.outcome)
     series = _FINISHED_SERIES.get(key)
@@ -187,7 +187,7 @@ def _count_finished(run: Run) -> None:
                   metrics.DURATION_SECONDS.labels(key[0]))
         _FINISHED_SERIES[key] = series
     series[0].inc()
-    series[1].observe(duration_seconds(run.result.duration))
+    series[1].observe(run.duration_ns / 1e9)  # the Result's duration, in seconds
 
 
 class Runtime:
