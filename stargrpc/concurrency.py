@@ -7,7 +7,6 @@ runs of this replica: a fleet of N replicas admits up to N times as many.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from stargrpc.errors import ResourceExhausted
@@ -44,8 +43,10 @@ class ConcurrencyLimits:
     per_tool: int
     retry_after: float
     _in_flight: int
-    _by_principal: Counter[str]
-    _by_tool: Counter[str]
+    # Plain dicts, not Counters: a Counter answers a missing name through a method written
+    # in Python, and every run looks up (and drops) its principal's and tool's count.
+    _by_principal: dict[str, int]
+    _by_tool: dict[str, int]
 
     def __init__(self, total: int = 0, per_principal: int = 0, per_tool: int = 0, *,
                  retry_after: float = 1.0) -> None:
@@ -54,8 +55,8 @@ class ConcurrencyLimits:
         self.per_tool = per_tool
         self.retry_after = retry_after
         self._in_flight = 0
-        self._by_principal = Counter()
-        self._by_tool = Counter()
+        self._by_principal = {}
+        self._by_tool = {}
 
     @property
     def in_flight(self) -> int:
@@ -70,16 +71,18 @@ class ConcurrencyLimits:
         """
         if self.total and self._in_flight >= self.total:
             self._refuse("server", self.total, "the server")
-        if self.per_principal and self._by_principal[principal] >= self.per_principal:
+        by_principal = self._by_principal
+        by_tool = self._by_tool
+        if self.per_principal and by_principal.get(principal, 0) >= self.per_principal:
             self._refuse("principal", self.per_principal, "this caller")
-        if self.per_tool and self._by_tool[tool] >= self.per_tool:
+        if self.per_tool and by_tool.get(tool, 0) >= self.per_tool:
             self._refuse("tool", self.per_tool, f"tool {tool!r}")
         self._in_flight += 1
         # Counted only where a limit needs the count (the limits are fixed).
         if self.per_principal:
-            self._by_principal[principal] += 1
+            by_principal[principal] = by_principal.get(principal, 0) + 1
         if self.per_tool:
-            self._by_tool[tool] += 1
+            by_tool[tool] = by_tool.get(tool, 0) + 1
         return Permit(self, principal, tool)
 
     def _refuse(self, scope: str, limit: int, who: str) -> None:
@@ -91,10 +94,16 @@ class ConcurrencyLimits:
 
     def _release(self, permit: Permit) -> None:
         self._in_flight -= 1
-        # Drop zero counts so a stream of distinct principals does not grow the maps.
-        for limit, counter, name in ((self.per_principal, self._by_principal, permit.principal),
-                                     (self.per_tool, self._by_tool, permit.tool)):
-            if limit:
-                counter[name] -= 1
-                if counter[name] <= 0:
-                    del counter[name]
+        if self.per_principal:
+            _uncount(self._by_principal, permit.principal)
+        if self.per_tool:
+            _uncount(self._by_tool, permit.tool)
+
+
+def _uncount(counts: dict[str, int], name: str) -> None:
+    # Drop zero counts so a stream of distinct principals does not grow the maps.
+    left = counts.get(name, 0) - 1
+    if left > 0:
+        counts[name] = left
+    else:
+        counts.pop(name, None)

@@ -50,6 +50,9 @@ class ToolResult:
     error_code: str = ""
 
 
+#: What a tool that returns None or "" produced.
+_EMPTY = ToolResult()
+
 # Phrases that mark an error as the caller being refused rather than the tool failing.
 _DENIAL = re.compile(
     r"permission denied|access denied|not authori[sz]ed|unauthori[sz]ed|forbidden|"
@@ -67,8 +70,8 @@ def classify_return(value: Any) -> ToolResult:
     """Turns whatever a tool returned into a :class:`ToolResult`."""
     if isinstance(value, ToolResult):
         return value
-    if value is None:
-        return ToolResult()
+    if value is None or (value.__class__ is str and not value):
+        return _EMPTY  # shared: a ToolResult cannot be changed
     if isinstance(value, str):
         return ToolResult(output=value)
     if isinstance(value, BaseModel):

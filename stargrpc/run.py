@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import duration_pb2, json_format, struct_pb2
 from google.protobuf.message import Message
 from pydantic import BaseModel
 
@@ -49,7 +49,7 @@ from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_r
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
 from stargrpc.settings import Settings
-from stargrpc.stores.base import RunLog, run_finished_error, stamp_now
+from stargrpc.stores.base import RunLog, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.run")
@@ -100,6 +100,7 @@ class Run:
         observers: Hooks called with each event before it is appended.
         finish_hooks: Hooks called once with the run after its Result is in the log.
         result: The Result, once the run has ended.
+        duration_ns: The Result's duration in nanoseconds, once the run is ending.
         settings: The server's settings.
     """
 
@@ -115,11 +116,13 @@ class Run:
     observers: list[EventObserver]
     finish_hooks: list[Callable[[Run], None]]
     result: events_pb2.Result | None
+    duration_ns: int | None
     audit_arguments: dict[str, Any] | None
     audit_result: str | None
     started_monotonic: float
     _open_steps: dict[str, ToolStep]
-    _step_started: dict[str, Any]
+    #: When each open step started: (seconds, nanos) since the epoch.
+    _step_started: dict[str, tuple[int, int]]
     _step_counter: int
     _emitted: int
     _output_tail: list[str]
@@ -140,6 +143,27 @@ class Run:
     _done: asyncio.Event | None
     _steering_queue: asyncio.Queue[str] | None
 
+    # What every run starts with and most never change: the class holds it until a run
+    # sets its own (a run is made for every call, and each attribute set costs).
+    result = None
+    duration_ns = None
+    audit_arguments = None
+    audit_result = None
+    _steer_append = None
+    _step_counter = 0
+    _emitted = 0
+    _output_tail_size = 0
+    _stop = None
+    _tool_running = False
+    _cancel_sent = False
+    _abandoned = False
+    _abandon_timer = None
+    _main_task = None
+    _finisher = None
+    # Made when first needed: most runs are never waited on nor steered.
+    _done = None
+    _steering_queue = None
+
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
                  settings: Settings | None = None) -> None:
@@ -151,34 +175,17 @@ class Run:
         self.invocation = invocation
         self.log = log
         self._append_nowait = getattr(log, "append_nowait", None)
-        self._steer_append = None
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
-        self.result = None
-        self.audit_arguments = None
-        self.audit_result = None
         self.started_monotonic = time.monotonic()
         self._open_steps = {}
         self._step_started = {}
-        self._step_counter = 0
-        self._emitted = 0
         self._output_tail = []
-        self._output_tail_size = 0
-        self._stop = None
         self._streamed_sizes = {}
         self._to_stream = set()
         self._sizes = _event_sizes(min(self.settings.max_event_bytes,
                                           self.settings.max_send_message_bytes))
-        self._tool_running = False
-        self._cancel_sent = False
-        self._abandoned = False
-        self._abandon_timer = None
-        self._main_task = None
-        self._finisher = None
-        # Made when first needed: most runs are never waited on nor steered.
-        self._done = None
-        self._steering_queue = None
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -400,6 +407,8 @@ class Run:
         fitting of the Result, the store), the run still ends: an ERROR Result stands in
         for one that could not be made, waiters wake and the finish hooks run, once — they
         take the run off the runtime's books and give back its concurrency permit."""
+        # What every Result of the run says (the metrics read it here, not off the message).
+        self.duration_ns = int(duration * 1e9)
         try:
             await self._emit_result(outcome, duration)
         except Exception:
@@ -421,7 +430,7 @@ class Run:
         result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
-        result.duration.FromNanoseconds(int(duration * 1e9))
+        set_duration(result.duration, duration)
         return result
 
     def _ended(self) -> None:
@@ -446,13 +455,17 @@ class Run:
         if outcome.error_message:
             self.root_step.summary = outcome.error_message
         await self.end_step(self.root_step, error=not ok)
-        result, notices = self._result_message(outcome, duration)
+        # The Result is made in its event: RunEvent(result=...) would copy it.
+        event = events_pb2.RunEvent()
+        result = event.result
+        notices = self._result_message(outcome, duration, result)
         if self.writeback.sent_files:  # the tool's, or the output moved into one
             await self._stream_large_files()
-            result = self._with_inline_files(result)
+            fitted = self._with_inline_files(result)
+            if fitted is not result:
+                result.CopyFrom(fitted)
         for code, message in notices:
             await self.emit_notice(code, message)
-        event = events_pb2.RunEvent(result=result)
         await self._emit(event)
         self.result = result
 
@@ -471,11 +484,12 @@ class Run:
         self._step_started.clear()
         self._output_tail.clear()
 
-    def _result_message(self, outcome: ToolResult, duration: float
-                        ) -> tuple[events_pb2.Result, list[tuple[str, str]]]:
-        """The Result, fitted to the send limit (see :mod:`stargrpc.event_sizes`), and the
-        notices that say what was cut or dropped to fit it. Inline files are listed without
-        their bytes, which :meth:`_with_inline_files` adds once the others are streamed.
+    def _result_message(self, outcome: ToolResult, duration: float, result: events_pb2.Result
+                        ) -> list[tuple[str, str]]:
+        """Fills ``result`` (empty) with the Result, fitted to the send limit (see
+        :mod:`stargrpc.event_sizes`); returns the notices that say what was cut or dropped
+        to fit it. Inline files are listed without their bytes, which
+        :meth:`_with_inline_files` adds once the others are streamed.
 
         A quarter of the room goes to the inline files together (the largest move to
         FileChunks until the rest fit), a quarter to the write-back listing (sent files,
@@ -487,14 +501,13 @@ class Run:
         sizes = self._sizes
         quarter = sizes.result_bytes // 4
         notices: list[tuple[str, str]] = []
-        result = events_pb2.Result()
         result.outcome = outcome.outcome.value  # type: ignore[assignment]
         if outcome.outcome is not Outcome.OK:
             result.error.code = cut_text(outcome.error_code or outcome.outcome.name,
                                          sizes.label_chars)
             result.error.message = cut_text(
                 outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
-        result.duration.FromNanoseconds(int(duration * 1e9))
+        set_duration(result.duration, duration)
         inline_bytes = 0
         writeback = self.writeback
         if writeback.sent_files or writeback.injected_tools or writeback.rich_messages:
@@ -518,7 +531,7 @@ class Run:
                                               f"fit the Result; the whole text is in sent file "
                                               f"{OUTPUT_FILE_NAME} ({record.file_id})"))
         result.output = output
-        return result, notices
+        return notices
 
     def _choose_inline_files(self, room: int) -> int:
         """Marks the sent files that travel as FileChunks: those over the inline limit, and
@@ -662,13 +675,19 @@ class Run:
     async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
         event = events_pb2.RunEvent()
-        stamp_now(event.time)
+        # One clock reading for the event's time and the step's start, each field set
+        # directly: a CopyFrom of one Timestamp into the other costs more than both.
+        now = divmod(time.time_ns(), 1_000_000_000)
+        stamp = event.time
+        stamp.seconds, stamp.nanos = now
         message = event.step
         message.phase = events_pb2.STEP_PHASE_START
-        _fill_step(message.step, step, events_pb2.STEP_STATUS_RUNNING, self._sizes)
-        message.step.started_at.CopyFrom(event.time)
+        fields = message.step
+        _fill_step(fields, step, events_pb2.STEP_STATUS_RUNNING, self._sizes)
+        stamp = fields.started_at
+        stamp.seconds, stamp.nanos = now
         self._open_steps[step.id] = step
-        self._step_started[step.id] = event.time
+        self._step_started[step.id] = now
         await self._emit(event)
 
     async def end_step(self, step: ToolStep, *, error: bool) -> None:
@@ -676,13 +695,18 @@ class Run:
         if self._open_steps.pop(step.id, None) is None:
             return
         event = events_pb2.RunEvent()
-        stamp_now(event.time)
+        now = divmod(time.time_ns(), 1_000_000_000)
+        stamp = event.time
+        stamp.seconds, stamp.nanos = now
         message = event.step
         message.phase = events_pb2.STEP_PHASE_END
         status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE
-        _fill_step(message.step, step, status, self._sizes)
-        message.step.started_at.CopyFrom(self._step_started.pop(step.id))
-        message.step.ended_at.CopyFrom(event.time)
+        fields = message.step
+        _fill_step(fields, step, status, self._sizes)
+        stamp = fields.started_at
+        stamp.seconds, stamp.nanos = self._step_started.pop(step.id)
+        stamp = fields.ended_at
+        stamp.seconds, stamp.nanos = now
         await self._emit(event)
 
     async def emit_delta(self, step: ToolStep, text: str, channel: str) -> None:
@@ -779,6 +803,19 @@ def check_steer_message(message: str, max_bytes: int) -> None:
                                        f"(steer_max_bytes), got {size}")])
 
 
+def set_duration(message: duration_pb2.Duration, seconds: float) -> None:
+    """Sets ``message`` to ``seconds``, to the nanosecond.
+
+    The same value as ``Duration.FromNanoseconds(int(seconds * 1e9))``, whose pure-Python
+    helper costs more than setting the two fields; it runs for every Result.
+    """
+    whole, nanos = divmod(int(seconds * 1e9), 1_000_000_000)
+    if whole < 0 and nanos:  # a Duration's nanos take the sign of its seconds
+        whole += 1
+        nanos -= 1_000_000_000
+    message.seconds, message.nanos = whole, nanos
+
+
 @functools.cache
 def _event_sizes(max_send_bytes: int) -> EventSizes:
     return EventSizes.for_send_limit(max_send_bytes)
@@ -798,10 +835,13 @@ def _size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, 
 def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: EventSizes) -> None:
     label = sizes.label_chars
     message.id = step.id
-    message.parent_id = step.parent_id
-    message.kind = cut_text(step.kind, label)
-    message.title = cut_text(step.title, label)
-    message.summary = cut_text(step.summary, label)
+    # An empty string is a proto3 field's default: writing it would change nothing.
+    if step.parent_id:
+        message.parent_id = step.parent_id
+    message.kind = step.kind if len(step.kind) <= label else cut_text(step.kind, label)
+    message.title = step.title if len(step.title) <= label else cut_text(step.title, label)
+    if step.summary:
+        message.summary = cut_text(step.summary, label)
     message.status = status  # type: ignore[assignment]
     if step.detail:
         size = _size_with(message.detail, message.detail, step.detail)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from pydantic import BaseModel
 
 from stargrpc import metrics
 from stargrpc.arguments import ArgumentLimits, validate
@@ -42,7 +43,7 @@ from stargrpc.ids import new_id
 from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
-from stargrpc.registry import Registry, ToolSpec
+from stargrpc.registry import NoArguments, Registry, ToolSpec
 from stargrpc.run import Run
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
@@ -50,6 +51,11 @@ from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.runtime")
+
+
+#: The arguments of every run of a tool without arguments: such a tool is never handed them
+#: (nor can a model without fields be changed), so one instance serves them all.
+_NO_ARGUMENTS = NoArguments()
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,7 @@ _FINISHED_SERIES: dict[tuple[str, int], tuple[Any, Any]] = {}
 
 
 def _count_finished(run: Run) -> None:
-    assert run.result is not None
+    assert run.result is not None and run.duration_ns is not None
     metrics.RUNS_IN_FLIGHT.dec()
     key = (run.spec.name, run.result.outcome)
     series = _FINISHED_SERIES.get(key)
@@ -181,7 +187,7 @@ def _count_finished(run: Run) -> None:
                   metrics.DURATION_SECONDS.labels(key[0]))
         _FINISHED_SERIES[key] = series
     series[0].inc()
-    series[1].observe(run.result.duration.ToNanoseconds() / 1e9)
+    series[1].observe(run.duration_ns / 1e9)  # the Result's duration, in seconds
 
 
 class Runtime:
@@ -344,7 +350,11 @@ class Runtime:
         if record is not None:
             record.principal = principal
         self.policy.check(principal, spec)
-        args = validate(spec.args_model, request.arguments)
+        args: BaseModel
+        if spec.args_model is NoArguments and not request.arguments:
+            args = _NO_ARGUMENTS  # what validating {} gives, made once
+        else:
+            args = validate(spec.args_model, request.arguments)
         run_id = new_id()
         if record is not None:
             record.run_id = run_id

@@ -36,6 +36,26 @@ def test_each_limit_refuses_and_a_release_frees_the_place() -> None:
     assert limits.in_flight == 3
 
 
+def test_places_come_back_one_by_one_and_no_count_outlives_its_runs() -> None:
+    limits = ConcurrencyLimits(per_principal=2, per_tool=3)
+    permits = [limits.acquire(f"p{i % 5}", f"t{i % 7}") for i in range(10)]
+    with pytest.raises(ResourceExhausted):
+        limits.acquire("p0", "t9")  # p0 holds two
+    permits[0].release()
+    permits[0].release()  # twice is harmless
+    permits[0] = limits.acquire("p0", "t9")
+    with pytest.raises(ResourceExhausted):
+        limits.acquire("p0", "t9")
+
+    for permit in permits:
+        permit.release()
+    assert limits.in_flight == 0
+    # A stream of distinct principals and tools does not grow the counts.
+    assert limits._by_principal == {} and limits._by_tool == {}
+    again = [limits.acquire("p0", "t0"), limits.acquire("p0", "t0")]
+    assert limits.in_flight == 2 and again[0] is not again[1]
+
+
 def test_per_tool_limit() -> None:
     limits = ConcurrencyLimits(per_tool=1)
     limits.acquire("alice", "t")

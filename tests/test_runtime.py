@@ -8,6 +8,7 @@ import pytest
 
 from stargrpc import ToolContext, metrics, tool
 from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc.errors import InvalidArgument
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
@@ -98,3 +99,44 @@ async def test_a_run_whose_ending_fails_still_ends_and_leaves_the_runtime(
     assert run.result.error.code == "INTERNAL"
     assert events[-1].result == run.result  # the log still ends with a Result
     assert await asyncio.wait_for(runtime.drain(30), 10) is None
+
+
+@pytest.mark.parametrize("arguments", [{"x": 1}, {"": None}, {"success": False}])
+async def test_a_tool_without_arguments_still_refuses_any_argument(
+        arguments: dict[str, object]) -> None:
+    runtime = Runtime(Registry([spec_of(quick)]))
+    with pytest.raises(InvalidArgument) as refused:
+        await runtime.admit(RunRequest(tool_name="quick", arguments=arguments),
+                            Principal("tester"))
+    assert [v.field for v in refused.value.violations] == [f"arguments.{next(iter(arguments))}"]
+    assert runtime.runs == {} and runtime.concurrency.in_flight == 0
+
+    # Without arguments it runs, every time.
+    for _ in range(2):
+        admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                       Principal("tester"))
+        assert admitted.run is not None
+        assert admitted.run.args.model_dump() == {}
+        assert (await asyncio.wait_for(admitted.run.wait(), 10)).output == "done"
+
+
+async def test_a_finished_run_is_counted_with_its_results_outcome_and_duration() -> None:
+    runtime = Runtime(Registry([spec_of(quick)]))
+
+    def sample(name: str, **labels: str) -> float:
+        return metrics.REGISTRY.get_sample_value(name, {"tool": "quick", **labels}) or 0.0
+
+    before = (sample("tool_executor_tasks_total", outcome="ok"),
+              sample("tool_executor_duration_seconds_sum"),
+              sample("tool_executor_duration_seconds_count"))
+    admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                   Principal("tester"))
+    assert admitted.run is not None
+    result = await asyncio.wait_for(admitted.run.wait(), 10)
+    await asyncio.sleep(0)  # the finish hooks ran with the Result
+
+    assert sample("tool_executor_tasks_total", outcome="ok") == before[0] + 1
+    assert sample("tool_executor_duration_seconds_count") == before[2] + 1
+    assert sample("tool_executor_duration_seconds_sum") == pytest.approx(
+        before[1] + result.duration.ToNanoseconds() / 1e9, abs=1e-12)
+    assert admitted.run.duration_ns == result.duration.ToNanoseconds()

@@ -12,6 +12,7 @@ the supervision's (:mod:`stargrpc.critic.supervision`), which applies them to ev
 
 from __future__ import annotations
 
+import functools
 import math
 
 from stargrpc.critic.base import Extend, RunJudge, RunStart, VerdictSink
@@ -35,7 +36,7 @@ class RulesJudge(RunJudge):
     _heartbeat_message: str
 
     def __init__(self, soft_timeout: float) -> None:
-        self.progress = Extend(soft_timeout, quiet=True)
+        self.progress = _progress(soft_timeout)
         self._best_progress_value = -math.inf
         self._heartbeat_message = ""
 
@@ -57,6 +58,13 @@ class RulesJudge(RunJudge):
                 moved = True
             return self.progress if moved else None
         return self.progress if kind == "file_chunk" else None
+
+
+@functools.lru_cache(maxsize=64)
+def _progress(soft_timeout: float) -> Extend:
+    # One verdict per soft timeout, shared by the judges (it is immutable): all runs of a
+    # tool have the same, and a frozen dataclass is slow to make for every run.
+    return Extend(soft_timeout, quiet=True)
 
 
 class RulesCritic:

@@ -37,6 +37,7 @@ matters, so a run that streams thousands of deltas a second costs no timer churn
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import math
@@ -121,6 +122,8 @@ class SupervisionPolicy:
                  ) -> SupervisionPolicy:
         """The server's policy for a call with ``time_remaining`` seconds before its
         deadline (None: no deadline). Needs a running event loop."""
+        if time_remaining is None and cls is SupervisionPolicy:
+            return _without_deadline(settings.critic_soft_timeout, settings.critic_hard_timeout)
         deadline = None
         if time_remaining is not None:
             deadline = asyncio.get_running_loop().time() + time_remaining
@@ -129,6 +132,13 @@ class SupervisionPolicy:
     def soft_timeout_for(self, spec: ToolSpec) -> float:
         """The soft timeout that applies to a run of ``spec``."""
         return spec.soft_timeout if spec.soft_timeout else self.soft_timeout
+
+
+@functools.lru_cache(maxsize=16)
+def _without_deadline(soft_timeout: float, hard_timeout: float) -> SupervisionPolicy:
+    # A call without a deadline gets the server's policy, the same for every such call: one
+    # instance (it is immutable) rather than a frozen dataclass made for each.
+    return SupervisionPolicy(soft_timeout, hard_timeout)
 
 
 @dataclass(frozen=True)
@@ -272,7 +282,7 @@ class Supervision:
     progress_events: int
     warned: bool
     fallback: str
-    verdicts: Counter[str]
+    _verdicts: Counter[str] | None
     _judge: RunJudge
     _rules: RulesJudge | None
     _verdict_timeout: float
@@ -287,7 +297,7 @@ class Supervision:
     _rules_progress: float
     _asking_until: float
     _timer: _Alarm | None
-    _tasks: set[asyncio.Task[None]]
+    _tasks: set[asyncio.Task[None]] | None
 
     def __init__(self, run: Run, policy: SupervisionPolicy, critic: Critic | None = None, *,
                  verdict_timeout: float = 2.0) -> None:
@@ -297,7 +307,8 @@ class Supervision:
         self.progress_events = 0
         self.warned = False
         self.fallback = ""
-        self.verdicts = Counter()
+        # Made when first needed: most runs get no verdict to count and spawn nothing.
+        self._verdicts = None
         self._verdict_timeout = verdict_timeout
         self._record = current_call.get()
         self._loop = asyncio.get_running_loop()
@@ -310,7 +321,7 @@ class Supervision:
         self._last_extend = self._seen_extend = self._rules_progress = now
         self._asking_until = math.inf
         self._timer = None
-        self._tasks = set()
+        self._tasks = None
         rules = RulesJudge(self.soft_timeout)
         if critic is None or isinstance(critic, RulesCritic):
             self.critic, self._judge, self._rules = RULES, rules, None
@@ -331,6 +342,13 @@ class Supervision:
         except Exception as exc:
             log.exception("critic_failed_to_open", critic=critic.name, run_id=run.run_id)
             self._fall_back(f"could not judge the run ({type(exc).__name__})", announce=False)
+
+    @property
+    def verdicts(self) -> Counter[str]:
+        """How many verdicts of each kind were applied (quiet extensions aside)."""
+        if self._verdicts is None:
+            self._verdicts = Counter()
+        return self._verdicts
 
     def start(self) -> None:
         """Hooks into the run (observer, finish hook) and arms the timer."""
@@ -487,6 +505,8 @@ class Supervision:
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(work)
+        if self._tasks is None:
+            self._tasks = set()
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -26,6 +26,9 @@ from stargrpc.stores.base import (
 )
 from stargrpc.v1 import events_pb2
 
+_START = events_pb2.STEP_PHASE_START
+_END = events_pb2.STEP_PHASE_END
+
 
 class MemoryRunLog:
     """A run log held in this process."""
@@ -100,11 +103,13 @@ class MemoryRunLog:
         self._encoded.append(None)
         kind = event.WhichOneof("kind")
         if kind == "step":
-            phase = event.step.phase
-            if phase == events_pb2.STEP_PHASE_START:
-                self._open_steps[event.step.step.id] = event.step.step.title
-            elif phase == events_pb2.STEP_PHASE_END:
-                self._open_steps.pop(event.step.step.id, None)
+            message = event.step
+            phase = message.phase
+            if phase == _START:
+                step = message.step
+                self._open_steps[step.id] = step.title
+            elif phase == _END:
+                self._open_steps.pop(message.step.id, None)
         elif kind == "result":
             self._finished = True
             self.outcome = event.result.outcome
@@ -112,7 +117,7 @@ class MemoryRunLog:
             self._open_steps.clear()
             self.finished_at = time.monotonic()
             # Measured once, at the end, rather than per event on the append path.
-            self.size = sum(map(events_pb2.RunEvent.ByteSize, self._events))
+            self.size = self._measure()
             if self._on_finish is not None:
                 self._on_finish(self)
         if self._waiting:
@@ -124,6 +129,26 @@ class MemoryRunLog:
             if wakeup is not None:
                 wakeup.set()
         return event
+
+    def _measure(self) -> int:
+        """The serialised size of the events in the log. An event whose bytes are kept
+        (a reader asked for them, or the Redis log flushed them) is as long as they are;
+        the others are measured — serialised and their bytes kept, as :meth:`encoded`
+        would, when a follower is waiting (it asks for them next), else only sized."""
+        encoded = self._encoded
+        keep = self._waiting > 0
+        total = 0
+        for index, data in enumerate(encoded):
+            if data is None:
+                event = self._events[index]
+                if not keep:
+                    total += event.ByteSize()
+                    continue
+                data = event.SerializeToString()
+                if len(data) <= ENCODED_KEEP_BYTES:
+                    encoded[index] = data
+            total += len(data)
+        return total
 
     def encoded(self, seq: int) -> bytes:
         """The serialised bytes of event ``seq``: made once, on first request, then shared by

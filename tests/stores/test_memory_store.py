@@ -157,3 +157,32 @@ async def test_the_newest_finished_run_stays_however_large() -> None:
         await log.append(result())
 
     assert store.get("old") is None and store.get("big") is not None
+
+
+@pytest.mark.parametrize("reader", ["none", "some encoded", "waiting follower"])
+async def test_a_finished_log_is_sized_by_its_events_whoever_read_them(reader: str) -> None:
+    log = MemoryRunStore().create("r1")
+    log.append_nowait(heartbeat("a"))
+    log.append_nowait(heartbeat("x" * (ENCODED_KEEP_BYTES + 1)))
+    log.append_nowait(heartbeat("b"))
+    waiting = None
+    if reader == "some encoded":
+        log.encoded(1)
+        log.encoded(2)
+    elif reader == "waiting follower":
+        batches = log.follow_batches(3)
+        waiting = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0)  # caught up: it waits for the next event
+    log.append_nowait(result())
+
+    events = [e async for e in log.follow(0)]
+    assert log.size == sum(event.ByteSize() for event in events)
+    # The bytes a waiting follower asks for next were made while sizing them, and kept;
+    # an event too large to keep twice still is not.
+    made = [data is not None for data in log._encoded]
+    assert made == {"none": [False] * 4, "some encoded": [True, False, False, False],
+                    "waiting follower": [True, False, True, True]}[reader]
+    assert log.encoded(2) is not log.encoded(2)
+    assert [events_pb2.RunEvent.FromString(log.encoded(seq)) for seq in (1, 2, 3, 4)] == events
+    if waiting is not None:
+        assert [e.seq for e in await waiting] == [4]
