@@ -9,6 +9,13 @@ the head has moved (another replica appended), the store does it the long way �
 transaction: take the lock, read the head, insert — and remembers the new head. Either way
 appends from any number of replicas form one gapless chain.
 
+A batch may have landed without the store knowing: the link broke after the server committed
+its INSERT and before the reply came, and the writer appends the same records again. The
+retry's head is stale, so it takes the locked path, whose INSERT then collides on the
+records' ids; only then (never on a normal append) does the store look the ids up, under the
+lock, and return the records as the trail holds them — nothing inserted twice, the chain
+untouched.
+
 Query parameters of the URL that asyncpg does not know (``?search_path=audit``) are sent to
 the server as settings, which is how a deployment (or a test) picks the schema.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
+import structlog
 
 from stargrpc.audit.chain import seal
 from stargrpc.audit.key import ChainKey
@@ -43,6 +51,13 @@ _LOCK_CALL = f"pg_advisory_xact_lock(hashtext(current_schema() || '.{TABLE}'))"
 _LOCK = f"SELECT {_LOCK_CALL}"
 
 _HEAD = f"SELECT seq, hash FROM {TABLE} ORDER BY seq DESC LIMIT 1"
+
+_BY_ID = f"SELECT {', '.join(FIELDS)} FROM {TABLE} WHERE id = ANY($1::text[])"
+
+#: What a record's chain place is made of: the rest is what the caller wrote.
+_PLACE = ("seq", "prev_hash", "hash", "key_id")
+
+log = structlog.get_logger("stargrpc.audit")
 
 _ARRAY_TYPES = {"seq": "bigint[]", "duration_ms": "float8[]", "privileged": "boolean[]"}
 
@@ -118,14 +133,34 @@ class PostgresAuditStore:
             if status == f"INSERT 0 {len(sealed)}":
                 self._head = (sealed[-1].seq, sealed[-1].hash)
                 return sealed
+        try:
+            return await self._append_locked(conn, records, look_up_ids=False)
+        except asyncpg.UniqueViolationError:
+            # Under the lock the head is the table's own, so only an id can collide: the
+            # batch (or some of it) is in the trail already — a retry of an append whose
+            # commit the store never heard of. Again, this time looking the ids up first.
+            return await self._append_locked(conn, records, look_up_ids=True)
+
+    async def _append_locked(self, conn: asyncpg.Connection, records: Sequence[AuditRecord],
+                             *, look_up_ids: bool) -> list[AuditRecord]:
+        """Appends ``records`` after the table's head, in one transaction holding the
+        writers' lock. With ``look_up_ids``, those the trail holds already (by id) are not
+        appended again but returned as stored."""
         async with conn.transaction():
             await conn.execute(_LOCK)
+            landed = (_landed(records, await conn.fetch(_BY_ID, [r.id for r in records]))
+                      if look_up_ids else {})
             last = await conn.fetchrow(_HEAD)
             head = (last["seq"], last["hash"]) if last else (0, GENESIS_HASH)
-            sealed = seal(records, head[0], head[1], self.key)
-            await conn.execute(_INSERT, *_columns(sealed), head[1])
-        self._head = (sealed[-1].seq, sealed[-1].hash)
-        return sealed
+            sealed = seal([r for r in records if r.id not in landed], head[0], head[1],
+                          self.key)
+            if sealed:
+                await conn.execute(_INSERT, *_columns(sealed), head[1])
+        self._head = (sealed[-1].seq, sealed[-1].hash) if sealed else head
+        if not landed:
+            return sealed
+        appended = iter(sealed)
+        return [landed[r.id] if r.id in landed else next(appended) for r in records]
 
     async def query(self, query: Query) -> list[AuditRecord]:
         sql, params = select_sql(TABLE, query, "$")
@@ -147,3 +182,39 @@ class PostgresAuditStore:
 def _columns(records: Sequence[AuditRecord]) -> list[list[object]]:
     """``records`` as one list per column, in :data:`FIELDS` order."""
     return [[getattr(record, name) for record in records] for name in FIELDS]
+
+
+def _landed(records: Sequence[AuditRecord], rows: Sequence[asyncpg.Record]
+            ) -> dict[str, AuditRecord]:
+    """The records of a batch the trail holds already (``rows``, found by their ids), by
+    id, as stored.
+
+    One INSERT commits a whole batch or none of it, so a retry finds all its records or
+    none. Finding only some, or a record under one of the batch's ids that is not the one
+    written, is not this store's doing (rows deleted or added behind its back, another
+    writer reusing ids). It is logged as an error naming the ids, and the safe way on is
+    taken: what is missing is appended after the head as usual and what is found is kept
+    as stored (a record of other content under one of our ids cannot be written under
+    it, and rewriting the trail is not the store's to do). Every id of the batch is then
+    in the trail once, the chain unbroken, nothing the writer holds is silently dropped,
+    and the writer is not stuck retrying a batch it can never insert.
+    """
+    landed = {row["id"]: AuditRecord.from_dict(dict(row)) for row in rows}
+    if not landed:
+        return landed
+    differ = [record.id for record in records
+              if record.id in landed and _content(landed[record.id]) != _content(record)]
+    if len(landed) < len(records) or differ:
+        log.error("audit_batch_partly_in_trail", records=len(records), found=len(landed),
+                  found_ids=sorted(landed), other_content_ids=differ,
+                  action="appending the records not found; keeping those found as stored")
+    else:
+        log.warning("audit_batch_already_in_trail", records=len(records),
+                    first_seq=min(record.seq for record in landed.values()),
+                    reason="a retried append whose earlier commit went unacknowledged")
+    return landed
+
+
+def _content(record: AuditRecord) -> dict[str, object]:
+    """What the caller wrote of ``record``: every field but its place in the chain."""
+    return {name: getattr(record, name) for name in FIELDS if name not in _PLACE}

@@ -1,0 +1,261 @@
+"""A batch whose commit the PostgreSQL store could not confirm (the link broke after the
+server committed the INSERT, before its reply arrived) and that is appended again: the
+retry finds its records in the trail and returns them as stored — one copy each, the chain
+intact — instead of failing on their ids forever while the audit queue waits behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+
+import asyncpg
+import grpc
+from structlog.testing import capture_logs
+
+from stargrpc.audit.chain import verify
+from stargrpc.audit.key import ChainKey, load_key
+from stargrpc.audit.postgres import PostgresAuditStore
+from stargrpc.audit.record import GENESIS_HASH, AuditRecord
+from stargrpc.audit.writer import AuditWriter
+from stargrpc.v1 import tool_service_pb2_grpc
+from tests.audit.conftest import PG_BASE
+from tests.audit.records import make_record
+from tests.conftest import ServerFactory
+from tests.helpers import run_tool
+
+_PG_ADDRESS = PG_BASE.split("@", 1)[1].split("/", 1)[0]  # 127.0.0.1:5432
+
+
+class _Link:
+    """A TCP proxy in front of the PostgreSQL server that can drop the server's replies
+    (:attr:`holding`) and then break every connection it carries (:meth:`cut`): an
+    ambiguous commit, made to order."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.holding = False
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def url(self, url: str) -> str:
+        """``url`` (of the real server) through this proxy."""
+        return url.replace(_PG_ADDRESS, f"127.0.0.1:{self.port}")
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = _PG_ADDRESS.split(":")
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        self._writers += [writer, up_writer]
+        for task in (asyncio.create_task(self._pump(reader, up_writer, replies=False)),
+                     asyncio.create_task(self._pump(up_reader, writer, replies=True))):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                    replies: bool) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                if replies and self.holding:
+                    continue  # the reply is lost on the way
+                writer.write(data)
+                await writer.drain()
+        writer.transport.abort()
+
+    def cut(self) -> None:
+        """Breaks every connection now, both ways; new ones get their replies again."""
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+        self.holding = False
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _trail(url: str, key: ChainKey | None = None) -> list[AuditRecord]:
+    """Every record of the trail at ``url``, after checking its chain."""
+    store = PostgresAuditStore(url, key)
+    await store.open()
+    try:
+        records = [r async for r in store.scan()]
+        report = await verify(store.scan(), [key] if key else ())
+    finally:
+        await store.aclose()
+    assert report.intact, report
+    return records
+
+
+async def test_a_batch_appended_again_after_it_landed_is_returned_as_stored(
+        pg_url: str) -> None:
+    store = PostgresAuditStore(pg_url)
+    await store.open()
+    try:
+        [first] = await store.append([make_record()])
+        batch = [make_record(), make_record()]
+        landed = await store.append(batch)
+        # The reply to that INSERT never came: the store still believes its head is the
+        # record before the batch, and the writer appends the same records again.
+        store._head = (first.seq, first.hash)
+        again = await store.append(batch)
+        after = await store.append([make_record()])  # and the trail goes on after them
+    finally:
+        await store.aclose()
+
+    assert again == landed
+    records = await _trail(pg_url)
+    assert [r.seq for r in records] == [1, 2, 3, 4]
+    assert [r.id for r in records].count(batch[0].id) == 1
+    assert records[1:3] == landed and records[3] == after[0]
+    assert after[0].prev_hash == landed[-1].hash
+
+
+async def test_a_retry_that_finds_its_batch_from_a_store_that_never_saw_a_head(
+        pg_url: str) -> None:
+    # Another store object (the locked path from the start: no head in memory) appends
+    # records already in the trail, followed by records of other writers.
+    batch = [make_record(), make_record(), make_record()]
+    store = PostgresAuditStore(pg_url)
+    await store.open()
+    try:
+        landed = await store.append(batch)
+        later = await store.append([make_record()])
+        retry = PostgresAuditStore(pg_url)
+        await retry.open()
+        try:
+            again = await retry.append(batch)
+            [next_one] = await retry.append([make_record()])
+        finally:
+            await retry.aclose()
+    finally:
+        await store.aclose()
+
+    assert again == landed
+    records = await _trail(pg_url)
+    assert len(records) == 5 and len({r.id for r in records}) == 5
+    assert next_one.seq == 5 and next_one.prev_hash == later[0].hash
+
+
+async def test_the_writer_drains_after_retrying_a_batch_that_landed(pg_url: str) -> None:
+    store = PostgresAuditStore(pg_url)
+    writer = AuditWriter(store)
+    await writer.start()
+    try:
+        await writer.submit(make_record())
+        batch = [make_record(), make_record()]
+        landed = await store.append(batch)
+        store._head = (0, GENESIS_HASH)  # as stale as it gets
+        futures = [writer.submit(record) for record in batch]
+        behind = writer.submit(make_record())
+        stored = await asyncio.wait_for(asyncio.gather(*futures, behind), 10)
+    finally:
+        await writer.aclose()
+
+    assert stored[:2] == landed and stored[2].seq == 4
+    records = await _trail(pg_url)
+    assert [r.seq for r in records] == [1, 2, 3, 4]
+
+
+async def test_a_batch_found_in_part_is_completed_and_logged(pg_url: str) -> None:
+    # Not something one INSERT can leave: some records of the batch are in the trail, one
+    # of them under its id with other content. What is missing is appended, what is there
+    # is returned as stored, and the operator hears of it.
+    store = PostgresAuditStore(pg_url)
+    await store.open()
+    try:
+        first, second, third = make_record(), make_record(), make_record()
+        landed = await store.append([first, second])
+        store._head = None
+        changed = dataclasses.replace(second, result="something else")
+        with capture_logs() as logs:
+            stored = await store.append([first, changed, third])
+    finally:
+        await store.aclose()
+
+    assert stored[:2] == landed and stored[2].seq == 3
+    assert [r.id for r in await _trail(pg_url)] == [first.id, second.id, third.id]
+    [error] = [entry for entry in logs if entry["event"] == "audit_batch_partly_in_trail"]
+    assert error["log_level"] == "error" and error["found"] == 2
+    assert error["other_content_ids"] == [second.id]
+
+
+async def test_a_commit_whose_reply_was_lost_is_not_written_twice(pg_url: str) -> None:
+    # A real broken link: the INSERT reaches the server and commits, its reply is dropped,
+    # then the connection breaks. The writer retries, finds the batch, and drains.
+    link = _Link()
+    await link.start()
+    store = PostgresAuditStore(link.url(pg_url))
+    writer = AuditWriter(store)
+    watcher = await asyncpg.connect(pg_url)
+    try:
+        await writer.start()
+        await writer.submit(make_record())  # the store knows its head: the fast path next
+        link.holding = True
+        batch = [make_record(), make_record()]
+        futures = [writer.submit(record) for record in batch]
+        deadline = time.monotonic() + 10
+        while await watcher.fetchval("SELECT count(*) FROM audit_records") < 3:
+            assert time.monotonic() < deadline, "the batch never reached the server"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not any(future.done() for future in futures)  # its commit is unknown
+        link.cut()
+        behind = writer.submit(make_record())
+        stored = await asyncio.wait_for(asyncio.gather(*futures, behind), 20)
+        assert writer.pending == 0
+    finally:
+        await watcher.close()
+        await writer.aclose()
+        await link.close()
+
+    records = await _trail(pg_url)
+    assert [r.seq for r in records] == [1, 2, 3, 4]
+    assert records[1:] == stored
+    assert [r.id for r in stored] == [*(r.id for r in batch), stored[2].id]
+
+
+async def test_the_server_keeps_serving_after_a_commit_whose_reply_was_lost(
+        make_server: ServerFactory, pg_url: str, tmp_path: Path) -> None:
+    link = _Link()
+    await link.start()
+    watcher = await asyncpg.connect(pg_url)
+    server = await make_server(audit_store=link.url(pg_url), audit_commit_timeout_seconds=10.0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            before = await run_tool(stub, "echo", {"text": "before"})
+            link.holding = True
+            call = asyncio.create_task(run_tool(stub, "echo", {"text": "during"}))
+            deadline = time.monotonic() + 10
+            while await watcher.fetchval(
+                    "SELECT count(*) FROM audit_records WHERE tool = 'echo'") < 2:
+                assert time.monotonic() < deadline, "the record never reached the server"
+                await asyncio.sleep(0.01)
+            assert not call.done()  # its Result waits for a commit the server cannot confirm
+            link.cut()
+            during = await asyncio.wait_for(call, 20)
+            after = await asyncio.wait_for(run_tool(stub, "echo", {"text": "after"}), 20)
+        await server.stop(grace=10)
+    finally:
+        await watcher.close()
+        await link.close()
+
+    assert [events[-1].result.output for events in (before, during, after)] == [
+        "before", "during", "after"]
+    key = load_key(Path(server.settings.state_dir) / "audit-hmac.key")
+    records = await _trail(pg_url, key)
+    assert [r.run_id for r in records if r.tool == "echo"] == [
+        events[-1].run_id for events in (before, during, after)]
+    assert len({r.id for r in records}) == len(records)
