@@ -4,9 +4,10 @@ A version-7 UUID is the time it was made (ms since the epoch) followed by 74 ran
 unguessable like any random UUID, and in the order it was made. A replica that is asked
 about a run it cannot find yet can tell from the run's id alone whether the run was only
 just admitted on another replica (and reaches the shared store with its first write in a
-moment) or is unknown; and the audit trail's unique index on record ids grows at its end,
-where a random id would dirty a page anywhere in it on every append (more to write per
-commit and per checkpoint, the more so the longer the trail).
+moment) or is unknown; and an index on record ids (the PostgreSQL trail's unique one, and
+that of SQLite trails made by earlier versions) grows at its end, where a random id would
+dirty a page anywhere in it on every append (more to write per commit and per checkpoint,
+the more so the longer the trail).
 """
 
 from __future__ import annotations
