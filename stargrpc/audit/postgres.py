@@ -22,6 +22,8 @@ the server as settings, which is how a deployment (or a test) picks the schema.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
@@ -59,6 +61,16 @@ _PLACE = ("seq", "prev_hash", "hash", "key_id")
 
 log = structlog.get_logger("stargrpc.audit")
 
+#: How long one append (connecting included) may take before its connection is dropped. A
+#: link gone silent — a half-open TCP connection, a server that stalls — would otherwise hold
+#: the append, and every record queued behind it, until TCP itself gives up (many minutes).
+#: Dropping the connection fails whatever waits on it at once; the writer retries on a new
+#: one, and a batch that committed unacknowledged is recognised by its ids.
+WRITE_TIMEOUT_SECONDS = 30.0
+
+#: How long closing waits for the append connection to say goodbye before dropping it.
+_CLOSE_TIMEOUT_SECONDS = 5.0
+
 _ARRAY_TYPES = {"seq": "bigint[]", "duration_ms": "float8[]", "privileged": "boolean[]"}
 
 # The batch as one array per column, inserted under the writers' lock and only while the
@@ -82,17 +94,21 @@ class PostgresAuditStore:
     Attributes:
         url: ``postgresql://user[:password]@host[:port]/database[?search_path=schema]``.
         key: The audit key appended records are keyed with (None: unkeyed).
+        write_timeout: Seconds one append may take (:data:`WRITE_TIMEOUT_SECONDS`).
     """
 
     url: str
     key: ChainKey | None
+    write_timeout: float
     _pool: asyncpg.Pool | None
     _writer: asyncpg.Connection | None
     _head: tuple[int, str] | None
 
-    def __init__(self, url: str, key: ChainKey | None = None) -> None:
+    def __init__(self, url: str, key: ChainKey | None = None, *,
+                 write_timeout: float = WRITE_TIMEOUT_SECONDS) -> None:
         self.url = url
         self.key = key
+        self.write_timeout = write_timeout
         self._pool = None
         self._writer = None
         self._head = None  # (seq, hash) of the last record this store wrote or read
@@ -117,13 +133,38 @@ class PostgresAuditStore:
         if self._writer is not None and self._writer.is_closed():
             self._writer = None  # lost (the server restarted or the link broke): a new one
         if self._writer is None:
-            self._writer = await asyncpg.connect(self.url)
+            self._writer = await asyncpg.connect(self.url, timeout=self.write_timeout)
         return self._writer
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        """Appends ``records`` (see the module docstring).
+
+        Raises:
+            TimeoutError: The server did not answer within :attr:`write_timeout` (the
+                connection is dropped: the next append makes a new one).
+        """
         if not records:
             return []
         conn = await self._writer_connection()
+        dropped: list[bool] = []
+
+        def drop() -> None:
+            dropped.append(True)
+            conn.terminate()
+
+        watchdog = asyncio.get_running_loop().call_later(self.write_timeout, drop)
+        try:
+            return await self._append_on(conn, records)
+        except Exception as exc:
+            if dropped:
+                raise TimeoutError(f"the audit database did not answer within "
+                                   f"{self.write_timeout:g} s") from exc
+            raise
+        finally:
+            watchdog.cancel()
+
+    async def _append_on(self, conn: asyncpg.Connection, records: Sequence[AuditRecord]
+                         ) -> list[AuditRecord]:
         if self._head is not None:
             sealed = seal(records, self._head[0], self._head[1], self.key)
             try:
@@ -173,10 +214,15 @@ class PostgresAuditStore:
     async def aclose(self) -> None:
         if self._pool is not None:
             if self._writer is not None:
-                await self._writer.close()
-                self._writer = None
-            await self._pool.close()
-            self._pool = None
+                writer, self._writer = self._writer, None
+                # A silent link must not hold the server's shutdown: close() drops the
+                # connection itself when its goodbye is not answered in time.
+                with contextlib.suppress(Exception):
+                    await writer.close(timeout=_CLOSE_TIMEOUT_SECONDS)
+            pool, self._pool = self._pool, None
+            # The pool drops its connections itself when closing them is cut short.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT_SECONDS)
 
 
 def _columns(records: Sequence[AuditRecord]) -> list[list[object]]:

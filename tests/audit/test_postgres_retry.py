@@ -1,7 +1,10 @@
 """A batch whose commit the PostgreSQL store could not confirm (the link broke after the
 server committed the INSERT, before its reply arrived) and that is appended again: the
 retry finds its records in the trail and returns them as stored — one copy each, the chain
-intact — instead of failing on their ids forever while the audit queue waits behind it."""
+intact — instead of failing on their ids forever while the audit queue waits behind it.
+And a link that goes silent instead of breaking (a half-open connection, a stalled server):
+the append gives its connection up after the store's write timeout and the writer goes on
+on a new one, instead of waiting until TCP gives up."""
 
 from __future__ import annotations
 
@@ -32,13 +35,15 @@ _PG_ADDRESS = PG_BASE.split("@", 1)[1].split("/", 1)[0]  # 127.0.0.1:5432
 class _Link:
     """A TCP proxy in front of the PostgreSQL server that can drop the server's replies
     (:attr:`holding`) and then break every connection it carries (:meth:`cut`): an
-    ambiguous commit, made to order."""
+    ambiguous commit, made to order. Or silence the connections it carries now, both ways,
+    without ever closing them (:meth:`stall`): a half-open link."""
 
     def __init__(self) -> None:
         self.port = 0
         self.holding = False
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+        self._silenced: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -62,11 +67,17 @@ class _Link:
                     replies: bool) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
-                if replies and self.holding:
-                    continue  # the reply is lost on the way
+                if (replies and self.holding) or writer in self._silenced:
+                    continue  # lost on the way
                 writer.write(data)
                 await writer.drain()
         writer.transport.abort()
+
+    def stall(self) -> None:
+        """Silences every connection carried now, both ways, for good (they stay open);
+        new connections work, with their replies."""
+        self._silenced.update(self._writers)
+        self.holding = False
 
     def cut(self) -> None:
         """Breaks every connection now, both ways; new ones get their replies again."""
@@ -83,6 +94,15 @@ class _Link:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _until_stored(watcher: asyncpg.Connection, count_sql: str, count: int) -> None:
+    """Waits (10 s at most) until the server holds ``count`` rows by ``count_sql``: the
+    INSERT reached it and committed, whether or not its reply gets back."""
+    deadline = time.monotonic() + 10
+    while await watcher.fetchval(count_sql) < count:
+        assert time.monotonic() < deadline, "the records never reached the server"
+        await asyncio.sleep(0.01)
 
 
 async def _trail(url: str, key: ChainKey | None = None) -> list[AuditRecord]:
@@ -205,10 +225,7 @@ async def test_a_commit_whose_reply_was_lost_is_not_written_twice(pg_url: str) -
         link.holding = True
         batch = [make_record(), make_record()]
         futures = [writer.submit(record) for record in batch]
-        deadline = time.monotonic() + 10
-        while await watcher.fetchval("SELECT count(*) FROM audit_records") < 3:
-            assert time.monotonic() < deadline, "the batch never reached the server"
-            await asyncio.sleep(0.01)
+        await _until_stored(watcher, "SELECT count(*) FROM audit_records", 3)
         await asyncio.sleep(0.05)
         assert not any(future.done() for future in futures)  # its commit is unknown
         link.cut()
@@ -238,11 +255,8 @@ async def test_the_server_keeps_serving_after_a_commit_whose_reply_was_lost(
             before = await run_tool(stub, "echo", {"text": "before"})
             link.holding = True
             call = asyncio.create_task(run_tool(stub, "echo", {"text": "during"}))
-            deadline = time.monotonic() + 10
-            while await watcher.fetchval(
-                    "SELECT count(*) FROM audit_records WHERE tool = 'echo'") < 2:
-                assert time.monotonic() < deadline, "the record never reached the server"
-                await asyncio.sleep(0.01)
+            await _until_stored(
+                watcher, "SELECT count(*) FROM audit_records WHERE tool = 'echo'", 2)
             assert not call.done()  # its Result waits for a commit the server cannot confirm
             link.cut()
             during = await asyncio.wait_for(call, 20)
@@ -259,3 +273,54 @@ async def test_the_server_keeps_serving_after_a_commit_whose_reply_was_lost(
     assert [r.run_id for r in records if r.tool == "echo"] == [
         events[-1].run_id for events in (before, during, after)]
     assert len({r.id for r in records}) == len(records)
+
+
+async def test_an_append_on_a_link_gone_silent_is_given_up_and_made_again(pg_url: str) -> None:
+    link = _Link()
+    await link.start()
+    store = PostgresAuditStore(link.url(pg_url), write_timeout=0.5)
+    writer = AuditWriter(store)
+    try:
+        await writer.start()
+        first = await writer.submit(make_record())
+        link.stall()  # the append connection goes quiet: no reset, no reply, ever
+        with capture_logs() as logs:
+            second = await asyncio.wait_for(writer.submit(make_record()), 20)
+            third = await asyncio.wait_for(writer.submit(make_record()), 20)
+        assert writer.pending == 0
+    finally:
+        await asyncio.wait_for(writer.aclose(), 20)  # closing is not held by the dead link
+        await link.close()
+
+    assert [r.seq for r in (first, second, third)] == [1, 2, 3]
+    assert [r.id for r in await _trail(pg_url)] == [first.id, second.id, third.id]
+    failures = [entry for entry in logs if entry["event"] == "audit_write_failed"]
+    assert failures and "did not answer within 0.5 s" in failures[0]["error"]
+
+
+async def test_a_commit_unanswered_on_a_silent_link_is_recognised_on_the_new_one(
+        pg_url: str) -> None:
+    # The INSERT commits, its reply is lost, and the link then goes quiet instead of
+    # breaking: the timeout gives the connection up, and the retry finds the batch.
+    link = _Link()
+    await link.start()
+    store = PostgresAuditStore(link.url(pg_url), write_timeout=1.0)
+    writer = AuditWriter(store)
+    watcher = await asyncpg.connect(pg_url)
+    try:
+        await writer.start()
+        await writer.submit(make_record())
+        link.holding = True
+        batch = [make_record(), make_record()]
+        futures = [writer.submit(record) for record in batch]
+        await _until_stored(watcher, "SELECT count(*) FROM audit_records", 3)
+        link.stall()
+        stored = await asyncio.wait_for(asyncio.gather(*futures), 20)
+    finally:
+        await watcher.close()
+        await asyncio.wait_for(writer.aclose(), 20)
+        await link.close()
+
+    records = await _trail(pg_url)
+    assert [r.seq for r in records] == [1, 2, 3]
+    assert records[1:] == stored
