@@ -42,8 +42,9 @@ class CallRecord:
         outcome: ok, denied, failed, error, timeout, cancelled, unauthenticated or invalid.
         detail: A short, user-safe detail.
         extra: Anything else an interceptor wants to keep with the record.
-        before_result: Awaited with the batch of run events that ends with an Execute's
-            Result, before the caller can see the Result (the audit commits the record
+        before_result: Awaited with the run events that end with an Execute's Result
+            (its batch, after the notices that ended the batches before it), before the
+            caller can see the Result (the audit commits the record
             there, so every Result seen has its record stored).
     """
 

@@ -65,6 +65,17 @@ def cuts_before_result(events: Sequence[events_pb2.RunEvent]) -> list[str]:
     cuts.reverse()
     return cuts
 
+
+def trailing_notices(before: Sequence[events_pb2.RunEvent],
+                     batch: Sequence[events_pb2.RunEvent]) -> list[events_pb2.RunEvent]:
+    """The notices that end the events streamed so far, once ``batch`` is streamed after
+    those that ended the batches before it (``before``): what :func:`cuts_before_result`
+    must see with the next batch when that one starts with the Result."""
+    start = len(batch)
+    while start > 0 and batch[start - 1].WhichOneof("kind") == "notice":
+        start -= 1
+    return [*before, *batch] if start == 0 else list(batch[start:])
+
 #: The sent files an over-large output or structured output moves into.
 OUTPUT_FILE_NAME = "output.txt"
 STRUCTURED_FILE_NAME = "structured_output.json"

@@ -464,9 +464,11 @@ class Run:
             fitted = self._with_inline_files(result)
             if fitted is not result:
                 result.CopyFrom(fitted)
+        # The notices and the Result go out without a turn of the loop between them (nor
+        # after the Result): nothing can stop the run half-way through its ending.
         for code, message in notices:
-            await self.emit_notice(code, message)
-        await self._emit(event)
+            await self._emit(self._notice(code, message, warning=True), may_yield=False)
+        await self._emit(event, may_yield=False)
         self.result = result
 
     def _let_go(self) -> None:
@@ -751,7 +753,7 @@ class Run:
             notice.source = cut_text(source, self._sizes.label_chars)
         return event
 
-    async def _emit(self, event: events_pb2.RunEvent) -> None:
+    async def _emit(self, event: events_pb2.RunEvent, *, may_yield: bool = True) -> None:
         for observer in self.observers:
             observer(event)
         append_nowait = self._append_nowait
@@ -763,7 +765,7 @@ class Run:
                 await steered
             await self.log.append(event)
         self._emitted += 1
-        if self._emitted % YIELD_EVERY_EVENTS == 0:
+        if may_yield and self._emitted % YIELD_EVERY_EVENTS == 0:
             # Appending never waits, so a tool that emits without awaiting anything else
             # would hold the event loop until it returns: its own stream could not start
             # sending, and every other call would wait. Give the loop a turn now and then.

@@ -7,7 +7,8 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from stargrpc.errors import (
     RunFinished,
     reason_name,
 )
+from stargrpc.event_sizes import trailing_notices
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
@@ -43,7 +45,6 @@ from stargrpc.stores.base import (
     encode_page_token,
     run_finished_error,
 )
-from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.streaming import (
     EventFrame,
     StreamedResponse,
@@ -169,39 +170,36 @@ class ToolService:
         record = current_call.get()
         before_result = record.before_result if record is not None else None
         sent = 0  # events sent and not counted yet: counted once per batch
-        follower: AsyncGenerator[Sequence[events_pb2.RunEvent], None] | None = None
+        # The notices that ended the batches streamed so far: a run announces what it cut
+        # in notices right before its Result, and a batch may end between the two (the run
+        # gave the loop a turn, a shared log's read split them).
+        notices: list[events_pb2.RunEvent] = []
         try:
-            batch: Sequence[events_pb2.RunEvent] = ()
             if admitted.run is not None:
                 # The run's task was scheduled when the run started: one turn of the loop
                 # lets it go first, so that a run that ends without waiting (most do) is
-                # read in one batch, straight from its log: no follower, no wake-up of this
-                # stream. Inside the try: a call cancelled here stops its run.
+                # read in one batch, with no wake-up of this stream (an event and a loop
+                # turn less per call). Inside the try: a call cancelled here stops its run.
                 await asyncio.sleep(0)
-                batch = _held_events(log)
             # Pre-serialised responses (and the Result as a message), as
             # stargrpc.streaming.event_responses makes them, written out here: one async
             # generator less for every message of every Execute.
-            while True:
-                for response in batch_responses(log, batch, coalesce) if batch else ():
-                    if response is None:  # the Result, the run's last event
-                        if before_result is not None:
-                            await before_result(batch)
-                        yield tool_service_pb2.ExecuteResponse(event=batch[-1])
-                        sent += 1
-                        streamed_to_end = True
-                        return
-                    yield response
-                    sent += response.events
-                if sent:
-                    _EXECUTE_EVENTS.inc(sent)
-                    sent = 0
-                if follower is None:
-                    follower = log.follow_batches(len(batch))
-                next_batch = await anext(follower, None)
-                if next_batch is None:
-                    break
-                batch = next_batch
+            async with aclosing(log.follow_batches(0)) as batches:
+                async for batch in batches:
+                    for response in batch_responses(log, batch, coalesce):
+                        if response is None:  # the Result, the run's last event
+                            if before_result is not None:
+                                await before_result([*notices, *batch])
+                            yield tool_service_pb2.ExecuteResponse(event=batch[-1])
+                            sent += 1
+                            streamed_to_end = True
+                            return
+                        yield response
+                        sent += response.events
+                    notices = trailing_notices(notices, batch)
+                    if sent:
+                        _EXECUTE_EVENTS.inc(sent)
+                        sent = 0
             streamed_to_end = True
         except RequestError as error:  # an attached run's shared store went away
             await error.abort(context)
@@ -215,8 +213,6 @@ class ToolService:
                     and not request.idempotency_key):
                 admitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
-            if follower is not None:
-                await follower.aclose()
 
     async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.StartRunResponse:
@@ -417,11 +413,6 @@ class ToolService:
     def settings(self) -> Settings:
         """The server's settings."""
         return self.runtime.settings
-
-
-def _held_events(log: RunLog) -> Sequence[events_pb2.RunEvent]:
-    """The events a log of this process holds now (none for a log of another kind)."""
-    return log.held_events() if isinstance(log, MemoryRunLog) else ()
 
 
 async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:

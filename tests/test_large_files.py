@@ -5,6 +5,7 @@ so Execute and WatchRun always end with a Result."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -157,8 +158,24 @@ async def huge_writeback(ctx: ToolContext, args: Size) -> str:
     return "handed back"
 
 
+class DeltasThenOutput(BaseModel):
+    deltas: int = Field(ge=0)
+    size: int = Field(ge=0)
+
+
+@tool(kind="test")
+async def deltas_then_output(ctx: ToolContext, args: DeltasThenOutput) -> str:
+    """Streams ``deltas`` small deltas, waits a turn of the loop, then returns ``size``
+    characters: every count of events before the Result's notice."""
+    for index in range(args.deltas):
+        await ctx.delta(f"{index}\n")
+    await asyncio.sleep(0)
+    return "0123456789" * (args.size // 10)
+
+
 def _size_registry() -> Registry:
-    specs = [spec_of(fn) for fn in (huge_output, huge_delta, huge_structured, huge_writeback)]
+    specs = [spec_of(fn) for fn in (huge_output, huge_delta, huge_structured, huge_writeback,
+                                    deltas_then_output)]
     return Registry([*run_registry().values(), *(spec for spec in specs if spec)])
 
 
@@ -298,4 +315,21 @@ async def test_a_call_replaying_a_cut_result_has_the_cut_in_its_record(make_serv
         assert [e.notice.code for e in events if e.HasField("notice")] == ["OUTPUT_TRUNCATED"]
     details = await _audit_details(server)
     assert len(details) == 2
+    assert all(detail.startswith("OUTPUT_TRUNCATED: the output (") for _, _, detail in details)
+
+
+async def test_the_cut_is_in_the_record_however_many_events_came_before_it(
+        make_server) -> None:
+    # The run gives the loop a turn every few events: wherever that turn falls, the notice
+    # of the cut and the Result reach the call's record together.
+    server = await make_server(registry=_size_registry(), max_send_message_bytes=MiB)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        for deltas in range(20):
+            events = await collect(stub.Execute(execute_request(
+                "deltas_then_output", {"deltas": deltas, "size": 2 * MiB})))
+            assert [e.notice.code for e in events if e.HasField("notice")] == [
+                "OUTPUT_TRUNCATED"]
+    details = await _audit_details(server)
+    assert len(details) == 20
     assert all(detail.startswith("OUTPUT_TRUNCATED: the output (") for _, _, detail in details)

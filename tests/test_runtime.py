@@ -140,3 +140,31 @@ async def test_a_finished_run_is_counted_with_its_results_outcome_and_duration()
     assert sample("tool_executor_duration_seconds_sum") == pytest.approx(
         before[1] + result.duration.ToNanoseconds() / 1e9, abs=1e-12)
     assert admitted.run.duration_ns == result.duration.ToNanoseconds()
+
+
+@tool()
+async def deltas_then_large_output(ctx: ToolContext, args: NoArguments) -> str:
+    """A few deltas (as many as ``DELTAS[0]``), a turn of the loop, then output too large
+    for the Result (cut, with a notice before the Result)."""
+    for index in range(DELTAS[0]):
+        await ctx.delta(f"{index}\n")
+    await asyncio.sleep(0)
+    return "x" * (10 * 1024 * 1024)
+
+
+DELTAS = [0]
+
+
+@pytest.mark.parametrize("deltas", range(20))
+async def test_a_run_ends_with_its_notices_and_result_in_one_batch(deltas: int) -> None:
+    # A follower that is always waiting reads each batch the moment the run gives the loop
+    # a turn: whatever the count of events before them, the notice of the cut and the
+    # Result come in one batch (the audit reads the cuts from the Result's batch).
+    DELTAS[0] = deltas
+    runtime = Runtime(Registry([spec_of(deltas_then_large_output)]))
+    admitted = await runtime.admit(
+        RunRequest(tool_name="deltas_then_large_output", arguments={}), Principal("tester"))
+    batches = [list(batch) async for batch in admitted.log.follow_batches(0)]
+    last = batches[-1]
+    assert last[-1].HasField("result")
+    assert [e.notice.code for e in last if e.HasField("notice")] == ["OUTPUT_TRUNCATED"]

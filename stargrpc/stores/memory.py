@@ -168,11 +168,6 @@ class MemoryRunLog:
                 self._encoded[seq - 1] = data
         return data
 
-    def held_events(self) -> Sequence[events_pb2.RunEvent]:
-        """Every event the log holds now, in order, without waiting (what a stream of the
-        run's own call reads when the run ended before it first looked)."""
-        return self._events[:]
-
     async def follow(self, after_seq: int = 0, *, max_lag: int = 0
                      ) -> AsyncIterator[events_pb2.RunEvent]:
         async with aclosing(self.follow_batches(after_seq, max_lag=max_lag)) as batches:
