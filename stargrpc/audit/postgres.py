@@ -16,15 +16,29 @@ records' ids; only then (never on a normal append) does the store look the ids u
 lock, and return the records as the trail holds them — nothing inserted twice, the chain
 untouched.
 
+An append that gets no answer within the write timeout (connecting included) drops its
+connection and is retried on a new one. Dropping only closes this end, though: over a
+half-open link the server's session lives on, and one dropped inside the locked path's
+transaction would keep the writers' lock — every replica's next locked append waiting
+behind it — until the server's TCP keepalive notices (hours). So the append connection asks
+the server to end such a session itself: ``idle_in_transaction_session_timeout`` is the
+write timeout (no append of ours is idle in its transaction that long: the client gave it
+up by then), and ``lock_timeout`` a tenth under it, so a wait for the lock fails cleanly
+(the connection stays usable, the writer retries) before the append would be dropped, and a
+dropped append's session does not queue for the lock after its client has gone.
+
 Query parameters of the URL that asyncpg does not know (``?search_path=audit``) are sent to
-the server as settings, which is how a deployment (or a test) picks the schema.
+the server as settings, which is how a deployment (or a test) picks the schema; they apply
+together with the two above, and a URL that sets either of those itself has its way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 import structlog
@@ -61,12 +75,17 @@ _PLACE = ("seq", "prev_hash", "hash", "key_id")
 
 log = structlog.get_logger("stargrpc.audit")
 
-#: How long one append (connecting included) may take before its connection is dropped. A
-#: link gone silent — a half-open TCP connection, a server that stalls — would otherwise hold
-#: the append, and every record queued behind it, until TCP itself gives up (many minutes).
-#: Dropping the connection fails whatever waits on it at once; the writer retries on a new
-#: one, and a batch that committed unacknowledged is recognised by its ids.
+#: How long one append (connecting included: one deadline for both) may take before its
+#: connection is dropped. A link gone silent — a half-open TCP connection, a server that
+#: stalls — would otherwise hold the append, and every record queued behind it, until TCP
+#: itself gives up (many minutes). Dropping the connection fails whatever waits on it at
+#: once; the writer retries on a new one, and a batch that committed unacknowledged is
+#: recognised by its ids. The server ends a session left in its transaction this long (see
+#: the module docstring).
 WRITE_TIMEOUT_SECONDS = 30.0
+
+#: The part of the write timeout a wait for the writers' lock may take (``lock_timeout``).
+_LOCK_WAIT_SHARE = 0.9
 
 #: How long closing waits for the append connection to say goodbye before dropping it.
 _CLOSE_TIMEOUT_SECONDS = 5.0
@@ -133,7 +152,9 @@ class PostgresAuditStore:
         if self._writer is not None and self._writer.is_closed():
             self._writer = None  # lost (the server restarted or the link broke): a new one
         if self._writer is None:
-            self._writer = await asyncpg.connect(self.url, timeout=self.write_timeout)
+            self._writer = await asyncpg.connect(
+                self.url, timeout=self.write_timeout,
+                server_settings=_session_settings(self.url, self.write_timeout))
         return self._writer
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
@@ -145,20 +166,28 @@ class PostgresAuditStore:
         """
         if not records:
             return []
-        conn = await self._writer_connection()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.write_timeout  # one for connecting and appending
+        timed_out = TimeoutError(f"the audit database did not answer within "
+                                 f"{self.write_timeout:g} s")
+        try:
+            conn = await self._writer_connection()
+        except TimeoutError as exc:  # asyncpg gave the connection attempt up itself
+            raise timed_out from exc
         dropped: list[bool] = []
 
         def drop() -> None:
             dropped.append(True)
             conn.terminate()
 
-        watchdog = asyncio.get_running_loop().call_later(self.write_timeout, drop)
+        # Whatever connecting took is gone from the append's time (a deadline already
+        # past drops the connection at once).
+        watchdog = loop.call_at(deadline, drop)
         try:
             return await self._append_on(conn, records)
         except Exception as exc:
             if dropped:
-                raise TimeoutError(f"the audit database did not answer within "
-                                   f"{self.write_timeout:g} s") from exc
+                raise timed_out from exc
             raise
         finally:
             watchdog.cancel()
@@ -225,6 +254,18 @@ class PostgresAuditStore:
                 await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT_SECONDS)
 
 
+def _session_settings(url: str, write_timeout: float) -> dict[str, str]:
+    """The server settings of the append connection (see the module docstring), less those
+    ``url`` sets itself: asyncpg sends the URL's unknown query parameters as settings too,
+    and lets ``server_settings`` override them."""
+    settings = {
+        "idle_in_transaction_session_timeout": str(max(1, math.ceil(write_timeout * 1000))),
+        "lock_timeout": str(max(1, math.floor(write_timeout * _LOCK_WAIT_SHARE * 1000))),
+    }
+    given = parse_qs(urlsplit(url).query, keep_blank_values=True)
+    return {name: value for name, value in settings.items() if name not in given}
+
+
 def _columns(records: Sequence[AuditRecord]) -> list[list[object]]:
     """``records`` as one list per column, in :data:`FIELDS` order."""
     return [[getattr(record, name) for record in records] for name in FIELDS]
@@ -242,18 +283,24 @@ def _landed(records: Sequence[AuditRecord], rows: Sequence[asyncpg.Record]
     taken: what is missing is appended after the head as usual and what is found is kept
     as stored (a record of other content under one of our ids cannot be written under
     it, and rewriting the trail is not the store's to do). Every id of the batch is then
-    in the trail once, the chain unbroken, nothing the writer holds is silently dropped,
-    and the writer is not stuck retrying a batch it can never insert.
+    in the trail once, the chain unbroken, and the writer is not stuck retrying a batch it
+    can never insert. A record of ours whose id the trail holds with other content is the
+    one thing not stored: the stored record is returned in its place, and ours is in the
+    error, whole (``not_stored``, as ``audit_record_not_stored`` logs a record) — logged,
+    not silently dropped.
     """
     landed = {row["id"]: AuditRecord.from_dict(dict(row)) for row in rows}
     if not landed:
         return landed
-    differ = [record.id for record in records
+    differ = [record for record in records
               if record.id in landed and _content(landed[record.id]) != _content(record)]
     if len(landed) < len(records) or differ:
         log.error("audit_batch_partly_in_trail", records=len(records), found=len(landed),
-                  found_ids=sorted(landed), other_content_ids=differ,
-                  action="appending the records not found; keeping those found as stored")
+                  found_ids=sorted(landed), other_content_ids=[r.id for r in differ],
+                  not_stored=[record.as_dict() for record in differ],
+                  action="appending the records not found; keeping those found as stored"
+                         + ("; the records under ids stored with other content are not "
+                            "stored (not_stored)" if differ else ""))
     else:
         log.warning("audit_batch_already_in_trail", records=len(records),
                     first_seq=min(record.seq for record in landed.values()),

@@ -4,7 +4,8 @@ retry finds its records in the trail and returns them as stored — one copy eac
 intact — instead of failing on their ids forever while the audit queue waits behind it.
 And a link that goes silent instead of breaking (a half-open connection, a stalled server):
 the append gives its connection up after the store's write timeout and the writer goes on
-on a new one, instead of waiting until TCP gives up."""
+on a new one, instead of waiting until TCP gives up — and the server ends the session left
+behind, so a lock it held does not hold every other writer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import asyncpg
 import grpc
+import pytest
 from structlog.testing import capture_logs
 
 from stargrpc.audit.chain import verify
@@ -36,7 +38,8 @@ class _Link:
     """A TCP proxy in front of the PostgreSQL server that can drop the server's replies
     (:attr:`holding`) and then break every connection it carries (:meth:`cut`): an
     ambiguous commit, made to order. Or silence the connections it carries now, both ways,
-    without ever closing them (:meth:`stall`): a half-open link."""
+    without ever closing them (:meth:`stall`): a half-open link — neither end hears of the
+    other closing it either."""
 
     def __init__(self) -> None:
         self.port = 0
@@ -71,7 +74,8 @@ class _Link:
                     continue  # lost on the way
                 writer.write(data)
                 await writer.drain()
-        writer.transport.abort()
+        if writer not in self._silenced:  # a silenced one is not told (until close())
+            writer.transport.abort()
 
     def stall(self) -> None:
         """Silences every connection carried now, both ways, for good (they stay open);
@@ -209,6 +213,9 @@ async def test_a_batch_found_in_part_is_completed_and_logged(pg_url: str) -> Non
     [error] = [entry for entry in logs if entry["event"] == "audit_batch_partly_in_trail"]
     assert error["log_level"] == "error" and error["found"] == 2
     assert error["other_content_ids"] == [second.id]
+    # The record not stored (its id holds other content) is in the error, whole.
+    assert error["not_stored"] == [changed.as_dict()]
+    assert error["not_stored"][0]["result"] == "something else"
 
 
 async def test_a_commit_whose_reply_was_lost_is_not_written_twice(pg_url: str) -> None:
@@ -324,3 +331,101 @@ async def test_a_commit_unanswered_on_a_silent_link_is_recognised_on_the_new_one
     records = await _trail(pg_url)
     assert [r.seq for r in records] == [1, 2, 3]
     assert records[1:] == stored
+
+
+_ADVISORY_LOCKS = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted = $1"
+
+
+async def test_the_append_connection_asks_the_server_to_end_what_it_leaves(
+        pg_url: str) -> None:
+    # The server ends a session of the append connection left in its transaction after the
+    # write timeout, and a lock wait fails a little before it; the URL's own settings (the
+    # schema) apply too, and a setting the URL makes itself has its way.
+    store = PostgresAuditStore(pg_url, write_timeout=1.5)
+    await store.open()
+    own = PostgresAuditStore(f"{pg_url}&lock_timeout=4000", write_timeout=1.5)
+    try:
+        await store.append([make_record()])
+        await own.append([make_record()])
+        settings = "SELECT current_setting($1)"
+        assert store._writer is not None and own._writer is not None
+        schema = pg_url.rsplit("search_path=", 1)[1]
+        for conn, lock_timeout in ((store._writer, "1350ms"), (own._writer, "4s")):
+            assert await conn.fetchval(settings, "search_path") == schema
+            assert await conn.fetchval(
+                settings, "idle_in_transaction_session_timeout") == "1500ms"
+            assert await conn.fetchval(settings, "lock_timeout") == lock_timeout
+    finally:
+        await own.aclose()
+        if own._writer is not None:  # never opened: aclose() leaves its connection
+            await own._writer.close()
+        await store.aclose()
+    assert [r.seq for r in await _trail(pg_url)] == [1, 2]
+
+
+async def test_a_lock_held_by_a_session_on_a_silent_link_is_let_go_by_the_server(
+        pg_url: str) -> None:
+    # A store's link goes silent inside the locked path's transaction, after the server
+    # gave it the writers' lock. Its append is given up, but closing its end tells the
+    # server nothing: the session stays idle in its transaction, holding the lock, until
+    # the server ends it — soon, not when TCP notices — and the other writers go on.
+    link = _Link()
+    await link.start()
+    other = PostgresAuditStore(pg_url, write_timeout=10.0)  # a replica on a sound link
+    await other.open()
+    stalled = PostgresAuditStore(link.url(pg_url), write_timeout=1.0)  # the locked path
+    holder = await asyncpg.connect(pg_url)
+    try:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute(
+            "SELECT pg_advisory_xact_lock(hashtext(current_schema() || '.audit_records'))")
+        record = make_record()
+        append = asyncio.create_task(stalled.append([record]))
+        deadline = time.monotonic() + 10
+        while not await holder.fetchval(_ADVISORY_LOCKS, False):  # it waits for the lock
+            assert time.monotonic() < deadline and not append.done()
+            await asyncio.sleep(0.005)
+        link.stall()
+        await holding.commit()  # the server gives it the lock; the reply is lost
+        while not await holder.fetchval(_ADVISORY_LOCKS, True):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+
+        started = time.monotonic()
+        [theirs] = await asyncio.wait_for(other.append([make_record()]), 15)
+        waited = time.monotonic() - started
+        with pytest.raises(TimeoutError, match="did not answer within 1 s"):
+            await append
+        [ours] = await asyncio.wait_for(stalled.append([record]), 10)  # on a new connection
+    finally:
+        await holder.close()
+        if stalled._writer is not None:
+            stalled._writer.terminate()
+        await other.aclose()
+        await link.close()
+
+    assert waited < 3, f"the other writer waited {waited:.1f} s for the lock"
+    assert (theirs.seq, ours.seq) == (1, 2)
+    assert [r.id for r in await _trail(pg_url)] == [theirs.id, record.id]
+
+
+async def test_connecting_counts_against_the_write_timeout(pg_url: str) -> None:
+    # A server that takes the connection and never answers: the append fails after the
+    # write timeout, with the store's own message, like an append that gets no answer.
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the store gives up and closes
+        writer.close()
+
+    silent = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    store = PostgresAuditStore(pg_url.replace(_PG_ADDRESS, f"127.0.0.1:{port}"),
+                               write_timeout=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not answer within 0\.5 s"):
+            await asyncio.wait_for(store.append([make_record()]), 10)
+        assert time.monotonic() - started < 2
+    finally:
+        silent.close()
+        await silent.wait_closed()
