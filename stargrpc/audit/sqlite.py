@@ -178,7 +178,10 @@ class SqliteAuditStore:
             sealed = _append(self._fast, records, self.key)
         except sqlite3.Error:
             return None  # locked by another writer, or failing: the thread waits and reports
-        self._fast_committed()
+        try:
+            self._fast_committed()
+        except Exception:  # committed all the same: this must not make them declined
+            log.exception("audit_checkpoint_not_scheduled")
         return sealed
 
     def _fast_committed(self) -> None:

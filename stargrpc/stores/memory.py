@@ -133,15 +133,16 @@ class MemoryRunLog:
     def _measure(self) -> int:
         """The serialised size of the events in the log. An event whose bytes are kept
         (a reader asked for them, or the Redis log flushed them) is as long as they are;
-        the others are measured — serialised and their bytes kept, as :meth:`encoded`
-        would, when a follower is waiting (it asks for them next), else only sized."""
+        the others are serialised and their bytes kept, as :meth:`encoded` would — the
+        run's own stream asks for them next — except the Result, which streams send as a
+        message of their own: it is only sized."""
         encoded = self._encoded
-        keep = self._waiting > 0
+        last = len(encoded) - 1
         total = 0
         for index, data in enumerate(encoded):
             if data is None:
                 event = self._events[index]
-                if not keep:
+                if index == last:
                     total += event.ByteSize()
                     continue
                 data = event.SerializeToString()

@@ -169,3 +169,25 @@ async def test_a_record_the_store_declines_to_append_at_once_goes_to_the_task_at
     assert stored.seq == 1
     assert tries == [1]
 
+
+
+async def test_a_record_committed_at_once_is_not_appended_again_when_bookkeeping_fails(
+        sqlite_url: str) -> None:
+    # The commit went through; what follows it (scheduling a checkpoint) fails. The record
+    # is stored, once: a failure after the commit must not read as a declined append.
+    store = open_store(sqlite_url)
+    writer = AuditWriter(store)
+    await writer.start()
+
+    def failing() -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    store._fast_committed = failing  # type: ignore[attr-defined]
+    stored = writer.submit_alone(make_record())
+    if isinstance(stored, asyncio.Future):
+        stored = await stored
+    await writer.flush()
+    records = [r async for r in store.scan()]
+    await writer.aclose()
+
+    assert [r.id for r in records] == [stored.id]
