@@ -70,10 +70,10 @@ def classify_return(value: Any) -> ToolResult:
     """Turns whatever a tool returned into a :class:`ToolResult`."""
     if isinstance(value, ToolResult):
         return value
-    if value is None or (value.__class__ is str and not value):
+    if value is None:
         return _EMPTY  # shared: a ToolResult cannot be changed
     if isinstance(value, str):
-        return ToolResult(output=value)
+        return ToolResult(output=value) if value else _EMPTY
     if isinstance(value, BaseModel):
         data = value.model_dump(mode="json")
         return ToolResult(output=_json_text(data), structured=data)

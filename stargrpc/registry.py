@@ -36,7 +36,8 @@ _SPEC_ATTRIBUTE = "__stargrpc_tool__"
 class NoArguments(BaseModel):
     """The argument model of a tool that takes no arguments."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Frozen: runs without arguments share one instance (stargrpc.runtime).
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)

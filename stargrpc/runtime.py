@@ -53,8 +53,9 @@ from stargrpc.v1 import events_pb2
 log = structlog.get_logger("stargrpc.runtime")
 
 
-#: The arguments of every run of a tool without arguments: such a tool is never handed them
-#: (nor can a model without fields be changed), so one instance serves them all.
+#: The arguments of every run of a tool without arguments called with none: one instance
+#: serves them all, as it cannot be changed (frozen, no fields; a tool declaring
+#: ``args: NoArguments`` is handed this very instance).
 _NO_ARGUMENTS = NoArguments()
 
 

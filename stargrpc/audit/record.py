@@ -54,22 +54,18 @@ def outcome_for_status(code: grpc.StatusCode | None) -> str:
 def outcome_for_result(result: events_pb2.Result) -> str:
     """The outcome of a run, from its Result: "ok", "denied", "failed", … ."""
     # A dict lookup: the enum wrapper's Name() goes through the descriptor on every call.
-    outcome = _RESULT_OUTCOMES.get(result.outcome)
-    return outcome if outcome is not None else _outcome_named(result.outcome)
+    # A value this version does not know is an error.
+    return _RESULT_OUTCOMES.get(result.outcome, "error")
 
 
-def _outcome_named(value: int) -> str:
-    """The outcome of a Result's ``outcome`` value, by the enum's name (a value this
-    version does not know is an error)."""
-    try:
-        name = events_pb2.Outcome.Name(value).removeprefix("OUTCOME_").lower()
-    except ValueError:
-        return "error"
-    return name if name in OUTCOMES else "error"
+def _outcome_named(name: str) -> str:
+    outcome = name.removeprefix("OUTCOME_").lower()
+    return outcome if outcome in OUTCOMES else "error"
 
 
 #: The outcome of each value the Result's ``outcome`` enum defines.
-_RESULT_OUTCOMES = {value: _outcome_named(value) for value in events_pb2.Outcome.values()}
+_RESULT_OUTCOMES = {value: _outcome_named(name)
+                    for name, value in events_pb2.Outcome.items()}
 
 
 def utc_now() -> str:

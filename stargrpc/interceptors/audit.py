@@ -20,8 +20,9 @@ more than the record's commit).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,7 +277,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
             return
         # What the request names, so that even a call refused before the runtime looked at
         # it is recorded with its tool, run or key (cut: it is unchecked input).
-        for name, attribute in _named_by(type(request)):
+        for name, attribute in _named_by(request.__class__):
             value = getattr(request, attribute, "")
             if value and isinstance(value, str) and not getattr(record, name):
                 setattr(record, name, cut(value, 200))
@@ -423,21 +424,13 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
 _NAMED = (("tool", "tool_name"), ("run_id", "run_id"), ("idempotency_key", "idempotency_key"))
 
 
-def _named_by(kind: type) -> tuple[tuple[str, str], ...]:
-    """Which of :data:`_NAMED` a request of type ``kind`` may carry: for a protobuf message
-    the fields it defines (the others are never set), worked out once per type rather than
-    looked up one by one on every call; for anything else all of them."""
-    named = _NAMED_BY.get(kind)
-    if named is None:
-        fields = getattr(getattr(kind, "DESCRIPTOR", None), "fields_by_name", None)
-        named = _NAMED if fields is None else tuple(
-            pair for pair in _NAMED if pair[1] in fields)
-        _NAMED_BY[kind] = named
-    return named
-
-
-#: :func:`_named_by` of each request type met (the services' message types: a few).
-_NAMED_BY: dict[type, tuple[tuple[str, str], ...]] = {}
+@functools.cache  # per request type met: the services' message types, a few
+def _named_by(kind: Hashable) -> tuple[tuple[str, str], ...]:
+    """Which of :data:`_NAMED` a request of class ``kind`` may carry: for a protobuf
+    message the fields it defines (the others are never set), worked out once per type
+    rather than looked up one by one on every call; for anything else all of them."""
+    fields = getattr(getattr(kind, "DESCRIPTOR", None), "fields_by_name", None)
+    return _NAMED if fields is None else tuple(pair for pair in _NAMED if pair[1] in fields)
 
 
 def _outcome_of_call(context: grpc.aio.ServicerContext | None,
