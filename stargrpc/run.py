@@ -99,7 +99,8 @@ class Run:
         root_step: The top-level step, the tool call itself.
         observers: Hooks called with each event before it is appended.
         finish_hooks: Hooks called once with the run after its Result is in the log.
-        result: The Result, once the run has ended.
+        result: The Result, once the run has ended: the logged event's own message (read
+            it, never change it: streams send the bytes made of it).
         duration_ns: The Result's duration in nanoseconds, once the run is ending.
         settings: The server's settings.
     """
@@ -150,6 +151,7 @@ class Run:
     audit_arguments = None
     audit_result = None
     _steer_append = None
+    _result_appended: events_pb2.Result | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -284,7 +286,7 @@ class Run:
         return pending
 
     async def wait(self) -> events_pb2.Result:
-        """Waits for the run to end and returns its Result."""
+        """Waits for the run to end and returns its Result (:attr:`result`: read-only)."""
         if self.result is None:
             if self._done is None:
                 self._done = asyncio.Event()
@@ -413,7 +415,7 @@ class Run:
             await self._emit_result(outcome, duration)
         except Exception:
             log.exception("run_finish_failed", run_id=self.run_id, tool=self.spec.name)
-            if self.result is None:
+            if self.result is None and not self.log.finished:
                 result = self._fallback_result(duration)
                 # Straight into the log: an observer may be what failed.
                 try:
@@ -422,9 +424,23 @@ class Run:
                     log.exception("run_result_lost", run_id=self.run_id, tool=self.spec.name)
                 self.result = result
         finally:
-            if self.result is None:  # cancelled on the way (the server going down hard)
-                self.result = self._fallback_result(duration)
+            if self.result is None:  # the ending broke off: whatever the log says stands
+                self.result = self._ending_result(duration)
             self._ended()
+
+    def _ending_result(self, duration: float) -> events_pb2.Result:
+        """The Result of a run whose ending broke off (something failed after its Result
+        was appended, or the run was cancelled on the way): the one in its log, else a
+        stand-in — into the log too when that needs no waiting, so that its followers end."""
+        if self.log.finished and self._result_appended is not None:
+            return self._result_appended
+        result = self._fallback_result(duration)
+        if not self.log.finished and self._append_nowait is not None:
+            try:
+                self._append_nowait(events_pb2.RunEvent(result=result))
+            except Exception:
+                log.exception("run_result_lost", run_id=self.run_id, tool=self.spec.name)
+        return result
 
     def _fallback_result(self, duration: float) -> events_pb2.Result:
         result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
@@ -468,6 +484,7 @@ class Run:
         # after the Result): nothing can stop the run half-way through its ending.
         for code, message in notices:
             await self._emit(self._notice(code, message, warning=True), may_yield=False)
+        self._result_appended = result  # what the log holds if appending it is cut short
         await self._emit(event, may_yield=False)
         self.result = result
 

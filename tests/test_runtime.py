@@ -14,6 +14,7 @@ from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
 from stargrpc.run import Run
 from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 STARTED = asyncio.Event()
@@ -168,3 +169,24 @@ async def test_a_run_ends_with_its_notices_and_result_in_one_batch(deltas: int) 
     last = batches[-1]
     assert last[-1].HasField("result")
     assert [e.notice.code for e in last if e.HasField("notice")] == ["OUTPUT_TRUNCATED"]
+
+
+async def test_a_run_whose_ending_fails_after_its_result_keeps_that_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Result is in the log when something after it fails (here the store's bookkeeping
+    # of the finished run): the run's Result is that one, not a stand-in the log never got.
+    def broken(*_: object) -> None:
+        raise RuntimeError("the store's bookkeeping broke")
+
+    monkeypatch.setattr(MemoryRunStore, "_record_finish", broken)
+    runtime = Runtime(Registry([spec_of(quick)]))
+    admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                   Principal("tester"))
+    assert admitted.run is not None
+    result = await asyncio.wait_for(admitted.run.wait(), 10)
+    events = [event async for event in admitted.log.follow()]
+
+    assert result.outcome == events_pb2.OUTCOME_OK and result.output == "done"
+    assert events[-1].result == result
+    assert [e for e in events if e.HasField("result")] == [events[-1]]
+    assert runtime.runs == {}
