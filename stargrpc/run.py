@@ -412,11 +412,11 @@ class Run:
         # What every Result of the run says (the metrics read it here, not off the message).
         self.duration_ns = int(duration * 1e9)
         try:
-            await self._emit_result(outcome, duration)
+            await self._emit_result(outcome)
         except Exception:
             log.exception("run_finish_failed", run_id=self.run_id, tool=self.spec.name)
             if self.result is None and not self.log.finished:
-                result = self._fallback_result(duration)
+                result = self._fallback_result()
                 # Straight into the log: an observer may be what failed.
                 try:
                     await self.log.append(events_pb2.RunEvent(result=result))
@@ -425,16 +425,16 @@ class Run:
                 self.result = result
         finally:
             if self.result is None:  # the ending broke off: whatever the log says stands
-                self.result = self._ending_result(duration)
+                self.result = self._ending_result()
             self._ended()
 
-    def _ending_result(self, duration: float) -> events_pb2.Result:
+    def _ending_result(self) -> events_pb2.Result:
         """The Result of a run whose ending broke off (something failed after its Result
         was appended, or the run was cancelled on the way): the one in its log, else a
         stand-in — into the log too when that needs no waiting, so that its followers end."""
         if self.log.finished and self._result_appended is not None:
             return self._result_appended
-        result = self._fallback_result(duration)
+        result = self._fallback_result()
         if not self.log.finished and self._append_nowait is not None:
             try:
                 self._append_nowait(events_pb2.RunEvent(result=result))
@@ -442,11 +442,11 @@ class Run:
                 log.exception("run_result_lost", run_id=self.run_id, tool=self.spec.name)
         return result
 
-    def _fallback_result(self, duration: float) -> events_pb2.Result:
+    def _fallback_result(self) -> events_pb2.Result:
         result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
-        set_duration(result.duration, duration)
+        set_duration(result.duration, self.duration_ns or 0)
         return result
 
     def _ended(self) -> None:
@@ -461,7 +461,7 @@ class Run:
                 log.exception("finish_hook_failed", run_id=self.run_id)
         self._let_go()
 
-    async def _emit_result(self, outcome: ToolResult, duration: float) -> None:
+    async def _emit_result(self, outcome: ToolResult) -> None:
         """Ends the open steps, streams the files chosen to stream, then appends the
         Result and sets :attr:`result`."""
         ok = outcome.outcome is Outcome.OK
@@ -474,7 +474,7 @@ class Run:
         # The Result is made in its event: RunEvent(result=...) would copy it.
         event = events_pb2.RunEvent()
         result = event.result
-        notices = self._result_message(outcome, duration, result)
+        notices = self._result_message(outcome, result)
         if self.writeback.sent_files:  # the tool's, or the output moved into one
             await self._stream_large_files()
             fitted = self._with_inline_files(result)
@@ -494,8 +494,7 @@ class Run:
         tool's task holds its return value or exception, whose frames hold the context):
         reference counting then frees the run as soon as nobody uses it, instead of
         whenever the cycle collector next makes a full collection."""
-        self.observers.clear()
-        self.finish_hooks.clear()
+        self.observers.clear()  # (the finish hooks were taken off by _ended)
         if self._abandon_timer is not None:
             self._abandon_timer.cancel()
             self._abandon_timer = None
@@ -503,7 +502,7 @@ class Run:
         self._step_started.clear()
         self._output_tail.clear()
 
-    def _result_message(self, outcome: ToolResult, duration: float, result: events_pb2.Result
+    def _result_message(self, outcome: ToolResult, result: events_pb2.Result
                         ) -> list[tuple[str, str]]:
         """Fills ``result`` (empty) with the Result, fitted to the send limit (see
         :mod:`stargrpc.event_sizes`); returns the notices that say what was cut or dropped
@@ -526,7 +525,7 @@ class Run:
                                          sizes.label_chars)
             result.error.message = cut_text(
                 outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
-        set_duration(result.duration, duration)
+        set_duration(result.duration, self.duration_ns or 0)
         inline_bytes = 0
         writeback = self.writeback
         if writeback.sent_files or writeback.injected_tools or writeback.rich_messages:
@@ -738,7 +737,8 @@ class Run:
             message = event.step
             message.phase = events_pb2.STEP_PHASE_DELTA
             message.step.id = step.id
-            message.step.parent_id = step.parent_id
+            if step.parent_id:
+                message.step.parent_id = step.parent_id
             message.delta = piece
             message.channel = channel
             self._remember_output(piece)
@@ -822,13 +822,13 @@ def check_steer_message(message: str, max_bytes: int) -> None:
                                        f"(steer_max_bytes), got {size}")])
 
 
-def set_duration(message: duration_pb2.Duration, seconds: float) -> None:
-    """Sets ``message`` to ``seconds``, to the nanosecond.
+def set_duration(message: duration_pb2.Duration, nanoseconds: int) -> None:
+    """Sets ``message`` to ``nanoseconds``.
 
-    The same value as ``Duration.FromNanoseconds(int(seconds * 1e9))``, whose pure-Python
-    helper costs more than setting the two fields; it runs for every Result.
+    The same value as ``Duration.FromNanoseconds(nanoseconds)``, whose pure-Python helper
+    costs more than setting the two fields; it runs for every Result.
     """
-    whole, nanos = divmod(int(seconds * 1e9), 1_000_000_000)
+    whole, nanos = divmod(nanoseconds, 1_000_000_000)
     if whole < 0 and nanos:  # a Duration's nanos take the sign of its seconds
         whole += 1
         nanos -= 1_000_000_000
