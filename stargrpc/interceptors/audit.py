@@ -123,6 +123,13 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self._wrapped = WrappedHandlers()
         self._open_calls = 0
 
+    @property
+    def open_calls(self) -> int:
+        """Calls whose record is opened but not yet handed to the writer. A client may hold
+        its status before the record of its call is handed over (the record is written as
+        the handler unwinds): wait for this to reach 0, then flush the writer."""
+        return self._open_calls
+
     # -- lifecycle (the server calls these) ------------------------------------------------
 
     async def start(self) -> None:
