@@ -18,15 +18,15 @@ from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 T = TypeVar("T")
 
 
-async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout: float = 10.0,
+async def eventually(check: Callable[[], T | Awaitable[T]], *, within: float = 10.0,
                      interval: float = 0.01, what: str = "") -> T:
     """Waits until ``check()`` (a function or a coroutine function) returns something truthy,
-    and returns it; fails the test when it has not within ``timeout`` seconds.
+    and returns it; fails the test when it has not within ``within`` seconds.
 
     For state that no event announces (a row committed by another process, a key expiring
     in Redis); where an event can be awaited, await it instead.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     while True:
         value = check()
         if inspect.isawaitable(value):
@@ -34,7 +34,7 @@ async def eventually(check: Callable[[], T | Awaitable[T]], *, timeout: float = 
         if value:
             return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout} s: {what or check!r} (last: {value!r})")
+            raise AssertionError(f"not within {within} s: {what or check!r} (last: {value!r})")
         await asyncio.sleep(interval)
 
 
