@@ -380,6 +380,17 @@ async def test_a_page_on_another_origin_is_refused_even_with_a_valid_key(
     assert await alice.echo("same origin") == "same origin"
 
 
+async def test_a_browsers_preflight_from_another_origin_is_not_granted(
+        mcp_server: McpUnderTest, http: httpx2.AsyncClient) -> None:
+    answer = await http.options(mcp_server.url, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, mcp-session-id"})
+
+    assert answer.status_code >= 400
+    assert not any(name.startswith("access-control-allow") for name in answer.headers)
+    assert _endpoint(mcp_server).sessions.count() == 0
+
+
 async def test_stopping_the_server_ends_open_sessions(mcp_server: McpUnderTest,
                                                       http: httpx2.AsyncClient) -> None:
     alice = Raw(http, mcp_server.url, mcp_server.auth.key)
