@@ -331,10 +331,12 @@ async def test_an_idle_session_gives_its_place_back(
         make_auth_server: AuthServerFactory, http: httpx2.AsyncClient) -> None:
     server = McpUnderTest(await make_auth_server(
         mcp_registry(), mcp_port=0, mcp_max_sessions_per_principal=1,
-        mcp_session_idle_seconds=0.5))
+        mcp_session_idle_seconds=1.0))
     first = Raw(http, server.url, server.auth.key)
     assert (await first.initialize()).status == 200
-    assert (await Raw(http, server.url, server.auth.key).initialize()).status == 429
+    async with first.stream("GET") as standalone:  # in flight: not idle, however long
+        assert standalone.status_code == 200
+        assert (await Raw(http, server.url, server.auth.key).initialize()).status == 429
 
     async def opens() -> bool:
         return (await Raw(http, server.url, server.auth.key).initialize()).status == 200
