@@ -351,9 +351,14 @@ async def test_the_sessions_of_the_endpoint_are_capped(
                                                  mcp_max_sessions=2))
     keys = [server.auth.key, server.auth.add_key("bob"), server.auth.add_key("carol")]
 
-    answers = [await Raw(http, server.url, key).initialize() for key in keys]
+    callers = [Raw(http, server.url, key) for key in keys]
+    answers = [await caller.initialize() for caller in callers]
 
     assert [answer.status for answer in answers] == [200, 200, 503]
+    assert answers[2].session is None
+    assert (await callers[0].send("DELETE")).status == 200  # room again, and still serving
+    assert (await callers[2].initialize()).status == 200
+    assert await callers[2].echo("carol's turn") == "carol's turn"
 
 
 # -- the Host/Origin check still guards the session routes ------------------------------------
