@@ -25,6 +25,7 @@ from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.composed import compose
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
@@ -186,7 +187,9 @@ class StargrpcServer:
         self.upstreams.start()  # in the background: a slow MCP server never delays serving
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
-            self.mcp = McpEndpoint(self.settings, self.port)
+            auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
+            self.mcp = McpEndpoint(self.settings, self.port,
+                                   auth.authenticator if auth is not None else None)
             await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

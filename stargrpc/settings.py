@@ -393,6 +393,17 @@ class Settings(BaseSettings):
                                  "free one); off when unset.")
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
+    mcp_max_sessions_per_principal: int = Field(
+        32, ge=1, le=10_000, description="Handshake-era MCP sessions one principal may hold "
+        "open at the MCP endpoint; one more is refused (HTTP 429) until one ends (DELETE) or "
+        "expires (mcp_session_idle_seconds). Per worker process.")
+    mcp_max_sessions: int = Field(
+        1000, ge=1, le=100_000, description="MCP sessions the endpoint holds open, all "
+        "principals together; one more is refused (HTTP 503). Per worker process.")
+    mcp_session_idle_seconds: float = Field(
+        1800.0, gt=0, le=7 * 24 * 3600, description="An MCP session with no request in "
+        "flight (no call answered, no open GET stream) for this long ends; its client must "
+        "initialize again.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
         "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md.")

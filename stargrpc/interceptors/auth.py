@@ -64,6 +64,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._open_services = frozenset(open_services)
         self._guarded = WrappedHandlers()
 
+    @property
+    def authenticator(self) -> Authenticator:
+        """What makes a principal of a call's credentials (the MCP endpoint's too)."""
+        return self._authenticator
+
     async def start(self) -> None:
         """Says loudly when authentication is off; reads the keys file once, so a broken
         one stops start-up instead of refusing every call."""
