@@ -179,9 +179,7 @@ class Deliveries:
             if result is None:
                 result = await self._result_of(run_id)
                 if result is not None and self._journal is not None:
-                    # A restart from now on delivers this Result, not RUN_LOST.
-                    await asyncio.to_thread(self._journal.set_result, run_id,
-                                            result.SerializeToString())
+                    await self._keep_result(run_id, result)
             if result is None:
                 log.error("delivery_failed", run_id=run_id, kind=target.kind,
                           reason="the run expired before its Result could be read")
@@ -202,6 +200,17 @@ class Deliveries:
         finally:
             if renewer is not None:
                 renewer.cancel()
+
+    async def _keep_result(self, run_id: str, result: events_pb2.Result) -> None:
+        """Keeps the Result in the journal: a restart from now on delivers it, not RUN_LOST.
+        Best effort: the delivery goes on without it."""
+        assert self._journal is not None
+        try:
+            await asyncio.to_thread(self._journal.set_result, run_id,
+                                    result.SerializeToString())
+        except Exception as exc:
+            log.warning("delivery_result_not_kept", run_id=run_id,
+                        path=str(self._journal.path), error=str(exc))
 
     async def _register(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
         record = json.dumps({"tool": tool, "target": target.to_json()})
