@@ -214,9 +214,13 @@ class Deliveries:
 
     async def _register(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
         record = json.dumps({"tool": tool, "target": target.to_json()})
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._pending_key(), run_id, record)
+        # Two keys in two slots of a cluster, so no transaction (a cluster refuses one that
+        # spans slots): both are written before the call is answered, so a crash in between
+        # loses no promised delivery; a pending delivery whose lease was lost is taken over
+        # by another replica too (at least once).
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._lease_key(run_id), self._replica, px=self._lease_ms)
+            pipe.hset(self._pending_key(), run_id, record)
             await pipe.execute()
 
     async def _renew(self, run_id: str) -> None:
