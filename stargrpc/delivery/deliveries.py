@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import structlog
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from stargrpc import metrics
 from stargrpc.delivery.journal import JOURNAL_NAME, DeliveryJournal
@@ -364,9 +365,13 @@ class Deliveries:
         for pending in left:
             if pending.run_id in self._active:
                 continue
+            result = None
             if pending.result is not None:
-                result = events_pb2.Result.FromString(pending.result)
-            else:  # its run died with the process, unfinished
+                try:
+                    result = events_pb2.Result.FromString(pending.result)
+                except DecodeError:  # a damaged row: what is known is that the run ended
+                    log.error("delivery_result_unreadable", run_id=pending.run_id)
+            if result is None:  # its run died with the process, unfinished
                 result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
                 result.error.code = "RUN_LOST"
                 result.error.message = ("the server stopped before the run ended; run it "
