@@ -137,6 +137,10 @@ class Deliveries:
             except Exception as exc:
                 log.warning("delivery_not_registered", run_id=run_log.run_id, kind=target.kind,
                             error=f"{type(exc).__name__}: {exc}"[:300])
+                # Its run will not start: a half-written delivery must not be taken over.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self.settings.redis_timeout_seconds):
+                        await self._redis.hdel(self._pending_key(), run_log.run_id)
                 raise Unavailable("the shared run store (Redis) could not keep the "
                                   "delivery; retry shortly", reason="RUN_STORE_UNAVAILABLE",
                                   retry_after=1.0) from exc
