@@ -46,6 +46,8 @@ def test_rows_of_live_processes_stay_theirs_and_the_file_is_private(tmp_path: Pa
     again = {p.run_id for p in journal.left_behind()}
     journal.remove("mine")
     left = {p.run_id for p in journal.left_behind()}
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode)
+             for path in journal.path.parent.glob(f"{JOURNAL_NAME}*")}
     journal.close()
 
     assert set(taken) == {"mine", "a dead one's"}
@@ -53,7 +55,9 @@ def test_rows_of_live_processes_stay_theirs_and_the_file_is_private(tmp_path: Pa
     assert taken["mine"].target == TARGET
     assert again == {"mine", "a dead one's"}  # taken over: they name this process now
     assert left == {"a dead one's"}
-    assert stat.S_IMODE(os.stat(journal.path).st_mode) == 0o600
+    # The database and the WAL files SQLite makes beside it, like the rest of the folder.
+    assert modes == {name: 0o600 for name in (JOURNAL_NAME, f"{JOURNAL_NAME}-wal",
+                                              f"{JOURNAL_NAME}-shm")}
 
 
 async def test_a_delivery_the_state_folder_cannot_keep_refuses_its_call_before_the_run(
