@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,9 +363,19 @@ class Runtime:
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
                    settings=self.settings)
 
-    async def admit(self, request: RunRequest, principal: Principal) -> Admission:
+    async def admit(self, request: RunRequest, principal: Principal, *,
+                    before_start: Callable[[Run], Awaitable[None]] | None = None
+                    ) -> Admission:
         """Checks a request, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
+
+        Args:
+            request: What to run.
+            principal: Who asks.
+            before_start: Awaited once the run holds its place in the store and before it
+                starts, only for a run this call starts: what must be durable before the
+                call is answered (a delivery of the run's Result). What it raises refuses
+                the call, and the run is forgotten.
 
         Raises:
             RequestError: Any reason to refuse the request before it runs, including a key
@@ -402,6 +412,8 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     return Admission(log=held, run=None)
+            if before_start is not None:
+                await before_start(run)
         except BaseException:
             permit.release()
             # The run never started: forget its log too (best effort — the store may be

@@ -34,7 +34,7 @@ from stargrpc.event_sizes import trailing_notices
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.run import check_steer_message
+from stargrpc.run import Run, check_steer_message
 from stargrpc.runtime import Admission, RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
@@ -240,7 +240,13 @@ class ToolService:
         call = self._decode_execute(request, policy)
         target = (await self._delivery_target(request) if request.HasField("delivery")
                   else None)
-        admitted = await self.runtime.admit(call, current_principal.get())
+        before_start = None
+        if target is not None:
+            async def before_start(run: Run) -> None:
+                # Durable before the call is answered: a call answered is a delivery made.
+                await self.deliveries.register(run.log, run.spec.name, target)
+        admitted = await self.runtime.admit(call, current_principal.get(),
+                                            before_start=before_start)
         self._deliver(admitted, target)
         return admitted
 

@@ -95,7 +95,8 @@ class Settings(BaseSettings):
     state_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME")
                                      or Path.home() / ".local" / "state") / "stargrpc",
-        description="Where the server keeps its files (keys file, audit database, indexes).")
+        description="Where the server keeps its files (keys file, audit database, "
+        "pending deliveries, indexes).")
 
     # -- tools -----------------------------------------------------------------------------
     tools_dir: Annotated[list[Path], NoDecode] = Field(

@@ -961,6 +961,42 @@ class RedisRunStore:
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop(), name="redis-lease-renewal")
 
+    async def register(self, log: RunLog) -> None:
+        # Before the run starts, as a claim registers it: a replica that learns of the run
+        # from then on (a delivery to take over) finds it, and ends it RUN_LOST if this
+        # replica dies. Void when Redis applies it after the call's deadline (_REGISTER_RUN).
+        assert isinstance(log, RedisRunLog)
+        if log.registered:
+            return  # by its claim
+        try:
+            async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                with _reachable("registering the run"):
+                    while True:
+                        try:
+                            reply = await self._call(self._register_run_script,
+                                                     self._run_keys(log.run_id), [
+                                self._token(log.run_id), self.lease_ms,
+                                self._running_ttl_ms, log.owner, log.tool, self.replica,
+                                self._deadline_ms(log)])
+                        except _SLOT_MOVING:
+                            await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
+                            continue
+                        if reply[0] == 1:
+                            break
+                        ahead = int(reply[1]) - int(time.time() * 1000)
+                        if ahead <= self._clock_ahead_ms:
+                            raise _ClaimTooLate
+                        _log_clock_ahead(ahead)  # not late: Redis's clock runs ahead
+                        self._clock_ahead_ms = ahead
+        except (TimeoutError, _ClaimTooLate) as exc:
+            _log_unavailable("registering the run", "no answer in time")
+            raise Unavailable("the shared run store (Redis) did not answer in time "
+                              "(registering the run); retry shortly",
+                              reason="RUN_STORE_UNAVAILABLE",
+                              retry_after=RETRY_AFTER_SECONDS) from exc
+        log.registered = True
+        await self._index_runs([log])
+
     async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
         assert isinstance(log, RedisRunLog)
         claim_key = self._claim_key(owner, key)
