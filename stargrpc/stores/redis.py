@@ -923,6 +923,11 @@ class RedisRunStore:
         return self.keys.claim(owner, key)
 
     @property
+    def _running_key(self) -> str:
+        """The set of running runs the sweep for lost runs looks at."""
+        return f"{self.prefix}runs:running"
+
+    @property
     def _running_ttl_ms(self) -> int:
         return self.retention_ms + self.lease_ms
 
@@ -1173,7 +1178,7 @@ class RedisRunStore:
     def _running_commands(self, run_log: RedisRunLog) -> list[tuple[Any, ...]]:
         """What puts a run just registered into ``runs:running`` (the sweep looks at it once
         its lease could have lapsed), or takes a run whose Result is in Redis out."""
-        key = f"{self.prefix}runs:running"
+        key = self._running_key
         if run_log.finished and not run_log._pending:  # the Result written (or fenced)
             return [("ZREM", key, run_log.run_id)]
         due = int(time.time() * 1000) + self._clock_ahead_ms + self.lease_ms
@@ -1778,7 +1783,7 @@ class RedisRunStore:
             RedisError: Redis could not be reached (the runs taken are due again a lease
                 later, for any sweeper).
         """
-        key = f"{self.prefix}runs:running"
+        key = self._running_key
         taken: Any = await self._sweep_take_script(
             keys=[key], args=[_SWEEP_MAX_RUNS, self.lease_ms, self._running_ttl_ms])
         now_ms, run_ids = int(taken[0]), [raw.decode() for raw in taken[1:]]
@@ -1806,9 +1811,7 @@ class RedisRunStore:
                 due[run_id] = now_ms + int(self.sweep_interval * 1000)
             elif lapsed is not None and now_ms < int(lapsed) + self.lease_ms:
                 due[run_id] = int(lapsed) + self.lease_ms  # in its grace
-            elif await self._end(run_id, "RUN_LOST", _LOST_MESSAGE, noticed_by="sweep",
-                                 replica=(replica or b"").decode(errors="replace"),
-                                 tool=(tool or b"").decode(errors="replace")):
+            elif await self._sweep_end(run_id, replica, tool):
                 gone.append(run_id)
             else:  # just seen lapsed (its grace starts now), or its lease was taken back
                 due[run_id] = now_ms + int(self.sweep_interval * 1000)
@@ -1819,3 +1822,19 @@ class RedisRunStore:
                 pipe.zrem(key, *gone)
             await pipe.execute(raise_on_error=False)
         return len(run_ids)
+
+    async def _sweep_end(self, run_id: str, replica: bytes | None, tool: bytes | None) -> bool:
+        """Ends a run the sweep found lapsed, if it has stayed lapsed for the grace (the
+        first sighting starts it); whether it was ended. A refusal of this run's script (its
+        slot being moved) is logged and left for the next look.
+
+        Raises:
+            RedisError: Redis could not be reached.
+        """
+        try:
+            return await self._end(run_id, "RUN_LOST", _LOST_MESSAGE, noticed_by="sweep",
+                                   replica=(replica or b"").decode(errors="replace"),
+                                   tool=(tool or b"").decode(errors="replace"))
+        except (ResponseError, ClusterError) as exc:
+            log.warning("redis_sweep_failed", run_id=run_id, error=str(exc))
+            return False
