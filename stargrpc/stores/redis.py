@@ -540,6 +540,7 @@ class RedisRunLog(MemoryRunLog):
     claim_value: str
     registered: bool
     lease_lost: bool
+    swept: bool
     deadline: float
     _store: RedisRunStore
     _pending: list[tuple[int, bytes, bool]]
@@ -553,6 +554,8 @@ class RedisRunLog(MemoryRunLog):
         # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
         self.registered = False
         self.lease_lost = False
+        # Whether the run was put into runs:running (the sweep for lost runs looks at it).
+        self.swept = False
         # When (monotonic) the call starting the run stops waiting for Redis: set on publish.
         self.deadline = 0.0
         self._pending = []
@@ -1180,7 +1183,9 @@ class RedisRunStore:
         its lease could have lapsed), or takes a run whose Result is in Redis out."""
         key = self._running_key
         if run_log.finished and not run_log._pending:  # the Result written (or fenced)
-            return [("ZREM", key, run_log.run_id)]
+            # A run registered with its Result (most short runs) was never put in.
+            return [("ZREM", key, run_log.run_id)] if run_log.swept else []
+        run_log.swept = True
         due = int(time.time() * 1000) + self._clock_ahead_ms + self.lease_ms
         return [("ZADD", key, due, run_log.run_id), ("PEXPIRE", key, self._running_ttl_ms)]
 

@@ -197,8 +197,8 @@ async def test_two_sweepers_end_a_lost_run_once_and_leave_a_live_run_alone(
     assert not [line for line in logs if line["log_level"] in ("error", "critical")]
 
 
-async def test_a_finished_run_leaves_the_sweep_set(stores: list[RedisRunStore],
-                                                   redis_prefix: str) -> None:
+async def test_a_finished_run_leaves_the_sweep_set_and_a_short_one_never_enters_it(
+        stores: list[RedisRunStore], redis_prefix: str) -> None:
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix, lease=1.0)
     stores.append(store)
     run_log = await _running_run(store)
@@ -210,8 +210,16 @@ async def test_a_finished_run_leaves_the_sweep_set(stores: list[RedisRunStore],
     run_log.append_nowait(result)
     assert await store.flushed(10)
     after = await store.redis.zscore(running_key, run_log.run_id)
+    # A run whose first write holds its Result is never put in (nothing to take out).
+    short = store.create(str(uuid.uuid4()), owner="alice", tool="echo")
+    await store.publish(short)
+    short.append_nowait(_step(events_pb2.STEP_PHASE_START))
+    short.append_nowait(result)
+    assert await store.flushed(10)
+    short_state = await store._state(short.run_id)
 
     assert while_running is not None and after is None
+    assert short_state == "finished" and not short.swept
     assert ttl > 0  # it expires with a fleet that is gone, like the other indexes
 
 
