@@ -114,7 +114,7 @@ async def test_a_killed_replicas_runs_end_run_lost_unwatched_and_its_delivery_is
             alone = await stub.StartRun(unwatched)
         run_ids = [delivered.run_id, alone.run_id]
         async with asyncio.timeout(20):
-            # Both replicas' runs in Redis, leased (their first events flushed): another
+            # Both runs in Redis, leased (their first events flushed), and the delivery: another
             # process writes them, so there is no event to await here.
             while not all([await redis.hexists(f"{redis_prefix}delivery:pending",  # noqa: ASYNC110
                                                delivered.run_id),
