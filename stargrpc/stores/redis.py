@@ -1613,7 +1613,7 @@ class RedisRunStore:
         lease without writing a Result, once the lease has stayed lapsed for a whole lease
         period (see :data:`_END`); does nothing to a live or finished run."""
         if await self._state(run_id) == "orphaned":
-            await self._end(run_id, "RUN_LOST", _LOST_MESSAGE)
+            await self._end(run_id, "RUN_LOST", _LOST_MESSAGE, noticed_by="call")
 
     async def _end(self, run_id: str, code: str, message: str, token: str = "",
                    **seen: str) -> bool:
