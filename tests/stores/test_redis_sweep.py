@@ -138,11 +138,11 @@ async def test_a_killed_replicas_runs_end_run_lost_unwatched_and_its_delivery_is
     assert lost_after < LOST_WITHIN, f"the runs ended RUN_LOST {lost_after:.1f} s after the kill"
     assert state == b"lost"
     assert not set(run_ids) & {raw.decode() for raw in still_running}
-    # The survivor's sweep ended them (logged with the dead replica's id, and counted).
-    assert all(_swept(logs, run_id) for run_id in run_ids), logs
-    assert all(line["replica"] and line["tool"] == "tally"
-               for run_id in run_ids for line in _swept(logs, run_id))
-    assert metrics.RUNS_LOST.labels("sweep")._value.get() >= swept_before + 2
+    # The survivor's sweep ended the run nobody looked at (logged with the dead replica's id,
+    # and counted); the other, the sweep or the delivery taken over, whichever came first.
+    swept = _swept(logs, alone.run_id)
+    assert len(swept) == 1 and swept[0]["replica"] and swept[0]["tool"] == "tally", logs
+    assert metrics.RUNS_LOST.labels("sweep")._value.get() >= swept_before + 1
     # The delivery the dead replica left is taken over and delivers that Result.
     assert entry["outcome"] == "OUTCOME_ERROR"
     assert json.loads(entry["result"])["error"]["code"] == "RUN_LOST"
