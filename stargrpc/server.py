@@ -184,6 +184,8 @@ class StargrpcServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         self.service.deliveries.start()
+        if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
+            await self.runtime.store.start()
         self.upstreams.start()  # in the background: a slow MCP server never delays serving
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:

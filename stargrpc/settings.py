@@ -144,6 +144,10 @@ class Settings(BaseSettings):
                                        "UNAVAILABLE).")
     run_lease_seconds: float = Field(10.0, ge=1, description="A replica's claim on its "
                                      "runs; runs of a replica dead this long are lost.")
+    run_sweep_interval_seconds: float = Field(1.0, gt=0, description="How often each replica "
+                                              "looks for runs of dead replicas to end "
+                                              "RUN_LOST (jittered; at most a quarter of "
+                                              "run_lease_seconds).")
     run_max_events: int = Field(100_000, ge=100, description="Events kept per run in Redis "
                                 "(older ones are trimmed).")
     max_watch_lag_events: int = Field(10_000, ge=0, description="A live watcher further "
