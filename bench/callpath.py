@@ -30,10 +30,14 @@ from typing import Any
 
 import grpc
 
-from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.streaming import serialize_response
 from stargrpc.v1 import tool_service_pb2
+
+try:
+    from stargrpc.contract import SERVICE_NAME
+except ImportError:  # a tree from before the contract's names had a module of their own
+    from stargrpc.service import SERVICE_NAME
 
 EXECUTE = f"/{SERVICE_NAME}/Execute"
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.interceptors._shapes import WrappedHandlers
-from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 
 EXECUTE_METHOD = f"/{SERVICE_NAME}/Execute"
