@@ -138,7 +138,8 @@ class StargrpcServer:
         self.interceptors = list(interceptors if interceptors is not None
                                  else build_chain(settings))
         self._server = grpc.aio.server(
-            # audit, auth and critic served as one wrapper per call (same order, same work).
+            # Neighbouring audit, auth and critic stages served as one wrapper per call
+            # (same order, same work); self.interceptors keeps each by name.
             interceptors=compose(self.interceptors),
             options=self._channel_options(),
         )
