@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
 from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.http_server import HttpEndpoints
@@ -35,7 +36,7 @@ from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
-from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
+from stargrpc.service import ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
@@ -137,7 +138,8 @@ class StargrpcServer:
         self.interceptors = list(interceptors if interceptors is not None
                                  else build_chain(settings))
         self._server = grpc.aio.server(
-            # audit, auth and critic served as one wrapper per call (same order, same work).
+            # Neighbouring audit, auth and critic stages served as one wrapper per call
+            # (same order, same work); self.interceptors keeps each by name.
             interceptors=compose(self.interceptors),
             options=self._channel_options(),
         )

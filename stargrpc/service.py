@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
 from stargrpc.call_record import current_call
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
@@ -59,8 +60,6 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
-
-SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
 
 class MalformedRequest:

@@ -453,15 +453,15 @@ async def test_a_call_whose_record_fails_to_begin_is_still_recorded(
     # Whatever goes wrong once the handler runs — even noting what the request names —
     # the call ends with its record written, and later calls still commit theirs at once.
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
-    original = AuditInterceptor._begin
+    original = AuditInterceptor.begin
 
     def broken(self: AuditInterceptor, *args: Any) -> None:
         raise RuntimeError("the peer could not be read")
 
-    monkeypatch.setattr(AuditInterceptor, "_begin", broken)
+    monkeypatch.setattr(AuditInterceptor, "begin", broken)
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await run_tool(stub, "login", {"user": "ann", "password": "pw"})
-    monkeypatch.setattr(AuditInterceptor, "_begin", original)
+    monkeypatch.setattr(AuditInterceptor, "begin", original)
     await run_tool(stub, "login", {"user": "bob", "password": "pw"})
 
     assert failed.value.code() == grpc.StatusCode.UNKNOWN
