@@ -331,7 +331,7 @@ def _connect(path: str) -> sqlite3.Connection:
                     db.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {sql_type}")
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _roll_back(db)
             raise
     except BaseException:
         db.close()
@@ -416,9 +416,25 @@ def _append(db: sqlite3.Connection, records: Sequence[AuditRecord],
             db.executemany(_INSERT, [_row(record) for record in sealed])
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _roll_back(db)
         raise
     return sealed
+
+
+def _roll_back(db: sqlite3.Connection) -> None:
+    """Ends a transaction that failed, leaving the failure's own error to be raised.
+
+    After some errors — a full disk (``SQLITE_FULL``), an I/O error, running out of memory —
+    SQLite has already rolled the transaction back itself, and a ROLLBACK would only fail
+    with "no transaction is active": raised instead of the real error, that hid why the
+    append failed.
+    """
+    if not db.in_transaction:
+        return
+    try:
+        db.execute("ROLLBACK")
+    except sqlite3.Error as exc:  # the first error is the one to report
+        log.warning("audit_rollback_failed", error=str(exc))
 
 
 def _select(db: sqlite3.Connection, sql: str, params: list[object]) -> list[AuditRecord]:
