@@ -41,7 +41,7 @@ from stargrpc.errors import (
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.ids import new_id
 from stargrpc.outcome import Outcome
-from stargrpc.permissions import AllowAll, ToolPolicy
+from stargrpc.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
 from stargrpc.run import Run
@@ -198,6 +198,7 @@ class Runtime:
         settings: The server's settings (tools read them through ``ctx.settings``).
         store: Where run event logs live.
         policy: Who may run which tool.
+        run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
         concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
@@ -208,6 +209,7 @@ class Runtime:
     settings: Settings
     store: RunStore
     policy: ToolPolicy
+    run_access: RunAccess
     limits: ArgumentLimits
     concurrency: ConcurrencyLimits
     runs: dict[str, Run]
@@ -231,6 +233,7 @@ class Runtime:
         self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
         self.policy = policy if policy is not None else AllowAll()
+        self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
         self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
