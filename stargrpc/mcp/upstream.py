@@ -281,6 +281,11 @@ class Upstream:
                 try:
                     with anyio.fail_after(self.entry.connect_timeout_seconds):
                         await client.session.send_ping()
+                except MCPError as exc:
+                    # An error is an answer: a 2026-07-28 server answers ping with "Method
+                    # not found", and it is there all the same.
+                    if exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT):
+                        return f"it stopped answering pings: {_describe(exc)}"
                 except Exception as exc:
                     return f"it stopped answering pings: {_describe(exc)}"
         finally:
@@ -697,27 +702,31 @@ class Upstreams:
 
     def catalog(self, local: Registry) -> Registry:
         """``local`` with the upstream tools; one whose name a local tool (or an earlier
-        server) already has, or that would make the catalog larger than
-        :data:`CATALOG_MAX_BYTES`, is left out and logged, never a reason to refuse the
-        rest."""
+        server) already has is left out and logged, never a reason to refuse the rest.
+
+        The catalog stays under :data:`CATALOG_MAX_BYTES`: when the upstream tools do not
+        all fit beside the local ones, the largest are left out (logged), so that one
+        server's outsized entries cost themselves rather than many ordinary tools."""
         specs = list(local.values())
         taken = set(local)
         room = CATALOG_MAX_BYTES - sum(_entry_bytes(spec) for spec in specs)
         if room < 0:
             log.error("catalog_over_limit", bytes=CATALOG_MAX_BYTES - room,
                       limit=CATALOG_MAX_BYTES, reason="the local tools alone pass it")
-        for spec in _chain(server.specs() for server in self.servers):
+        candidates: list[tuple[int, int, ToolSpec]] = []
+        for order, spec in enumerate(_chain(server.specs() for server in self.servers)):
             if spec.name in taken:
                 log.error("mcp_tool_name_taken", tool=spec.name, source=spec.source)
                 continue
-            size = _entry_bytes(spec)
+            taken.add(spec.name)
+            candidates.append((_entry_bytes(spec), order, spec))
+        for size, _, spec in sorted(candidates, key=lambda c: c[:2]):
             if size > room:
                 log.error("mcp_tool_left_out", tool=spec.name, source=spec.source,
                           bytes=size, reason=f"the catalog would pass {CATALOG_MAX_BYTES} "
-                          "bytes (CATALOG_MAX_BYTES)")
+                          "bytes (CATALOG_MAX_BYTES); the largest tools are left out")
                 continue
             room -= size
-            taken.add(spec.name)
             specs.append(spec)
         return Registry(specs)
 
