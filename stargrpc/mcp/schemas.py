@@ -36,7 +36,10 @@ from google.protobuf import struct_pb2
 from jsonschema_specifications import REGISTRY as METASCHEMAS
 
 #: Deepest nesting of objects and arrays in one schema, and longest chain of subschemas
-#: applied to one value; pydantic's schemas of deeply nested models stay under 12.
+#: applied to one value. It is also about the most a protobuf reader takes: as a Struct in
+#: a ListToolsResponse each level is up to three messages deep, and readers stop at 100
+#: (two levels more and a client cannot read the catalog). pydantic's schemas of deeply
+#: nested models stay under 12.
 MAX_SCHEMA_DEPTH = 32
 #: Largest schema, in bytes of the protobuf Struct the catalog carries it as.
 MAX_SCHEMA_BYTES = 64 * 1024
