@@ -175,6 +175,7 @@ class Upstream:
     _lost: asyncio.Event
     _task: asyncio.Task[None] | None
     _listed: list[_Listed]
+    _checked: dict[str, tuple[str, ArgumentChecker | None]]
     _specs: list[ToolSpec]
 
     def __init__(self, entry: McpServerEntry, settings: Settings,
@@ -190,6 +191,7 @@ class Upstream:
         self._lost = asyncio.Event()
         self._task = None
         self._listed = []
+        self._checked = {}
         self._specs = []
 
     @property
@@ -255,7 +257,7 @@ class Upstream:
             client = await stack.enter_async_context(Client(
                 transport, logging_callback=self._on_log, message_handler=self._on_message,
                 log_level="debug", cache=None))
-            self._set_tools(await _list_all(client))
+            await self._set_tools(await _list_all(client))
             self._lost = asyncio.Event()
             self._client = client
             self._announce()
@@ -339,18 +341,25 @@ class Upstream:
 
     # -- what the server says --------------------------------------------------------------
 
-    def _set_tools(self, listed: list[types.Tool]) -> None:
-        server = self.entry.name
+    async def _set_tools(self, listed: list[types.Tool]) -> None:
         if len(listed) > MAX_TOOLS_PER_SERVER:
-            log.error("mcp_tools_left_out", server=server, listed=len(listed),
+            log.error("mcp_tools_left_out", server=self.entry.name, listed=len(listed),
                       kept=MAX_TOOLS_PER_SERVER,
                       reason=f"a server adds at most {MAX_TOOLS_PER_SERVER} tools")
             listed = listed[:MAX_TOOLS_PER_SERVER]
+        # Checking a schema against its metaschema takes milliseconds: a long list is
+        # vetted off the event loop, and a schema seen in the last listing is not again.
+        checked: dict[str, tuple[str, ArgumentChecker | None]] = {}
+        vetted = await asyncio.to_thread(
+            lambda: [v for tool in listed if (v := self._vet(tool, checked)) is not None])
         self.tools = tuple(listed)
-        self._listed = [vetted for tool in listed if (vetted := self._vet(tool)) is not None]
+        self._listed = vetted
+        self._checked = checked
 
-    def _vet(self, tool: types.Tool) -> _Listed | None:
-        """``tool`` bounded for the catalog; None when its name cannot be a stargrpc one."""
+    def _vet(self, tool: types.Tool, checked: dict[str, tuple[str, ArgumentChecker | None]]
+             ) -> _Listed | None:
+        """``tool`` bounded for the catalog; None when its name cannot be a stargrpc one.
+        ``checked`` gathers the verdict on each input schema (by its JSON)."""
         server = self.entry.name
         name = self.entry.tool_prefix + tool.name
         if not _TOOL_NAME.fullmatch(name):
@@ -363,25 +372,35 @@ class Upstream:
                         chars=len(description), limit=MAX_DESCRIPTION_CHARS)
             description = description[:MAX_DESCRIPTION_CHARS - 1] + "…"
         schema = tool.input_schema or {"type": "object"}
-        checker = None
-        try:
-            problem = schema_problem(schema) or ""
-            if not problem:
-                checker = ArgumentChecker(schema)
-        except Exception as exc:  # whatever the schema broke, the tool cannot be called
-            problem = f"its input schema cannot be used: {_describe(exc)}"
+        problem, checker = self._verdict(schema, checked)
         if problem:
             log.error("mcp_tool_unavailable", server=server, tool=tool.name, reason=problem)
         output = tool.output_schema
-        try:
-            output_problem = schema_problem(output, "output schema") if output else None
-        except Exception as exc:
-            output_problem = _describe(exc)
+        output_problem = self._verdict(output, checked, "output schema")[0] if output else ""
         if output_problem:
             log.warning("mcp_tool_output_schema_left_out", server=server, tool=tool.name,
                         reason=output_problem)
             output = None
         return _Listed(tool, name, description, problem, checker, output)
+
+    def _verdict(self, schema: dict[str, Any],
+                 checked: dict[str, tuple[str, ArgumentChecker | None]],
+                 what: str = "input schema") -> tuple[str, ArgumentChecker | None]:
+        """Why ``schema`` cannot check values (empty when it can), and its checker."""
+        try:
+            key = what + json.dumps(schema, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            key = ""
+        verdict = self._checked.get(key) if key else None
+        if verdict is None:
+            try:
+                problem = schema_problem(schema, what) or ""
+                verdict = (problem, None if problem else ArgumentChecker(schema))
+            except Exception as exc:  # whatever the schema broke, it cannot be used
+                verdict = (f"its {what} cannot be used: {_describe(exc)}", None)
+        if key:
+            checked[key] = verdict
+        return verdict
 
     def _set_unavailable(self, reason: str) -> None:
         was = self.reason
@@ -402,7 +421,7 @@ class Upstream:
         if isinstance(message, types.ToolListChangedNotification) and self._client is not None:
             client = self._client
             try:
-                self._set_tools(await _list_all(client))
+                await self._set_tools(await _list_all(client))
             except Exception as exc:
                 log.warning("mcp_tools_relist_failed", server=self.entry.name,
                             error=_describe(exc))
