@@ -8,22 +8,27 @@ up, or fetch that URL, on every call. So a schema is usable (:func:`schema_probl
 
 - it is an object nesting at most :data:`MAX_SCHEMA_DEPTH` levels, of at most
   :data:`MAX_SCHEMA_BYTES` as the catalog carries it (a protobuf Struct);
-- it is valid against its dialect's metaschema (one dialect: ``$schema`` only at the top);
+- it speaks one dialect (``$schema`` only at the top), its ``type`` names are JSON
+  Schema's and its patterns are regular expressions;
 - each reference resolves inside the schema (nothing is fetched);
 - no loop of subschemas applies to the same value (``$ref``, ``allOf``, ``anyOf``,
   ``oneOf``, ``not``, ``if``/``then``/``else``, ``dependentSchemas``), and no chain of them
   is longer than :data:`MAX_SCHEMA_DEPTH`. A loop through ``properties``, ``items`` and the
   like is fine: each turn moves into the arguments, whose own depth ends it.
 
-An :class:`ArgumentChecker` then checks arguments with :mod:`jsonschema`, each keyword
-counted: deeper than :data:`MAX_EVALUATION_DEPTH` nested subschemas or more than
-:data:`MAX_EVALUATION_STEPS` keywords and the arguments are refused as too costly to check,
-rather than the call ending in RecursionError; a schema the validator still cannot apply
-refuses them with its reason. Either way the caller gets INVALID_ARGUMENT.
+The schema is not checked against its metaschema: that takes jsonschema about a
+millisecond per 3 subschemas (2020-12's vocabularies), a server may list hundreds of
+schemas of 64 KiB and list them again at will, and what the checks above leave out cannot
+hang a call: an :class:`ArgumentChecker` checks arguments with :mod:`jsonschema`, each
+keyword counted — deeper than :data:`MAX_EVALUATION_DEPTH` nested subschemas or more than
+:data:`MAX_EVALUATION_STEPS` keywords and the arguments are refused as too costly to
+check, rather than the call ending in RecursionError — and a schema the validator still
+cannot apply refuses them with its reason. Either way the caller gets INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -33,7 +38,6 @@ import referencing
 import referencing.exceptions
 import referencing.jsonschema
 from google.protobuf import struct_pb2
-from jsonschema_specifications import REGISTRY as METASCHEMAS
 
 #: Deepest nesting of objects and arrays in one schema, and longest chain of subschemas
 #: applied to one value. It is also about the most a protobuf reader takes: as a Struct in
@@ -91,16 +95,7 @@ def schema_problem(schema: Any, what: str = "input schema") -> str | None:
     if dialect is not None and not isinstance(dialect, str):
         return f"its {what}'s $schema is not a string"
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        error = jsonschema.exceptions.best_match(_guarded(base)(
-            base.META_SCHEMA, format_checker=base.FORMAT_CHECKER,
-            registry=METASCHEMAS).iter_errors(schema))
-    except (SchemaTooCostly, RecursionError):
-        return f"its {what} is too costly to check against its metaschema"
-    if error is not None:
-        where = "/".join(str(part) for part in error.absolute_path) or "top"
-        return f"its {what} is not valid JSON Schema (at {where}: {_short(error.message)})"
-    return _reference_problem(schema, base, what)
+    return _walk_problem(schema, base, what)
 
 
 def struct_bytes(value: dict[str, Any]) -> int:
@@ -189,9 +184,10 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _reference_problem(schema: dict[str, Any], base: type[Any], what: str) -> str | None:
-    """Resolves every reference reachable from the top and looks for loops (and long chains)
-    of subschemas that apply to the same value."""
+def _walk_problem(schema: dict[str, Any], base: type[Any], what: str) -> str | None:
+    """Goes through every subschema reachable from the top (references resolved): checks
+    its own keywords, and looks for loops (and long chains) of subschemas that apply to
+    the same value."""
     specification = referencing.jsonschema.specification_with(
         base.ID_OF(base.META_SCHEMA) or "", default=referencing.jsonschema.DRAFT202012)
     registry: referencing.Registry[Any] = referencing.Registry()
@@ -210,6 +206,9 @@ def _reference_problem(schema: dict[str, Any], base: type[Any], what: str) -> st
             continue  # true or false
         if node is not schema and "$schema" in node:
             return f"its {what} mixes dialects ($schema below the top)"
+        own = _keyword_problem(node)
+        if own:
+            return f"its {what} {own}"
         children: list[tuple[Any, Any, list[int]]] = []
         for keyword in _REFERENCES:
             ref = node.get(keyword)
@@ -249,6 +248,27 @@ def _reference_problem(schema: dict[str, Any], base: type[Any], what: str) -> st
     if longest > MAX_SCHEMA_DEPTH:
         return (f"its {what} applies a chain of {longest} subschemas to one value "
                 f"(limit {MAX_SCHEMA_DEPTH})")
+    return None
+
+
+_TYPES = frozenset(("array", "boolean", "integer", "null", "number", "object", "string"))
+
+
+def _keyword_problem(node: dict[str, Any]) -> str | None:
+    """What in ``node``'s own keywords would make every check fail, or None."""
+    types = node.get("type")
+    for name in types if isinstance(types, list) else [types] if types is not None else []:
+        if not isinstance(name, str) or name not in _TYPES:
+            return f"has a type that is not JSON Schema's: {_short(repr(name), 100)}"
+    patterns = list(node.get("patternProperties") or ()) \
+        if isinstance(node.get("patternProperties"), dict) else []
+    if "pattern" in node:
+        patterns.append(node["pattern"])
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError, ValueError, OverflowError, RecursionError):
+            return f"has a pattern that is not a regular expression: {_short(repr(pattern), 100)}"
     return None
 
 

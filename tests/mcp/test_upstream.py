@@ -17,8 +17,11 @@ import pytest
 from google.rpc import error_details_pb2
 from structlog.testing import capture_logs
 
+from stargrpc.arguments import validate
 from stargrpc.client import Client
+from stargrpc.errors import InvalidArgument
 from stargrpc.mcp import upstream as upstream_module
+from stargrpc.mcp.schemas import ArgumentChecker, schema_problem
 from stargrpc.mcp.upstream import Upstream
 from stargrpc.server import StargrpcServer
 from stargrpc.stores.memory import MemoryRunLog
@@ -393,7 +396,7 @@ async def test_a_tool_whose_schema_cannot_be_used_is_listed_unavailable_with_the
             "up.deep": "levels (limit 32)",
             "up.remote_ref": "refers to 'http://169.254.169.254/latest/schema.json', "
                              "which it does not hold",
-            "up.bad_pattern": "is not valid JSON Schema (at properties/a/pattern",
+            "up.bad_pattern": "has a pattern that is not a regular expression: '(unclosed'",
         }
         for name, reason in reasons.items():
             description = catalog[name].description
@@ -454,3 +457,17 @@ async def test_a_flood_of_progress_becomes_a_bounded_number_of_heartbeats(
         assert log.last_seq < 400
         assert log.size < 64 * 1024, log.size
         await still_serving(server)
+
+
+def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reason() -> None:
+    # Past the checks made at listing (an ``items`` that is no schema): the call is refused
+    # INVALID_ARGUMENT with the reason, as every argument error is.
+    schema = {"type": "object", "properties": {"a": {"items": 5}}}
+    assert schema_problem(schema) is None
+    model = upstream_module._schema_model("up.odd", schema, ArgumentChecker(schema))
+    with pytest.raises(InvalidArgument) as refused:
+        validate(model, {"a": [1]})
+    [violation] = refused.value.violations
+    assert "arguments: the tool's input schema cannot check them (AttributeError" \
+        in violation.description
+    assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}
