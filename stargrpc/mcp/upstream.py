@@ -347,8 +347,8 @@ class Upstream:
                       kept=MAX_TOOLS_PER_SERVER,
                       reason=f"a server adds at most {MAX_TOOLS_PER_SERVER} tools")
             listed = listed[:MAX_TOOLS_PER_SERVER]
-        # Checking a schema against its metaschema takes milliseconds: a long list is
-        # vetted off the event loop, and a schema seen in the last listing is not again.
+        # Walking and sizing 256 schemas of up to 64 KiB is work for a thread, not for the
+        # event loop; a schema seen in the last listing is not vetted again.
         checked: dict[str, tuple[str, ArgumentChecker | None]] = {}
         vetted = await asyncio.to_thread(
             lambda: [v for tool in listed if (v := self._vet(tool, checked)) is not None])
