@@ -111,6 +111,10 @@ class RunHandle(Protocol):
         """Emits a heartbeat."""
         ...
 
+    async def emit_notice(self, code: str, message: str, *, warning: bool = True) -> None:
+        """Emits a notice from the server."""
+        ...
+
     async def next_steering(self) -> str:
         """Waits for the next steering message."""
         ...
@@ -243,6 +247,17 @@ class ToolContext:
         """Says the tool is alive. A changed message or a rising progress value counts as
         progress for the supervisor; a bare repeated heartbeat does not."""
         await self._run.emit_heartbeat(message, progress)
+
+    async def notice(self, code: str, message: str, *, warning: bool = False) -> None:
+        """Tells the caller something about the run that is neither output nor progress
+        (a Notice), such as what was left out of it.
+
+        Args:
+            code: A short UPPER_SNAKE reason code.
+            message: What happened, for people.
+            warning: A warning rather than information.
+        """
+        await self._run.emit_notice(code, message, warning=warning)
 
     def send_file(self, name: str, data: bytes, mime_type: str | None = None) -> SentFileRecord:
         """Hands a file back to the caller (``Result.writeback.sent_files``).
@@ -402,6 +417,10 @@ class SyncToolContext:
     def heartbeat(self, message: str = "", *, progress: float | None = None) -> None:
         """Says the tool is alive."""
         self._call(lambda: self._ctx.heartbeat(message, progress=progress))
+
+    def notice(self, code: str, message: str, *, warning: bool = False) -> None:
+        """See :meth:`ToolContext.notice`."""
+        self._call(lambda: self._ctx.notice(code, message, warning=warning))
 
     def send_file(self, name: str, data: bytes, mime_type: str | None = None) -> SentFileRecord:
         """See :meth:`ToolContext.send_file`."""

@@ -11,13 +11,20 @@ doubling backoff; meanwhile its tools stay listed, marked unavailable with the r
 a call fails with ``MCP_SERVER_UNAVAILABLE``. Every change of what a server offers changes
 the catalog hash, so WatchCatalog tells clients; nothing waits on a slow server.
 
+What a server lists is bounded before it joins the catalog, so one server cannot break the
+catalog for every client: at most :data:`MAX_TOOLS_PER_SERVER` tools, descriptions trimmed
+to :data:`MAX_DESCRIPTION_CHARS`, schemas vetted by :mod:`stargrpc.mcp.schemas` (a tool
+whose input schema is unusable stays listed, unavailable with the reason), and the whole
+catalog, local tools included, kept under :data:`CATALOG_MAX_BYTES` — under the 4 MiB a
+gRPC client accepts by default.
+
 During a call: MCP progress notifications become heartbeats (with progress when the server
-gives a total), MCP log messages become deltas (when the call is the only one in flight on
-that connection: a log message names no request), and the MCP result becomes the Result
-(text content → output, ``structuredContent`` → structured output, images, audio and
-embedded resources → sent files, ``isError`` → FAILED). Cancelling the run (CancelRun, the
-critic's deadline, the caller leaving) cancels the request, which sends
-``notifications/cancelled`` to the server.
+gives a total; a flood of them is thinned out, see :class:`_Progress`), MCP log messages
+become deltas (when the call is the only one in flight on that connection: a log message
+names no request), and the MCP result becomes the Result (text content → output,
+``structuredContent`` → structured output, images, audio and embedded resources → sent
+files, ``isError`` → FAILED). Cancelling the run (CancelRun, the critic's deadline, the
+caller leaving) cancels the request, which sends ``notifications/cancelled`` to the server.
 """
 
 from __future__ import annotations
@@ -31,11 +38,11 @@ import mimetypes
 import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import anyio
 import httpx2
-import jsonschema
 import mcp_types as types
 import structlog
 from mcp import Client
@@ -49,10 +56,12 @@ from pydantic import BaseModel, ConfigDict, create_model, model_validator
 from stargrpc.context import ToolContext
 from stargrpc.egress import HttpPolicy, Refused, canonical_host, vet_url
 from stargrpc.errors import ToolFailed
+from stargrpc.mcp.schemas import ArgumentChecker, SchemaTooCostly, schema_problem
 from stargrpc.outcome import Outcome, ToolResult
 from stargrpc.registry import Registry, ToolAnnotations, ToolSpec
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox, SandboxProcess
+from stargrpc.service import tool_message
 from stargrpc.settings import McpServerEntry, Settings
 
 log = structlog.get_logger("stargrpc.mcp.upstream")
@@ -65,8 +74,22 @@ FIRST_BACKOFF_SECONDS = 0.1
 STABLE_SECONDS = 10.0
 #: Largest line a stdio server may send (one JSON-RPC message).
 MAX_LINE_BYTES = 16 * 1024 * 1024
+#: Most tools one server adds to the catalog; the rest of its list is left out (logged).
+MAX_TOOLS_PER_SERVER = 256
+#: Longest description of an upstream tool; a longer one is trimmed (logged).
+MAX_DESCRIPTION_CHARS = 8 * 1024
+#: Largest catalog: every tool's entry as ListTools and WatchCatalog send it, local tools
+#: first. An upstream tool that would pass it is left out (logged). The rest of gRPC's
+#: default 4 MiB receive limit covers what each caller's copy adds (its permissions).
+CATALOG_MAX_BYTES = 3 * 1024 * 1024
+#: Progress notifications of one call passed on as heartbeats as they come; after these,
+#: one per PROGRESS_INTERVAL_SECONDS, the latest (see :class:`_Progress`).
+PROGRESS_BURST = 32
+PROGRESS_INTERVAL_SECONDS = 0.5
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# What each tool's entry in a ListTools response adds to its message: its tag and length.
+_ENTRY_FRAMING_BYTES = 6
 
 
 class UpstreamArguments(BaseModel):
@@ -76,6 +99,7 @@ class UpstreamArguments(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     upstream_schema: ClassVar[dict[str, Any]] = {}
+    checker: ClassVar[ArgumentChecker | None] = None
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -85,20 +109,50 @@ class UpstreamArguments(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_schema(cls, value: Any) -> Any:
-        validator = jsonschema.validators.validator_for(cls.upstream_schema)(
-            cls.upstream_schema)
-        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
-        if error is not None:
-            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-            raise ValueError(f"{where.lstrip('.') or 'arguments'}: {error.message}")
+        checker = cls.checker
+        if checker is None:  # an output schema, or an unavailable tool's stand-in
+            return value
+        try:
+            problem = checker.problem(value)
+        except SchemaTooCostly as exc:
+            raise ValueError(f"arguments: too costly to check against the tool's input "
+                             f"schema ({exc})") from None
+        except Exception as exc:  # a schema the validator still cannot apply: refuse, said
+            raise ValueError(f"arguments: the tool's input schema cannot check them "
+                             f"({_describe(exc)})") from None
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 
-def _schema_model(name: str, schema: dict[str, Any] | None) -> type[UpstreamArguments]:
+def _schema_model(name: str, schema: dict[str, Any] | None,
+                  checker: ArgumentChecker | None = None) -> type[UpstreamArguments]:
     model = create_model(f"Upstream_{re.sub(r'[^A-Za-z0-9_]', '_', name)}",
                          __base__=UpstreamArguments)
     model.upstream_schema = schema or {"type": "object"}
+    model.checker = checker
     return model
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """A tool a server listed, as it joins the catalog.
+
+    Attributes:
+        tool: As the server listed it.
+        name: Its stargrpc name (the prefix, then its own).
+        description: Trimmed to MAX_DESCRIPTION_CHARS.
+        problem: Why it cannot be called (its input schema); empty when it can.
+        checker: Checks its arguments; None when it cannot be called.
+        output_schema: Its output schema, when it declares a usable one.
+    """
+
+    tool: types.Tool
+    name: str
+    description: str
+    problem: str
+    checker: ArgumentChecker | None
+    output_schema: dict[str, Any] | None
 
 
 class Upstream:
@@ -120,6 +174,8 @@ class Upstream:
     _calls: list[ToolContext]
     _lost: asyncio.Event
     _task: asyncio.Task[None] | None
+    _listed: list[_Listed]
+    _checked: dict[str, tuple[str, ArgumentChecker | None]]
     _specs: list[ToolSpec]
 
     def __init__(self, entry: McpServerEntry, settings: Settings,
@@ -134,6 +190,8 @@ class Upstream:
         self._calls = []
         self._lost = asyncio.Event()
         self._task = None
+        self._listed = []
+        self._checked = {}
         self._specs = []
 
     @property
@@ -199,7 +257,7 @@ class Upstream:
             client = await stack.enter_async_context(Client(
                 transport, logging_callback=self._on_log, message_handler=self._on_message,
                 log_level="debug", cache=None))
-            self._set_tools(await _list_all(client))
+            await self._set_tools(await _list_all(client))
             self._lost = asyncio.Event()
             self._client = client
             self._announce()
@@ -225,6 +283,11 @@ class Upstream:
                 try:
                     with anyio.fail_after(self.entry.connect_timeout_seconds):
                         await client.session.send_ping()
+                except MCPError as exc:
+                    # An error is an answer: a 2026-07-28 server answers ping with "Method
+                    # not found", and it is there all the same.
+                    if exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT):
+                        return f"it stopped answering pings: {_describe(exc)}"
                 except Exception as exc:
                     return f"it stopped answering pings: {_describe(exc)}"
         finally:
@@ -278,8 +341,66 @@ class Upstream:
 
     # -- what the server says --------------------------------------------------------------
 
-    def _set_tools(self, listed: list[types.Tool]) -> None:
+    async def _set_tools(self, listed: list[types.Tool]) -> None:
+        if len(listed) > MAX_TOOLS_PER_SERVER:
+            log.error("mcp_tools_left_out", server=self.entry.name, listed=len(listed),
+                      kept=MAX_TOOLS_PER_SERVER,
+                      reason=f"a server adds at most {MAX_TOOLS_PER_SERVER} tools")
+            listed = listed[:MAX_TOOLS_PER_SERVER]
+        # Walking and sizing 256 schemas of up to 64 KiB is work for a thread, not for the
+        # event loop; a schema seen in the last listing is not vetted again.
+        checked: dict[str, tuple[str, ArgumentChecker | None]] = {}
+        vetted = await asyncio.to_thread(
+            lambda: [v for tool in listed if (v := self._vet(tool, checked)) is not None])
         self.tools = tuple(listed)
+        self._listed = vetted
+        self._checked = checked
+
+    def _vet(self, tool: types.Tool, checked: dict[str, tuple[str, ArgumentChecker | None]]
+             ) -> _Listed | None:
+        """``tool`` bounded for the catalog; None when its name cannot be a stargrpc one.
+        ``checked`` gathers the verdict on each input schema (by its JSON)."""
+        server = self.entry.name
+        name = self.entry.tool_prefix + tool.name
+        if not _TOOL_NAME.fullmatch(name):
+            log.error("mcp_tool_skipped", server=server, tool=tool.name[:100],
+                      reason="not a valid stargrpc tool name (1-64 of letters, digits, _-.)")
+            return None
+        description = (tool.description or tool.title or "").strip()
+        if len(description) > MAX_DESCRIPTION_CHARS:
+            log.warning("mcp_tool_description_trimmed", server=server, tool=tool.name,
+                        chars=len(description), limit=MAX_DESCRIPTION_CHARS)
+            description = description[:MAX_DESCRIPTION_CHARS - 1] + "…"
+        schema = tool.input_schema or {"type": "object"}
+        problem, checker = self._verdict(schema, checked)
+        if problem:
+            log.error("mcp_tool_unavailable", server=server, tool=tool.name, reason=problem)
+        output = tool.output_schema
+        output_problem = self._verdict(output, checked, "output schema")[0] if output else ""
+        if output_problem:
+            log.warning("mcp_tool_output_schema_left_out", server=server, tool=tool.name,
+                        reason=output_problem)
+            output = None
+        return _Listed(tool, name, description, problem, checker, output)
+
+    def _verdict(self, schema: dict[str, Any],
+                 checked: dict[str, tuple[str, ArgumentChecker | None]],
+                 what: str = "input schema") -> tuple[str, ArgumentChecker | None]:
+        """Why ``schema`` cannot check values (empty when it can), and its checker."""
+        try:
+            key = what + json.dumps(schema, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            key = ""
+        verdict = self._checked.get(key) if key else None
+        if verdict is None:
+            try:
+                problem = schema_problem(schema, what) or ""
+                verdict = (problem, None if problem else ArgumentChecker(schema))
+            except Exception as exc:  # whatever the schema broke, it cannot be used
+                verdict = (f"its {what} cannot be used: {_describe(exc)}", None)
+        if key:
+            checked[key] = verdict
+        return verdict
 
     def _set_unavailable(self, reason: str) -> None:
         was = self.reason
@@ -293,15 +414,14 @@ class Upstream:
     def _announce(self) -> None:
         if self._client is not None:
             self.reason = ""
-        self._specs = [spec for tool in self.tools
-                       if (spec := self._spec(tool)) is not None]
+        self._specs = [self._spec(listed) for listed in self._listed]
         self._on_change()
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, types.ToolListChangedNotification) and self._client is not None:
             client = self._client
             try:
-                self._set_tools(await _list_all(client))
+                await self._set_tools(await _list_all(client))
             except Exception as exc:
                 log.warning("mcp_tools_relist_failed", server=self.entry.name,
                             error=_describe(exc))
@@ -322,27 +442,30 @@ class Upstream:
 
     # -- tools -----------------------------------------------------------------------------
 
-    def _spec(self, tool: types.Tool) -> ToolSpec | None:
+    def _spec(self, listed: _Listed) -> ToolSpec:
         entry = self.entry
-        name = entry.tool_prefix + tool.name
-        if not _TOOL_NAME.fullmatch(name):
-            log.error("mcp_tool_skipped", server=entry.name, tool=tool.name[:100],
-                      reason="not a valid stargrpc tool name (1-64 of letters, digits, _-.)")
-            return None
+        tool, name, problem = listed.tool, listed.name, listed.problem
         hints = tool.annotations or types.ToolAnnotations()
-        description = (tool.description or tool.title or "").strip()
-        if self.reason:
-            description = f"[unavailable: {self.reason}] {description}"
+        reason = problem or self.reason
+        description = (f"[unavailable: {reason}] {listed.description}" if reason
+                       else listed.description)
         upstream_name = tool.name
 
         async def call(ctx: ToolContext, args: BaseModel) -> ToolResult:
+            if problem:
+                raise ToolFailed(f"the tool {upstream_name!r} of the MCP server "
+                                 f"{entry.name!r} is unavailable: {problem}",
+                                 code="MCP_TOOL_UNAVAILABLE")
             return await self.call(ctx, upstream_name, dict(args.model_extra or {}))
 
-        output_model = (_schema_model(name + "_output", tool.output_schema)
-                        if tool.output_schema else None)
+        output_model = (_schema_model(name + "_output", listed.output_schema)
+                        if listed.output_schema else None)
+        # An unusable schema is not shown: the tool takes any object and says why it fails.
+        args_model = _schema_model(name, None if problem else tool.input_schema,
+                                   listed.checker)
         return ToolSpec(
             name=name, description=description, fn=call,
-            args_model=_schema_model(name, tool.input_schema), output_model=output_model,
+            args_model=args_model, output_model=output_model,
             kind="mcp", categories=("mcp", entry.name),
             annotations=ToolAnnotations(
                 read_only=bool(hints.read_only_hint),
@@ -368,17 +491,12 @@ class Upstream:
             raise ToolFailed(f"the MCP server {name!r} is unavailable: {self.reason}",
                              code="MCP_SERVER_UNAVAILABLE")
 
-        async def on_progress(progress: float, total: float | None,
-                              message: str | None) -> None:
-            shown = message or (f"{progress:g} of {total:g}" if total else f"{progress:g}")
-            await ctx.heartbeat(shown, progress=min(max(progress / total, 0.0), 1.0)
-                                if total else None)
-
+        progress = _Progress(ctx)
         self._calls.append(ctx)
         try:
             result = await client.session.call_tool(
                 tool_name, arguments, read_timeout_seconds=self.entry.call_timeout_seconds,
-                progress_callback=on_progress)
+                progress_callback=progress.on_progress)
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:
                 return ToolResult(outcome=Outcome.TIMEOUT, error_code="MCP_CALL_TIMEOUT",
@@ -393,6 +511,7 @@ class Upstream:
             raise self._died(client) from exc
         finally:
             self._calls.remove(ctx)
+        await progress.finish(name)
         return _result(ctx, result)
 
     def _died(self, client: Client) -> ToolFailed:
@@ -401,6 +520,69 @@ class Upstream:
             "the connection was closed"
         return ToolFailed(f"the MCP server {self.entry.name!r} went away during the call: "
                           f"{why}", code="MCP_SERVER_DIED")
+
+
+class _Progress:
+    """One call's progress notifications as heartbeats of its run, thinned out so that a
+    server sending thousands cannot grow the run log (and the server's memory) with them.
+
+    A token bucket: the first PROGRESS_BURST pass as they come (a tool reporting a few
+    steps shows each), then one per PROGRESS_INTERVAL_SECONDS. A notification arriving
+    before its turn waits as the latest, and a later one replaces it; the latest still
+    waiting when the call ends is passed on then, with a notice saying how many were
+    replaced. The run log holds at most PROGRESS_BURST + 1 + (duration / interval)
+    heartbeats from a call, however many the server sends.
+    """
+
+    received: int
+    passed: int
+    _ctx: ToolContext
+    _tokens: float
+    _refilled: float
+    _latest: tuple[str, float | None] | None
+
+    def __init__(self, ctx: ToolContext) -> None:
+        self.received = 0
+        self.passed = 0
+        self._ctx = ctx
+        self._tokens = float(PROGRESS_BURST)
+        self._refilled = asyncio.get_running_loop().time()
+        self._latest = None
+
+    async def on_progress(self, progress: float, total: float | None,
+                          message: str | None) -> None:
+        """The SDK's progress callback."""
+        self.received += 1
+        shown = message or (f"{progress:g} of {total:g}" if total else f"{progress:g}")
+        self._latest = (shown, min(max(progress / total, 0.0), 1.0) if total else None)
+        now = asyncio.get_running_loop().time()
+        self._tokens = min(float(PROGRESS_BURST),
+                           self._tokens + (now - self._refilled) / PROGRESS_INTERVAL_SECONDS)
+        self._refilled = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            await self._pass_latest()
+
+    async def finish(self, server: str) -> None:
+        """Passes on the latest notification still waiting, and says how many were
+        replaced before their turn."""
+        if self._latest is not None:
+            await self._pass_latest()
+        replaced = self.received - self.passed
+        if replaced:
+            await self._ctx.notice(
+                "MCP_PROGRESS_COALESCED",
+                f"the MCP server {server!r} sent {self.received} progress notifications: "
+                f"{self.passed} became heartbeats, {replaced} were replaced by later ones "
+                f"(after the first {PROGRESS_BURST}, one per "
+                f"{PROGRESS_INTERVAL_SECONDS:g} s)")
+
+    async def _pass_latest(self) -> None:
+        assert self._latest is not None
+        shown, fraction = self._latest
+        self._latest = None
+        self.passed += 1
+        await self._ctx.heartbeat(shown, progress=fraction)
 
 
 class _Unavailable(Exception):
@@ -429,7 +611,7 @@ async def _list_all(client: Client) -> list[types.Tool]:
         page = await client.session.list_tools(params=params)
         tools.extend(page.tools)
         cursor = page.next_cursor
-        if not cursor:
+        if not cursor or len(tools) > MAX_TOOLS_PER_SERVER:  # past the cap: enough to say
             break
     return tools
 
@@ -539,16 +721,38 @@ class Upstreams:
 
     def catalog(self, local: Registry) -> Registry:
         """``local`` with the upstream tools; one whose name a local tool (or an earlier
-        server) already has is left out and logged, never a reason to refuse the rest."""
+        server) already has is left out and logged, never a reason to refuse the rest.
+
+        The catalog stays under :data:`CATALOG_MAX_BYTES`: when the upstream tools do not
+        all fit beside the local ones, the largest are left out (logged), so that one
+        server's outsized entries cost themselves rather than many ordinary tools."""
         specs = list(local.values())
         taken = set(local)
-        for spec in _chain(server.specs() for server in self.servers):
+        room = CATALOG_MAX_BYTES - sum(_entry_bytes(spec) for spec in specs)
+        if room < 0:
+            log.error("catalog_over_limit", bytes=CATALOG_MAX_BYTES - room,
+                      limit=CATALOG_MAX_BYTES, reason="the local tools alone pass it")
+        candidates: list[tuple[int, int, ToolSpec]] = []
+        for order, spec in enumerate(_chain(server.specs() for server in self.servers)):
             if spec.name in taken:
                 log.error("mcp_tool_name_taken", tool=spec.name, source=spec.source)
                 continue
             taken.add(spec.name)
+            candidates.append((_entry_bytes(spec), order, spec))
+        for size, _, spec in sorted(candidates, key=lambda c: c[:2]):
+            if size > room:
+                log.error("mcp_tool_left_out", tool=spec.name, source=spec.source,
+                          bytes=size, reason=f"the catalog would pass {CATALOG_MAX_BYTES} "
+                          "bytes (CATALOG_MAX_BYTES); the largest tools are left out")
+                continue
+            room -= size
             specs.append(spec)
         return Registry(specs)
+
+
+def _entry_bytes(spec: ToolSpec) -> int:
+    """What ``spec`` adds to a ListTools response."""
+    return tool_message(spec).ByteSize() + _ENTRY_FRAMING_BYTES
 
 
 def _chain(lists: Iterable[list[ToolSpec]]) -> Iterable[ToolSpec]:

@@ -15,10 +15,16 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from structlog.testing import capture_logs
 
+from stargrpc.arguments import validate
+from stargrpc.client import Client
+from stargrpc.errors import InvalidArgument
 from stargrpc.mcp import upstream as upstream_module
+from stargrpc.mcp.schemas import ArgumentChecker, schema_problem
 from stargrpc.mcp.upstream import Upstream
 from stargrpc.server import StargrpcServer
+from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.helpers import key_channel, run_tool, status_details
@@ -317,3 +323,151 @@ async def test_a_server_that_never_answers_does_not_block_the_catalog(
         for writer in accepted:
             writer.close()
         listener.close()
+
+
+# -- a hostile server (issue 25) -------------------------------------------------------------
+
+#: What a gRPC client accepts by default, stargrpc's Client included.
+DEFAULT_RECEIVE_BYTES = 4 * 1024 * 1024
+
+
+async def hostile_server(make_server: ServerFactory, url: str) -> StargrpcServer:
+    """A stargrpc server with the hostile MCP server as ``up``, once its tools are listed."""
+    server = await make_server(mcp_servers=[{"name": "up", "url": url, "roles": ["*"]}],
+                               mcp_servers_allowed_networks=LOOPBACK)
+    await tools_of(server, "up.fine")
+    return server
+
+
+async def still_serving(server: StargrpcServer) -> None:
+    """The catalog fits a default client and reads with stargrpc's Client; a local tool and
+    an ordinary tool of the hostile server run."""
+    target = f"127.0.0.1:{server.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        listed = await stub.ListTools(tool_service_pb2.ListToolsRequest())
+        assert listed.ByteSize() < DEFAULT_RECEIVE_BYTES
+        watched = await anext(aiter(stub.WatchCatalog(tool_service_pb2.WatchCatalogRequest())))
+        assert watched.ByteSize() < DEFAULT_RECEIVE_BYTES
+        for tool, arguments in (("echo", {"text": "hi"}), ("up.fine", {"text": "hi"})):
+            result = result_of(await run_tool(stub, tool, arguments))
+            assert result.outcome == events_pb2.OUTCOME_OK, (tool, result)
+
+    def read_catalog() -> set[str]:
+        with Client(target) as client:
+            return {tool.name for tool in client.list_tools().tools}
+
+    names = await asyncio.to_thread(read_catalog)
+    assert {"echo", "up.fine"} <= names
+
+
+async def test_what_a_server_lists_is_bounded_and_the_catalog_fits_a_default_client(
+        make_server: ServerFactory) -> None:
+    with capture_logs() as logs:
+        async with serve_http(hostile=True, bulk=300) as (url, _, _):
+            server = await hostile_server(make_server, url)
+            catalog = server.runtime.registry
+            # A 6 MiB description is trimmed, and the log names the server and the tool.
+            assert len(catalog["up.huge"].description) <= upstream_module.MAX_DESCRIPTION_CHARS
+            assert catalog["up.huge"].description.startswith("A tool. xxx")
+            # 309 listed: the first 256 kept.
+            ours = [name for name in catalog if name.startswith("up.")]
+            assert len(ours) <= upstream_module.MAX_TOOLS_PER_SERVER
+            assert "up.bulk_246" in catalog and "up.bulk_247" not in catalog
+            # 80 tools of 60 KiB schemas would make 5 MB: the catalog keeps what fits of
+            # them beside every smaller tool.
+            big = [n for n in catalog if "up.bulk_000" <= n < "up.bulk_080"]
+            assert 30 < len(big) < 80
+            assert "up.bulk_079" not in catalog
+            await still_serving(server)
+    events = {(line["event"], line.get("server"), line.get("tool")) for line in logs}
+    assert ("mcp_tool_description_trimmed", "up", "huge") in events
+    assert ("mcp_tools_left_out", "up", None) in events
+    assert ("mcp_tool_left_out", None, "up.bulk_079") in events
+
+
+async def test_a_tool_whose_schema_cannot_be_used_is_listed_unavailable_with_the_reason(
+        make_server: ServerFactory) -> None:
+    async with serve_http(hostile=True) as (url, observed, _):
+        server = await hostile_server(make_server, url)
+        catalog = server.runtime.registry
+        reasons = {
+            "up.self_ref": "loop of references that never moves into the arguments",
+            "up.deep": "levels (limit 32)",
+            "up.remote_ref": "refers to 'http://169.254.169.254/latest/schema.json', "
+                             "which it does not hold",
+            "up.bad_pattern": "has a pattern that is not a regular expression: '(unclosed'",
+        }
+        for name, reason in reasons.items():
+            description = catalog[name].description
+            assert description.startswith("[unavailable: its input schema "), description
+            assert reason in description, description
+        assert not catalog["up.tree"].description.startswith("[unavailable")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            # The schema of issue 25, called with {}: a Result, not UNKNOWN RecursionError.
+            result = result_of(await run_tool(stub, "up.self_ref", {}))
+            assert result.outcome == events_pb2.OUTCOME_FAILED
+            assert result.error.code == "MCP_TOOL_UNAVAILABLE"
+            assert "loop of references" in result.error.message
+            # A recursive schema over deep but finite arguments: checked, then called.
+            tree: dict[str, Any] = {}
+            for _ in range(31):  # 63 levels: under the 64 of max_argument_depth
+                tree = {"children": [tree]}
+            result = result_of(await run_tool(stub, "up.tree", tree))
+            assert result.outcome == events_pb2.OUTCOME_OK, result
+            # 30 references at each of 40 levels: refused as too costly, never RecursionError.
+            nested: dict[str, Any] = {}
+            for _ in range(40):
+                nested = {"x": nested}
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await run_tool(stub, "up.costly", nested)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            [bad] = [d for d in status_details(refused.value)
+                     if isinstance(d, error_details_pb2.BadRequest)]
+            assert "too costly to check against the tool's input schema" \
+                in bad.field_violations[0].description
+        assert observed.calls == ["anything"]  # only tree reached the server
+        await still_serving(server)
+
+
+async def test_a_flood_of_progress_becomes_a_bounded_number_of_heartbeats(
+        make_server: ServerFactory) -> None:
+    count = 20_000
+    async with serve_http(hostile=True) as (url, _, _):
+        server = await hostile_server(make_server, url)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            events = await run_tool(stub, "up.flood", {"count": count})
+        result = result_of(events)
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+        assert result.output == f"flooded {count}"
+        beats = [e.heartbeat for e in events if e.HasField("heartbeat")]
+        # Today's bound: the burst, one per interval of the call, the last. 20,000 before.
+        assert 1 < len(beats) < 400, len(beats)
+        assert beats[0].message == "step 1" and beats[-1].message == f"step {count}"
+        assert beats[-1].progress == 1.0
+        [notice] = [e.notice for e in events if e.HasField("notice")]
+        assert notice.code == "MCP_PROGRESS_COALESCED"
+        assert f"sent {count} progress notifications: {len(beats)} became heartbeats" \
+            in notice.message
+        # What the run keeps: a few hundred events and kilobytes, not 20,000 and a megabyte.
+        log = server.runtime.store.get(events[0].run_id)
+        assert isinstance(log, MemoryRunLog)
+        assert log.last_seq < 400
+        assert log.size < 64 * 1024, log.size
+        await still_serving(server)
+
+
+def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reason() -> None:
+    # Past the checks made at listing (an ``items`` that is no schema): the call is refused
+    # INVALID_ARGUMENT with the reason, as every argument error is.
+    schema = {"type": "object", "properties": {"a": {"items": 5}}}
+    assert schema_problem(schema) is None
+    model = upstream_module._schema_model("up.odd", schema, ArgumentChecker(schema))
+    with pytest.raises(InvalidArgument) as refused:
+        validate(model, {"a": [1]})
+    [violation] = refused.value.violations
+    assert "arguments: the tool's input schema cannot check them (AttributeError" \
+        in violation.description
+    assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}
