@@ -23,7 +23,7 @@ Every verdict but the rules' quiet extensions is a notice, a count of
 — up to :data:`MAX_VERDICT_NOTICES` notices of warnings, extensions and steers per run: a
 critic that keeps sending them (a remote one can send thousands a second) would otherwise
 fill the run's log, which every follower reads and the run store keeps. Past that, one
-more ``CRITIC_WARNING`` notice, from the server (level INFO), says so; the verdicts are still
+more notice, ``CRITIC_NOTICES_LIMITED`` from the server, says so; the verdicts are still
 applied and counted, and the audit record tells how many notices were left out.
 
 Stopping goes through :meth:`stargrpc.run.Run.stop`, which cancels the tool and still ends the
@@ -86,6 +86,7 @@ HARD_TIMEOUT = "CRITIC_HARD_TIMEOUT"
 CLIENT_DEADLINE = "CLIENT_DEADLINE"
 EXTENDED = "CRITIC_EXTENDED"
 WARNING = "CRITIC_WARNING"
+NOTICES_LIMITED = "CRITIC_NOTICES_LIMITED"
 STEERED = "CRITIC_STEERED"
 STOPPED = "CRITIC_STOPPED"
 FALLBACK = "CRITIC_FALLBACK"
@@ -479,9 +480,7 @@ class Supervision:
         if not self.notices_left_out:
             log.warning("critic_notices_limited", critic=self.critic, run_id=self.run.run_id,
                         tool=self.run.spec.name, notices=MAX_VERDICT_NOTICES)
-            # CRITIC_WARNING, told apart from the critic's own by its level (INFO): a code
-            # of its own would be a change of the contract (ErrorReason).
-            self._notice(WARNING, (
+            self._notice(NOTICES_LIMITED, (
                 f"the {self.critic} critic sent {MAX_VERDICT_NOTICES} notices; its further "
                 "warnings, extensions and steers still apply but are left out of the run's "
                 "log (the call's audit record counts them)"), warning=False)

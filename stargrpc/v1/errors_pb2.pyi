@@ -52,6 +52,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CRITIC_STEERED: _ClassVar[ErrorReason]
     CRITIC_STOPPED: _ClassVar[ErrorReason]
     CRITIC_FALLBACK: _ClassVar[ErrorReason]
+    CRITIC_NOTICES_LIMITED: _ClassVar[ErrorReason]
     SANDBOX_UNAVAILABLE: _ClassVar[ErrorReason]
     EXIT_STATUS: _ClassVar[ErrorReason]
     SIGNAL: _ClassVar[ErrorReason]
@@ -84,6 +85,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MCP_SERVER_DIED: _ClassVar[ErrorReason]
     MCP_ERROR: _ClassVar[ErrorReason]
     MCP_CALL_TIMEOUT: _ClassVar[ErrorReason]
+    MCP_TOOL_UNAVAILABLE: _ClassVar[ErrorReason]
+    MCP_PROGRESS_COALESCED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -130,6 +133,7 @@ CRITIC_WARNING: ErrorReason
 CRITIC_STEERED: ErrorReason
 CRITIC_STOPPED: ErrorReason
 CRITIC_FALLBACK: ErrorReason
+CRITIC_NOTICES_LIMITED: ErrorReason
 SANDBOX_UNAVAILABLE: ErrorReason
 EXIT_STATUS: ErrorReason
 SIGNAL: ErrorReason
@@ -162,3 +166,5 @@ MCP_SERVER_UNAVAILABLE: ErrorReason
 MCP_SERVER_DIED: ErrorReason
 MCP_ERROR: ErrorReason
 MCP_CALL_TIMEOUT: ErrorReason
+MCP_TOOL_UNAVAILABLE: ErrorReason
+MCP_PROGRESS_COALESCED: ErrorReason
