@@ -8,7 +8,7 @@ in-memory run log, the SQLite audit, an API key, the critic), stargrpc as a flee
 would pick instead — the seed 000/001 design over Redis streams (``bench/seed_peer.py``)
 and an MCP server of the official SDK (``bench/mcp.py``). It drives them all with the same
 client (``bench/client.py``, its own process per measurement), and prints the peers, the
-targets of issue 15 with a ``met`` column, and a table of stargrpc's figures beside bare
+targets (issues 15 and 31) with a ``met`` column, and a table of stargrpc's figures beside bare
 grpc.aio's and the floor's. Then it measures the server CPU per call with each layer
 (auth, audit, critic, run log) switched off in turn, in stargrpc and, beside it, in the
 floor (whose layers are only their I/O).
@@ -73,6 +73,8 @@ class Sizes:
 
     latency_calls: int
     latency_warmup: int
+    #: Calls a server takes per turn in the latency figure (bench/client.py's latency()).
+    latency_block: int
     stream_n: int
     stream_runs: int
     slow_n: int
@@ -81,6 +83,9 @@ class Sizes:
     coalesce: int
     concurrency: int
     concurrency_rounds: int
+    #: Issue 31's larger burst, counting the calls that fail instead of stopping.
+    concurrency_many: int
+    concurrency_many_rounds: int
     held: int
     held_seconds: float
     held_open_timeout: float
@@ -93,21 +98,25 @@ class Sizes:
 
 
 MODES = {
-    "full": Sizes(latency_calls=1000, latency_warmup=100, stream_n=20_000, stream_runs=3,
-                  slow_n=10_000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
-                  concurrency_rounds=5, held=5000, held_seconds=120.0, held_open_timeout=100.0,
+    "full": Sizes(latency_calls=1000, latency_warmup=100, latency_block=10, stream_n=20_000,
+                  stream_runs=3, slow_n=10_000, slow_every=10, slow_ms=1.0, coalesce=10,
+                  concurrency=200, concurrency_rounds=5, concurrency_many=1000,
+                  concurrency_many_rounds=3, held=5000, held_seconds=120.0, held_open_timeout=100.0,
                   held_fresh_server=True, cpu_calls=1000, cpu_warmup=60, cpu_repeats=3,
                   cpu_block=25, layers=True),
-    "quick": Sizes(latency_calls=200, latency_warmup=30, stream_n=5000, stream_runs=1,
-                   slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10, concurrency=200,
-                   concurrency_rounds=2, held=500, held_seconds=60.0, held_open_timeout=40.0,
+    "quick": Sizes(latency_calls=200, latency_warmup=30, latency_block=10, stream_n=5000,
+                   stream_runs=1, slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10,
+                   concurrency=200, concurrency_rounds=2, concurrency_many=1000,
+                   concurrency_many_rounds=1, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
                    cpu_block=20, layers=True),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers — but
     # CPU calls enough for each server to use several of the kernel's 10 ms clock ticks
     # (/proc counts no less): ten calls of the leanest server could read as no CPU at all.
-    "smoke": Sizes(latency_calls=5, latency_warmup=2, stream_n=200, stream_runs=1, slow_n=100,
-                   slow_every=10, slow_ms=1.0, coalesce=10, concurrency=5, concurrency_rounds=1,
+    "smoke": Sizes(latency_calls=5, latency_warmup=2, latency_block=2, stream_n=200,
+                   stream_runs=1, slow_n=100, slow_every=10, slow_ms=1.0, coalesce=10,
+                   concurrency=5, concurrency_rounds=1, concurrency_many=10,
+                   concurrency_many_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
                    cpu_calls=200, cpu_warmup=2, cpu_repeats=1, cpu_block=20, layers=True),
 }
@@ -124,11 +133,14 @@ class Server:
     address: str
     log: Path
     channels: int = 1
+    #: "legacy": driven by the bench client as it was before issue 31.
+    client: str = ""
 
     @property
     def target(self) -> str:
         """What the bench client is given (``bench/client.py``'s targets)."""
-        return f"grpc*{self.channels}:{self.address}" if self.channels > 1 else self.address
+        target = f"grpc*{self.channels}:{self.address}" if self.channels > 1 else self.address
+        return f"{self.client}:{target}" if self.client else target
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -148,6 +160,8 @@ class ServerSpec:
     serving: int = 1
     #: Client channels the calls are spread over.
     channels: int = 1
+    #: "legacy": driven by the bench client as it was before issue 31.
+    client: str = ""
 
 
 @contextlib.contextmanager
@@ -163,7 +177,7 @@ def servers(specs: list[ServerSpec], workdir: Path) -> Iterator[list[Server]]:
                     spec.argv, stdout=out, stderr=subprocess.STDOUT, env=spec.env, cwd=ROOT,
                     start_new_session=True), log))
         yield [Server(spec.name, process.pid, _wait_serving(process, log, spec.serving), log,
-                      spec.channels)
+                      spec.channels, spec.client)
                for spec, process, log in processes]
     finally:
         for _, process, _ in processes:
@@ -391,13 +405,20 @@ def floor_spec(stack: Stack, workdir: Path, suffix: str = "", without: Iterable[
 def server_plan(sizes: Sizes, targets: list[Server]) -> list[dict[str, Any]]:
     """Latency, throughput (fast and slow reader) and concurrency."""
     return [
-        {"measure": "latency", "calls": sizes.latency_calls, "warmup": sizes.latency_warmup},
+        {"measure": "latency", "calls": sizes.latency_calls, "warmup": sizes.latency_warmup,
+         "block": sizes.latency_block},
+        # As the latency was measured before issue 31, for the old baseline's column.
+        {"measure": "latency", "name": "latency_call_by_call", "calls": sizes.latency_calls,
+         "warmup": max(2, sizes.latency_warmup // 4), "block": 1},
         {"measure": "stream", "n": sizes.stream_n, "runs": sizes.stream_runs,
          "server_pids": [s.pid for s in targets]},
         {"measure": "stream", "name": "stream_slow", "n": sizes.slow_n, "runs": 1,
          "slow_every": sizes.slow_every, "slow_ms": sizes.slow_ms, "coalesce_deltas": True},
         {"measure": "concurrency", "concurrent": sizes.concurrency,
          "rounds": sizes.concurrency_rounds},
+        {"measure": "concurrency", "name": "concurrency_many",
+         "concurrent": sizes.concurrency_many, "rounds": sizes.concurrency_many_rounds,
+         "count_errors": True},
     ]
 
 
@@ -416,13 +437,17 @@ def held_step(sizes: Sizes, targets: list[Server]) -> dict[str, Any]:
 #: design and the MCP server in the shapes they have (the seed design has no stream; the MCP
 #: server's stream is its progress notifications); ``--workers`` in the concurrency figure,
 #: the one it is for. Held streams and the slow reader are gRPC's own.
-ALL = frozenset({"latency", "stream", "stream_slow", "concurrency", "cpu", "held"})
+ALL = frozenset({"latency", "latency_call_by_call", "stream", "stream_slow", "concurrency",
+                 "concurrency_many", "cpu", "held"})
 PARTS: dict[str, frozenset[str]] = {
     "baseline": ALL, "floor": ALL, "stargrpc": ALL,
-    "fleet": frozenset({"latency", "stream", "concurrency", "cpu"}),
+    # The bare server as the bench measured it before issue 31 (its latency call by call
+    # among every server, the old client), for one run.
+    "baseline-old": frozenset({"latency_call_by_call", "stream", "concurrency", "cpu"}),
+    "fleet": frozenset({"latency", "latency_call_by_call", "stream", "concurrency", "cpu"}),
     "workers": frozenset({"concurrency"}),
-    "seed": frozenset({"latency", "concurrency", "cpu"}),
-    "mcp": frozenset({"latency", "stream", "concurrency", "cpu"}),
+    "seed": frozenset({"latency", "latency_call_by_call", "concurrency", "cpu"}),
+    "mcp": frozenset({"latency", "latency_call_by_call", "stream", "concurrency", "cpu"}),
 }
 
 
@@ -513,7 +538,8 @@ def run_pair(sizes: Sizes, stack: Stack, fleet: Stack | None, workdir: Path, say
         the reason.
     """
     peers, missing = peer_specs(stack, fleet, workdir)
-    specs = [*pair_specs(stack, workdir), *peers]
+    old = ServerSpec("baseline-old", baseline_argv(), dict(os.environ), client="legacy")
+    specs = [*pair_specs(stack, workdir), old, *peers]
     say(f"starting {', '.join(spec.name for spec in specs)}")
     with _seed_keys_swept(specs), servers(specs, workdir) as running:
         plan = [*server_plan(sizes, running), cpu_step(sizes, running)]
@@ -698,7 +724,7 @@ class Row:
 
 @dataclass
 class TargetRow:
-    """One target of issue 15: the figure, its ratio to bare grpc.aio, and whether it is met.
+    """One target: the figure, its ratio to bare grpc.aio, and whether it is met.
 
     ``floor_met`` is the floor against the same target: False means no stargrpc with these
     layers can meet it on grpc.aio.
@@ -737,6 +763,8 @@ PEER_FIGURES: dict[str, tuple[str, str]] = {
 }
 PEER_NAMES = {
     "baseline": "bare grpc.aio, one process (no layers)",
+    "baseline-old": "*the old baseline*: the same bare server measured as before issue 31 "
+                    "(latency call by call among every server, the old client)",
     "floor": "the floor: bare + the embedded layers' minimum I/O",
     "stargrpc": "**stargrpc embedded**: in-memory run log, SQLite audit, API key, critic",
     "fleet": "**stargrpc fleet**: Redis run log, PostgreSQL audit, API key, critic",
@@ -758,7 +786,10 @@ def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]
             continue
         peers[name] = {}
         for figure, path in PEER_FIGURES.items():
-            value = _figure(pair, name, *path)
+            own = path
+            if name == "baseline-old" and path[0] == "latency":
+                own = ("latency_call_by_call", path[1])
+            value = _figure(pair, name, *own)
             peers[name][figure] = (value, _ratio(value, _figure(pair, "baseline", *path)))
     split = (pair.get("workers", {}).get("concurrency") or {}).get("process_cpu_s") or []
     if "workers" in peers and sum(split) > 0:
@@ -767,7 +798,7 @@ def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]
 
 
 def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
-    """The targets table of issue 15, from one run's figures."""
+    """The targets table (issue 15's, with issue 31's in its rows), from one run's figures."""
     rows: list[TargetRow] = []
 
     def against_bare(measure: str, server: str, path: tuple[str, ...], unit: str,
@@ -781,7 +812,7 @@ def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
 
     latency = ("latency", "p50_ms")
     against_bare("Call latency p50, embedded, every layer on", "stargrpc", latency, "ms",
-                 "≤ 1.35x", lambda r: r <= 1.35)
+                 "≤ 1.6x", lambda r: r <= 1.6)
     against_bare("Call latency p99, embedded", "stargrpc", ("latency", "p99_ms"), "ms",
                  "≤ 1.6x", lambda r: r <= 1.6)
     fleet, seed = _figure(pair, "fleet", *latency), _figure(pair, "seed", *latency)
@@ -797,12 +828,27 @@ def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
         None if fleet is None or seed is None else fleet < seed, _ratio(floor, bare),
         None if floor is None or seed is None else floor < seed))
     against_bare("Server CPU per trivial call, embedded", "stargrpc", ("cpu", "cpu_us_per_call"),
-                 "µs", "≤ 1.5x", lambda r: r <= 1.5)
+                 "µs", "≤ 1.6x", lambda r: r <= 1.6)
     concurrency = ("concurrency", "calls_per_s")
     against_bare(f"{sizes.concurrency} concurrent 10 ms runs, one process (embedded)",
-                 "stargrpc", concurrency, "calls/s", "≥ 0.7x", lambda r: r >= 0.7)
-    against_bare(f"The same with `--workers {WORKERS}` (Redis run log), against bare's one "
-                 "process", "workers", concurrency, "calls/s", "≥ 1.0x", lambda r: r >= 1.0)
+                 "stargrpc", concurrency, "calls/s", "≥ 0.75x", lambda r: r >= 0.75)
+    # Issue 31: the larger burst is met only with no call failing, on stargrpc (the floor's
+    # column judges the floor's own errors).
+    many = ("concurrency_many", "calls_per_s")
+    errors = {name: _figure(pair, name, "concurrency_many", "errors")
+              for name in ("stargrpc", "floor", "baseline")}
+    against_bare(f"{sizes.concurrency_many} concurrent 10 ms runs, one process (embedded), "
+                 "no call failing" + "".join(
+                     f"; {name} errors: {errors[name]:.0f}" for name in errors
+                     if errors[name]), "stargrpc", many, "calls/s",
+                 "≥ 0.7x, no error", lambda r: r >= 0.7)
+    if rows[-1].met and errors["stargrpc"]:
+        rows[-1].met = False
+    if rows[-1].floor_met and errors["floor"]:
+        rows[-1].floor_met = False
+    against_bare(f"The same {sizes.concurrency} with `--workers {WORKERS}` (Redis run log), "
+                 "against bare's one process", "workers", concurrency, "calls/s", "≥ 1.2x",
+                 lambda r: r >= 1.2)
     against_bare("Stream deltas/s, embedded", "stargrpc", ("stream", "median_events_per_s"),
                  "events/s", "≥ 1.0x", lambda r: r >= 1.0)
     held = ("held", "kb_per_open_run")
@@ -829,6 +875,8 @@ def build_rows(pair: dict[str, Any], sizes: Sizes) -> list[Row]:
 
     add("Call latency p50 (START, END, Result)", lambda s: s["latency"]["p50_ms"], "ms")
     add("Call latency p99", lambda s: s["latency"]["p99_ms"], "ms")
+    add("  p50 with every server taking turns call by call (as measured before issue 31)",
+        lambda s: s["latency_call_by_call"]["p50_ms"], "ms")
     add(f"Stream throughput, {sizes.stream_n} deltas",
         lambda s: s["stream"]["median_events_per_s"], "events/s")
     add("  the tool's own emission rate", lambda s: s["stream"]["best"]["tool_events_per_s"],
@@ -845,6 +893,9 @@ def build_rows(pair: dict[str, Any], sizes: Sizes) -> list[Row]:
     add(f"Concurrency, {sizes.concurrency} runs of a 10 ms tool",
         lambda s: s["concurrency"]["calls_per_s"], "calls/s")
     add("  wall time per round", lambda s: s["concurrency"]["median_wall_s"], "s")
+    add(f"Concurrency, {sizes.concurrency_many} runs of a 10 ms tool (calls that succeeded)",
+        lambda s: s["concurrency_many"]["calls_per_s"], "calls/s")
+    add("  calls failed, over the rounds", lambda s: s["concurrency_many"]["errors"], "calls")
     add(f"Held streams ({pair['stargrpc']['held']['opened']} open): server memory per open "
         "run", lambda s: s["held"]["kb_per_open_run"], "KiB")
     add("  a normal call meanwhile, slowest of probes", lambda s: s["held"]["probe_max_ms"],
@@ -914,7 +965,8 @@ def render(peers: dict[str, Any], targets: list[TargetRow], rows: list[Row],
     lines = [f"### {info['date']} — `python -m bench{'' if mode == 'full' else ' --' + mode}`",
              "", "**Peers**, measured by the same client in the same run:", "",
              *_peer_table(peers, sizes),
-             "**Targets** (issue 15; ratios to bare grpc.aio in this run):", "",
+             "**Targets** (issues 15 and 31; ratios to bare grpc.aio in this run, the "
+             "baseline of issue 31):", "",
              *_targets_table(targets), "",
              "The **floor** is the bare server plus only the I/O the embedded layers must do per "
              "call, done as leanly as Python allows (the API key hashed and compared, one audit "

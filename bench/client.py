@@ -8,17 +8,18 @@ falls on all of them alike; it prints the figures as one JSON object::
         --plan '[{"measure": "latency", "calls": 2000, "warmup": 200}]'
 
 A target is a gRPC server (``127.0.0.1:PORT``; ``grpc*N:127.0.0.1:PORT`` spreads the calls
-over N channels, each its own connection, for a server whose processes share the port), the
+over N channels, each its own connection, for a server whose processes share the port;
+``legacy:127.0.0.1:PORT`` drives it with the client as it was before issue 31), the
 seed-design peer (``seed:REDIS_URL#PREFIX``, :mod:`bench.seed_peer`) or the MCP peer
 (``mcp:URL``, :mod:`bench.mcp`, driven by the official SDK's client). A plan step's
 ``targets`` (indices into the ``--target`` list) names the servers it measures; by default
 all of them.
 
-Measures: latency (calls, warmup), stream (n, runs, slow_every, slow_ms, coalesce,
-server_pids, coalesce_deltas), concurrency
-(concurrent, rounds, ms), held (streams, seconds, server_pids, open_timeout), cpu (calls,
-warmup, server_pids, block). The peers take part in latency, concurrency and cpu; the MCP
-peer in stream too (its tool reports progress); held and the slow reader are gRPC's.
+Measures: latency (calls, warmup, block), stream (n, runs, slow_every, slow_ms, coalesce,
+server_pids, coalesce_deltas), concurrency (concurrent, rounds, ms, count_errors), held
+(streams, seconds, server_pids, open_timeout), cpu (calls, warmup, server_pids, block).
+The peers take part in latency, concurrency and cpu; the MCP peer in stream too (its tool
+reports progress); held and the slow reader are gRPC's.
 
 It runs in its own process (the orchestrator, ``python -m bench``, starts it), so client and
 server never share an interpreter. Every loop is bounded in count and in time, and the only
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -91,9 +93,21 @@ def percentile(values: Sequence[float], share: float) -> float:
     return ordered[rank]
 
 
+#: The one method every gRPC target serves.
+EXECUTE = "/stargrpc.v1.ToolService/Execute"
+
+
 class Client:
     """One channel to one server (or ``channels`` of them, each its own connection, taking
-    the calls in turn), and the Execute calls the measurements make."""
+    the calls in turn), and the Execute calls the measurements make.
+
+    The leanest client that still checks what it measures (the per-call costs it avoids are
+    in bench/README.md, "The baseline, part by part"): a call's request is serialised once
+    per tool and arguments, the responses arrive as bytes, and only the last one is parsed —
+    the Result, whose outcome is checked; the messages are counted and their bytes summed.
+    The same work for every server, so it adds the same to each call and nothing to one.
+    Streams parse every message: each delta is checked.
+    """
 
     def __init__(self, target: str, token: str = "", channels: int = 1) -> None:
         # Many streams on one connection: lift the client's own per-connection limits so the
@@ -106,25 +120,39 @@ class Client:
         self.channels = [grpc.aio.insecure_channel(target, options=options)
                          for _ in range(max(1, channels))]
         self.stubs = [tool_service_pb2_grpc.ToolServiceStub(c) for c in self.channels]
+        # No serialisers: the request goes as the bytes made once, responses come as bytes.
+        self.raw = [c.unary_stream(EXECUTE) for c in self.channels]
         self._next = 0
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._requests: dict[tuple[str, str], bytes] = {}
+
+    def _turn(self) -> int:
+        k = self._next
+        self._next = (k + 1) % len(self.channels)
+        return k
 
     @property
     def stub(self) -> tool_service_pb2_grpc.ToolServiceStub:
-        stub = self.stubs[self._next]
-        self._next = (self._next + 1) % len(self.stubs)
-        return stub
+        return self.stubs[self._turn()]
 
     def start(self, tool_name: str, arguments: dict[str, Any] | None = None,
               timeout: float = CALL_TIMEOUT, coalesce_deltas: bool = False) -> Any:
-        """Starts an Execute call and returns it unread; ``coalesce_deltas`` opts in to
-        DELTA coalescing under backpressure where the contract has it (the bare baseline
-        ignores it)."""
+        """Starts an Execute call and returns it unread, its responses parsed;
+        ``coalesce_deltas`` opts in to DELTA coalescing under backpressure where the contract
+        has it (the bare baseline ignores it)."""
         request = tool_service_pb2.ExecuteRequest(tool_name=tool_name,
                                                   arguments_json=json.dumps(arguments or {}))
         if coalesce_deltas and _CAN_COALESCE:
             request.coalesce_deltas = True
         return self.stub.Execute(request, metadata=self.metadata, timeout=timeout)
+
+    def _request(self, tool_name: str, arguments: dict[str, Any] | None) -> bytes:
+        key = (tool_name, json.dumps(arguments or {}))
+        found = self._requests.get(key)
+        if found is None:
+            found = self._requests[key] = tool_service_pb2.ExecuteRequest(
+                tool_name=tool_name, arguments_json=key[1]).SerializeToString()
+        return found
 
     async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
                       expect_messages: int | None = None,
@@ -133,15 +161,17 @@ class Client:
         message ("retry shortly": a shared Redis that lost its connections) is made once
         more, as a client following that advice would; the time of both counts, and
         :data:`RETRIES` counts them."""
+        request = self._request(tool_name, arguments)
         started = time.perf_counter()
         messages = wire = 0
-        last = None
+        last = b""
         for attempt in range(2):
             try:
-                async for response in self.start(tool_name, arguments, rpc_timeout):
+                async for data in self.raw[self._turn()](request, metadata=self.metadata,
+                                                          timeout=rpc_timeout):
                     messages += 1
-                    wire += response.ByteSize()
-                    last = response
+                    wire += len(data)
+                    last = data
                 break
             except grpc.aio.AioRpcError as exc:
                 if attempt or messages or exc.code() != grpc.StatusCode.UNAVAILABLE:
@@ -149,18 +179,47 @@ class Client:
                 RETRIES[exc.details() or "UNAVAILABLE"] = RETRIES.get(
                     exc.details() or "UNAVAILABLE", 0) + 1
         seconds = time.perf_counter() - started
-        if last is None or not last.event.HasField("result"):
-            raise BenchError(f"{tool_name}: the stream ended without a Result")
-        if last.event.result.outcome != events_pb2.OUTCOME_OK:
-            raise BenchError(f"{tool_name}: outcome {last.event.result.outcome} "
-                             f"{last.event.result.error.message}")
-        if expect_messages is not None and messages != expect_messages:
-            raise BenchError(f"{tool_name}: {messages} messages, expected {expect_messages}")
-        return Call(seconds, messages, wire, last.event.result)
+        event = tool_service_pb2.ExecuteResponse.FromString(last).event if messages else None
+        return Call(seconds, messages, wire,
+                    _checked_result(tool_name, event, messages, expect_messages))
 
     async def close(self) -> None:
         for channel in self.channels:
             await channel.close()
+
+
+def _checked_result(tool_name: str, event: Any, messages: int,
+                    expect_messages: int | None) -> Any:
+    """The Result a call's last event holds, once checked: an OK outcome, the messages
+    expected."""
+    if event is None or not event.HasField("result"):
+        raise BenchError(f"{tool_name}: the stream ended without a Result")
+    if event.result.outcome != events_pb2.OUTCOME_OK:
+        raise BenchError(f"{tool_name}: outcome {event.result.outcome} "
+                         f"{event.result.error.message}")
+    if expect_messages is not None and messages != expect_messages:
+        raise BenchError(f"{tool_name}: {messages} messages, expected {expect_messages}")
+    return event.result
+
+
+class LegacyClient(Client):
+    """The bench client as it was before issue 31 (``legacy:ADDRESS``): a request built per
+    call, every response parsed by the stub and sized with ``ByteSize``. It drives the old
+    baseline's column, kept for one run so that the change of baseline is visible."""
+
+    async def execute(self, tool_name: str, arguments: dict[str, Any] | None = None,
+                      expect_messages: int | None = None,
+                      rpc_timeout: float = CALL_TIMEOUT) -> Call:
+        started = time.perf_counter()
+        messages = wire = 0
+        last = None
+        async for response in self.start(tool_name, arguments, rpc_timeout):
+            messages += 1
+            wire += response.ByteSize()
+            last = response
+        seconds = time.perf_counter() - started
+        return Call(seconds, messages, wire, _checked_result(
+            tool_name, None if last is None else last.event, messages, expect_messages))
 
 
 class SeedPeer:
@@ -240,12 +299,15 @@ async def connect(target: str, token: str = "") -> Target:
         await peer.client.open()
         return peer
     channels = 1
+    legacy = target.startswith("legacy:")
+    if legacy:
+        target = target[len("legacy:"):]
     if target.startswith("grpc*"):
         count, target = target[len("grpc*"):].split(":", 1)
         channels = min(max(1, int(count)), 64)
     if not target.startswith(("127.", "localhost:")):
         raise SystemExit("the benchmark only talks to 127.0.0.1")
-    return Client(target, token, channels)
+    return (LegacyClient if legacy else Client)(target, token, channels)
 
 
 def _turns(index: int, count: int) -> list[int]:
@@ -255,20 +317,30 @@ def _turns(index: int, count: int) -> list[int]:
     return [(index + k) % count for k in range(count)]
 
 
-async def latency(clients: list[Target], calls: int, warmup: int) -> list[dict[str, Any]]:
-    """Sequential trivial calls (START, END, Result), the servers taking turns call by call:
-    latency percentiles after warm-up."""
+async def latency(clients: list[Target], calls: int, warmup: int, block: int = 1
+                  ) -> list[dict[str, Any]]:
+    """Sequential trivial calls (START, END, Result), the servers taking turns ``block``
+    calls at a time: latency percentiles after warm-up.
+
+    Turns of one call measure every server woken from idle with its caches cold (the others
+    ran in between), which costs each call more the more servers take turns (bench/README.md,
+    "The baseline, part by part"); a block measures a server warm, as a client calling it
+    in sequence finds it, while the turns still spread the machine's noise over all.
+    """
     for client in clients:
         for _ in range(warmup):
             await client.execute("bench_trivial", expect_messages=3)
     seconds: list[list[float]] = [[] for _ in clients]
     wire = [0 for _ in clients]
-    for i in range(calls):
-        for k in _turns(i, len(clients)):
-            call = await clients[k].execute("bench_trivial", expect_messages=3)
-            seconds[k].append(call.seconds)
-            wire[k] = call.wire_bytes
-    return [{"calls": calls, "p50_ms": percentile(s, 0.5) * 1e3,
+    block = max(1, block)
+    for turn in range((calls + block - 1) // block):
+        in_turn = min(block, calls - turn * block)
+        for k in _turns(turn, len(clients)):
+            for _ in range(in_turn):
+                call = await clients[k].execute("bench_trivial", expect_messages=3)
+                seconds[k].append(call.seconds)
+                wire[k] = call.wire_bytes
+    return [{"calls": calls, "block": block, "p50_ms": percentile(s, 0.5) * 1e3,
              "p99_ms": percentile(s, 0.99) * 1e3, "mean_ms": statistics.fmean(s) * 1e3,
              "bytes_per_call": w} for s, w in zip(seconds, wire, strict=True)]
 
@@ -347,32 +419,41 @@ async def stream(clients: list[Target], n: int, runs: int, slow_every: int = 0,
 
 
 async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: float = 10.0,
-                      process_pids: list[list[int]] | None = None) -> list[dict[str, Any]]:
+                      process_pids: list[list[int]] | None = None,
+                      count_errors: bool = False) -> list[dict[str, Any]]:
     """Rounds of ``concurrent`` simultaneous calls of a tool that awaits ``ms``, the servers
     taking turns round by round. With ``process_pids`` (per server, its processes) the CPU
     each process used over the rounds is given too: how a server of several processes
-    shared the load out."""
+    shared the load out. With ``count_errors`` a call that fails is counted, not raised,
+    and calls/s counts the calls that succeeded."""
 
-    async def one_round(client: Target) -> float:
+    async def one_round(client: Target) -> tuple[float, int]:
         started = time.perf_counter()
-        await asyncio.gather(*(client.execute("bench_wait", {"ms": ms}, expect_messages=3)
-                               for _ in range(concurrent)))
-        return time.perf_counter() - started
+        done = await asyncio.gather(*(client.execute("bench_wait", {"ms": ms},
+                                                     expect_messages=3)
+                                      for _ in range(concurrent)),
+                                    return_exceptions=count_errors)
+        return time.perf_counter() - started, sum(isinstance(d, BaseException) for d in done)
 
     for client in clients:
         await one_round(client)  # warm-up: connections, code paths, allocator
     pids = process_pids or [[] for _ in clients]
     before = [[server_cpu_seconds(pid) for pid in group] for group in pids]
     walls: list[list[float]] = [[] for _ in clients]
+    errors = [0 for _ in clients]
     for r in range(rounds):
         for k in _turns(r, len(clients)):
-            walls[k].append(await one_round(clients[k]))
+            wall, failed = await one_round(clients[k])
+            walls[k].append(wall)
+            errors[k] += failed
     used = [[server_cpu_seconds(pid) - b for pid, b in zip(group, start, strict=True)]
             for group, start in zip(pids, before, strict=True)]
     return [{"concurrency": concurrent, "rounds": rounds, "tool_ms": ms,
-             "median_wall_s": statistics.median(w), "calls_per_s":
-             concurrent / statistics.median(w), "best_calls_per_s": concurrent / min(w),
-             "walls_s": w, "process_cpu_s": u} for w, u in zip(walls, used, strict=True)]
+             "median_wall_s": statistics.median(w),
+             "calls_per_s": (concurrent - e / rounds) / statistics.median(w),
+             "best_calls_per_s": concurrent / min(w), "errors": e,
+             "walls_s": w, "process_cpu_s": u}
+            for w, u, e in zip(walls, used, errors, strict=True)]
 
 
 async def held(clients: list[Client], streams: int, seconds: float, server_pids: list[int],
@@ -519,6 +600,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for target in args.target:
             clients.append(await connect(target, args.token))
+        # The servers' collector settings (stargrpc.server.tune_garbage_collector), here too:
+        # the peers' SDKs this client imports would otherwise be walked by its collections.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(5_000, 20, 20)
         return await run_plan(clients, json.loads(args.plan))
     finally:
         for client in clients:
