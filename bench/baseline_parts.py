@@ -61,6 +61,25 @@ async def _raw_run(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIt
     yield b"RESULT"
 
 
+def _prebuilt() -> list[bytes]:
+    """One trivial call's three RunEvents as ``bench/baseline_server.py`` builds them,
+    serialised once: the contract's bytes without the work of building them."""
+    from bench import baseline_server
+
+    events = baseline_server._Events("bench_trivial")
+    return [m.SerializeToString() for m in (events.start(), events.end(), events.result(""))]
+
+
+async def _prebuilt_run(request: bytes, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[bytes]:
+    """The contract's method answering the same three prebuilt messages to every call."""
+    for message in PREBUILT:
+        yield message
+
+
+PREBUILT: list[bytes] = []
+
+
 async def _serve(kind: str, tuned_gc: bool) -> None:
     from bench import baseline_server
 
@@ -68,6 +87,10 @@ async def _serve(kind: str, tuned_gc: bool) -> None:
     if kind == "raw":
         handler = grpc.method_handlers_generic_handler(
             "bench.Minimal", {"Run": grpc.unary_stream_rpc_method_handler(_raw_run)})
+    elif kind == "prebuilt":
+        PREBUILT.extend(_prebuilt())
+        handler = grpc.method_handlers_generic_handler("stargrpc.v1.ToolService", {
+            "Execute": grpc.unary_stream_rpc_method_handler(_prebuilt_run)})
     else:
         handler = grpc.method_handlers_generic_handler("stargrpc.v1.ToolService", {
             "Execute": grpc.unary_stream_rpc_method_handler(
@@ -267,8 +290,11 @@ async def _client(args: argparse.Namespace) -> None:
 _OTHERS = [f"ct{k}" for k in range(1, 8)]
 STEPS: list[dict[str, Any]] = [
     {"name": "minimal pair", "servers": ["raw"], "client": "raw", "process": "light"},
+    {"name": "+ the contract's bytes (one trivial call's RunEvents, serialised once)",
+     "servers": ["prebuilt"], "client": "raw", "process": "light", "vs": "minimal pair"},
     {"name": "+ the contract's messages (ExecuteRequest, RunEvents built per message)",
-     "servers": ["contract"], "client": "raw", "process": "light", "vs": "minimal pair"},
+     "servers": ["contract"], "client": "raw", "process": "light",
+     "vs": "+ the contract's bytes (one trivial call's RunEvents, serialised once)"},
     {"name": "+ the server's collector settings (freeze, 5000/20/20)",
      "servers": ["ct0"], "client": "raw", "process": "light",
      "vs": "+ the contract's messages (ExecuteRequest, RunEvents built per message)"},
@@ -305,6 +331,7 @@ def _server_specs() -> list[Any]:
 
     me = [sys.executable, "-m", "bench.baseline_parts", "--serve"]
     specs = [ServerSpec("raw", [*me, "raw"], dict(os.environ)),
+             ServerSpec("prebuilt", [*me, "prebuilt"], dict(os.environ)),
              ServerSpec("contract", [*me, "contract"], dict(os.environ))]
     specs += [ServerSpec(f"ct{k}", baseline_argv(), dict(os.environ)) for k in range(8)]
     return specs
@@ -381,7 +408,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.baseline_parts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--serve", choices=("raw", "contract"))
+    parser.add_argument("--serve", choices=("raw", "prebuilt", "contract"))
     parser.add_argument("--tuned-gc", action="store_true")
     parser.add_argument("--client", action="store_true")
     parser.add_argument("--heavy", action="store_true")
