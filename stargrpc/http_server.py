@@ -214,7 +214,9 @@ class HttpEndpoints:
                 credentials, server_name = gateway_tls(s)
                 self.gateway = Gateway(grpc_target(s, grpc_port), credentials=credentials,
                                        server_name=server_name,
-                                       max_body_bytes=s.max_receive_message_bytes)
+                                       max_body_bytes=s.max_receive_message_bytes,
+                                       allowed_hosts=s.http_allowed_hosts,
+                                       allowed_origins=s.http_allowed_origins)
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
                                  s.http_port, reuse_port=s.workers > 1)

@@ -21,6 +21,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from stargrpc.http_guard import HostRule, normal_origin
+
 MiB = 1024 * 1024
 
 
@@ -219,6 +221,15 @@ class Settings(BaseSettings):
     http_grpc_server_name: str | None = Field(
         None, description="With TLS on: the name the gateway expects in the server "
         "certificate; default its first DNS name (or common name).")
+    http_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host names the HTTP gateway and the MCP endpoint "
+        "answer to besides IP addresses and localhost (comma-separated: name, name:port, "
+        "*.domain, or * for any when a proxy checks Host); other Host headers are refused "
+        "421 (DNS rebinding).")
+    http_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Web origins (https://name[:port]) that may call "
+        "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
+        "requests from other origins are refused 403.")
 
     @model_validator(mode="after")
     def _check_gateway(self) -> Settings:
@@ -473,12 +484,24 @@ class Settings(BaseSettings):
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
                      "http_fetch_allowed_networks", "delivery_allowlist",
                      "delivery_allowed_networks", "mcp_servers_allowed_networks",
-                     mode="before")
+                     "http_allowed_hosts", "http_allowed_origins", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("http_allowed_hosts")
+    @classmethod
+    def _check_allowed_hosts(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            HostRule(entry)  # ValueError names the entry
+        return value
+
+    @field_validator("http_allowed_origins")
+    @classmethod
+    def _check_allowed_origins(cls, value: list[str]) -> list[str]:
+        return [normal_origin(entry) for entry in value]
 
     @field_validator("sandbox_user")
     @classmethod

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +58,7 @@ from stargrpc.gateway.sse import (
     event_json,
     sse_stream,
 )
+from stargrpc.http_guard import RequestGuard
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -183,7 +184,23 @@ class Gateway:
 
     def __init__(self, grpc_target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
-                 max_body_bytes: int = 8 * 1024 * 1024) -> None:
+                 max_body_bytes: int = 8 * 1024 * 1024,
+                 allowed_hosts: Iterable[str] = (),
+                 allowed_origins: Iterable[str] = ()) -> None:
+        """A gateway whose calls go to ``grpc_target``.
+
+        Args:
+            grpc_target: The server's gRPC address.
+            credentials: TLS roots for a server that serves TLS.
+            server_name: The name expected in the server's certificate.
+            max_body_bytes: Largest request body read.
+            allowed_hosts: Host names answered besides IP addresses and localhost
+                (:class:`~stargrpc.http_guard.RequestGuard`).
+            allowed_origins: Origins allowed to call besides the page's own.
+
+        Raises:
+            ValueError: An allowed host or origin is malformed.
+        """
         self.client = GatewayClient(grpc_target, credentials=credentials,
                                     server_name=server_name)
         self._closing = asyncio.Event()
@@ -205,7 +222,10 @@ class Gateway:
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
                 Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
             ],
-            middleware=[Middleware(SecurityHeaders)],
+            # Outermost first: refusals of the guard carry the security headers too.
+            middleware=[Middleware(SecurityHeaders),
+                        Middleware(RequestGuard, allowed_hosts=list(allowed_hosts),
+                                   allowed_origins=list(allowed_origins))],
             exception_handlers={HTTPException: _http_exception},
         )
 

@@ -12,11 +12,13 @@ import contextlib
 from typing import Any
 
 import structlog
+from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
+from stargrpc.http_guard import RequestGuard
 from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
 from stargrpc.settings import Settings
@@ -107,9 +109,14 @@ class McpEndpoint:
         await self._client.start()
         app: ASGIApp = self._bridge.server.streamable_http_app(
             streamable_http_path=MCP_PATH, host=host,
-            max_request_body_size=s.max_receive_message_bytes)
+            max_request_body_size=s.max_receive_message_bytes,
+            # Host and Origin are the guard's, as on the gateway: the SDK's own check knows
+            # only loopback names, and only when bound to loopback.
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
         if not s.insecure_no_auth:
             app = RequireBearer(app)
+        app = RequestGuard(app, allowed_hosts=s.http_allowed_hosts,
+                           allowed_origins=s.http_allowed_origins)
         started = asyncio.Event()
         manager = self._bridge.server.session_manager
 
