@@ -372,18 +372,21 @@ class ToolService:
             query = RunQuery(
                 owner=None if sees_all else principal.id,
                 limit=request.page_size or DEFAULT_RUNS_PAGE,
-                after=decode_page_token(request.page_token),
+                after=decode_page_token(request.page_token,
+                                        await self.runtime.store.page_token_key()),
                 tool=request.tool_name,
                 finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
                 else state == tool_service_pb2.RUN_STATE_FINISHED,
                 outcome=request.outcome)
             page = await self.runtime.store.list_runs(query)
+            next_token = encode_page_token(page.cursor,
+                                           await self.runtime.store.page_token_key())
         except RequestError as error:
             await error.abort(context)
             raise  # abort never returns
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
-            next_page_token=encode_page_token(page.cursor))
+            next_page_token=next_token)
 
     def _sees_all_runs(self, principal: Principal) -> bool:
         roles = (self.settings.admin_role, *self.settings.run_watch_roles)
