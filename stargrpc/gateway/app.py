@@ -75,7 +75,9 @@ STREAM_CLOSE_GRACE_SECONDS = 3.0
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+    # Images may come from any https URL: a tool's `image` rich message names one (never
+    # plain http, which anyone on the path could swap); the page sends them no referrer.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob: https:; "
     "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",

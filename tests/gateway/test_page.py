@@ -255,3 +255,39 @@ async def test_enter_in_the_key_field_lists_the_tools_and_runs_nothing(
     assert not [r for r in requests if r.startswith("POST")]
     await expect(page.locator("#form-error")).to_be_hidden()
     await page.close()
+
+
+async def test_an_image_at_an_https_url_shows_and_one_over_http_says_why_not(
+        gateway: GatewayUnderTest, browser: Browser) -> None:
+    """An ``image`` rich message names an https URL (docs/use/http.md): the page's
+    Content-Security-Policy lets the browser load it; plain http it refuses, and the page
+    says so instead of showing a broken image."""
+    import base64
+
+    from tests.gateway.conftest import PIXEL
+
+    fetched: list[str] = []
+
+    async def serve_pixel(route: Any) -> None:  # the "remote" server, inside the browser
+        fetched.append(route.request.url)
+        await route.fulfill(body=base64.b64decode(PIXEL.split(",", 1)[1]),
+                            content_type="image/png")
+
+    page = await open_page(browser, gateway)
+    await page.route("https://images.example/**", serve_pixel)
+    await page.select_option("#tool", "picture")
+    await page.fill("[data-path='url']", "https://images.example/pixel.png")
+    await page.click("#run-button")
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK")
+    image = page.locator("#result-messages img")
+    await expect(image).to_have_attribute("src", "https://images.example/pixel.png")
+    # Loaded, not blocked: decode() settles once the image has loaded or failed to.
+    width = await image.evaluate("img => img.decode().then(() => img.naturalWidth, () => 0)")
+    assert width == 2
+    assert fetched == ["https://images.example/pixel.png"]
+
+    await page.fill("[data-path='url']", "http://images.example/pixel.png")
+    await page.click("#run-button")
+    await expect(page.locator("#result-messages")).to_contain_text(
+        "not an https or image data URL")
+    await expect(page.locator("#result-messages img")).to_have_count(0)
