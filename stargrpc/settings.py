@@ -5,6 +5,7 @@ defaults below. :meth:`Settings.masked` is what start-up logs, with secrets hidd
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pwd
 import re
@@ -226,6 +227,11 @@ class Settings(BaseSettings):
         "answer to besides IP addresses and localhost (comma-separated: name, name:port, "
         "*.domain, or * for any when a proxy checks Host); other Host headers are refused "
         "421 (DNS rebinding).")
+    http_trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Addresses or networks (comma-separated) of "
+        "proxies in front of the HTTP gateway and the MCP endpoint whose X-Forwarded-For "
+        "and X-Forwarded-Proto are believed: the audit then records the client they name; "
+        "empty believes none (the audit records the connecting address).")
     http_allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Web origins (https://name[:port]) that may call "
         "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
@@ -484,7 +490,8 @@ class Settings(BaseSettings):
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
                      "http_fetch_allowed_networks", "delivery_allowlist",
                      "delivery_allowed_networks", "mcp_servers_allowed_networks",
-                     "http_allowed_hosts", "http_allowed_origins", mode="before")
+                     "http_allowed_hosts", "http_allowed_origins", "http_trusted_proxies",
+                     mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -496,6 +503,13 @@ class Settings(BaseSettings):
     def _check_allowed_hosts(cls, value: list[str]) -> list[str]:
         for entry in value:
             HostRule(entry)  # ValueError names the entry
+        return value
+
+    @field_validator("http_trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            ipaddress.ip_network(entry, strict=False)  # ValueError names the entry
         return value
 
     @field_validator("http_allowed_origins")

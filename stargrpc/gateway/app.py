@@ -58,6 +58,7 @@ from stargrpc.gateway.sse import (
     event_json,
     sse_stream,
 )
+from stargrpc.forwarded import ForwardedClient, peer_of
 from stargrpc.http_guard import RequestGuard
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -157,13 +158,16 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-def call_metadata(request: Request) -> Metadata:
+def call_metadata(request: Request, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of a call made for ``request``: its credentials and trace context,
-    and the HTTP client's address for the audit."""
+    and the HTTP client's address — vouched for with ``forwarded`` (the server's own, which
+    its audit checks), so that the audit records that address as the call's peer."""
     metadata = [(name, value) for name in FORWARDED_HEADERS
                 if (value := request.headers.get(name))]
     if request.client is not None:
-        metadata.append(("x-forwarded-for", request.client.host))
+        metadata.append(("x-forwarded-for", request.client.host))  # informative only
+        if forwarded is not None:
+            metadata += forwarded.metadata(peer_of(request.client.host))
     return metadata
 
 
@@ -181,6 +185,7 @@ class Gateway:
     runs_watch: RunListWatch
     _closing: asyncio.Event
     _max_body_bytes: int
+    _forwarded: ForwardedClient | None
     _open_streams: int
     _no_open_streams: asyncio.Event
 
@@ -188,7 +193,8 @@ class Gateway:
                  server_name: str | None = None,
                  max_body_bytes: int = 8 * 1024 * 1024,
                  allowed_hosts: Iterable[str] = (),
-                 allowed_origins: Iterable[str] = ()) -> None:
+                 allowed_origins: Iterable[str] = (),
+                 forwarded: ForwardedClient | None = None) -> None:
         """A gateway whose calls go to ``grpc_target``.
 
         Args:
@@ -199,6 +205,8 @@ class Gateway:
             allowed_hosts: Host names answered besides IP addresses and localhost
                 (:class:`~stargrpc.http_guard.RequestGuard`).
             allowed_origins: Origins allowed to call besides the page's own.
+            forwarded: The server's voucher for the HTTP client's address (the audit
+                interceptor's), so that the audit records that client as the peer.
 
         Raises:
             ValueError: An allowed host or origin is malformed.
@@ -208,6 +216,7 @@ class Gateway:
         self._closing = asyncio.Event()
         self.runs_watch = RunListWatch(self.client, self._closing)
         self._max_body_bytes = max_body_bytes
+        self._forwarded = forwarded
         self._open_streams = 0
         self._no_open_streams = asyncio.Event()
         self._no_open_streams.set()
@@ -266,6 +275,9 @@ class Gateway:
         return StreamingResponse(counted(), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
+    def _metadata(self, request: Request) -> Metadata:
+        return call_metadata(request, self._forwarded)
+
     # -- page ------------------------------------------------------------------------------
 
     async def page(self, request: Request) -> Response:
@@ -278,7 +290,7 @@ class Gateway:
         """``GET /v1/tools``; ``If-None-Match`` with the current hash answers 304."""
         known = request.headers.get("if-none-match", "").removeprefix("W/").strip('"')
         try:
-            reply = await self.client.list_tools(call_metadata(request), known)
+            reply = await self.client.list_tools(self._metadata(request), known)
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         etag = {"ETag": f'"{reply.catalog_hash}"'}
@@ -298,7 +310,7 @@ class Gateway:
         except _BadRequest as bad:
             return bad.response()
         try:
-            reply = await self.client.list_runs(grpc_request, call_metadata(request))
+            reply = await self.client.list_runs(grpc_request, self._metadata(request))
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         return JSONResponse(runs_json(reply))
@@ -310,7 +322,7 @@ class Gateway:
             grpc_request = _list_runs_request(request)
         except _BadRequest as bad:
             return bad.response()
-        metadata = call_metadata(request)
+        metadata = self._metadata(request)
         try:  # a refused caller gets an HTTP error, not a stream
             first = await self.client.list_runs(grpc_request, metadata)
         except grpc.aio.AioRpcError as error:
@@ -328,7 +340,7 @@ class Gateway:
         except ValidationError as exc:
             return _validation_response(exc)
         wants_stream = "text/event-stream" in request.headers.get("accept", "")
-        metadata = call_metadata(request)
+        metadata = self._metadata(request)
         try:
             started = await self.client.start_run(grpc_request, metadata, listen=wants_stream)
         except grpc.aio.AioRpcError as error:
@@ -355,7 +367,7 @@ class Gateway:
         except _BadRequest as bad:
             return bad.response()
         call = self.client.watch(request.path_params["run_id"], after_seq,
-                                 call_metadata(request))
+                                 self._metadata(request))
         source = WatchSource(call)
         first = source.next_event()
         await asyncio.wait({first}, timeout=FIRST_EVENT_WAIT_SECONDS)
@@ -378,7 +390,7 @@ class Gateway:
 
         async def send(body: CancelBody) -> dict[str, Any]:
             cancelled = await self.client.cancel(request.path_params["run_id"], body.reason,
-                                                 call_metadata(request))
+                                                 self._metadata(request))
             return {"cancelled": cancelled}
 
         return await self._run_command(request, CancelBody, send)
@@ -388,7 +400,7 @@ class Gateway:
 
         async def send(body: SteerBody) -> dict[str, Any]:
             run_id = await self.client.steer(request.path_params["run_id"], body.message,
-                                             call_metadata(request))
+                                             self._metadata(request))
             return {"run_id": run_id}
 
         return await self._run_command(request, SteerBody, send)

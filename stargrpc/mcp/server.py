@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import structlog
@@ -16,6 +17,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
 from stargrpc.http_guard import RequestGuard
@@ -29,11 +31,11 @@ log = structlog.get_logger("stargrpc.mcp")
 MCP_PATH = "/mcp"
 
 
-def request_credentials(ctx: Any) -> Metadata:
+def request_credentials(ctx: Any, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of the HTTP request behind an MCP request (none on other
-    transports)."""
+    transports); ``forwarded`` vouches for the HTTP client's address to the audit."""
     request = ctx.request
-    return call_metadata(request) if isinstance(request, Request) else []
+    return call_metadata(request, forwarded) if isinstance(request, Request) else []
 
 
 class RequireBearer:
@@ -72,8 +74,10 @@ class McpEndpoint:
     _manager_task: asyncio.Task[None] | None
     _manager_stop: asyncio.Event
 
-    def __init__(self, settings: Settings, grpc_port: int) -> None:
-        """The endpoint of the server whose gRPC port is ``grpc_port``.
+    def __init__(self, settings: Settings, grpc_port: int, *,
+                 forwarded: ForwardedClient | None = None) -> None:
+        """The endpoint of the server whose gRPC port is ``grpc_port``; ``forwarded``
+        vouches for each HTTP client's address to the server's audit.
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
@@ -82,7 +86,8 @@ class McpEndpoint:
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name)
-        self._bridge = Bridge(self._client, request_credentials)
+        self._bridge = Bridge(self._client,
+                              functools.partial(request_credentials, forwarded=forwarded))
         self._http = None
         self._manager_task = None
         self._manager_stop = asyncio.Event()
@@ -128,7 +133,8 @@ class McpEndpoint:
 
         self._manager_task = asyncio.create_task(run_sessions(), name="mcp-sessions")
         await started.wait()
-        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1)
+        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1,
+                                trusted_proxies=s.http_trusted_proxies)
         self.port = await self._http.start()
         log.info("mcp_serving", url=f"http://{host}:{self.port}{MCP_PATH}")
         return self.port
