@@ -87,7 +87,8 @@ async def test_an_outside_grpc_caller_cannot_name_another_client(
             events = [response.event async for response in stub.Execute(request,
                                                                       metadata=metadata)]
             assert events[-1].HasField("result")
-        await stub.ListTools(tool_service_pb2.ListToolsRequest(), metadata=forgeries["wrong voucher"])
+        await stub.ListTools(tool_service_pb2.ListToolsRequest(),
+                             metadata=forgeries["wrong voucher"])
 
     records = await records_of(server)
     peers = {record.arguments: record.peer for record in records

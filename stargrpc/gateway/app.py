@@ -43,6 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stargrpc.forwarded import ForwardedClient, peer_of
 from stargrpc.gateway.client import FORWARDED_HEADERS, GatewayClient, Metadata
 from stargrpc.gateway.http_errors import (
     error_body,
@@ -58,7 +59,6 @@ from stargrpc.gateway.sse import (
     event_json,
     sse_stream,
 )
-from stargrpc.forwarded import ForwardedClient, peer_of
 from stargrpc.http_guard import RequestGuard
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
