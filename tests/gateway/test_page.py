@@ -291,3 +291,26 @@ async def test_an_image_at_an_https_url_shows_and_one_over_http_says_why_not(
     await expect(page.locator("#result-messages")).to_contain_text(
         "not an https or image data URL")
     await expect(page.locator("#result-messages img")).to_have_count(0)
+
+
+async def test_a_form_on_another_site_cannot_run_a_tool(gateway: GatewayUnderTest,
+                                                        browser: Browser) -> None:
+    """The attack of a hostile page, in a real browser: a ``text/plain`` form whose body is
+    the JSON of a run, posted to the gateway of a server without authentication."""
+    target = f"{gateway.base_url}/v1/tools/echo:execute?wait=true"
+    # The field's name and value join with "=" into {"arguments": …, "idempotency_key": "="}.
+    hostile = (f'<form method="post" enctype="text/plain" action="{target}">'
+               '<input type="hidden" name=\'{"arguments": {"text": "pwned"}, '
+               '"idempotency_key": "\' value=\'"}\'>'
+               '<button id="go">win a prize</button></form>')
+    page = await browser.new_page()
+    await page.route("http://hostile.test/**", lambda route: route.fulfill(
+        body=hostile, content_type="text/html"))
+    await page.goto("http://hostile.test/")
+    async with page.expect_navigation() as navigation:
+        await page.click("#go")
+    answer = await navigation.value
+
+    assert answer is not None and answer.status == 403
+    listed = (await gateway.http.get("/v1/runs")).json()["runs"]
+    assert listed == []  # no run started
