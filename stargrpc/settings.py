@@ -227,15 +227,15 @@ class Settings(BaseSettings):
         "answer to besides IP addresses and localhost (comma-separated: name, name:port, "
         "*.domain, or * for any when a proxy checks Host); other Host headers are refused "
         "421 (DNS rebinding).")
+    http_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Web origins (https://name[:port]) that may call "
+        "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
+        "requests from other origins are refused 403.")
     http_trusted_proxies: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Addresses or networks (comma-separated) of "
         "proxies in front of the HTTP gateway and the MCP endpoint whose X-Forwarded-For "
         "and X-Forwarded-Proto are believed: the audit then records the client they name; "
         "empty believes none (the audit records the connecting address).")
-    http_allowed_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Web origins (https://name[:port]) that may call "
-        "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
-        "requests from other origins are refused 403.")
 
     @model_validator(mode="after")
     def _check_gateway(self) -> Settings:

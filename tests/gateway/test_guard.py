@@ -187,7 +187,8 @@ def test_malformed_allowlists_stop_start_up() -> None:
     for setting, value in (("http_allowed_hosts", "tools.example.com/x"),
                            ("http_allowed_hosts", "to*ls.example.com"),
                            ("http_allowed_origins", "tools.example.com"),
-                           ("http_allowed_origins", "https://tools.example.com/path")):
+                           ("http_allowed_origins", "https://tools.example.com/path"),
+                           ("http_trusted_proxies", "proxy.example.com")):
         with pytest.raises(ValidationError, match=setting):
             Settings.load(**{setting: value})
 
