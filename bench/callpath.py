@@ -11,6 +11,8 @@ measured without the noise of the transport (``bench/ab.py`` measures the whole 
 
     python -m bench.callpath                 # CPU µs per call, best of 5 rounds
     python -m bench.callpath --profile       # and a cProfile of the rounds, by own time
+    python -m bench.callpath --separate      # also the chain unfused, rounds in turns
+    python -m bench.callpath --layers-only   # the interceptors alone: Execute runs no tool
 
 Bounded: a fixed number of calls; everything in a temporary directory.
 """
@@ -30,10 +32,14 @@ from typing import Any
 
 import grpc
 
-from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.streaming import serialize_response
 from stargrpc.v1 import tool_service_pb2
+
+try:
+    from stargrpc.contract import SERVICE_NAME
+except ImportError:  # a tree from before the contract's names had a module of their own
+    from stargrpc.service import SERVICE_NAME
 
 EXECUTE = f"/{SERVICE_NAME}/Execute"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -132,7 +138,11 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
         interceptors = list(server.interceptors)
     else:
         interceptors = compose(server.interceptors)
-    execute = _execute_handler(server)
+    # As served; with --separate also each interceptor wrapping the call on its own.
+    chains = {"fused": interceptors}
+    if args.separate:
+        chains["separate"] = list(server.interceptors)
+    execute = _layers_only_handler() if args.layers_only else _execute_handler(server)
     metadata = (("authorization", f"Bearer {token}"),)
     request = tool_service_pb2.ExecuteRequest(tool_name="bench_trivial", arguments_json="{}")
     data = request.SerializeToString()
@@ -141,7 +151,7 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
     def lookup(d: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         return execute if d.method == EXECUTE else None
 
-    async def one_call() -> int:
+    async def one_call(interceptors: Sequence[grpc.aio.ServerInterceptor]) -> int:
         context = _Context(metadata)
         handler = await _handler(interceptors, lookup, details)
         assert handler is not None and handler.unary_stream is not None
@@ -154,31 +164,39 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
 
     loop = asyncio.get_running_loop()
 
-    async def rounds(calls: int) -> float:
+    async def rounds(calls: int, interceptors: Sequence[grpc.aio.ServerInterceptor]) -> float:
         started = time.process_time()
         for _ in range(calls):
             # Each call in a task of its own, as grpc.aio serves it.
-            sent = await loop.create_task(one_call())
+            sent = await loop.create_task(one_call(interceptors))
             assert sent == 3, sent
         return (time.process_time() - started) / calls * 1e6
 
-    await rounds(200)  # warm-up
+    for chain in chains.values():
+        await rounds(200, chain)  # warm-up
     import gc
     gc.collect()
     gc.freeze()
     gc.set_threshold(5_000, 20, 20)
     profile = cProfile.Profile() if args.profile else None
-    figures = []
+    figures: dict[str, list[float]] = {name: [] for name in chains}
     for _ in range(args.rounds):
-        if profile is not None:
-            profile.enable()
-        figures.append(await rounds(args.calls))
-        if profile is not None:
-            profile.disable()
-    print(f"stargrpc's own CPU per trivial call ({'Redis' if args.redis else 'in-memory'} "
-          f"run log): best {min(figures):.1f} µs, median "
-          f"{sorted(figures)[len(figures) // 2]:.1f} µs over {args.rounds} rounds of "
-          f"{args.calls} calls")
+        for name, chain in chains.items():  # in turns, so the machine's noise falls on all
+            if profile is not None:
+                profile.enable()
+            figures[name].append(await rounds(args.calls, chain))
+            if profile is not None:
+                profile.disable()
+    for name, measured in figures.items():
+        print(f"stargrpc's own CPU per trivial call ({'Redis' if args.redis else 'in-memory'} "
+              f"run log{', ' + name if len(figures) > 1 else ''}): best {min(measured):.1f} "
+              f"µs, median {sorted(measured)[len(measured) // 2]:.1f} µs over {args.rounds} "
+              f"rounds of {args.calls} calls")
+    if args.separate:  # round by round: what the noise of the moment adds falls on both
+        paired = sorted(s - f for f, s in zip(figures["fused"], figures["separate"],
+                                                strict=True))
+        print(f"separate less fused, round by round: median {paired[len(paired) // 2]:+.1f} "
+              f"µs (from {paired[0]:+.1f} to {paired[-1]:+.1f})")
     if profile is not None:
         stats = pstats.Stats(profile)
         stats.sort_stats("tottime").print_stats(args.top)
@@ -197,6 +215,24 @@ def _execute_handler(server: Any) -> grpc.RpcMethodHandler:
         server.service.Execute, _tolerant(tool_service_pb2.ExecuteRequest), serialize_response)
 
 
+def _layers_only_handler() -> grpc.RpcMethodHandler:
+    """An Execute that runs nothing: it yields three prebuilt responses, so what is measured
+    is the interceptors' part of the call (the audit record is still written)."""
+    from stargrpc.service import _tolerant
+    from stargrpc.v1 import events_pb2
+
+    responses = [tool_service_pb2.ExecuteResponse(event=events_pb2.RunEvent(seq=seq))
+                 for seq in (1, 2, 3)]
+
+    async def execute(request: Any, context: Any) -> Any:
+        for response in responses:
+            yield response
+
+    return grpc.unary_stream_rpc_method_handler(
+        execute, _tolerant(tool_service_pb2.ExecuteRequest),
+        tool_service_pb2.ExecuteResponse.SerializeToString)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.callpath", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--redis", action="store_true", help="the Redis run log")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--layers-only", action="store_true",
+                        help="Execute runs no tool: the interceptors' part of the call alone")
+    parser.add_argument("--separate", action="store_true",
+                        help="also measure the chain unfused (each interceptor on its own)")
     parser.add_argument("--without", action="append", default=[],
                         help="leave this layer (audit, auth, critic) out of the chain")
     parser.add_argument("--top", type=int, default=40)

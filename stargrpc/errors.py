@@ -40,6 +40,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from stargrpc.contract import reason_name
 from stargrpc.v1 import errors_pb2
 
 #: The ErrorInfo domain of every error this service reports.
@@ -79,12 +80,6 @@ def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     delay = duration_pb2.Duration()
     delay.FromNanoseconds(int(seconds * 1e9))
     return error_details_pb2.RetryInfo(retry_delay=delay)
-
-
-def reason_name(value: int) -> str:
-    """The string sent for an ErrorReason value (in ErrorInfo.reason, ResultError.code,
-    Notice.code): its name, as every language's generated code spells it."""
-    return errors_pb2.ErrorReason.Name(value)
 
 
 class StargrpcError(Exception):

@@ -61,6 +61,10 @@ DELIVERY_ATTEMPTS = Counter(
 DELIVERIES = Counter(
     "tool_executor_deliveries", "Results whose delivery ended, by target kind and final "
     "state (delivered, failed).", ["kind", "state"], registry=REGISTRY)
+RUNS_LOST = Counter(
+    "tool_executor_runs_lost", "Runs of replicas that stopped responding that this replica "
+    "ended RUN_LOST, by what noticed (sweep: the background sweep; call: a watch, a retry "
+    "or a delivery looking at the run).", ["noticed_by"], registry=REGISTRY)
 
 
 def scrape_registry() -> CollectorRegistry:

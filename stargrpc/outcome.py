@@ -8,7 +8,6 @@ returning a dict such as ``{"success": False, "error": "permission denied"}``.
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from collections.abc import Mapping
@@ -17,18 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from stargrpc.contract import Outcome
 from stargrpc.errors import ToolOutcomeError
-
-
-class Outcome(enum.Enum):
-    """How a run ended; mirrors the contract's Outcome enum."""
-
-    OK = 1
-    DENIED = 2
-    FAILED = 3
-    ERROR = 4
-    TIMEOUT = 5
-    CANCELLED = 6
 
 
 @dataclass(frozen=True)

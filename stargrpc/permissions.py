@@ -1,4 +1,4 @@
-"""Who may run which tool, and who may act for someone else.
+"""Who may run which tool, who may act for someone else, and who may see and act on a run.
 
 The runtime asks the server's :class:`ToolPolicy` on every Execute, before the tool runs
 (:meth:`ToolPolicy.delegate`, then :meth:`ToolPolicy.check`); ListTools asks
@@ -11,6 +11,10 @@ caller); a tool without an entry keeps the roles it declares itself when
 "deny". Holders of ``admin_role`` pass every allow list. A privileged tool (declared so,
 or marked in its entry) also needs ``privileged_role``, held explicitly: no wildcard and no
 admin role grants it.
+
+:class:`RunAccess` decides who may see, watch, cancel and steer a run that exists: its
+owner, holders of ``admin_role``, and the roles each action names. A caller who may not see
+a run is told it does not exist, so run ids of other principals cannot be probed.
 """
 
 from __future__ import annotations
@@ -170,3 +174,55 @@ class RolePolicy:
                 metadata={"fields": ",".join(f"context.{name}" for name in named),
                           "principal": principal.id, "required_role": self._delegation_role})
         return _acting_for(principal, invocation)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunAccess:
+    """Who may see and act on runs they do not own.
+
+    The owner of a run and holders of ``admin_role`` may do everything to it. Beyond them:
+
+    Attributes:
+        admin_role: Holders see every run and may act on each.
+        watch_roles: Holders may watch (and list) anyone's runs, but not act on them.
+        steer_roles: Holders may steer anyone's run (``delegation_role`` and
+            ``run_steer_roles``); seeing it is part of steering it.
+    """
+
+    admin_role: str
+    watch_roles: tuple[str, ...]
+    steer_roles: tuple[str, ...]
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RunAccess:
+        """The access the settings configure (``admin_role``, ``run_watch_roles``,
+        ``delegation_role`` and ``run_steer_roles``)."""
+        return cls(admin_role=settings.admin_role,
+                   watch_roles=tuple(settings.run_watch_roles),
+                   steer_roles=(settings.delegation_role, *settings.run_steer_roles))
+
+    def _owns_or_holds(self, principal: Principal, owner: str, roles: tuple[str, ...]) -> bool:
+        return (owner == principal.id or principal.has_role(self.admin_role)
+                or any(principal.has_role(role) for role in roles))
+
+    def sees_all_runs(self, principal: Principal) -> bool:
+        """Whether ``principal`` lists every principal's runs (and sees who owns each)."""
+        return principal.has_role(self.admin_role) or any(
+            principal.has_role(role) for role in self.watch_roles)
+
+    def may_watch(self, principal: Principal, owner: str) -> bool:
+        """Whether ``principal`` may read the events of a run of ``owner``."""
+        return self._owns_or_holds(principal, owner, self.watch_roles)
+
+    def may_cancel(self, principal: Principal, owner: str) -> bool:
+        """Whether ``principal`` may cancel a run of ``owner``."""
+        return self._owns_or_holds(principal, owner, ())
+
+    def may_see_to_steer(self, principal: Principal, owner: str) -> bool:
+        """Whether a steer of ``principal`` finds a run of ``owner`` (rather than NOT_FOUND):
+        a watcher finds it and is then refused, which tells it nothing it could not read."""
+        return self._owns_or_holds(principal, owner, (*self.steer_roles, *self.watch_roles))
+
+    def may_steer(self, principal: Principal, owner: str) -> bool:
+        """Whether ``principal`` may steer a run of ``owner``."""
+        return self._owns_or_holds(principal, owner, self.steer_roles)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ from stargrpc.errors import (
 from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.ids import new_id
 from stargrpc.outcome import Outcome
-from stargrpc.permissions import AllowAll, ToolPolicy
+from stargrpc.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
 from stargrpc.run import Run
@@ -198,6 +198,7 @@ class Runtime:
         settings: The server's settings (tools read them through ``ctx.settings``).
         store: Where run event logs live.
         policy: Who may run which tool.
+        run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
         concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
@@ -208,6 +209,7 @@ class Runtime:
     settings: Settings
     store: RunStore
     policy: ToolPolicy
+    run_access: RunAccess
     limits: ArgumentLimits
     concurrency: ConcurrencyLimits
     runs: dict[str, Run]
@@ -231,6 +233,7 @@ class Runtime:
         self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
         self.policy = policy if policy is not None else AllowAll()
+        self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
         self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
@@ -363,9 +366,19 @@ class Runtime:
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
                    settings=self.settings)
 
-    async def admit(self, request: RunRequest, principal: Principal) -> Admission:
+    async def admit(self, request: RunRequest, principal: Principal, *,
+                    before_start: Callable[[Run], Awaitable[None]] | None = None
+                    ) -> Admission:
         """Checks a request, then starts its run — or, when its idempotency key is already
         held, returns the log of the run that holds it (attach while it runs, replay after).
+
+        Args:
+            request: What to run.
+            principal: Who asks.
+            before_start: Awaited once the run holds its place in the store and before it
+                starts, only for a run this call starts: what must be durable before the
+                call is answered (a delivery of the run's Result). What it raises refuses
+                the call, and the run is forgotten.
 
         Raises:
             RequestError: Any reason to refuse the request before it runs, including a key
@@ -402,6 +415,8 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     return Admission(log=held, run=None)
+            if before_start is not None:
+                await before_start(run)
         except BaseException:
             permit.release()
             # The run never started: forget its log too (best effort — the store may be

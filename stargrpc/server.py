@@ -20,12 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
 from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.interceptors import build_chain
 from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.interceptors.composed import compose
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
@@ -35,7 +37,7 @@ from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runtime import Runtime
 from stargrpc.sandbox import log_isolation
-from stargrpc.service import SERVICE_NAME, ToolService, add_to_server
+from stargrpc.service import ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
@@ -141,7 +143,8 @@ class StargrpcServer:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._server = grpc.aio.server(
-            # audit, auth and critic served as one wrapper per call (same order, same work).
+            # Neighbouring audit, auth and critic stages served as one wrapper per call
+            # (same order, same work); self.interceptors keeps each by name.
             interceptors=compose(self.interceptors),
             options=self._channel_options(),
         )
@@ -187,10 +190,15 @@ class StargrpcServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         self.service.deliveries.start()
+        if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
+            await self.runtime.store.start()
         self.upstreams.start()  # in the background: a slow MCP server never delays serving
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
-            self.mcp = McpEndpoint(self.settings, self.port, forwarded=self._forwarded)
+            auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
+            self.mcp = McpEndpoint(self.settings, self.port,
+                                   auth.authenticator if auth is not None else None,
+                                   forwarded=self._forwarded)
             await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -7,9 +7,10 @@ Failures before a run starts end the call with a gRPC status carrying rich detai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from stargrpc import metrics
 from stargrpc.arguments import decode_json, decode_struct
 from stargrpc.call_record import current_call
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
@@ -34,7 +36,7 @@ from stargrpc.event_sizes import trailing_notices
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.run import check_steer_message
+from stargrpc.run import Run, check_steer_message
 from stargrpc.runtime import Admission, RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
@@ -59,8 +61,6 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
-
-SERVICE_NAME = tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].full_name
 
 
 class MalformedRequest:
@@ -91,6 +91,32 @@ def _tolerant(message_class: type[Message]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def _well_formed(request: Any) -> None:
+    """Raises the INVALID_ARGUMENT of a request whose bytes could not be decoded."""
+    if isinstance(request, MalformedRequest):
+        raise request.to_error()
+
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def _statuses(handler: _Handler) -> _Handler:
+    """A unary handler whose refusals (a :class:`RequestError` it raises) end the call with
+    their gRPC status: the one place such a handler maps them."""
+
+    @functools.wraps(handler)
+    async def mapped(self: ToolService, request: Any, context: grpc.aio.ServicerContext
+                     ) -> Any:
+        try:
+            _well_formed(request)
+            return await handler(self, request, context)
+        except RequestError as error:
+            await error.abort(context)
+            raise  # abort never returns
+
+    return mapped  # type: ignore[return-value]
+
+
 class ToolService:
     """The stargrpc.v1.ToolService implementation."""
 
@@ -106,9 +132,9 @@ class ToolService:
 
     # -- catalog ---------------------------------------------------------------------------
 
+    @_statuses
     async def ListTools(self, request: Any, context: grpc.aio.ServicerContext
                         ) -> tool_service_pb2.ListToolsResponse:
-        await _refuse_malformed(request, context)
         registry = self.runtime.registry
         if request.known_catalog_hash and request.known_catalog_hash == registry.catalog_hash:
             return tool_service_pb2.ListToolsResponse(catalog_hash=registry.catalog_hash,
@@ -118,7 +144,10 @@ class ToolService:
 
     async def WatchCatalog(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[tool_service_pb2.WatchCatalogResponse]:
-        await _refuse_malformed(request, context)
+        try:
+            _well_formed(request)
+        except RequestError as error:
+            await error.abort(context)
         async for registry in self.runtime.catalog_updates(request.known_catalog_hash):
             yield tool_service_pb2.WatchCatalogResponse(
                 tools=self._tools_for_caller(registry), catalog_hash=registry.catalog_hash)
@@ -158,15 +187,8 @@ class ToolService:
             request, policy = request.request, request.policy
         else:
             policy = SupervisionPolicy.for_call(self.settings, context.time_remaining())
-        if isinstance(request, MalformedRequest):
-            await request.to_error().abort(context)
-        try:
-            admitted = await self._admit(request, policy)
-        except RequestError as error:
-            await error.abort(context)
-            return
+        admitted: Admission | None = None
         streamed_to_end = False
-        log, coalesce = admitted.log, request.coalesce_deltas
         record = current_call.get()
         before_result = record.before_result if record is not None else None
         sent = 0  # events sent and not counted yet: counted once per batch
@@ -175,6 +197,9 @@ class ToolService:
         # gave the loop a turn, a shared log's read split them).
         notices: list[events_pb2.RunEvent] = []
         try:
+            _well_formed(request)
+            admitted = await self._admit(request, policy)
+            log, coalesce = admitted.log, request.coalesce_deltas
             if admitted.run is not None:
                 # The run's task was scheduled when the run started: one turn of the loop
                 # lets it go first, so that a run that ends without waiting (most do) is
@@ -201,7 +226,7 @@ class ToolService:
                         _EXECUTE_EVENTS.inc(sent)
                         sent = 0
             streamed_to_end = True
-        except RequestError as error:  # an attached run's shared store went away
+        except RequestError as error:  # refused, or an attached run's shared store went away
             await error.abort(context)
         finally:
             if sent:
@@ -209,22 +234,18 @@ class ToolService:
             # The stream went away early (cancelled, or closed at a yield). A run with an
             # idempotency key outlives it (resume with WatchRun or retry with the key); one
             # without a key has no way back, so it is cancelled.
-            if (not streamed_to_end and admitted.run is not None
+            if (not streamed_to_end and admitted is not None and admitted.run is not None
                     and not request.idempotency_key):
                 admitted.run.stop(Outcome.CANCELLED, "CLIENT_CANCELLED",
                                    "the client cancelled the call")
 
+    @_statuses
     async def StartRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.StartRunResponse:
-        await _refuse_malformed(request, context)
         # A detached run is supervised by the server's own timeouts: the deadline of this
         # unary call is not the run's.
         policy = SupervisionPolicy.for_call(self.settings)
-        try:
-            admitted = await self._admit(request, policy)
-        except RequestError as error:
-            await error.abort(context)
-            raise  # abort never returns
+        admitted = await self._admit(request, policy)
         return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
                                                  attached=admitted.run is None)
 
@@ -240,7 +261,13 @@ class ToolService:
         call = self._decode_execute(request, policy)
         target = (await self._delivery_target(request) if request.HasField("delivery")
                   else None)
-        admitted = await self.runtime.admit(call, current_principal.get())
+        before_start = None
+        if target is not None:
+            async def before_start(run: Run) -> None:
+                # Durable before the call is answered: a call answered is a delivery made.
+                await self.deliveries.register(run.log, run.spec.name, target)
+        admitted = await self.runtime.admit(call, current_principal.get(),
+                                            before_start=before_start)
         self._deliver(admitted, target)
         return admitted
 
@@ -281,17 +308,13 @@ class ToolService:
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
-        await _refuse_malformed(request, context)
-        run_id, after_seq = request.run_id, request.after_seq
         try:
-            log = await self._visible_run(run_id, self.settings.run_watch_roles)
+            _well_formed(request)
+            run_id, after_seq = request.run_id, request.after_seq
+            log = await self._visible_run(run_id, self.runtime.run_access.may_watch)
             if log.finished and after_seq >= log.last_seq:
                 raise await self._run_finished(log, after_seq)
-        except RequestError as error:
-            await error.abort(context)
-            return
-        result_sent = False
-        try:
+            result_sent = False
             async for response in event_responses(
                     log, after_seq, tool_service_pb2.WatchRunResponse,
                     coalesce=request.coalesce_deltas,
@@ -305,7 +328,7 @@ class ToolService:
                 if finished is None:
                     raise NotFound("the run has expired", reason=_RUN_NOT_FOUND)
                 raise await self._run_finished(finished, after_seq)
-        except RequestError as error:  # fell too far behind, or the store went away
+        except RequestError as error:  # refused, fell too far behind, or the store went away
             await error.abort(context)
 
     @staticmethod
@@ -322,105 +345,74 @@ class ToolService:
                 await last.aclose()  # type: ignore[attr-defined]
         return RunFinished(log.run_id, after_seq, log.last_seq, outcome)
 
+    @_statuses
     async def CancelRun(self, request: Any, context: grpc.aio.ServicerContext
                         ) -> tool_service_pb2.CancelRunResponse:
-        await _refuse_malformed(request, context)
-        try:
-            log = await self._visible_run(request.run_id, ())
-            if log.finished:
-                return tool_service_pb2.CancelRunResponse(cancelled=False)
-            reason = request.reason[:500] or "cancelled by the caller"
-            cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
-        except RequestError as error:
-            await error.abort(context)
-            raise  # abort never returns
+        log = await self._visible_run(request.run_id, self.runtime.run_access.may_cancel)
+        if log.finished:
+            return tool_service_pb2.CancelRunResponse(cancelled=False)
+        reason = request.reason[:500] or "cancelled by the caller"
+        cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
+    @_statuses
     async def SteerRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.SteerRunResponse:
-        await _refuse_malformed(request, context)
-        settings = self.settings
         principal = current_principal.get()
-        steer_roles = (settings.delegation_role, *settings.run_steer_roles)
-        try:
-            check_steer_message(request.message, settings.steer_max_bytes)
-            log = await self._visible_run(request.run_id,
-                                          (*steer_roles, *settings.run_watch_roles))
-            if not self._may_act_on(log, steer_roles):
-                raise PermissionDenied("the caller may watch this run but not steer it",
-                                       reason=_STEER_NOT_ALLOWED,
-                                       metadata={"run_id": log.run_id})
-            if log.finished:
-                raise run_finished_error(log.run_id)
-            await self.runtime.store.request_steer(log.run_id, request.message,
-                                                   f"principal {principal.describe()}")
-        except RequestError as error:
-            await error.abort(context)
-            raise  # abort never returns
+        access = self.runtime.run_access
+        check_steer_message(request.message, self.settings.steer_max_bytes)
+        log = await self._visible_run(request.run_id, access.may_see_to_steer)
+        if not access.may_steer(principal, log.owner):
+            raise PermissionDenied("the caller may watch this run but not steer it",
+                                   reason=_STEER_NOT_ALLOWED, metadata={"run_id": log.run_id})
+        if log.finished:
+            raise run_finished_error(log.run_id)
+        await self.runtime.store.request_steer(log.run_id, request.message,
+                                               f"principal {principal.describe()}")
         return tool_service_pb2.SteerRunResponse(run_id=log.run_id)
 
+    @_statuses
     async def ListRuns(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.ListRunsResponse:
-        await _refuse_malformed(request, context)
         principal = current_principal.get()
-        sees_all = self._sees_all_runs(principal)
-        try:
-            if request.page_size > MAX_RUNS_PAGE:
-                raise InvalidArgument("page_size is too large", [FieldViolation(
-                    "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
-            state = request.state
-            query = RunQuery(
-                owner=None if sees_all else principal.id,
-                limit=request.page_size or DEFAULT_RUNS_PAGE,
-                after=decode_page_token(request.page_token,
-                                        await self.runtime.store.page_token_key()),
-                tool=request.tool_name,
-                finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
-                else state == tool_service_pb2.RUN_STATE_FINISHED,
-                outcome=request.outcome)
-            page = await self.runtime.store.list_runs(query)
-            next_token = encode_page_token(page.cursor,
-                                           await self.runtime.store.page_token_key())
-        except RequestError as error:
-            await error.abort(context)
-            raise  # abort never returns
+        sees_all = self.runtime.run_access.sees_all_runs(principal)
+        if request.page_size > MAX_RUNS_PAGE:
+            raise InvalidArgument("page_size is too large", [FieldViolation(
+                "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
+        state = request.state
+        key = await self.runtime.store.page_token_key()
+        query = RunQuery(
+            owner=None if sees_all else principal.id,
+            limit=request.page_size or DEFAULT_RUNS_PAGE,
+            after=decode_page_token(request.page_token, key),
+            tool=request.tool_name,
+            finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
+            else state == tool_service_pb2.RUN_STATE_FINISHED,
+            outcome=request.outcome)
+        page = await self.runtime.store.list_runs(query)
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
-            next_page_token=next_token)
+            next_page_token=encode_page_token(page.cursor, key))
 
-    def _sees_all_runs(self, principal: Principal) -> bool:
-        roles = (self.settings.admin_role, *self.settings.run_watch_roles)
-        return any(principal.has_role(role) for role in roles)
-
-    async def _visible_run(self, run_id: str, extra_roles: Iterable[str]) -> RunLog:
-        """The log of ``run_id`` when the caller may see it: its owner, a holder of
-        ``admin_role``, or of one of ``extra_roles``. Anyone else is told NOT_FOUND, exactly
-        as for an unknown run, so run ids of other principals cannot be probed.
+    async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
+                           ) -> RunLog:
+        """The log of ``run_id`` when ``allowed(caller, owner)`` (a :class:`RunAccess` rule).
+        Anyone else is told NOT_FOUND, exactly as for an unknown run, so run ids of other
+        principals cannot be probed.
 
         Raises:
             NotFound: Unknown, expired, or not the caller's.
             Unavailable: The shared run store cannot be reached.
         """
         log = await self.runtime.store.open(run_id) if run_id else None
-        if log is not None and self._may_act_on(log, extra_roles):
+        if log is not None and allowed(current_principal.get(), log.owner):
             return log
         raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
-
-    def _may_act_on(self, log: RunLog, roles: Iterable[str]) -> bool:
-        """Whether the caller owns the run, holds ``admin_role``, or one of ``roles``."""
-        principal = current_principal.get()
-        return (log.owner == principal.id or principal.has_role(self.settings.admin_role)
-                or any(principal.has_role(role) for role in roles))
 
     @property
     def settings(self) -> Settings:
         """The server's settings."""
         return self.runtime.settings
-
-
-async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
-    if isinstance(request, MalformedRequest):
-        await request.to_error().abort(context)
 
 
 def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:

@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     state_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("XDG_STATE_HOME")
                                      or Path.home() / ".local" / "state") / "stargrpc",
-        description="Where the server keeps its files (keys file, audit database, indexes).")
+        description="Where the server keeps its files (keys file, audit database, "
+        "pending deliveries, indexes).")
 
     # -- tools -----------------------------------------------------------------------------
     tools_dir: Annotated[list[Path], NoDecode] = Field(
@@ -146,6 +147,10 @@ class Settings(BaseSettings):
                                        "UNAVAILABLE).")
     run_lease_seconds: float = Field(10.0, ge=1, description="A replica's claim on its "
                                      "runs; runs of a replica dead this long are lost.")
+    run_sweep_interval_seconds: float = Field(1.0, gt=0, description="How often each replica "
+                                              "looks for runs of dead replicas to end "
+                                              "RUN_LOST (jittered; at most a quarter of "
+                                              "run_lease_seconds).")
     run_max_events: int = Field(100_000, ge=100, description="Events kept per run in Redis "
                                 "(older ones are trimmed).")
     max_watch_lag_events: int = Field(10_000, ge=0, description="A live watcher further "
@@ -410,6 +415,17 @@ class Settings(BaseSettings):
                                  "free one); off when unset.")
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
+    mcp_max_sessions_per_principal: int = Field(
+        32, ge=1, le=10_000, description="Handshake-era MCP sessions one principal may hold "
+        "open at the MCP endpoint; one more is refused (HTTP 429) until one ends (DELETE) or "
+        "expires (mcp_session_idle_seconds). Per worker process.")
+    mcp_max_sessions: int = Field(
+        1000, ge=1, le=100_000, description="MCP sessions the endpoint holds open, all "
+        "principals together; one more is refused (HTTP 503). Per worker process.")
+    mcp_session_idle_seconds: float = Field(
+        1800.0, gt=0, le=7 * 24 * 3600, description="An MCP session with no request in "
+        "flight (no call answered, no open GET stream) for this long ends; its client must "
+        "initialize again.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
         "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md.")

@@ -21,6 +21,11 @@ by ``stargrpc serve`` becomes a supervisor that serves no call itself:
   for a configuration reason (exit status 3 or 4) stops them all. SIGTERM or SIGINT drains
   every worker (each one as a single server drains) and the supervisor exits once they
   have; SIGHUP reloads every worker's catalog.
+- A worker still starting takes a SIGHUP as a reload too, never as the signal's default
+  action (which ends the process): it is started with SIGHUP blocked, and unblocks it once
+  its event loop handles it, so one that came meanwhile waits and is then applied (see
+  :func:`_serve`). One that reaches the supervisor while it is starting a worker is sent to
+  that worker as soon as the worker is known.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class WorkerSupervisor:
     _metrics_dir: Path | None
     _own_metrics_dir: bool
     _stopping: asyncio.Event
+    _reloads: int
 
     def __init__(self, settings: Settings, overrides: dict[str, Any],
                  config_file: Path | None) -> None:
@@ -119,6 +125,7 @@ class WorkerSupervisor:
         self._reserved = []
         self._metrics_dir = None
         self._own_metrics_dir = False
+        self._reloads = 0
 
     async def run(self) -> int:
         """Runs the workers until SIGTERM/SIGINT has drained them all.
@@ -203,13 +210,24 @@ class WorkerSupervisor:
         try:
             environ[SETTINGS_FD_VARIABLE] = str(fd)
             environ[INDEX_VARIABLE] = str(worker.index)
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "stargrpc.workers", env=environ, pass_fds=(fd,))
+            reloads = self._reloads
+            # The child inherits the blocked signal through fork and exec; the fork happens
+            # before this await first suspends, so unblocking after it is soon enough. A
+            # SIGHUP sent to the supervisor meanwhile waits, or reaches another thread.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "stargrpc.workers", env=environ, pass_fds=(fd,))
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         finally:
             os.close(fd)
         worker.process = process
         worker.started = time.monotonic()
         log.info("worker_started", worker=worker.index, pid=process.pid)
+        if self._reloads != reloads:  # reloaded before the worker was known: it reloads too
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGHUP)
         return process
 
     async def _keep_running(self, worker: _Worker) -> None:
@@ -266,6 +284,7 @@ class WorkerSupervisor:
                 process.kill()
 
     def _reload(self) -> None:
+        self._reloads += 1
         log.info("workers_reloading", workers=len(self._live()))
         self._signal_all(signal.SIGHUP)
 
@@ -304,8 +323,22 @@ def _read_payload() -> tuple[Path | None, dict[str, Any]]:
 
 
 async def _serve(server_class: Any, settings: Settings) -> None:
+    """Serves until stopped. SIGHUP, blocked since the supervisor forked this process,
+    is unblocked once the loop handles it: a reload that came while the interpreter started
+    is delivered then, and one that comes while the catalog loads is applied once it is
+    loaded (by the handler :meth:`~stargrpc.server.StargrpcServer.serve_forever` puts in
+    place), so a change made while the worker started is never missed."""
+    server: Any = None
+
+    def reload_early() -> None:
+        if server is not None:  # else the catalog is yet to be loaded: it will be current
+            server.reload_tools()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_early)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     # Made inside the loop: a grpc.aio server belongs to the loop running when it is made.
-    await server_class(settings).serve_forever()
+    server = server_class(settings)
+    await server.serve_forever()
 
 
 def _exit_before_serving(signum: int, frame: object) -> None:

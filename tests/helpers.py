@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
 from google.rpc import error_details_pb2, status_pb2
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+
+T = TypeVar("T")
+
+
+async def eventually(check: Callable[[], T | Awaitable[T]], *, within: float = 10.0,
+                     interval: float = 0.01, what: str = "") -> T:
+    """Waits until ``check()`` (a function or a coroutine function) returns something truthy,
+    and returns it; fails the test when it has not within ``within`` seconds.
+
+    For state that no event announces (a row committed by another process, a key expiring
+    in Redis); where an event can be awaited, await it instead.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {within} s: {what or check!r} (last: {value!r})")
+        await asyncio.sleep(interval)
 
 
 async def run_tool(stub: tool_service_pb2_grpc.ToolServiceStub, tool_name: str,

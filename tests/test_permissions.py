@@ -7,10 +7,10 @@ import pytest
 from google.rpc import error_details_pb2
 
 from stargrpc.errors import PermissionDenied
-from stargrpc.permissions import AllowAll, RolePolicy
+from stargrpc.permissions import AllowAll, RolePolicy, RunAccess
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.settings import ToolAccess
+from stargrpc.settings import Settings, ToolAccess
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry
 from tests.helpers import key_channel, run_tool, status_details
@@ -193,3 +193,29 @@ async def test_list_tools_shows_who_may_run_each_tool_as_configured(make_auth_se
     assert shown == {"whoami": (["admin"], [], False),  # no entry, default deny: admins only
                      "danger": (["admin"], [], True),
                      "ops_only": (["ops"], ["ci-bot"], True)}
+
+
+def test_run_access_follows_the_settings_roles() -> None:
+    access = RunAccess.from_settings(Settings(admin_role="boss", run_watch_roles=["ops"],
+                                              delegation_role="agent",
+                                              run_steer_roles=["critic"]))
+    owner, stranger = Principal(id="alice"), Principal(id="bob")
+    boss, ops = Principal(id="c", roles=("boss",)), Principal(id="d", roles=("ops",))
+    critic, agent = Principal(id="e", roles=("critic",)), Principal(id="f", roles=("agent",))
+
+    # The owner and the admin role may do everything; a stranger nothing.
+    for who in (owner, boss):
+        assert access.may_watch(who, "alice") and access.may_cancel(who, "alice")
+        assert access.may_see_to_steer(who, "alice") and access.may_steer(who, "alice")
+    assert not any(rule(stranger, "alice") for rule in (
+        access.may_watch, access.may_cancel, access.may_see_to_steer, access.may_steer))
+    # A watcher watches and finds a run to steer, but may neither steer nor cancel it.
+    assert access.may_watch(ops, "alice") and access.may_see_to_steer(ops, "alice")
+    assert not access.may_steer(ops, "alice") and not access.may_cancel(ops, "alice")
+    # Steerers (the critic role and the delegation role) steer, but neither watch nor cancel.
+    for who in (critic, agent):
+        assert access.may_steer(who, "alice") and access.may_see_to_steer(who, "alice")
+        assert not access.may_watch(who, "alice") and not access.may_cancel(who, "alice")
+    # Only the admin and watch roles list every principal's runs.
+    assert access.sees_all_runs(boss) and access.sees_all_runs(ops)
+    assert not any(access.sees_all_runs(p) for p in (owner, critic, agent))

@@ -25,13 +25,17 @@ PUBLIC: dict[str, set[str]] = {
         "ToolFailed", "ToolResult", "ToolStep", "__version__", "tool",
     },
     "stargrpc.client": {
-        "FALLBACK_METHOD", "IN_PROCESS_METHOD", "NO_RETRY", "AsyncClient", "CallError",
-        "Catalog", "Client", "ClientError", "CollectedWriteBack", "Event", "FileChunk",
-        "Heartbeat", "InjectedTool", "Notice", "Outcome", "RemoteToolRegistry", "Result",
+        "NO_RETRY", "AsyncClient", "CallError", "Catalog", "Client", "ClientError", "Event",
+        "FileChunk", "Heartbeat", "InjectedTool", "Notice", "Outcome", "Result",
         "ResumeError", "RetryPolicy", "RichMessage", "SentFile", "Step", "StepDelta",
         "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Violation",
-        "WriteBackTarget", "event_from_proto", "open_channel",
+        "event_from_proto", "open_channel",
     },
+    "stargrpc.remote_registry": {
+        "FALLBACK_METHOD", "IN_PROCESS_METHOD", "LOCAL_PRINCIPAL", "CollectedWriteBack", "Mode",
+        "RemoteToolRegistry", "WriteBackTarget",
+    },
+    "stargrpc.contract": {"SERVICE_NAME", "Outcome", "reason_name"},
     "stargrpc.testing": {"TEST_PRINCIPAL", "RecordedRun", "ServedTools", "StepNode",
                          "load_tool_module", "record", "run_tool", "run_tool_sync", "serve",
                          "serve_tools"},
@@ -161,6 +165,21 @@ def test_importing_the_top_level_loads_no_server_module_until_a_name_is_used() -
 
 def test_the_remote_registry_is_still_reachable_from_the_client() -> None:
     from stargrpc.client import RemoteToolRegistry
-    from stargrpc.client.registry import RemoteToolRegistry as direct
+    from stargrpc.remote_registry import RemoteToolRegistry as direct
 
     assert RemoteToolRegistry is direct
+
+
+# The SDK's own modules, each imported alone in a fresh interpreter.
+SDK_MODULES = sorted(
+    "stargrpc.client" + ("" if path.stem == "__init__" else f".{path.stem}")
+    for path in (PACKAGE_DIR / "client").glob("*.py"))
+
+
+@pytest.mark.parametrize("module", SDK_MODULES)
+def test_the_sdk_loads_only_itself_and_the_contract(module: str) -> None:
+    loaded = {m for m in _loaded_after(f"import {module}") if m.startswith("stargrpc")}
+    allowed = {"stargrpc", "stargrpc.contract"}
+    outside = sorted(m for m in loaded if m not in allowed
+                     and not m.startswith(("stargrpc.client", "stargrpc.v1")))
+    assert module in loaded and not outside, f"{module} loads {outside}"

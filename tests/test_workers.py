@@ -74,6 +74,25 @@ async def reloaded(ctx: ToolContext, args: NoArgs) -> str:
 '''
 
 
+#: A tools module that, while a file named ``hold`` lies beside it, holds the worker loading
+#: it until the test lets go: it connects to the Unix socket the file names, sends its pid
+#: and waits for a byte (60 s at most).
+GATE = '''
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+_hold = Path(__file__).with_name("hold")
+if _hold.exists():
+    with socket.socket(socket.AF_UNIX) as _link:
+        _link.settimeout(60)
+        _link.connect(_hold.read_text())
+        _link.sendall(f"{os.getpid()}\\n".encode())
+        _link.recv(1)
+'''
+
 def _worker_pids(server: ServerProcess) -> set[int]:
     return {int(str(line["pid"])) for line in server.lines
             if line.get("event") == "worker_started"}
@@ -321,3 +340,88 @@ def test_auto_is_the_number_of_usable_cores() -> None:
     settings = Settings.load(workers="auto", redis_url=REDIS_URL)
     assert settings.workers == len(os.sched_getaffinity(0))
     assert Settings.load().workers == 1
+
+
+async def test_a_worker_still_starting_takes_sighup_as_a_reload(tmp_path: Path) -> None:
+    """SIGHUP reaches a replacement worker twice while it starts — while its interpreter
+    starts, then while it loads its tools — and neither ends it: it serves, with the tool
+    added after it had listed its tools folder."""
+    held: asyncio.Queue[tuple[int, asyncio.StreamWriter]] = asyncio.Queue()
+
+    async def on_link(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await held.put((int(await reader.readline()), writer))
+
+    async def hold_on(server: ServerProcess, pid: int) -> asyncio.StreamWriter:
+        """The link of worker ``pid`` (now loading its tools); any other worker that comes
+        meanwhile — reloading, it loads the gate too — goes on at once."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                other, writer = await asyncio.wait_for(held.get(), 0.5)
+            except TimeoutError:
+                if _is_zombie(pid):
+                    exited = await asyncio.to_thread(server.wait_for, lambda line: line.get(
+                        "event") == "worker_exited" and line.get("pid") == pid, 10)
+                    raise AssertionError(f"the starting worker ended: {exited}") from None
+                assert time.monotonic() < deadline, "the starting worker never loaded its tools"
+                continue
+            if other == pid:
+                return writer
+            writer.write(b"g")
+            writer.close()
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "gate.py").write_text(GATE)
+    link_path = tmp_path / "link.sock"
+    link = await asyncio.start_unix_server(on_link, path=str(link_path))
+    try:
+        with workers(tmp_path) as server:
+            channels, _ = await one_channel_per_worker(server.target)
+            for channel in channels.values():
+                await channel.close()
+            victim = min(channels)
+            index = next(line["worker"] for line in server.lines
+                         if line.get("event") == "worker_started" and line.get("pid") == victim)
+            (tools / "hold").write_text(str(link_path))
+            os.kill(victim, signal.SIGKILL)
+            started = await asyncio.to_thread(server.wait_for, lambda line: line.get(
+                "event") == "worker_started" and line.get("worker") == index
+                and line.get("pid") != victim, 30)
+            newcomer = int(str(started["pid"]))
+            server.signal(signal.SIGHUP)  # the newcomer's interpreter is still starting
+
+            release = await hold_on(server, newcomer)  # it is loading its tools, the list made
+            (tools / "hold").unlink()
+            (tools / "reloaded.py").write_text(RELOADED)
+            earlier = [line for line in server.lines if line.get("event") in (
+                "workers_reloading", "serving")]
+            server.signal(signal.SIGHUP)
+            await asyncio.to_thread(server.wait_for, lambda line: line.get(
+                "event") == "workers_reloading" and all(line is not e for e in earlier), 30)
+            release.write(b"g")  # the signal has been sent to it: let it finish loading
+            release.close()
+
+            ended = await asyncio.to_thread(server.wait_for, lambda line: (
+                line.get("event") == "serving" and line.get("worker") == index
+                and all(line is not e for e in earlier)) or (
+                line.get("event") == "worker_exited" and line.get("pid") == newcomer), 60)
+            assert ended["event"] == "serving", ended
+            channels, _ = await one_channel_per_worker(server.target)
+            try:
+                assert newcomer in channels
+                for channel in channels.values():  # both workers: the reload took effect
+                    stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+                    deadline = time.monotonic() + 30
+                    while "reloaded" not in {t.name for t in (await stub.ListTools(
+                            tool_service_pb2.ListToolsRequest(), timeout=10)).tools}:
+                        assert time.monotonic() < deadline, "a worker did not reload"
+                        await asyncio.sleep(0.1)
+            finally:
+                for channel in channels.values():
+                    await channel.close()
+            assert not [line for line in server.lines if line.get("event") == "worker_exited"
+                        and line.get("pid") != victim]
+    finally:
+        link.close()
+        await link.wait_closed()

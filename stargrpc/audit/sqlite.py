@@ -28,6 +28,11 @@ timeout, and is tried again later; the WAL grows past its limit for as long as t
 stays. The restarted WAL is written again from its start — overwriting a file is cheaper
 than growing one, which is why it is not truncated to nothing — and ``journal_size_limit``
 cuts it back to the limit whenever it starts over.
+
+A store opened ``read_only`` (``stargrpc audit verify|anchor|tail|query``) writes nothing:
+not the file, its mode, its schema or journal mode, nor ``-wal``/``-shm`` files beside it
+(which a read-only connection could not remove again, and which would be its user's, in
+the server's folder). See :class:`_ReadOnlyTrail`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import queue
 import sqlite3
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,10 +117,13 @@ class SqliteAuditStore:
     Attributes:
         url: ``sqlite:///PATH``.
         key: The audit key appended records are keyed with (None: unkeyed).
+        read_only: Opened to read only: :meth:`append` refuses, and nothing is written.
     """
 
     url: str
     key: ChainKey | None
+    read_only: bool
+    _reader: _ReadOnlyTrail | None
     _db: sqlite3.Connection | None
     _fast: sqlite3.Connection | None
     _thread: _StoreThread | None
@@ -122,9 +131,20 @@ class SqliteAuditStore:
     _checkpointing: bool
     _restarting: bool
 
-    def __init__(self, url: str, key: ChainKey | None = None) -> None:
+    def __init__(self, url: str, key: ChainKey | None = None, *,
+                 read_only: bool = False) -> None:
+        """A store on the file ``url`` names (opened by :meth:`open`).
+
+        Args:
+            url: ``sqlite:///PATH``.
+            key: The audit key appended records are keyed with (None: unkeyed).
+            read_only: Only read: the file must exist, and neither it nor its folder is
+                changed (for the ``stargrpc audit`` commands).
+        """
         self.url = url
         self.key = key
+        self.read_only = read_only
+        self._reader = None
         self._db = None
         self._fast = None
         self._thread = None
@@ -134,6 +154,15 @@ class SqliteAuditStore:
 
     async def open(self) -> None:
         path = sqlite_path(self.url)
+        if self.read_only:
+            self._thread = _StoreThread()
+            self._reader = _ReadOnlyTrail(path)
+            try:
+                await self._run(self._reader.check)
+            except BaseException:
+                await self.aclose()
+                raise
+            return
         make_private_file(path)
         # One thread owns the connection: sqlite3's own same-thread check stays on.
         self._thread = _StoreThread()
@@ -160,6 +189,8 @@ class SqliteAuditStore:
         return self._db
 
     async def append(self, records: Sequence[AuditRecord]) -> list[AuditRecord]:
+        if self.read_only:
+            raise RuntimeError("the audit store is open read-only")
         sealed = self.append_now(records)
         if sealed is not None:
             return sealed
@@ -211,6 +242,8 @@ class SqliteAuditStore:
 
     async def query(self, query: Query) -> list[AuditRecord]:
         sql, params = select_sql(TABLE, query, "?")
+        if self._reader is not None:
+            return await self._run(self._reader.select, sql, params)
         return await self._run(_select, self._conn, sql, params)
 
     def scan(self, batch: int = 1000) -> AsyncIterator[AuditRecord]:
@@ -225,8 +258,91 @@ class SqliteAuditStore:
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
+        if self._reader is not None:
+            await self._run(self._reader.close)
+            self._reader = None
         self._thread.stop()
         self._thread = None
+
+
+#: Reads of a trail at rest tried before giving up, when a writer keeps changing it under
+#: each of them.
+_READ_ATTEMPTS = 5
+
+
+class _ReadOnlyTrail:
+    """The connection of a read-only store, which makes no file and changes none.
+
+    A trail a server has open has its ``-wal`` and ``-shm`` files: it is read through them
+    (``mode=ro``), as a reader beside the writer. A trail at rest has none, and a
+    ``mode=ro`` connection would create them (and leave them: it cannot remove them again)
+    or, where it may not, fail; so it is read as the single file it is (``immutable=1``:
+    no companion, no lock). A writer may come meanwhile: it writes its WAL first and the
+    database file only when it checkpoints, so a read at rest is kept only if the file was
+    not written (nor a WAL begun) while it ran, and is otherwise read again. Used on the
+    store's thread only.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._companions = (Path(f"{path}-wal"), Path(f"{path}-shm"))
+        self._db: sqlite3.Connection | None = None
+        self._opened_for: tuple[object, ...] = ()
+        self._columns = ""
+
+    def _state(self) -> tuple[object, ...]:
+        """Which way the trail is read now, and what a write would change."""
+        try:
+            wal, shm = (os.stat(companion) for companion in self._companions)
+        except FileNotFoundError:
+            found = os.stat(self._path)  # FileNotFoundError: no trail at all
+            return ("at rest", found.st_ino, found.st_size, found.st_mtime_ns)
+        return ("open", wal.st_ino, shm.st_ino)
+
+    def _connection(self, state: tuple[object, ...]) -> sqlite3.Connection:
+        if self._db is not None and state == self._opened_for:
+            return self._db
+        self.close()
+        uri = "file:" + urllib.request.pathname2url(str(self._path.resolve())) + "?mode=ro"
+        if state[0] == "at rest":
+            uri += "&immutable=1"
+        db = sqlite3.connect(uri, uri=True, isolation_level=None)
+        try:
+            columns = {row[1] for row in db.execute(f"PRAGMA table_info({TABLE})")}
+            if not columns:
+                raise sqlite3.OperationalError(f"{self._path} holds no audit trail")
+        except BaseException:
+            db.close()
+            raise
+        # A file an older version wrote may lack the columns added since: empty in its rows.
+        self._columns = ", ".join(name if name in columns or name not in ADDED_COLUMNS
+                                  else f"'' AS {name}" for name in FIELDS)
+        self._db, self._opened_for = db, state
+        return db
+
+    def check(self) -> None:
+        """Opens the trail, to report at once a file that cannot be read or is no trail."""
+        self._connection(self._state())
+
+    def select(self, sql: str, params: list[object]) -> list[AuditRecord]:
+        """The records ``sql`` (a :func:`select_sql` statement) selects."""
+        for _ in range(_READ_ATTEMPTS):
+            state = self._state()
+            db = self._connection(state)
+            records = _select(db, sql.replace(f"SELECT {', '.join(FIELDS)} ",
+                                              f"SELECT {self._columns} ", 1), params)
+            if state[0] == "open" or self._state() == state:
+                return records
+            self.close()  # written while read at rest: what was read may be torn
+        raise sqlite3.OperationalError(
+            f"{self._path} changed under each of {_READ_ATTEMPTS} reads; try again")
+
+    def close(self) -> None:
+        """Closes the connection (a next read opens one again)."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+            self._opened_for = ()
 
 
 class _StoreThread:
@@ -331,7 +447,7 @@ def _connect(path: str) -> sqlite3.Connection:
                     db.execute(f"ALTER TABLE {TABLE} ADD COLUMN {name} {sql_type}")
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _roll_back(db)
             raise
     except BaseException:
         db.close()
@@ -416,9 +532,25 @@ def _append(db: sqlite3.Connection, records: Sequence[AuditRecord],
             db.executemany(_INSERT, [_row(record) for record in sealed])
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _roll_back(db)
         raise
     return sealed
+
+
+def _roll_back(db: sqlite3.Connection) -> None:
+    """Ends a transaction that failed, leaving the failure's own error to be raised.
+
+    After some errors — a full disk (``SQLITE_FULL``), an I/O error, running out of memory —
+    SQLite has already rolled the transaction back itself, and a ROLLBACK would only fail
+    with "no transaction is active": raised instead of the real error, that hid why the
+    append failed.
+    """
+    if not db.in_transaction:
+        return
+    try:
+        db.execute("ROLLBACK")
+    except sqlite3.Error as exc:  # the first error is the one to report
+        log.warning("audit_rollback_failed", error=str(exc))
 
 
 def _select(db: sqlite3.Connection, sql: str, params: list[object]) -> list[AuditRecord]:

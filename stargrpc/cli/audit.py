@@ -26,6 +26,7 @@ from stargrpc.audit.chain import Anchor, VerifyReport
 from stargrpc.audit.chain import verify as verify_chain
 from stargrpc.audit.key import AuditKeyError, ChainKey, default_key_path, load_key
 from stargrpc.audit.record import OUTCOMES, AuditRecord, format_time
+from stargrpc.audit.sqlite import SqliteAuditStore
 from stargrpc.audit.store import AuditStore, Query, audit_store_url, open_store, sqlite_path
 from stargrpc.settings import Settings, mask_url
 
@@ -115,8 +116,11 @@ def _run(store_url: str | None, config_file: Path | None,
     url = _resolve_url(store_url, config_file)
     try:
         store = open_store(url)
-        if url.lower().startswith("sqlite") and not sqlite_path(url).exists():
-            raise FileNotFoundError(f"no audit database at {sqlite_path(url)}")
+        if isinstance(store, SqliteAuditStore):
+            if not sqlite_path(url).exists():
+                raise FileNotFoundError(f"no audit database at {sqlite_path(url)}")
+            # These commands only read: the file, its mode and its folder stay as they are.
+            store = SqliteAuditStore(url, read_only=True)
     except (ValueError, FileNotFoundError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_NO_STORE)

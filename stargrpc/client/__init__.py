@@ -26,7 +26,7 @@ with WatchRun from the last event seen — see :mod:`stargrpc.client.aio`.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stargrpc.client.aio import AsyncClient
 from stargrpc.client.channel import open_channel
@@ -51,20 +51,12 @@ from stargrpc.client.events import (
 )
 from stargrpc.client.retry import NO_RETRY, RetryPolicy
 from stargrpc.client.sync import Client
-from stargrpc.outcome import Outcome
+from stargrpc.contract import Outcome
 
-if TYPE_CHECKING:
-    from stargrpc.client.registry import (
-        FALLBACK_METHOD,
-        IN_PROCESS_METHOD,
-        CollectedWriteBack,
-        RemoteToolRegistry,
-        WriteBackTarget,
-    )
-
-# The remote tool registry runs tools inside a server's pipeline, so it needs the server's
-# modules: it loads on first use (PEP 562) and a plain client never pays for it.
-_LAZY = frozenset({
+# The remote tool registry (stargrpc.remote_registry) runs tools inside a server's pipeline,
+# so it needs the server's modules: it is not part of the SDK. Its names still resolve here
+# for code written when it was (loaded on first use, PEP 562); they are not in __all__.
+_MOVED = frozenset({
     "FALLBACK_METHOD",
     "IN_PROCESS_METHOD",
     "CollectedWriteBack",
@@ -73,22 +65,18 @@ _LAZY = frozenset({
 })
 
 __all__ = [
-    "FALLBACK_METHOD",
-    "IN_PROCESS_METHOD",
     "NO_RETRY",
     "AsyncClient",
     "CallError",
     "Catalog",
     "Client",
     "ClientError",
-    "CollectedWriteBack",
     "Event",
     "FileChunk",
     "Heartbeat",
     "InjectedTool",
     "Notice",
     "Outcome",
-    "RemoteToolRegistry",
     "Result",
     "ResumeError",
     "RetryPolicy",
@@ -101,16 +89,15 @@ __all__ = [
     "ToolInfo",
     "ToolRunError",
     "Violation",
-    "WriteBackTarget",
     "event_from_proto",
     "open_channel",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name not in _MOVED:
         raise AttributeError(f"module 'stargrpc.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module("stargrpc.client.registry"), name)
+    value = getattr(importlib.import_module("stargrpc.remote_registry"), name)
     globals()[name] = value
     return value
 

@@ -30,7 +30,7 @@ from stargrpc.client.channel import bearer_metadata, open_channel
 from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
 from stargrpc.client.retry import NO_RETRY, RESUMABLE, RetryPolicy
-from stargrpc.errors import reason_name
+from stargrpc.contract import reason_name
 from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from stargrpc.client.errors import ClientError
-from stargrpc.outcome import Outcome
+from stargrpc.contract import Outcome
 from stargrpc.v1 import catalog_pb2, events_pb2
 
 

@@ -6,7 +6,9 @@ and an ``Ask`` when the run's soft deadline is reached. The critic's verdicts co
 the same stream whenever it likes. Events are queued for the stream and never wait for it;
 a critic that falls this far behind (:data:`MAX_QUEUED`), ends the stream, loses the
 connection or answers a message that is no verdict is reported to the supervision, which
-hands the run to the rules. One channel serves every run of the server.
+hands the run to the rules. One channel serves every run of the server. A critic that
+sends verdicts without pause costs the run's log nothing past
+:data:`~stargrpc.critic.supervision.MAX_VERDICT_NOTICES` notices (the supervision's limit).
 """
 
 from __future__ import annotations

@@ -19,7 +19,12 @@ No critic can move the last two. A critic's other verdicts are applied here too:
 the contract — raises, answers garbage, disconnects, misses its budget — is dropped for the
 run and the rules, which watched every event alongside it, take over (``CRITIC_FALLBACK``).
 Every verdict but the rules' quiet extensions is a notice, a count of
-``tool_executor_critic_verdicts_total{verdict,critic}`` and a fact in the call's audit record.
+``tool_executor_critic_verdicts_total{verdict,critic}`` and a fact in the call's audit record
+— up to :data:`MAX_VERDICT_NOTICES` notices of warnings, extensions and steers per run: a
+critic that keeps sending them (a remote one can send thousands a second) would otherwise
+fill the run's log, which every follower reads and the run store keeps. Past that, one
+more ``CRITIC_WARNING`` notice, from the server (level INFO), says so; the verdicts are still
+applied and counted, and the audit record tells how many notices were left out.
 
 Stopping goes through :meth:`stargrpc.run.Run.stop`, which cancels the tool and still ends the
 run with the top-level END (error) and a Result carrying the output produced so far. Every
@@ -84,6 +89,11 @@ WARNING = "CRITIC_WARNING"
 STEERED = "CRITIC_STEERED"
 STOPPED = "CRITIC_STOPPED"
 FALLBACK = "CRITIC_FALLBACK"
+
+#: Notices of a critic's warnings, extensions and steers that one run's log takes; later
+#: ones are left out (the verdicts still apply). Stops and fallbacks end the critic's say,
+#: so they are never left out.
+MAX_VERDICT_NOTICES = 100
 
 #: How long before the caller's deadline the run is stopped, so that the stopped run's
 #: Result can still reach the caller instead of a bare DEADLINE_EXCEEDED.
@@ -273,6 +283,8 @@ class Supervision:
         warned: Whether the no-progress warning went out since the last extension.
         fallback: Why the critic was dropped for the rules ("" while it judges).
         verdicts: How many verdicts of each kind were applied (quiet extensions aside).
+        notices_left_out: Notices of verdicts left out of the run's log, past
+            :data:`MAX_VERDICT_NOTICES`.
     """
 
     run: Run
@@ -282,6 +294,8 @@ class Supervision:
     progress_events: int
     warned: bool
     fallback: str
+    notices_left_out: int
+    _verdict_notices: int
     _verdicts: Counter[str] | None
     _judge: RunJudge
     _rules: RulesJudge | None
@@ -307,6 +321,8 @@ class Supervision:
         self.progress_events = 0
         self.warned = False
         self.fallback = ""
+        self.notices_left_out = 0
+        self._verdict_notices = 0
         # Made when first needed: most runs get no verdict to count and spawn nothing.
         self._verdicts = None
         self._verdict_timeout = verdict_timeout
@@ -427,12 +443,15 @@ class Supervision:
             self._soft_span = verdict.seconds
             self._last_extend = now
             self.progress_events += 1
-            if not verdict.quiet:
+            if not verdict.quiet and self._may_notice():
                 self._notice(EXTENDED, self._extended_message(verdict, now), warning=False)
         elif isinstance(verdict, Warn):
-            self._notice(WARNING, verdict.message)
+            if self._may_notice():
+                self._notice(WARNING, verdict.message)
         elif isinstance(verdict, Steer):
-            self._notice(STEERED, f"the {self.critic} critic steered the run", warning=False)
+            if self._may_notice():
+                self._notice(STEERED, f"the {self.critic} critic steered the run",
+                             warning=False)
             try:
                 self.run.steer(verdict.message, source=f"critic {self.critic}")
             except RequestError as refused:  # the run is ending, or its queue is full
@@ -449,6 +468,26 @@ class Supervision:
             self._stop(NO_PROGRESS, f"no progress for {_seconds(self._soft_span)}")
         elif answered or isinstance(verdict, Extend):
             self._rearm()
+
+    def _may_notice(self) -> bool:
+        """Whether a verdict's notice goes into the run's log (see
+        :data:`MAX_VERDICT_NOTICES`); the first one left out is replaced by a notice saying
+        that further ones are."""
+        if self._verdict_notices < MAX_VERDICT_NOTICES:
+            self._verdict_notices += 1
+            return True
+        if not self.notices_left_out:
+            log.warning("critic_notices_limited", critic=self.critic, run_id=self.run.run_id,
+                        tool=self.run.spec.name, notices=MAX_VERDICT_NOTICES)
+            # CRITIC_WARNING, told apart from the critic's own by its level (INFO): a code
+            # of its own would be a change of the contract (ErrorReason).
+            self._notice(WARNING, (
+                f"the {self.critic} critic sent {MAX_VERDICT_NOTICES} notices; its further "
+                "warnings, extensions and steers still apply but are left out of the run's "
+                "log (the call's audit record counts them)"), warning=False)
+        self.notices_left_out += 1
+        self._record_facts()
+        return False
 
     def _extended_message(self, verdict: Extend, now: float) -> str:
         message = f"the {self.critic} critic gave the run {_seconds(verdict.seconds)} more"
@@ -493,8 +532,14 @@ class Supervision:
     def _count(self, verdict: str) -> None:
         self.verdicts[verdict] += 1
         metrics.CRITIC_VERDICTS.labels(verdict, self.critic).inc()
+        self._record_facts()
+
+    def _record_facts(self) -> None:
         if self._record is not None:  # the call's audit record shows the critic's verdicts
             facts = ", ".join(f"{name} {count}" for name, count in self.verdicts.items())
+            if self.notices_left_out:
+                facts += (f"; {self.notices_left_out} notices left out of the run's log "
+                          f"(after {MAX_VERDICT_NOTICES})")
             if self.fallback:
                 facts += f"; fell back to the rules: {self.fallback}"
             self._record.extra["critic"] = f"critic {self.critic}: {facts}"
@@ -598,6 +643,9 @@ class Supervision:
 
     def _on_finish(self, run: Run) -> None:
         del run
+        if self.notices_left_out:
+            log.info("critic_notices_left_out", critic=self.critic, run_id=self.run.run_id,
+                     notices=self.notices_left_out)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -8,12 +8,21 @@ until it is taken or ``delivery_retry_seconds`` have passed. Every attempt and t
 state are counted (``tool_executor_delivery_attempts``, ``tool_executor_deliveries``) and
 logged.
 
-In a fleet the pending deliveries live in Redis (``delivery:pending``, a hash of run id →
-target) with a lease per delivery (``delivery:{run_id}:lease``) that the replica working on
-it renews. A replica that dies leaves its deliveries pending: once a lease lapses another
-replica takes it over, reads the Result from the run's log (a run lost with its replica
-ends ``RUN_LOST``, and that Result is delivered) and sends it again — hence at least once:
-receivers de-duplicate by run id.
+A delivery is made durable before the call that asked for it is answered
+(:meth:`Deliveries.register`, awaited by the runtime before the run starts): a call that
+was answered has a delivery that survives the process.
+
+In a fleet the run is registered in Redis first (its lease and meta hash, as a claim
+registers it, rather than with its first events), then the delivery: pending deliveries
+live in Redis (``delivery:pending``, a hash of run id → target) with a lease per delivery
+(``delivery:{run_id}:lease``) that the replica working on it renews. A replica that dies
+leaves its deliveries pending: once a lease lapses another replica takes it over, reads the
+Result from the run's log (a run lost with its replica ends ``RUN_LOST``, and that Result is
+delivered) and sends it again — hence at least once: receivers de-duplicate by run id.
+
+A lone server keeps its pending deliveries in the state folder instead
+(:mod:`stargrpc.delivery.journal`, committed before the call is answered); after a restart
+it delivers them: the Result when the run had ended, else ``Result{ERROR, RUN_LOST}``.
 """
 
 from __future__ import annotations
@@ -29,13 +38,16 @@ from typing import Any
 import httpx
 import structlog
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from stargrpc import metrics
+from stargrpc.delivery.journal import JOURNAL_NAME, DeliveryJournal
 from stargrpc.delivery.signing import SIGNATURE_HEADER, sign
 from stargrpc.delivery.target import DeliveryTarget, delivery_policy
 from stargrpc.egress import vet_url
+from stargrpc.errors import Unavailable
 from stargrpc.settings import Settings
-from stargrpc.stores.base import RunStore
+from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.delivery")
@@ -62,6 +74,7 @@ class Deliveries:
     _active: dict[str, asyncio.Task[None]]
     _recovery: asyncio.Task[None] | None
     _key: bytes | None
+    _journal: DeliveryJournal | None
     #: Told the final state of each delivery (the audit trail records it): run id, tool,
     #: target, "delivered" or "failed", attempts made, why it failed ("" when delivered).
     on_final: Callable[[str, str, DeliveryTarget, str, int, str], None] | None
@@ -76,6 +89,8 @@ class Deliveries:
         self._active = {}
         self._recovery = None
         self._key = None
+        self._journal = None if self.fleet else DeliveryJournal(settings.state_dir
+                                                                 / JOURNAL_NAME)
         self.on_final = None
 
     @property
@@ -84,9 +99,12 @@ class Deliveries:
         return self._redis is not None
 
     def start(self) -> None:
-        """Starts taking over the deliveries other replicas left (in a fleet)."""
-        if self.fleet and self._recovery is None:
-            self._recovery = asyncio.create_task(self._recover_loop(), name="deliveries")
+        """Starts taking over the deliveries other replicas left (in a fleet), or those a
+        process that died left in the state folder (alone)."""
+        if self._recovery is None:
+            self._recovery = asyncio.create_task(
+                self._recover_loop() if self.fleet else self._resume_journal(),
+                name="deliveries")
 
     async def aclose(self, grace: float = 0.0) -> None:
         """Waits up to ``grace`` seconds for the deliveries under way, then stops them; in a
@@ -99,15 +117,52 @@ class Deliveries:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._journal is not None:
+            await asyncio.to_thread(self._journal.close)
+
+    async def register(self, run_log: RunLog, tool: str, target: DeliveryTarget) -> None:
+        """Makes the delivery of the Result of ``run_log``'s run durable, before the run starts
+        and its call is answered: in a fleet the run is registered in Redis, then the
+        delivery; alone the delivery is committed to the state folder's journal.
+
+        Raises:
+            Unavailable: Redis, or the state folder, cannot keep it (the run must not
+                start: nobody would deliver its Result).
+        """
+        if self.fleet:
+            await self.store.register(run_log)
+            try:
+                async with asyncio.timeout(self.settings.redis_timeout_seconds):
+                    await self._register(run_log.run_id, tool, target)
+            except Exception as exc:
+                log.warning("delivery_not_registered", run_id=run_log.run_id, kind=target.kind,
+                            error=f"{type(exc).__name__}: {exc}"[:300])
+                # Its run will not start: a half-written delivery must not be taken over.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self.settings.redis_timeout_seconds):
+                        await self._redis.hdel(self._pending_key(), run_log.run_id)
+                raise Unavailable("the shared run store (Redis) could not keep the "
+                                  "delivery; retry shortly", reason="RUN_STORE_UNAVAILABLE",
+                                  retry_after=1.0) from exc
+            return
+        assert self._journal is not None
+        try:
+            await asyncio.to_thread(self._journal.add, run_log.run_id, tool, target)
+        except Exception as exc:  # sqlite3.Error, OSError: the folder cannot take it
+            log.error("delivery_not_registered", run_id=run_log.run_id, kind=target.kind,
+                      path=str(self._journal.path), error=str(exc))
+            raise Unavailable("the server could not keep the delivery in its state "
+                              "folder; retry shortly", retry_after=1.0) from exc
 
     def track(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
-        """Delivers the Result of ``run_id`` to ``target`` when the run ends."""
+        """Delivers the Result of ``run_id`` to ``target`` when the run ends (its delivery
+        was made durable by :meth:`register`)."""
         if run_id not in self._active:
-            self._spawn(run_id, tool, target, taken_over=False)
+            self._spawn(run_id, tool, target)
 
-    def _spawn(self, run_id: str, tool: str, target: DeliveryTarget, *,
-               taken_over: bool) -> None:
-        task = asyncio.create_task(self._deliver_run(run_id, tool, target, taken_over),
+    def _spawn(self, run_id: str, tool: str, target: DeliveryTarget,
+               result: events_pb2.Result | None = None) -> None:
+        task = asyncio.create_task(self._deliver_run(run_id, tool, target, result),
                                    name=f"delivery-{run_id}")
         self._active[run_id] = task
         task.add_done_callback(lambda _: self._active.pop(run_id, None))
@@ -121,14 +176,15 @@ class Deliveries:
         return f"{self._prefix}delivery:{run_id}:lease"
 
     async def _deliver_run(self, run_id: str, tool: str, target: DeliveryTarget,
-                           taken_over: bool) -> None:
+                           result: events_pb2.Result | None) -> None:
         renewer = None
         try:
             if self.fleet:
-                if not taken_over:
-                    await self._register(run_id, tool, target)
                 renewer = asyncio.create_task(self._renew(run_id))
-            result = await self._result_of(run_id)
+            if result is None:
+                result = await self._result_of(run_id)
+                if result is not None and self._journal is not None:
+                    await self._keep_result(run_id, result)
             if result is None:
                 log.error("delivery_failed", run_id=run_id, kind=target.kind,
                           reason="the run expired before its Result could be read")
@@ -140,19 +196,36 @@ class Deliveries:
             if self.fleet:
                 await self._redis.hdel(self._pending_key(), run_id)
                 await self._redis.delete(self._lease_key(run_id))
+            elif self._journal is not None:
+                await asyncio.to_thread(self._journal.remove, run_id)
         except asyncio.CancelledError:
             raise
-        except Exception:  # Redis went away, say: in a fleet another replica takes it over
+        except Exception:  # Redis went away, say: another replica (or a restart) takes it over
             log.exception("delivery_interrupted", run_id=run_id, kind=target.kind)
         finally:
             if renewer is not None:
                 renewer.cancel()
 
+    async def _keep_result(self, run_id: str, result: events_pb2.Result) -> None:
+        """Keeps the Result in the journal: a restart from now on delivers it, not RUN_LOST.
+        Best effort: the delivery goes on without it."""
+        assert self._journal is not None
+        try:
+            await asyncio.to_thread(self._journal.set_result, run_id,
+                                    result.SerializeToString())
+        except Exception as exc:
+            log.warning("delivery_result_not_kept", run_id=run_id,
+                        path=str(self._journal.path), error=str(exc))
+
     async def _register(self, run_id: str, tool: str, target: DeliveryTarget) -> None:
         record = json.dumps({"tool": tool, "target": target.to_json()})
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._pending_key(), run_id, record)
+        # Two keys in two slots of a cluster, so no transaction (a cluster refuses one that
+        # spans slots): both are written before the call is answered, so a crash in between
+        # loses no promised delivery; a pending delivery whose lease was lost is taken over
+        # by another replica too (at least once).
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._lease_key(run_id), self._replica, px=self._lease_ms)
+            pipe.hset(self._pending_key(), run_id, record)
             await pipe.execute()
 
     async def _renew(self, run_id: str) -> None:
@@ -283,4 +356,30 @@ class Deliveries:
                 await self._redis.hdel(self._pending_key(), run_id)
                 continue
             log.info("delivery_taken_over", run_id=run_id, kind=target.kind)
-            self._spawn(run_id, str(record.get("tool", "")), target, taken_over=True)
+            self._spawn(run_id, str(record.get("tool", "")), target)
+
+    async def _resume_journal(self) -> None:
+        """Delivers what a process that died left in the journal (a lone server)."""
+        assert self._journal is not None
+        try:
+            left = await asyncio.to_thread(self._journal.left_behind)
+        except Exception as exc:
+            log.error("deliveries_not_resumed", path=str(self._journal.path), error=str(exc))
+            return
+        for pending in left:
+            if pending.run_id in self._active:
+                continue
+            result = None
+            if pending.result is not None:
+                try:
+                    result = events_pb2.Result.FromString(pending.result)
+                except DecodeError:  # a damaged row: what is known is that the run ended
+                    log.error("delivery_result_unreadable", run_id=pending.run_id)
+            if result is None:  # its run died with the process, unfinished
+                result = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
+                result.error.code = "RUN_LOST"
+                result.error.message = ("the server stopped before the run ended; run it "
+                                        "again")
+            log.info("delivery_resumed", run_id=pending.run_id, kind=pending.target.kind,
+                     outcome=events_pb2.Outcome.Name(result.outcome))
+            self._spawn(pending.run_id, pending.tool, pending.target, result)

@@ -1,6 +1,9 @@
 """Server interceptors, composed in one chain.
 
-Order, outermost first, and why:
+Audit, auth and critic are each the one interceptor of :mod:`stargrpc.interceptors.composed`
+with only its own stage; the server serves neighbouring ones as one interceptor
+(:func:`~stargrpc.interceptors.composed.compose`), and an embedder's interceptor may sit
+between any two of them. Order, outermost first, and why:
 
 0. **tracing** (``tracing = true`` only; :mod:`stargrpc.interceptors.tracing`) — the call's
    span, parented by the caller's trace context, so that it covers everything below.

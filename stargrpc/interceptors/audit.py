@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,28 +44,15 @@ from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
-from stargrpc.errors import RequestError
 from stargrpc.event_sizes import cuts_before_result
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.ids import new_id
-from stargrpc.interceptors._shapes import (
-    WrappedHandlers,
-    call_behaviour,
-    responses_of,
-    rewrap,
-)
+from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import current_principal
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.audit")
-
-_Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-
-#: What runs first inside an audited call: given the request and the call's context, it
-#: returns the request to hand on, or raises a RequestError that ends the call.
-Gate = Callable[[Any, grpc.aio.ServicerContext], Any]
-
 
 @dataclass
 class _AuditedCall:
@@ -87,13 +74,15 @@ class _AuditedCall:
 #: future of its commit when it was queued, None when it was not written (the writer closed).
 _Written = AuditRecord | asyncio.Future[AuditRecord] | None
 
-#: The call being audited: set by the interceptor, read by the wrapped handler, which
-#: grpc.aio runs in the same task (so a wrapped handler can be built once per method).
+#: The call being audited: set by open_call, read by the wrapped handler, which grpc.aio
+#: runs in the same task (so a wrapped handler can be built once per method).
 _current = ContextVar[_AuditedCall]("stargrpc_audited_call")
 
 
-class AuditInterceptor(grpc.aio.ServerInterceptor):
-    """Writes one audit record per call attempt (see the module docstring).
+class AuditInterceptor(ComposedInterceptor):
+    """Writes one audit record per call attempt (see the module docstring): the composed
+    interceptor (:mod:`stargrpc.interceptors.composed`) with only its audit stage, which is
+    this object.
 
     Attributes:
         writer: The batched writer records go to.
@@ -111,7 +100,6 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
     commit_timeout: float
     log_lines: str
     forwarded: ForwardedClient
-    _wrapped: WrappedHandlers
     _open_calls: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
@@ -129,8 +117,15 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         self.view = AuditLimits.from_settings(settings)
         self.commit_timeout = settings.audit_commit_timeout_seconds
         self.log_lines = settings.audit_log_lines
-        self._wrapped = WrappedHandlers()
         self._open_calls = 0
+        super().__init__(audit=self)
+
+    @property
+    def open_calls(self) -> int:
+        """Calls whose record is opened but not yet handed to the writer. A client may hold
+        its status before the record of its call is handed over (the record is written as
+        the handler unwinds): wait for this to reach 0, then flush the writer."""
+        return self._open_calls
 
     # -- lifecycle (the server calls these) ------------------------------------------------
 
@@ -142,26 +137,12 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         """Writes every queued record, then closes the store."""
         await self.writer.aclose()
 
-    # -- the interceptor -------------------------------------------------------------------
-
-    async def intercept_service(self, continuation: _Continuation,
-                                handler_call_details: grpc.HandlerCallDetails
-                                ) -> grpc.RpcMethodHandler | None:
-        call = self.open_call(handler_call_details.method)
-        try:
-            handler = await continuation(handler_call_details)
-        except BaseException as exc:
-            self.conclude_failed(call, exc)
-            raise
-        if handler is None:
-            self.unknown_method(call)
-            return None
-        return self._wrapped.get(handler, self.wrap)
+    # -- the stage (stargrpc.interceptors.composed runs it around each call) ---------------
 
     def open_call(self, method: str) -> _AuditedCall:
         """Opens the record of a call of ``method`` in this task, before anything else of
-        the call runs; it is written when the call ends (:meth:`audited_stream` and
-        :meth:`audited_unary`), or when the task ends if the handler never ran."""
+        the call runs; it is written when the call ends (:meth:`conclude`), or when the task
+        ends if the handler never ran."""
         call = _AuditedCall(CallRecord(method=method))
         call.record.before_result = self._commit
         # grpc.aio serves each call in a task of its own: inner interceptors and the
@@ -173,11 +154,17 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         if task is not None:
             # grpc.aio does not run the handler of a call cancelled before its request
             # arrived: the record is then written when the call's task ends (the handler,
-            # once it runs, takes that over: _begin).
+            # once it runs, takes that over: begin).
             call.task = task
             call.on_task_done = lambda _: self._write_unwritten(call)
             task.add_done_callback(call.on_task_done)
         return call
+
+    @staticmethod
+    def call_of_task() -> _AuditedCall:
+        """The call :meth:`open_call` opened in this task: the wrapped handler, built once
+        per method, finds its call here (grpc.aio runs it in the call's task)."""
+        return _current.get()
 
     def unknown_method(self, call: _AuditedCall) -> None:
         """Writes the record of a call of a method that does not exist."""
@@ -185,96 +172,11 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         call.record.detail = "unknown method"
         self._write(call)
 
-    def conclude_failed(self, call: _AuditedCall, exc: BaseException) -> None:
-        """Writes the record of a call whose handler could not even be found."""
-        self._conclude(call, None, exc)
-
-    def wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """``handler`` with its calls recorded (their records opened by :meth:`open_call`)."""
-        # The request is kept for the record only when it is one message, not a stream.
-        return rewrap(
-            handler,
-            unary=lambda inner, streaming: self._unary(inner, peek=not streaming),
-            stream=lambda inner, streaming: self._stream(inner, peek=not streaming))
-
-    def _unary(self, behavior: Callable[..., Any], *, peek: bool
-               ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        return self.audited_unary(
-            lambda request, context: call_behaviour(behavior, request, context), peek=peek)
-
-    def audited_unary(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
-                                               Awaitable[Any]], *, peek: bool,
-                      gate: Gate | None = None
-                      ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        """``behavior`` (a coroutine function) recorded: the call's record (opened by
-        :meth:`open_call`) is concluded and written when it returns or raises.
-
-        Args:
-            behavior: The call's behaviour, as grpc.aio calls it.
-            peek: Whether the request is one message, to note what it names.
-            gate: Runs first, inside the record (the interceptors composed with this
-                one: :mod:`stargrpc.interceptors.composed`).
-        """
-        async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _current.get()
-            try:
-                # Inside the try: whatever fails from here on, the record is written.
-                self._begin(call, request if peek else None, context)
-                if gate is not None:
-                    try:
-                        request = gate(request, context)
-                    except RequestError as error:
-                        await error.abort(context)
-                response = await behavior(request, context)
-            except BaseException as exc:
-                self._conclude(call, context, exc)
-                raise
-            self._conclude(call, context, None)
-            return response
-
-        return audited
-
-    def _stream(self, behavior: Callable[..., Any], *, peek: bool
-                ) -> Callable[[Any, grpc.aio.ServicerContext], Any]:
-        return self.audited_stream(responses_of(behavior), peek=peek)
-
-    def audited_stream(self, behavior: Callable[[Any, grpc.aio.ServicerContext],
-                                                AsyncIterator[Any]], *, peek: bool,
-                       gate: Gate | None = None
-                       ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        """``behavior`` (returning an async iterator of responses) recorded: an Execute's
-        Result waits for its record's commit, and the record is concluded and written when
-        the stream ends.
-
-        Args:
-            behavior: The call's behaviour, as grpc.aio calls it.
-            peek: Whether the request is one message, to note what it names.
-            gate: Runs first, inside the record (the interceptors composed with this
-                one: :mod:`stargrpc.interceptors.composed`).
-        """
-        async def audited(request: Any, context: grpc.aio.ServicerContext
-                          ) -> AsyncIterator[Any]:
-            call = _current.get()
-            try:
-                # Inside the try: whatever fails from here on, the record is written.
-                self._begin(call, request if peek else None, context)
-                if gate is not None:
-                    try:
-                        request = gate(request, context)
-                    except RequestError as error:
-                        await error.abort(context)
-                async for response in behavior(request, context):
-                    yield response
-            except BaseException as exc:
-                self._conclude(call, context, exc)
-                raise
-            self._conclude(call, context, None)
-
-        return audited
-
     # -- the record ------------------------------------------------------------------------
 
-    def _begin(self, call: _AuditedCall, request: Any, context: grpc.aio.ServicerContext) -> None:
+    def begin(self, call: _AuditedCall, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Notes what the call's context and request say, as its handler starts (the
+        request is None when it is a stream)."""
         if call.task is not None and call.on_task_done is not None:
             # The handler runs: it writes the record however it ends (a callback less to
             # run per call).
@@ -306,7 +208,7 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         # Read from what this call streams, so a call that attached to (or replays) the
         # run holding its idempotency key records the cuts too.
         call.cuts = cuts_before_result(events)
-        future = self._conclude(call, None, None)
+        future = self.conclude(call, None, None)
         if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
             return  # committed already (the stored record), not written, or not waited for
         try:
@@ -319,8 +221,8 @@ class AuditInterceptor(grpc.aio.ServerInterceptor):
         except RuntimeError:
             pass  # the writer closed; _write logged it
 
-    def _conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
-                  exc: BaseException | None) -> _Written:
+    def conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
+                 exc: BaseException | None) -> _Written:
         """Names the outcome of the call and writes its record (once)."""
         if call.written:
             return None

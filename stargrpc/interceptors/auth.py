@@ -1,7 +1,7 @@
 """The authentication interceptor: every call gets a principal or ends UNAUTHENTICATED.
 
-It wraps the handler of every method (all four call shapes, and methods that do not exist,
-so probing for them needs credentials too) with a check that runs first inside the call:
+It runs a check first inside every call, of every method (all four call shapes, and methods
+that do not exist, so probing for them needs credentials too):
 it reads the ``authorization`` metadata and the TLS peer, sets
 :data:`stargrpc.principal.current_principal` (and binds ``principal`` for the logs), and
 fills the open :class:`~stargrpc.call_record.CallRecord`. Refusals are UNAUTHENTICATED with the
@@ -13,9 +13,6 @@ is decided later, by :mod:`stargrpc.permissions`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
 import grpc
 import structlog
 
@@ -23,12 +20,7 @@ from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.call_record import current_call
 from stargrpc.errors import CredentialsRejected
-from stargrpc.interceptors._shapes import (
-    WrappedHandlers,
-    call_behaviour,
-    responses_of,
-    rewrap,
-)
+from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import Principal, current_principal
 from stargrpc.settings import Settings
 
@@ -39,11 +31,11 @@ _REFLECTION = frozenset({"grpc.reflection.v1alpha.ServerReflection",
                          "grpc.reflection.v1.ServerReflection"})
 _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 
-Authenticate = Callable[[grpc.aio.ServicerContext], Awaitable[Principal]]
 
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call before its handler runs."""
+class AuthInterceptor(ComposedInterceptor):
+    """Authenticates every call before its handler runs: the composed interceptor
+    (:mod:`stargrpc.interceptors.composed`) with only its auth stage, which is this
+    object."""
 
     def __init__(self, settings: Settings, *, authenticator: Authenticator | None = None
                  ) -> None:
@@ -62,7 +54,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if settings.auth_open_reflection:
             open_services |= _REFLECTION
         self._open_services = frozenset(open_services)
-        self._guarded = WrappedHandlers()
+        super().__init__(auth=self)
+
+    @property
+    def authenticator(self) -> Authenticator:
+        """What makes a principal of a call's credentials (the MCP endpoint's too)."""
+        return self._authenticator
 
     async def start(self) -> None:
         """Says loudly when authentication is off; reads the keys file once, so a broken
@@ -87,41 +84,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def aclose(self) -> None:
         """Nothing to flush."""
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails],
-                                     Awaitable[grpc.RpcMethodHandler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method
-        handler = await continuation(handler_call_details)
-        if self.is_open(method):
-            return handler
-        if handler is None:
-            return self.unknown_method(method)
-        return self._guarded.get(handler, lambda h: guard(h, self._authenticator_for(method)),
-                                 key=method)
-
     def is_open(self, method: str) -> bool:
         """Whether calls of ``method`` (a full method name) need no credentials."""
         return method.lstrip("/").rpartition("/")[0] in self._open_services
-
-    def unknown_method(self, method: str) -> grpc.RpcMethodHandler:
-        """The handler of ``method``, which does not exist: UNAUTHENTICATED without
-        credentials, UNIMPLEMENTED with them."""
-        return _unknown_method(self._authenticator_for(method))
-
-    def _authenticator_for(self, method: str) -> Authenticate:
-        async def authenticate(context: grpc.aio.ServicerContext) -> Principal:
-            return await self._admit(context, method)
-
-        return authenticate
-
-    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
-        try:
-            return self.authenticate_now(context, method)
-        except CredentialsRejected as error:
-            await error.abort(context)
-            raise  # abort raises; this keeps type checkers and readers sure of it
 
     def authenticate_now(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
         """Authenticates a call of ``method``: sets its principal (the context variable,
@@ -151,39 +116,3 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             record.principal = principal
         return principal
 
-
-def guard(handler: grpc.RpcMethodHandler, authenticate: Authenticate) -> grpc.RpcMethodHandler:
-    """``handler`` with ``authenticate`` awaited before its behaviour, for any call shape."""
-    return rewrap(handler, unary=lambda inner, _: _unary_response(inner, authenticate),
-                  stream=lambda inner, _: _stream_response(inner, authenticate))
-
-
-def _unary_response(inner: Callable[..., Any], authenticate: Authenticate) -> Callable[..., Any]:
-    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await authenticate(context)
-        return await call_behaviour(inner, request, context)
-
-    return behaviour
-
-
-def _stream_response(inner: Callable[..., Any], authenticate: Authenticate) -> Callable[..., Any]:
-    responses_from = responses_of(inner)
-
-    async def generator(request: Any, context: grpc.aio.ServicerContext
-                        ) -> AsyncIterator[Any]:
-        await authenticate(context)
-        async for response in responses_from(request, context):
-            yield response
-
-    return generator
-
-
-def _unknown_method(authenticate: Authenticate) -> grpc.RpcMethodHandler:
-    """A handler for a method that does not exist: UNAUTHENTICATED without credentials,
-    UNIMPLEMENTED with them. Raw bytes in, so it fits a call of any shape."""
-
-    async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        await authenticate(context)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-
-    return grpc.stream_stream_rpc_method_handler(behaviour)

@@ -17,13 +17,13 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
     responses_of,
     rewrap,
 )
-from stargrpc.service import SERVICE_NAME
 from stargrpc.settings import Settings
 from stargrpc.tracing import configure_tracing, tracer
 

@@ -3,6 +3,8 @@
 - :mod:`stargrpc.mcp.bridge`: MCP requests as ToolService calls (one pipeline for all).
 - :mod:`stargrpc.mcp.mapping`: proto tools, events and Results as MCP types.
 - :mod:`stargrpc.mcp.server`: the streamable-HTTP endpoint of a server (``--mcp-port``).
+- :mod:`stargrpc.mcp.sessions`: its door: every request authenticated, each session its
+  principal's, and how many each principal may hold.
 - :mod:`stargrpc.mcp.stdio`: the same bridge over stdio (``stargrpc mcp-stdio``).
 """
 

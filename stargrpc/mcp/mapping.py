@@ -33,6 +33,10 @@ WRITEBACK_META_KEY = "stargrpc.dev/writeback"
 #: implementation-defined range of JSON-RPC; MCP defines none for this).
 UNAUTHENTICATED = -32001
 
+#: JSON-RPC error code of a session refused because its principal holds as many as
+#: ``mcp_max_sessions_per_principal`` (answered with HTTP 429).
+TOO_MANY_SESSIONS = -32003
+
 #: The longest part of the latest delta shown in a progress message.
 MAX_DELTA_CHARS = 200
 

@@ -2,7 +2,9 @@
 
 It is a :class:`~stargrpc.mcp.bridge.Bridge` on a loopback gRPC channel to the process's
 own ToolService; each MCP request's ``Authorization`` header (with the trace context) is
-forwarded as the gRPC call's credentials.
+forwarded as the gRPC call's credentials. Before the SDK's session manager sees a request,
+:class:`~stargrpc.mcp.sessions.SessionGuard` authenticates it with the server's
+authenticator, so a session is only ever opened for, and used by, one principal.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from typing import Any
 import structlog
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from stargrpc.auth.authenticator import Authenticator
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
 from stargrpc.http_guard import RequestGuard
 from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
+from stargrpc.mcp.sessions import SessionGuard, Sessions
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.mcp")
@@ -38,51 +42,47 @@ def request_credentials(ctx: Any, forwarded: ForwardedClient | None = None) -> M
     return call_metadata(request, forwarded) if isinstance(request, Request) else []
 
 
-class RequireBearer:
-    """Answers 401 with ``WWW-Authenticate: Bearer`` to a request without credentials, so an
-    MCP client knows to ask for a token; the credentials given are checked by the service."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not any(
-                name == b"authorization" for name, _ in scope.get("headers", ())):
-            body = (b'{"jsonrpc":"2.0","id":null,"error":{"code":-32001,'
-                    b'"message":"missing credentials: send Authorization: Bearer <key or JWT>"}}')
-            await send({"type": "http.response.start", "status": 401, "headers": [
-                (b"content-type", b"application/json"),
-                (b"www-authenticate", b'Bearer realm="stargrpc"'),
-                (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-
 class McpEndpoint:
     """The streamable-HTTP MCP endpoint of one server.
 
     Attributes:
         port: The bound port, once started.
+        sessions: The open MCP sessions, by principal.
     """
 
     port: int
+    sessions: Sessions
     _settings: Settings
+    _authenticator: Authenticator
     _client: GatewayClient
     _bridge: Bridge
     _http: AsgiServer | None
     _manager_task: asyncio.Task[None] | None
     _manager_stop: asyncio.Event
 
-    def __init__(self, settings: Settings, grpc_port: int, *,
+    def __init__(self, settings: Settings, grpc_port: int,
+                 authenticator: Authenticator | None = None, *,
                  forwarded: ForwardedClient | None = None) -> None:
-        """The endpoint of the server whose gRPC port is ``grpc_port``; ``forwarded``
-        vouches for each HTTP client's address to the server's audit.
+        """The endpoint of the server whose gRPC port is ``grpc_port``.
+
+        Args:
+            settings: The server's settings.
+            grpc_port: The server's gRPC port.
+            authenticator: The one the server's gRPC calls are authenticated with (made
+                from ``settings`` when not given): it names the principal who owns each
+                MCP session.
+            forwarded: Vouches for each HTTP client's address to the server's audit
+                (:mod:`stargrpc.forwarded`).
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
+            AuthConfigError: A JWT key is unusable.
         """
         self._settings = settings
+        self._authenticator = (authenticator if authenticator is not None
+                               else Authenticator(settings))
+        self.sessions = Sessions(settings.mcp_max_sessions_per_principal,
+                                 settings.mcp_session_idle_seconds)
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name)
@@ -112,14 +112,14 @@ class McpEndpoint:
         s = self._settings
         host = s.mcp_host or s.host
         await self._client.start()
-        app: ASGIApp = self._bridge.server.streamable_http_app(
+        app: ASGIApp = SessionGuard(self._bridge.server.streamable_http_app(
             streamable_http_path=MCP_PATH, host=host,
             max_request_body_size=s.max_receive_message_bytes,
+            max_sessions=s.mcp_max_sessions, session_idle_timeout=s.mcp_session_idle_seconds,
             # Host and Origin are the guard's, as on the gateway: the SDK's own check knows
             # only loopback names, and only when bound to loopback.
-            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
-        if not s.insecure_no_auth:
-            app = RequireBearer(app)
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        ), self._authenticator, self.sessions)
         app = RequestGuard(app, allowed_hosts=s.http_allowed_hosts,
                            allowed_origins=s.http_allowed_origins)
         started = asyncio.Event()
@@ -147,6 +147,7 @@ class McpEndpoint:
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.sessions.clear()
         http, self._http = self._http, None
         if http is not None:
             await http.stop()

@@ -13,9 +13,8 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from stargrpc.context import ToolContext
-from stargrpc.errors import ToolFailed
-from stargrpc.outcome import Outcome, ToolResult
+# The public tool API, as any tool author's helper would use it.
+from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox, SandboxResult
 

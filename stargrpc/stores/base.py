@@ -310,6 +310,17 @@ class RunStore(Protocol):
         """
         ...
 
+    async def register(self, log: RunLog) -> None:
+        """Makes a published run known to every replica now, before it starts, rather than
+        with its first events: a run whose Result another replica may have to deliver must
+        be found there (and ended ``RUN_LOST`` if its replica dies) the moment its call is
+        answered. Does nothing to a run its claim registered, or in one process.
+
+        Raises:
+            Unavailable: A shared store is unreachable (the run must not start).
+        """
+        ...
+
     async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
         """Claims idempotency key ``key`` of ``owner`` for the run of ``log``, or returns the
         run that holds it (an unfinished run whose replica died loses its claim).

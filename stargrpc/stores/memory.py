@@ -261,6 +261,9 @@ class MemoryRunStore:
     async def publish(self, log: RunLog) -> None:
         return None  # created logs are already visible to this process
 
+    async def register(self, log: RunLog) -> None:
+        return None  # one process: nobody else looks for the run
+
     async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
         # No suspension point: check-and-set is atomic on the event loop.
         self._expire()

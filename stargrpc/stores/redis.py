@@ -9,6 +9,8 @@ Keys (all under ``redis_key_prefix``)::
     run:{id}:steer    list    SteerRun messages (JSON) for the replica running the run
     runs:all          zset    every run's id, scored by its start (ms since the epoch)
     runs:owner:{hash} zset    the same for the runs of one principal (ListRuns)
+    runs:running      zset    the id of every running run, scored by when the sweep looks
+                              at it next (its lease's expiry as last seen, ms, Redis's clock)
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
 
 The meta hash also holds ``summary`` (JSON: last seq, current step, outcome and end, as of
@@ -52,6 +54,17 @@ was cut off by a stalled Redis (every TTL runs out at once when Redis resumes): 
 lease back at its next write. A replica that finds its run declared lost all the same stops
 it with the same Result and writes nothing more (the lease fences it).
 
+Nobody need watch a run for that: every replica **sweeps** ``runs:running`` about every
+``run_sweep_interval_seconds`` (jittered, at most a quarter of the lease), taking the runs
+that are due — a bounded batch, moved out of the other sweepers' way by the same script
+(:data:`_SWEEP_TAKE`) — and looking at each: a live lease puts the run back until it could
+lapse, a finished or expired run leaves the set, and a lapsed one goes through the same
+once-only end-if-lost as a watcher's (:data:`_END`, with its whole further lease of grace).
+A run of a dead replica so ends ``RUN_LOST`` within about two leases of the death (a lease,
+the grace, and a sweep interval after each), and a delivery of its Result taken over by
+another replica finds it. A sweep that cannot reach Redis is logged and tried again at the
+next interval.
+
 Idempotency claims are ``SET NX`` with a TTL (the retention, renewed while the run goes).
 Streams are trimmed to ``run_max_events`` and expire ``run_retention_seconds`` after the
 Result. Any Redis error becomes :class:`~stargrpc.errors.Unavailable`: the call fails fast
@@ -65,6 +78,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import secrets
 import socket
 import time
@@ -95,6 +109,7 @@ try:  # installed with redis[hiredis]; without it redis-py packs commands itself
 except ImportError:  # pragma: no cover - hiredis is a declared dependency
     hiredis = None  # type: ignore[assignment]
 
+from stargrpc import metrics
 from stargrpc.errors import Aborted, RequestError, ResourceExhausted, Unavailable, reason_name
 from stargrpc.ids import minted_ms
 from stargrpc.settings import Settings
@@ -144,6 +159,12 @@ _SLOT_MOVING_FLUSH_DELAY_CAP = 0.2
 #: over, CLUSTERDOWN, and redis-py's "TTL exhausted" after it retried those for a while.
 #: Redis is up; the command is to be sent again shortly.
 _SLOT_MOVING = (TryAgainError, AskError, ClusterError)
+#: Most runs one sweep for lost runs takes from ``runs:running`` (a fuller set is swept on
+#: at once, batch by batch).
+_SWEEP_MAX_RUNS = 256
+#: The message of the Result of a run whose replica stopped responding.
+_LOST_MESSAGE = ("the replica running this run stopped responding; retry with the same "
+                 "idempotency key to run it again")
 
 # Registers a run of this replica: its lease and its meta hash (state running). Prepended to
 # the scripts that register; they take KEYS[1] = lease and KEYS[3] = meta.
@@ -414,6 +435,24 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
 
+# Take the runs of runs:running the sweep is due to look at (their score is Redis's time or
+# earlier) and put them out of the other sweepers' way for hold_ms: replicas sweeping at once
+# take different runs. A run taken by a sweeper that then fails is due again after hold_ms.
+# One key (its own slot on a cluster); the runs' keys are looked at by the caller.
+# KEYS: runs:running · ARGV: most runs, hold_ms, ttl_ms · Returns {Redis's time in ms, ids...}.
+_SWEEP_TAKE = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[1]))
+local reply = {now_ms}
+for i = 1, #due do
+  redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[2]), due[i])
+  reply[#reply + 1] = due[i]
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return reply
+"""
+
 
 def _check_acknowledged(replies: list[Any], replicas: int, timeout_ms: int) -> None:
     """Raises :class:`NotReplicated` unless every WAIT reply counts ``replicas``."""
@@ -502,6 +541,7 @@ class RedisRunLog(MemoryRunLog):
     claim_value: str
     registered: bool
     lease_lost: bool
+    swept: bool
     deadline: float
     _store: RedisRunStore
     _pending: list[tuple[int, bytes, bool]]
@@ -515,6 +555,8 @@ class RedisRunLog(MemoryRunLog):
         # Whether the run's lease and meta hash are in Redis (by its claim or first flush).
         self.registered = False
         self.lease_lost = False
+        # Whether the run was put into runs:running (the sweep for lost runs looks at it).
+        self.swept = False
         # When (monotonic) the call starting the run stops waiting for Redis: set on publish.
         self.deadline = 0.0
         self._pending = []
@@ -765,6 +807,8 @@ class RedisRunStore:
         cancel_handler: Set by the runtime; stops a run of this process.
         steer_handler: Set by the runtime; steers a run of this process.
         max_pending_steers: Steering messages left for another replica's run at most.
+        sweep_interval: Seconds between two sweeps for lost runs (on average three quarters
+            of it: jittered), at most a quarter of the lease.
     """
 
     redis: Redis | RedisCluster
@@ -789,6 +833,8 @@ class RedisRunStore:
     _abandoned: dict[str, tuple[str, str, int]]
     _clock_ahead_ms: int
     _renewer: asyncio.Task[None] | None
+    sweep_interval: float
+    _sweeper: asyncio.Task[None] | None
     _dirty: dict[str, RedisRunLog]
     _flush_now: asyncio.Event
     _linger: asyncio.TimerHandle | None
@@ -801,7 +847,8 @@ class RedisRunStore:
                  retention: float = 600.0, lease: float = 10.0, max_events: int = 100_000,
                  block_seconds: float = 1.0, flush_timeout: float = 5.0,
                  timeout: float = 2.0, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 500, max_pending_steers: int = 16) -> None:
+                 wait_timeout_ms: int = 500, max_pending_steers: int = 16,
+                 sweep_interval: float = 1.0) -> None:
         self.redis = redis
         self.cluster = isinstance(redis, RedisCluster)
         self.keys = KeyLayout(prefix, tagged=self.cluster)
@@ -832,6 +879,8 @@ class RedisRunStore:
         # How far Redis's clock runs ahead of this host's, as last seen by a claim.
         self._clock_ahead_ms = 0
         self._renewer = None
+        self.sweep_interval = max(0.01, min(sweep_interval, lease / 4))
+        self._sweeper = None
         # Runs with events to write. One flusher writes them all, one pipeline of script
         # calls per round trip, so concurrent runs share round trips and a connection.
         self._dirty = {}
@@ -852,6 +901,7 @@ class RedisRunStore:
         self._renew_claim_script = redis.register_script(_RENEW_CLAIM)
         self._abandon_claim_script = redis.register_script(_ABANDON_CLAIM)
         self._steer_script = redis.register_script(_STEER)
+        self._sweep_take_script = redis.register_script(_SWEEP_TAKE)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RedisRunStore:
@@ -867,7 +917,8 @@ class RedisRunStore:
                    flush_timeout=timeout + 1.0 + wait, timeout=timeout + wait,
                    wait_replicas=settings.redis_wait_replicas,
                    wait_timeout_ms=settings.redis_wait_timeout_ms,
-                   max_pending_steers=settings.steer_max_pending)
+                   max_pending_steers=settings.steer_max_pending,
+                   sweep_interval=settings.run_sweep_interval_seconds)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -876,6 +927,11 @@ class RedisRunStore:
 
     def _claim_key(self, owner: str, key: str) -> str:
         return self.keys.claim(owner, key)
+
+    @property
+    def _running_key(self) -> str:
+        """The set of running runs the sweep for lost runs looks at."""
+        return f"{self.prefix}runs:running"
 
     @property
     def _running_ttl_ms(self) -> int:
@@ -963,6 +1019,42 @@ class RedisRunStore:
         log.start_flushing()
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_loop(), name="redis-lease-renewal")
+
+    async def register(self, log: RunLog) -> None:
+        # Before the run starts, as a claim registers it: a replica that learns of the run
+        # from then on (a delivery to take over) finds it, and ends it RUN_LOST if this
+        # replica dies. Void when Redis applies it after the call's deadline (_REGISTER_RUN).
+        assert isinstance(log, RedisRunLog)
+        if log.registered:
+            return  # by its claim
+        try:
+            async with asyncio.timeout(max(0.0, log.deadline - time.monotonic())):
+                with _reachable("registering the run"):
+                    while True:
+                        try:
+                            reply = await self._call(self._register_run_script,
+                                                     self._run_keys(log.run_id), [
+                                self._token(log.run_id), self.lease_ms,
+                                self._running_ttl_ms, log.owner, log.tool, self.replica,
+                                self._deadline_ms(log)])
+                        except _SLOT_MOVING:
+                            await asyncio.sleep(_SLOT_MOVING_RETRY_SECONDS)
+                            continue
+                        if reply[0] == 1:
+                            break
+                        ahead = int(reply[1]) - int(time.time() * 1000)
+                        if ahead <= self._clock_ahead_ms:
+                            raise _ClaimTooLate
+                        _log_clock_ahead(ahead)  # not late: Redis's clock runs ahead
+                        self._clock_ahead_ms = ahead
+        except (TimeoutError, _ClaimTooLate) as exc:
+            _log_unavailable("registering the run", "no answer in time")
+            raise Unavailable("the shared run store (Redis) did not answer in time "
+                              "(registering the run); retry shortly",
+                              reason="RUN_STORE_UNAVAILABLE",
+                              retry_after=RETRY_AFTER_SECONDS) from exc
+        log.registered = True
+        await self._index_runs([log])
 
     async def claim(self, owner: str, key: str, fingerprint: str, log: RunLog) -> Claim:
         assert isinstance(log, RedisRunLog)
@@ -1105,6 +1197,7 @@ class RedisRunStore:
                 commands.append(("ZREMRANGEBYRANK", key, 0, -(_INDEX_MAX_RUNS + 1)))
                 # Every write sets the same TTL from now: it only ever grows.
                 commands.append(("PEXPIRE", key, self._running_ttl_ms))
+            commands.extend(self._running_commands(run_log))
         try:
             async with asyncio.timeout(self.timeout):
                 if line is not None:
@@ -1123,6 +1216,17 @@ class RedisRunStore:
                         await pipe.execute()
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+
+    def _running_commands(self, run_log: RedisRunLog) -> list[tuple[Any, ...]]:
+        """What puts a run just registered into ``runs:running`` (the sweep looks at it once
+        its lease could have lapsed), or takes a run whose Result is in Redis out."""
+        key = self._running_key
+        if run_log.finished and not run_log._pending:  # the Result written (or fenced)
+            # A run registered with its Result (most short runs) was never put in.
+            return [("ZREM", key, run_log.run_id)] if run_log.swept else []
+        run_log.swept = True
+        due = int(time.time() * 1000) + self._clock_ahead_ms + self.lease_ms
+        return [("ZADD", key, due, run_log.run_id), ("PEXPIRE", key, self._running_ttl_ms)]
 
     async def page_token_key(self) -> bytes:
         if self._page_token_key is None:
@@ -1228,10 +1332,17 @@ class RedisRunStore:
             await asyncio.wait_for(self._flushed.wait(), within)
         return self._flushed.is_set()
 
+    async def start(self) -> None:
+        """Starts sweeping for lost runs in the background (see the module docstring): the
+        server calls it when it starts, whether or not this replica runs anything."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep_loop(), name="redis-run-sweep")
+
     async def aclose(self) -> None:
-        """Flushes what runs of this replica still hold, stops renewing, disconnects."""
+        """Flushes what runs of this replica still hold, stops renewing and sweeping,
+        disconnects."""
         await self.flushed(5.0)
-        tasks = [t for t in (self._renewer, self._flusher) if t is not None]
+        tasks = [t for t in (self._renewer, self._flusher, self._sweeper) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -1556,13 +1667,13 @@ class RedisRunStore:
         lease without writing a Result, once the lease has stayed lapsed for a whole lease
         period (see :data:`_END`); does nothing to a live or finished run."""
         if await self._state(run_id) == "orphaned":
-            await self._end(run_id, "RUN_LOST", "the replica running this run stopped "
-                            "responding; retry with the same idempotency key to run it again")
+            await self._end(run_id, "RUN_LOST", _LOST_MESSAGE, noticed_by="call")
 
-    async def _end(self, run_id: str, code: str, message: str, token: str = "") -> bool:
+    async def _end(self, run_id: str, code: str, message: str, token: str = "",
+                   **seen: str) -> bool:
         """Appends a terminal ``Result{ERROR, code}`` after the events in Redis: to a lost
         run (``token`` empty), or to a run of this replica holding the lease ``token``.
-        Whether it was appended."""
+        Whether it was appended. ``seen`` goes into the log line (what the sweep knew)."""
         for _ in range(5):
             last: Any = await self.redis.xrevrange(self._key(run_id, "events"), count=1)
             last_id = last[0][0].decode() if last else "0-0"
@@ -1578,7 +1689,9 @@ class RedisRunStore:
             if done != -2:  # -2: an event landed in between; look again
                 if done == 1:
                     log.warning("run_lost" if code == "RUN_LOST" else "run_ended_in_store",
-                                run_id=run_id, code=code)
+                                run_id=run_id, code=code, **seen)
+                    if code == "RUN_LOST":
+                        metrics.RUNS_LOST.labels(seen.get("noticed_by", "call")).inc()
                 return bool(done == 1)
         return False
 
@@ -1697,3 +1810,90 @@ class RedisRunStore:
             steers = [] if isinstance(steers, Exception) or steers is None else steers
             replies.append([1 if reason is not None else 0, reason or b"", *steers])
         return replies
+
+    # -- sweeping for lost runs ------------------------------------------------------------
+
+    async def _sweep_loop(self) -> None:
+        # Jittered, so that replicas started together do not sweep in step; never past the
+        # interval, which the bound on declaring a run lost counts with.
+        while True:
+            await asyncio.sleep(self.sweep_interval * (0.5 + random.random() / 2))
+            more = True
+            while more:  # a full batch: more are due, taken batch by batch
+                more = False
+                try:
+                    # Bounded: a stalled Redis holds a round trip until it resumes when the
+                    # client has no socket timeout of its own.
+                    async with asyncio.timeout(4 * self.flush_timeout):
+                        with _as_redis_error():
+                            more = await self._sweep_once() == _SWEEP_MAX_RUNS
+                except (RedisError, TimeoutError) as exc:
+                    log.warning("redis_sweep_failed", error=str(exc) or "no answer in time")
+                except Exception:  # one bad sweep must not end the sweeping
+                    log.exception("redis_sweep_error")
+
+    async def _sweep_once(self) -> int:
+        """Looks at the runs of ``runs:running`` that are due (at most
+        :data:`_SWEEP_MAX_RUNS`): ends those whose lease has stayed lapsed for the grace,
+        takes finished and expired ones out, and puts the others back for when they are due
+        again. How many it took.
+
+        Raises:
+            RedisError: Redis could not be reached (the runs taken are due again a lease
+                later, for any sweeper).
+        """
+        key = self._running_key
+        taken: Any = await self._sweep_take_script(
+            keys=[key], args=[_SWEEP_MAX_RUNS, self.lease_ms, self._running_ttl_ms])
+        now_ms, run_ids = int(taken[0]), [raw.decode() for raw in taken[1:]]
+        if not run_ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id in run_ids:
+                pipe.hmget(self._key(run_id), "state", "lapsed", "replica", "tool")
+                pipe.pttl(self._key(run_id, "lease"))
+            found: list[Any] = list(await pipe.execute(raise_on_error=False))
+        due: dict[str, int] = {}  # run id -> when to look again (ms, Redis's clock)
+        gone: list[str] = []
+        for run_id, meta, ttl in zip(run_ids, found[::2], found[1::2], strict=True):
+            if isinstance(meta, Exception) or isinstance(ttl, Exception):
+                log.warning("redis_sweep_failed", run_id=run_id, error=str(
+                    meta if isinstance(meta, Exception) else ttl))
+                continue  # taken: due again a lease later
+            state, lapsed, replica, tool = meta
+            if state != b"running":  # finished, lost or expired
+                gone.append(run_id)
+            elif ttl != -2:  # leased: looked at again when it could lapse
+                due[run_id] = now_ms + (ttl if ttl >= 0 else self.lease_ms)
+            elif (local := self._local.get(run_id)) is not None and not local.lease_lost:
+                # Running here: its next renewal takes the lease back (Redis stalled).
+                due[run_id] = now_ms + int(self.sweep_interval * 1000)
+            elif lapsed is not None and now_ms < int(lapsed) + self.lease_ms:
+                due[run_id] = int(lapsed) + self.lease_ms  # in its grace
+            elif await self._sweep_end(run_id, replica, tool):
+                gone.append(run_id)
+            else:  # just seen lapsed (its grace starts now), or its lease was taken back
+                due[run_id] = now_ms + int(self.sweep_interval * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id, at in due.items():
+                pipe.zadd(key, {run_id: at}, xx=True)  # unless it ended meanwhile
+            if gone:
+                pipe.zrem(key, *gone)
+            await pipe.execute(raise_on_error=False)
+        return len(run_ids)
+
+    async def _sweep_end(self, run_id: str, replica: bytes | None, tool: bytes | None) -> bool:
+        """Ends a run the sweep found lapsed, if it has stayed lapsed for the grace (the
+        first sighting starts it); whether it was ended. A refusal of this run's script (its
+        slot being moved) is logged and left for the next look.
+
+        Raises:
+            RedisError: Redis could not be reached.
+        """
+        try:
+            return await self._end(run_id, "RUN_LOST", _LOST_MESSAGE, noticed_by="sweep",
+                                   replica=(replica or b"").decode(errors="replace"),
+                                   tool=(tool or b"").decode(errors="replace"))
+        except (ResponseError, ClusterError) as exc:
+            log.warning("redis_sweep_failed", run_id=run_id, error=str(exc))
+            return False

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
+import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from stargrpc.cli import main
 from stargrpc.cli.audit import EXIT_BROKEN, EXIT_NO_STORE
 from tests.audit.conftest import pg_schema
 from tests.audit.records import make_record
+from tests.procs import IMAGE_UID
 
 
 def _fill(url: str, count: int = 5) -> None:
@@ -250,3 +255,99 @@ def test_verify_finds_the_default_key_beside_a_sqlite_trail_named_by_store(
 
     assert code == 0, out
     assert "3 keyed" in out
+
+
+def _folder_state(folder: Path) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Every file of ``folder`` (mode, mtime, size) and the folder's own mtime."""
+    files = {path.name: (stat.S_IMODE(path.stat().st_mode), path.stat().st_mtime_ns,
+                         path.stat().st_size) for path in folder.iterdir()}
+    return files, folder.stat().st_mtime_ns
+
+
+def test_the_audit_commands_change_nothing_they_read(db: str, tmp_path: Path) -> None:
+    path = Path(db.split(":///", 1)[1])
+    path.chmod(0o640)  # a mode the server would narrow: a reader must leave it
+    before = _folder_state(tmp_path)
+
+    for args in (("verify",), ("anchor",), ("tail",), ("query", "--tool", "echo")):
+        code, out = _cli(*args, "--store", db)
+        assert code == 0, (args, out)
+
+    assert _folder_state(tmp_path) == before  # no mode, time, size or -wal/-shm changed
+
+
+async def test_verify_reads_a_trail_a_server_has_open_and_adds_no_file(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    writer = open_store(url)
+    await writer.open()
+    try:
+        await writer.append([make_record() for _ in range(3)])  # in the WAL, not yet copied
+        before = _folder_state(tmp_path)
+        assert {"audit.db-wal", "audit.db-shm"} <= before[0].keys()
+
+        result = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "stargrpc.cli", "audit", "verify", "--store",
+                             url], capture_output=True, text=True, timeout=60)
+        after = _folder_state(tmp_path)
+        await writer.append([make_record()])  # the writer goes on as before
+    finally:
+        await writer.aclose()
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok: 3 records, chain intact")
+    assert after[0].keys() == before[0].keys()
+    assert after[0]["audit.db"] == before[0]["audit.db"]
+
+
+def test_verify_works_on_a_trail_its_user_may_only_read() -> None:
+    folder = Path(tempfile.mkdtemp(prefix="stargrpc-read-only-"))
+    try:
+        url = f"sqlite:///{folder / 'audit.db'}"
+        _fill(url)
+        if os.geteuid() == 0:  # root reads and writes anything: verify as another user
+            (folder / "audit.db").chmod(0o644)
+            folder.chmod(0o755)
+            prefix = ["setpriv", f"--reuid={IMAGE_UID}", f"--regid={IMAGE_UID}",
+                      "--clear-groups", "--"]
+        else:
+            (folder / "audit.db").chmod(0o444)
+            folder.chmod(0o555)
+            prefix = []
+        before = _folder_state(folder)
+
+        result = subprocess.run(
+            [*prefix, sys.executable, "-m", "stargrpc.cli", "audit", "verify", "--store", url],
+            capture_output=True, text=True, timeout=60, cwd=folder,
+            env={**os.environ, "STARGRPC_STATE_DIR": str(folder), "HOME": str(folder)})
+
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.startswith("ok: 5 records, chain intact")
+        assert _folder_state(folder) == before
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_verify_reads_a_trail_an_older_version_wrote_without_changing_it(db: str) -> None:
+    path = db.split(":///", 1)[1]
+    with sqlite3.connect(path) as conn:  # as a version before keys left it
+        conn.execute("ALTER TABLE audit_records DROP COLUMN key_id")
+
+    code, out = _cli("verify", "--store", db)
+
+    assert code == 0, out
+    assert out.startswith("ok: 5 records, chain intact") and "(5 unkeyed" in out
+    with sqlite3.connect(path) as conn:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(audit_records)")}
+    assert "key_id" not in columns  # the next server adds it, not a reader
+
+
+def test_verify_on_a_file_that_holds_no_trail_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+
+    code, out = _cli("verify", "--store", f"sqlite:///{path}")
+
+    assert code == EXIT_NO_STORE
+    assert f"{path} holds no audit trail" in out

@@ -26,14 +26,10 @@ from structlog.testing import capture_logs
 from stargrpc import ToolContext, ToolDenied, tool
 from stargrpc.audit import AuditStore, Query, open_store
 from stargrpc.client import (
-    FALLBACK_METHOD,
-    IN_PROCESS_METHOD,
     CallError,
     ClientError,
-    CollectedWriteBack,
     Event,
     FileChunk,
-    RemoteToolRegistry,
     ResumeError,
     RetryPolicy,
     StepStarted,
@@ -42,6 +38,12 @@ from stargrpc.errors import PermissionDenied, Unavailable
 from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, load_directory, load_registry, spec_of
+from stargrpc.remote_registry import (
+    FALLBACK_METHOD,
+    IN_PROCESS_METHOD,
+    CollectedWriteBack,
+    RemoteToolRegistry,
+)
 from stargrpc.server import StargrpcServer
 from stargrpc.settings import Settings
 from tests.client.conftest import FAST_RETRY

@@ -12,6 +12,7 @@ import pytest
 
 from examples.remote_critic import STEER_MESSAGE
 from examples.remote_critic import serve as serve_example
+from stargrpc.critic.supervision import MAX_VERDICT_NOTICES
 from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.server import StargrpcServer
 from stargrpc.v1 import critic_pb2, critic_pb2_grpc, events_pb2
@@ -228,3 +229,51 @@ async def test_an_unreachable_critic_never_hurts_a_run(make_server) -> None:
         assert events[-1].result.outcome == events_pb2.OUTCOME_OK
     # A run that ends before the connection fails is simply over: nothing to fall back.
     assert [code for code, _ in notices(second)] in ([], ["CRITIC_FALLBACK"])
+
+
+class Flooding(critic_pb2_grpc.CriticServiceServicer):
+    """Answers the start with ``warnings`` warnings as fast as the stream takes them, then
+    stops the run; reads what it is sent until the stream ends."""
+
+    def __init__(self, warnings: int) -> None:
+        self.warnings = warnings
+
+    async def Supervise(self, request_iterator: AsyncIterator[critic_pb2.SuperviseRequest],
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[critic_pb2.SuperviseResponse]:
+        async for request in request_iterator:
+            if request.WhichOneof("kind") == "start":
+                for n in range(self.warnings):
+                    yield critic_pb2.SuperviseResponse(warn=critic_pb2.Warn(
+                        message=f"warning {n}"))
+                yield critic_pb2.SuperviseResponse(stop=critic_pb2.Stop(
+                    code="FLOODED", reason="said all it had to say"))
+
+
+async def test_a_critic_flooding_warnings_leaves_the_runs_log_bounded(make_server,
+                                                                      critic_server) -> None:
+    flood = 5_000
+    warns = verdicts("warn", "remote")
+    _, target = await critic_server(Flooding(flood))
+    server = await make_server(registry=registry(), critic_url=target,
+                               critic_soft_timeout=60)
+
+    events = await execute(server, "hangs", {})
+
+    result = events[-1].result  # the run still ends with its Result: the critic's stop
+    assert result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert result.error.code == "FLOODED"
+    codes = [code for code, _ in notices(events)]
+    warnings = [e.notice for e in events if e.notice.code == "CRITIC_WARNING"]
+    assert [n.message for n in warnings[:-1]] == [
+        f"warning {n}" for n in range(MAX_VERDICT_NOTICES)]
+    limited = warnings[-1]  # the server's, saying the rest is left out
+    assert limited.level == events_pb2.NOTICE_LEVEL_INFO
+    assert limited.message.startswith(f"the remote critic sent {MAX_VERDICT_NOTICES} "
+                                      "notices; its further warnings")
+    assert "CRITIC_STOPPED" in codes  # a stop is never left out
+    assert len(events) < MAX_VERDICT_NOTICES + 20  # not the flood
+    # Every warning was applied and counted all the same.
+    assert verdicts("warn", "remote") == warns + flood
+    assert any(f"warn {flood}" in detail and f"{flood - MAX_VERDICT_NOTICES} notices left out"
+               in detail for detail in await audit_details(server))

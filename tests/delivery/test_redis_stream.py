@@ -12,9 +12,10 @@ from pathlib import Path
 import grpc
 from redis.asyncio import Redis
 
+from stargrpc.stores.connect import connect
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import ServerProcess, server_env
-from tests.runs_support import RUN_TOOLS_DIR
+from tests.runs_support import RUN_TOOLS_DIR, HeaderPrincipal, run_registry
 from tests.stores.conftest import REDIS_URL
 
 
@@ -89,3 +90,25 @@ async def test_a_delivery_survives_a_sigkill_of_the_replica_running_the_run(
 
     assert entry["outcome"] == "OUTCOME_ERROR"
     assert json.loads(entry["result"])["error"]["code"] == "RUN_LOST"
+
+
+async def test_the_result_is_added_to_a_stream_of_a_redis_cluster(
+        make_server, redis_cluster, redis_prefix: str) -> None:
+    # The pending delivery and its lease live in other slots than the run: they are
+    # registered apart (no transaction spans slots).
+    server = await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
+                               redis_url=redis_cluster.url, redis_key_prefix=redis_prefix)
+    client, _ = connect(redis_cluster.url, timeout=2.0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            started = await stub.StartRun(start_request("echo", {"text": "hi"}, "results"))
+            entry = await read_entry(client, f"{redis_prefix}results", started.run_id, 20)
+        async with asyncio.timeout(10):
+            while await client.hlen(f"{redis_prefix}delivery:pending"):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)  # written by the delivery's task: no event to await
+    finally:
+        await client.aclose()
+
+    assert entry["outcome"] == "OUTCOME_OK"
+    assert json.loads(entry["result"])["output"] == "hi"

@@ -16,8 +16,10 @@ from types import ModuleType
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 
+import stargrpc.v1
 from stargrpc import metrics
 from stargrpc.delivery import sign, verify
 from stargrpc.delivery.audit import DELIVERY_METHOD
@@ -218,3 +220,48 @@ async def test_each_delivery_s_final_state_is_an_audit_record(
         "attempts" in ok.detail
     assert "s3cret" not in ok.detail  # the URL's token is scrubbed like any audited text
     assert failed.outcome == "failed" and "failed after" in failed.detail
+
+
+def _contract_comment(message: str) -> str:
+    """The comment of a message of the contract, as server reflection serves it (the
+    descriptor set made from protos/ with its comments)."""
+    files = descriptor_pb2.FileDescriptorSet.FromString(
+        (Path(stargrpc.v1.__file__).parent / "descriptors.binpb").read_bytes())
+    for file in files.file:
+        for index, described in enumerate(file.message_type):
+            if described.name == message:
+                for location in file.source_code_info.location:
+                    if list(location.path) == [4, index]:  # FileDescriptorProto.message_type
+                        return location.leading_comments
+    raise AssertionError(f"no message {message} in the contract")
+
+
+async def test_a_delivery_given_up_is_what_the_contract_says_an_audit_record_not_a_notice(
+        make_server, tmp_path, tls) -> None:
+    secret = tmp_path / "delivery.key"
+    secret.write_bytes(KEY)
+    server = await make_server(delivery_allowlist=["127.0.0.1"],
+                               delivery_allowed_networks=["127.0.0.1/32"],
+                               delivery_webhook_secret_file=secret,
+                               delivery_ca_file=tls["tls_client_ca_file"],
+                               delivery_retry_initial_seconds=0.05,
+                               delivery_retry_seconds=0.2)
+    with socket.socket() as unused:  # nobody listens there: every attempt fails
+        unused.bind(("127.0.0.1", 0))
+        dead = f"https://127.0.0.1:{unused.getsockname()[1]}/hook"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        given_up = await stub.StartRun(with_webhook(dead))
+        [record] = await _delivery_records(server, given_up.run_id)
+        events = await collect(stub.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=given_up.run_id)))
+    comment = " ".join(_contract_comment("Delivery").split())
+
+    # The run's log ended with its Result, before the delivery was given up: nothing after.
+    assert events[-1].HasField("result") and events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert not [e for e in events if e.HasField("notice")
+                and e.notice.code == "DELIVERY_FAILED"]
+    assert (record.method, record.outcome) == (DELIVERY_METHOD, "failed")
+    # ... and the contract promises exactly that: the audit record, no notice in the log.
+    assert f"audit record (method `{DELIVERY_METHOD}`, outcome `failed`)" in comment
+    assert "Notice with code DELIVERY_FAILED in the run's log" not in comment

@@ -33,7 +33,7 @@ from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.audit.conftest import pg_schema
 from tests.conftest import ServerFactory
-from tests.helpers import run_tool
+from tests.helpers import eventually, run_tool
 
 WAIT = 30.0  # generous bound on waits; never a claim about speed
 JWT_SECRET = "an-hs256-test-secret-that-is-long-enough-0123456789"
@@ -107,8 +107,11 @@ def _registry() -> Registry:
 
 
 async def _records(server: StargrpcServer) -> list[AuditRecord]:
-    """Every record of the server's store, once the writer has caught up."""
+    """Every record of the server's store, once every call's record is handed to the writer
+    and the writer has caught up (a client holds its status before the record of its call is
+    handed over: it is written as the server's handler unwinds)."""
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    await eventually(lambda: audit.open_calls == 0, what="every open call's record written")
     await audit.writer.flush()
     return [r async for r in audit.writer.store.scan()]
 
@@ -450,15 +453,15 @@ async def test_a_call_whose_record_fails_to_begin_is_still_recorded(
     # Whatever goes wrong once the handler runs — even noting what the request names —
     # the call ends with its record written, and later calls still commit theirs at once.
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
-    original = AuditInterceptor._begin
+    original = AuditInterceptor.begin
 
     def broken(self: AuditInterceptor, *args: Any) -> None:
         raise RuntimeError("the peer could not be read")
 
-    monkeypatch.setattr(AuditInterceptor, "_begin", broken)
+    monkeypatch.setattr(AuditInterceptor, "begin", broken)
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await run_tool(stub, "login", {"user": "ann", "password": "pw"})
-    monkeypatch.setattr(AuditInterceptor, "_begin", original)
+    monkeypatch.setattr(AuditInterceptor, "begin", original)
     await run_tool(stub, "login", {"user": "bob", "password": "pw"})
 
     assert failed.value.code() == grpc.StatusCode.UNKNOWN

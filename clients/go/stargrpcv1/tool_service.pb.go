@@ -523,8 +523,12 @@ func (*ExecuteRequest_Arguments) isExecuteRequest_Args() {}
 func (*ExecuteRequest_ArgumentsJson) isExecuteRequest_Args() {}
 
 // A target that receives a run's Result when it ends. Delivery is at least once: a
-// receiver de-duplicates by `run_id`. An undeliverable Result (after the retry bounds) is
-// a Notice with code DELIVERY_FAILED in the run's log and an audit record.
+// receiver de-duplicates by `run_id`. The delivery is kept (in the fleet's Redis, or in a
+// lone server's state folder) before the call that asks for it is answered, so it outlives
+// the server: the Result of a run that died with its server is Result{ERROR, RUN_LOST}. A
+// Result still undeliverable after the retry bounds is given up. The run's log ends with
+// its Result, so that is no Notice in the log: it is an audit record (method
+// `/stargrpc.delivery/Deliver`, outcome `failed`) and a `delivery_failed` log line.
 type Delivery struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache

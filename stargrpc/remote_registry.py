@@ -85,7 +85,17 @@ from stargrpc.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
-log = structlog.get_logger("stargrpc.client.registry")
+_log = structlog.get_logger("stargrpc.remote_registry")
+
+__all__ = [
+    "FALLBACK_METHOD",
+    "IN_PROCESS_METHOD",
+    "LOCAL_PRINCIPAL",
+    "CollectedWriteBack",
+    "Mode",
+    "RemoteToolRegistry",
+    "WriteBackTarget",
+]
 
 #: Where calls go: all to the local registry, or to the server.
 Mode = Literal["in_process", "remote"]
@@ -98,6 +108,7 @@ IN_PROCESS_METHOD = "/stargrpc.client.RemoteToolRegistry/InProcess"
 #: Who local runs execute as unless the registry is given a principal: no roles, so the
 #: local policy admits it to ordinary tools and not to privileged ones.
 LOCAL_PRINCIPAL = Principal(id="local", method="local")
+
 
 class WriteBackTarget(Protocol):
     """Where a call's write-back channels are appended: typically the agent's own call
@@ -271,9 +282,9 @@ class RemoteToolRegistry:
         try:
             catalog = await self._client.list_tools()
         except CallError as error:
-            log.warning("catalog_not_loaded", code=error.code.name, error=error.message)
+            _log.warning("catalog_not_loaded", code=error.code.name, error=error.message)
             raise
-        log.info("catalog_loaded", catalog_hash=catalog.catalog_hash, tools=len(catalog.tools))
+        _log.info("catalog_loaded", catalog_hash=catalog.catalog_hash, tools=len(catalog.tools))
         return catalog
 
     def tool_names(self) -> frozenset[str]:
@@ -346,7 +357,7 @@ class RemoteToolRegistry:
             left = _left(deadline)
             if (left is not None and left <= 0) or not self._may_fall_back(tool, error, attempt):
                 raise
-            log.warning("tool_fallback", tool=tool, code=error.code.name, reason=error.reason,
+            _log.warning("tool_fallback", tool=tool, code=error.code.name, reason=error.reason,
                         error=error.message)
             return await self._run_local(tool, arguments, method=FALLBACK_METHOD,
                                          on_event=on_event, into=into, context=context,
@@ -478,15 +489,15 @@ class RemoteToolRegistry:
         fields = {name: value for name, value in record.as_dict().items()
                   if name not in hidden and value not in ("", None)}
         if record.outcome == "ok" and record.method == IN_PROCESS_METHOD:
-            log.info("local_audit", **fields)
+            _log.info("local_audit", **fields)
         else:
-            log.warning("local_audit", **fields)
+            _log.warning("local_audit", **fields)
         if self._audit_store is None:
             return
         try:
             await self._audit_store.append([record])
         except Exception as exc:  # the run already happened: keep serving, say so
-            log.error("local_audit_not_stored", error=str(exc), audit_id=record.id)
+            _log.error("local_audit_not_stored", error=str(exc), audit_id=record.id)
 
 
 @dataclass
