@@ -380,10 +380,11 @@ class ToolService:
             raise InvalidArgument("page_size is too large", [FieldViolation(
                 "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
         state = request.state
+        key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
             limit=request.page_size or DEFAULT_RUNS_PAGE,
-            after=decode_page_token(request.page_token),
+            after=decode_page_token(request.page_token, key),
             tool=request.tool_name,
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
@@ -391,7 +392,7 @@ class ToolService:
         page = await self.runtime.store.list_runs(query)
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
-            next_page_token=encode_page_token(page.cursor))
+            next_page_token=encode_page_token(page.cursor, key))
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:

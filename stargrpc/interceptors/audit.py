@@ -45,6 +45,7 @@ from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from stargrpc.call_record import CallRecord, current_call
 from stargrpc.event_sizes import cuts_before_result
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.ids import new_id
 from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import current_principal
@@ -90,18 +91,26 @@ class AuditInterceptor(ComposedInterceptor):
             :func:`stargrpc.testing.run_tool`).
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
         log_lines: Which calls get an ``audit`` log line too (``audit_log_lines``).
+        forwarded: Checks the HTTP client a call of the server's own HTTP front ends names
+            (they vouch with it too): that address is recorded as the call's peer.
     """
 
     writer: AuditWriter
     view: AuditLimits
     commit_timeout: float
     log_lines: str
+    forwarded: ForwardedClient
     _open_calls: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
             key = load_or_create_key(audit_key_path(settings))
             store = open_store(audit_store_url(settings), key)
+            # Every worker of the server reads this key: a front end of one vouches for
+            # calls that land on another.
+            self.forwarded = ForwardedClient.from_secret(key.secret)
+        else:
+            self.forwarded = ForwardedClient.of_this_process()
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)
@@ -174,7 +183,10 @@ class AuditInterceptor(ComposedInterceptor):
             call.task.remove_done_callback(call.on_task_done)
             call.task = call.on_task_done = None
         record = call.record
-        record.peer = context.peer() or ""
+        # The HTTP client behind a call of the gateway or the MCP endpoint (vouched for, so
+        # no gRPC caller can name someone else), else the gRPC peer.
+        record.peer = (self.forwarded.client_of(context.invocation_metadata() or ())
+                       or context.peer() or "")
         if request is None:
             return
         # What the request names, so that even a call refused before the runtime looked at

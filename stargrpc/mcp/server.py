@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import structlog
+from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
 from stargrpc.auth.authenticator import Authenticator
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
+from stargrpc.http_guard import RequestGuard
 from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
 from stargrpc.mcp.sessions import SessionGuard, Sessions
@@ -31,11 +35,11 @@ log = structlog.get_logger("stargrpc.mcp")
 MCP_PATH = "/mcp"
 
 
-def request_credentials(ctx: Any) -> Metadata:
+def request_credentials(ctx: Any, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of the HTTP request behind an MCP request (none on other
-    transports)."""
+    transports); ``forwarded`` vouches for the HTTP client's address to the audit."""
     request = ctx.request
-    return call_metadata(request) if isinstance(request, Request) else []
+    return call_metadata(request, forwarded) if isinstance(request, Request) else []
 
 
 class McpEndpoint:
@@ -57,7 +61,8 @@ class McpEndpoint:
     _manager_stop: asyncio.Event
 
     def __init__(self, settings: Settings, grpc_port: int,
-                 authenticator: Authenticator | None = None) -> None:
+                 authenticator: Authenticator | None = None, *,
+                 forwarded: ForwardedClient | None = None) -> None:
         """The endpoint of the server whose gRPC port is ``grpc_port``.
 
         Args:
@@ -66,6 +71,8 @@ class McpEndpoint:
             authenticator: The one the server's gRPC calls are authenticated with (made
                 from ``settings`` when not given): it names the principal who owns each
                 MCP session.
+            forwarded: Vouches for each HTTP client's address to the server's audit
+                (:mod:`stargrpc.forwarded`).
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
@@ -79,7 +86,8 @@ class McpEndpoint:
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name)
-        self._bridge = Bridge(self._client, request_credentials)
+        self._bridge = Bridge(self._client,
+                              functools.partial(request_credentials, forwarded=forwarded))
         self._http = None
         self._manager_task = None
         self._manager_stop = asyncio.Event()
@@ -108,7 +116,12 @@ class McpEndpoint:
             streamable_http_path=MCP_PATH, host=host,
             max_request_body_size=s.max_receive_message_bytes,
             max_sessions=s.mcp_max_sessions, session_idle_timeout=s.mcp_session_idle_seconds,
+            # Host and Origin are the guard's, as on the gateway: the SDK's own check knows
+            # only loopback names, and only when bound to loopback.
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         ), self._authenticator, self.sessions)
+        app = RequestGuard(app, allowed_hosts=s.http_allowed_hosts,
+                           allowed_origins=s.http_allowed_origins)
         started = asyncio.Event()
         manager = self._bridge.server.session_manager
 
@@ -120,7 +133,8 @@ class McpEndpoint:
 
         self._manager_task = asyncio.create_task(run_sessions(), name="mcp-sessions")
         await started.wait()
-        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1)
+        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1,
+                                trusted_proxies=s.http_trusted_proxies)
         self.port = await self._http.start()
         log.info("mcp_serving", url=f"http://{host}:{self.port}{MCP_PATH}")
         return self.port
