@@ -196,9 +196,12 @@ class StargrpcServer:
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
             auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
+            audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)),
+                         None)
             self.mcp = McpEndpoint(self.settings, self.port,
                                    auth.authenticator if auth is not None else None,
-                                   forwarded=self._forwarded)
+                                   forwarded=self._forwarded,
+                                   audit=audit.writer if audit is not None else None)
             await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -19,6 +19,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from stargrpc.audit.writer import AuditWriter
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway.app import call_metadata
@@ -54,6 +55,7 @@ class McpEndpoint:
     sessions: Sessions
     _settings: Settings
     _authenticator: Authenticator
+    _audit: AuditWriter | None
     _client: GatewayClient
     _bridge: Bridge
     _http: AsgiServer | None
@@ -62,7 +64,8 @@ class McpEndpoint:
 
     def __init__(self, settings: Settings, grpc_port: int,
                  authenticator: Authenticator | None = None, *,
-                 forwarded: ForwardedClient | None = None) -> None:
+                 forwarded: ForwardedClient | None = None,
+                 audit: AuditWriter | None = None) -> None:
         """The endpoint of the server whose gRPC port is ``grpc_port``.
 
         Args:
@@ -73,12 +76,15 @@ class McpEndpoint:
                 MCP session.
             forwarded: Vouches for each HTTP client's address to the server's audit
                 (:mod:`stargrpc.forwarded`).
+            audit: The server's audit writer: a request refused for its credentials before
+                it reaches the gRPC server is recorded there.
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
             AuthConfigError: A JWT key is unusable.
         """
         self._settings = settings
+        self._audit = audit
         self._authenticator = (authenticator if authenticator is not None
                                else Authenticator(settings))
         self.sessions = Sessions(settings.mcp_max_sessions_per_principal,
@@ -119,7 +125,7 @@ class McpEndpoint:
             # Host and Origin are the guard's, as on the gateway: the SDK's own check knows
             # only loopback names, and only when bound to loopback.
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-        ), self._authenticator, self.sessions)
+        ), self._authenticator, self.sessions, audit=self._audit)
         app = RequestGuard(app, allowed_hosts=s.http_allowed_hosts,
                            allowed_origins=s.http_allowed_origins)
         started = asyncio.Event()
