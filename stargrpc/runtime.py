@@ -44,7 +44,7 @@ from stargrpc.outcome import Outcome
 from stargrpc.permissions import AllowAll, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
-from stargrpc.run import Run
+from stargrpc.run import Run, RunLimits
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -199,6 +199,7 @@ class Runtime:
         store: Where run event logs live.
         policy: Who may run which tool.
         limits: Bounds on arguments.
+        run_limits: The limits every run keeps to, made once from :attr:`settings`.
         concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
@@ -209,6 +210,7 @@ class Runtime:
     store: RunStore
     policy: ToolPolicy
     limits: ArgumentLimits
+    run_limits: RunLimits
     concurrency: ConcurrencyLimits
     runs: dict[str, Run]
     draining: bool
@@ -232,6 +234,7 @@ class Runtime:
         self.store = store if store is not None else MemoryRunStore()
         self.policy = policy if policy is not None else AllowAll()
         self.limits = limits or ArgumentLimits()
+        self.run_limits = RunLimits.from_settings(self.settings)
         self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
         # CancelRun and a shared store's remote cancels reach runs of this process here.
@@ -361,7 +364,7 @@ class Runtime:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
-                   settings=self.settings)
+                   settings=self.settings, limits=self.run_limits)
 
     async def admit(self, request: RunRequest, principal: Principal) -> Admission:
         """Checks a request, then starts its run — or, when its idempotency key is already

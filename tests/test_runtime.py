@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from stargrpc import ToolContext, metrics, tool
+from stargrpc import run as run_module
 from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.errors import InvalidArgument
 from stargrpc.outcome import Outcome
@@ -73,7 +74,7 @@ async def _run_whose_ending_fails(monkeypatch: pytest.MonkeyPatch, where: str
     if where == "result_message":
         def broken(*_: object) -> None:
             raise RuntimeError("the Result cannot be made")
-        monkeypatch.setattr(Run, "_result_message", broken)
+        monkeypatch.setattr(run_module, "fit_result", broken)
     admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
                                    Principal("tester"))
     run = admitted.run
