@@ -3,8 +3,8 @@
 :func:`fit_result` is a pure function of what the tool ended with (its
 :class:`~stargrpc.outcome.ToolResult`), the write-back it collected and the limits: it
 fills the Result message and says what the run must send before it — the sent files that
-travel as FileChunks, and the notices that announce each cut or drop. The run only sends
-them, in that order (:meth:`stargrpc.run.Run._emit_result`).
+travel as FileChunks, and the notices that announce each cut or drop. The run
+(:mod:`stargrpc.run`) only sends them, the chunks first, then the notices, then the Result.
 
 The room of a Result (:attr:`EventSizes.result_bytes`) is shared out so that nothing a tool
 controls can make it larger: a quarter goes to the inline files together (the largest move
