@@ -82,6 +82,18 @@ class RunLog(Protocol):
         """
         ...
 
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        """:meth:`append` without a suspension point: how a run appends its events (one
+        per event on the hot path, no coroutine each; appended in the order they are made,
+        so that a steering notice lands in the log before the tool can act on it). A log
+        that writes elsewhere keeps the event and sends it on in the background.
+
+        Raises:
+            RuntimeError: The log already holds its Result, or is not written by this
+                process.
+        """
+        ...
+
     def follow(self, after_seq: int = 0, *, max_lag: int = 0
                ) -> AsyncIterator[events_pb2.RunEvent]:
         """Yields the events after ``after_seq``, then new ones as they come, until the Result.

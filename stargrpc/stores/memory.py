@@ -93,7 +93,12 @@ class MemoryRunLog:
         return self.append_nowait(event)
 
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
-        """:meth:`append` without a suspension point, for callers on the event loop."""
+        """Stamps ``run_id``, ``seq`` and ``time`` on ``event`` and stores it, without a
+        suspension point (:meth:`RunLog.append_nowait`); for callers on the event loop.
+
+        Raises:
+            RuntimeError: The log already holds its Result.
+        """
         if self._finished:
             raise RuntimeError(f"run {self.run_id} already has its Result")
         event.run_id = self.run_id

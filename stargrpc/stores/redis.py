@@ -629,6 +629,9 @@ class RemoteRunLog:
     async def append(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         raise RuntimeError(f"run {self.run_id} is written by the replica running it")
 
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        raise RuntimeError(f"run {self.run_id} is written by the replica running it")
+
     async def follow(self, after_seq: int = 0, *, max_lag: int = 0
                      ) -> AsyncIterator[events_pb2.RunEvent]:
         batches = self.follow_batches(after_seq, max_lag=max_lag)
