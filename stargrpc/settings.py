@@ -129,7 +129,7 @@ class Settings(BaseSettings):
         256 * MiB, ge=0, description="Bytes of events (serialised) the finished runs kept in "
         "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
-    # -- runs, retries and replicas (stores/, idempotency.py, concurrency.py) -------------
+    # -- runs, retries and replicas (stores/, runs/idempotency.py, runs/concurrency.py) -------
     redis_url: str = Field("", description="The run store shared by replicas: "
                            "redis://host:port/db (one Redis), redis+cluster://host:port[,…] "
                            "(Redis Cluster) or redis+sentinel://host:port[,…]/service_name "
@@ -437,7 +437,7 @@ class Settings(BaseSettings):
         30.0, ge=0.1, le=3600, description="Longest wait between two attempts to (re)start "
         "or reconnect an MCP server; the wait doubles from 0.1 s up to this.")
 
-    # -- delivery and steering (stargrpc/delivery, run.py steer, service.py) ---------------
+    # -- delivery and steering (delivery/, runs/run.py steer, server/service.py) -----
     steer_max_bytes: int = Field(4096, ge=1, le=1024 * 1024, description="Longest SteerRun "
                                  "message (UTF-8 bytes); longer ones are refused "
                                  "INVALID_ARGUMENT.")

@@ -15,8 +15,8 @@ from mcp.client.streamable_http import streamable_http_client
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import default_store_url, open_store
 from stargrpc.forwarded import CLIENT_METADATA, VOUCHER_METADATA, ForwardedClient
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.gateway.conftest import gateway_registry

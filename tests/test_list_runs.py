@@ -21,7 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from redis import Redis as SyncRedis
 
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.runs_support import HeaderPrincipal, as_principal, execute_request, run_registry

@@ -6,16 +6,16 @@ import copy
 import hashlib
 import json
 
-from stargrpc.context import InjectedToolRecord, RichMessageRecord, SentFileRecord, WriteBack
-from stargrpc.event_sizes import (
+from stargrpc.runs.context import InjectedToolRecord, RichMessageRecord, SentFileRecord, WriteBack
+from stargrpc.runs.event_sizes import (
     OUTPUT_FILE_NAME,
     OUTPUT_TRUNCATED,
     RESULT_TOO_LARGE,
     STRUCTURED_FILE_NAME,
     EventSizes,
 )
-from stargrpc.outcome import Outcome, ToolResult
-from stargrpc.result_fit import ResultFit, fit_result
+from stargrpc.runs.outcome import Outcome, ToolResult
+from stargrpc.runs.result_fit import ResultFit, fit_result
 from stargrpc.v1 import events_pb2
 
 #: A 16 KiB send limit: 15,360 bytes of Result, a quarter of it 3,840.

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from stargrpc import ToolContext, tool
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, spec_of
-from stargrpc.run import STEERED, Run
+from stargrpc.runs.run import STEERED, Run
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2
 

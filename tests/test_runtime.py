@@ -8,14 +8,14 @@ import pytest
 
 from stargrpc import ToolContext, metrics, tool
 from stargrpc import run as run_module
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.errors import InvalidArgument
-from stargrpc.event_sizes import EventSizes
-from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
-from stargrpc.run import Run
-from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.event_sizes import EventSizes
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2

@@ -283,7 +283,7 @@ class SteerHandler(Protocol):
     """Steers a run of this process; whether it runs here."""
 
     def __call__(self, run_id: str, message: str, source: str) -> bool:
-        """Hands ``message`` to the run (see :meth:`stargrpc.run.Run.steer`, whose refusals
+        """Hands ``message`` to the run (see :meth:`stargrpc.runs.run.Run.steer`, whose refusals
         it raises); False when no such run is going in this process."""
         ...
 

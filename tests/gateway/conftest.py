@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.conftest import ServerFactory
 
 #: Gates by name; a test opens its gate to let the ``staged`` tool finish.

@@ -18,10 +18,10 @@ import httpx2
 import mcp_types as types
 import pytest
 
-from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.mcp.mapping import TOO_MANY_SESSIONS, UNAUTHENTICATED
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.sessions import MCP_AUDIT_METHOD
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from tests.conftest import AuthServerFactory
 from tests.helpers import eventually
 from tests.mcp.conftest import McpUnderTest

@@ -11,7 +11,7 @@ So nothing a tool controls may make one event larger than the limit:
   note saying so.
 - **A DELTA** larger than :attr:`EventSizes.delta_bytes` is split into several DELTAs of
   the same step and channel: nothing is lost, the pieces arrive in order.
-- **The Result** is fitted by :func:`stargrpc.result_fit.fit_result` (see there): inline
+- **The Result** is fitted by :func:`stargrpc.runs.result_fit.fit_result` (see there): inline
   files that do not fit together travel as FileChunks, an over-large structured output or
   output text moves into a sent file (the output keeps its beginning and a marker),
   write-back items that cannot fit are dropped. Each cut or drop is announced by a Notice

@@ -1,10 +1,10 @@
-"""Fitting a run's Result into the size limits of one event (:mod:`stargrpc.event_sizes`).
+"""Fitting a run's Result into the size limits of one event (:mod:`stargrpc.runs.event_sizes`).
 
 :func:`fit_result` is a pure function of what the tool ended with (its
-:class:`~stargrpc.outcome.ToolResult`), the write-back it collected and the limits: it
+:class:`~stargrpc.runs.outcome.ToolResult`), the write-back it collected and the limits: it
 fills the Result message and says what the run must send before it — the sent files that
 travel as FileChunks, and the notices that announce each cut or drop. The run
-(:mod:`stargrpc.run`) only sends them, the chunks first, then the notices, then the Result.
+(:mod:`stargrpc.runs.run`) only sends them, the chunks first, then the notices, then the Result.
 
 The room of a Result (:attr:`EventSizes.result_bytes`) is shared out so that nothing a tool
 controls can make it larger: a quarter goes to the inline files together (the largest move
@@ -25,8 +25,8 @@ from typing import Any
 
 from google.protobuf import duration_pb2, json_format
 
-from stargrpc.context import SentFileRecord, WriteBack
-from stargrpc.event_sizes import (
+from stargrpc.runs.context import SentFileRecord, WriteBack
+from stargrpc.runs.event_sizes import (
     OUTPUT_FILE_NAME,
     OUTPUT_TRUNCATED,
     RESULT_TOO_LARGE,
@@ -36,7 +36,7 @@ from stargrpc.event_sizes import (
     size_with,
     utf8_head,
 )
-from stargrpc.outcome import Outcome, ToolResult
+from stargrpc.runs.outcome import Outcome, ToolResult
 from stargrpc.v1 import events_pb2
 
 #: Room the output text leaves for the listing of the sent file it may move into.
@@ -53,8 +53,8 @@ class ResultFit:
             output and the output text moved out of it. The caller takes them off as it
             streams them, so that a file's bytes go once its chunks are in the log.
         notices: ``(code, message)`` of the warning Notices that announce each cut or drop
-            (codes :data:`~stargrpc.event_sizes.OUTPUT_TRUNCATED`,
-            :data:`~stargrpc.event_sizes.RESULT_TOO_LARGE`), in order, to send right before
+            (codes :data:`~stargrpc.runs.event_sizes.OUTPUT_TRUNCATED`,
+            :data:`~stargrpc.runs.event_sizes.RESULT_TOO_LARGE`), in order, to send right before
             the Result.
         oversize: The size of the Result the fitting still could not bring under the limit
             (which it should make impossible), 0 when it fit; the Result is then an ERROR

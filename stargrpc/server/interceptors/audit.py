@@ -1,6 +1,6 @@
 """The audit interceptor, outermost in the chain: one audit record for every call attempt.
 
-It opens the call's :class:`~stargrpc.call_record.CallRecord` before anything else runs, so the
+It opens the call's :class:`~stargrpc.runs.call_record.CallRecord` before anything else runs, so the
 record exists even for calls that authentication refuses; the inner parts fill it in
 (authentication the principal, ``Runtime.admit`` the tool, run id and arguments). When
 the call ends the interceptor names the outcome — from the run's Result for an Execute that
@@ -43,12 +43,12 @@ from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
-from stargrpc.call_record import CallRecord, current_call
-from stargrpc.event_sizes import cuts_before_result
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.ids import new_id
-from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import current_principal
+from stargrpc.runs.call_record import CallRecord, current_call
+from stargrpc.runs.event_sizes import cuts_before_result
+from stargrpc.server.interceptors.composed import ComposedInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -81,7 +81,7 @@ _current = ContextVar[_AuditedCall]("stargrpc_audited_call")
 
 class AuditInterceptor(ComposedInterceptor):
     """Writes one audit record per call attempt (see the module docstring): the composed
-    interceptor (:mod:`stargrpc.interceptors.composed`) with only its audit stage, which is
+    interceptor (:mod:`stargrpc.server.interceptors.composed`) with only its audit stage, which is
     this object.
 
     Attributes:
@@ -137,7 +137,7 @@ class AuditInterceptor(ComposedInterceptor):
         """Writes every queued record, then closes the store."""
         await self.writer.aclose()
 
-    # -- the stage (stargrpc.interceptors.composed runs it around each call) ---------------
+    # -- the stage (stargrpc.server.interceptors.composed runs it around each call) ---------------
 
     def open_call(self, method: str) -> _AuditedCall:
         """Opens the record of a call of ``method`` in this task, before anything else of

@@ -21,7 +21,6 @@ from typing import Any
 import structlog
 from pydantic import BaseModel
 
-from stargrpc.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
@@ -29,11 +28,12 @@ from stargrpc.errors import (
     ToolOutcomeError,
     reason_name,
 )
-from stargrpc.event_sizes import EventSizes, cut_text, size_with, split_utf8
-from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.result_fit import fit_result, set_duration
+from stargrpc.runs.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
+from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
+from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
+from stargrpc.runs.result_fit import fit_result, set_duration
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2

@@ -1,6 +1,6 @@
 """The runtime: the current catalog, the runs in flight and how a run is started.
 
-It owns everything between a decoded request and a running :class:`~stargrpc.run.Run`:
+It owns everything between a decoded request and a running :class:`~stargrpc.runs.run.Run`:
 tool lookup, the catalog-hash check, argument validation, the permission check and the
 run's event log. It knows nothing of protobuf requests; ``service.py`` maps those.
 
@@ -25,9 +25,6 @@ import structlog
 from pydantic import BaseModel
 
 from stargrpc import metrics
-from stargrpc.arguments import ArgumentLimits, validate
-from stargrpc.call_record import current_call
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.critic.loading import Critics
 from stargrpc.critic.supervision import Supervision, SupervisionPolicy
 from stargrpc.errors import (
@@ -38,13 +35,16 @@ from stargrpc.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.ids import new_id
-from stargrpc.outcome import Outcome
-from stargrpc.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
-from stargrpc.run import Run, RunLimits
+from stargrpc.runs.arguments import ArgumentLimits, validate
+from stargrpc.runs.call_record import current_call
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
+from stargrpc.runs.run import Run, RunLimits
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore

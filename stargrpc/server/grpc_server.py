@@ -17,27 +17,27 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.http_server import HttpEndpoints
-from stargrpc.interceptors import build_chain
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.interceptors.auth import AuthInterceptor
-from stargrpc.interceptors.composed import compose
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
-from stargrpc.permissions import RolePolicy
-from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
-from stargrpc.runtime import Runtime
+from stargrpc.runs.arguments import ArgumentLimits
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.permissions import RolePolicy
+from stargrpc.runs.runtime import Runtime
 from stargrpc.sandbox import log_isolation
-from stargrpc.service import ToolService, add_to_server
+from stargrpc.server.interceptors import build_chain
+from stargrpc.server.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.auth import AuthInterceptor
+from stargrpc.server.interceptors.composed import compose
+from stargrpc.server.reflection import enable_reflection
+from stargrpc.server.service import ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
