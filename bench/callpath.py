@@ -32,14 +32,14 @@ from typing import Any
 
 import grpc
 
+from stargrpc.server.streaming import serialize_response
 from stargrpc.settings import Settings
-from stargrpc.streaming import serialize_response
 from stargrpc.v1 import tool_service_pb2
 
 try:
     from stargrpc.contract import SERVICE_NAME
 except ImportError:  # a tree from before the contract's names had a module of their own
-    from stargrpc.service import SERVICE_NAME
+    from stargrpc.server.service import SERVICE_NAME
 
 EXECUTE = f"/{SERVICE_NAME}/Execute"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -109,7 +109,7 @@ def _bind(interceptor: grpc.aio.ServerInterceptor,
 async def _measure(args: argparse.Namespace, folder: Path) -> None:
     from stargrpc.auth.keys import KeyStore
     from stargrpc.logs import configure_logging
-    from stargrpc.server import StargrpcServer
+    from stargrpc.server.grpc_server import StargrpcServer
 
     overrides: dict[str, Any] = {
         "host": "127.0.0.1", "port": 0, "state_dir": folder / "state", "log_format": "json",
@@ -122,7 +122,7 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
     log_file = (folder / "server.log").open("w")
     configure_logging(settings.log_level, "json", stream=log_file, cache=True)
     _, token = KeyStore(settings.state_dir / "keys.json").create("bench", ["admin"])
-    from stargrpc.interceptors import build_chain
+    from stargrpc.server.interceptors import build_chain
 
     chain = [i for i in build_chain(settings)
              if type(i).__module__.rsplit(".", 1)[-1] not in args.without]
@@ -133,7 +133,7 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
         if start is not None:
             await start()
     try:
-        from stargrpc.interceptors.composed import compose
+        from stargrpc.server.interceptors.composed import compose
     except ImportError:  # a tree from before the chain was composed
         interceptors = list(server.interceptors)
     else:
@@ -209,7 +209,7 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
 
 
 def _execute_handler(server: Any) -> grpc.RpcMethodHandler:
-    from stargrpc.service import _tolerant
+    from stargrpc.server.service import _tolerant
 
     return grpc.unary_stream_rpc_method_handler(
         server.service.Execute, _tolerant(tool_service_pb2.ExecuteRequest), serialize_response)
@@ -218,7 +218,7 @@ def _execute_handler(server: Any) -> grpc.RpcMethodHandler:
 def _layers_only_handler() -> grpc.RpcMethodHandler:
     """An Execute that runs nothing: it yields three prebuilt responses, so what is measured
     is the interceptors' part of the call (the audit record is still written)."""
-    from stargrpc.service import _tolerant
+    from stargrpc.server.service import _tolerant
     from stargrpc.v1 import events_pb2
 
     responses = [tool_service_pb2.ExecuteResponse(event=events_pb2.RunEvent(seq=seq))

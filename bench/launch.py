@@ -3,7 +3,7 @@ what each layer costs: ``python -m bench.launch --without audit --tools-dir benc
 
 Everything else is what ``stargrpc serve`` does: the same settings (environment and
 flags), the same logging, the same server. A layer is named by the last part of its
-interceptor's module (``stargrpc.interceptors.audit`` → ``audit``).
+interceptor's module (``stargrpc.server.interceptors.audit`` → ``audit``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 
-from stargrpc.interceptors import build_chain
 from stargrpc.logs import configure_logging
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors import build_chain
 from stargrpc.settings import Settings
 
 

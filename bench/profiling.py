@@ -77,7 +77,8 @@ class Summary:
 
 
 def _frame_name(frame: str) -> str:
-    # "Run._emit (stargrpc/run.py:330)" → "Run._emit (stargrpc/run.py)": one row per function.
+    # "Run._emit (stargrpc/runs/run.py:330)" → "Run._emit (stargrpc/runs/run.py)": one row
+    # per function.
     name = _FRAME_LINE.sub(")", frame.strip())
     return name.replace("/work/main/", "").split("site-packages/")[-1]
 

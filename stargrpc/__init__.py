@@ -20,26 +20,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stargrpc.context import SyncToolContext, SyncToolStep, ToolContext, ToolStep
     from stargrpc.errors import ToolDenied, ToolFailed
-    from stargrpc.outcome import Outcome, ToolResult
     from stargrpc.principal import Principal
     from stargrpc.registry import tool
+    from stargrpc.runs.context import SyncToolContext, SyncToolStep, ToolContext, ToolStep
+    from stargrpc.runs.outcome import Outcome, ToolResult
 
 __version__ = "0.1.0"
 
 # Loaded on first use (PEP 562), so that importing a light part of the package, such as
 # ``stargrpc.client``, does not load the server (settings, registry, the run machinery).
 _LAZY: dict[str, str] = {
-    "Outcome": "stargrpc.outcome",
+    "Outcome": "stargrpc.runs.outcome",
     "Principal": "stargrpc.principal",
-    "SyncToolContext": "stargrpc.context",
-    "SyncToolStep": "stargrpc.context",
-    "ToolContext": "stargrpc.context",
+    "SyncToolContext": "stargrpc.runs.context",
+    "SyncToolStep": "stargrpc.runs.context",
+    "ToolContext": "stargrpc.runs.context",
     "ToolDenied": "stargrpc.errors",
     "ToolFailed": "stargrpc.errors",
-    "ToolResult": "stargrpc.outcome",
-    "ToolStep": "stargrpc.context",
+    "ToolResult": "stargrpc.runs.outcome",
+    "ToolStep": "stargrpc.runs.context",
     "tool": "stargrpc.registry",
 }
 

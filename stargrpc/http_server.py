@@ -11,6 +11,7 @@ serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicor
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway import Gateway
 from stargrpc.metrics import scrape_registry
 from stargrpc.settings import Settings
@@ -86,13 +88,17 @@ class AsgiServer:
     reuse_port: bool
     _app: Any
     _host: str
+    _trusted_proxies: list[str]
     _requested_port: int
     _server: uvicorn.Server | None
     _socket: socket.socket | None
 
     def __init__(self, name: str, app: Any, host: str, port: int, *,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, trusted_proxies: Sequence[str] = ()) -> None:
+        """``app`` served on ``host:port``; the X-Forwarded-For of ``trusted_proxies``
+        (addresses or networks) names the client, nobody else's."""
         self.name = name
+        self._trusted_proxies = list(trusted_proxies)
         self.port = 0
         self.reuse_port = reuse_port
         self._app = app
@@ -117,6 +123,10 @@ class AsgiServer:
             timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_SECONDS,
             # The event loop is the server's; uvicorn must not install another.
             loop="none", http="h11", ws="none",
+            # uvicorn believes 127.0.0.1 by default: any local process could then name
+            # any client to the audit (stargrpc.forwarded).
+            proxy_headers=bool(self._trusted_proxies),
+            forwarded_allow_ips=self._trusted_proxies,
         )
         config.load()
         server = uvicorn.Server(config)
@@ -188,10 +198,14 @@ class HttpEndpoints:
 
     gateway: Gateway | None
     _settings: Settings
+    _forwarded: ForwardedClient | None
     _servers: list[AsgiServer]
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, forwarded: ForwardedClient | None = None) -> None:
+        """The endpoints ``settings`` ask for; ``forwarded`` vouches for each HTTP client's
+        address to the server's audit (:mod:`stargrpc.forwarded`)."""
         self._settings = settings
+        self._forwarded = forwarded
         self.gateway = None
         self._servers = []
         self.gateway_port = 0
@@ -214,10 +228,14 @@ class HttpEndpoints:
                 credentials, server_name = gateway_tls(s)
                 self.gateway = Gateway(grpc_target(s, grpc_port), credentials=credentials,
                                        server_name=server_name,
-                                       max_body_bytes=s.max_receive_message_bytes)
+                                       max_body_bytes=s.max_receive_message_bytes,
+                                       allowed_hosts=s.http_allowed_hosts,
+                                       allowed_origins=s.http_allowed_origins,
+                                       forwarded=self._forwarded)
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
-                                 s.http_port, reuse_port=s.workers > 1)
+                                 s.http_port, reuse_port=s.workers > 1,
+                                 trusted_proxies=s.http_trusted_proxies)
                 self._servers.append(web)
                 self.gateway_port = await web.start()
         except BaseException:

@@ -36,7 +36,7 @@ _SPEC_ATTRIBUTE = "__stargrpc_tool__"
 class NoArguments(BaseModel):
     """The argument model of a tool that takes no arguments."""
 
-    # Frozen: runs without arguments share one instance (stargrpc.runtime).
+    # Frozen: runs without arguments share one instance (stargrpc.runs.runtime).
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 

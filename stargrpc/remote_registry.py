@@ -4,7 +4,7 @@
 
 - ``mode="in_process"``: every call runs on the runtime's own :class:`~stargrpc.registry.Registry`
   (the same tool modules the server loads), through the server's own run pipeline
-  (:class:`~stargrpc.runtime.Runtime`: argument validation, the permission policy, the
+  (:class:`~stargrpc.runs.runtime.Runtime`: argument validation, the permission policy, the
   critic's supervision, the run's event log), with nothing to connect to;
 - ``mode="remote"``: calls go to a stargrpc server through
   :class:`~stargrpc.client.aio.AsyncClient` (idempotency keys, retries, resume, stale
@@ -52,7 +52,6 @@ from typing import Any, Literal, Protocol
 import grpc
 import structlog
 
-from stargrpc.arguments import decode_json
 from stargrpc.audit.record import AuditRecord, outcome_for_result, outcome_for_status, utc_now
 from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore
@@ -74,14 +73,15 @@ from stargrpc.client.events import (
 from stargrpc.client.retry import RetryPolicy
 from stargrpc.critic.supervision import SupervisionPolicy
 from stargrpc.errors import InvalidArgument, RequestError, ResourceExhausted, Unavailable
-from stargrpc.event_sizes import cut_notice
 from stargrpc.ids import new_id
-from stargrpc.outcome import Outcome
-from stargrpc.permissions import RolePolicy, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry
-from stargrpc.run import Run
-from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.runs.arguments import decode_json
+from stargrpc.runs.event_sizes import cut_notice
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.permissions import RolePolicy, ToolPolicy
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 

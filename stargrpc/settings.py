@@ -5,6 +5,7 @@ defaults below. :meth:`Settings.masked` is what start-up logs, with secrets hidd
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pwd
 import re
@@ -20,6 +21,8 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from stargrpc.http_guard import HostRule, normal_origin
 
 MiB = 1024 * 1024
 
@@ -126,7 +129,7 @@ class Settings(BaseSettings):
         256 * MiB, ge=0, description="Bytes of events (serialised) the finished runs kept in "
         "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
-    # -- runs, retries and replicas (stores/, idempotency.py, concurrency.py) -------------
+    # -- runs, retries and replicas (stores/, runs/idempotency.py, runs/concurrency.py) -------
     redis_url: str = Field("", description="The run store shared by replicas: "
                            "redis://host:port/db (one Redis), redis+cluster://host:port[,…] "
                            "(Redis Cluster) or redis+sentinel://host:port[,…]/service_name "
@@ -224,6 +227,20 @@ class Settings(BaseSettings):
     http_grpc_server_name: str | None = Field(
         None, description="With TLS on: the name the gateway expects in the server "
         "certificate; default its first DNS name (or common name).")
+    http_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host names the HTTP gateway and the MCP endpoint "
+        "answer to besides IP addresses and localhost (comma-separated: name, name:port, "
+        "*.domain, or * for any when a proxy checks Host); other Host headers are refused "
+        "421 (DNS rebinding).")
+    http_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Web origins (https://name[:port]) that may call "
+        "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
+        "requests from other origins are refused 403.")
+    http_trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Addresses or networks (comma-separated) of "
+        "proxies in front of the HTTP gateway and the MCP endpoint whose X-Forwarded-For "
+        "and X-Forwarded-Proto are believed: the audit then records the client they name; "
+        "empty believes none (the audit records the connecting address).")
 
     @model_validator(mode="after")
     def _check_gateway(self) -> Settings:
@@ -420,7 +437,7 @@ class Settings(BaseSettings):
         30.0, ge=0.1, le=3600, description="Longest wait between two attempts to (re)start "
         "or reconnect an MCP server; the wait doubles from 0.1 s up to this.")
 
-    # -- delivery and steering (stargrpc/delivery, run.py steer, service.py) ---------------
+    # -- delivery and steering (delivery/, runs/run.py steer, server/service.py) -----
     steer_max_bytes: int = Field(4096, ge=1, le=1024 * 1024, description="Longest SteerRun "
                                  "message (UTF-8 bytes); longer ones are refused "
                                  "INVALID_ARGUMENT.")
@@ -489,12 +506,32 @@ class Settings(BaseSettings):
     @field_validator("sandbox_env_allowlist", "http_fetch_allowlist",
                      "http_fetch_allowed_networks", "delivery_allowlist",
                      "delivery_allowed_networks", "mcp_servers_allowed_networks",
+                     "http_allowed_hosts", "http_allowed_origins", "http_trusted_proxies",
                      mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("http_allowed_hosts")
+    @classmethod
+    def _check_allowed_hosts(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            HostRule(entry)  # ValueError names the entry
+        return value
+
+    @field_validator("http_trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            ipaddress.ip_network(entry, strict=False)  # ValueError names the entry
+        return value
+
+    @field_validator("http_allowed_origins")
+    @classmethod
+    def _check_allowed_origins(cls, value: list[str]) -> list[str]:
+        return [normal_origin(entry) for entry in value]
 
     @field_validator("sandbox_user")
     @classmethod

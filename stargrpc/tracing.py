@@ -1,9 +1,9 @@
 """OpenTelemetry traces (``tracing = true``): a span per call, a span per run, a span per step.
 
-- :class:`~stargrpc.interceptors.tracing.TracingInterceptor`, outermost in the gRPC
+- :class:`~stargrpc.server.interceptors.tracing.TracingInterceptor`, outermost in the gRPC
   interceptor chain, opens the call's SERVER span from the caller's W3C trace context.
 - :class:`TracingRunInterceptor`, a stage of the run pipeline
-  (:class:`stargrpc.runtime.RunInterceptor`), opens the run's span (``run <tool>``)
+  (:class:`stargrpc.runs.runtime.RunInterceptor`), opens the run's span (``run <tool>``)
   as a child of the call's span and follows the run through ``run.observers``: each step
   the tool opens becomes a child span of its parent step (the top-level step is the run span
   itself), a failed step or run gets status ERROR, notices become span events, and the
@@ -23,8 +23,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from stargrpc.run import Run
-from stargrpc.runtime import RunInput, RunInterceptor
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunInput, RunInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 

@@ -14,7 +14,7 @@ import pytest
 
 from stargrpc.auth import KeyStore
 from stargrpc.registry import Registry
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.procs import ImageUser, image_user

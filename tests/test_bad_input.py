@@ -14,8 +14,8 @@ from pydantic import BaseModel
 
 from stargrpc import ToolContext, testing, tool
 from stargrpc.errors import InvalidArgument
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool, status_details
 

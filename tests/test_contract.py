@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stargrpc.errors import ToolDenied, ToolFailed
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import errors_pb2
 
 ROOT = Path(__file__).resolve().parent.parent

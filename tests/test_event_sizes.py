@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from stargrpc.event_sizes import (
+from stargrpc.runs.event_sizes import (
     OUTPUT_TRUNCATED,
     RESULT_TOO_LARGE,
     cuts_before_result,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
 from tests.client.test_aio import COUNT_TO_3, count_phases

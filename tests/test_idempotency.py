@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stargrpc.idempotency import fingerprint
+from stargrpc.runs.idempotency import fingerprint
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.runs_support import (

@@ -154,8 +154,8 @@ def test_the_package_has_no_import_loops(kind: str) -> None:
 
 def test_the_graph_covers_the_package() -> None:
     graph = import_graph(PACKAGE_DIR, "module")
-    assert {"stargrpc.client.events", "stargrpc.audit.store", "stargrpc.run"} <= graph.keys()
-    assert "stargrpc.context" in graph["stargrpc.run"]
+    assert {"stargrpc.client.events", "stargrpc.audit.store", "stargrpc.runs.run"} <= graph.keys()
+    assert "stargrpc.runs.context" in graph["stargrpc.runs.run"]
     assert "stargrpc.audit.sql" in graph["stargrpc.audit.sqlite"]
 
 

@@ -16,9 +16,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
-from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.registry import Registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.run_tools.blob import blob_bytes
 from tests.runs_support import collect, execute_request, key, run_registry

@@ -7,8 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.errors import ResourceExhausted
+from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.runs_support import HeaderPrincipal, as_principal, collect, execute_request, run_registry

@@ -5,9 +5,11 @@ in the embedded default and across two replicas sharing Redis."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from redis import Redis as SyncRedis
 
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.runs_support import HeaderPrincipal, as_principal, execute_request, run_registry
@@ -29,6 +31,11 @@ pb = tool_service_pb2
 # The Redis fixtures, shared with tests/stores.
 __all__ = ["redis_cluster", "redis_prefix", "replicas"]
 Stub = tool_service_pb2_grpc.ToolServiceStub
+
+
+def hand_made(cursor: list[Any]) -> str:
+    """A page token the way a client could make one: a cursor, base64-encoded."""
+    return base64.urlsafe_b64encode(json.dumps(cursor).encode()).decode().rstrip("=")
 
 
 async def run_to_end(stub: Stub, tool: str, arguments: dict[str, Any],
@@ -128,6 +135,10 @@ async def check_ownership_filters_and_paging(first: Stub, second: Stub, tmp_path
         assert [r.run_id for r in paged] == [r.run_id for r in listed]
         reply = await second.ListRuns(pb.ListRunsRequest(page_size=2), metadata=ALICE)
         assert len(reply.runs) == 2 and reply.next_page_token
+        # A token one replica made continues on the other (they share the signing key).
+        rest = await first.ListRuns(pb.ListRunsRequest(page_token=reply.next_page_token),
+                                    metadata=ALICE)
+        assert [r.run_id for r in [*reply.runs, *rest.runs]] == [r.run_id for r in listed]
 
         # A cancelled run then shows with its outcome.
         assert (await first.CancelRun(pb.CancelRunRequest(run_id=waiting),
@@ -219,6 +230,9 @@ async def test_bad_page_tokens_and_sizes_are_refused_and_the_server_goes_on(
             "eyJhIjoxfQ",  # {"a":1}
             "WyIxIiwgIngiXQ",  # ["1", "x"]: the start is not a number
             "%%%%", "A" * 5000,
+            # Well-formed cursors, but made by hand: a token must be one the server signed.
+            hand_made([int(time.time() * 1000), "run"]), hand_made([True, "run"]),
+            hand_made([2**70, "run"]),
         ]
         for token in forged:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -241,6 +255,14 @@ async def test_bad_page_tokens_and_sizes_are_refused_and_the_server_goes_on(
         stolen = await stub.ListRuns(pb.ListRunsRequest(page_token=page.next_page_token),
                                      metadata=ALICE)
         assert list(stolen.runs) == []
+        # A real token altered (its cursor moved, its signature kept) or stripped of its
+        # signature is refused too.
+        cursor, _, mac = page.next_page_token.partition(".")
+        started, run_id = json.loads(base64.urlsafe_b64decode(cursor + "=="))
+        for altered in (f"{hand_made([started + 1, run_id])}.{mac}", cursor):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ListRuns(pb.ListRunsRequest(page_token=altered), metadata=BOB)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         await run_to_end(stub, "echo", {"text": "still serving"}, ALICE)
 
 
@@ -299,8 +321,13 @@ async def test_list_runs_over_http_and_the_cli(make_auth_server: AuthServerFacto
         assert bad.status_code == 400
         fields = {v["field"] for v in bad.json()["error"]["details"][0]["fieldViolations"]}
         assert fields == {"state", "page_size"}
-        assert (await http.get("/v1/runs", params={"page_token": "x"},
-                               headers=bearer(auth.key))).status_code == 400
+        for token in ("x", hand_made([int(time.time() * 1000), "run"])):
+            for url in ("/v1/runs", "/v1/runs/events"):
+                refused = await http.get(url, params={"page_token": token},
+                                         headers=bearer(auth.key))
+                assert refused.status_code == 400, (url, token, refused.text)
+                violations = refused.json()["error"]["details"][0]["fieldViolations"]
+                assert [v["field"] for v in violations] == ["page_token"]
         assert (await http.get("/v1/runs")).status_code == 401
 
         # The live list: the first page at once, then again when a run is added.

@@ -14,9 +14,9 @@ import pytest
 
 from stargrpc import SyncToolContext, ToolContext, tool
 from stargrpc.registry import Registry, spec_of
-from stargrpc.run import Run
-from stargrpc.runtime import RunInput, RunInterceptor
-from stargrpc.server import StargrpcServer
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunInput, RunInterceptor
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.runs_support import collect, execute_request, key, run_registry

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import phases, run_tool
 

@@ -10,8 +10,8 @@ import pytest
 from pydantic import BaseModel
 
 from stargrpc import ToolContext, ToolDenied, ToolResult, tool
-from stargrpc.outcome import Outcome
 from stargrpc.registry import Registry, spec_of
+from stargrpc.runs.outcome import Outcome
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import phases, run_tool
 

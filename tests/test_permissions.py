@@ -7,9 +7,9 @@ import pytest
 from google.rpc import error_details_pb2
 
 from stargrpc.errors import PermissionDenied
-from stargrpc.permissions import AllowAll, RolePolicy, RunAccess
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
+from stargrpc.runs.permissions import AllowAll, RolePolicy, RunAccess
 from stargrpc.settings import Settings, ToolAccess
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stargrpc.server import GC_THRESHOLDS, tune_garbage_collector
+from stargrpc.server.grpc_server import GC_THRESHOLDS, tune_garbage_collector
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import serve
 

@@ -134,8 +134,7 @@ def test_an_unknown_name_is_an_attribute_error(module: str) -> None:
 
 # Modules that belong to the server; a client process never needs them.
 SERVER_MODULES = (
-    "stargrpc.settings", "stargrpc.registry", "stargrpc.runtime", "stargrpc.run",
-    "stargrpc.context", "stargrpc.server", "stargrpc.service", "stargrpc.interceptors",
+    "stargrpc.settings", "stargrpc.registry", "stargrpc.runs", "stargrpc.server",
     "stargrpc.audit", "stargrpc.sandbox", "stargrpc.critic", "stargrpc.stores",
 )
 

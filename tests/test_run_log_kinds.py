@@ -1,5 +1,5 @@
-"""A run over a log of another kind than this package's (only the RunLog protocol: no
-``append_nowait``) still records everything, steering included, in order."""
+"""A run over a log of another kind than this package's (only the RunLog protocol) still
+records everything, steering included, in order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from stargrpc import ToolContext, tool
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, spec_of
-from stargrpc.run import STEERED, Run
+from stargrpc.runs.run import STEERED, Run
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2
 
@@ -31,6 +31,9 @@ class ProtocolOnlyLog:
 
     async def append(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         return await self._inner.append(event)
+
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        return self._inner.append_nowait(event)
 
     def follow(self, after_seq: int = 0, *, max_lag: int = 0
                ) -> AsyncIterator[events_pb2.RunEvent]:

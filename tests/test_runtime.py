@@ -7,13 +7,16 @@ import asyncio
 import pytest
 
 from stargrpc import ToolContext, metrics, tool
-from stargrpc.concurrency import ConcurrencyLimits
+from stargrpc import run as run_module
 from stargrpc.errors import InvalidArgument
-from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
-from stargrpc.run import Run
-from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.event_sizes import EventSizes
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunRequest, Runtime
+from stargrpc.settings import Settings
 from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
@@ -73,7 +76,7 @@ async def _run_whose_ending_fails(monkeypatch: pytest.MonkeyPatch, where: str
     if where == "result_message":
         def broken(*_: object) -> None:
             raise RuntimeError("the Result cannot be made")
-        monkeypatch.setattr(Run, "_result_message", broken)
+        monkeypatch.setattr(run_module, "fit_result", broken)
     admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
                                    Principal("tester"))
     run = admitted.run
@@ -190,3 +193,24 @@ async def test_a_run_whose_ending_fails_after_its_result_keeps_that_result(
     assert events[-1].result == result
     assert [e for e in events if e.HasField("result")] == [events[-1]]
     assert runtime.runs == {}
+
+
+async def test_every_run_keeps_to_the_limits_its_runtime_made_once_from_the_settings(
+        ) -> None:
+    settings = Settings(inline_file_bytes=1234, file_chunk_bytes=4096, steer_max_pending=3,
+                        max_event_bytes=1024 * 1024)
+    runtime = Runtime(Registry([spec_of(quick)]), settings=settings)
+    runs = []
+    for _ in range(2):
+        admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+                                       Principal("tester"))
+        assert admitted.run is not None
+        runs.append(admitted.run)
+        await asyncio.wait_for(admitted.run.wait(), 10)
+
+    limits = runtime.run_limits
+    assert runs[0].limits is limits and runs[1].limits is limits  # made once, not per run
+    assert (limits.inline_file_bytes, limits.file_chunk_bytes, limits.steer_max_pending) == \
+        (1234, 4096, 3)
+    assert limits.sizes == EventSizes.for_send_limit(1024 * 1024)
+    assert runs[0].settings is settings  # what the tool reads as ctx.settings

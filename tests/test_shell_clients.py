@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.procs import ServerProcess, serve
 

@@ -1,4 +1,4 @@
-"""Event streams (stargrpc.streaming): responses serialised once, and DELTA coalescing on
+"""Event streams (stargrpc.server.streaming): responses serialised once, and DELTA coalescing on
 request — every byte in order, seqs without gap or overlap, never merged across other
 events — through a real server, and on a run log directly for the exact merging rules."""
 
@@ -18,8 +18,8 @@ from redis.asyncio import Redis
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
+from stargrpc.server.streaming import MAX_COALESCED_BYTES, EventFrame, event_responses
 from stargrpc.stores.memory import MemoryRunLog
-from stargrpc.streaming import MAX_COALESCED_BYTES, EventFrame, event_responses
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.stores.conftest import REDIS_URL
 

@@ -9,7 +9,7 @@
 - :mod:`~stargrpc.audit.sql` — the table and queries the two stores share;
 - :mod:`~stargrpc.audit.writer` — the writer: group commit, retries, the bounded wait.
 
-The interceptor that produces the records is :mod:`stargrpc.interceptors.audit`; the
+The interceptor that produces the records is :mod:`stargrpc.server.interceptors.audit`; the
 ``stargrpc audit`` commands that read them are in :mod:`stargrpc.cli.audit`.
 """
 

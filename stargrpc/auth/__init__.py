@@ -6,8 +6,8 @@
 - :mod:`stargrpc.auth.authenticator` — credentials of a call to a principal.
 - :mod:`stargrpc.auth.bootstrap` — the admin key made on first start.
 
-The gRPC side is :mod:`stargrpc.interceptors.auth`; who may run which tool is
-:mod:`stargrpc.permissions`.
+The gRPC side is :mod:`stargrpc.server.interceptors.auth`; who may run which tool is
+:mod:`stargrpc.runs.permissions`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import click
 from google.protobuf import json_format
 
 from stargrpc.client import CallError, Client, ClientError, Event, Result
-from stargrpc.outcome import Outcome
+from stargrpc.runs.outcome import Outcome
 from stargrpc.v1 import events_pb2
 
 #: Exit status of ``stargrpc call`` per outcome; 0 only for OK.

@@ -26,7 +26,7 @@ from stargrpc.errors import ToolDefinitionError
 from stargrpc.sandbox.isolation import GAPS
 from stargrpc.sandbox.policy import decide, secret_files
 from stargrpc.secret_env import secret_variables
-from stargrpc.server import load_tools
+from stargrpc.server.grpc_server import load_tools
 from stargrpc.settings import Settings
 
 #: Exit statuses.

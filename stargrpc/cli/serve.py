@@ -18,9 +18,9 @@ from stargrpc.cli.keys import announce_first_key
 from stargrpc.errors import AuthConfigError, CriticConfigError, ToolDefinitionError
 from stargrpc.logs import configure_logging
 from stargrpc.secret_env import hand_over_and_reexec, take_over
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.workers import WorkerSupervisor
 from stargrpc.settings import Settings
-from stargrpc.workers import WorkerSupervisor
 
 #: The settings flags of `stargrpc serve`, shared by `stargrpc doctor`.
 SETTINGS_OPTIONS = [

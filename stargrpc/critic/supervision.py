@@ -14,7 +14,7 @@ Every run has three limits, and the first one reached stops it:
   (code ``CLIENT_DEADLINE``), so a run never outlives the call that started it.
 
 No critic can move the last two. A critic's other verdicts are applied here too: a warning
-(``CRITIC_WARNING``), a steer (``CRITIC_STEERED``, then :meth:`stargrpc.run.Run.steer`), a stop
+(``CRITIC_WARNING``), a steer (``CRITIC_STEERED``, then :meth:`stargrpc.runs.run.Run.steer`), a stop
 (``CRITIC_STOPPED``, then ``Result{CANCELLED}`` with the critic's code). A critic that breaks
 the contract — raises, answers garbage, disconnects, misses its budget — is dropped for the
 run and the rules, which watched every event alongside it, take over (``CRITIC_FALLBACK``).
@@ -26,7 +26,7 @@ fill the run's log, which every follower reads and the run store keeps. Past tha
 more notice, ``CRITIC_NOTICES_LIMITED`` from the server, says so; the verdicts are still
 applied and counted, and the audit record tells how many notices were left out.
 
-Stopping goes through :meth:`stargrpc.run.Run.stop`, which cancels the tool and still ends the
+Stopping goes through :meth:`stargrpc.runs.run.Run.stop`, which cancels the tool and still ends the
 run with the top-level END (error) and a Result carrying the output produced so far. Every
 event of a supervised run carries ``critic_time_left``: the time before the run would be
 stopped if nothing else happened.
@@ -56,7 +56,6 @@ from typing import Any
 import structlog
 
 from stargrpc import metrics
-from stargrpc.call_record import CallRecord, current_call
 from stargrpc.critic.base import (
     Critic,
     CriticError,
@@ -72,9 +71,10 @@ from stargrpc.critic.base import (
 )
 from stargrpc.critic.rules import RULES, RulesCritic, RulesJudge
 from stargrpc.errors import RequestError
-from stargrpc.outcome import Outcome
 from stargrpc.registry import ToolSpec
-from stargrpc.run import Run
+from stargrpc.runs.call_record import CallRecord, current_call
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.run import Run
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -155,7 +155,7 @@ def _without_deadline(soft_timeout: float, hard_timeout: float) -> SupervisionPo
 @dataclass(frozen=True)
 class SupervisedRequest:
     """A gRPC request handed to the service with the supervision policy of its call (by
-    :class:`stargrpc.interceptors.critic.CriticInterceptor`)."""
+    :class:`stargrpc.server.interceptors.critic.CriticInterceptor`)."""
 
     request: Any
     policy: SupervisionPolicy

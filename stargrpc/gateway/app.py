@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stargrpc.forwarded import ForwardedClient, peer_of
 from stargrpc.gateway.client import FORWARDED_HEADERS, GatewayClient, Metadata
 from stargrpc.gateway.http_errors import (
     error_body,
@@ -58,6 +59,7 @@ from stargrpc.gateway.sse import (
     event_json,
     sse_stream,
 )
+from stargrpc.http_guard import RequestGuard
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -74,7 +76,9 @@ STREAM_CLOSE_GRACE_SECONDS = 3.0
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+    # Images may come from any https URL: a tool's `image` rich message names one (never
+    # plain http, which anyone on the path could swap); the page sends them no referrer.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob: https:; "
     "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
@@ -154,13 +158,16 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-def call_metadata(request: Request) -> Metadata:
+def call_metadata(request: Request, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of a call made for ``request``: its credentials and trace context,
-    and the HTTP client's address for the audit."""
+    and the HTTP client's address — vouched for with ``forwarded`` (the server's own, which
+    its audit checks), so that the audit records that address as the call's peer."""
     metadata = [(name, value) for name in FORWARDED_HEADERS
                 if (value := request.headers.get(name))]
     if request.client is not None:
-        metadata.append(("x-forwarded-for", request.client.host))
+        metadata.append(("x-forwarded-for", request.client.host))  # informative only
+        if forwarded is not None:
+            metadata += forwarded.metadata(peer_of(request.client.host))
     return metadata
 
 
@@ -178,17 +185,38 @@ class Gateway:
     runs_watch: RunListWatch
     _closing: asyncio.Event
     _max_body_bytes: int
+    _forwarded: ForwardedClient | None
     _open_streams: int
     _no_open_streams: asyncio.Event
 
     def __init__(self, grpc_target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
-                 max_body_bytes: int = 8 * 1024 * 1024) -> None:
+                 max_body_bytes: int = 8 * 1024 * 1024,
+                 allowed_hosts: Iterable[str] = (),
+                 allowed_origins: Iterable[str] = (),
+                 forwarded: ForwardedClient | None = None) -> None:
+        """A gateway whose calls go to ``grpc_target``.
+
+        Args:
+            grpc_target: The server's gRPC address.
+            credentials: TLS roots for a server that serves TLS.
+            server_name: The name expected in the server's certificate.
+            max_body_bytes: Largest request body read.
+            allowed_hosts: Host names answered besides IP addresses and localhost
+                (:class:`~stargrpc.http_guard.RequestGuard`).
+            allowed_origins: Origins allowed to call besides the page's own.
+            forwarded: The server's voucher for the HTTP client's address (the audit
+                interceptor's), so that the audit records that client as the peer.
+
+        Raises:
+            ValueError: An allowed host or origin is malformed.
+        """
         self.client = GatewayClient(grpc_target, credentials=credentials,
                                     server_name=server_name)
         self._closing = asyncio.Event()
         self.runs_watch = RunListWatch(self.client, self._closing)
         self._max_body_bytes = max_body_bytes
+        self._forwarded = forwarded
         self._open_streams = 0
         self._no_open_streams = asyncio.Event()
         self._no_open_streams.set()
@@ -205,7 +233,10 @@ class Gateway:
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
                 Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
             ],
-            middleware=[Middleware(SecurityHeaders)],
+            # Outermost first: refusals of the guard carry the security headers too.
+            middleware=[Middleware(SecurityHeaders),
+                        Middleware(RequestGuard, allowed_hosts=list(allowed_hosts),
+                                   allowed_origins=list(allowed_origins))],
             exception_handlers={HTTPException: _http_exception},
         )
 
@@ -244,6 +275,9 @@ class Gateway:
         return StreamingResponse(counted(), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
+    def _metadata(self, request: Request) -> Metadata:
+        return call_metadata(request, self._forwarded)
+
     # -- page ------------------------------------------------------------------------------
 
     async def page(self, request: Request) -> Response:
@@ -256,7 +290,7 @@ class Gateway:
         """``GET /v1/tools``; ``If-None-Match`` with the current hash answers 304."""
         known = request.headers.get("if-none-match", "").removeprefix("W/").strip('"')
         try:
-            reply = await self.client.list_tools(call_metadata(request), known)
+            reply = await self.client.list_tools(self._metadata(request), known)
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         etag = {"ETag": f'"{reply.catalog_hash}"'}
@@ -276,7 +310,7 @@ class Gateway:
         except _BadRequest as bad:
             return bad.response()
         try:
-            reply = await self.client.list_runs(grpc_request, call_metadata(request))
+            reply = await self.client.list_runs(grpc_request, self._metadata(request))
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         return JSONResponse(runs_json(reply))
@@ -288,7 +322,7 @@ class Gateway:
             grpc_request = _list_runs_request(request)
         except _BadRequest as bad:
             return bad.response()
-        metadata = call_metadata(request)
+        metadata = self._metadata(request)
         try:  # a refused caller gets an HTTP error, not a stream
             first = await self.client.list_runs(grpc_request, metadata)
         except grpc.aio.AioRpcError as error:
@@ -306,7 +340,7 @@ class Gateway:
         except ValidationError as exc:
             return _validation_response(exc)
         wants_stream = "text/event-stream" in request.headers.get("accept", "")
-        metadata = call_metadata(request)
+        metadata = self._metadata(request)
         try:
             started = await self.client.start_run(grpc_request, metadata, listen=wants_stream)
         except grpc.aio.AioRpcError as error:
@@ -333,7 +367,7 @@ class Gateway:
         except _BadRequest as bad:
             return bad.response()
         call = self.client.watch(request.path_params["run_id"], after_seq,
-                                 call_metadata(request))
+                                 self._metadata(request))
         source = WatchSource(call)
         first = source.next_event()
         await asyncio.wait({first}, timeout=FIRST_EVENT_WAIT_SECONDS)
@@ -356,7 +390,7 @@ class Gateway:
 
         async def send(body: CancelBody) -> dict[str, Any]:
             cancelled = await self.client.cancel(request.path_params["run_id"], body.reason,
-                                                 call_metadata(request))
+                                                 self._metadata(request))
             return {"cancelled": cancelled}
 
         return await self._run_command(request, CancelBody, send)
@@ -366,7 +400,7 @@ class Gateway:
 
         async def send(body: SteerBody) -> dict[str, Any]:
             run_id = await self.client.steer(request.path_params["run_id"], body.message,
-                                             call_metadata(request))
+                                             self._metadata(request))
             return {"run_id": run_id}
 
         return await self._run_command(request, SteerBody, send)

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import structlog
+from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.types import ASGIApp
 
+from stargrpc.audit.writer import AuditWriter
 from stargrpc.auth.authenticator import Authenticator
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway.app import call_metadata
 from stargrpc.gateway.client import GatewayClient, Metadata
+from stargrpc.http_guard import RequestGuard
 from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
 from stargrpc.mcp.sessions import SessionGuard, Sessions
@@ -31,11 +36,11 @@ log = structlog.get_logger("stargrpc.mcp")
 MCP_PATH = "/mcp"
 
 
-def request_credentials(ctx: Any) -> Metadata:
+def request_credentials(ctx: Any, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of the HTTP request behind an MCP request (none on other
-    transports)."""
+    transports); ``forwarded`` vouches for the HTTP client's address to the audit."""
     request = ctx.request
-    return call_metadata(request) if isinstance(request, Request) else []
+    return call_metadata(request, forwarded) if isinstance(request, Request) else []
 
 
 class McpEndpoint:
@@ -50,6 +55,7 @@ class McpEndpoint:
     sessions: Sessions
     _settings: Settings
     _authenticator: Authenticator
+    _audit: AuditWriter | None
     _client: GatewayClient
     _bridge: Bridge
     _http: AsgiServer | None
@@ -57,7 +63,9 @@ class McpEndpoint:
     _manager_stop: asyncio.Event
 
     def __init__(self, settings: Settings, grpc_port: int,
-                 authenticator: Authenticator | None = None) -> None:
+                 authenticator: Authenticator | None = None, *,
+                 forwarded: ForwardedClient | None = None,
+                 audit: AuditWriter | None = None) -> None:
         """The endpoint of the server whose gRPC port is ``grpc_port``.
 
         Args:
@@ -66,12 +74,17 @@ class McpEndpoint:
             authenticator: The one the server's gRPC calls are authenticated with (made
                 from ``settings`` when not given): it names the principal who owns each
                 MCP session.
+            forwarded: Vouches for each HTTP client's address to the server's audit
+                (:mod:`stargrpc.forwarded`).
+            audit: The server's audit writer: a request refused for its credentials before
+                it reaches the gRPC server is recorded there.
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
             AuthConfigError: A JWT key is unusable.
         """
         self._settings = settings
+        self._audit = audit
         self._authenticator = (authenticator if authenticator is not None
                                else Authenticator(settings))
         self.sessions = Sessions(settings.mcp_max_sessions_per_principal,
@@ -79,7 +92,8 @@ class McpEndpoint:
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name)
-        self._bridge = Bridge(self._client, request_credentials)
+        self._bridge = Bridge(self._client,
+                              functools.partial(request_credentials, forwarded=forwarded))
         self._http = None
         self._manager_task = None
         self._manager_stop = asyncio.Event()
@@ -108,7 +122,12 @@ class McpEndpoint:
             streamable_http_path=MCP_PATH, host=host,
             max_request_body_size=s.max_receive_message_bytes,
             max_sessions=s.mcp_max_sessions, session_idle_timeout=s.mcp_session_idle_seconds,
-        ), self._authenticator, self.sessions)
+            # Host and Origin are the guard's, as on the gateway: the SDK's own check knows
+            # only loopback names, and only when bound to loopback.
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        ), self._authenticator, self.sessions, audit=self._audit)
+        app = RequestGuard(app, allowed_hosts=s.http_allowed_hosts,
+                           allowed_origins=s.http_allowed_origins)
         started = asyncio.Event()
         manager = self._bridge.server.session_manager
 
@@ -120,7 +139,8 @@ class McpEndpoint:
 
         self._manager_task = asyncio.create_task(run_sessions(), name="mcp-sessions")
         await started.wait()
-        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1)
+        self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1,
+                                trusted_proxies=s.http_trusted_proxies)
         self.port = await self._http.start()
         log.info("mcp_serving", url=f"http://{host}:{self.port}{MCP_PATH}")
         return self.port

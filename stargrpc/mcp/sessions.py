@@ -46,13 +46,21 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stargrpc import metrics
+from stargrpc.audit.record import AuditRecord, utc_now
+from stargrpc.audit.writer import AuditWriter
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.errors import CredentialsRejected
+from stargrpc.forwarded import peer_of
 from stargrpc.gateway.app import call_metadata
+from stargrpc.ids import new_id
 from stargrpc.mcp.mapping import TOO_MANY_SESSIONS, UNAUTHENTICATED
 from stargrpc.principal import Principal
 
 log = structlog.get_logger("stargrpc.mcp")
+
+#: The ``method`` of the audit record of a request the endpoint refused before it reached the
+#: gRPC server (followed by the HTTP method: ``/stargrpc.mcp/Endpoint/POST``).
+MCP_AUDIT_METHOD = "/stargrpc.mcp/Endpoint"
 
 _SESSION_HEADER = MCP_SESSION_ID_HEADER.lower().encode("latin-1")
 
@@ -159,11 +167,14 @@ class SessionGuard:
     app: ASGIApp
     sessions: Sessions
     _authenticator: Authenticator
+    _audit: AuditWriter | None
 
-    def __init__(self, app: ASGIApp, authenticator: Authenticator, sessions: Sessions) -> None:
+    def __init__(self, app: ASGIApp, authenticator: Authenticator, sessions: Sessions, *,
+                 audit: AuditWriter | None = None) -> None:
         self.app = app
         self.sessions = sessions
         self._authenticator = authenticator
+        self._audit = audit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -174,8 +185,9 @@ class SessionGuard:
             principal = self._authenticator.authenticate(call_metadata(request), {})
         except CredentialsRejected as error:
             metrics.AUTH_FAILURES.labels(error.cause).inc()
-            log.info("mcp_unauthenticated", cause=error.cause, method=request.method,
-                     peer=request.client.host if request.client else "")
+            peer = peer_of(request.client.host) if request.client else ""
+            log.info("mcp_unauthenticated", cause=error.cause, method=request.method, peer=peer)
+            self._record_refusal(request.method, peer, error)
             await _unauthenticated(send, missing=error.cause == "missing")
             return
         scope["user"] = _session_owner(principal)
@@ -190,6 +202,21 @@ class SessionGuard:
             await self._in_session(session_id, scope, receive, send)
         else:  # unknown, over, or another principal's: the manager answers as for unknown
             await self.app(scope, receive, send)
+
+    def _record_refusal(self, http_method: str, peer: str, error: CredentialsRejected) -> None:
+        """The audit record of a request refused for its credentials: one record per call
+        attempt, unauthenticated ones too, as for gRPC calls (the request's body is not
+        read, so the record names the HTTP method, not the JSON-RPC one)."""
+        if self._audit is None:
+            return
+        record = AuditRecord(id=new_id(), time=utc_now(),
+                             method=f"{MCP_AUDIT_METHOD}/{http_method}", peer=peer,
+                             outcome="unauthenticated", detail=f"UNAUTHENTICATED: {error.cause}")
+        try:
+            self._audit.submit(record)
+        except RuntimeError:  # the writer is closed: the server is stopping
+            log.error("audit_record_not_stored", reason="the audit writer is closed",
+                      record=record.as_dict())
 
     async def _open(self, principal: str, scope: Scope, receive: Receive, send: Send) -> None:
         sessions = self.sessions

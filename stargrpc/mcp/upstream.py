@@ -53,15 +53,15 @@ from mcp.shared.message import SessionMessage
 from mcp_types.jsonrpc import CONNECTION_CLOSED, REQUEST_TIMEOUT
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
-from stargrpc.context import ToolContext
 from stargrpc.egress import HttpPolicy, Refused, canonical_host, vet_url
 from stargrpc.errors import ToolFailed
 from stargrpc.mcp.schemas import ArgumentChecker, SchemaTooCostly, schema_problem
-from stargrpc.outcome import Outcome, ToolResult
 from stargrpc.registry import Registry, ToolAnnotations, ToolSpec
+from stargrpc.runs.context import ToolContext
+from stargrpc.runs.outcome import Outcome, ToolResult
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox, SandboxProcess
-from stargrpc.service import tool_message
+from stargrpc.server.service import tool_message
 from stargrpc.settings import McpServerEntry, Settings
 
 log = structlog.get_logger("stargrpc.mcp.upstream")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -77,6 +79,18 @@ class RunLog(Protocol):
 
         Raises:
             RuntimeError: The log already holds its Result.
+        """
+        ...
+
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        """:meth:`append` without a suspension point: how a run appends its events (one
+        per event on the hot path, no coroutine each; appended in the order they are made,
+        so that a steering notice lands in the log before the tool can act on it). A log
+        that writes elsewhere keeps the event and sends it on in the background.
+
+        Raises:
+            RuntimeError: The log already holds its Result, or is not written by this
+                process.
         """
         ...
 
@@ -201,25 +215,53 @@ class RunPage:
     cursor: tuple[int, str] | None
 
 
-def encode_page_token(cursor: tuple[int, str] | None) -> str:
-    """The opaque page token for ``cursor`` (empty for None)."""
+#: Bytes of a page token's MAC (HMAC-SHA-256, cut): enough that guessing one is hopeless.
+PAGE_TOKEN_MAC_BYTES = 16
+
+#: Largest start time (ms) a cursor may hold: a signed 64-bit number, as Redis scores and
+#: every store's arithmetic expect.
+_MAX_CURSOR_MS = 2**63 - 1
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _page_mac(key: bytes, payload: str) -> bytes:
+    return hmac.new(key, b"stargrpc page token\0" + payload.encode(),
+                    hashlib.sha256).digest()[:PAGE_TOKEN_MAC_BYTES]
+
+
+def encode_page_token(cursor: tuple[int, str] | None, key: bytes) -> str:
+    """The opaque page token for ``cursor`` (empty for None), signed with ``key`` (the
+    store's :meth:`RunStore.page_token_key`) so that only tokens this fleet made are
+    taken back."""
     if cursor is None:
         return ""
-    return base64.urlsafe_b64encode(json.dumps(list(cursor)).encode()).decode().rstrip("=")
+    payload = _b64(json.dumps(list(cursor), separators=(",", ":")).encode())
+    return f"{payload}.{_b64(_page_mac(key, payload))}"
 
 
-def decode_page_token(token: str) -> tuple[int, str] | None:
-    """The cursor of a page token from :func:`encode_page_token`.
+def decode_page_token(token: str, key: bytes) -> tuple[int, str] | None:
+    """The cursor of a page token from :func:`encode_page_token` with the same ``key``.
 
     Raises:
-        InvalidArgument: The token is not one this server made.
+        InvalidArgument: The token is not one this server (or a replica sharing its store)
+            made: garbled, hand-made, or from before tokens were signed.
     """
     if not token:
         return None
     try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        started, run_id = json.loads(raw)
-        if not isinstance(started, int) or not isinstance(run_id, str):
+        payload, _, mac = token.partition(".")
+        if not hmac.compare_digest(_unb64(mac), _page_mac(key, payload)):
+            raise ValueError("not signed with this store's key")
+        started, run_id = json.loads(_unb64(payload))
+        if type(started) is not int or not 0 <= started <= _MAX_CURSOR_MS \
+                or not isinstance(run_id, str):
             raise ValueError("not a cursor")
     except (ValueError, TypeError, binascii.Error) as exc:
         raise InvalidArgument("the page token is not valid", [FieldViolation(
@@ -241,7 +283,7 @@ class SteerHandler(Protocol):
     """Steers a run of this process; whether it runs here."""
 
     def __call__(self, run_id: str, message: str, source: str) -> bool:
-        """Hands ``message`` to the run (see :meth:`stargrpc.run.Run.steer`, whose refusals
+        """Hands ``message`` to the run (see :meth:`stargrpc.runs.run.Run.steer`, whose refusals
         it raises); False when no such run is going in this process."""
         ...
 
@@ -328,6 +370,16 @@ class RunStore(Protocol):
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         """The runs ``query`` asks for, newest first, on every replica.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def page_token_key(self) -> bytes:
+        """The secret ListRuns page tokens are signed with: the same for every replica
+        sharing this store (so a page asked of one continues on another), unknown to
+        callers.
 
         Raises:
             Unavailable: A shared store is unreachable.

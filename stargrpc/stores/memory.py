@@ -6,6 +6,7 @@ which the Redis store builds on.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -92,7 +93,12 @@ class MemoryRunLog:
         return self.append_nowait(event)
 
     def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
-        """:meth:`append` without a suspension point, for callers on the event loop."""
+        """Stamps ``run_id``, ``seq`` and ``time`` on ``event`` and stores it, without a
+        suspension point (:meth:`RunLog.append_nowait`); for callers on the event loop.
+
+        Raises:
+            RuntimeError: The log already holds its Result.
+        """
         if self._finished:
             raise RuntimeError(f"run {self.run_id} already has its Result")
         event.run_id = self.run_id
@@ -225,6 +231,7 @@ class MemoryRunStore:
     _claim_of_run: dict[str, tuple[str, str]]
     cancel_handler: CancelHandler | None
     steer_handler: SteerHandler | None
+    _page_token_key: bytes
 
     def __init__(self, retention: float = 600.0, max_finished: int = 10_000,
                  max_finished_bytes: int = 256 * 1024 * 1024) -> None:
@@ -239,6 +246,8 @@ class MemoryRunStore:
         # Set by the runtime: stops a run of this process (run_id, reason) -> was running.
         self.cancel_handler = None
         self.steer_handler = None
+        # Its runs are this process's alone, and so are the tokens that page through them.
+        self._page_token_key = secrets.token_bytes(32)
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> MemoryRunLog:
         self._expire()
@@ -284,6 +293,9 @@ class MemoryRunStore:
 
     async def aclose(self) -> None:
         return None
+
+    async def page_token_key(self) -> bytes:
+        return self._page_token_key
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         self._expire()

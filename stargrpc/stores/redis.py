@@ -79,6 +79,7 @@ import hashlib
 import json
 import os
 import random
+import secrets
 import socket
 import time
 import uuid
@@ -628,6 +629,9 @@ class RemoteRunLog:
     async def append(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
         raise RuntimeError(f"run {self.run_id} is written by the replica running it")
 
+    def append_nowait(self, event: events_pb2.RunEvent) -> events_pb2.RunEvent:
+        raise RuntimeError(f"run {self.run_id} is written by the replica running it")
+
     async def follow(self, after_seq: int = 0, *, max_lag: int = 0
                      ) -> AsyncIterator[events_pb2.RunEvent]:
         batches = self.follow_batches(after_seq, max_lag=max_lag)
@@ -840,6 +844,7 @@ class RedisRunStore:
     _flushed: asyncio.Event
     _flusher: asyncio.Task[None] | None
     _slot_moving: bool
+    _page_token_key: bytes | None
 
     def __init__(self, redis: Redis | RedisCluster, *, prefix: str = "stargrpc:",
                  retention: float = 600.0, lease: float = 10.0, max_events: int = 100_000,
@@ -888,6 +893,7 @@ class RedisRunStore:
         self._flusher = None
         # Whether the last flush failed (partly) because a cluster was moving a slot.
         self._slot_moving = False
+        self._page_token_key = None  # read from Redis when first needed
         self._append_script = redis.register_script(_APPEND)
         self._renew_script = redis.register_script(_RENEW)
         self._end_script = redis.register_script(_END)
@@ -1224,6 +1230,21 @@ class RedisRunStore:
         run_log.swept = True
         due = int(time.time() * 1000) + self._clock_ahead_ms + self.lease_ms
         return [("ZADD", key, due, run_log.run_id), ("PEXPIRE", key, self._running_ttl_ms)]
+
+    async def page_token_key(self) -> bytes:
+        if self._page_token_key is None:
+            # One key for every replica: the first to need it writes it, the rest read it.
+            # (Lost with Redis's data, it is made again: older tokens are then refused.)
+            name = f"{self.prefix}page-token-key"
+            with _reachable("reading the page token key"):
+                await self.redis.set(name, secrets.token_hex(32), nx=True)
+                value = await self.redis.get(name)
+            if value is None:  # removed between the two commands: try again next time
+                raise Unavailable("the shared run store lost the page token key; retry",
+                                  reason="RUN_STORE_UNAVAILABLE",
+                                  retry_after=RETRY_AFTER_SECONDS)
+            self._page_token_key = value if isinstance(value, bytes) else value.encode()
+        return self._page_token_key
 
     async def list_runs(self, query: RunQuery) -> RunPage:
         key = self._index_key(query.owner)

@@ -28,12 +28,12 @@ from stargrpc.client.events import (
     event_from_proto,
 )
 from stargrpc.errors import ToolDefinitionError
-from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, ToolSpec, import_tool_module, spec_of
-from stargrpc.run import Run
-from stargrpc.runtime import RunRequest
-from stargrpc.server import StargrpcServer, build_runtime
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunRequest
+from stargrpc.server.grpc_server import StargrpcServer, build_runtime
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 

@@ -60,8 +60,8 @@ def test_the_interceptor_s_record_has_every_field_and_no_other(tmp_path: object)
     from pathlib import Path
 
     from stargrpc.audit.record import FIELDS
-    from stargrpc.call_record import CallRecord
-    from stargrpc.interceptors.audit import AuditInterceptor, _AuditedCall
+    from stargrpc.runs.call_record import CallRecord
+    from stargrpc.server.interceptors.audit import AuditInterceptor, _AuditedCall
     from stargrpc.settings import Settings
 
     assert isinstance(tmp_path, Path)

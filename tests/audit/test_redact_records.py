@@ -13,13 +13,13 @@ from pydantic import BaseModel, ConfigDict
 
 from stargrpc import ToolContext, ToolFailed, tool
 from stargrpc.audit.record import AuditRecord
-from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.registry import Registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.helpers import run_tool
-from tests.interceptors.test_audit import log_lines  # noqa: F401  (the fixture)
+from tests.server.interceptors.test_audit import log_lines  # noqa: F401  (the fixture)
 
 # Every secret below contains this marker; nothing stored or logged may.
 MARK = "SECRET"

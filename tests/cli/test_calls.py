@@ -10,7 +10,7 @@ import sys
 
 from stargrpc.client import AsyncClient
 from stargrpc.errors import Unavailable
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.faults import Recorder
 
 TIMEOUT = 60

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from stargrpc.client import AsyncClient, RetryPolicy
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.faults import Proxy, Recorder
 from tests.conftest import ServerFactory
 

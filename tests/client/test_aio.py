@@ -22,7 +22,7 @@ from stargrpc.client import (
 )
 from stargrpc.errors import CatalogStale, RequestError, ResourceExhausted, Unavailable
 from stargrpc.registry import Registry, spec_of, tool
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
 from tests.helpers import phases

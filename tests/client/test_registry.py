@@ -35,7 +35,6 @@ from stargrpc.client import (
     StepStarted,
 )
 from stargrpc.errors import PermissionDenied, Unavailable
-from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal
 from stargrpc.registry import Registry, load_directory, load_registry, spec_of
 from stargrpc.remote_registry import (
@@ -44,7 +43,8 @@ from stargrpc.remote_registry import (
     CollectedWriteBack,
     RemoteToolRegistry,
 )
-from stargrpc.server import StargrpcServer
+from stargrpc.runs.outcome import Outcome
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Recorder

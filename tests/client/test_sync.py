@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from stargrpc.client import CallError, Client, Outcome, Result
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
 from tests.client.test_aio import COUNT_TO_3, count_phases

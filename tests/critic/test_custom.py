@@ -17,7 +17,7 @@ from stargrpc.cli.serve import serve as serve_command
 from stargrpc.cli.serve import settings_from_flags
 from stargrpc.errors import CriticConfigError
 from stargrpc.registry import Registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.testing import run_tool as run_in_harness
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.critic.tools import hangs, impatient
 from tests.helpers import phases, run_tool

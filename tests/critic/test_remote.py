@@ -13,8 +13,8 @@ import pytest
 from examples.remote_critic import STEER_MESSAGE
 from examples.remote_critic import serve as serve_example
 from stargrpc.critic.supervision import MAX_VERDICT_NOTICES
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import critic_pb2, critic_pb2_grpc, events_pb2
 from tests.critic.test_custom import execute, notices, registry, verdicts
 

@@ -19,8 +19,8 @@ from stargrpc.critic.supervision import (
 )
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
-from stargrpc.run import Run
-from stargrpc.runtime import RunRequest, Runtime
+from stargrpc.runs.run import Run
+from stargrpc.runs.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2

@@ -23,7 +23,7 @@ import stargrpc.v1
 from stargrpc import metrics
 from stargrpc.delivery import sign, verify
 from stargrpc.delivery.audit import DELIVERY_METHOD
-from stargrpc.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.helpers import status_details

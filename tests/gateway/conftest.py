@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.conftest import ServerFactory
 
 #: Gates by name; a test opens its gate to let the ``staged`` tool finish.
@@ -83,15 +83,26 @@ async def report(ctx: ToolContext, args: ReportArgs) -> dict[str, object]:
     return {"title": args.title, "tags": args.tags, "nested": {"rows": args.limits.rows}}
 
 
+class PictureArgs(BaseModel):
+    url: str = Field(description="Where the image is (https://… or data:image/…).")
+
+
+@tool(kind="test")
+async def picture(ctx: ToolContext, args: PictureArgs) -> str:
+    """Post one image rich message."""
+    ctx.send_rich_message("image", {"url": args.url, "alt": "a picture"})
+    return "posted"
+
+
 #: A 2x2 green PNG.
 PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEklEQVR4nGNg"
          "YGD4z8DAwMDAAAAOAgHvt0VGSgAAAABJRU5ErkJggg==")
 
 
 def gateway_registry() -> Registry:
-    """The bundled tools plus ``staged`` and ``report``."""
+    """The bundled tools plus ``staged``, ``report`` and ``picture``."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(staged), spec_of(report)]
+    extra = [spec_of(staged), spec_of(report), spec_of(picture)]
     assert None not in extra
     return Registry([*bundled.values(), *extra])  # type: ignore[list-item]
 

@@ -266,7 +266,8 @@ async def test_malformed_http_requests_get_clear_400s(gateway) -> None:
     bad_seq = await http.get("/v1/runs/x/events", headers={"Last-Event-ID": "-4"})
     too_big = await http.post("/v1/tools/echo:execute",
                               content=b" " * (gateway.server.settings.max_receive_message_bytes
-                                              + 1))
+                                              + 1),
+                              headers={"Content-Type": "application/json"})
 
     for reply in (not_json, flat_args, bad_context, bad_seq):
         assert reply.status_code == 400, reply.text

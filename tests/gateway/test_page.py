@@ -255,3 +255,62 @@ async def test_enter_in_the_key_field_lists_the_tools_and_runs_nothing(
     assert not [r for r in requests if r.startswith("POST")]
     await expect(page.locator("#form-error")).to_be_hidden()
     await page.close()
+
+
+async def test_an_image_at_an_https_url_shows_and_one_over_http_says_why_not(
+        gateway: GatewayUnderTest, browser: Browser) -> None:
+    """An ``image`` rich message names an https URL (docs/use/http.md): the page's
+    Content-Security-Policy lets the browser load it; plain http it refuses, and the page
+    says so instead of showing a broken image."""
+    import base64
+
+    from tests.gateway.conftest import PIXEL
+
+    fetched: list[str] = []
+
+    async def serve_pixel(route: Any) -> None:  # the "remote" server, inside the browser
+        fetched.append(route.request.url)
+        await route.fulfill(body=base64.b64decode(PIXEL.split(",", 1)[1]),
+                            content_type="image/png")
+
+    page = await open_page(browser, gateway)
+    await page.route("https://images.example/**", serve_pixel)
+    await page.select_option("#tool", "picture")
+    await page.fill("[data-path='url']", "https://images.example/pixel.png")
+    await page.click("#run-button")
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK")
+    image = page.locator("#result-messages img")
+    await expect(image).to_have_attribute("src", "https://images.example/pixel.png")
+    # Loaded, not blocked: decode() settles once the image has loaded or failed to.
+    width = await image.evaluate("img => img.decode().then(() => img.naturalWidth, () => 0)")
+    assert width == 2
+    assert fetched == ["https://images.example/pixel.png"]
+
+    await page.fill("[data-path='url']", "http://images.example/pixel.png")
+    await page.click("#run-button")
+    await expect(page.locator("#result-messages")).to_contain_text(
+        "not an https or image data URL")
+    await expect(page.locator("#result-messages img")).to_have_count(0)
+
+
+async def test_a_form_on_another_site_cannot_run_a_tool(gateway: GatewayUnderTest,
+                                                        browser: Browser) -> None:
+    """The attack of a hostile page, in a real browser: a ``text/plain`` form whose body is
+    the JSON of a run, posted to the gateway of a server without authentication."""
+    target = f"{gateway.base_url}/v1/tools/echo:execute?wait=true"
+    # The field's name and value join with "=" into {"arguments": …, "idempotency_key": "="}.
+    hostile = (f'<form method="post" enctype="text/plain" action="{target}">'
+               '<input type="hidden" name=\'{"arguments": {"text": "pwned"}, '
+               '"idempotency_key": "\' value=\'"}\'>'
+               '<button id="go">win a prize</button></form>')
+    page = await browser.new_page()
+    await page.route("http://hostile.test/**", lambda route: route.fulfill(
+        body=hostile, content_type="text/html"))
+    await page.goto("http://hostile.test/")
+    async with page.expect_navigation() as navigation:
+        await page.click("#go")
+    answer = await navigation.value
+
+    assert answer is not None and answer.status == 403
+    listed = (await gateway.http.get("/v1/runs")).json()["runs"]
+    assert listed == []  # no run started

@@ -16,7 +16,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from tests.conftest import AuthServer, AuthServerFactory
 from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
 

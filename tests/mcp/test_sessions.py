@@ -20,6 +20,8 @@ import pytest
 
 from stargrpc.mcp.mapping import TOO_MANY_SESSIONS, UNAUTHENTICATED
 from stargrpc.mcp.server import McpEndpoint
+from stargrpc.mcp.sessions import MCP_AUDIT_METHOD
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from tests.conftest import AuthServerFactory
 from tests.helpers import eventually
 from tests.mcp.conftest import McpUnderTest
@@ -296,6 +298,25 @@ async def test_a_wrong_key_is_refused_on_every_route(mcp_server: McpUnderTest,
 
     assert [answer.status for answer in answers] == [401] * 4
     assert await alice.echo("still mine") == "still mine"
+
+
+async def test_a_request_refused_for_its_credentials_is_audited(
+        mcp_server: McpUnderTest, http: httpx2.AsyncClient) -> None:
+    audit = next(i for i in mcp_server.auth.server.interceptors
+                 if isinstance(i, AuditInterceptor))
+
+    await Raw(http, mcp_server.url, None).initialize()
+    await Raw(http, mcp_server.url, "sgk_made_up_key").send("DELETE")
+
+    await audit.writer.flush()
+    records = [r async for r in audit.writer.store.scan()
+               if r.method.startswith(MCP_AUDIT_METHOD)]
+    assert [(r.method, r.outcome, r.detail, r.peer) for r in records] == [
+        (f"{MCP_AUDIT_METHOD}/POST", "unauthenticated", "UNAUTHENTICATED: missing",
+         "ipv4:127.0.0.1"),
+        (f"{MCP_AUDIT_METHOD}/DELETE", "unauthenticated", "UNAUTHENTICATED: malformed_key",
+         "ipv4:127.0.0.1")]
+    assert all(r.principal == "" for r in records)
 
 
 # -- how many sessions a principal holds ------------------------------------------------------

@@ -17,13 +17,13 @@ import pytest
 from google.rpc import error_details_pb2
 from structlog.testing import capture_logs
 
-from stargrpc.arguments import validate
 from stargrpc.client import Client
 from stargrpc.errors import InvalidArgument
 from stargrpc.mcp import upstream as upstream_module
 from stargrpc.mcp.schemas import ArgumentChecker, schema_problem
 from stargrpc.mcp.upstream import Upstream
-from stargrpc.server import StargrpcServer
+from stargrpc.runs.arguments import validate
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory

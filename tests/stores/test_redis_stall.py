@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from stargrpc.errors import Unavailable
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.stores.redis import RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details

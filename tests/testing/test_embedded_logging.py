@@ -12,7 +12,7 @@ _EMBED = textwrap.dedent("""
     import asyncio, sys
     from stargrpc.logs import configure_logging
     from stargrpc.registry import Registry
-    from stargrpc.server import StargrpcServer
+    from stargrpc.server.grpc_server import StargrpcServer
     from stargrpc.settings import Settings
 
     level, own = sys.argv[1], sys.argv[2] == "own"

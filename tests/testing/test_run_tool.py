@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from stargrpc import Outcome, ToolContext, ToolFailed, tool
 from stargrpc.errors import InvalidArgument, PermissionDenied
 from stargrpc.principal import Principal
-from stargrpc.run import Run
+from stargrpc.runs.run import Run
 from stargrpc.settings import Settings
 from stargrpc.testing import run_tool, run_tool_sync
 

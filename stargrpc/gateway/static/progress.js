@@ -948,13 +948,14 @@
       table.append(thead, tbody);
       box.append(table);
     } else if (kind === "image") {
+      // https or image data only: the page's Content-Security-Policy refuses plain http.
       const src = safeUrl(payload.url || payload.src || "", true);
-      if (src) {
+      if (src && !src.startsWith("http:")) {
         const image = el("img");
         image.src = src;
         image.alt = String(payload.alt || payload.caption || "image from the tool");
         box.append(image);
-      } else box.append(el("p", "muted", "An image the page cannot show (not an http(s) or image data URL)."));
+      } else box.append(el("p", "muted", "An image the page cannot show (not an https or image data URL)."));
       if (payload.caption) box.append(el("figcaption", "", String(payload.caption)));
     } else if (kind === "link" || kind === "link_card" || kind === "card") {
       const href = safeUrl(payload.url || "", false);

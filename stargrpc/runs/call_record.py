@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stargrpc.principal import Principal
 
 if TYPE_CHECKING:
-    from stargrpc.run import Run
+    from stargrpc.runs.run import Run
     from stargrpc.v1 import events_pb2
 
 

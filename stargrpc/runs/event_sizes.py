@@ -11,17 +11,21 @@ So nothing a tool controls may make one event larger than the limit:
   note saying so.
 - **A DELTA** larger than :attr:`EventSizes.delta_bytes` is split into several DELTAs of
   the same step and channel: nothing is lost, the pieces arrive in order.
-- **The Result** is fitted by :func:`plan_result` (see there): inline files that do not fit
-  together travel as FileChunks, an over-large structured output or output text moves into
-  a sent file (the output keeps its beginning and a marker), write-back items that cannot
-  fit are dropped. Each cut or drop is announced by a Notice (``OUTPUT_TRUNCATED``,
-  ``RESULT_TOO_LARGE``) just before the Result.
+- **The Result** is fitted by :func:`stargrpc.runs.result_fit.fit_result` (see there): inline
+  files that do not fit together travel as FileChunks, an over-large structured output or
+  output text moves into a sent file (the output keeps its beginning and a marker),
+  write-back items that cannot fit are dropped. Each cut or drop is announced by a Notice
+  (``OUTPUT_TRUNCATED``, ``RESULT_TOO_LARGE``) just before the Result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import struct_pb2
+from google.protobuf.message import Message
 
 from stargrpc.v1 import events_pb2
 
@@ -112,6 +116,17 @@ def cut_text(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return text[:limit - 1] + "…"
+
+
+def size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]
+              ) -> int | None:
+    """The size of ``message`` once ``struct`` (a field of it) is filled from ``value``, or
+    None when ``value`` cannot be a Struct (nested beyond what protobuf takes, say)."""
+    try:
+        struct.update(value)
+    except Exception:
+        return None
+    return message.ByteSize()
 
 
 def utf8_head(data: bytes, limit: int) -> str:

@@ -4,11 +4,11 @@ It runs a check first inside every call, of every method (all four call shapes, 
 that do not exist, so probing for them needs credentials too):
 it reads the ``authorization`` metadata and the TLS peer, sets
 :data:`stargrpc.principal.current_principal` (and binds ``principal`` for the logs), and
-fills the open :class:`~stargrpc.call_record.CallRecord`. Refusals are UNAUTHENTICATED with the
+fills the open :class:`~stargrpc.runs.call_record.CallRecord`. Refusals are UNAUTHENTICATED with the
 same generic message whatever went wrong; the cause goes to the log and the
 ``tool_executor_auth_failures`` metric only. Health checks and reflection are open by
 default (``auth_open_health``, ``auth_open_reflection``). Which tools a principal may run
-is decided later, by :mod:`stargrpc.permissions`.
+is decided later, by :mod:`stargrpc.runs.permissions`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import structlog
 
 from stargrpc import metrics
 from stargrpc.auth.authenticator import Authenticator
-from stargrpc.call_record import current_call
 from stargrpc.errors import CredentialsRejected
-from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import Principal, current_principal
+from stargrpc.runs.call_record import current_call
+from stargrpc.server.interceptors.composed import ComposedInterceptor
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.auth")
@@ -34,7 +34,7 @@ _LOOPBACK = ("127.", "::1", "[::1]", "localhost")
 
 class AuthInterceptor(ComposedInterceptor):
     """Authenticates every call before its handler runs: the composed interceptor
-    (:mod:`stargrpc.interceptors.composed`) with only its auth stage, which is this
+    (:mod:`stargrpc.server.interceptors.composed`) with only its auth stage, which is this
     object."""
 
     def __init__(self, settings: Settings, *, authenticator: Authenticator | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from stargrpc.interceptors._shapes import WrappedHandlers
+from stargrpc.server.interceptors._shapes import WrappedHandlers
 
 
 def _handler() -> grpc.RpcMethodHandler:

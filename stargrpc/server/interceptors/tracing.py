@@ -18,7 +18,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from stargrpc.contract import SERVICE_NAME
-from stargrpc.interceptors._shapes import (
+from stargrpc.server.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
     responses_of,

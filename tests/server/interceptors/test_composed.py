@@ -13,15 +13,15 @@ import grpc
 import pytest
 
 from stargrpc.audit.record import AuditRecord
-from stargrpc.call_record import current_call
 from stargrpc.contract import SERVICE_NAME
-from stargrpc.interceptors import build_chain
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.interceptors.auth import AuthInterceptor
-from stargrpc.interceptors.composed import ComposedInterceptor, compose
-from stargrpc.interceptors.critic import CriticInterceptor
-from stargrpc.interceptors.tracing import TracingInterceptor
 from stargrpc.principal import current_principal
+from stargrpc.runs.call_record import current_call
+from stargrpc.server.interceptors import build_chain
+from stargrpc.server.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.auth import AuthInterceptor
+from stargrpc.server.interceptors.composed import ComposedInterceptor, compose
+from stargrpc.server.interceptors.critic import CriticInterceptor
+from stargrpc.server.interceptors.tracing import TracingInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry

@@ -19,7 +19,7 @@ import grpc
 
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
-from stargrpc.interceptors.composed import ComposedInterceptor
+from stargrpc.server.interceptors.composed import ComposedInterceptor
 from stargrpc.settings import Settings
 
 EXECUTE_METHOD = f"/{SERVICE_NAME}/Execute"
@@ -27,7 +27,7 @@ EXECUTE_METHOD = f"/{SERVICE_NAME}/Execute"
 
 class CriticInterceptor(ComposedInterceptor):
     """Captures the supervision policy of each Execute call: the composed interceptor
-    (:mod:`stargrpc.interceptors.composed`) with only its critic stage, which is this object.
+    (:mod:`stargrpc.server.interceptors.composed`) with only its critic stage, which is this object.
 
     Attributes:
         settings: The server's settings (the soft and hard timeouts).

@@ -1,6 +1,6 @@
 """The audit interceptor, outermost in the chain: one audit record for every call attempt.
 
-It opens the call's :class:`~stargrpc.call_record.CallRecord` before anything else runs, so the
+It opens the call's :class:`~stargrpc.runs.call_record.CallRecord` before anything else runs, so the
 record exists even for calls that authentication refuses; the inner parts fill it in
 (authentication the principal, ``Runtime.admit`` the tool, run id and arguments). When
 the call ends the interceptor names the outcome — from the run's Result for an Execute that
@@ -43,11 +43,12 @@ from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
-from stargrpc.call_record import CallRecord, current_call
-from stargrpc.event_sizes import cuts_before_result
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.ids import new_id
-from stargrpc.interceptors.composed import ComposedInterceptor
 from stargrpc.principal import current_principal
+from stargrpc.runs.call_record import CallRecord, current_call
+from stargrpc.runs.event_sizes import cuts_before_result
+from stargrpc.server.interceptors.composed import ComposedInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -80,7 +81,7 @@ _current = ContextVar[_AuditedCall]("stargrpc_audited_call")
 
 class AuditInterceptor(ComposedInterceptor):
     """Writes one audit record per call attempt (see the module docstring): the composed
-    interceptor (:mod:`stargrpc.interceptors.composed`) with only its audit stage, which is
+    interceptor (:mod:`stargrpc.server.interceptors.composed`) with only its audit stage, which is
     this object.
 
     Attributes:
@@ -90,18 +91,26 @@ class AuditInterceptor(ComposedInterceptor):
             :func:`stargrpc.testing.run_tool`).
         commit_timeout: Longest an Execute's Result waits for its record to be committed.
         log_lines: Which calls get an ``audit`` log line too (``audit_log_lines``).
+        forwarded: Checks the HTTP client a call of the server's own HTTP front ends names
+            (they vouch with it too): that address is recorded as the call's peer.
     """
 
     writer: AuditWriter
     view: AuditLimits
     commit_timeout: float
     log_lines: str
+    forwarded: ForwardedClient
     _open_calls: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
             key = load_or_create_key(audit_key_path(settings))
             store = open_store(audit_store_url(settings), key)
+            # Every worker of the server reads this key: a front end of one vouches for
+            # calls that land on another.
+            self.forwarded = ForwardedClient.from_secret(key.secret)
+        else:
+            self.forwarded = ForwardedClient.of_this_process()
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
                                   commit_wait=settings.audit_commit_timeout_seconds)
@@ -128,7 +137,7 @@ class AuditInterceptor(ComposedInterceptor):
         """Writes every queued record, then closes the store."""
         await self.writer.aclose()
 
-    # -- the stage (stargrpc.interceptors.composed runs it around each call) ---------------
+    # -- the stage (stargrpc.server.interceptors.composed runs it around each call) ---------------
 
     def open_call(self, method: str) -> _AuditedCall:
         """Opens the record of a call of ``method`` in this task, before anything else of
@@ -174,7 +183,10 @@ class AuditInterceptor(ComposedInterceptor):
             call.task.remove_done_callback(call.on_task_done)
             call.task = call.on_task_done = None
         record = call.record
-        record.peer = context.peer() or ""
+        # The HTTP client behind a call of the gateway or the MCP endpoint (vouched for, so
+        # no gRPC caller can name someone else), else the gRPC peer.
+        record.peer = (self.forwarded.client_of(context.invocation_metadata() or ())
+                       or context.peer() or "")
         if request is None:
             return
         # What the request names, so that even a call refused before the runtime looked at

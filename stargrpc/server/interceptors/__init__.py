@@ -1,14 +1,14 @@
 """Server interceptors, composed in one chain.
 
-Audit, auth and critic are each the one interceptor of :mod:`stargrpc.interceptors.composed`
+Audit, auth and critic are each the one interceptor of :mod:`stargrpc.server.interceptors.composed`
 with only its own stage; the server serves neighbouring ones as one interceptor
-(:func:`~stargrpc.interceptors.composed.compose`), and an embedder's interceptor may sit
+(:func:`~stargrpc.server.interceptors.composed.compose`), and an embedder's interceptor may sit
 between any two of them. Order, outermost first, and why:
 
-0. **tracing** (``tracing = true`` only; :mod:`stargrpc.interceptors.tracing`) — the call's
-   span, parented by the caller's trace context, so that it covers everything below.
-1. **audit** — opens the call's :class:`~stargrpc.call_record.CallRecord` and writes it when the
-   call ends, so it sees *every* attempt, including those authentication refuses.
+0. **tracing** (``tracing = true`` only; :mod:`stargrpc.server.interceptors.tracing`) — the
+   call's span, parented by the caller's trace context, so that it covers everything below.
+1. **audit** — opens the call's :class:`~stargrpc.runs.call_record.CallRecord` and writes it
+   when the call ends, so it sees *every* attempt, including those authentication refuses.
 2. **auth** — establishes the principal from credentials (never from the request body) or
    ends the call UNAUTHENTICATED.
 3. **critic** — hands each Execute's supervision policy (the caller's deadline) to the
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.interceptors.auth import AuthInterceptor
-from stargrpc.interceptors.critic import CriticInterceptor
-from stargrpc.interceptors.tracing import TracingInterceptor
+from stargrpc.server.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.auth import AuthInterceptor
+from stargrpc.server.interceptors.critic import CriticInterceptor
+from stargrpc.server.interceptors.tracing import TracingInterceptor
 from stargrpc.settings import Settings
 
 

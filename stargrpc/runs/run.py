@@ -13,21 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
-import functools
-import hashlib
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from google.protobuf import duration_pb2, json_format, struct_pb2
-from google.protobuf.message import Message
 from pydantic import BaseModel
 
-from stargrpc.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
 from stargrpc.errors import (
     FieldViolation,
     InvalidArgument,
@@ -35,19 +28,12 @@ from stargrpc.errors import (
     ToolOutcomeError,
     reason_name,
 )
-from stargrpc.event_sizes import (
-    OUTPUT_FILE_NAME,
-    OUTPUT_TRUNCATED,
-    RESULT_TOO_LARGE,
-    STRUCTURED_FILE_NAME,
-    EventSizes,
-    cut_text,
-    split_utf8,
-    utf8_head,
-)
-from stargrpc.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
+from stargrpc.runs.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
+from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
+from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
+from stargrpc.runs.result_fit import fit_result, set_duration
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
@@ -61,8 +47,6 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 #: How long a stopped tool gets to honour its cancellation before the run ends without it.
 STOP_GRACE_SECONDS = 2.0
 
-#: The code of the notice that records a message sent to the running tool.
-
 #: A run lets the event loop serve others after this many events of its own.
 YIELD_EVERY_EVENTS = 16
 
@@ -74,6 +58,40 @@ EventObserver = Callable[[events_pb2.RunEvent], None]
 #: The code of the Notice each steering message leaves in the run's log.
 STEERED = reason_name(errors_pb2.STEERED)
 _STEER_QUEUE_FULL = reason_name(errors_pb2.STEER_QUEUE_FULL)
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The limits a run reads, taken from the server's settings once (by the runtime) and
+    shared by every run.
+
+    Attributes:
+        sizes: What one event may carry (``max_event_bytes``, ``max_send_message_bytes``).
+        inline_file_bytes: Largest sent file that travels inside the Result.
+        file_chunk_bytes: Bytes per FileChunk of a file streamed before the Result.
+        steer_max_bytes: Longest steering message, in UTF-8 bytes.
+        steer_max_pending: Steering messages a run holds unread.
+        limit_retry_after_seconds: The retry delay given with a full steering queue.
+    """
+
+    sizes: EventSizes
+    inline_file_bytes: int
+    file_chunk_bytes: int
+    steer_max_bytes: int
+    steer_max_pending: int
+    limit_retry_after_seconds: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RunLimits:
+        """The limits ``settings`` configure."""
+        return cls(
+            sizes=EventSizes.for_send_limit(min(settings.max_event_bytes,
+                                                settings.max_send_message_bytes)),
+            inline_file_bytes=settings.inline_file_bytes,
+            file_chunk_bytes=settings.file_chunk_bytes,
+            steer_max_bytes=settings.steer_max_bytes,
+            steer_max_pending=settings.steer_max_pending,
+            limit_retry_after_seconds=settings.limit_retry_after_seconds)
 
 
 @dataclass(frozen=True)
@@ -102,10 +120,13 @@ class Run:
         result: The Result, once the run has ended: the logged event's own message (read
             it, never change it: streams send the bytes made of it).
         duration_ns: The Result's duration in nanoseconds, once the run is ending.
-        settings: The server's settings.
+        limits: The limits the run keeps to.
+        settings: The server's settings, for the tool (``ctx.settings``): the run itself
+            reads only :attr:`limits`.
     """
 
     run_id: str
+    limits: RunLimits
     settings: Settings
     spec: ToolSpec
     args: BaseModel
@@ -129,12 +150,8 @@ class Run:
     _output_tail: list[str]
     _output_tail_size: int
     _stop: StopRequest | None
-    _streamed_sizes: dict[str, int]
-    _to_stream: set[str]
     _sizes: EventSizes
-    _append_nowait: Callable[[events_pb2.RunEvent], Any] | None
-    #: A steering notice still being appended to a log without ``append_nowait``.
-    _steer_append: asyncio.Future[None] | None
+    _append_nowait: Callable[[events_pb2.RunEvent], Any]
     _tool_running: bool
     _cancel_sent: bool
     _abandoned: bool
@@ -150,7 +167,6 @@ class Run:
     duration_ns = None
     audit_arguments = None
     audit_result = None
-    _steer_append = None
     _result_appended: events_pb2.Result | None = None
     _step_counter = 0
     _emitted = 0
@@ -168,15 +184,21 @@ class Run:
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, *, limits: RunLimits | None = None) -> None:
+        """
+        Args:
+            limits: The limits to keep to; by default those ``settings`` configure (a
+                runtime makes them once and hands them to each of its runs).
+        """
         self.run_id = run_id
         self.settings = settings if settings is not None else Settings()
+        self.limits = limits if limits is not None else RunLimits.from_settings(self.settings)
         self.spec = spec
         self.args = args
         self.principal = principal
         self.invocation = invocation
         self.log = log
-        self._append_nowait = getattr(log, "append_nowait", None)
+        self._append_nowait = log.append_nowait
         self.writeback = WriteBack()
         self.observers = []
         self.finish_hooks = []
@@ -184,10 +206,7 @@ class Run:
         self._open_steps = {}
         self._step_started = {}
         self._output_tail = []
-        self._streamed_sizes = {}
-        self._to_stream = set()
-        self._sizes = _event_sizes(min(self.settings.max_event_bytes,
-                                          self.settings.max_send_message_bytes))
+        self._sizes = self.limits.sizes
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -245,7 +264,7 @@ class Run:
             FailedPrecondition: The run has ended (reason RUN_FINISHED).
             ResourceExhausted: The run holds ``steer_max_pending`` unread messages.
         """
-        check_steer_message(message, self.settings.steer_max_bytes)
+        check_steer_message(message, self.limits.steer_max_bytes)
         if self.finished or self._stop is not None:
             raise run_finished_error(self.run_id)
         try:
@@ -253,23 +272,19 @@ class Run:
         except asyncio.QueueFull:
             raise ResourceExhausted(
                 f"the run already holds {self._steering.maxsize} unread steering messages",
-                retry_after=self.settings.limit_retry_after_seconds,
+                retry_after=self.limits.limit_retry_after_seconds,
                 reason=_STEER_QUEUE_FULL, metadata={"run_id": self.run_id}) from None
         event = self._notice(STEERED, message, warning=False, source=source)
         for observer in self.observers:
             observer(event)
         # Appended at once, before the tool can read the message: the log shows the steer
         # before anything the tool does about it.
-        if self._append_nowait is not None:
-            self._append_nowait(event)
-        else:  # a log of another kind: appended before the run's next event (_emit)
-            self._steer_append = asyncio.ensure_future(
-                self._append_after(self._steer_append, event))
+        self._append_nowait(event)
 
     @property
     def _steering(self) -> asyncio.Queue[str]:
         if self._steering_queue is None:
-            self._steering_queue = asyncio.Queue(self.settings.steer_max_pending)
+            self._steering_queue = asyncio.Queue(self.limits.steer_max_pending)
         return self._steering_queue
 
     async def next_steering(self) -> str:
@@ -419,7 +434,7 @@ class Run:
                 result = self._fallback_result()
                 # Straight into the log: an observer may be what failed.
                 try:
-                    await self.log.append(events_pb2.RunEvent(result=result))
+                    self._append_nowait(events_pb2.RunEvent(result=result))
                 except Exception:
                     log.exception("run_result_lost", run_id=self.run_id, tool=self.spec.name)
                 self.result = result
@@ -435,7 +450,7 @@ class Run:
         if self.log.finished and self._result_appended is not None:
             return self._result_appended
         result = self._fallback_result()
-        if not self.log.finished and self._append_nowait is not None:
+        if not self.log.finished:
             try:
                 self._append_nowait(events_pb2.RunEvent(result=result))
             except Exception:
@@ -474,16 +489,21 @@ class Run:
         # The Result is made in its event: RunEvent(result=...) would copy it.
         event = events_pb2.RunEvent()
         result = event.result
-        notices = self._result_message(outcome, result)
-        if self.writeback.sent_files:  # the tool's, or the output moved into one
-            await self._stream_large_files()
-            fitted = self._with_inline_files(result)
-            if fitted is not result:
-                result.CopyFrom(fitted)
-        # The notices and the Result go out without a turn of the loop between them (nor
-        # after the Result): nothing can stop the run half-way through its ending.
-        for code, message in notices:
-            await self._emit(self._notice(code, message, warning=True), may_yield=False)
+        fit = fit_result(result, outcome, self.writeback, run_id=self.run_id,
+                         duration_ns=self.duration_ns or 0, sizes=self._sizes,
+                         inline_file_bytes=self.limits.inline_file_bytes)
+        if fit is not None:
+            # The Result and the fit hold what is sent of the tool's files now: the chunks
+            # in the log become the only copy of a streamed file's bytes.
+            self.writeback.sent_files.clear()
+            await self._stream_files(fit.files)
+            if fit.oversize:
+                log.error("result_too_large", run_id=self.run_id, tool=self.spec.name,
+                          size=fit.oversize)
+            # The notices and the Result go out without a turn of the loop between them
+            # (nor after the Result): nothing can stop the run half-way through its ending.
+            for code, message in fit.notices:
+                await self._emit(self._notice(code, message, warning=True), may_yield=False)
         self._result_appended = result  # what the log holds if appending it is cut short
         await self._emit(event, may_yield=False)
         self.result = result
@@ -502,180 +522,19 @@ class Run:
         self._step_started.clear()
         self._output_tail.clear()
 
-    def _result_message(self, outcome: ToolResult, result: events_pb2.Result
-                        ) -> list[tuple[str, str]]:
-        """Fills ``result`` (empty) with the Result, fitted to the send limit (see
-        :mod:`stargrpc.event_sizes`); returns the notices that say what was cut or dropped
-        to fit it. Inline files are listed without their bytes, which
-        :meth:`_with_inline_files` adds once the others are streamed.
-
-        A quarter of the room goes to the inline files together (the largest move to
-        FileChunks until the rest fit), a quarter to the write-back listing (sent files,
-        injected tools, rich messages: what does not fit is dropped), a quarter to the
-        structured output (when larger, it moves into a sent file), and the output text
-        gets whatever is left (when larger, its beginning stays, with a marker, and the
-        whole text moves into a sent file).
-        """
-        sizes = self._sizes
-        quarter = sizes.result_bytes // 4
-        notices: list[tuple[str, str]] = []
-        result.outcome = outcome.outcome.value  # type: ignore[assignment]
-        if outcome.outcome is not Outcome.OK:
-            result.error.code = cut_text(outcome.error_code or outcome.outcome.name,
-                                         sizes.label_chars)
-            result.error.message = cut_text(
-                outcome.error_message or outcome.outcome.name.lower(), sizes.label_chars)
-        set_duration(result.duration, self.duration_ns or 0)
-        inline_bytes = 0
-        writeback = self.writeback
-        if writeback.sent_files or writeback.injected_tools or writeback.rich_messages:
-            inline_bytes = self._choose_inline_files(quarter)
-            dropped = self._list_writeback(result.writeback, quarter)
-            if dropped:
-                notices.append((RESULT_TOO_LARGE, f"{dropped} did not fit in the Result "
-                                                  "and were dropped"))
-        if outcome.structured is not None:
-            self._add_structured(result, outcome.structured, quarter, notices)
-        # What is left for the output: the listing of the files it may move into is small.
-        room = sizes.result_bytes - result.ByteSize() - inline_bytes - 2 * 1024
-        output = outcome.output
-        if len(output) * 4 > room and len(encoded := output.encode()) > room:
-            record = self._moved_to_file(OUTPUT_FILE_NAME, "text/plain; charset=utf-8",
-                                         encoded, result.writeback)
-            marker = (f"\n[output truncated: {len(encoded)} bytes in all; the whole text is "
-                      f"in sent file {OUTPUT_FILE_NAME} ({record.file_id})]")
-            output = utf8_head(encoded, room - len(marker.encode())) + marker
-            notices.append((OUTPUT_TRUNCATED, f"the output ({len(encoded)} bytes) was cut to "
-                                              f"fit the Result; the whole text is in sent file "
-                                              f"{OUTPUT_FILE_NAME} ({record.file_id})"))
-        result.output = output
-        return notices
-
-    def _choose_inline_files(self, room: int) -> int:
-        """Marks the sent files that travel as FileChunks: those over the inline limit, and
-        the largest of the others until those left fit in ``room``. Returns the bytes of
-        the files left inline."""
-        limit = self.settings.inline_file_bytes
-        inline = []
-        for record in self.writeback.sent_files:
-            if record.size > limit:
-                self._to_stream.add(record.file_id)
-            else:
-                inline.append(record)
-        total = 0
-        for record in sorted(inline, key=lambda r: r.size):
-            if total + record.size <= room:
-                total += record.size
-            else:
-                self._to_stream.add(record.file_id)
-        return total
-
-    def _list_writeback(self, writeback: events_pb2.WriteBack, room: int) -> str:
-        """Lists the sent files (without their bytes), injected tools and rich messages in
-        ``writeback``, in order while they fit in ``room``; says what was dropped ("" for
-        nothing). A dropped file is not streamed either."""
-        label = self._sizes.label_chars
-        used = 0
-        dropped = {"sent files": 0, "injected tools": 0, "rich messages": 0}
-
-        def kept(items: Any, what: str, size: int | None) -> bool:
-            nonlocal used
-            if size is not None and used + size <= room:
-                used += size
-                return True
-            del items[-1]
-            dropped[what] += 1
-            return False
-
-        kept_files = []
-        for record in self.writeback.sent_files:
-            entry = writeback.sent_files.add(
-                file_id=record.file_id, name=cut_text(record.name, label),
-                mime_type=cut_text(record.mime_type, label), size=record.size,
-                sha256=record.sha256, streamed=record.file_id in self._to_stream)
-            if kept(writeback.sent_files, "sent files", entry.ByteSize()):
-                kept_files.append(record)
-        self.writeback.sent_files[:] = kept_files
-        for injected in self.writeback.injected_tools:
-            tool = writeback.injected_tools.add(name=cut_text(injected.name, label),
-                                                description=injected.description)
-            kept(writeback.injected_tools, "injected tools",
-                 _size_with(tool, tool.input_schema, injected.input_schema))
-        for message in self.writeback.rich_messages:
-            rich = writeback.sent_rich_messages.add(kind=cut_text(message.kind, label))
-            kept(writeback.sent_rich_messages, "rich messages",
-                 _size_with(rich, rich.payload, message.payload))
-        return ", ".join(f"{count} {what}" for what, count in dropped.items() if count)
-
-    def _add_structured(self, result: events_pb2.Result, structured: Any, room: int,
-                        notices: list[tuple[str, str]]) -> None:
-        """Sets the structured output, or moves it into a sent file when it is larger than
-        ``room`` (or cannot be a protobuf Value)."""
-        try:
-            json_format.ParseDict(structured, result.structured_output)
-            size = result.structured_output.ByteSize()
-        except Exception:  # nested beyond what protobuf takes, say: the file still can
-            size = room + 1
-        if size <= room:
-            return
-        result.ClearField("structured_output")
-        data = json.dumps(structured, ensure_ascii=False, default=str).encode()
-        record = self._moved_to_file(STRUCTURED_FILE_NAME, "application/json", data,
-                                     result.writeback)
-        notices.append((OUTPUT_TRUNCATED, f"the structured output ({len(data)} bytes) was too "
-                                          f"large for the Result; it is in sent file "
-                                          f"{STRUCTURED_FILE_NAME} ({record.file_id})"))
-
-    def _moved_to_file(self, name: str, mime_type: str, data: bytes,
-                       writeback: events_pb2.WriteBack) -> SentFileRecord:
-        """A sent file, streamed as FileChunks and listed in ``writeback``, holding what
-        did not fit in the Result."""
-        record = SentFileRecord(file_id=f"{self.run_id}-{name}", name=name,
-                                mime_type=mime_type, data=data,
-                                sha256=hashlib.sha256(data).hexdigest())
-        self.writeback.sent_files.append(record)
-        self._to_stream.add(record.file_id)
-        writeback.sent_files.add(file_id=record.file_id, name=name, mime_type=mime_type,
-                                 size=record.size, sha256=record.sha256, streamed=True)
-        return record
-
-    def _with_inline_files(self, result: events_pb2.Result) -> events_pb2.Result:
-        """``result`` with the bytes of its inline files; a Result that still does not fit
-        the send limit (which the fitting above should make impossible) is replaced by an
-        ERROR Result saying so, so that no client and no run log ever gets one."""
-        data = {record.file_id: record.data for record in self.writeback.sent_files
-                if record.file_id not in self._streamed_sizes}
-        for entry in result.writeback.sent_files:
-            if not entry.streamed:
-                entry.content = data[entry.file_id]
-        size = result.ByteSize()
-        if size <= self._sizes.result_bytes:
-            return result
-        log.error("result_too_large", run_id=self.run_id, tool=self.spec.name, size=size)
-        replacement = events_pb2.Result(outcome=events_pb2.OUTCOME_ERROR)
-        replacement.error.code = RESULT_TOO_LARGE
-        replacement.error.message = (f"the Result ({size} bytes) does not fit the largest event "
-                                     f"of {self._sizes.result_bytes} bytes (max_event_bytes)")
-        replacement.duration.CopyFrom(result.duration)
-        return replacement
-
-    async def _stream_large_files(self) -> None:
-        """Sends each sent file chosen to stream (over the inline limit, or moved out of the
-        Result) as ordered FileChunk events before the Result, which lists it as
-        ``streamed``, and lets go of its bytes: the chunks in the log are then the only
-        copy."""
-        chunk_size = self.settings.file_chunk_bytes
-        files = self.writeback.sent_files
-        for index, record in enumerate(files):
-            if record.file_id not in self._to_stream or record.file_id in self._streamed_sizes:
-                continue
-            data = memoryview(record.data)
-            self._streamed_sizes[record.file_id] = len(data)
-            files[index] = dataclasses.replace(record, data=b"")
+    async def _stream_files(self, files: list[SentFileRecord]) -> None:
+        """Sends each file of ``files`` as ordered FileChunk events (the Result lists it as
+        ``streamed``), taking it off the list first: its bytes go once its chunks are in
+        the log."""
+        chunk_size = self.limits.file_chunk_bytes
+        while files:
+            record = files.pop(0)
+            file_id, data = record.file_id, memoryview(record.data)
+            del record
             for offset in range(0, len(data), chunk_size):
                 event = events_pb2.RunEvent()
                 chunk = event.file_chunk
-                chunk.file_id = record.file_id
+                chunk.file_id = file_id
                 chunk.offset = offset
                 chunk.data = bytes(data[offset:offset + chunk_size])
                 chunk.last = offset + chunk_size >= len(data)
@@ -773,26 +632,13 @@ class Run:
     async def _emit(self, event: events_pb2.RunEvent, *, may_yield: bool = True) -> None:
         for observer in self.observers:
             observer(event)
-        append_nowait = self._append_nowait
-        if append_nowait is not None:  # the logs of this package: no coroutine per event
-            append_nowait(event)
-        else:
-            steered, self._steer_append = self._steer_append, None
-            if steered is not None:  # a steer came first: its notice goes first
-                await steered
-            await self.log.append(event)
+        self._append_nowait(event)  # no coroutine per event
         self._emitted += 1
         if may_yield and self._emitted % YIELD_EVERY_EVENTS == 0:
             # Appending never waits, so a tool that emits without awaiting anything else
             # would hold the event loop until it returns: its own stream could not start
             # sending, and every other call would wait. Give the loop a turn now and then.
             await asyncio.sleep(0)
-
-    async def _append_after(self, previous: asyncio.Future[None] | None,
-                            event: events_pb2.RunEvent) -> None:
-        if previous is not None:
-            await previous
-        await self.log.append(event)
 
     def _remember_output(self, text: str) -> None:
         self._output_tail.append(text)
@@ -822,35 +668,6 @@ def check_steer_message(message: str, max_bytes: int) -> None:
                                        f"(steer_max_bytes), got {size}")])
 
 
-def set_duration(message: duration_pb2.Duration, nanoseconds: int) -> None:
-    """Sets ``message`` to ``nanoseconds``.
-
-    The same value as ``Duration.FromNanoseconds(nanoseconds)``, whose pure-Python helper
-    costs more than setting the two fields; it runs for every Result.
-    """
-    whole, nanos = divmod(nanoseconds, 1_000_000_000)
-    if whole < 0 and nanos:  # a Duration's nanos take the sign of its seconds
-        whole += 1
-        nanos -= 1_000_000_000
-    message.seconds, message.nanos = whole, nanos
-
-
-@functools.cache
-def _event_sizes(max_send_bytes: int) -> EventSizes:
-    return EventSizes.for_send_limit(max_send_bytes)
-
-
-def _size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]
-               ) -> int | None:
-    """The size of ``message`` once ``struct`` (a field of it) is filled from ``value``, or
-    None when ``value`` cannot be a Struct (nested beyond what protobuf takes, say)."""
-    try:
-        struct.update(value)
-    except Exception:
-        return None
-    return message.ByteSize()
-
-
 def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: EventSizes) -> None:
     label = sizes.label_chars
     message.id = step.id
@@ -863,7 +680,7 @@ def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: Eve
         message.summary = cut_text(step.summary, label)
     message.status = status  # type: ignore[assignment]
     if step.detail:
-        size = _size_with(message.detail, message.detail, step.detail)
+        size = size_with(message.detail, message.detail, step.detail)
         if size is not None and size <= sizes.detail_bytes:
             return
         message.detail.Clear()

@@ -7,7 +7,7 @@ by ``stargrpc serve`` becomes a supervisor that serves no call itself:
   ``stargrpc serve``), the audit key file, the ports. It binds every port it will hand out
   with ``SO_REUSEPORT`` and keeps the sockets (bound, never listening), so port 0 becomes
   one port that all workers share and no other program takes it between two restarts.
-- It starts each worker as a fresh interpreter (``python -m stargrpc.workers``). gRPC and
+- It starts each worker as a fresh interpreter (``python -m stargrpc.server.workers``). gRPC and
   uvicorn listen with ``SO_REUSEPORT`` in every worker, so the kernel spreads connections
   over them; runs, WatchRun, CancelRun and idempotency keys live in the Redis run store,
   which every worker shares (``redis_url`` is required); the audit trail is one SQLite file
@@ -217,7 +217,7 @@ class WorkerSupervisor:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
             try:
                 process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "stargrpc.workers", env=environ, pass_fds=(fd,))
+                    sys.executable, "-m", "stargrpc.server.workers", env=environ, pass_fds=(fd,))
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         finally:
@@ -346,7 +346,7 @@ def _exit_before_serving(signum: int, frame: object) -> None:
 
 
 def worker_main() -> None:
-    """The entry point of a worker process (``python -m stargrpc.workers``)."""
+    """The entry point of a worker process (``python -m stargrpc.server.workers``)."""
     # Until the server's own handlers are in, a stop request ends a worker that serves
     # nothing yet.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -356,7 +356,7 @@ def worker_main() -> None:
     from stargrpc.audit.key import AuditKeyError
     from stargrpc.errors import AuthConfigError, ToolDefinitionError
     from stargrpc.logs import configure_logging
-    from stargrpc.server import StargrpcServer
+    from stargrpc.server.grpc_server import StargrpcServer
 
     _die_with_parent()
     index = int(os.environ.pop(INDEX_VARIABLE, "0"))

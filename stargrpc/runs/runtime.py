@@ -1,6 +1,6 @@
 """The runtime: the current catalog, the runs in flight and how a run is started.
 
-It owns everything between a decoded request and a running :class:`~stargrpc.run.Run`:
+It owns everything between a decoded request and a running :class:`~stargrpc.runs.run.Run`:
 tool lookup, the catalog-hash check, argument validation, the permission check and the
 run's event log. It knows nothing of protobuf requests; ``service.py`` maps those.
 
@@ -25,9 +25,6 @@ import structlog
 from pydantic import BaseModel
 
 from stargrpc import metrics
-from stargrpc.arguments import ArgumentLimits, validate
-from stargrpc.call_record import current_call
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.critic.loading import Critics
 from stargrpc.critic.supervision import Supervision, SupervisionPolicy
 from stargrpc.errors import (
@@ -38,13 +35,16 @@ from stargrpc.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from stargrpc.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.ids import new_id
-from stargrpc.outcome import Outcome
-from stargrpc.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
-from stargrpc.run import Run
+from stargrpc.runs.arguments import ArgumentLimits, validate
+from stargrpc.runs.call_record import current_call
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
+from stargrpc.runs.run import Run, RunLimits
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
 from stargrpc.stores.memory import MemoryRunStore
@@ -200,6 +200,7 @@ class Runtime:
         policy: Who may run which tool.
         run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
+        run_limits: The limits every run keeps to, made once from :attr:`settings`.
         concurrency: Bounds on runs in flight.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
@@ -211,6 +212,7 @@ class Runtime:
     policy: ToolPolicy
     run_access: RunAccess
     limits: ArgumentLimits
+    run_limits: RunLimits
     concurrency: ConcurrencyLimits
     runs: dict[str, Run]
     draining: bool
@@ -235,6 +237,7 @@ class Runtime:
         self.policy = policy if policy is not None else AllowAll()
         self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
+        self.run_limits = RunLimits.from_settings(self.settings)
         self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
         # CancelRun and a shared store's remote cancels reach runs of this process here.
@@ -364,7 +367,7 @@ class Runtime:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
-                   settings=self.settings)
+                   settings=self.settings, limits=self.run_limits)
 
     async def admit(self, request: RunRequest, principal: Principal, *,
                     before_start: Callable[[Run], Awaitable[None]] | None = None

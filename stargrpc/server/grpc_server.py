@@ -17,26 +17,27 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stargrpc.arguments import ArgumentLimits
 from stargrpc.auth.mtls import server_credentials
-from stargrpc.concurrency import ConcurrencyLimits
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
+from stargrpc.forwarded import ForwardedClient
 from stargrpc.http_server import HttpEndpoints
-from stargrpc.interceptors import build_chain
-from stargrpc.interceptors.audit import AuditInterceptor
-from stargrpc.interceptors.auth import AuthInterceptor
-from stargrpc.interceptors.composed import compose
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp.server import McpEndpoint
 from stargrpc.mcp.upstream import Upstreams
-from stargrpc.permissions import RolePolicy
-from stargrpc.reflection import enable_reflection
 from stargrpc.registry import Registry, load_registry
-from stargrpc.runtime import Runtime
+from stargrpc.runs.arguments import ArgumentLimits
+from stargrpc.runs.concurrency import ConcurrencyLimits
+from stargrpc.runs.permissions import RolePolicy
+from stargrpc.runs.runtime import Runtime
 from stargrpc.sandbox import log_isolation
-from stargrpc.service import ToolService, add_to_server
+from stargrpc.server.interceptors import build_chain
+from stargrpc.server.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.auth import AuthInterceptor
+from stargrpc.server.interceptors.composed import compose
+from stargrpc.server.reflection import enable_reflection
+from stargrpc.server.service import ToolService, add_to_server
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
@@ -113,6 +114,7 @@ class StargrpcServer:
     mcp: McpEndpoint | None
     upstreams: Upstreams
     _local: Registry
+    _forwarded: ForwardedClient | None
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
     _stopping: asyncio.Event
@@ -129,14 +131,17 @@ class StargrpcServer:
         self.upstreams = Upstreams(settings, self._upstream_changed)
         self.runtime = build_runtime(settings, self.upstreams.catalog(self._local),
                                      store=make_store(settings))
+        self.interceptors = list(interceptors if interceptors is not None
+                                 else build_chain(settings))
+        audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)), None)
+        # The HTTP front ends vouch for their clients' addresses to this audit.
+        self._forwarded = audit.forwarded if audit is not None else None
         # The HTTP gateway and the metrics endpoint, each when its port is set.
-        self.http = HttpEndpoints(settings)
+        self.http = HttpEndpoints(settings, forwarded=self._forwarded)
         self.mcp = None  # the MCP endpoint, when mcp_port is set (started with the server)
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
-        self.interceptors = list(interceptors if interceptors is not None
-                                 else build_chain(settings))
         self._server = grpc.aio.server(
             # Neighbouring audit, auth and critic stages served as one wrapper per call
             # (same order, same work); self.interceptors keeps each by name.
@@ -145,7 +150,6 @@ class StargrpcServer:
         )
         self._health = health.aio.HealthServicer()
         self.service = ToolService(self.runtime)
-        audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)), None)
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
         add_to_server(self.service, self._server)
@@ -192,8 +196,12 @@ class StargrpcServer:
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
             auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
+            audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)),
+                         None)
             self.mcp = McpEndpoint(self.settings, self.port,
-                                   auth.authenticator if auth is not None else None)
+                                   auth.authenticator if auth is not None else None,
+                                   forwarded=self._forwarded,
+                                   audit=audit.writer if audit is not None else None)
             await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

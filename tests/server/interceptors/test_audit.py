@@ -25,10 +25,10 @@ from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import Query, default_store_url, open_store
 from stargrpc.ids import minted_ms
-from stargrpc.interceptors.audit import AuditInterceptor
 from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry, spec_of
-from stargrpc.server import StargrpcServer
+from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.audit.conftest import pg_schema

@@ -17,8 +17,6 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from stargrpc import metrics
-from stargrpc.arguments import decode_json, decode_struct
-from stargrpc.call_record import current_call
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
@@ -32,12 +30,21 @@ from stargrpc.errors import (
     RunFinished,
     reason_name,
 )
-from stargrpc.event_sizes import trailing_notices
-from stargrpc.outcome import Outcome
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
-from stargrpc.run import Run, check_steer_message
-from stargrpc.runtime import Admission, RunRequest, Runtime
+from stargrpc.runs.arguments import decode_json, decode_struct
+from stargrpc.runs.call_record import current_call
+from stargrpc.runs.event_sizes import trailing_notices
+from stargrpc.runs.outcome import Outcome
+from stargrpc.runs.run import Run, check_steer_message
+from stargrpc.runs.runtime import Admission, RunRequest, Runtime
+from stargrpc.server.streaming import (
+    EventFrame,
+    StreamedResponse,
+    batch_responses,
+    event_responses,
+    serialize_response,
+)
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     RunLog,
@@ -46,13 +53,6 @@ from stargrpc.stores.base import (
     decode_page_token,
     encode_page_token,
     run_finished_error,
-)
-from stargrpc.streaming import (
-    EventFrame,
-    StreamedResponse,
-    batch_responses,
-    event_responses,
-    serialize_response,
 )
 from stargrpc.v1 import catalog_pb2, errors_pb2, events_pb2, tool_service_pb2
 
@@ -207,7 +207,7 @@ class ToolService:
                 # turn less per call). Inside the try: a call cancelled here stops its run.
                 await asyncio.sleep(0)
             # Pre-serialised responses (and the Result as a message), as
-            # stargrpc.streaming.event_responses makes them, written out here: one async
+            # stargrpc.server.streaming.event_responses makes them, written out here: one async
             # generator less for every message of every Execute.
             async with aclosing(log.follow_batches(0)) as batches:
                 async for batch in batches:
@@ -380,10 +380,11 @@ class ToolService:
             raise InvalidArgument("page_size is too large", [FieldViolation(
                 "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
         state = request.state
+        key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
             limit=request.page_size or DEFAULT_RUNS_PAGE,
-            after=decode_page_token(request.page_token),
+            after=decode_page_token(request.page_token, key),
             tool=request.tool_name,
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
@@ -391,7 +392,7 @@ class ToolService:
         page = await self.runtime.store.list_runs(query)
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
-            next_page_token=encode_page_token(page.cursor))
+            next_page_token=encode_page_token(page.cursor, key))
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:

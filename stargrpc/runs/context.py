@@ -70,7 +70,7 @@ class WriteBack:
 
 
 class RunHandle(Protocol):
-    """What a context and its steps need of their run (:class:`stargrpc.run.Run`).
+    """What a context and its steps need of their run (:class:`stargrpc.runs.run.Run`).
 
     A protocol rather than the class, so that the run builds on the context and not the
     other way round.

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stargrpc import metrics
 from stargrpc.auth import KeyStore
-from stargrpc.call_record import CallRecord, current_call
-from stargrpc.interceptors.auth import AuthInterceptor
 from stargrpc.principal import current_principal
+from stargrpc.runs.call_record import CallRecord, current_call
+from stargrpc.server.interceptors.auth import AuthInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry

@@ -4,9 +4,9 @@
 this order: the audit's record around the whole call, then — first inside the record —
 authentication (unless the method is open), then the supervision policy (Execute only),
 then the handler, whose responses pass through one generator. Each of
-:class:`~stargrpc.interceptors.audit.AuditInterceptor`,
-:class:`~stargrpc.interceptors.auth.AuthInterceptor` and
-:class:`~stargrpc.interceptors.critic.CriticInterceptor` *is* this interceptor with only its
+:class:`~stargrpc.server.interceptors.audit.AuditInterceptor`,
+:class:`~stargrpc.server.interceptors.auth.AuthInterceptor` and
+:class:`~stargrpc.server.interceptors.critic.CriticInterceptor` *is* this interceptor with only its
 own stage, so chained one after another they do what one interceptor with the three stages
 does, through the same code.
 
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from stargrpc.errors import RequestError
-from stargrpc.interceptors._shapes import (
+from stargrpc.server.interceptors._shapes import (
     WrappedHandlers,
     call_behaviour,
     responses_of,
@@ -41,7 +41,7 @@ Gate = Callable[[Any, grpc.aio.ServicerContext], Any]
 
 
 class AuditStage(Protocol):
-    """The record around a call (:class:`~stargrpc.interceptors.audit.AuditInterceptor`)."""
+    """The record around a call (:class:`~stargrpc.server.interceptors.audit.AuditInterceptor`)."""
 
     def open_call(self, method: str) -> Any:
         """Opens the record of a call of ``method`` in this task, before anything else."""
@@ -61,7 +61,7 @@ class AuditStage(Protocol):
 
 
 class AuthStage(Protocol):
-    """Authentication (:class:`~stargrpc.interceptors.auth.AuthInterceptor`)."""
+    """Authentication (:class:`~stargrpc.server.interceptors.auth.AuthInterceptor`)."""
 
     def is_open(self, method: str) -> bool:
         """Whether calls of ``method`` need no credentials."""
@@ -71,7 +71,7 @@ class AuthStage(Protocol):
 
 
 class CriticStage(Protocol):
-    """The supervision policy (:class:`~stargrpc.interceptors.critic.CriticInterceptor`)."""
+    """The supervision policy (:class:`~stargrpc.server.interceptors.critic.CriticInterceptor`)."""
 
     def applies(self, method: str, handler: grpc.RpcMethodHandler | None) -> bool:
         """Whether calls of ``method`` served by ``handler`` get a supervision policy."""

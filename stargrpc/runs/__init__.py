@@ -1,0 +1,19 @@
+"""The run core: where a run lives, from admission to its Result.
+
+Nothing here speaks gRPC; the faces that take calls (``stargrpc.server`` for gRPC, the HTTP
+gateway, the MCP endpoint, the test harness) hand a decoded request to
+:class:`~stargrpc.runs.runtime.Runtime`, and every entry point passes the same pipeline.
+
+- ``runtime.py``: admitting a run (lookup, permissions, arguments, idempotency, limits) and
+  the run pipeline (``RunInterceptor``: the critic, the permission gate, the audit view);
+- ``run.py``: one run's lifecycle and its event log; ``context.py``: what a tool sees;
+- admission's parts: ``permissions.py`` (who may run a tool), ``arguments.py`` (decoding and
+  validation), ``idempotency.py`` (keys), ``concurrency.py`` (runs in flight);
+- a run's output: ``outcome.py`` (what a return or exception means), ``event_sizes.py``
+  (every event under the send limit);
+- ``call_record.py``: the record of one call attempt, shared along the interceptors.
+
+Rooms still to come sit beside these, each with its seam named in the runtime: lanes and
+approval (when a run may start), trees (``parent_run_id``, ``root_run_id``), state scoped to
+a run, a tree or a caller, and sessions.
+"""
