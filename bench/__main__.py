@@ -895,7 +895,8 @@ def build_rows(pair: dict[str, Any], sizes: Sizes) -> list[Row]:
     add("  wall time per round", lambda s: s["concurrency"]["median_wall_s"], "s")
     add(f"Concurrency, {sizes.concurrency_many} runs of a 10 ms tool (calls that succeeded)",
         lambda s: s["concurrency_many"]["calls_per_s"], "calls/s")
-    add("  calls failed, over the rounds", lambda s: s["concurrency_many"]["errors"], "calls")
+    add("  calls failed, over the rounds", lambda s: float(s["concurrency_many"]["errors"]),
+        "calls")
     add(f"Held streams ({pair['stargrpc']['held']['opened']} open): server memory per open "
         "run", lambda s: s["held"]["kb_per_open_run"], "KiB")
     add("  a normal call meanwhile, slowest of probes", lambda s: s["held"]["probe_max_ms"],

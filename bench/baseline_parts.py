@@ -158,10 +158,11 @@ class Lane:
         self.tool = {"trivial": "bench_trivial", "wait": "bench_wait",
                      "stream": "bench_stream"}[shape]
         self.bench: list[Any] = []
-        if self.client == "bench":
-            from bench.client import Client
+        if self.client in ("legacy", "lean"):
+            from bench.client import Client, LegacyClient
 
-            self.bench = [Client(addresses[s], token if spec.get("metadata") else "")
+            kind = LegacyClient if self.client == "legacy" else Client
+            self.bench = [kind(addresses[s], token if spec.get("metadata") else "")
                           for s in servers]
         self.turn = 0
         #: Calls each server takes before the next one's turn (1: call by call).
@@ -178,7 +179,7 @@ class Lane:
                                        timeout=self.timeout):
                 count += 1
             return count
-        if self.client == "bench":
+        if self.bench:
             done = await self.bench[k].execute(self.tool, self.arguments,
                                                expect_messages=None if self.shape == "stream"
                                                else 3)
@@ -274,9 +275,13 @@ async def _client(args: argparse.Namespace) -> None:
             found = await asyncio.wait_for(_trivial(lanes, args.calls, args.warmup,
                                                     args.block, args.round, pids), 240)
         else:
-            for k in ((args.round + j) % len(lanes) for j in range(len(lanes))):
-                found[lanes[k].spec["name"]] = await asyncio.wait_for(
-                    _measure(lanes[k], args.concurrent), 120)
+            runs: dict[str, list[float]] = {lane.spec["name"]: [] for lane in lanes}
+            for repeat in range(args.repeats):
+                for k in ((args.round + repeat + j) % len(lanes) for j in range(len(lanes))):
+                    figures = await asyncio.wait_for(_measure(lanes[k], args.concurrent), 120)
+                    runs[lanes[k].spec["name"]].append(next(iter(figures.values())))
+            key = "calls_per_s" if args.shape == "wait" else "msgs_per_s"
+            found = {name: {key: statistics.median(values)} for name, values in runs.items()}
     finally:
         for lane in lanes:
             await lane.close()
@@ -306,24 +311,45 @@ STEPS: list[dict[str, Any]] = [
     {"name": "+ the client's per-call work (request built, responses parsed, sized, checked)",
      "servers": ["ct0"], "client": "stub", "metadata": True, "deadline": True,
      "process": "light", "vs": "+ a 60 s deadline"},
-    {"name": "+ the bench client itself, in its heavy process (the peers' SDKs imported)",
-     "servers": ["ct0"], "client": "bench", "metadata": True, "process": "heavy",
+    {"name": "+ the old bench client, in its heavy process (the peers' SDKs imported)",
+     "servers": ["ct0"], "client": "legacy", "metadata": True, "process": "heavy",
      "vs": "+ the client's per-call work (request built, responses parsed, sized, checked)"},
     {"name": "  (the same, the client's collector frozen and 5000/20/20)",
-     "servers": ["ct0"], "client": "bench", "metadata": True, "process": "heavy",
+     "servers": ["ct0"], "client": "legacy", "metadata": True, "process": "heavy",
      "client_gc": "tuned",
-     "vs": "+ the bench client itself, in its heavy process (the peers' SDKs imported)"},
-    {"name": "+ eight servers taking turns call by call",
-     "servers": ["ct0", *_OTHERS], "client": "bench", "metadata": True, "process": "heavy",
-     "vs": "+ the bench client itself, in its heavy process (the peers' SDKs imported)"},
+     "vs": "+ the old bench client, in its heavy process (the peers' SDKs imported)"},
+    {"name": "+ eight servers taking turns call by call: the old baseline",
+     "servers": ["ct0", *_OTHERS], "client": "legacy", "metadata": True, "process": "heavy",
+     "vs": "+ the old bench client, in its heavy process (the peers' SDKs imported)"},
     {"name": "  (eight servers taking turns 10 calls at a time)",
-     "servers": ["ct0", *_OTHERS], "client": "bench", "metadata": True, "process": "heavy",
+     "servers": ["ct0", *_OTHERS], "client": "legacy", "metadata": True, "process": "heavy",
      "per_turn": 10,
-     "vs": "+ the bench client itself, in its heavy process (the peers' SDKs imported)"},
-    {"name": "  (the same turns, the lean client)",
-     "servers": ["ct0", *_OTHERS], "client": "raw", "metadata": True, "deadline": True,
-     "process": "light", "vs": "+ a 60 s deadline"},
+     "vs": "+ the old bench client, in its heavy process (the peers' SDKs imported)"},
+    {"name": "the new baseline: the lean client (collector tuned), turns of 10 calls",
+     "servers": ["ct0", *_OTHERS], "client": "lean", "metadata": True, "process": "heavy",
+     "per_turn": 10, "client_gc": "tuned", "vs": "minimal pair"},
+    {"name": "  the new baseline against the old",
+     "servers": ["ct0", *_OTHERS], "client": "lean", "metadata": True, "process": "heavy",
+     "per_turn": 10, "client_gc": "tuned",
+     "vs": "+ eight servers taking turns call by call: the old baseline"},
 ]
+
+
+def _one_server_steps() -> list[dict[str, Any]]:
+    """The steps for the concurrency and stream shapes, whose turns in the bench are round
+    by round or run by run: each on one server; the old baseline is the old client's."""
+    old = "+ eight servers taking turns call by call: the old baseline"
+    steps = []
+    for step in STEPS:
+        if "new baseline" in step["name"]:
+            step = {**step, "servers": ["ct0"], "per_turn": 1}
+        elif len(step["servers"]) > 1:
+            continue
+        if step.get("vs") == old:
+            step = {**step, "vs": "+ the old bench client, in its heavy process (the peers' "
+                                  "SDKs imported)"}
+        steps.append(step)
+    return steps
 
 
 def _server_specs() -> list[Any]:
@@ -349,7 +375,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 
     figure = {"trivial": "p50_ms", "wait": "calls_per_s", "stream": "msgs_per_s"}[args.shape]
     scale = 1e3 if args.shape == "trivial" else 1.0  # ms → µs
-    steps = [s for s in STEPS if args.shape == "trivial" or "turns" not in s["name"]]
+    steps = STEPS if args.shape == "trivial" else _one_server_steps()
     samples: dict[str, list[dict[str, Any]]] = {s["name"]: [] for s in steps}
     with tempfile.TemporaryDirectory(prefix="bench-parts-") as tmp, \
             servers(_server_specs(), Path(tmp)) as running:
@@ -364,7 +390,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                         "--lanes", json.dumps(lanes), "--shape", args.shape,
                         "--calls", str(args.calls), "--warmup", str(args.warmup),
                         "--n", str(args.n), "--block", str(args.block),
-                        "--concurrent", str(args.concurrent),
+                        "--concurrent", str(args.concurrent), "--repeats", str(args.repeats),
                         "--round", str(r)] + (["--heavy"] if process == "heavy" else [])
                 done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                                       check=False)
@@ -424,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="trivial calls per lane per turn")
     parser.add_argument("--n", type=int, default=5000, help="deltas per stream")
     parser.add_argument("--concurrent", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="wait and stream: each lane's figure is the median of this many, "
+                             "the lanes in turns")
     args = parser.parse_args(argv)
     if args.serve:
         asyncio.run(_serve(args.serve, args.tuned_gc))
