@@ -646,7 +646,8 @@ def run_layers(sizes: Sizes, stack: Stack, workdir: Path, say: Any) -> dict[str,
 
 def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, stamp: str,
                  say: Any) -> dict[str, Any]:
-    """py-spy profiles of stargrpc and the baseline under the latency and stream loads."""
+    """py-spy profiles of stargrpc and the baseline under the latency, stream and
+    concurrency loads."""
     if profiling.py_spy() is None:
         return {"skipped": "py-spy is not installed: pip install -r bench/requirements.txt"}
     found: dict[str, Any] = {}
@@ -654,6 +655,8 @@ def run_profiles(sizes: Sizes, stack: Stack, workdir: Path, results_dir: Path, s
         "latency": {"measure": "latency", "calls": max(500, sizes.latency_calls),
                     "warmup": 0},
         "stream": {"measure": "stream", "n": sizes.stream_n, "runs": max(2, sizes.stream_runs)},
+        "concurrency": {"measure": "concurrency", "concurrent": sizes.concurrency,
+                        "rounds": max(10, sizes.concurrency_rounds)},
     }
     with servers(pair_specs(stack, workdir, "-profile", floor=False), workdir) as pair:
         run_plan(pair, [{"measure": "latency", "calls": 50, "warmup": 0}], stack.token)
