@@ -317,7 +317,8 @@ async def test_page_and_api_carry_security_headers(gateway) -> None:
 
 async def test_every_page_module_is_served_as_javascript(gateway) -> None:
     # The page is ES modules: a browser runs a module only when it comes with a JavaScript
-    # MIME type (nosniff or not), and one missing import stops the whole page.
+    # MIME type (nosniff or not), one missing import stops the whole page, and after an
+    # upgrade a fresh module must not run beside a stale one it imports.
     static = STATIC_DIR.resolve()
     page = await gateway.http.get("/")
     entry = re.search(r'<script type="module" src="/static/([^"]+)"', page.text)
@@ -335,6 +336,10 @@ async def test_every_page_module_is_served_as_javascript(gateway) -> None:
         media_type = reply.headers["content-type"].split(";")[0]
         assert media_type in ("text/javascript", "application/javascript"), path.name
         assert reply.headers["x-content-type-options"] == "nosniff"
+        # Revalidated on every load, as the page is: no fresh module beside a stale one.
+        assert reply.headers["cache-control"] == "no-cache"
+        again = await gateway.http.get(reply.url, headers={"If-None-Match": reply.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == "no-cache"
         for specifier in re.findall(r'^import [^;]*? from "([^"]+)";', reply.text, re.MULTILINE):
             queue.append((path.parent / specifier).resolve())
 
