@@ -31,7 +31,7 @@ export function buildField(name, rawSchema, form, required, path) {
     return arrayField(schema, spec);
   }
   const builder = LEAVES[kind] || jsonField;
-  return leaf(builder(schema, spec), schema, spec);
+  return leaf(builder(schema, spec), spec);
 }
 
 // -- what the builders share ----------------------------------------------------------------
@@ -68,7 +68,7 @@ function fieldset(spec) {
 }
 
 // A one-control field: what the builder made, then the help, showing the default.
-function leaf({ nodes, read, write }, schema, spec) {
+function leaf({ nodes, read, write }, spec) {
   const wrap = el("div", "field");
   wrap.append(...nodes);
   if (spec.help) wrap.append(spec.help);

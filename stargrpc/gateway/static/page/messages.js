@@ -51,15 +51,19 @@ function linkCard(box, payload) {
   if (href) box.append(el("p", "muted", new URL(href).host));
 }
 
+function markdownMessage(box, payload) {
+  box.append(markdown(payload.markdown ?? payload.text ?? ""));
+}
+
 const RENDERERS = {
-  markdown: (box, payload) => box.append(markdown(payload.markdown ?? payload.text ?? "")),
+  markdown: markdownMessage,
+  text: markdownMessage,
   table,
   image,
   link: linkCard,
+  link_card: linkCard,
+  card: linkCard,
 };
-RENDERERS.text = RENDERERS.markdown;
-RENDERERS.link_card = linkCard;
-RENDERERS.card = linkCard;
 
 export function richMessage(message) {
   const payload = message.payload || {};

@@ -9,11 +9,12 @@ export const server = { canSteer: false };
 
 // The run shown (reset by stream.js when the page follows a run).
 export const shown = {
-  runId: null,        // its id
+  runId: null,        // its id (stream.js)
   finished: false,    // its Result has arrived (run-view.js)
   deadline: null,     // Date.now() value when the critic would stop it (stream.js)
   softTimeout: null,  // the critic's quiet period, in seconds (stream.js)
-  runArgs: null,      // the arguments it was started with, when this tab started it
+  runArgs: null,      // the arguments it was started with, when this tab started it (null
+                      // again once another tool is chosen in the form)
   streamed: "",       // the stdout DELTA text it streamed, to show its output once (run-view.js)
   chunks: new Map(),  // file_id -> [Uint8Array] of streamed files (run-view.js)
 };
