@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from stargrpc import ToolContext, metrics, tool
-from stargrpc import run as run_module
 from stargrpc.errors import InvalidArgument
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, spec_of
+from stargrpc.runs import run as run_module
 from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.event_sizes import EventSizes
 from stargrpc.runs.outcome import Outcome
