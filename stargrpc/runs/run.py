@@ -569,16 +569,8 @@ class Run:
 
     async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
-        event = events_pb2.RunEvent()
-        # One clock reading for the event's time and the step's start, each field set
-        # directly: a CopyFrom of one Timestamp into the other costs more than both.
-        now = divmod(time.time_ns(), 1_000_000_000)
-        stamp = event.time
-        stamp.seconds, stamp.nanos = now
-        message = event.step
-        message.phase = events_pb2.STEP_PHASE_START
-        fields = message.step
-        _fill_step(fields, step, events_pb2.STEP_STATUS_RUNNING, self._sizes)
+        event, fields, now = _step_event(events_pb2.STEP_PHASE_START, step,
+                                         events_pb2.STEP_STATUS_RUNNING, self._sizes)
         stamp = fields.started_at
         stamp.seconds, stamp.nanos = now
         self._open_steps[step.id] = step
@@ -589,15 +581,8 @@ class Run:
         """Emits the END of ``step`` (once; later calls do nothing)."""
         if self._open_steps.pop(step.id, None) is None:
             return
-        event = events_pb2.RunEvent()
-        now = divmod(time.time_ns(), 1_000_000_000)
-        stamp = event.time
-        stamp.seconds, stamp.nanos = now
-        message = event.step
-        message.phase = events_pb2.STEP_PHASE_END
         status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE
-        fields = message.step
-        _fill_step(fields, step, status, self._sizes)
+        event, fields, now = _step_event(events_pb2.STEP_PHASE_END, step, status, self._sizes)
         stamp = fields.started_at
         stamp.seconds, stamp.nanos = self._step_started.pop(step.id)
         stamp = fields.ended_at
@@ -684,6 +669,23 @@ def check_steer_message(message: str, max_bytes: int) -> None:
             f"the steering message is {size} bytes; at most {max_bytes} are taken",
             [FieldViolation("message", f"at most {max_bytes} bytes of UTF-8 "
                                        f"(steer_max_bytes), got {size}")])
+
+
+def _step_event(phase: int, step: ToolStep, status: int, sizes: EventSizes
+                ) -> tuple[events_pb2.RunEvent, events_pb2.Step, tuple[int, int]]:
+    """A START or END event of ``step`` stamped with the time now, with the step's fields
+    (its times left for the caller to set) and that time as (seconds, nanos)."""
+    event = events_pb2.RunEvent()
+    # One clock reading for the event's time and the step's own, each field set directly:
+    # a CopyFrom of one Timestamp into the other costs more than both.
+    now = divmod(time.time_ns(), 1_000_000_000)
+    stamp = event.time
+    stamp.seconds, stamp.nanos = now
+    message = event.step
+    message.phase = phase  # type: ignore[assignment]
+    fields = message.step
+    _fill_step(fields, step, status, sizes)
+    return event, fields, now
 
 
 def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: EventSizes) -> None:
