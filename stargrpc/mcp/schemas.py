@@ -16,9 +16,10 @@ up, or fetch that URL, on every call. So a schema is usable (:func:`schema_probl
   is longer than :data:`MAX_SCHEMA_DEPTH`. A loop through ``properties``, ``items`` and the
   like is fine: each turn moves into the arguments, whose own depth ends it.
 
-The schema is not checked against its metaschema: that takes jsonschema about a
-millisecond per 3 subschemas (2020-12's vocabularies), a server may list hundreds of
-schemas of 64 KiB and list them again at will, and what the checks above leave out cannot
+The schema is not checked against its metaschema: jsonschema's check against 2020-12's
+vocabularies costs in proportion to the subschemas, far more than the walk above (measured
+in ``bench/README.md``), a server may list hundreds of schemas of 64 KiB and list them
+again at will, and what the checks above leave out cannot
 hang a call: an :class:`ArgumentChecker` checks arguments with :mod:`jsonschema`, each
 keyword counted — deeper than :data:`MAX_EVALUATION_DEPTH` nested subschemas or more than
 :data:`MAX_EVALUATION_STEPS` keywords and the arguments are refused as too costly to

@@ -80,7 +80,6 @@ class RunHandle(Protocol):
     spec: ToolSpec
     principal: Principal
     invocation: Mapping[str, Any]
-    settings: Settings
     writeback: WriteBack
     root_step: ToolStep
     audit_arguments: dict[str, Any] | None
@@ -203,13 +202,18 @@ class ToolContext:
     _run: RunHandle
     _logger: Any
 
-    def __init__(self, run: RunHandle) -> None:
+    def __init__(self, run: RunHandle, settings: Settings) -> None:
+        """
+        Args:
+            run: The run the tool runs in.
+            settings: The server's settings, handed by the runtime that started the run.
+        """
         self._run = run
         self.run_id = run.run_id
         self.tool_name = run.spec.name
         self.principal = run.principal
         self.invocation = run.invocation
-        self.settings = run.settings
+        self.settings = settings
         self._logger = None
 
     @property

@@ -148,7 +148,7 @@ class _StartRun(RunInterceptor):
             record.run = run
         metrics.RUNS_IN_FLIGHT.inc()
         run.finish_hooks.append(self._finished)
-        run.start()
+        run.start(self._runtime.settings)
         return run
 
     def _finished(self, run: Run) -> None:
@@ -367,7 +367,7 @@ class Runtime:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
-                   settings=self.settings, limits=self.run_limits)
+                   limits=self.run_limits)
 
     async def admit(self, request: RunRequest, principal: Principal, *,
                     before_start: Callable[[Run], Awaitable[None]] | None = None
