@@ -21,6 +21,7 @@ from stargrpc.registry import Registry
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2_grpc
+from tests.client_builds import node_cli_command
 from tests.procs import ImageUser, image_user
 
 ServerFactory = Callable[..., Awaitable[StargrpcServer]]
@@ -148,6 +149,12 @@ def log_lines() -> Iterator[io.StringIO]:
     yield buffer
     structlog.reset_defaults()
     root.handlers[:], root.level = handlers, level
+
+
+@pytest.fixture(scope="session")
+def node_cli() -> list[str]:
+    """``node clients/node/cli.js``, with its dependencies installed (``npm ci``)."""
+    return node_cli_command()
 
 
 @pytest.fixture

@@ -89,6 +89,16 @@ def phases(events: list[events_pb2.RunEvent]) -> list[str]:
     return shown
 
 
+def count_phases(n: int) -> list[str]:
+    """The :func:`phases` of the ``count`` tool counting to ``n``."""
+    deltas = [f"DELTA s1 '{i}\\n'" for i in range(1, n + 1)]
+    return ["START s0", "START s1", *deltas, "END s1 COMPLETE", "END s0 COMPLETE", "RESULT OK"]
+
+
+#: The :func:`phases` of ``count`` to 3.
+COUNT_TO_3 = count_phases(3)
+
+
 def status_details(error: grpc.aio.AioRpcError) -> list[Any]:
     """The google.rpc detail messages of a failed call, unpacked."""
     raw = dict(error.trailing_metadata() or ()).get("grpc-status-details-bin")
