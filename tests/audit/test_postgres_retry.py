@@ -26,7 +26,7 @@ from stargrpc.audit.postgres import PostgresAuditStore
 from stargrpc.audit.record import GENESIS_HASH, AuditRecord
 from stargrpc.audit.writer import AuditWriter
 from stargrpc.v1 import tool_service_pb2_grpc
-from tests.audit.conftest import PG_BASE
+from tests.audit.helpers import PG_BASE
 from tests.audit.records import make_record
 from tests.conftest import ServerFactory
 from tests.helpers import eventually, run_tool

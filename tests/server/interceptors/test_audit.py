@@ -28,7 +28,7 @@ from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
-from tests.audit.conftest import pg_schema
+from tests.audit.helpers import pg_schema
 from tests.conftest import ServerFactory
 from tests.helpers import eventually, run_tool
 
