@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.client_builds import build_go
+from tests.client_builds import NODE_DIR, build_go
 from tests.conftest import AuthServerFactory
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = REPO / "conformance" / "cases.json"
-NODE_DIR = REPO / "clients" / "node"
 TIMEOUT = 300
 
 
