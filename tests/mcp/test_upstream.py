@@ -27,7 +27,7 @@ from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
-from tests.helpers import key_channel, run_tool, status_details
+from tests.helpers import eventually, key_channel, run_tool, status_details
 from tests.mcp.upstream_server import PNG, Observed, serve_http
 
 # The SDK deprecates MCP logging for the 2026-07-28 revision; log messages still flow.
@@ -76,11 +76,9 @@ def only(server: StargrpcServer) -> Upstream:
 async def reason_says(server: StargrpcServer, text: str) -> Upstream:
     """Waits (bounded) until the server's only MCP server is unavailable for ``text``."""
     upstream = only(server)
-    for _ in range(200):
-        if text in upstream.reason:
-            return upstream
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{text!r} not in {upstream.reason!r}")
+    await eventually(lambda: text in upstream.reason, within=10, interval=0.05,
+                     what=lambda: f"{text!r} in {upstream.reason!r}")
+    return upstream
 
 
 async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
@@ -263,10 +261,8 @@ async def test_stdio_server_runs_in_the_sandbox_and_is_restarted_after_a_crash(
         assert "'box' went away during the call" in result.error.message
 
         await tools_of(stdio_server, "box.progress")  # restarted (unavailable meanwhile)
-        for _ in range(100):
-            if only(stdio_server).available:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: only(stdio_server).available, within=10, interval=0.1,
+                         what="the restarted MCP server available")
         result = result_of(await run_tool(stub, "box.progress", {"steps": 1}))
         assert result.outcome == events_pb2.OUTCOME_OK
         assert server_pid(stdio_server) != first
@@ -281,10 +277,9 @@ async def test_stdio_server_killed_mid_call_ends_the_run_with_a_clear_result(
         async for response in stub.Execute(request):
             events.append(response.event)
             if len(events) == 1:  # the run has started: the call is on its way
-                for _ in range(500):  # bounded: the call is sent right after the start
-                    if only(stdio_server)._calls:
-                        break
-                    await asyncio.sleep(0.01)
+                # The call is sent right after the start.
+                await eventually(lambda: only(stdio_server)._calls, within=5,
+                                 what="the call sent to the MCP server")
                 os.killpg(server_pid(stdio_server), signal.SIGKILL)
     result = result_of(events)
     assert result.outcome == events_pb2.OUTCOME_FAILED
