@@ -128,7 +128,10 @@ async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         [bad] = [d for d in status_details(refused.value)
                  if isinstance(d, error_details_pb2.BadRequest)]
-        assert "steps: 'many' is not of type 'integer'" in bad.field_violations[0].description
+        # Named at its path, as a local tool's argument is (issue 29).
+        [violation] = bad.field_violations
+        assert violation.field == "arguments.steps"
+        assert violation.description == "'many' is not of type 'integer'"
         assert len(observed.calls) == calls
 
 
@@ -468,6 +471,6 @@ def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reas
     with pytest.raises(InvalidArgument) as refused:
         validate(model, {"a": [1]})
     [violation] = refused.value.violations
-    assert "arguments: the tool's input schema cannot check them (AttributeError" \
-        in violation.description
+    assert violation.field == "arguments"
+    assert "the tool's input schema cannot check them (AttributeError" in violation.description
     assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}
