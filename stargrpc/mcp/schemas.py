@@ -182,9 +182,10 @@ def _named(error: Any) -> list[Mismatch]:
             return [Mismatch((*path, missing[0]), "Field required")]
     if (error.validator == "additionalProperties" and error.validator_value is False
             and isinstance(instance, dict) and isinstance(schema, dict)):
-        known = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        patterns = schema.get("patternProperties")
-        patterns = list(patterns) if isinstance(patterns, dict) else []
+        properties = schema.get("properties")
+        known: dict[str, Any] = properties if isinstance(properties, dict) else {}
+        pattern_map = schema.get("patternProperties")
+        patterns = list(pattern_map) if isinstance(pattern_map, dict) else []
         extra = [key for key in instance if key not in known
                  and not any(re.search(pattern, key) for pattern in patterns)]
         if extra:
