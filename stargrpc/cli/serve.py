@@ -75,7 +75,8 @@ SETTINGS_OPTIONS = [
                  "STARGRPC_METRICS_PORT; default off]."),
     click.option("--mcp-port", "mcp_port", type=int, default=None,
                  help="Serve the tools as a streamable-HTTP MCP endpoint at /mcp on this port "
-                 "[env STARGRPC_MCP_PORT; default off]."),
+                 "[env STARGRPC_MCP_PORT; default off]. Needs the mcp extra: pip install "
+                 "'stargrpc[mcp]'."),
     click.option("--workers", "workers", default=None, metavar="N|auto",
                  help="Server processes sharing the ports, supervised by this one; 'auto' = "
                  "the cores available; more than one needs --redis-url [env "
