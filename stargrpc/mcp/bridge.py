@@ -141,7 +141,7 @@ class Bridge:
                 return False
             self._output_schemas = {tool.name: mcp_tool(tool).output_schema is not None
                                     for tool in reply.tools}
-            known = self._output_schemas.get(tool_name, False)
+            known = self._output_schemas.setdefault(tool_name, False)
         return known
 
     # -- tools/call ------------------------------------------------------------------------
