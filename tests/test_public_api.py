@@ -42,7 +42,8 @@ PUBLIC: dict[str, set[str]] = {
     "stargrpc.errors": {
         "ERROR_DOMAIN", "Aborted", "AuthConfigError", "CatalogStale", "CredentialsRejected",
         "CriticConfigError", "FailedPrecondition", "FieldViolation", "IdempotencyKeyReused",
-        "InvalidArgument", "KeysFileError", "NotFound", "OutOfRange", "PermissionDenied",
+        "InvalidArgument", "KeysFileError", "MissingExtra", "NotFound", "OutOfRange",
+        "PermissionDenied",
         "RequestError", "ResourceExhausted", "RunFinished", "StargrpcError",
         "ToolDefinitionError", "ToolDenied", "ToolFailed", "ToolOutcomeError",
         "Unauthenticated", "Unavailable", "WatcherTooSlow", "reason_name",

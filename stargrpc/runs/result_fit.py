@@ -237,11 +237,18 @@ def _structured_over(result: events_pb2.Result, structured: Any, room: int) -> b
     return json.dumps(structured, ensure_ascii=False, default=str).encode()
 
 
+def moved_file_id(run_id: str, name: str) -> str:
+    """The id of the sent file that what did not fit in run ``run_id``'s Result moved into
+    (``name`` :data:`~stargrpc.runs.event_sizes.OUTPUT_FILE_NAME` or
+    :data:`~stargrpc.runs.event_sizes.STRUCTURED_FILE_NAME`)."""
+    return f"{run_id}-{name}"
+
+
 def _moved_to_file(run_id: str, name: str, mime_type: str, data: bytes,
                    listing: events_pb2.WriteBack, fit: ResultFit) -> SentFileRecord:
     """A sent file holding what did not fit in the Result: listed in ``listing`` and
     streamed (added to ``fit.files``)."""
-    record = SentFileRecord(file_id=f"{run_id}-{name}", name=name, mime_type=mime_type,
+    record = SentFileRecord(file_id=moved_file_id(run_id, name), name=name, mime_type=mime_type,
                             data=data, sha256=hashlib.sha256(data).hexdigest())
     fit.files.append(record)
     listing.sent_files.add(file_id=record.file_id, name=name, mime_type=mime_type,

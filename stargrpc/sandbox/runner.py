@@ -99,9 +99,12 @@ class SandboxResult:
         output_truncated: Output went past the cap and was cut.
         stdout_tail: The end of stdout.
         stderr_tail: The end of stderr.
+        isolation: The isolation mode it ran in.
         files: Files left in the output folder, within the caps.
         skipped_files: Output files not returned, with why.
-        isolation: The isolation mode it ran in.
+        stdout: All of stdout as it streamed (within the output cap, with the cut's
+            marker when there was one): the DELTAs of channel ``stdout`` put together.
+        stderr: The same for stderr.
     """
 
     verdict: Verdict
@@ -115,6 +118,8 @@ class SandboxResult:
     isolation: str
     files: list[OutputFile] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
 
 
 def sandbox_root(settings: Settings) -> Path:
@@ -181,16 +186,25 @@ def isolation_for(settings: Settings) -> Isolation:
 
 
 class _Output:
-    """The output budget shared by stdout and stderr, and the tails kept of each."""
+    """The output budget shared by stdout and stderr, the tails kept of each and, for a
+    run (``keep``), all of each as it streamed: bounded by the same budget."""
 
-    def __init__(self, cap: int, on_output: OutputCallback | None) -> None:
+    def __init__(self, cap: int, on_output: OutputCallback | None, *, keep: bool = False
+                 ) -> None:
         self.left = cap
         self.cap = cap
         self.truncated = False
         self.on_output = on_output
         self.tails: dict[str, str] = {"stdout": "", "stderr": ""}
+        self.kept: dict[str, list[str]] | None = {"stdout": [], "stderr": []} if keep else None
+
+    def text(self, channel: str) -> str:
+        """All of ``channel`` as it streamed ("" when not kept)."""
+        return "".join(self.kept[channel]) if self.kept is not None else ""
 
     async def emit(self, channel: str, text: str) -> None:
+        if text and self.kept is not None:
+            self.kept[channel].append(text)
         if text and self.on_output is not None:
             try:
                 await self.on_output(channel, text)
@@ -344,7 +358,7 @@ class Sandbox:
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float) -> SandboxResult:
         leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
-        output = _Output(self.limits.output_bytes, on_output)
+        output = _Output(self.limits.output_bytes, on_output, keep=True)
         pumps: list[asyncio.Task[None]] = []
         stopped: Verdict | None = None
         try:
@@ -396,7 +410,8 @@ class Sandbox:
             cpu_seconds=cpu, duration=time.monotonic() - started,
             output_truncated=output.truncated, stdout_tail=output.tails["stdout"],
             stderr_tail=output.tails["stderr"], isolation=self.isolation.mode,
-            files=final.files, skipped_files=final.skipped)
+            files=final.files, skipped_files=final.skipped, stdout=output.text("stdout"),
+            stderr=output.text("stderr"))
 
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
         for name in files:

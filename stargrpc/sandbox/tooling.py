@@ -5,6 +5,20 @@ heartbeats while the command runs, appends the run's steering messages to ``$STE
 (see :mod:`stargrpc.sandbox.runner`), hands the output-folder files back as sent files and
 turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
 TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
+
+What the Result says, on every face (gRPC, the HTTP gateway, MCP):
+
+- ``output`` is what the command printed, all of it as it streamed: stdout, then
+  ``[stderr]`` and stderr when it wrote any, then the verdict in brackets
+  (``[exited with status 0]``). It is the DELTAs of the step put together, so it is bounded
+  by the same ``sandbox_output_bytes`` and, past it, ends that stream with the same marker
+  (``[output truncated: more than N bytes; the rest was discarded]``). A Result too large
+  for one event keeps its beginning and moves the whole text into a sent file
+  (:mod:`stargrpc.runs.result_fit`); MCP shows a documented length of it and links to the
+  rest (:mod:`stargrpc.mcp.mapping`).
+- ``structured_output`` is about the run, not what it printed: ``{exit_status, signal,
+  verdict, reason, cpu_seconds, duration_seconds, output_truncated, isolation, files,
+  skipped_files}``. MCP carries it in ``_meta``, never as the tool's structured content.
 """
 
 from __future__ import annotations
@@ -17,9 +31,6 @@ from typing import Any
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox, SandboxResult
-
-#: How much of each stream the Result's text repeats (the DELTAs carry all of it).
-_RESULT_TAIL_CHARS = 8 * 1024
 
 
 class _CommandFailed(Exception):
@@ -79,12 +90,10 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
 
 def _tool_result(result: SandboxResult) -> ToolResult:
     parts = []
-    if result.stdout_tail:
-        parts.append(_tail(result.stdout_tail))
-    if result.stderr_tail:
-        parts.append("[stderr]\n" + _tail(result.stderr_tail))
-    if result.output_truncated:
-        parts.append("[output truncated]")
+    if result.stdout:
+        parts.append(result.stdout)
+    if result.stderr:
+        parts.append("[stderr]\n" + result.stderr)
     parts.append(f"[{result.verdict.message}]")
     structured: dict[str, Any] = {
         "exit_status": result.exit_status,
@@ -104,10 +113,3 @@ def _tool_result(result: SandboxResult) -> ToolResult:
     outcome = Outcome.TIMEOUT if result.verdict.code == "WALL_CLOCK_LIMIT" else Outcome.FAILED
     return ToolResult(output=text, outcome=outcome, structured=structured,
                       error_message=result.verdict.message, error_code=result.verdict.code)
-
-
-def _tail(text: str) -> str:
-    if len(text) <= _RESULT_TAIL_CHARS:
-        return text
-    return "…" + text[-_RESULT_TAIL_CHARS:]
-

@@ -5,6 +5,7 @@ called over gRPC through the whole pipeline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from mcp import Client as McpClient
+from mcp.client.session import ClientSession
 from structlog.testing import capture_logs
 
 from stargrpc.client import Client
@@ -126,8 +129,56 @@ async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         [bad] = [d for d in status_details(refused.value)
                  if isinstance(d, error_details_pb2.BadRequest)]
-        assert "steps: 'many' is not of type 'integer'" in bad.field_violations[0].description
+        # Named at its path, as a local tool's argument is (issue 29).
+        [violation] = bad.field_violations
+        assert violation.field == "arguments.steps"
+        assert violation.description == "'many' is not of type 'integer'"
         assert len(observed.calls) == calls
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+async def test_an_idle_connection_stays_up_through_pings_in_either_protocol_era(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any],
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # A 2026-07-28 server answers ping with an error ("Method not found"): an answer all
+    # the same, so the connection must stay (issue 29, item 1); a handshake-era one answers
+    # it. Either way: pings go out, none ends the connection.
+    url, _, _ = http_upstream
+    monkeypatch.setattr(upstream_module, "Client", functools.partial(McpClient, mode=mode))
+    pinged = asyncio.Event()
+    answers: list[str] = []
+    send_ping = ClientSession.send_ping
+
+    async def counting(self: ClientSession, **kwargs: Any) -> Any:
+        try:
+            reply = await send_ping(self, **kwargs)
+        except Exception as exc:
+            answers.append(f"error: {exc}")
+            raise
+        else:
+            answers.append("ok")
+            return reply
+        finally:
+            if len(answers) >= 5:
+                pinged.set()
+
+    monkeypatch.setattr(ClientSession, "send_ping", counting)
+    with capture_logs() as logs:
+        server = await make_server(mcp_servers=[{"name": "up", "url": url}],
+                                   mcp_servers_allowed_networks=LOOPBACK)
+        await tools_of(server, "up.progress")
+        await asyncio.wait_for(pinged.wait(), 20)
+        upstream = only(server)
+        assert upstream.available, upstream.reason
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+    connected = [e for e in logs if e["event"] == "mcp_server_connected"]
+    lost = [e for e in logs if e["event"] == "mcp_server_unavailable"]
+    assert len(connected) == 1 and not lost, (connected, lost, answers)
+    expected = "ok" if mode == "legacy" else "error: Method not found"
+    assert answers[0].startswith(expected), answers
 
 
 async def test_a_hung_call_is_stopped_by_the_critic_and_the_server_told(
@@ -463,6 +514,6 @@ def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reas
     with pytest.raises(InvalidArgument) as refused:
         validate(model, {"a": [1]})
     [violation] = refused.value.violations
-    assert "arguments: the tool's input schema cannot check them (AttributeError" \
-        in violation.description
+    assert violation.field == "arguments"
+    assert "the tool's input schema cannot check them (AttributeError" in violation.description
     assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}
