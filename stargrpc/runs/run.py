@@ -85,11 +85,14 @@ class RunLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> RunLimits:
         """The limits ``settings`` configure."""
+        sizes = EventSizes.for_send_limit(min(settings.max_event_bytes,
+                                              settings.max_send_message_bytes))
         return cls(
-            sizes=EventSizes.for_send_limit(min(settings.max_event_bytes,
-                                                settings.max_send_message_bytes)),
+            sizes=sizes,
             inline_file_bytes=settings.inline_file_bytes,
-            file_chunk_bytes=settings.file_chunk_bytes,
+            # A chunk is an event like any other: it must fit what one message may carry,
+            # whatever file_chunk_bytes says.
+            file_chunk_bytes=min(settings.file_chunk_bytes, sizes.result_bytes),
             steer_max_bytes=settings.steer_max_bytes,
             steer_max_pending=settings.steer_max_pending,
             limit_retry_after_seconds=settings.limit_retry_after_seconds)
