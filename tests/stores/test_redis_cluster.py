@@ -17,7 +17,8 @@ from redis.crc import key_slot
 from redis.exceptions import MovedError
 
 from stargrpc.stores.connect import connect
-from stargrpc.stores.redis import _SLOT_MOVING, NotReplicated, RedisRunStore
+from stargrpc.stores.redis import NotReplicated, RedisRunStore
+from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.runs_support import (
     HeaderPrincipal,
@@ -203,13 +204,13 @@ async def test_a_durable_write_redirected_to_another_node_is_not_taken_as_replic
                        if "role:slave" in lines and f"master_port:{target}" in lines)
         redis_cluster.kill(replica)
 
-        first = await store._call_all(script, [([name], ["after"])], durable=True)
+        first = await store.shared.scripts.call_all(script, [([name], ["after"])], durable=True)
         # Not written elsewhere without its WAIT: answered with the redirect, to try again.
-        assert isinstance(first[0], MovedError) and isinstance(first[0], _SLOT_MOVING)
+        assert isinstance(first[0], MovedError) and isinstance(first[0], SLOT_MOVING)
         assert await client.get(name) == b"before"
         # Sent again (by the claim or the flush), it goes to the node serving the slot now,
         # with its own WAIT, which tells that no replica has the write.
         with pytest.raises(NotReplicated):
-            await store._call_all(script, [([name], ["after"])], durable=True)
+            await store.shared.scripts.call_all(script, [([name], ["after"])], durable=True)
     finally:
         await client.aclose()

@@ -18,8 +18,8 @@ from structlog.testing import capture_logs
 from stargrpc.errors import Unavailable
 from stargrpc.ids import new_id
 from stargrpc.settings import Settings
-from stargrpc.stores import redis as redis_store
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
+from stargrpc.stores.redis import store as redis_store
 from stargrpc.v1 import events_pb2
 from tests.stores.conftest import REDIS_URL
 from tests.stores.test_redis_unavailable import OwnRedis, _free_port
@@ -86,7 +86,7 @@ async def test_a_run_without_key_reaches_redis_with_its_first_events(
     assert lease_left == 0
     assert await redis.pttl(meta) > 0 and await redis.pttl(events) > 0
     # ListRuns finds it by its start, in every run's index and its principal's.
-    for index in store._index_keys("alice"):
+    for index in store.index.keys_of("alice"):
         assert await redis.zscore(index, run_log.run_id) == run_log.started_ms
 
 
@@ -218,7 +218,7 @@ async def test_only_the_flusher_goes_without_a_socket_timeout(redis_prefix: str)
         run_log = await _published(store)
         _run_whole(run_log)
         assert await store.flushed(10)
-        assert store._flush_line._conn.socket_timeout is None
+        assert store.flusher.line.socket_timeout is None
         assert store.redis.connection_pool.connection_kwargs["socket_timeout"] > 0
         assert store.flush_timeout > 0
     finally:

@@ -271,7 +271,7 @@ async def test_a_remote_log_without_the_bytes_of_an_event_raises_index_error(
     # As RunLog.encoded says (and the in-memory log does): IndexError, not a KeyError.
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
     try:
-        remote = RemoteRunLog(store, "run", "alice", "echo", finished=False, last_seq=0)
+        remote = RemoteRunLog(store.leases, "run", "alice", "echo", finished=False, last_seq=0)
         with pytest.raises(IndexError):
             remote.encoded(1)
     finally:

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stargrpc.errors import Unavailable
-from stargrpc.stores.redis import _reachable
+from stargrpc.stores.redis.errors import reachable
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
@@ -102,7 +102,7 @@ def test_a_call_that_timed_out_is_told_apart_from_a_lost_connection() -> None:
     # which it was rather than "connection lost".
     for raised, said in ((TimeoutError(), "no answer in time"),
                          (ConnectionResetError("reset by peer"), "connection lost")):
-        with pytest.raises(Unavailable) as refused, _reachable("claim"):
+        with pytest.raises(Unavailable) as refused, reachable("claim"):
             raise raised
         assert refused.value.reason == "RUN_STORE_UNAVAILABLE"
         assert said in str(refused.value.__cause__)
