@@ -138,7 +138,7 @@ async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
     async def kill_a_primary() -> None:
         await halfway.wait()
         redis_cluster.kill(killed)
-        await asyncio.to_thread(redis_cluster.await_failover, killed)
+        await redis_cluster.await_failover(killed)
 
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
     try:

@@ -310,7 +310,7 @@ async def test_redis_killed_in_a_stall_ends_the_run_with_a_result_and_serving_go
         first = (await call.read()).event
         stallable_redis.stall()
         stallable_redis.kill()
-        stallable_redis.start()  # empty: the run's record is gone
+        await stallable_redis.start()  # empty: the run's record is gone
         rest = await asyncio.wait_for(collect(call), 30)
         gate.touch()
         after = await collect(stub.Execute(execute_request("echo", {"text": "hi"},

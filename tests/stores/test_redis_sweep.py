@@ -27,6 +27,7 @@ from stargrpc.stores.connect import connect
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.delivery.test_redis_stream import read_entry, start_request
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR
 from tests.stores.conftest import REDIS_URL, LoopbackCluster, StallableRedis
@@ -111,14 +112,16 @@ async def test_a_killed_replicas_runs_end_run_lost_unwatched_and_its_delivery_is
             unwatched.ClearField("delivery")  # nobody will ever look at this one
             alone = await stub.StartRun(unwatched)
         run_ids = [delivered.run_id, alone.run_id]
-        async with asyncio.timeout(20):
-            # Both runs in Redis, leased (their first events flushed), and the delivery: another
-            # process writes them, so there is no event to await here.
-            while not all([await redis.hexists(f"{redis_prefix}delivery:pending",  # noqa: ASYNC110
-                                               delivered.run_id),
-                           *[await redis.exists(f"{redis_prefix}run:{run_id}:lease")
-                             for run_id in run_ids]]):
-                await asyncio.sleep(0.05)
+        async def in_redis() -> bool:
+            return all([await redis.hexists(f"{redis_prefix}delivery:pending",
+                                            delivered.run_id),
+                        *[await redis.exists(f"{redis_prefix}run:{run_id}:lease")
+                          for run_id in run_ids]])
+
+        # Both runs in Redis, leased (their first events flushed), and the delivery: another
+        # process writes them, so there is no event to await here.
+        await eventually(in_redis, within=20, interval=0.05,
+                         what="both runs and the delivery in Redis")
         with capture_logs() as logs:
             doomed.signal(signal.SIGKILL)
             killed = time.monotonic()
@@ -262,9 +265,10 @@ async def test_the_sweep_rides_out_a_stalled_redis(stallable_redis: StallableRed
         with capture_logs() as logs:
             stallable_redis.stall()
             try:
-                async with asyncio.timeout(20):  # the sweeps meet the stall, and say so
-                    while not [line for line in logs if line["event"] == "redis_sweep_failed"]:  # noqa: ASYNC110
-                        await asyncio.sleep(0.05)  # a log line gives no event to await
+                # The sweeps meet the stall, and say so (a log line gives no event to await).
+                await eventually(lambda: [line for line in logs
+                                          if line["event"] == "redis_sweep_failed"],
+                                 within=20, interval=0.05, what="a sweep failing")
             finally:
                 stallable_redis.resume()
             resumed = time.monotonic()
@@ -301,10 +305,10 @@ async def test_the_sweep_waits_for_a_redis_that_is_down_and_sweeps_once_it_is_up
     try:
         with capture_logs() as logs:
             await survivor.start()
-            async with asyncio.timeout(20):
-                while len([line for line in logs if line["event"] == "redis_sweep_failed"]) < 3:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)  # a log line gives no event to await
-        own.start()
+            await eventually(lambda: len([line for line in logs
+                                          if line["event"] == "redis_sweep_failed"]) >= 3,
+                             within=20, interval=0.05, what="three sweeps failing")
+        await own.start()
         dead = store()
         run_log = await _running_run(dead)
         await _abandon(dead)

@@ -6,7 +6,6 @@ does so whether or not anybody watches the run."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -265,8 +264,7 @@ class Sweep:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _loop(self) -> None:
         # Jittered, so that replicas started together do not sweep in step; never past the
