@@ -116,8 +116,19 @@ class Leases:
                                 run_id=run_id, code=code, **seen)
                     if code == "RUN_LOST":
                         metrics.RUNS_LOST.labels(seen.get("noticed_by", "call")).inc()
+                    await self._unlist(run_id)
                 return bool(done == 1)
         return False
+
+    async def _unlist(self, run_id: str) -> None:
+        """Takes a run that has its Result out of the sweep's set at once, whoever ended it
+        (a watcher, a delivery, the sweep): a reader of the set never sees it running. Best
+        effort: an entry left behind is removed at the sweep's next look."""
+        shared = self._shared
+        try:
+            await shared.redis.zrem(shared.running_key, run_id)
+        except RedisError as exc:
+            log.warning("redis_sweep_set_not_updated", run_id=run_id, error=str(exc))
 
     async def renew_once(self, fence: Callable[[RedisRunLog], None]) -> None:
         """Renews the lease of every run of this replica (in one round trip) and hands over
@@ -235,7 +246,7 @@ class Sweep:
     @property
     def key(self) -> str:
         """The set of running runs the sweep looks at."""
-        return f"{self._shared.prefix}runs:running"
+        return self._shared.running_key
 
     @property
     def running(self) -> bool:

@@ -100,6 +100,11 @@ class Shared:
         """The key of a run's meta hash, or of its ``part`` (events, lease, cancel, steer)."""
         return self.keys.run(run_id, part)
 
+    @property
+    def running_key(self) -> str:
+        """The set of running runs the sweep looks at (``runs:running``)."""
+        return f"{self.prefix}runs:running"
+
     def run_keys(self, run_id: str) -> list[str]:
         """The keys of a run as the scripts take them: lease, events, meta."""
         return self.keys.run_keys(run_id)
