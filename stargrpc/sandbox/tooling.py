@@ -4,7 +4,8 @@ It opens a step, streams stdout/stderr as DELTAs on it (``channel="stdout"``/``"
 heartbeats while the command runs, appends the run's steering messages to ``$STEER_FILE``
 (see :mod:`stargrpc.sandbox.runner`), hands the output-folder files back as sent files and
 turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
-TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
+TIMEOUT for the wall clock, FAILED with the specific reason otherwise. What the command's
+process tree used goes into the run's receipt (``ctx.usage``, ``Result.usage``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
 
             result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
                                        on_tick=on_tick, steering=ctx.steering())
+            # The command's process tree, into the run's receipt (Result.usage).
+            ctx.usage.add_processes(cpu_user_seconds=result.cpu_user_seconds,
+                                    cpu_system_seconds=result.cpu_system_seconds,
+                                    peak_rss_bytes=result.peak_rss_bytes,
+                                    bytes_written=result.bytes_written)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed
