@@ -991,9 +991,10 @@ func (x *Result) GetUsage() *Usage {
 //   - Every run: `wall_seconds`, `queued_seconds`, `child_runs`.
 //   - Sandboxed runs (the `python` and `shell` tools, and any tool that runs a command
 //     through the sandbox): `cpu_user_seconds`, `cpu_system_seconds`, `peak_rss_bytes` and
-//     `bytes_written`, measured on the command's process tree. The server reads the tree's
-//     rusage when it reaps the command (wait4); it does not create cgroups. What that misses
-//     is said at each field.
+//     `bytes_written`, measured on the command's process tree: the rusage of the tree the
+//     server reaps (wait4) and samples of its live processes in /proc, twice a second. The
+//     server does not create cgroups (it seldom may: a container, a user service), though
+//     they alone would see the whole tree at once. What each field misses is said at it.
 //   - Runs whose network traffic goes through stargrpc: `network_bytes_sent` and
 //     `network_bytes_received` (`http_fetch`; the tools of MCP servers behind stargrpc; any
 //     tool that counts its traffic with `ctx.usage.add_network`).
@@ -1015,18 +1016,23 @@ type Usage struct {
 	// run starts as soon as it is admitted (lanes, which make runs wait their turn, will
 	// measure it).
 	QueuedSeconds *float64 `protobuf:"fixed64,2,opt,name=queued_seconds,json=queuedSeconds,proto3,oneof" json:"queued_seconds,omitempty"`
-	// CPU seconds spent in user mode by the run's process tree: the command and every
-	// descendant that was reaped before the command itself (by its parent, or by the
-	// sandbox's PID-namespace init under bubblewrap). Not counted: descendants still alive
-	// when the command exited (the server kills them), and, without a PID namespace (the
-	// `rlimits` isolation mode), descendants orphaned by their parent.
+	// CPU seconds spent in user mode by the run's process tree. With the `unshare` and
+	// `rlimits` isolation modes, the rusage of the tree the server reaps: the command and
+	// every descendant reaped before it exited. With `bwrap`, whose outer process exits
+	// without reaping its PID-namespace init, the last sample of the tree's live processes
+	// (their own and their reaped children's time): what ran after it is missed, and a
+	// command that ended before the first sample (half a second) leaves the field unset.
+	// Never counted: descendants still alive when the command exited (the server kills
+	// them) and, without a PID namespace (`rlimits`), descendants orphaned by their parent.
 	CpuUserSeconds *float64 `protobuf:"fixed64,3,opt,name=cpu_user_seconds,json=cpuUserSeconds,proto3,oneof" json:"cpu_user_seconds,omitempty"`
 	// CPU seconds spent in kernel mode by the run's process tree; measured, and missing,
 	// as `cpu_user_seconds`.
 	CpuSystemSeconds *float64 `protobuf:"fixed64,4,opt,name=cpu_system_seconds,json=cpuSystemSeconds,proto3,oneof" json:"cpu_system_seconds,omitempty"`
-	// The peak resident memory, in bytes, of the largest single process of the run's tree
-	// (rusage `ru_maxrss`): not the sum of processes that ran at the same time. Counted
-	// over the same processes as `cpu_user_seconds`.
+	// The largest peak resident memory, in bytes, of a single process of the run's tree
+	// (its VmHWM), as the samples taken twice a second see it: a process that lived between
+	// two samples is missed (unset when no sample found any), and processes that ran at the
+	// same time are not added up. The reaped rusage's `ru_maxrss` cannot serve: the server
+	// starts the command with vfork, so that figure begins at the server's own peak.
 	PeakRssBytes *uint64 `protobuf:"varint,5,opt,name=peak_rss_bytes,json=peakRssBytes,proto3,oneof" json:"peak_rss_bytes,omitempty"`
 	// Bytes of storage the files the run left in its working directory take when it ends
 	// (the same measure as the sandbox's disk cap), less what the server put there first
@@ -1034,12 +1040,15 @@ type Usage struct {
 	// place, and files outside the working directory (bubblewrap's private `/tmp`).
 	BytesWritten *uint64 `protobuf:"varint,6,opt,name=bytes_written,json=bytesWritten,proto3,oneof" json:"bytes_written,omitempty"`
 	// Bytes the run sent over the network through stargrpc: for `http_fetch` the HTTP
-	// requests (request line, headers and body); for an MCP server's tool the JSON-RPC
-	// request of the call. Transport framing (TLS, TCP/IP, HTTP/2 frames) is not counted.
+	// requests of every hop (request line, headers and body); for the tool of an MCP server
+	// behind stargrpc the JSON of the `tools/call` request's parameters (its connection is
+	// shared by every call, so the JSON-RPC envelope and the transport are nobody's alone).
+	// Transport framing (TLS, TCP/IP, HTTP/2 frames) is never counted.
 	NetworkBytesSent *uint64 `protobuf:"varint,7,opt,name=network_bytes_sent,json=networkBytesSent,proto3,oneof" json:"network_bytes_sent,omitempty"`
 	// Bytes the run received over the network through stargrpc: for `http_fetch` the HTTP
-	// responses (status line, headers and the body as it came, before decompression); for
-	// an MCP server's tool the JSON-RPC result of the call. Framing is not counted.
+	// responses of every hop (status line, headers and the body as it came, before
+	// decompression); for the tool of an MCP server the JSON of the call's result. Framing
+	// is not counted, as for `network_bytes_sent`.
 	NetworkBytesReceived *uint64 `protobuf:"varint,8,opt,name=network_bytes_received,json=networkBytesReceived,proto3,oneof" json:"network_bytes_received,omitempty"`
 	// Runs this run started. Always 0 in this version: a run cannot start other runs yet.
 	ChildRuns *uint32 `protobuf:"varint,9,opt,name=child_runs,json=childRuns,proto3,oneof" json:"child_runs,omitempty"`
