@@ -21,7 +21,7 @@ from stargrpc.sandbox import isolation_for
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.settings import Settings
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.helpers import eventually, run_tool
 
@@ -179,3 +179,40 @@ def test_stargrpc_call_prints_the_receipt_above_the_outcome() -> None:
         "wrote 12.0 KiB",
         "= OK",
     ]
+
+
+#: Burns CPU without end, saying so once it has burnt a second (by then the tree has been
+#: sampled: twice a second).
+BURN_FOREVER = """
+import time
+start = time.process_time()
+said = False
+while True:
+    if not said and time.process_time() - start > 1.0:
+        print("burning", flush=True)
+        said = True
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_sandboxed_run_cancelled_mid_command_still_reports_its_cpu(
+        make_server: ServerFactory, mode: str) -> None:
+    server = await make_server(sandbox_isolation=mode)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        request = tool_service_pb2.ExecuteRequest(tool_name="python",
+                                                  arguments_json=json.dumps(
+                                                      {"code": BURN_FOREVER}))
+        events = []
+        async for response in stub.Execute(request):
+            event = response.event
+            events.append(event)
+            if event.HasField("step") and "burning" in event.step.delta:
+                await stub.CancelRun(tool_service_pb2.CancelRunRequest(
+                    run_id=event.run_id, reason="enough"))
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert result.usage.cpu_user_seconds + result.usage.cpu_system_seconds > 0.5
+    assert result.usage.peak_rss_bytes > 0
+    assert not result.usage.HasField("bytes_written")  # not measured on a cancelled run

@@ -68,6 +68,8 @@ log = structlog.get_logger("stargrpc.sandbox")
 OutputCallback = Callable[[str, str], Awaitable[None]]
 #: Called now and then with the seconds elapsed while the command runs silently or not.
 TickCallback = Callable[[float], Awaitable[None]]
+#: Called once with what the command's process tree used, however the command ended.
+UsageCallback = Callable[["TreeUsage"], None]
 
 #: The steering file in the working directory (``$STEER_FILE``).
 STEER_FILE_NAME = ".steer.jsonl"
@@ -98,6 +100,17 @@ class OutputFile:
     name: str
     data: bytes
     mime_type: str
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    """What a command's process tree used (see the module docstring for how each figure
+    is measured and what it misses); None for a figure not measured."""
+
+    cpu_user_seconds: float | None
+    cpu_system_seconds: float | None
+    peak_rss_bytes: int | None
+    bytes_written: int | None
 
 
 @dataclass
@@ -288,7 +301,8 @@ class Sandbox:
                   env: Mapping[str, str] | None = None,
                   on_output: OutputCallback | None = None,
                   on_tick: TickCallback | None = None,
-                  steering: AsyncIterator[str] | None = None) -> SandboxResult:
+                  steering: AsyncIterator[str] | None = None,
+                  on_usage: UsageCallback | None = None) -> SandboxResult:
         """Runs ``argv`` in a fresh working directory and waits for it.
 
         Args:
@@ -298,6 +312,8 @@ class Sandbox:
             on_output: Receives the output as it is produced.
             on_tick: Called every few seconds while the command runs.
             steering: Messages to append to ``$STEER_FILE`` while the command runs.
+            on_usage: Told once what the command's tree used — also when the run is
+                cancelled, which returns no result (bytes written are then not measured).
 
         Returns:
             How it ended. Limits hit are a verdict, not an exception.
@@ -314,7 +330,7 @@ class Sandbox:
                     if steering is not None else None)
             try:
                 return await self._run_in(workdir, argv, full_env, on_output, on_tick,
-                                          started)
+                                          started, on_usage)
             finally:
                 if pump is not None:
                     pump.cancel()
@@ -370,7 +386,7 @@ class Sandbox:
 
     async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
-                      started: float) -> SandboxResult:
+                      started: float, on_usage: UsageCallback | None) -> SandboxResult:
         leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
         output = _Output(self.limits.output_bytes, on_output)
         sampler = _TreeSampler(leader.proc.pid)
@@ -384,12 +400,22 @@ class Sandbox:
                 reader = await leader.read_pipe(pipe)
                 pumps.append(asyncio.create_task(output.pump(reader, channel)))
             stopped = await self._wait(leader.exited, started, on_tick, workdir, sampler)
-        finally:
-            # Wall clock, disk cap, cancellation or an error: the whole group goes down.
-            status, usage = await leader.end(workdir, pumps, drain=True)
+        except BaseException:
+            # Cancellation or an error: the whole group goes down, and what it used up to
+            # then is still told (a run stopped for hogging the CPU is the one to count).
+            _, usage = await leader.end(workdir, pumps, drain=True)
+            if on_usage is not None:
+                on_usage(TreeUsage(*self._tree_usage(usage, sampler), bytes_written=None))
+            raise
+        # The exit, the wall clock or the disk cap: the whole group goes down.
+        status, usage = await leader.end(workdir, pumps, drain=True)
         final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
-        return self._result(status, usage, sampler, stopped, output, started, final,
-                            workdir.input_bytes)
+        result = self._result(status, usage, sampler, stopped, output, started, final,
+                              workdir.input_bytes)
+        if on_usage is not None:
+            on_usage(TreeUsage(result.cpu_user_seconds, result.cpu_system_seconds,
+                               result.peak_rss_bytes, result.bytes_written))
+        return result
 
     async def _wait(self, exited: asyncio.Future[None], started: float,
                     on_tick: TickCallback | None, workdir: _Workdir,
@@ -420,13 +446,7 @@ class Sandbox:
                 stopped: Verdict | None, output: _Output, started: float, final: _Final,
                 input_bytes: int) -> SandboxResult:
         cpu = usage.ru_utime + usage.ru_stime
-        cpu_user: float | None = usage.ru_utime
-        cpu_system: float | None = usage.ru_stime
-        if self.isolation.mode == "bwrap":  # the rusage is bubblewrap's alone (see above)
-            cpu_user = cpu_system = None
-        if sampler.cpu is not None and (cpu_user is None or cpu_system is None
-                                        or sum(sampler.cpu) > cpu_user + cpu_system):
-            cpu_user, cpu_system = sampler.cpu
+        cpu_user, cpu_system, peak = self._tree_usage(usage, sampler)
         exit_signal, exit_status = _decode_status(status, self.isolation.mode != "rlimits")
         verdict = stopped or classify(
             self.limits, exit_signal=exit_signal, exit_status=exit_status, cpu_seconds=cpu,
@@ -438,10 +458,23 @@ class Sandbox:
             output_truncated=output.truncated, stdout_tail=output.tails["stdout"],
             stderr_tail=output.tails["stderr"], isolation=self.isolation.mode,
             files=final.files, skipped_files=final.skipped,
-            cpu_user_seconds=cpu_user, cpu_system_seconds=cpu_system,
-            peak_rss_bytes=sampler.peak_rss,
+            cpu_user_seconds=cpu_user, cpu_system_seconds=cpu_system, peak_rss_bytes=peak,
             bytes_written=(max(final.usage.bytes - input_bytes, 0) if final.measured
                            else None))
+
+    def _tree_usage(self, usage: resource.struct_rusage, sampler: _TreeSampler
+                    ) -> tuple[float | None, float | None, int | None]:
+        """(user CPU, system CPU, peak memory) of the tree: the CPU time of ``wait4``'s
+        rusage or of the last sample, whichever is larger (the rusage is bubblewrap's
+        alone under ``bwrap``: see the module docstring), and the samples' peak."""
+        cpu_user: float | None = usage.ru_utime
+        cpu_system: float | None = usage.ru_stime
+        if self.isolation.mode == "bwrap":
+            cpu_user = cpu_system = None
+        if sampler.cpu is not None and (cpu_user is None or cpu_system is None
+                                        or sum(sampler.cpu) > cpu_user + cpu_system):
+            cpu_user, cpu_system = sampler.cpu
+        return cpu_user, cpu_system, sampler.peak_rss
 
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
         for name in files:

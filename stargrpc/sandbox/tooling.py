@@ -17,7 +17,7 @@ from typing import Any
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult
+from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage
 
 #: How much of each stream the Result's text repeats (the DELTAs carry all of it).
 _RESULT_TAIL_CHARS = 8 * 1024
@@ -57,6 +57,14 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         await ctx.heartbeat(f"running for {elapsed:.0f} s", progress=min(elapsed / wall_clock,
                                                                           1.0))
 
+    def on_usage(tree: TreeUsage) -> None:
+        # The command's process tree, into the run's receipt (Result.usage): told also
+        # when the run is stopped mid-command, which returns no SandboxResult.
+        ctx.usage.add_processes(cpu_user_seconds=tree.cpu_user_seconds,
+                                cpu_system_seconds=tree.cpu_system_seconds,
+                                peak_rss_bytes=tree.peak_rss_bytes,
+                                bytes_written=tree.bytes_written)
+
     result: SandboxResult | None = None
     try:
         async with ctx.step(title, kind="sandbox",
@@ -66,12 +74,8 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
                 await step.delta(text, channel=channel)
 
             result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
-                                       on_tick=on_tick, steering=ctx.steering())
-            # The command's process tree, into the run's receipt (Result.usage).
-            ctx.usage.add_processes(cpu_user_seconds=result.cpu_user_seconds,
-                                    cpu_system_seconds=result.cpu_system_seconds,
-                                    peak_rss_bytes=result.peak_rss_bytes,
-                                    bytes_written=result.bytes_written)
+                                       on_tick=on_tick, steering=ctx.steering(),
+                                       on_usage=on_usage)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed

@@ -1037,7 +1037,9 @@ type Usage struct {
 	// Bytes of storage the files the run left in its working directory take when it ends
 	// (the same measure as the sandbox's disk cap), less what the server put there first
 	// (the input files). Not counted: files written and then deleted, data overwritten in
-	// place, and files outside the working directory (bubblewrap's private `/tmp`).
+	// place, and files outside the working directory (bubblewrap's private `/tmp`). Unset
+	// when the run was stopped (cancelled, or by the critic) before its command ended; its
+	// CPU time and memory are still reported then.
 	BytesWritten *uint64 `protobuf:"varint,6,opt,name=bytes_written,json=bytesWritten,proto3,oneof" json:"bytes_written,omitempty"`
 	// Bytes the run sent over the network through stargrpc: for `http_fetch` the HTTP
 	// requests of every hop (request line, headers and body); for the tool of an MCP server
