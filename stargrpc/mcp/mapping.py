@@ -28,6 +28,7 @@ RUN_ID_META_KEY = "stargrpc.dev/run-id"
 OUTCOME_META_KEY = "stargrpc.dev/outcome"
 ERROR_CODE_META_KEY = "stargrpc.dev/error-code"
 WRITEBACK_META_KEY = "stargrpc.dev/writeback"
+USAGE_META_KEY = "stargrpc.dev/usage"
 
 #: JSON-RPC error code of a call refused for missing or rejected credentials (the
 #: implementation-defined range of JSON-RPC; MCP defines none for this).
@@ -144,6 +145,8 @@ def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None
         shown.CopyFrom(result.writeback)
         del shown.sent_files[:]
         meta[WRITEBACK_META_KEY] = json_format.MessageToDict(shown)
+    if result.HasField("usage"):  # the run's receipt: its measured figures, as numbers
+        meta[USAGE_META_KEY] = {field.name: value for field, value in result.usage.ListFields()}
     return types.CallToolResult(content=content, structured_content=structured,
                                 is_error=not ok, _meta=meta)
 
