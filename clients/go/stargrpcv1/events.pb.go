@@ -897,8 +897,9 @@ type Result struct {
 	Duration *durationpb.Duration `protobuf:"bytes,5,opt,name=duration,proto3" json:"duration,omitempty"`
 	// What the tool handed back besides its output.
 	Writeback *WriteBack `protobuf:"bytes,6,opt,name=writeback,proto3" json:"writeback,omitempty"`
-	// What the run used: its receipt. Every Result this server makes carries one (a Result
-	// from an older server has none).
+	// What the run used: its receipt. The Result of every run that ran carries one; a
+	// Result made for a run whose replica died (error RUN_LOST), where nothing is known of
+	// what it used, has none, nor has a Result from a server before receipts.
 	Usage *Usage `protobuf:"bytes,7,opt,name=usage,proto3" json:"usage,omitempty"`
 }
 
