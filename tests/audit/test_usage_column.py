@@ -10,6 +10,7 @@ import json
 from stargrpc.audit.chain import record_hash, seal, verify
 from stargrpc.audit.record import GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import TABLE, open_store
+from stargrpc.cli.audit import format_record
 from tests.audit.conftest import execute_raw
 from tests.audit.records import make_record
 
@@ -72,3 +73,11 @@ async def test_changing_a_kept_receipt_breaks_the_chain(store_url: str) -> None:
         await store.aclose()
 
     assert not report.intact and report.bad_seq == 1
+
+
+def test_stargrpc_audit_query_shows_the_receipt_on_the_record_s_line() -> None:
+    line = format_record(make_record(usage='{"wall_seconds":0.5,"cpu_user_seconds":0.25}'))
+    older = format_record(make_record())
+
+    assert '1.5ms  usage={"wall_seconds":0.5,"cpu_user_seconds":0.25}  args=' in line
+    assert "usage=" not in older
