@@ -32,6 +32,17 @@ though they alone would see a whole tree at once, including the sum of its memor
 - Bytes written: the disk use of the working directory at the end, as the disk cap
   measures it, less that of the input files. Missed: writes to bubblewrap's private
   ``/tmp`` (a tmpfs), files deleted before the end, data overwritten in place.
+
+Steering reaches the command through ``$STEER_FILE``, ``.steer.jsonl`` in its working
+directory: an append-only file, one JSON object ``{"message": …}`` per line, that the
+server creates with the folder (empty) and appends each steering message to while the
+command runs. The server writes it only through the descriptor it opened when it created
+the file, so whatever the command does to the name (removes it, puts a symlink or a FIFO
+there) it can only lose its own steering, never make the server write elsewhere.
+
+The command owns its working directory and may have rearranged it (symlinks, FIFOs, hard
+links, deep nesting): every later step on it goes through :mod:`stargrpc.sandbox.fsops`,
+relative to the directory fd the server opened when it made the folder.
 """
 
 from __future__ import annotations
