@@ -28,7 +28,7 @@ PUBLIC: dict[str, set[str]] = {
         "NO_RETRY", "AsyncClient", "CallError", "Catalog", "Client", "ClientError", "Event",
         "FileChunk", "Heartbeat", "InjectedTool", "Notice", "Outcome", "Result",
         "ResumeError", "RetryPolicy", "RichMessage", "SentFile", "Step", "StepDelta",
-        "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Violation",
+        "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Usage", "Violation",
         "event_from_proto", "open_channel",
     },
     "stargrpc.remote_registry": {

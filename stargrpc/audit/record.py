@@ -117,6 +117,9 @@ class AuditRecord:
         outcome: One of :data:`OUTCOMES`.
         detail: A short, user-safe detail (an error code and message).
         duration_ms: How long the call took.
+        usage: What the run used (its Result's ``usage``) as compact JSON, only the
+            measured figures: ``{"wall_seconds":0.52,"cpu_user_seconds":0.31,…}``; ""
+            when the call returned no Result (and in records of versions before it).
         idempotency_key: The request's idempotency key.
         privileged: Whether the tool is privileged.
         key_id: The id of the audit key the record's hash is keyed with ("" for a record
@@ -142,6 +145,7 @@ class AuditRecord:
     outcome: str = "ok"
     detail: str = ""
     duration_ms: float = 0.0
+    usage: str = ""
     idempotency_key: str = ""
     privileged: bool = False
     key_id: str = ""

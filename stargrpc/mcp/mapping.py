@@ -62,6 +62,8 @@ MAX_TEXT_CHARS = 100_000
 #: The resource that holds the whole output of a run (``resources/read``).
 OUTPUT_URI = "stargrpc://runs/{run_id}/output"
 _OUTPUT_URI = re.compile(r"stargrpc://runs/([A-Za-z0-9_.:-]{1,200})/output")
+#: The run's receipt (Result.usage): its measured figures by field name, as numbers.
+USAGE_META_KEY = "stargrpc.dev/usage"
 
 #: JSON-RPC error code of a call refused for missing or rejected credentials (the
 #: implementation-defined range of JSON-RPC; MCP defines none for this).
@@ -193,6 +195,8 @@ def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None, *,
         shown_writeback.CopyFrom(result.writeback)
         del shown_writeback.sent_files[:]
         meta[WRITEBACK_META_KEY] = json_format.MessageToDict(shown_writeback)
+    if result.HasField("usage"):  # the run's receipt: its measured figures, as numbers
+        meta[USAGE_META_KEY] = {field.name: value for field, value in result.usage.ListFields()}
     return types.CallToolResult(content=content, structured_content=structured,
                                 is_error=not ok, _meta=meta)
 

@@ -504,6 +504,12 @@ class Upstream:
 
         progress = _Progress(ctx)
         self._calls.append(ctx)
+        # The receipt counts the call's own messages (the connection is shared by every
+        # call, so its wire bytes are nobody's alone): the request's parameters now, the
+        # result when it comes.
+        ctx.usage.add_network(sent=len(json.dumps(
+            {"name": tool_name, "arguments": arguments}, separators=(",", ":"),
+            ensure_ascii=False, default=str).encode()))
         try:
             result = await client.session.call_tool(
                 tool_name, arguments, read_timeout_seconds=self.entry.call_timeout_seconds,
@@ -522,6 +528,8 @@ class Upstream:
             raise self._died(client) from exc
         finally:
             self._calls.remove(ctx)
+        ctx.usage.add_network(received=len(result.model_dump_json(
+            by_alias=True, exclude_none=True).encode()))
         await progress.finish(name)
         return _result(ctx, result)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from stargrpc.principal import Principal
+from stargrpc.runs.usage import RunUsage
 from stargrpc.settings import Settings
 
 if TYPE_CHECKING:
@@ -88,6 +89,11 @@ class RunHandle(Protocol):
     @property
     def stop_requested(self) -> bool:
         """Whether someone asked the run to stop."""
+        ...
+
+    @property
+    def usage(self) -> RunUsage:
+        """What the run used, as its tool reports it."""
         ...
 
     def next_step_id(self) -> str:
@@ -300,6 +306,18 @@ class ToolContext:
             self._run.audit_result = result
 
     @property
+    def usage(self) -> RunUsage:
+        """The run's receipt, for what the server cannot measure itself (``Result.usage``).
+
+        A tool whose network traffic goes through it counts that traffic
+        (``ctx.usage.add_network(sent=…, received=…)``); a tool that runs a process tree
+        of its own reports what it measured of it (``ctx.usage.add_processes(…)``; the
+        sandbox does this for every command). What nobody reports stays unset in the
+        Result: "not measured".
+        """
+        return self._run.usage
+
+    @property
     def cancelled(self) -> bool:
         """Whether the run has been asked to stop."""
         return self._run.stop_requested
@@ -442,6 +460,11 @@ class SyncToolContext:
                    result: str | None = None) -> None:
         """See :meth:`ToolContext.audit_view`."""
         self._ctx.audit_view(arguments=arguments, result=result)
+
+    @property
+    def usage(self) -> RunUsage:
+        """See :attr:`ToolContext.usage` (its methods may be called from this thread)."""
+        return self._ctx.usage
 
     @property
     def cancelled(self) -> bool:

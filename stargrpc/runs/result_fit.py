@@ -76,8 +76,9 @@ def fit_result(result: events_pb2.Result, outcome: ToolResult, writeback: WriteB
     gave it (the common case) costs nothing beyond its message.
 
     Args:
-        result: An empty Result to fill (the one inside the event the run appends: making
-            it elsewhere would copy it).
+        result: The Result to fill, empty but for its ``usage`` (the one inside the event
+            the run appends: making it elsewhere would copy it). The usage is counted in
+            the room the rest shares, and kept when the Result must become an error.
         outcome: How the tool ended.
         writeback: The files, injected tools and rich messages the tool handed back.
         run_id: The run's id, which the ids of the files the fitting makes start with.
@@ -258,10 +259,15 @@ def _moved_to_file(run_id: str, name: str, mime_type: str, data: bytes,
 
 def _replace_with_error(result: events_pb2.Result, size: int, limit: int) -> None:
     """Makes ``result`` an ERROR Result saying that it was ``size`` bytes (keeping its
-    duration), so that no client and no run log ever gets one over the limit."""
+    duration and usage), so that no client and no run log ever gets one over the limit."""
     duration = result.duration
     seconds, nanos = duration.seconds, duration.nanos
+    usage = events_pb2.Usage()
+    usage.CopyFrom(result.usage)
+    had_usage = result.HasField("usage")
     result.Clear()
+    if had_usage:
+        result.usage.CopyFrom(usage)
     result.outcome = events_pb2.OUTCOME_ERROR
     result.error.code = RESULT_TOO_LARGE
     result.error.message = (f"the Result ({size} bytes) does not fit the largest event "

@@ -35,6 +35,7 @@ from stargrpc.runs.context import SentFileRecord, SyncToolContext, ToolContext, 
 from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
 from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.runs.result_fit import fit_result, set_duration
+from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
@@ -138,6 +139,8 @@ class Run:
         result: The Result, once the run has ended: the logged event's own message (read
             it, never change it: streams send the bytes made of it).
         duration_ns: The Result's duration in nanoseconds, once the run is ending.
+        usage: What the run used, as its tool reports it (``ctx.usage``); the Result's
+            ``usage`` is made of it and of the run's wall time.
         limits: The limits the run keeps to.
     """
 
@@ -183,6 +186,7 @@ class Run:
     audit_arguments = None
     audit_result = None
     _result_appended: events_pb2.Result | None = None
+    _usage: RunUsage | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -222,6 +226,14 @@ class Run:
         self._output_tail = []
         self._sizes = self.limits.sizes
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
+
+    @property
+    def usage(self) -> RunUsage:
+        """What the run used, as its tool reports it (made when first reported: most runs
+        report nothing)."""
+        if self._usage is None:
+            self._usage = RunUsage()
+        return self._usage
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -483,6 +495,7 @@ class Run:
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
         set_duration(result.duration, self.duration_ns or 0)
+        fill_usage(result.usage, self.duration_ns or 0, self._usage)
         return result
 
     def _ended(self) -> None:
@@ -510,6 +523,8 @@ class Run:
         # The Result is made in its event: RunEvent(result=...) would copy it.
         event = events_pb2.RunEvent()
         result = event.result
+        # The receipt first: the fitting then counts its few bytes in the Result's room.
+        fill_usage(result.usage, self.duration_ns or 0, self._usage)
         fit = fit_result(result, outcome, self.writeback, run_id=self.run_id,
                          duration_ns=self.duration_ns or 0, sizes=self._sizes,
                          inline_file_bytes=self.limits.inline_file_bytes)

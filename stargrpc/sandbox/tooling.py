@@ -4,7 +4,8 @@ It opens a step, streams stdout/stderr as DELTAs on it (``channel="stdout"``/``"
 heartbeats while the command runs, appends the run's steering messages to ``$STEER_FILE``
 (see :mod:`stargrpc.sandbox.runner`), hands the output-folder files back as sent files and
 turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
-TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
+TIMEOUT for the wall clock, FAILED with the specific reason otherwise. What the command's
+process tree used goes into the run's receipt (``ctx.usage``, ``Result.usage``).
 
 What the Result says, on every face (gRPC, the HTTP gateway, MCP):
 
@@ -30,7 +31,7 @@ from typing import Any
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult
+from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage
 
 
 class _CommandFailed(Exception):
@@ -67,6 +68,14 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         await ctx.heartbeat(f"running for {elapsed:.0f} s", progress=min(elapsed / wall_clock,
                                                                           1.0))
 
+    def on_usage(tree: TreeUsage) -> None:
+        # The command's process tree, into the run's receipt (Result.usage): told also
+        # when the run is stopped mid-command, which returns no SandboxResult.
+        ctx.usage.add_processes(cpu_user_seconds=tree.cpu_user_seconds,
+                                cpu_system_seconds=tree.cpu_system_seconds,
+                                peak_rss_bytes=tree.peak_rss_bytes,
+                                bytes_written=tree.bytes_written)
+
     result: SandboxResult | None = None
     try:
         async with ctx.step(title, kind="sandbox",
@@ -76,7 +85,8 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
                 await step.delta(text, channel=channel)
 
             result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
-                                       on_tick=on_tick, steering=ctx.steering())
+                                       on_tick=on_tick, steering=ctx.steering(),
+                                       on_usage=on_usage)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed
