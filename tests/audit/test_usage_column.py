@@ -11,7 +11,7 @@ from stargrpc.audit.chain import record_hash, seal, verify
 from stargrpc.audit.record import GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import TABLE, open_store
 from stargrpc.cli.audit import format_record
-from tests.audit.conftest import execute_raw
+from tests.audit.helpers import execute_raw
 from tests.audit.records import make_record
 
 
