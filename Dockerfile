@@ -12,7 +12,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY stargrpc ./stargrpc
 COPY tools ./tools
-RUN /opt/venv/bin/pip install .
+# The server with its MCP features (--mcp-port, mcp_servers): the mcp extra.
+RUN /opt/venv/bin/pip install '.[mcp]'
 
 FROM python:3.11-slim AS runtime
 # bubblewrap: unprivileged (not setuid), it builds the sandbox in user namespaces.

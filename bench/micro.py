@@ -23,7 +23,7 @@ import aiosqlite
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from stargrpc.stores.redis import _ScriptLine
+from stargrpc.stores.redis import FlushConnection
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 REPEAT = 20_000
@@ -196,7 +196,7 @@ async def _redis_costs() -> list[tuple[str, float, float]]:
     async def ping() -> None:
         await redis.ping()
 
-    line = _ScriptLine(redis)
+    line = FlushConnection(redis)
 
     async def flush_direct() -> None:
         await line.call_all(append.sha, [([f"{prefix}events"], [event, event, event])])

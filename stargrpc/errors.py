@@ -22,6 +22,7 @@ Hierarchy::
     ├── CriticConfigError       a configured critic cannot be loaded; stops start-up
     ├── AuthConfigError         authentication is misconfigured; stops start-up
     │   └── KeysFileError           the API keys file is unreadable, or a keys command is wrong
+    ├── MissingExtra            a feature of an extra not installed (``stargrpc[mcp]``)
     └── ToolOutcomeError        raised *by a tool* to end its run with an outcome
         ├── ToolFailed              Result{OUTCOME_FAILED}
         └── ToolDenied              Result{OUTCOME_DENIED}
@@ -56,6 +57,7 @@ __all__ = [
     "IdempotencyKeyReused",
     "InvalidArgument",
     "KeysFileError",
+    "MissingExtra",
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
@@ -284,6 +286,12 @@ class ToolDefinitionError(StargrpcError):
 class CriticConfigError(StargrpcError):
     """A configured critic (``critic``, ``critic_url``, ``@tool(critic=…)``) cannot be
     loaded; start-up stops with this message."""
+
+
+class MissingExtra(StargrpcError):
+    """A feature was asked for whose optional dependencies are not installed (the MCP
+    endpoint, ``mcp-stdio`` or ``mcp_servers`` without ``stargrpc[mcp]``); start-up, or
+    the command, stops with this message, which names what to install."""
 
 
 class AuthConfigError(StargrpcError):

@@ -30,6 +30,18 @@ DURATION_SECONDS = Histogram(
     "tool_executor_duration_seconds", "Wall time of runs, by tool.", ["tool"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
     registry=REGISTRY)
+#: The receipt's figures (``Result.usage``), by tool: observed only for runs that measure
+#: them (sandboxed runs; an in-process tool's CPU and memory are not measured).
+RUN_CPU_SECONDS = Histogram(
+    "stargrpc_run_cpu_seconds", "CPU time (user + system) of a run's process tree, by tool; "
+    "runs that do not measure it are not observed.", ["tool"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
+    registry=REGISTRY)
+RUN_PEAK_MEMORY_BYTES = Histogram(
+    "stargrpc_run_peak_memory_bytes", "Peak resident memory of the largest process of a "
+    "run's tree, by tool; runs that do not measure it are not observed.", ["tool"],
+    buckets=tuple(float(2 ** power) for power in range(22, 35)),  # 4 MiB … 16 GiB
+    registry=REGISTRY)
 RUNS_IN_FLIGHT = Gauge(
     "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY,
     multiprocess_mode="livesum")

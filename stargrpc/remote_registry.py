@@ -545,6 +545,7 @@ class _LocalAudit:
             invocation=limits.invocation_text(self.invocation),
             outcome=self.outcome or "error", detail=limits.detail_text(self.detail),
             duration_ms=round((time.monotonic() - self.started) * 1000, 3),
+            usage=limits.usage_text(self.result),
             idempotency_key=self.idempotency_key,
             privileged=spec.privileged if spec is not None else False)
 

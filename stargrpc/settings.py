@@ -412,7 +412,8 @@ class Settings(BaseSettings):
     # -- MCP (stargrpc/mcp) -----------------------------------------------------------------
     mcp_port: int | None = Field(None, ge=0, le=65535, description="Serve the tools as a "
                                  "streamable-HTTP MCP endpoint at /mcp on this port (0 picks a "
-                                 "free one); off when unset.")
+                                 "free one); off when unset. Needs the mcp extra (pip install "
+                                 "'stargrpc[mcp]').")
     mcp_host: str | None = Field(None, description="Address of the MCP endpoint; defaults to "
                                  "host.")
     mcp_max_sessions_per_principal: int = Field(
@@ -428,7 +429,8 @@ class Settings(BaseSettings):
         "initialize again.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
-        "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md.")
+        "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md. Needs the "
+        "mcp extra (pip install 'stargrpc[mcp]').")
     mcp_servers_allowed_networks: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="CIDRs an HTTP MCP server (mcp_servers url) may be "
         "reached at although private, loopback or link-local (comma-separated); the other "

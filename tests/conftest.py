@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -11,12 +13,15 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 
 from stargrpc.auth import KeyStore
+from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2_grpc
+from tests.client_builds import node_cli_command
 from tests.procs import ImageUser, image_user
 
 ServerFactory = Callable[..., Awaitable[StargrpcServer]]
@@ -132,6 +137,24 @@ async def channel(server: StargrpcServer) -> AsyncIterator[grpc.aio.Channel]:
 def stub(channel: grpc.aio.Channel) -> tool_service_pb2_grpc.ToolServiceStub:
     """A ToolService stub on :func:`channel`."""
     return tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+@pytest.fixture
+def log_lines() -> Iterator[io.StringIO]:
+    """The server's log as JSON lines in a buffer (logging restored afterwards)."""
+    buffer = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    configure_logging("info", "json", stream=buffer)
+    yield buffer
+    structlog.reset_defaults()
+    root.handlers[:], root.level = handlers, level
+
+
+@pytest.fixture(scope="session")
+def node_cli() -> list[str]:
+    """``node clients/node/cli.js``, with its dependencies installed (``npm ci``)."""
+    return node_cli_command()
 
 
 @pytest.fixture

@@ -19,12 +19,14 @@ T = TypeVar("T")
 
 
 async def eventually(check: Callable[[], T | Awaitable[T]], *, within: float = 10.0,
-                     interval: float = 0.01, what: str = "") -> T:
+                     interval: float = 0.01, what: str | Callable[[], str] = "") -> T:
     """Waits until ``check()`` (a function or a coroutine function) returns something truthy,
     and returns it; fails the test when it has not within ``within`` seconds.
 
     For state that no event announces (a row committed by another process, a key expiring
-    in Redis); where an event can be awaited, await it instead.
+    in Redis); where an event can be awaited, await it instead. ``what`` names what is
+    waited for in the failure: a string, or a function read when it fails (to show the
+    state then).
     """
     deadline = time.monotonic() + within
     while True:
@@ -34,8 +36,25 @@ async def eventually(check: Callable[[], T | Awaitable[T]], *, within: float = 1
         if value:
             return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {within} s: {what or check!r} (last: {value!r})")
+            raise AssertionError(_not_within(within, what, check, value))
         await asyncio.sleep(interval)
+
+
+def eventually_sync(check: Callable[[], T], *, within: float = 10.0, interval: float = 0.01,
+                    what: str | Callable[[], str] = "") -> T:
+    """:func:`eventually` where no event loop runs (a plain fixture starting a process)."""
+    deadline = time.monotonic() + within
+    while not (value := check()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(_not_within(within, what, check, value))
+        time.sleep(interval)
+    return value
+
+
+def _not_within(within: float, what: str | Callable[[], str], check: object,
+                value: object) -> str:
+    shown = what() if callable(what) else what
+    return f"not within {within} s: {shown or check!r} (last: {value!r})"
 
 
 async def run_tool(stub: tool_service_pb2_grpc.ToolServiceStub, tool_name: str,
@@ -68,6 +87,16 @@ def phases(events: list[events_pb2.RunEvent]) -> list[str]:
         else:
             shown.append(kind.upper())
     return shown
+
+
+def count_phases(n: int) -> list[str]:
+    """The :func:`phases` of the ``count`` tool counting to ``n``."""
+    deltas = [f"DELTA s1 '{i}\\n'" for i in range(1, n + 1)]
+    return ["START s0", "START s1", *deltas, "END s1 COMPLETE", "END s0 COMPLETE", "RESULT OK"]
+
+
+#: The :func:`phases` of ``count`` to 3.
+COUNT_TO_3 = count_phases(3)
 
 
 def status_details(error: grpc.aio.AioRpcError) -> list[Any]:

@@ -11,19 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.client_builds import NODE_DIR, build_go
 from tests.conftest import AuthServerFactory
-from tests.test_go_client import build_go
-from tests.test_node_client import node_cli  # noqa: F401 (a fixture, shared)
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = REPO / "conformance" / "cases.json"
-NODE_DIR = REPO / "clients" / "node"
 TIMEOUT = 300
 
 
 @pytest.fixture(scope="session")
 def runners(tmp_path_factory: pytest.TempPathFactory,
-            node_cli: list[str]) -> dict[str, list[str]]:  # noqa: F811
+            node_cli: list[str]) -> dict[str, list[str]]:
     """The command of each runner, built or installed as needed."""
     node = node_cli[0]
     go = build_go("stargrpc-conformance", tmp_path_factory.mktemp("conformance"))

@@ -28,9 +28,10 @@ _CODE = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*")
 #: ToolDenied ``code``, ToolResult ``error_code``.
 _CODE_KEYWORDS = frozenset({"reason", "code", "error_code"})
 #: Calls whose positional string arguments include a code: a sandbox Verdict, an http_fetch
-#: Refused, Run.stop(outcome, code, message), the supervision's _stop(code, message),
-#: Run.emit_notice(code, message).
-_CODE_CALLS = frozenset({"Verdict", "Refused", "stop", "_stop", "emit_notice"})
+#: Refused, Run.stop(outcome, code, message), the supervision's _stop(code, message) and
+#: _notice(code, message), Run.emit_notice(code, message), a tool's ctx.notice(code, message).
+_CODE_CALLS = frozenset({"Verdict", "Refused", "stop", "_stop", "emit_notice", "_notice",
+                         "notice"})
 #: A code that is not an error: the sandbox's verdict on a command that succeeded.
 _NOT_ERRORS = frozenset({"OK"})
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import eventually_sync
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", "docs/use/grpcurl.md", "docs/use/cli.md", "docs/operate/sandbox.md"]
 TIMEOUT = 60
@@ -65,6 +67,11 @@ def examples() -> list[Example]:
                     status = _GRPCURL_INVALID_ARGUMENT
                 found.append(Example(page, command, status))
     return found
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _free_port() -> int:
@@ -107,11 +114,9 @@ def served(tmp_path: Path) -> Iterator[Served]:
             if line.startswith("sgk_"):
                 key = line.strip()
         assert key, "stargrpc serve printed no key"
-        while time.monotonic() < deadline:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        # It logs that it serves on stdout, left unread: look at its port, bounded.
+        eventually_sync(lambda: _accepts(port), within=max(deadline - time.monotonic(), 0),
+                        interval=0.05, what=f"stargrpc serve accepting on port {port}")
         env = {**env, "KEY": key, "PATH": f"{venv_bin}:{env['PATH']}"}
         yield Served(port, key, env)
     finally:

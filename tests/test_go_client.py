@@ -18,34 +18,12 @@ from google.protobuf import json_format
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
-from tests.client.test_aio import COUNT_TO_3, count_phases
+from tests.client_builds import GO_DIR, GO_PACKAGE, build_go, go
 from tests.conftest import AuthServerFactory, ServerFactory
-from tests.helpers import key_channel, phases, run_tool
+from tests.helpers import COUNT_TO_3, count_phases, key_channel, phases, run_tool
 from tests.runs_support import collect
 
-REPO = Path(__file__).resolve().parent.parent
-GO_DIR = REPO / "clients" / "go"
-GO_PACKAGE = "github.com/stargrpc/stargrpc/clients/go"
 TIMEOUT = 60
-BUILD_TIMEOUT = 600
-
-
-def go(*args: str, timeout: float = BUILD_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    """A go command in GOPATH mode over Debian's libraries (clients/go/gopath.sh)."""
-    if shutil.which("go") is None:
-        pytest.fail("the Go client test needs Go (apt-get install golang-go "
-                    "golang-google-grpc-dev golang-google-protobuf-dev "
-                    "golang-github-golang-protobuf-1-5-dev)")
-    return subprocess.run(["bash", str(GO_DIR / "gopath.sh"), "go", *args],
-                          capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def build_go(command: str, out_dir: Path) -> str:
-    """Builds ``clients/go/cmd/<command>`` into ``out_dir``; the binary's path."""
-    binary = out_dir / command
-    built = go("build", "-o", str(binary), f"{GO_PACKAGE}/cmd/{command}")
-    assert built.returncode == 0, built.stderr
-    return str(binary)
 
 
 @pytest.fixture(scope="session")

@@ -251,6 +251,20 @@ async def test_a_seventy_megabyte_delta_arrives_whole_in_pieces(make_server) -> 
         assert events[-1].result.output == "streamed"
 
 
+async def test_file_chunks_fit_a_send_limit_smaller_than_the_chunk_size(make_server) -> None:
+    limit = 64 * 1024  # below the default file_chunk_bytes (256 KiB)
+    server = await make_server(registry=run_registry(), max_send_message_bytes=limit,
+                               inline_file_bytes=1000)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        digest, size, offsets, result, _ = await _receive(
+            stub.Execute(execute_request("blob", {"size": 300 * 1024, "seed": 3})))
+
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert size == 300 * 1024 and digest == hashlib.sha256(blob_bytes(size, 3)).hexdigest()
+    assert len(offsets) > 300 * 1024 // limit  # smaller chunks than configured, all sent
+
+
 async def test_large_structured_output_moves_into_a_file(make_server) -> None:
     server, streams = await _both_streams(make_server, "huge_structured", {"size": 3 * MiB},
                                           max_send_message_bytes=MiB)

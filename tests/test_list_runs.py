@@ -24,6 +24,7 @@ from redis import Redis as SyncRedis
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
+from tests.helpers import eventually
 from tests.runs_support import HeaderPrincipal, as_principal, execute_request, run_registry
 from tests.stores.conftest import LoopbackCluster, redis_cluster, redis_prefix, replicas
 
@@ -75,16 +76,12 @@ async def start_waiting(stub: Stub, gate: Path, tally: Path,
     return call, first.event.run_id
 
 
-async def wait_listed(stub: Stub, metadata: Sequence[tuple[str, str]], run_id: str,
-                      **fields: Any) -> pb.RunSummary:
-    """The summary of ``run_id`` once a listing (with ``fields``) shows it in its top
-    step (the ``Tallying`` step over, waiting at the gate)."""
-    for _ in range(400):
-        for run in await list_all(stub, metadata, **fields):
-            if run.run_id == run_id and run.current_step == "tally":
-                return run
-        await asyncio.sleep(0.025)  # polling another replica's flush; bounded
-    raise AssertionError(f"run {run_id} never listed with {fields}")
+async def listed_at_gate(stub: Stub, metadata: Sequence[tuple[str, str]], run_id: str,
+                         **fields: Any) -> pb.RunSummary | None:
+    """The summary of ``run_id`` if a listing (with ``fields``) shows it in its top step
+    (the ``Tallying`` step over, waiting at the gate)."""
+    return next((run for run in await list_all(stub, metadata, **fields)
+                 if run.run_id == run_id and run.current_step == "tally"), None)
 
 
 ALICE = as_principal("alice")
@@ -101,7 +98,9 @@ async def check_ownership_filters_and_paging(first: Stub, second: Stub, tmp_path
     call, waiting = await start_waiting(first, gate, tmp_path / "tally", ALICE)
     try:
         # Alice sees her runs only, newest first, from either replica, and no principal.
-        running = await wait_listed(second, ALICE, waiting, state=pb.RUN_STATE_RUNNING)
+        running = await eventually(  # polling another replica's flush; bounded
+            lambda: listed_at_gate(second, ALICE, waiting, state=pb.RUN_STATE_RUNNING),
+            within=10, interval=0.025, what=f"run {waiting} listed as running at its gate")
         assert running.tool_name == "tally" and running.last_seq > 0
         assert not running.HasField("ended_at")
         listed = await list_all(second, ALICE)
@@ -145,14 +144,14 @@ async def check_ownership_filters_and_paging(first: Stub, second: Stub, tmp_path
                                       metadata=ALICE)).cancelled
         while await call.read() is not grpc.aio.EOF:
             pass
-        cancelled = [r.run_id for r in await list_all(
-            second, ALICE, outcome=events_pb2.OUTCOME_CANCELLED)]
-        for _ in range(200):  # another replica's Result reaches Redis a moment later
-            if cancelled:
-                break
-            await asyncio.sleep(0.025)
-            cancelled = [r.run_id for r in await list_all(
+
+        async def cancelled_runs() -> list[str]:
+            return [r.run_id for r in await list_all(
                 second, ALICE, outcome=events_pb2.OUTCOME_CANCELLED)]
+
+        # Another replica's Result reaches Redis a moment later.
+        cancelled = await eventually(cancelled_runs, within=5, interval=0.025,
+                                     what="a cancelled run listed")
         assert cancelled == [waiting]
     finally:
         gate.touch()

@@ -9,37 +9,20 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-from pathlib import Path
 
 import grpc
-import pytest
 from google.protobuf import json_format
 
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
-from tests.client.test_aio import COUNT_TO_3, count_phases
-from tests.helpers import phases, run_tool
+from tests.client_builds import NODE_DIR
+from tests.helpers import COUNT_TO_3, count_phases, phases, run_tool
 from tests.runs_support import collect
 
-NODE_DIR = Path(__file__).resolve().parent.parent / "clients" / "node"
 TIMEOUT = 60
 
-
-
-@pytest.fixture(scope="session")
-def node_cli() -> list[str]:
-    """``node clients/node/cli.js``, with its dependencies installed (``npm ci``)."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.fail("the Node.js client test needs node and npm (apt-get install nodejs npm)")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=NODE_DIR, check=True, timeout=600)
-    return [node, str(NODE_DIR / "cli.js")]
 
 
 async def _node(node_cli: list[str], *args: str) -> tuple[int, str, str]:

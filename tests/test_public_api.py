@@ -28,7 +28,7 @@ PUBLIC: dict[str, set[str]] = {
         "NO_RETRY", "AsyncClient", "CallError", "Catalog", "Client", "ClientError", "Event",
         "FileChunk", "Heartbeat", "InjectedTool", "Notice", "Outcome", "Result",
         "ResumeError", "RetryPolicy", "RichMessage", "SentFile", "Step", "StepDelta",
-        "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Violation",
+        "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Usage", "Violation",
         "event_from_proto", "open_channel",
     },
     "stargrpc.remote_registry": {
@@ -42,7 +42,8 @@ PUBLIC: dict[str, set[str]] = {
     "stargrpc.errors": {
         "ERROR_DOMAIN", "Aborted", "AuthConfigError", "CatalogStale", "CredentialsRejected",
         "CriticConfigError", "FailedPrecondition", "FieldViolation", "IdempotencyKeyReused",
-        "InvalidArgument", "KeysFileError", "NotFound", "OutOfRange", "PermissionDenied",
+        "InvalidArgument", "KeysFileError", "MissingExtra", "NotFound", "OutOfRange",
+        "PermissionDenied",
         "RequestError", "ResourceExhausted", "RunFinished", "StargrpcError",
         "ToolDefinitionError", "ToolDenied", "ToolFailed", "ToolOutcomeError",
         "Unauthenticated", "Unavailable", "WatcherTooSlow", "reason_name",

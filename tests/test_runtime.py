@@ -14,10 +14,10 @@ from stargrpc.runs import run as run_module
 from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.event_sizes import EventSizes
 from stargrpc.runs.outcome import Outcome
-from stargrpc.runs.run import Run
+from stargrpc.runs.run import Run, RunLimits
 from stargrpc.runs.runtime import RunRequest, Runtime
 from stargrpc.settings import Settings
-from stargrpc.stores.memory import MemoryRunStore
+from stargrpc.stores.memory import MemoryRunLog, MemoryRunStore
 from stargrpc.v1 import events_pb2
 
 STARTED = asyncio.Event()
@@ -195,14 +195,26 @@ async def test_a_run_whose_ending_fails_after_its_result_keeps_that_result(
     assert runtime.runs == {}
 
 
+#: The settings each run of :func:`reads_settings` found in its context.
+SETTINGS_SEEN: list[Settings] = []
+
+
+@tool()
+async def reads_settings(ctx: ToolContext, args: NoArguments) -> str:
+    """Notes the settings its context hands it."""
+    SETTINGS_SEEN.append(ctx.settings)
+    return "done"
+
+
 async def test_every_run_keeps_to_the_limits_its_runtime_made_once_from_the_settings(
         ) -> None:
     settings = Settings(inline_file_bytes=1234, file_chunk_bytes=4096, steer_max_pending=3,
                         max_event_bytes=1024 * 1024)
-    runtime = Runtime(Registry([spec_of(quick)]), settings=settings)
+    runtime = Runtime(Registry([spec_of(reads_settings)]), settings=settings)
+    SETTINGS_SEEN.clear()
     runs = []
     for _ in range(2):
-        admitted = await runtime.admit(RunRequest(tool_name="quick", arguments={}),
+        admitted = await runtime.admit(RunRequest(tool_name="reads_settings", arguments={}),
                                        Principal("tester"))
         assert admitted.run is not None
         runs.append(admitted.run)
@@ -213,4 +225,21 @@ async def test_every_run_keeps_to_the_limits_its_runtime_made_once_from_the_sett
     assert (limits.inline_file_bytes, limits.file_chunk_bytes, limits.steer_max_pending) == \
         (1234, 4096, 3)
     assert limits.sizes == EventSizes.for_send_limit(1024 * 1024)
-    assert runs[0].settings is settings  # what the tool reads as ctx.settings
+    # The tool reads the runtime's settings, which the run hands to its context only.
+    assert len(SETTINGS_SEEN) == 2 and all(seen is settings for seen in SETTINGS_SEEN)
+    assert not hasattr(runs[0], "settings")
+
+
+async def test_a_run_made_without_a_runtime_shares_the_default_limits_and_settings() -> None:
+    SETTINGS_SEEN.clear()
+    runs = [Run(f"r{i}", spec_of(reads_settings), NoArguments(), Principal("tester"), {},
+                MemoryRunLog(f"r{i}")) for i in range(2)]
+    for run in runs:
+        run.start()
+        assert (await asyncio.wait_for(run.wait(), 10)).output == "done"
+
+    assert runs[0].limits is RunLimits.default() and runs[1].limits is RunLimits.default()
+    assert RunLimits.default() == RunLimits.from_settings(Settings())
+    # One Settings for every such run, not one made per run.
+    assert len(SETTINGS_SEEN) == 2 and SETTINGS_SEEN[0] is SETTINGS_SEEN[1]
+    assert isinstance(SETTINGS_SEEN[0], Settings)

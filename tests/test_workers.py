@@ -26,6 +26,7 @@ import pytest
 
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 
 pytestmark = pytest.mark.timeout(180)
@@ -174,6 +175,13 @@ async def last_event(call: grpc.aio.UnaryStreamCall) -> events_pb2.RunEvent:
     return last
 
 
+async def lists_reloaded(channel: grpc.aio.Channel) -> bool:
+    """Whether the worker behind ``channel`` lists the tool ``reloaded``."""
+    reply = await tool_service_pb2_grpc.ToolServiceStub(channel).ListTools(
+        tool_service_pb2.ListToolsRequest(), timeout=10)
+    return "reloaded" in {t.name for t in reply.tools}
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     total = 0.0
@@ -279,12 +287,8 @@ async def test_a_killed_worker_is_restarted_sighup_reloads_all_sigterm_drains_al
         (tmp_path / "tools" / "reloaded.py").write_text(RELOADED)
         server.signal(signal.SIGHUP)
         for channel in channels.values():
-            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-            deadline = time.monotonic() + 30
-            while "reloaded" not in {t.name for t in (await stub.ListTools(
-                    tool_service_pb2.ListToolsRequest(), timeout=10)).tools}:
-                assert time.monotonic() < deadline, "a worker did not reload"
-                await asyncio.sleep(0.1)
+            await eventually(lambda channel=channel: lists_reloaded(channel), within=30,
+                             interval=0.1, what="a worker reloaded")
 
         # SIGTERM: the run in flight on each worker ends with its Result, then all exit.
         calls = [tool_service_pb2_grpc.ToolServiceStub(channel).Execute(
@@ -411,12 +415,8 @@ async def test_a_worker_still_starting_takes_sighup_as_a_reload(tmp_path: Path) 
             try:
                 assert newcomer in channels
                 for channel in channels.values():  # both workers: the reload took effect
-                    stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-                    deadline = time.monotonic() + 30
-                    while "reloaded" not in {t.name for t in (await stub.ListTools(
-                            tool_service_pb2.ListToolsRequest(), timeout=10)).tools}:
-                        assert time.monotonic() < deadline, "a worker did not reload"
-                        await asyncio.sleep(0.1)
+                    await eventually(lambda channel=channel: lists_reloaded(channel),
+                                     within=30, interval=0.1, what="a worker reloaded")
             finally:
                 for channel in channels.values():
                     await channel.close()

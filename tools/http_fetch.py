@@ -7,6 +7,10 @@ and metadata addresses are refused after DNS resolution, on every redirect hop, 
 connection goes to the address that was checked (see ``stargrpc.egress``). A redirect
 to another origin (scheme, host or port) goes without the caller's headers and the
 cookies collected so far.
+
+The run's receipt (``Result.usage``) counts the HTTP messages of every hop: the requests
+sent (request line, headers, body) and the responses received (status line, headers, and
+the body as it came, before decompression); TLS and TCP/IP framing are not counted.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
     method, body, url = args.method, args.body, args.url
     redirects: list[str] = []
     hop = 0  # the redirect hop being handled, for the reason of a refusal
+    ctx.usage.add_network()  # measured from here on, even if no request goes out
     # trust_env=False: no proxy from the environment may take the request elsewhere.
     async with httpx.AsyncClient(follow_redirects=False, trust_env=False,
                                  timeout=settings.http_fetch_timeout_seconds,
@@ -86,6 +91,8 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
                             headers={**headers, "Host": target.host_header},
                             extensions=target.extensions)
                         response = await _send(client, request)
+                        ctx.usage.add_network(sent=_request_bytes(request),
+                                              received=_response_head_bytes(response))
                         try:
                             await step.delta(f"HTTP {response.status_code} "
                                              f"{response.reason_phrase}\n")
@@ -107,6 +114,7 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
                             data = await _read_body(ctx, response, settings.http_fetch_max_bytes)
                         finally:
                             await response.aclose()
+                            ctx.usage.add_network(received=response.num_bytes_downloaded)
                     return _result(ctx, target.url, response, data, redirects)
         except Refused as exc:
             raise ToolDenied(f"{exc}{_hop(hop)}", code=exc.code) from exc
@@ -144,6 +152,21 @@ async def _send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Resp
         return await client.send(request, stream=True)
     except _Redirected as redirected:
         return redirected.response
+
+
+def _request_bytes(request: httpx.Request) -> int:
+    """The size of ``request`` as HTTP/1.1 writes it: request line, headers, body."""
+    line = len(request.method) + len(request.url.raw_path) + len(b"  HTTP/1.1\r\n")
+    headers = sum(len(name) + len(value) + 4 for name, value in request.headers.raw)
+    return line + headers + 2 + len(request.content)
+
+
+def _response_head_bytes(response: httpx.Response) -> int:
+    """The size of ``response``'s status line and headers as they came."""
+    line = (len(response.http_version) + len(str(response.status_code))
+            + len(response.reason_phrase) + 4)
+    headers = sum(len(name) + len(value) + 4 for name, value in response.headers.raw)
+    return line + headers + 2
 
 
 def _hop(hop: int) -> str:

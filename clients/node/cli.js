@@ -72,7 +72,8 @@ class Renderer {
     } else if (event.notice) {
       this.line(`! ${event.notice.message}`);
     } else if (event.result) {
-      const { outcome, output, error } = event.result;
+      const { outcome, output, error, usage } = event.result;
+      if (usage) this.line(usageLine(usage)); // the receipt, just above the outcome
       this.line(`= ${outcome.replace("OUTCOME_", "")}`);
       const unseen = this.notStreamed(output || "");
       if (unseen) console.log(unseen);
@@ -89,6 +90,44 @@ class Renderer {
     }
     return output;
   }
+}
+
+/**
+ * The run's receipt (Result.usage) on one line, as `stargrpc call` prints it: what was
+ * measured, nothing for what was not (an unset field is absent from the object).
+ */
+function usageLine(usage) {
+  const has = (name) => usage[name] !== undefined && usage[name] !== null;
+  const num = (name) => Number(usage[name] || 0); // 64-bit integers arrive as strings
+  const parts = [];
+  if (has("wall_seconds")) parts.push(`wall ${num("wall_seconds").toFixed(2)}s`);
+  if (num("queued_seconds")) parts.push(`queued ${num("queued_seconds").toFixed(2)}s`);
+  if (has("cpu_user_seconds") || has("cpu_system_seconds")) {
+    const user = num("cpu_user_seconds");
+    const system = num("cpu_system_seconds");
+    parts.push(`cpu ${(user + system).toFixed(2)}s (${user.toFixed(2)}s user + ` +
+               `${system.toFixed(2)}s system)`);
+  }
+  if (has("peak_rss_bytes")) parts.push(`peak memory ${size(num("peak_rss_bytes"))}`);
+  if (has("bytes_written")) parts.push(`wrote ${size(num("bytes_written"))}`);
+  if (has("network_bytes_sent") || has("network_bytes_received")) {
+    parts.push(`network ${size(num("network_bytes_sent"))} sent, ` +
+               `${size(num("network_bytes_received"))} received`);
+  }
+  if (num("child_runs")) parts.push(`${num("child_runs")} child runs`);
+  return `usage: ${parts.join(", ")}`;
+}
+
+/** `count` bytes for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB. */
+function size(count) {
+  if (count < 1024) return `${count} B`;
+  let value = count;
+  let unit = "B";
+  for (unit of ["KiB", "MiB", "GiB"]) {
+    value /= 1024;
+    if (value < 1024) break;
+  }
+  return `${value.toFixed(1)} ${unit}`;
 }
 
 /**

@@ -87,7 +87,8 @@ _second: list[Any] = [-1, ""]
 
 def format_time(moment: datetime) -> str:
     """``moment`` as ``2026-01-02T03:04:05.678901Z``."""
-    # isoformat is several times faster than strftime.
+    # isoformat writes its one fixed layout directly, where strftime goes through a format
+    # string: cheaper, on every call (measured in bench/README.md).
     return moment.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
@@ -116,6 +117,9 @@ class AuditRecord:
         outcome: One of :data:`OUTCOMES`.
         detail: A short, user-safe detail (an error code and message).
         duration_ms: How long the call took.
+        usage: What the run used (its Result's ``usage``) as compact JSON, only the
+            measured figures: ``{"wall_seconds":0.52,"cpu_user_seconds":0.31,…}``; ""
+            when the call returned no Result (and in records of versions before it).
         idempotency_key: The request's idempotency key.
         privileged: Whether the tool is privileged.
         key_id: The id of the audit key the record's hash is keyed with ("" for a record
@@ -141,6 +145,7 @@ class AuditRecord:
     outcome: str = "ok"
     detail: str = ""
     duration_ms: float = 0.0
+    usage: str = ""
     idempotency_key: str = ""
     privileged: bool = False
     key_id: str = ""
@@ -175,7 +180,8 @@ FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(AuditRecord))
 def record_of(values: dict[str, Any]) -> AuditRecord:
     """The record with ``values`` — every field of it, by name, and nothing else — made
     without the frozen dataclass's ``__init__``, which sets each field through a guarded
-    ``object.__setattr__`` (a third of the cost; a record is made for every call)."""
+    ``object.__setattr__`` — dearer than filling the instance's dict at once, and a record
+    is made for every call (measured in ``bench/README.md``)."""
     record: AuditRecord = object.__new__(AuditRecord)
     record.__dict__.update(values)
     return record

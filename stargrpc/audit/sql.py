@@ -59,7 +59,7 @@ TABLE = "audit_records"
 #: Columns added after the first version, with their SQL type: a table an older version
 #: made gains them when a store opens it (empty in older rows, which leaves their hashes
 #: valid: empty text is not hashed).
-ADDED_COLUMNS = {"key_id": "TEXT NOT NULL DEFAULT ''"}
+ADDED_COLUMNS = {"key_id": "TEXT NOT NULL DEFAULT ''", "usage": "TEXT NOT NULL DEFAULT ''"}
 
 
 #: Columns a store may index for ``stargrpc audit query`` (each index costs every append).

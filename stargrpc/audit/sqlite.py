@@ -66,8 +66,8 @@ from stargrpc.audit.sql import (
 )
 
 # Record ids are not UNIQUE in a file made by this version: nothing looks a record up by
-# its id, and the constraint's index was a b-tree more written on every append (about a
-# fifth of an append's time). Ids are version-7 UUIDs (74 random bits within each
+# its id, and the constraint's index was a b-tree more written on every append (measured
+# in bench/README.md). Ids are version-7 UUIDs (74 random bits within each
 # millisecond), and a row added behind the writer's back breaks the chain anyway. Files
 # made by older versions keep their constraint (dropping it takes a rebuild of the table).
 _TYPES = {"seq": "INTEGER PRIMARY KEY", "id": "TEXT NOT NULL",
@@ -500,8 +500,8 @@ def _restart_wal(db: sqlite3.Connection) -> None:
     thread: a pause, not a loss) — waiting at most :data:`RESTART_WAIT_SECONDS` for readers
     still on older snapshots to let go."""
     # RESTART rather than TRUNCATE: a WAL truncated to nothing grows again frame by frame,
-    # and appending to a file costs the file system more than overwriting it (about 7 µs
-    # of every append on the loop, measured in bench/README.md).
+    # and appending to a file costs the file system more than overwriting it, on every
+    # append on the loop (measured in bench/README.md).
     db.execute(f"PRAGMA busy_timeout={int(RESTART_WAIT_SECONDS * 1000)}")
     try:
         # Busy (a reader kept its snapshot): as far as a passive checkpoint gets, no restart.

@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from stargrpc.audit.redact import RedactionLimits, redacted_json, scrub_and_cut
+from stargrpc.runs.usage import usage_json
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2
 
@@ -54,6 +55,13 @@ class AuditLimits:
     def detail_text(detail: str) -> str:
         """The detail as the audit records it: scrubbed of secrets, cut."""
         return scrub_and_cut(detail, MAX_DETAIL_CHARS)
+
+    @staticmethod
+    def usage_text(result: events_pb2.Result | None) -> str:
+        """What the run used, as the audit records it: the measured figures of the
+        Result's ``usage`` as compact JSON ("" without a Result or a usage). Numbers only,
+        so nothing to redact."""
+        return usage_json(result)
 
     def result_text(self, result: events_pb2.Result | None, substitute: str | None) -> str:
         """The result as the audit records it: ``substitute`` when the tool (or the call)

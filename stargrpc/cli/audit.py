@@ -173,6 +173,8 @@ def format_record(record: AuditRecord) -> str:
     if record.run_id:
         parts.append(f"run={record.run_id}")
     parts.append(f"{record.duration_ms:.1f}ms")
+    if record.usage:
+        parts.append(f"usage={record.usage}")
     if record.arguments:
         parts.append(f"args={record.arguments}")
     if record.detail:

@@ -15,8 +15,14 @@ from pydantic import ValidationError
 
 from stargrpc.audit.key import AuditKeyError
 from stargrpc.cli.keys import announce_first_key
-from stargrpc.errors import AuthConfigError, CriticConfigError, ToolDefinitionError
+from stargrpc.errors import (
+    AuthConfigError,
+    CriticConfigError,
+    MissingExtra,
+    ToolDefinitionError,
+)
 from stargrpc.logs import configure_logging
+from stargrpc.mcp import require_mcp_for
 from stargrpc.secret_env import hand_over_and_reexec, take_over
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.workers import WorkerSupervisor
@@ -69,7 +75,8 @@ SETTINGS_OPTIONS = [
                  "STARGRPC_METRICS_PORT; default off]."),
     click.option("--mcp-port", "mcp_port", type=int, default=None,
                  help="Serve the tools as a streamable-HTTP MCP endpoint at /mcp on this port "
-                 "[env STARGRPC_MCP_PORT; default off]."),
+                 "[env STARGRPC_MCP_PORT; default off]. Needs the mcp extra: pip install "
+                 "'stargrpc[mcp]'."),
     click.option("--workers", "workers", default=None, metavar="N|auto",
                  help="Server processes sharing the ports, supervised by this one; 'auto' = "
                  "the cores available; more than one needs --redis-url [env "
@@ -104,12 +111,13 @@ def serve(config_file: Path | None, tools_dir: tuple[Path, ...], **flags: object
     if handover_failed:
         log.warning("secrets_left_in_environment", reason=handover_failed)
     try:
+        require_mcp_for(settings)  # before any worker starts: said once, by the command
         announce_first_key(settings)  # before any worker starts: one key, no race
         if settings.workers > 1:
             sys.exit(asyncio.run(
                 WorkerSupervisor(settings, overrides, config_file).run()))
         asyncio.run(_serve(settings))
-    except AuthConfigError as exc:
+    except (AuthConfigError, MissingExtra) as exc:
         click.echo(f"stargrpc: cannot start: {exc}", err=True)
         sys.exit(4)
     except (ToolDefinitionError, CriticConfigError) as exc:

@@ -47,6 +47,7 @@ from stargrpc.client.events import (
     StepStarted,
     ToolInfo,
     ToolRunError,
+    Usage,
     event_from_proto,
 )
 from stargrpc.client.retry import NO_RETRY, RetryPolicy
@@ -88,6 +89,7 @@ __all__ = [
     "StepStarted",
     "ToolInfo",
     "ToolRunError",
+    "Usage",
     "Violation",
     "event_from_proto",
     "open_channel",

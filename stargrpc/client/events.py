@@ -177,6 +177,47 @@ class RichMessage:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Usage:
+    """What a run used: its receipt (``Result.usage``). A figure is None when the run did not
+    measure it — never a stand-in zero (see the contract's ``Usage`` for which runs measure
+    what, and what each measure misses).
+
+    Attributes:
+        wall_seconds: Wall-clock seconds of the run.
+        queued_seconds: Seconds it waited between admission and start.
+        cpu_user_seconds: User-mode CPU seconds of its process tree (sandboxed runs).
+        cpu_system_seconds: Kernel-mode CPU seconds of its process tree.
+        peak_rss_bytes: Peak resident memory of the largest process of its tree.
+        bytes_written: Storage taken by the files it left in its working directory.
+        network_bytes_sent: Bytes it sent over the network through the server.
+        network_bytes_received: Bytes it received over the network through the server.
+        child_runs: Runs it started.
+    """
+
+    wall_seconds: float | None = None
+    queued_seconds: float | None = None
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    peak_rss_bytes: int | None = None
+    bytes_written: int | None = None
+    network_bytes_sent: int | None = None
+    network_bytes_received: int | None = None
+    child_runs: int | None = None
+
+    @property
+    def cpu_seconds(self) -> float | None:
+        """User and kernel CPU seconds together, when measured."""
+        if self.cpu_user_seconds is None and self.cpu_system_seconds is None:
+            return None
+        return (self.cpu_user_seconds or 0.0) + (self.cpu_system_seconds or 0.0)
+
+    @classmethod
+    def from_proto(cls, usage: events_pb2.Usage) -> Usage:
+        """The typed view of a ``stargrpc.v1.Usage`` (its unset fields None)."""
+        return cls(**{field.name: value for field, value in usage.ListFields()})
+
+
+@dataclass(frozen=True, kw_only=True)
 class Result(Event):
     """The last event of every run.
 
@@ -190,6 +231,7 @@ class Result(Event):
         files: Files the tool sent back.
         injected_tools: Tools the run wants injected.
         rich_messages: Rich messages the tool posted.
+        usage: What the run used, or None from a server that sends no receipt.
     """
 
     outcome: Outcome
@@ -201,6 +243,7 @@ class Result(Event):
     files: list[SentFile]
     injected_tools: list[InjectedTool]
     rich_messages: list[RichMessage]
+    usage: Usage | None = None
 
     @property
     def ok(self) -> bool:
@@ -317,6 +360,7 @@ def _result(event: events_pb2.RunEvent, common: dict[str, Any]) -> Result:
                         for t in writeback.injected_tools],
         rich_messages=[RichMessage(kind=m.kind, payload=json_format.MessageToDict(m.payload))
                        for m in writeback.sent_rich_messages],
+        usage=Usage.from_proto(result.usage) if result.HasField("usage") else None,
     )
 
 

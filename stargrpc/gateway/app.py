@@ -3,6 +3,7 @@
 Routes:
 
 - ``GET  /``                              the live progress page (static HTML + JS)
+- ``GET  /static/…``                      its CSS and ES modules (``no-cache``: revalidated)
 - ``GET  /v1/tools``                      the catalog (``ETag`` = catalog hash)
 - ``POST /v1/tools/{name}:execute``       start a run: 202 with its URLs; ``?wait=true``:
   200 with the Result; ``Accept: text/event-stream``: the run's events as SSE
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,6 +160,18 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+class PageFiles(StaticFiles):
+    """The page's CSS and ES modules, revalidated on every load (``Cache-Control:
+    no-cache``, answered 304 while unchanged), as the page itself is: after an upgrade a
+    browser must not run a fresh module beside a stale one it imports."""
+
+    def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result,
+                      scope: Scope, status_code: int = 200) -> Response:
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
 def call_metadata(request: Request, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of a call made for ``request``: its credentials and trace context,
     and the HTTP client's address — vouched for with ``forwarded`` (the server's own, which
@@ -223,7 +237,7 @@ class Gateway:
         self.app = Starlette(
             routes=[
                 Route("/", self.page, methods=["GET"]),
-                Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+                Mount("/static", app=PageFiles(directory=STATIC_DIR), name="static"),
                 Route("/v1/tools", self.list_tools, methods=["GET"]),
                 Route("/v1/tools/{name}:execute", self.execute, methods=["POST"]),
                 Route("/v1/capabilities", self.capabilities, methods=["GET"]),

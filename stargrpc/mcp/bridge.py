@@ -9,7 +9,12 @@ the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request
 - ``tools/list``: ListTools, the tools the caller may run.
 - ``tools/call``: Execute; step events, heartbeats and notices become
   ``notifications/progress`` when the request carried a progress token, log notifications
-  otherwise; the Result becomes the ``CallToolResult``; a cancelled request is CancelRun.
+  otherwise; the Result becomes the ``CallToolResult`` (:func:`~stargrpc.mcp.mapping.call_result`);
+  a cancelled request is CancelRun.
+- ``resources/read`` of ``stargrpc://runs/<run>/output``: WatchRun with the caller's
+  credentials, so a run's whole output is readable by whoever may watch the run (its
+  owner, or a watcher role), for as long as it is kept; the template is listed by
+  ``resources/templates/list``. Nothing else is a resource: ``resources/list`` is empty.
 - ``notifications/tools/list_changed``: WatchCatalog, followed with the credentials of the
   connection (handshake-era clients) or of the ``subscriptions/listen`` request
   (2026-07-28 clients).
@@ -40,15 +45,20 @@ from mcp.shared.subscriptions import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from stargrpc import __version__
+from stargrpc.client._files import StreamedFiles
 from stargrpc.client.errors import CallError
 from stargrpc.gateway.client import GatewayClient, Metadata, StartedRun
 from stargrpc.mcp.mapping import (
     IDEMPOTENCY_META_KEY,
+    OUTPUT_URI,
     ProgressView,
     call_result,
     mcp_tool,
+    output_text,
+    output_uri,
     protocol_error,
     refusal,
+    run_of_output_uri,
 )
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -87,14 +97,21 @@ class Bridge:
     client: GatewayClient
     server: Server[Any]
     _credentials: Credentials
+    # Whether each tool lists an output schema over MCP, as of the latest ListTools (the
+    # same for every caller: only permissions differ between their catalogs).
+    _output_schemas: dict[str, bool]
 
     def __init__(self, client: GatewayClient, credentials: Credentials) -> None:
         self.client = client
         self._credentials = credentials
+        self._output_schemas = {}
         self.server = _Server(
             "stargrpc", version=__version__,
             instructions="stargrpc tools: every call is authenticated, audited and supervised.",
             on_list_tools=self._list_tools, on_call_tool=self._call_tool,
+            on_list_resources=self._list_resources,
+            on_list_resource_templates=self._list_resource_templates,
+            on_read_resource=self._read_resource,
             on_subscriptions_listen=self._listen)
         self.server.add_notification_handler(
             "notifications/initialized", types.NotificationParams, self._initialized)
@@ -107,8 +124,25 @@ class Bridge:
             reply = await self.client.list_tools(self._credentials(ctx))
         except grpc.aio.AioRpcError as error:
             raise protocol_error(CallError.from_rpc_error(error)) from None
-        return types.ListToolsResult(
-            tools=[mcp_tool(tool) for tool in reply.tools if tool.permissions.callable])
+        tools = [mcp_tool(tool) for tool in reply.tools]
+        self._output_schemas = {tool.name: tool.output_schema is not None for tool in tools}
+        return types.ListToolsResult(tools=[
+            tool for tool, listed in zip(tools, reply.tools, strict=True)
+            if listed.permissions.callable])
+
+    async def _declares_output_schema(self, tool_name: str, metadata: Metadata) -> bool:
+        """Whether ``tool_name`` lists an output schema (a ListTools when it is not known
+        yet: a client may call a tool without listing first)."""
+        known = self._output_schemas.get(tool_name)
+        if known is None:
+            try:
+                reply = await self.client.list_tools(metadata)
+            except grpc.aio.AioRpcError:
+                return False
+            self._output_schemas = {tool.name: mcp_tool(tool).output_schema is not None
+                                    for tool in reply.tools}
+            known = self._output_schemas.setdefault(tool_name, False)
+        return known
 
     # -- tools/call ------------------------------------------------------------------------
 
@@ -128,7 +162,7 @@ class Bridge:
         except grpc.aio.AioRpcError as error:
             return refusal(CallError.from_rpc_error(error), params.name)
         try:
-            return await self._follow(ctx, started)
+            final, view = await self._follow(ctx, started)
         except anyio.get_cancelled_exc_class():
             # notifications/cancelled (or the client went away): the run stops too.
             with anyio.CancelScope(shield=True), contextlib.suppress(
@@ -137,16 +171,20 @@ class Bridge:
                     self.client.cancel(started.run_id, "the MCP client cancelled the call",
                                        metadata), CANCEL_TIMEOUT_SECONDS)
             raise
+        declared = (final.result.HasField("structured_output")
+                    and await self._declares_output_schema(params.name, metadata))
+        return call_result(final, view, declares_output_schema=declared)
 
     async def _follow(self, ctx: ServerRequestContext[Any, Any], started: StartedRun
-                      ) -> types.CallToolResult:
+                      ) -> tuple[events_pb2.RunEvent, ProgressView]:
+        """Shows the run's events as they come; its final event and what it streamed."""
         assert started.events is not None
         view = ProgressView()
         show = _progress_sender(ctx)
         event: events_pb2.RunEvent | None = started.first
         while event is not None:
             if event.HasField("result"):
-                return call_result(event, view)
+                return event, view
             text = view.message(event)
             if text is not None:
                 level = (_LOG_LEVELS.get(event.notice.level, "info")
@@ -159,7 +197,57 @@ class Bridge:
             raise MCPError(types.INTERNAL_ERROR, f"lost the stream of run {started.run_id} "
                            f"({exc}); it may still be going",
                            {"run_id": started.run_id}) from None
-        return call_result(final, view)
+        return final, view
+
+    # -- resources: the whole output of a run ------------------------------------------------
+
+    async def _list_resources(self, ctx: ServerRequestContext[Any, Any],
+                              params: types.PaginatedRequestParams | None
+                              ) -> types.ListResourcesResult:
+        return types.ListResourcesResult(resources=[])
+
+    async def _list_resource_templates(self, ctx: ServerRequestContext[Any, Any],
+                                       params: types.PaginatedRequestParams | None
+                                       ) -> types.ListResourceTemplatesResult:
+        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
+            uri_template=OUTPUT_URI.replace("{run_id}", "{run}"), name="run-output",
+            title="The whole output of a run", mime_type="text/plain",
+            description="All of a run's output text, which a tool result longer than the "
+            "text it shows links to. Readable by whoever may watch the run, while it is "
+            "kept.")])
+
+    async def _read_resource(self, ctx: ServerRequestContext[Any, Any],
+                             params: types.ReadResourceRequestParams
+                             ) -> types.ReadResourceResult:
+        """The whole output of a run, replayed with WatchRun (waiting for its end)."""
+        uri = str(params.uri)
+        run_id = run_of_output_uri(uri)
+        if run_id is None:
+            raise MCPError(types.INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
+        chunks = StreamedFiles()
+        call = self.client.watch(run_id, 0, self._credentials(ctx))
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                event = reply.event
+                if event.HasField("file_chunk"):
+                    chunks.add(event.file_chunk.file_id, event.file_chunk.offset,
+                               event.file_chunk.data)
+                elif event.HasField("result"):
+                    text = output_text(event.result, run_id, chunks)
+                    return types.ReadResourceResult(contents=[types.TextResourceContents(
+                        uri=output_uri(run_id), mime_type="text/plain", text=text)])
+        except grpc.aio.AioRpcError as error:
+            refused = CallError.from_rpc_error(error)
+            if refused.code is grpc.StatusCode.NOT_FOUND:
+                # An unknown, expired or another caller's run: the same answer for each.
+                raise MCPError(types.INVALID_PARAMS, f"Unknown resource: {uri}",
+                               {"uri": uri, "reason": refused.reason or "RUN_NOT_FOUND"}
+                               ) from None
+            raise protocol_error(refused) from None
+        finally:
+            call.cancel()
+        raise MCPError(types.INTERNAL_ERROR, f"the stream of run {run_id} ended before its "
+                       "Result; read the resource again", {"uri": uri})
 
     # -- notifications/tools/list_changed ----------------------------------------------------
 

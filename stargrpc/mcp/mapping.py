@@ -1,12 +1,31 @@
 """stargrpc's messages as MCP's: catalog tools, run events as progress, Results as
 ``CallToolResult``s, refused calls as tool errors or JSON-RPC errors.
 
+A Result becomes a ``CallToolResult`` that says what the tool said, each part where MCP
+clients look for it (a model is often shown ``structuredContent`` instead of the text when
+there is one, as the specification allows):
+
+- ``content``: the output text, whole up to :data:`MAX_TEXT_CHARS`; a longer one shows its
+  beginning, a line saying how much was left out, and a ``resource_link`` to the whole
+  text, :data:`OUTPUT_URI` of the run, which ``resources/read`` answers with the caller's
+  own credentials for as long as the run is kept. Then each sent file as an embedded
+  resource.
+- ``structuredContent``: the structured output, only when it is the tool's result — the
+  tool declares an output schema (MCP then requires it), or the text is that object as
+  JSON. Otherwise (a sandboxed tool's exit status and verdict, an HTTP response's
+  headers: facts about the run beside its text) it is ``_meta``'s
+  :data:`STRUCTURED_META_KEY`.
+- ``_meta``: the run's id, outcome, error code, write-back and, when the text was cut,
+  :data:`OUTPUT_META_KEY`.
+
 Pure functions: nothing here talks to a network.
 """
 
 from __future__ import annotations
 
 import base64
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +36,8 @@ from mcp.shared.exceptions import MCPError
 
 from stargrpc.client._files import StreamedFiles
 from stargrpc.client.errors import CallError
+from stargrpc.runs.event_sizes import OUTPUT_FILE_NAME
+from stargrpc.runs.result_fit import moved_file_id
 from stargrpc.v1 import catalog_pb2, events_pb2
 
 #: ``_meta`` key of a ``tools/call`` request: the run's idempotency key (a repeated key from
@@ -28,6 +49,21 @@ RUN_ID_META_KEY = "stargrpc.dev/run-id"
 OUTCOME_META_KEY = "stargrpc.dev/outcome"
 ERROR_CODE_META_KEY = "stargrpc.dev/error-code"
 WRITEBACK_META_KEY = "stargrpc.dev/writeback"
+#: The structured output when it is not the tool's result but facts about the run.
+STRUCTURED_META_KEY = "stargrpc.dev/structured-output"
+#: Set when the text was cut: ``{"uri", "chars", "shown_chars"}`` of the whole output.
+OUTPUT_META_KEY = "stargrpc.dev/output"
+
+#: The longest output text a ``CallToolResult`` carries whole, in characters. About 25,000
+#: tokens: what MCP clients such as Claude Code take into a model's context by default
+#: before they cut or refuse a tool's answer themselves, without saying what was lost.
+MAX_TEXT_CHARS = 100_000
+
+#: The resource that holds the whole output of a run (``resources/read``).
+OUTPUT_URI = "stargrpc://runs/{run_id}/output"
+_OUTPUT_URI = re.compile(r"stargrpc://runs/([A-Za-z0-9_.:-]{1,200})/output")
+#: The run's receipt (Result.usage): its measured figures by field name, as numbers.
+USAGE_META_KEY = "stargrpc.dev/usage"
 
 #: JSON-RPC error code of a call refused for missing or rejected credentials (the
 #: implementation-defined range of JSON-RPC; MCP defines none for this).
@@ -109,43 +145,110 @@ class ProgressView:
         return None
 
 
-def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None
-                ) -> types.CallToolResult:
+def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None, *,
+                declares_output_schema: bool = False) -> types.CallToolResult:
     """The ``CallToolResult`` of a run's final event.
 
     Args:
         final: The run's last event (its ``result``).
         view: What the run streamed before: the content of files sent in chunks.
+        declares_output_schema: The tool lists an (object) output schema over MCP, so its
+            structured output is its structured content.
     """
     result = final.result
+    run_id = final.run_id
     outcome = _OUTCOMES.get(result.outcome, "UNSPECIFIED")
-    content: list[types.ContentBlock] = []
     ok = result.outcome == events_pb2.OUTCOME_OK
+    chunks = view.files if view is not None else StreamedFiles()
+    whole = output_text(result, run_id, chunks)
+    shown, link = _shown_output(whole, run_id)
     if ok:
-        content.append(types.TextContent(text=result.output))
+        text = shown
     else:
         text = f"{outcome} [{result.error.code or outcome}]: {result.error.message}".rstrip(": ")
-        if result.output:
-            text += f"\n{result.output}"
-        content.append(types.TextContent(text=text))
-    chunks = view.files if view is not None else StreamedFiles()
+        if shown:
+            text += f"\n{shown}"
+    content: list[types.ContentBlock] = [types.TextContent(text=text)]
+    meta: dict[str, Any] = {RUN_ID_META_KEY: run_id, OUTCOME_META_KEY: outcome}
+    if link is not None:
+        content.append(link)
+        meta[OUTPUT_META_KEY] = {"uri": link.uri, "chars": len(whole),
+                                 "shown_chars": MAX_TEXT_CHARS}
+    moved = moved_file_id(run_id, OUTPUT_FILE_NAME)
     for sent in result.writeback.sent_files:
+        if sent.file_id == moved and sent.streamed:
+            continue  # the output text itself, shown above (and linked when cut)
         data = (chunks.content(sent.file_id, sent.size) or b"") if sent.streamed else sent.content
-        content.append(_file_content(final.run_id, sent, data))
+        content.append(_file_content(run_id, sent, data))
     structured = None
     if result.HasField("structured_output"):
         value = _whole_numbers(json_format.MessageToDict(result.structured_output))
-        structured = value if isinstance(value, dict) else {"result": value}
-    meta: dict[str, Any] = {RUN_ID_META_KEY: final.run_id, OUTCOME_META_KEY: outcome}
+        if isinstance(value, dict) and ok and (declares_output_schema
+                                               or _is_json_of(result.output, value)):
+            structured = value
+        else:
+            meta[STRUCTURED_META_KEY] = value
     if not ok:
         meta[ERROR_CODE_META_KEY] = result.error.code or outcome
     if result.writeback.injected_tools or result.writeback.sent_rich_messages:
-        shown = events_pb2.WriteBack()
-        shown.CopyFrom(result.writeback)
-        del shown.sent_files[:]
-        meta[WRITEBACK_META_KEY] = json_format.MessageToDict(shown)
+        shown_writeback = events_pb2.WriteBack()
+        shown_writeback.CopyFrom(result.writeback)
+        del shown_writeback.sent_files[:]
+        meta[WRITEBACK_META_KEY] = json_format.MessageToDict(shown_writeback)
+    if result.HasField("usage"):  # the run's receipt: its measured figures, as numbers
+        meta[USAGE_META_KEY] = {field.name: value for field, value in result.usage.ListFields()}
     return types.CallToolResult(content=content, structured_content=structured,
                                 is_error=not ok, _meta=meta)
+
+
+def output_text(result: events_pb2.Result, run_id: str, chunks: StreamedFiles) -> str:
+    """The whole output text of a Result: ``output``, or, when it was too large for the
+    Result, the sent file it moved into (put back together from ``chunks``; what the
+    Result kept, its beginning and a marker, if the chunks are not all there)."""
+    moved = moved_file_id(run_id, OUTPUT_FILE_NAME)
+    for sent in result.writeback.sent_files:
+        if sent.file_id == moved and sent.streamed:
+            data = chunks.content(sent.file_id, sent.size)
+            if data is not None:
+                return data.decode("utf-8", errors="replace")
+    return result.output
+
+
+def output_uri(run_id: str) -> str:
+    """The URI of the resource holding the whole output of run ``run_id``."""
+    return OUTPUT_URI.format(run_id=run_id)
+
+
+def run_of_output_uri(uri: str) -> str | None:
+    """The run whose output ``uri`` names, or None when it names none."""
+    found = _OUTPUT_URI.fullmatch(uri)
+    return found.group(1) if found else None
+
+
+def _shown_output(whole: str, run_id: str) -> tuple[str, types.ResourceLink | None]:
+    """The output as the text content shows it and, when it is cut, the link to all of it."""
+    if len(whole) <= MAX_TEXT_CHARS:
+        return whole, None
+    uri = output_uri(run_id)
+    size = len(whole.encode())
+    note = (f"\n[output truncated: these are the first {MAX_TEXT_CHARS} of {len(whole)} "
+            f"characters; the whole output is the resource {uri} (resources/read)]")
+    link = types.ResourceLink(
+        uri=uri, name="output", title="The whole output", mime_type="text/plain",
+        size=size, description=f"All {len(whole)} characters ({size} bytes) of the output "
+        f"of run {run_id}")
+    return whole[:MAX_TEXT_CHARS] + note, link
+
+
+def _is_json_of(text: str, value: dict[str, Any]) -> bool:
+    """Whether ``text`` is ``value`` as JSON: what a tool that returns data gives as text."""
+    if not text.startswith("{"):
+        return False
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return False
+    return bool(_whole_numbers(parsed) == value)
 
 
 def _whole_numbers(value: Any) -> Any:

@@ -16,9 +16,10 @@ up, or fetch that URL, on every call. So a schema is usable (:func:`schema_probl
   is longer than :data:`MAX_SCHEMA_DEPTH`. A loop through ``properties``, ``items`` and the
   like is fine: each turn moves into the arguments, whose own depth ends it.
 
-The schema is not checked against its metaschema: that takes jsonschema about a
-millisecond per 3 subschemas (2020-12's vocabularies), a server may list hundreds of
-schemas of 64 KiB and list them again at will, and what the checks above leave out cannot
+The schema is not checked against its metaschema: jsonschema's check against 2020-12's
+vocabularies costs in proportion to the subschemas, far more than the walk above (measured
+in ``bench/README.md``), a server may list hundreds of schemas of 64 KiB and list them
+again at will, and what the checks above leave out cannot
 hang a call: an :class:`ArgumentChecker` checks arguments with :mod:`jsonschema`, each
 keyword counted — deeper than :data:`MAX_EVALUATION_DEPTH` nested subschemas or more than
 :data:`MAX_EVALUATION_STEPS` keywords and the arguments are refused as too costly to
@@ -31,6 +32,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
@@ -54,6 +56,8 @@ MAX_EVALUATION_DEPTH = 160
 #: Most schema keywords evaluated while checking one call's arguments (each item of an
 #: array under ``items: {"type": …}`` is one): checking runs on the event loop.
 MAX_EVALUATION_STEPS = 50_000
+#: Most mismatches named for one call's arguments (each becomes a field violation).
+MAX_MISMATCHES = 20
 
 # Keywords whose subschemas apply to the value itself rather than to a part of it.
 _IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
@@ -116,23 +120,78 @@ class ArgumentChecker:
         self._validator = _guarded(base)(schema, registry=referencing.Registry())
 
     def problem(self, arguments: Any) -> str | None:
-        """The most relevant reason ``arguments`` do not match, as ``path: message``, or
-        None when they do.
+        """The first mismatch of ``arguments`` as ``path: message``, or None when they
+        match.
+
+        Raises:
+            SchemaTooCostly: Checking would nest or take too long.
+        """
+        found = self.mismatches(arguments, limit=1)
+        return str(found[0]) if found else None
+
+    def mismatches(self, arguments: Any, limit: int = MAX_MISMATCHES) -> list[Mismatch]:
+        """Where and why ``arguments`` do not match, at most ``limit``, one per field as
+        local tools name them: a missing property at its own path, each unexpected one as
+        an unknown field, and for ``anyOf``/``oneOf`` the most relevant branch's reason.
 
         Raises:
             SchemaTooCostly: Checking would nest or take too long.
         """
         _budget.depth = _budget.steps = 0
+        found: dict[tuple[str | int, ...], Mismatch] = {}
         try:
-            error = jsonschema.exceptions.best_match(self._validator.iter_errors(arguments))
+            for error in self._validator.iter_errors(arguments):
+                best = jsonschema.exceptions.best_match([error])
+                for mismatch in _named(best if best is not None else error):
+                    found.setdefault(mismatch.path, mismatch)
+                if len(found) >= limit:
+                    break
         except RecursionError:  # the budget makes it unreachable; kept as the last word
             raise SchemaTooCostly("nested too deeply") from None
         finally:
             _budget.depth = _budget.steps = 0
-        if error is None:
-            return None
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-        return f"{where.lstrip('.') or 'arguments'}: {_short(error.message)}"
+        return list(found.values())[:limit]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One way arguments do not match a schema.
+
+    Attributes:
+        path: Where, from the arguments object down (keys and list indexes).
+        message: Why, as the validator says it (long messages cut).
+    """
+
+    path: tuple[str | int, ...]
+    message: str
+
+    def __str__(self) -> str:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in self.path)
+        return f"{where.lstrip('.') or 'arguments'}: {self.message}"
+
+
+def _named(error: Any) -> list[Mismatch]:
+    """``error`` at the path of the field it is about: a missing property's own path
+    (``required``), each unexpected property's (``additionalProperties: false``)."""
+    path = tuple(error.path)
+    instance, schema = error.instance, error.schema
+    if error.validator == "required" and isinstance(instance, dict):
+        missing = [name for name in error.validator_value or ()
+                   if isinstance(name, str) and name not in instance
+                   and repr(name) in error.message]
+        if missing:
+            return [Mismatch((*path, missing[0]), "Field required")]
+    if (error.validator == "additionalProperties" and error.validator_value is False
+            and isinstance(instance, dict) and isinstance(schema, dict)):
+        properties = schema.get("properties")
+        known: dict[str, Any] = properties if isinstance(properties, dict) else {}
+        pattern_map = schema.get("patternProperties")
+        patterns = list(pattern_map) if isinstance(pattern_map, dict) else []
+        extra = [key for key in instance if key not in known
+                 and not any(re.search(pattern, key) for pattern in patterns)]
+        if extra:
+            return [Mismatch((*path, key), "unknown field") for key in extra]
+    return [Mismatch(path, _short(error.message))]
 
 
 def _guarded(base: type[Any]) -> type[Any]:

@@ -51,7 +51,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 from mcp_types.jsonrpc import CONNECTION_CLOSED, REQUEST_TIMEOUT
-from pydantic import BaseModel, ConfigDict, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from stargrpc.egress import HttpPolicy, Refused, canonical_host, vet_url
 from stargrpc.errors import ToolFailed
@@ -113,16 +114,26 @@ class UpstreamArguments(BaseModel):
         if checker is None:  # an output schema, or an unavailable tool's stand-in
             return value
         try:
-            problem = checker.problem(value)
+            found = checker.mismatches(value)
         except SchemaTooCostly as exc:
-            raise ValueError(f"arguments: too costly to check against the tool's input "
-                             f"schema ({exc})") from None
+            raise _violations(value, [((), f"too costly to check against the tool's input "
+                                           f"schema ({exc})")]) from None
         except Exception as exc:  # a schema the validator still cannot apply: refuse, said
-            raise ValueError(f"arguments: the tool's input schema cannot check them "
-                             f"({_describe(exc)})") from None
-        if problem is not None:
-            raise ValueError(problem)
+            raise _violations(value, [((), f"the tool's input schema cannot check them "
+                                           f"({_describe(exc)})")]) from None
+        if found:
+            # Each at its path (``arguments.a``), as a local tool's model names its fields.
+            raise _violations(value, [(m.path, m.message) for m in found])
         return value
+
+
+def _violations(value: Any, found: list[tuple[tuple[str | int, ...], str]]
+                ) -> ValidationError:
+    """Mismatches as pydantic's errors at their own locations: raised in a validator, they
+    keep them, and the run's argument check names each field."""
+    return ValidationError.from_exception_data("arguments", [
+        {"type": PydanticCustomError("upstream_schema", "{reason}", {"reason": message}),
+         "loc": path, "input": value} for path, message in found])
 
 
 def _schema_model(name: str, schema: dict[str, Any] | None,
@@ -493,6 +504,12 @@ class Upstream:
 
         progress = _Progress(ctx)
         self._calls.append(ctx)
+        # The receipt counts the call's own messages (the connection is shared by every
+        # call, so its wire bytes are nobody's alone): the request's parameters now, the
+        # result when it comes.
+        ctx.usage.add_network(sent=len(json.dumps(
+            {"name": tool_name, "arguments": arguments}, separators=(",", ":"),
+            ensure_ascii=False, default=str).encode()))
         try:
             result = await client.session.call_tool(
                 tool_name, arguments, read_timeout_seconds=self.entry.call_timeout_seconds,
@@ -511,6 +528,8 @@ class Upstream:
             raise self._died(client) from exc
         finally:
             self._calls.remove(ctx)
+        ctx.usage.add_network(received=len(result.model_dump_json(
+            by_alias=True, exclude_none=True).encode()))
         await progress.finish(name)
         return _result(ctx, result)
 

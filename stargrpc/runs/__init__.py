@@ -10,7 +10,7 @@ gateway, the MCP endpoint, the test harness) hand a decoded request to
 - admission's parts: ``permissions.py`` (who may run a tool), ``arguments.py`` (decoding and
   validation), ``idempotency.py`` (keys), ``concurrency.py`` (runs in flight);
 - a run's output: ``outcome.py`` (what a return or exception means), ``event_sizes.py``
-  (every event under the send limit);
+  (every event under the send limit), ``usage.py`` (its receipt, ``Result.usage``);
 - ``call_record.py``: the record of one call attempt, shared along the interceptors.
 
 Rooms still to come sit beside these, each with its seam named in the runtime: lanes and

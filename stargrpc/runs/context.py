@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from stargrpc.principal import Principal
+from stargrpc.runs.usage import RunUsage
 from stargrpc.settings import Settings
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ class RunHandle(Protocol):
     spec: ToolSpec
     principal: Principal
     invocation: Mapping[str, Any]
-    settings: Settings
     writeback: WriteBack
     root_step: ToolStep
     audit_arguments: dict[str, Any] | None
@@ -89,6 +89,11 @@ class RunHandle(Protocol):
     @property
     def stop_requested(self) -> bool:
         """Whether someone asked the run to stop."""
+        ...
+
+    @property
+    def usage(self) -> RunUsage:
+        """What the run used, as its tool reports it."""
         ...
 
     def next_step_id(self) -> str:
@@ -203,13 +208,18 @@ class ToolContext:
     _run: RunHandle
     _logger: Any
 
-    def __init__(self, run: RunHandle) -> None:
+    def __init__(self, run: RunHandle, settings: Settings) -> None:
+        """
+        Args:
+            run: The run the tool runs in.
+            settings: The server's settings, handed by the runtime that started the run.
+        """
         self._run = run
         self.run_id = run.run_id
         self.tool_name = run.spec.name
         self.principal = run.principal
         self.invocation = run.invocation
-        self.settings = run.settings
+        self.settings = settings
         self._logger = None
 
     @property
@@ -294,6 +304,18 @@ class ToolContext:
             self._run.audit_arguments = dict(arguments)
         if result is not None:
             self._run.audit_result = result
+
+    @property
+    def usage(self) -> RunUsage:
+        """The run's receipt, for what the server cannot measure itself (``Result.usage``).
+
+        A tool whose network traffic goes through it counts that traffic
+        (``ctx.usage.add_network(sent=…, received=…)``); a tool that runs a process tree
+        of its own reports what it measured of it (``ctx.usage.add_processes(…)``; the
+        sandbox does this for every command). What nobody reports stays unset in the
+        Result: "not measured".
+        """
+        return self._run.usage
 
     @property
     def cancelled(self) -> bool:
@@ -438,6 +460,11 @@ class SyncToolContext:
                    result: str | None = None) -> None:
         """See :meth:`ToolContext.audit_view`."""
         self._ctx.audit_view(arguments=arguments, result=result)
+
+    @property
+    def usage(self) -> RunUsage:
+        """See :attr:`ToolContext.usage` (its methods may be called from this thread)."""
+        return self._ctx.usage
 
     @property
     def cancelled(self) -> bool:

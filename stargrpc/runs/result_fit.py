@@ -76,8 +76,9 @@ def fit_result(result: events_pb2.Result, outcome: ToolResult, writeback: WriteB
     gave it (the common case) costs nothing beyond its message.
 
     Args:
-        result: An empty Result to fill (the one inside the event the run appends: making
-            it elsewhere would copy it).
+        result: The Result to fill, empty but for its ``usage`` (the one inside the event
+            the run appends: making it elsewhere would copy it). The usage is counted in
+            the room the rest shares, and kept when the Result must become an error.
         outcome: How the tool ended.
         writeback: The files, injected tools and rich messages the tool handed back.
         run_id: The run's id, which the ids of the files the fitting makes start with.
@@ -237,11 +238,18 @@ def _structured_over(result: events_pb2.Result, structured: Any, room: int) -> b
     return json.dumps(structured, ensure_ascii=False, default=str).encode()
 
 
+def moved_file_id(run_id: str, name: str) -> str:
+    """The id of the sent file that what did not fit in run ``run_id``'s Result moved into
+    (``name`` :data:`~stargrpc.runs.event_sizes.OUTPUT_FILE_NAME` or
+    :data:`~stargrpc.runs.event_sizes.STRUCTURED_FILE_NAME`)."""
+    return f"{run_id}-{name}"
+
+
 def _moved_to_file(run_id: str, name: str, mime_type: str, data: bytes,
                    listing: events_pb2.WriteBack, fit: ResultFit) -> SentFileRecord:
     """A sent file holding what did not fit in the Result: listed in ``listing`` and
     streamed (added to ``fit.files``)."""
-    record = SentFileRecord(file_id=f"{run_id}-{name}", name=name, mime_type=mime_type,
+    record = SentFileRecord(file_id=moved_file_id(run_id, name), name=name, mime_type=mime_type,
                             data=data, sha256=hashlib.sha256(data).hexdigest())
     fit.files.append(record)
     listing.sent_files.add(file_id=record.file_id, name=name, mime_type=mime_type,
@@ -251,10 +259,15 @@ def _moved_to_file(run_id: str, name: str, mime_type: str, data: bytes,
 
 def _replace_with_error(result: events_pb2.Result, size: int, limit: int) -> None:
     """Makes ``result`` an ERROR Result saying that it was ``size`` bytes (keeping its
-    duration), so that no client and no run log ever gets one over the limit."""
+    duration and usage), so that no client and no run log ever gets one over the limit."""
     duration = result.duration
     seconds, nanos = duration.seconds, duration.nanos
+    usage = events_pb2.Usage()
+    usage.CopyFrom(result.usage)
+    had_usage = result.HasField("usage")
     result.Clear()
+    if had_usage:
+        result.usage.CopyFrom(usage)
     result.outcome = events_pb2.OUTCOME_ERROR
     result.error.code = RESULT_TOO_LARGE
     result.error.message = (f"the Result ({size} bytes) does not fit the largest event "

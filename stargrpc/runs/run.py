@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from stargrpc.runs.context import SentFileRecord, SyncToolContext, ToolContext, 
 from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
 from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.runs.result_fit import fit_result, set_duration
+from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
@@ -84,14 +86,31 @@ class RunLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> RunLimits:
         """The limits ``settings`` configure."""
+        sizes = EventSizes.for_send_limit(min(settings.max_event_bytes,
+                                              settings.max_send_message_bytes))
         return cls(
-            sizes=EventSizes.for_send_limit(min(settings.max_event_bytes,
-                                                settings.max_send_message_bytes)),
+            sizes=sizes,
             inline_file_bytes=settings.inline_file_bytes,
-            file_chunk_bytes=settings.file_chunk_bytes,
+            # A chunk is an event like any other: it must fit what one message may carry,
+            # whatever file_chunk_bytes says.
+            file_chunk_bytes=min(settings.file_chunk_bytes, sizes.result_bytes),
             steer_max_bytes=settings.steer_max_bytes,
             steer_max_pending=settings.steer_max_pending,
             limit_retry_after_seconds=settings.limit_retry_after_seconds)
+
+    @staticmethod
+    @functools.cache
+    def default() -> RunLimits:
+        """The limits of a run made without a runtime's (in tests): those the default
+        settings configure, made once."""
+        return RunLimits.from_settings(_default_settings())
+
+
+@functools.cache
+def _default_settings() -> Settings:
+    """What a tool reads as ``ctx.settings`` in a run started without a runtime's settings:
+    the settings of the environment, read once."""
+    return Settings()
 
 
 @dataclass(frozen=True)
@@ -120,14 +139,13 @@ class Run:
         result: The Result, once the run has ended: the logged event's own message (read
             it, never change it: streams send the bytes made of it).
         duration_ns: The Result's duration in nanoseconds, once the run is ending.
+        usage: What the run used, as its tool reports it (``ctx.usage``); the Result's
+            ``usage`` is made of it and of the run's wall time.
         limits: The limits the run keeps to.
-        settings: The server's settings, for the tool (``ctx.settings``): the run itself
-            reads only :attr:`limits`.
     """
 
     run_id: str
     limits: RunLimits
-    settings: Settings
     spec: ToolSpec
     args: BaseModel
     principal: Principal
@@ -168,6 +186,7 @@ class Run:
     audit_arguments = None
     audit_result = None
     _result_appended: events_pb2.Result | None = None
+    _usage: RunUsage | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -184,15 +203,14 @@ class Run:
 
     def __init__(self, run_id: str, spec: ToolSpec, args: BaseModel, principal: Principal,
                  invocation: Mapping[str, Any], log: RunLog,
-                 settings: Settings | None = None, *, limits: RunLimits | None = None) -> None:
+                 *, limits: RunLimits | None = None) -> None:
         """
         Args:
-            limits: The limits to keep to; by default those ``settings`` configure (a
-                runtime makes them once and hands them to each of its runs).
+            limits: The limits to keep to; by default :meth:`RunLimits.default` (a runtime
+                makes them from its settings once and hands them to each of its runs).
         """
         self.run_id = run_id
-        self.settings = settings if settings is not None else Settings()
-        self.limits = limits if limits is not None else RunLimits.from_settings(self.settings)
+        self.limits = limits if limits is not None else RunLimits.default()
         self.spec = spec
         self.args = args
         self.principal = principal
@@ -209,15 +227,30 @@ class Run:
         self._sizes = self.limits.sizes
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
 
+    @property
+    def usage(self) -> RunUsage:
+        """What the run used, as its tool reports it (made when first reported: most runs
+        report nothing)."""
+        if self._usage is None:
+            self._usage = RunUsage()
+        return self._usage
+
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> asyncio.Task[None]:
-        """Starts the run in its own task; the events appear in :attr:`log`."""
+    def start(self, settings: Settings | None = None) -> asyncio.Task[None]:
+        """Starts the run in its own task; the events appear in :attr:`log`.
+
+        Args:
+            settings: The server's settings, which the tool reads as ``ctx.settings`` (the
+                run itself keeps to :attr:`limits` only); by default the environment's,
+                read once per process.
+        """
         if self._main_task is None:
             # A fresh context: the tool must not inherit (or leak into) the caller's
             # context variables beyond what the run sets up itself.
-            self._main_task = asyncio.create_task(self._main(), name=f"run-{self.run_id}",
-                                                  context=contextvars.copy_context())
+            self._main_task = asyncio.create_task(
+                self._main(settings if settings is not None else _default_settings()),
+                name=f"run-{self.run_id}", context=contextvars.copy_context())
         return self._main_task
 
     @property
@@ -309,11 +342,11 @@ class Run:
         assert self.result is not None
         return self.result
 
-    async def _main(self) -> None:
+    async def _main(self, settings: Settings) -> None:
         started = time.monotonic()
         try:
             await self.start_step(self.root_step)
-            outcome = await self._run_tool()
+            outcome = await self._run_tool(settings)
         except Exception:  # the run's own machinery broke; still end the run
             log.exception("run_machinery_failed", run_id=self.run_id, tool=self.spec.name)
             outcome = ToolResult(outcome=Outcome.ERROR, error_code="INTERNAL",
@@ -322,8 +355,8 @@ class Run:
             return  # the run ended without the tool (see _abandon_tool)
         await self._finish(outcome, time.monotonic() - started)
 
-    async def _run_tool(self) -> ToolResult:
-        ctx = ToolContext(self)
+    async def _run_tool(self, settings: Settings) -> ToolResult:
+        ctx = ToolContext(self, settings)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, tool=self.spec.name)
         if self._stop is not None:  # stopped before the tool even started
             return self._stopped_result()
@@ -462,6 +495,7 @@ class Run:
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
         set_duration(result.duration, self.duration_ns or 0)
+        fill_usage(result.usage, self.duration_ns or 0, self._usage)
         return result
 
     def _ended(self) -> None:
@@ -489,6 +523,8 @@ class Run:
         # The Result is made in its event: RunEvent(result=...) would copy it.
         event = events_pb2.RunEvent()
         result = event.result
+        # The receipt first: the fitting then counts its few bytes in the Result's room.
+        fill_usage(result.usage, self.duration_ns or 0, self._usage)
         fit = fit_result(result, outcome, self.writeback, run_id=self.run_id,
                          duration_ns=self.duration_ns or 0, sizes=self._sizes,
                          inline_file_bytes=self.limits.inline_file_bytes)
@@ -551,16 +587,8 @@ class Run:
 
     async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
-        event = events_pb2.RunEvent()
-        # One clock reading for the event's time and the step's start, each field set
-        # directly: a CopyFrom of one Timestamp into the other costs more than both.
-        now = divmod(time.time_ns(), 1_000_000_000)
-        stamp = event.time
-        stamp.seconds, stamp.nanos = now
-        message = event.step
-        message.phase = events_pb2.STEP_PHASE_START
-        fields = message.step
-        _fill_step(fields, step, events_pb2.STEP_STATUS_RUNNING, self._sizes)
+        event, fields, now = _step_event(events_pb2.STEP_PHASE_START, step,
+                                         events_pb2.STEP_STATUS_RUNNING, self._sizes)
         stamp = fields.started_at
         stamp.seconds, stamp.nanos = now
         self._open_steps[step.id] = step
@@ -571,15 +599,8 @@ class Run:
         """Emits the END of ``step`` (once; later calls do nothing)."""
         if self._open_steps.pop(step.id, None) is None:
             return
-        event = events_pb2.RunEvent()
-        now = divmod(time.time_ns(), 1_000_000_000)
-        stamp = event.time
-        stamp.seconds, stamp.nanos = now
-        message = event.step
-        message.phase = events_pb2.STEP_PHASE_END
         status = events_pb2.STEP_STATUS_ERROR if error else events_pb2.STEP_STATUS_COMPLETE
-        fields = message.step
-        _fill_step(fields, step, status, self._sizes)
+        event, fields, now = _step_event(events_pb2.STEP_PHASE_END, step, status, self._sizes)
         stamp = fields.started_at
         stamp.seconds, stamp.nanos = self._step_started.pop(step.id)
         stamp = fields.ended_at
@@ -666,6 +687,23 @@ def check_steer_message(message: str, max_bytes: int) -> None:
             f"the steering message is {size} bytes; at most {max_bytes} are taken",
             [FieldViolation("message", f"at most {max_bytes} bytes of UTF-8 "
                                        f"(steer_max_bytes), got {size}")])
+
+
+def _step_event(phase: int, step: ToolStep, status: int, sizes: EventSizes
+                ) -> tuple[events_pb2.RunEvent, events_pb2.Step, tuple[int, int]]:
+    """A START or END event of ``step`` stamped with the time now, with the step's fields
+    (its times left for the caller to set) and that time as (seconds, nanos)."""
+    event = events_pb2.RunEvent()
+    # One clock reading for the event's time and the step's own, each field set directly:
+    # a CopyFrom of one Timestamp into the other costs more than both.
+    now = divmod(time.time_ns(), 1_000_000_000)
+    stamp = event.time
+    stamp.seconds, stamp.nanos = now
+    message = event.step
+    message.phase = phase  # type: ignore[assignment]
+    fields = message.step
+    _fill_step(fields, step, status, sizes)
+    return event, fields, now
 
 
 def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: EventSizes) -> None:

@@ -148,7 +148,7 @@ class _StartRun(RunInterceptor):
             record.run = run
         metrics.RUNS_IN_FLIGHT.inc()
         run.finish_hooks.append(self._finished)
-        run.start()
+        run.start(self._runtime.settings)
         return run
 
     def _finished(self, run: Run) -> None:
@@ -189,6 +189,18 @@ def _count_finished(run: Run) -> None:
         _FINISHED_SERIES[key] = series
     series[0].inc()
     series[1].observe(run.duration_ns / 1e9)  # the Result's duration, in seconds
+    usage = run.result.usage
+    if usage.HasField("cpu_user_seconds") or usage.HasField("peak_rss_bytes"):
+        _observe_usage(run.spec.name, usage)
+
+
+def _observe_usage(tool: str, usage: events_pb2.Usage) -> None:
+    """Observes the measured figures of a run's receipt (a sandboxed run's, mostly)."""
+    if usage.HasField("cpu_user_seconds") or usage.HasField("cpu_system_seconds"):
+        metrics.RUN_CPU_SECONDS.labels(tool).observe(
+            usage.cpu_user_seconds + usage.cpu_system_seconds)
+    if usage.HasField("peak_rss_bytes"):
+        metrics.RUN_PEAK_MEMORY_BYTES.labels(tool).observe(usage.peak_rss_bytes)
 
 
 class Runtime:
@@ -367,7 +379,7 @@ class Runtime:
             record.run_id = run_id
         return Run(run_id, spec, args, principal, request.invocation,
                    self.store.create(run_id, owner=principal.id, tool=spec.name),
-                   settings=self.settings, limits=self.run_limits)
+                   limits=self.run_limits)
 
     async def admit(self, request: RunRequest, principal: Principal, *,
                     before_start: Callable[[Run], Awaitable[None]] | None = None

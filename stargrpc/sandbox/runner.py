@@ -5,9 +5,33 @@ uid of its own from ``sandbox_uid_range`` when the server is root) with an ``out
 and the caller's input files; start ``prlimit … [isolation wrapper] argv``
 in its own session with stdin closed and a scrubbed environment; stream stdout and stderr
 line by line through a callback (cut with a marker past the output cap); wait for the exit
-(through a pidfd, so the CPU time of the whole tree comes back from ``wait4``) under a
+(through a pidfd, so the rusage of the whole tree comes back from ``wait4``) under a
 wall clock and a disk cap (polled); kill the whole process group on timeout, disk cap or
 cancellation; collect the files left in ``out/``; remove the working directory.
+
+What a run used (:class:`SandboxResult`'s CPU time, peak memory and bytes written, which
+become its ``Result.usage``) is measured without cgroups: the server does not create them (it
+runs without a delegated cgroup subtree in the common case: a container, a user service),
+though they alone would see a whole tree at once, including the sum of its memory.
+
+- CPU time: the larger of two measures. The rusage ``wait4`` returns for the command's
+  leader covers it and every descendant reaped before it exited, by its own parent or by
+  the PID-namespace init of ``unshare``. Bubblewrap's outer process exits as soon as its
+  init reports the command's exit status, without reaping that init, so under ``bwrap``
+  the rusage holds only bubblewrap's own; there the figure comes from sampling instead:
+  every :data:`DISK_POLL_SECONDS` the server reads the CPU time (own and reaped children's)
+  of each live process of the tree from ``/proc``. Missed: under ``bwrap``, what ran after
+  the last sample; in every mode, processes still alive when the leader exited (the server
+  kills them, uncounted), and with ``rlimits`` (no PID namespace) orphans, whom the host's
+  init reaps.
+- Peak memory: the largest ``VmHWM`` (peak resident set of a process's current program)
+  among the samples, so a process that lived less than :data:`DISK_POLL_SECONDS` between
+  two samples is missed, and it is the largest single process, not the tree's sum. The
+  ``ru_maxrss`` of ``wait4`` cannot serve: the leader is spawned with ``vfork``, and its
+  first ``execve`` records the server's own peak as the leader's.
+- Bytes written: the disk use of the working directory at the end, as the disk cap
+  measures it, less that of the input files. Missed: writes to bubblewrap's private
+  ``/tmp`` (a tmpfs), files deleted before the end, data overwritten in place.
 
 Steering reaches the command through ``$STEER_FILE``, ``.steer.jsonl`` in its working
 directory: an append-only file, one JSON object ``{"message": …}`` per line, that the
@@ -30,6 +54,7 @@ import json
 import mimetypes
 import os
 import pwd
+import resource
 import secrets
 import signal
 import stat
@@ -54,6 +79,8 @@ log = structlog.get_logger("stargrpc.sandbox")
 OutputCallback = Callable[[str, str], Awaitable[None]]
 #: Called now and then with the seconds elapsed while the command runs silently or not.
 TickCallback = Callable[[float], Awaitable[None]]
+#: Called once with what the command's process tree used, however the command ended.
+UsageCallback = Callable[["TreeUsage"], None]
 
 #: The steering file in the working directory (``$STEER_FILE``).
 STEER_FILE_NAME = ".steer.jsonl"
@@ -86,6 +113,17 @@ class OutputFile:
     mime_type: str
 
 
+@dataclass(frozen=True)
+class TreeUsage:
+    """What a command's process tree used (see the module docstring for how each figure
+    is measured and what it misses); None for a figure not measured."""
+
+    cpu_user_seconds: float | None
+    cpu_system_seconds: float | None
+    peak_rss_bytes: int | None
+    bytes_written: int | None
+
+
 @dataclass
 class SandboxResult:
     """How a sandboxed run ended.
@@ -94,14 +132,27 @@ class SandboxResult:
         verdict: Why it ended (``verdict.ok`` for exit status 0).
         exit_status: Exit status, when it exited.
         exit_signal: The signal that ended it, when one did.
-        cpu_seconds: CPU time of the command and its reaped descendants.
+        cpu_seconds: CPU time of the command and its reaped descendants, from ``wait4``
+            (what the CPU limit is judged by; under bubblewrap only bubblewrap's own).
+        cpu_user_seconds: User-mode CPU seconds of the tree, the larger of ``wait4``'s and
+            the last sample's (None when neither measured it: a run under bubblewrap that
+            ended before the first sample).
+        cpu_system_seconds: Kernel-mode CPU seconds, as ``cpu_user_seconds``.
+        peak_rss_bytes: The largest peak resident memory of a process of the tree seen
+            by the samples (None before the first sample).
+        bytes_written: The disk use of the working directory at the end less that of the
+            input files (None when it could not be measured).
+        (See the module docstring for what each measure misses.)
         duration: Wall-clock seconds.
         output_truncated: Output went past the cap and was cut.
         stdout_tail: The end of stdout.
         stderr_tail: The end of stderr.
+        isolation: The isolation mode it ran in.
         files: Files left in the output folder, within the caps.
         skipped_files: Output files not returned, with why.
-        isolation: The isolation mode it ran in.
+        stdout: All of stdout as it streamed (within the output cap, with the cut's
+            marker when there was one): the DELTAs of channel ``stdout`` put together.
+        stderr: The same for stderr.
     """
 
     verdict: Verdict
@@ -115,6 +166,12 @@ class SandboxResult:
     isolation: str
     files: list[OutputFile] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    peak_rss_bytes: int | None = None
+    bytes_written: int | None = None
 
 
 def sandbox_root(settings: Settings) -> Path:
@@ -181,16 +238,25 @@ def isolation_for(settings: Settings) -> Isolation:
 
 
 class _Output:
-    """The output budget shared by stdout and stderr, and the tails kept of each."""
+    """The output budget shared by stdout and stderr, the tails kept of each and, for a
+    run (``keep``), all of each as it streamed: bounded by the same budget."""
 
-    def __init__(self, cap: int, on_output: OutputCallback | None) -> None:
+    def __init__(self, cap: int, on_output: OutputCallback | None, *, keep: bool = False
+                 ) -> None:
         self.left = cap
         self.cap = cap
         self.truncated = False
         self.on_output = on_output
         self.tails: dict[str, str] = {"stdout": "", "stderr": ""}
+        self.kept: dict[str, list[str]] | None = {"stdout": [], "stderr": []} if keep else None
+
+    def text(self, channel: str) -> str:
+        """All of ``channel`` as it streamed ("" when not kept)."""
+        return "".join(self.kept[channel]) if self.kept is not None else ""
 
     async def emit(self, channel: str, text: str) -> None:
+        if text and self.kept is not None:
+            self.kept[channel].append(text)
         if text and self.on_output is not None:
             try:
                 await self.on_output(channel, text)
@@ -260,7 +326,8 @@ class Sandbox:
                   env: Mapping[str, str] | None = None,
                   on_output: OutputCallback | None = None,
                   on_tick: TickCallback | None = None,
-                  steering: AsyncIterator[str] | None = None) -> SandboxResult:
+                  steering: AsyncIterator[str] | None = None,
+                  on_usage: UsageCallback | None = None) -> SandboxResult:
         """Runs ``argv`` in a fresh working directory and waits for it.
 
         Args:
@@ -270,6 +337,8 @@ class Sandbox:
             on_output: Receives the output as it is produced.
             on_tick: Called every few seconds while the command runs.
             steering: Messages to append to ``$STEER_FILE`` while the command runs.
+            on_usage: Told once what the command's tree used — also when the run is
+                cancelled, which returns no result (bytes written are then not measured).
 
         Returns:
             How it ended. Limits hit are a verdict, not an exception.
@@ -286,7 +355,7 @@ class Sandbox:
                     if steering is not None else None)
             try:
                 return await self._run_in(workdir, argv, full_env, on_output, on_tick,
-                                          started)
+                                          started, on_usage)
             finally:
                 if pump is not None:
                     pump.cancel()
@@ -342,9 +411,10 @@ class Sandbox:
 
     async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
-                      started: float) -> SandboxResult:
+                      started: float, on_usage: UsageCallback | None) -> SandboxResult:
         leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
-        output = _Output(self.limits.output_bytes, on_output)
+        output = _Output(self.limits.output_bytes, on_output, keep=True)
+        sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
         stopped: Verdict | None = None
         try:
@@ -354,15 +424,27 @@ class Sandbox:
                                   (leader.proc.stderr, "stderr")):
                 reader = await leader.read_pipe(pipe)
                 pumps.append(asyncio.create_task(output.pump(reader, channel)))
-            stopped = await self._wait(leader.exited, started, on_tick, workdir)
-        finally:
-            # Wall clock, disk cap, cancellation or an error: the whole group goes down.
-            status, cpu = await leader.end(workdir, pumps, drain=True)
+            stopped = await self._wait(leader.exited, started, on_tick, workdir, sampler)
+        except BaseException:
+            # Cancellation or an error: the whole group goes down, and what it used up to
+            # then is still told (a run stopped for hogging the CPU is the one to count).
+            _, usage = await leader.end(workdir, pumps, drain=True)
+            if on_usage is not None:
+                on_usage(TreeUsage(*self._tree_usage(usage, sampler), bytes_written=None))
+            raise
+        # The exit, the wall clock or the disk cap: the whole group goes down.
+        status, usage = await leader.end(workdir, pumps, drain=True)
         final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
-        return self._result(status, cpu, stopped, output, started, final)
+        result = self._result(status, usage, sampler, stopped, output, started, final,
+                              workdir.input_bytes)
+        if on_usage is not None:
+            on_usage(TreeUsage(result.cpu_user_seconds, result.cpu_system_seconds,
+                               result.peak_rss_bytes, result.bytes_written))
+        return result
 
     async def _wait(self, exited: asyncio.Future[None], started: float,
-                    on_tick: TickCallback | None, workdir: _Workdir) -> Verdict | None:
+                    on_tick: TickCallback | None, workdir: _Workdir,
+                    sampler: _TreeSampler) -> Verdict | None:
         """Waits for the exit; returns the verdict when the run must be stopped first."""
         deadline = started + self.limits.wall_clock_seconds
         next_tick = started + TICK_SECONDS
@@ -375,6 +457,7 @@ class Sandbox:
                                                       now + DISK_POLL_SECONDS) - now)
             if exited.done():
                 break
+            sampler.sample()
             if await _over_disk_cap(workdir, self.limits.disk_bytes):
                 return disk_limit(self.limits)
             now = time.monotonic()
@@ -384,8 +467,11 @@ class Sandbox:
                     await on_tick(now - started)
         return None
 
-    def _result(self, status: int, cpu: float, stopped: Verdict | None, output: _Output,
-                started: float, final: _Final) -> SandboxResult:
+    def _result(self, status: int, usage: resource.struct_rusage, sampler: _TreeSampler,
+                stopped: Verdict | None, output: _Output, started: float, final: _Final,
+                input_bytes: int) -> SandboxResult:
+        cpu = usage.ru_utime + usage.ru_stime
+        cpu_user, cpu_system, peak = self._tree_usage(usage, sampler)
         exit_signal, exit_status = _decode_status(status, self.isolation.mode != "rlimits")
         verdict = stopped or classify(
             self.limits, exit_signal=exit_signal, exit_status=exit_status, cpu_seconds=cpu,
@@ -396,7 +482,25 @@ class Sandbox:
             cpu_seconds=cpu, duration=time.monotonic() - started,
             output_truncated=output.truncated, stdout_tail=output.tails["stdout"],
             stderr_tail=output.tails["stderr"], isolation=self.isolation.mode,
-            files=final.files, skipped_files=final.skipped)
+            files=final.files, skipped_files=final.skipped, stdout=output.text("stdout"),
+            stderr=output.text("stderr"),
+            cpu_user_seconds=cpu_user, cpu_system_seconds=cpu_system, peak_rss_bytes=peak,
+            bytes_written=(max(final.usage.bytes - input_bytes, 0) if final.measured
+                           else None))
+
+    def _tree_usage(self, usage: resource.struct_rusage, sampler: _TreeSampler
+                    ) -> tuple[float | None, float | None, int | None]:
+        """(user CPU, system CPU, peak memory) of the tree: the CPU time of ``wait4``'s
+        rusage or of the last sample, whichever is larger (the rusage is bubblewrap's
+        alone under ``bwrap``: see the module docstring), and the samples' peak."""
+        cpu_user: float | None = usage.ru_utime
+        cpu_system: float | None = usage.ru_stime
+        if self.isolation.mode == "bwrap":
+            cpu_user = cpu_system = None
+        if sampler.cpu is not None and (cpu_user is None or cpu_system is None
+                                        or sum(sampler.cpu) > cpu_user + cpu_system):
+            cpu_user, cpu_system = sampler.cpu
+        return cpu_user, cpu_system, sampler.peak_rss
 
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
         for name in files:
@@ -425,6 +529,8 @@ class Sandbox:
                                        os.fstat(fd).st_dev), uid, gid, own_uid, -1)
         try:
             _fill(workdir, files)
+            # What the run finds there, so that its bytes written leave it out.
+            workdir.input_bytes = fsops.measure(workdir.fd, self.limits.disk_bytes).bytes
         except BaseException:
             _finish(workdir, keep=False)
             raise
@@ -447,6 +553,7 @@ class Sandbox:
         try:
             with contextlib.suppress(fsops.Moved, OSError):
                 final.usage = fsops.measure(run_fd, self.limits.disk_bytes, unlock=True)
+                final.measured = True
             try:
                 out_fd = fsops.open_dir(run_fd, "out", owner)
             except OSError:
@@ -653,14 +760,14 @@ class _Leader:
         return asyncio.StreamWriter(transport, protocol, None, loop)
 
     async def end(self, workdir: _Workdir, tasks: Sequence[asyncio.Task[None]], *,
-                  drain: bool) -> tuple[int, float]:
+                  drain: bool) -> tuple[int, resource.struct_rusage]:
         """Kills the process group (at once when the leader still runs), reaps the leader,
         lets ``tasks`` (that read its pipes) finish for a moment (``drain``) or cancels
         them, and kills what is left of the run's processes. Pipes never handed to a reader
         (the start was cancelled first) are closed.
 
         Returns:
-            The leader's wait status and the CPU time of its tree.
+            The leader's wait status and the rusage of its tree.
         """
         pid = self.proc.pid
         if not self.exited.done():
@@ -671,7 +778,7 @@ class _Leader:
         _kill_group(pid)
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
-        status, cpu = _reap(self.proc)
+        status, usage = _reap(self.proc)
         self._close_loose()
         if not drain:
             for task in tasks:
@@ -681,7 +788,7 @@ class _Leader:
             for task in still_open:
                 task.cancel()
         await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
-        return status, cpu
+        return status, usage
 
 
 @dataclass
@@ -698,6 +805,7 @@ class _Workdir:
         gid: The run's group.
         own_uid: The uid was taken for this run alone.
         steer_fd: The steering file, open for appending (-1 until made).
+        input_bytes: The disk use of the folder once the server filled it, before the run.
     """
 
     path: Path
@@ -709,6 +817,7 @@ class _Workdir:
     gid: int | None
     own_uid: bool
     steer_fd: int
+    input_bytes: int = 0
 
 
 @dataclass
@@ -716,6 +825,7 @@ class _Final:
     """What is found in the working directory once the run is over."""
 
     usage: fsops.Usage = field(default_factory=lambda: fsops.Usage(0, 0))
+    measured: bool = False
     files: list[OutputFile] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     _unlisted: int = 0
@@ -865,11 +975,76 @@ def _pgid_of(pid: str, status: dict[bytes, bytes]) -> int | None:
         return None
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, float]:
-    """Reaps the exited leader; returns its wait status and the CPU time of its tree."""
+#: Processes of one tree a sample reads at most (the process limit keeps trees smaller).
+_MAX_SAMPLED = 512
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class _TreeSampler:
+    """Samples the live processes of a command's tree in ``/proc``: their CPU time (own
+    and reaped children's) and peak resident memory (see the module docstring).
+
+    Attributes:
+        cpu: (user, system) CPU seconds of the tree at the last sample that found it, or
+            None before one did.
+        peak_rss: The largest ``VmHWM`` seen, in bytes, or None before a sample found one.
+    """
+
+    cpu: tuple[float, float] | None
+    peak_rss: int | None
+    _root: int
+
+    def __init__(self, root: int) -> None:
+        self._root = root
+        self.cpu = None
+        self.peak_rss = None
+
+    def sample(self) -> None:
+        """Reads the tree once (a few small files per process; never raises)."""
+        user = system = 0
+        found = False
+        pending: list[int] = [self._root]
+        seen: set[int] = set()
+        while pending and len(seen) < _MAX_SAMPLED:
+            pid = pending.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as handle:
+                    stat_line = handle.read()
+                with open(f"/proc/{pid}/status", "rb") as handle:
+                    status = handle.read()
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue  # gone meanwhile
+            # After the ")" of the command name: state, ppid, …; utime, stime, cutime and
+            # cstime are the 12th to 15th fields from there.
+            fields = stat_line.rsplit(b")", 1)[1].split()
+            user += int(fields[11]) + int(fields[13])
+            system += int(fields[12]) + int(fields[14])
+            found = True
+            for line in status.splitlines():
+                if line.startswith(b"VmHWM:"):  # absent for a zombie or a kernel thread
+                    peak = int(line.split()[1]) * 1024
+                    self.peak_rss = max(self.peak_rss or 0, peak)
+                    break
+            for task in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{task}/children", "rb") as handle:
+                        pending.extend(int(child) for child in handle.read().split())
+                except OSError:
+                    continue
+        if found:
+            self.cpu = (user / _CLOCK_TICKS, system / _CLOCK_TICKS)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> tuple[int, resource.struct_rusage]:
+    """Reaps the exited leader; returns its wait status and the rusage of its tree (its
+    own and that of every descendant reaped before it: see the module docstring)."""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # so Popen never waits itself
-    return status, usage.ru_utime + usage.ru_stime
+    return status, usage
 
 
 def _decode_status(status: int, wrapped: bool) -> tuple[int | None, int | None]:

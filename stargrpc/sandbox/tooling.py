@@ -4,7 +4,22 @@ It opens a step, streams stdout/stderr as DELTAs on it (``channel="stdout"``/``"
 heartbeats while the command runs, appends the run's steering messages to ``$STEER_FILE``
 (see :mod:`stargrpc.sandbox.runner`), hands the output-folder files back as sent files and
 turns the end of the command into a :class:`~stargrpc.ToolResult`: OK for exit status 0,
-TIMEOUT for the wall clock, FAILED with the specific reason otherwise.
+TIMEOUT for the wall clock, FAILED with the specific reason otherwise. What the command's
+process tree used goes into the run's receipt (``ctx.usage``, ``Result.usage``).
+
+What the Result says, on every face (gRPC, the HTTP gateway, MCP):
+
+- ``output`` is what the command printed, all of it as it streamed: stdout, then
+  ``[stderr]`` and stderr when it wrote any, then the verdict in brackets
+  (``[exited with status 0]``). It is the DELTAs of the step put together, so it is bounded
+  by the same ``sandbox_output_bytes`` and, past it, ends that stream with the same marker
+  (``[output truncated: more than N bytes; the rest was discarded]``). A Result too large
+  for one event keeps its beginning and moves the whole text into a sent file
+  (:mod:`stargrpc.runs.result_fit`); MCP shows a documented length of it and links to the
+  rest (:mod:`stargrpc.mcp.mapping`).
+- ``structured_output`` is about the run, not what it printed: ``{exit_status, signal,
+  verdict, reason, cpu_seconds, duration_seconds, output_truncated, isolation, files,
+  skipped_files}``. MCP carries it in ``_meta``, never as the tool's structured content.
 """
 
 from __future__ import annotations
@@ -16,10 +31,7 @@ from typing import Any
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult
-
-#: How much of each stream the Result's text repeats (the DELTAs carry all of it).
-_RESULT_TAIL_CHARS = 8 * 1024
+from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage
 
 
 class _CommandFailed(Exception):
@@ -56,6 +68,14 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         await ctx.heartbeat(f"running for {elapsed:.0f} s", progress=min(elapsed / wall_clock,
                                                                           1.0))
 
+    def on_usage(tree: TreeUsage) -> None:
+        # The command's process tree, into the run's receipt (Result.usage): told also
+        # when the run is stopped mid-command, which returns no SandboxResult.
+        ctx.usage.add_processes(cpu_user_seconds=tree.cpu_user_seconds,
+                                cpu_system_seconds=tree.cpu_system_seconds,
+                                peak_rss_bytes=tree.peak_rss_bytes,
+                                bytes_written=tree.bytes_written)
+
     result: SandboxResult | None = None
     try:
         async with ctx.step(title, kind="sandbox",
@@ -65,7 +85,8 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
                 await step.delta(text, channel=channel)
 
             result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
-                                       on_tick=on_tick, steering=ctx.steering())
+                                       on_tick=on_tick, steering=ctx.steering(),
+                                       on_usage=on_usage)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed
@@ -79,12 +100,10 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
 
 def _tool_result(result: SandboxResult) -> ToolResult:
     parts = []
-    if result.stdout_tail:
-        parts.append(_tail(result.stdout_tail))
-    if result.stderr_tail:
-        parts.append("[stderr]\n" + _tail(result.stderr_tail))
-    if result.output_truncated:
-        parts.append("[output truncated]")
+    if result.stdout:
+        parts.append(result.stdout)
+    if result.stderr:
+        parts.append("[stderr]\n" + result.stderr)
     parts.append(f"[{result.verdict.message}]")
     structured: dict[str, Any] = {
         "exit_status": result.exit_status,
@@ -104,10 +123,3 @@ def _tool_result(result: SandboxResult) -> ToolResult:
     outcome = Outcome.TIMEOUT if result.verdict.code == "WALL_CLOCK_LIMIT" else Outcome.FAILED
     return ToolResult(output=text, outcome=outcome, structured=structured,
                       error_message=result.verdict.message, error_code=result.verdict.code)
-
-
-def _tail(text: str) -> str:
-    if len(text) <= _RESULT_TAIL_CHARS:
-        return text
-    return "…" + text[-_RESULT_TAIL_CHARS:]
-

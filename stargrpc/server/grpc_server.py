@@ -11,7 +11,7 @@ import asyncio
 import gc
 import signal
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import grpc
 import structlog
@@ -24,8 +24,7 @@ from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.logs import configure_embedded_logging
-from stargrpc.mcp.server import McpEndpoint
-from stargrpc.mcp.upstream import Upstreams
+from stargrpc.mcp import require_mcp_for
 from stargrpc.registry import Registry, load_registry
 from stargrpc.runs.arguments import ArgumentLimits
 from stargrpc.runs.concurrency import ConcurrencyLimits
@@ -42,6 +41,10 @@ from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
 from stargrpc.tracing import TracingRunInterceptor
+
+if TYPE_CHECKING:
+    from stargrpc.mcp.server import McpEndpoint
+    from stargrpc.mcp.upstream import Upstreams
 
 log = structlog.get_logger("stargrpc.server")
 
@@ -112,7 +115,7 @@ class StargrpcServer:
     interceptors: list[grpc.aio.ServerInterceptor]
     http: HttpEndpoints
     mcp: McpEndpoint | None
-    upstreams: Upstreams
+    upstreams: Upstreams | None
     _local: Registry
     _forwarded: ForwardedClient | None
     _server: grpc.aio.Server
@@ -126,10 +129,15 @@ class StargrpcServer:
         # An embedded server honours log_level and log_format as the command does, unless
         # the program embedding it configured logging itself.
         configure_embedded_logging(settings.log_level, settings.log_format)
+        require_mcp_for(settings)  # the MCP features need the mcp extra: said first
         # The local tools; the MCP servers of mcp_servers add theirs as they come and go.
         self._local = registry if registry is not None else load_tools(settings)
-        self.upstreams = Upstreams(settings, self._upstream_changed)
-        self.runtime = build_runtime(settings, self.upstreams.catalog(self._local),
+        self.upstreams = None
+        if settings.mcp_servers:
+            from stargrpc.mcp.upstream import Upstreams
+
+            self.upstreams = Upstreams(settings, self._upstream_changed)
+        self.runtime = build_runtime(settings, self._catalog(self._local),
                                      store=make_store(settings))
         self.interceptors = list(interceptors if interceptors is not None
                                  else build_chain(settings))
@@ -170,8 +178,12 @@ class StargrpcServer:
             ("grpc.http2.max_pings_without_data", 0),
         ]
 
+    def _catalog(self, local: Registry) -> Registry:
+        """``local`` with the tools of the MCP servers of ``mcp_servers``, if any."""
+        return self.upstreams.catalog(local) if self.upstreams is not None else local
+
     def _upstream_changed(self) -> None:
-        self.runtime.replace_registry(self.upstreams.catalog(self._local))
+        self.runtime.replace_registry(self._catalog(self._local))
 
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING.
@@ -192,12 +204,15 @@ class StargrpcServer:
         self.service.deliveries.start()
         if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
             await self.runtime.store.start()
-        self.upstreams.start()  # in the background: a slow MCP server never delays serving
+        if self.upstreams is not None:  # in the background: a slow one never delays serving
+            self.upstreams.start()
         await self.http.start(self.port)
         if self.settings.mcp_port is not None:
             auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
             audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)),
                          None)
+            from stargrpc.mcp.server import McpEndpoint
+
             self.mcp = McpEndpoint(self.settings, self.port,
                                    auth.authenticator if auth is not None else None,
                                    forwarded=self._forwarded,
@@ -224,7 +239,8 @@ class StargrpcServer:
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
-        await self.upstreams.aclose()
+        if self.upstreams is not None:
+            await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport
         # stops, so the gateway's own gRPC calls end cleanly.
         await self.http.stop()
@@ -244,7 +260,7 @@ class StargrpcServer:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""
         try:
             registry = load_tools(self.settings)
-            self.runtime.replace_registry(self.upstreams.catalog(registry))
+            self.runtime.replace_registry(self._catalog(registry))
         except (ToolDefinitionError, CriticConfigError) as exc:
             log.error("reload_failed", error=str(exc))
             return

@@ -456,26 +456,20 @@ def run_summary_message(run: RunSummary, *, with_principal: bool
 
 def add_to_server(service: ToolService, server: grpc.aio.Server) -> None:
     """Registers ``service`` on ``server`` with request decoding that tolerates bad bytes,
-    and response encoding that sends pre-serialised events as they are."""
-    pb = tool_service_pb2
-    serializer = serialize_response
-    handlers = {
-        "ListTools": grpc.unary_unary_rpc_method_handler(
-            service.ListTools, _tolerant(pb.ListToolsRequest), serializer),
-        "WatchCatalog": grpc.unary_stream_rpc_method_handler(
-            service.WatchCatalog, _tolerant(pb.WatchCatalogRequest), serializer),
-        "Execute": grpc.unary_stream_rpc_method_handler(
-            service.Execute, _tolerant(pb.ExecuteRequest), serializer),
-        "WatchRun": grpc.unary_stream_rpc_method_handler(
-            service.WatchRun, _tolerant(pb.WatchRunRequest), serializer),
-        "CancelRun": grpc.unary_unary_rpc_method_handler(
-            service.CancelRun, _tolerant(pb.CancelRunRequest), serializer),
-        "SteerRun": grpc.unary_unary_rpc_method_handler(
-            service.SteerRun, _tolerant(pb.SteerRunRequest), serializer),
-        "StartRun": grpc.unary_unary_rpc_method_handler(
-            service.StartRun, _tolerant(pb.StartRunRequest), serializer),
-        "ListRuns": grpc.unary_unary_rpc_method_handler(
-            service.ListRuns, _tolerant(pb.ListRunsRequest), serializer),
-    }
+    and response encoding that sends pre-serialised events as they are.
+
+    Every method of the contract's ToolService is served, each with the request type and
+    call shape the contract gives it: a method the contract gains and ``service`` lacks
+    stops start-up here (AttributeError), rather than answering UNIMPLEMENTED later.
+    """
+    handlers = {}
+    for method in tool_service_pb2.DESCRIPTOR.services_by_name["ToolService"].methods:
+        # The contract has unary and server-streaming methods only.
+        assert not method.client_streaming, method.full_name
+        handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        request_type = getattr(tool_service_pb2, method.input_type.name)
+        handlers[method.name] = handler(getattr(service, method.name),
+                                        _tolerant(request_type), serialize_response)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -159,20 +159,44 @@ class ResultError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("outcome", "output", "structured_output", "error", "duration", "writeback")
+    __slots__ = ("outcome", "output", "structured_output", "error", "duration", "writeback", "usage")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DURATION_FIELD_NUMBER: _ClassVar[int]
     WRITEBACK_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     output: str
     structured_output: _struct_pb2.Value
     error: ResultError
     duration: _duration_pb2.Duration
     writeback: WriteBack
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., output: _Optional[str] = ..., structured_output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[_Union[ResultError, _Mapping]] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., writeback: _Optional[_Union[WriteBack, _Mapping]] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., output: _Optional[str] = ..., structured_output: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., error: _Optional[_Union[ResultError, _Mapping]] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., writeback: _Optional[_Union[WriteBack, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("wall_seconds", "queued_seconds", "cpu_user_seconds", "cpu_system_seconds", "peak_rss_bytes", "bytes_written", "network_bytes_sent", "network_bytes_received", "child_runs")
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_USER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SYSTEM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CHILD_RUNS_FIELD_NUMBER: _ClassVar[int]
+    wall_seconds: float
+    queued_seconds: float
+    cpu_user_seconds: float
+    cpu_system_seconds: float
+    peak_rss_bytes: int
+    bytes_written: int
+    network_bytes_sent: int
+    network_bytes_received: int
+    child_runs: int
+    def __init__(self, wall_seconds: _Optional[float] = ..., queued_seconds: _Optional[float] = ..., cpu_user_seconds: _Optional[float] = ..., cpu_system_seconds: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., network_bytes_sent: _Optional[int] = ..., network_bytes_received: _Optional[int] = ..., child_runs: _Optional[int] = ...) -> None: ...
 
 class WriteBack(_message.Message):
     __slots__ = ("sent_files", "injected_tools", "sent_rich_messages")

@@ -7,7 +7,7 @@ import dataclasses
 from stargrpc.audit.chain import record_hash, seal, verify
 from stargrpc.audit.record import GENESIS_HASH
 from stargrpc.audit.store import AuditStore, Query
-from tests.audit.conftest import execute_raw
+from tests.audit.helpers import execute_raw
 from tests.audit.records import make_record
 
 

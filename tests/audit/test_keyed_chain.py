@@ -18,7 +18,7 @@ from stargrpc.audit.chain import Anchor, seal, verify
 from stargrpc.audit.key import AuditKeyError, ChainKey, load_key, load_or_create_key
 from stargrpc.audit.record import FIELDS, GENESIS_HASH, AuditRecord
 from stargrpc.audit.store import TABLE, AuditStore, open_store, sqlite_path
-from tests.audit.conftest import execute_raw
+from tests.audit.helpers import execute_raw
 from tests.audit.records import make_record
 
 KEY = ChainKey.from_secret(b"k" * 32)

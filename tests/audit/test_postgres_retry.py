@@ -26,10 +26,10 @@ from stargrpc.audit.postgres import PostgresAuditStore
 from stargrpc.audit.record import GENESIS_HASH, AuditRecord
 from stargrpc.audit.writer import AuditWriter
 from stargrpc.v1 import tool_service_pb2_grpc
-from tests.audit.conftest import PG_BASE
+from tests.audit.helpers import PG_BASE
 from tests.audit.records import make_record
 from tests.conftest import ServerFactory
-from tests.helpers import run_tool
+from tests.helpers import eventually, run_tool
 
 _PG_ADDRESS = PG_BASE.split("@", 1)[1].split("/", 1)[0]  # 127.0.0.1:5432
 
@@ -100,13 +100,10 @@ class _Link:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _until_stored(watcher: asyncpg.Connection, count_sql: str, count: int) -> None:
-    """Waits (10 s at most) until the server holds ``count`` rows by ``count_sql``: the
-    INSERT reached it and committed, whether or not its reply gets back."""
-    deadline = time.monotonic() + 10
-    while await watcher.fetchval(count_sql) < count:
-        assert time.monotonic() < deadline, "the records never reached the server"
-        await asyncio.sleep(0.01)
+async def _holds(watcher: asyncpg.Connection, count_sql: str, count: int) -> bool:
+    """Whether the server holds ``count`` rows by ``count_sql``: the INSERT reached it and
+    committed, whether or not its reply gets back."""
+    return await watcher.fetchval(count_sql) >= count
 
 
 async def _trail(url: str, key: ChainKey | None = None) -> list[AuditRecord]:
@@ -232,7 +229,8 @@ async def test_a_commit_whose_reply_was_lost_is_not_written_twice(pg_url: str) -
         link.holding = True
         batch = [make_record(), make_record()]
         futures = [writer.submit(record) for record in batch]
-        await _until_stored(watcher, "SELECT count(*) FROM audit_records", 3)
+        await eventually(lambda: _holds(watcher, "SELECT count(*) FROM audit_records", 3),
+                         within=10, what="the records reached the server")
         await asyncio.sleep(0.05)
         assert not any(future.done() for future in futures)  # its commit is unknown
         link.cut()
@@ -262,8 +260,9 @@ async def test_the_server_keeps_serving_after_a_commit_whose_reply_was_lost(
             before = await run_tool(stub, "echo", {"text": "before"})
             link.holding = True
             call = asyncio.create_task(run_tool(stub, "echo", {"text": "during"}))
-            await _until_stored(
-                watcher, "SELECT count(*) FROM audit_records WHERE tool = 'echo'", 2)
+            await eventually(lambda: _holds(
+                watcher, "SELECT count(*) FROM audit_records WHERE tool = 'echo'", 2),
+                within=10, what="the records reached the server")
             assert not call.done()  # its Result waits for a commit the server cannot confirm
             link.cut()
             during = await asyncio.wait_for(call, 20)
@@ -320,7 +319,8 @@ async def test_a_commit_unanswered_on_a_silent_link_is_recognised_on_the_new_one
         link.holding = True
         batch = [make_record(), make_record()]
         futures = [writer.submit(record) for record in batch]
-        await _until_stored(watcher, "SELECT count(*) FROM audit_records", 3)
+        await eventually(lambda: _holds(watcher, "SELECT count(*) FROM audit_records", 3),
+                         within=10, what="the records reached the server")
         link.stall()
         stored = await asyncio.wait_for(asyncio.gather(*futures), 20)
     finally:
@@ -382,15 +382,17 @@ async def test_a_lock_held_by_a_session_on_a_silent_link_is_let_go_by_the_server
             "SELECT pg_advisory_xact_lock(hashtext(current_schema() || '.audit_records'))")
         record = make_record()
         append = asyncio.create_task(stalled.append([record]))
-        deadline = time.monotonic() + 10
-        while not await holder.fetchval(_ADVISORY_LOCKS, False):  # it waits for the lock
-            assert time.monotonic() < deadline and not append.done()
-            await asyncio.sleep(0.005)
+
+        async def waits_for_the_lock() -> bool:
+            assert not append.done()
+            return bool(await holder.fetchval(_ADVISORY_LOCKS, False))
+
+        await eventually(waits_for_the_lock, within=10, interval=0.005,
+                         what="the append waiting for the lock")
         link.stall()
         await holding.commit()  # the server gives it the lock; the reply is lost
-        while not await holder.fetchval(_ADVISORY_LOCKS, True):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await eventually(lambda: holder.fetchval(_ADVISORY_LOCKS, True), within=10,
+                         interval=0.005, what="the append holding the lock")
 
         started = time.monotonic()
         [theirs] = await asyncio.wait_for(other.append([make_record()]), 15)

@@ -29,7 +29,7 @@ from stargrpc.audit.key import load_key
 from stargrpc.audit.store import open_store
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.conftest import ServerFactory
-from tests.helpers import run_tool
+from tests.helpers import eventually_sync, run_tool
 
 _BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
 TIMEOUT = 60
@@ -39,6 +39,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _as_postgres(*argv: str) -> list[str]:
@@ -69,12 +74,8 @@ def own_postgres() -> Iterator[tuple[str, list[int]]]:
         "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        eventually_sync(lambda: _accepts(port), within=TIMEOUT, interval=0.05,
+                        what="PostgreSQL accepting connections")
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres", [server.pid]
     finally:
         _signal_cluster(server.pid, signal.SIGCONT)

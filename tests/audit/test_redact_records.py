@@ -19,7 +19,6 @@ from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.helpers import run_tool
-from tests.server.interceptors.test_audit import log_lines  # noqa: F401  (the fixture)
 
 # Every secret below contains this marker; nothing stored or logged may.
 MARK = "SECRET"
@@ -56,7 +55,7 @@ async def _records(server: StargrpcServer) -> list[AuditRecord]:
 
 async def test_secrets_in_arguments_results_details_and_log_lines_are_redacted(
         make_server: ServerFactory,
-        log_lines: io.StringIO) -> None:  # noqa: F811  (the fixture imported above)
+        log_lines: io.StringIO) -> None:
     server = await make_server(registry=_registry(),
                                tool_permissions={"connect": {"roles": ["*"]}})
     arguments: dict[str, Any] = {

@@ -9,7 +9,6 @@ reports both as ``SQLITE_FULL`` and rolls the transaction back itself in both ca
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from stargrpc.audit.chain import verify
 from stargrpc.audit.sqlite import SqliteAuditStore
 from stargrpc.audit.writer import AuditWriter
 from tests.audit.records import make_record
+from tests.helpers import eventually
 
 WAIT = 30.0  # bound on waiting for the writer to log or to catch up; no performance claim
 RECORDS = 20
@@ -40,10 +40,8 @@ async def _set_limit(store: SqliteAuditStore, pages: int | None) -> None:
 
 
 async def _logged(logs: list[MutableMapping[str, Any]], event: str) -> MutableMapping[str, Any]:
-    deadline = time.monotonic() + WAIT
-    while not (found := [line for line in logs if line["event"] == event]):
-        assert time.monotonic() < deadline, f"no {event} logged: {logs}"
-        await asyncio.sleep(0.01)
+    found = await eventually(lambda: [line for line in logs if line["event"] == event],
+                             within=WAIT, what=lambda: f"{event} logged: {logs}")
     return found[0]
 
 

@@ -24,7 +24,7 @@ from stargrpc.audit.record import AuditRecord, format_time
 from stargrpc.audit.store import open_store
 from stargrpc.cli import main
 from stargrpc.cli.audit import EXIT_BROKEN, EXIT_NO_STORE
-from tests.audit.conftest import pg_schema
+from tests.audit.helpers import pg_schema
 from tests.audit.records import make_record
 from tests.procs import IMAGE_UID
 

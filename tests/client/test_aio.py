@@ -25,12 +25,7 @@ from stargrpc.registry import Registry, spec_of, tool
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
-from tests.helpers import phases
-
-COUNT_TO_3 = [
-    "START s0", "START s1", "DELTA s1 '1\\n'", "DELTA s1 '2\\n'", "DELTA s1 '3\\n'",
-    "END s1 COMPLETE", "END s0 COMPLETE", "RESULT OK",
-]
+from tests.helpers import COUNT_TO_3, count_phases, phases
 
 
 def _registry(*fns: object) -> Registry:
@@ -41,11 +36,6 @@ def _registry(*fns: object) -> Registry:
 class QuotaWithoutRetryInfo(RequestError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "QUOTA"
-
-
-def count_phases(n: int) -> list[str]:
-    deltas = [f"DELTA s1 '{i}\\n'" for i in range(1, n + 1)]
-    return ["START s0", "START s1", *deltas, "END s1 COMPLETE", "END s0 COMPLETE", "RESULT OK"]
 
 
 async def test_list_tools_returns_the_catalog_and_keeps_it(

@@ -13,8 +13,7 @@ from stargrpc.client import CallError, Client, Outcome, Result
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
-from tests.client.test_aio import COUNT_TO_3, count_phases
-from tests.helpers import phases
+from tests.helpers import COUNT_TO_3, count_phases, phases
 
 
 async def test_list_execute_call_watch_cancel(recorded_server: StargrpcServer,

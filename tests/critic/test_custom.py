@@ -12,41 +12,18 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from stargrpc import metrics
 from stargrpc.cli.serve import serve as serve_command
 from stargrpc.cli.serve import settings_from_flags
 from stargrpc.errors import CriticConfigError
-from stargrpc.registry import Registry, spec_of
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.testing import run_tool as run_in_harness
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.critic.custom import judged_by_a_crash, judged_by_words, says
+from tests.critic.helpers import execute, notices, registry, verdicts
 from tests.critic.tools import hangs
-from tests.helpers import phases, run_tool
+from tests.helpers import phases
 
 WAIT = 30.0  # generous bound on waits for a run to end; never a performance claim
-
-
-def registry() -> Registry:
-    return Registry(spec for fn in (says, hangs, judged_by_words, judged_by_a_crash)
-                    if (spec := spec_of(fn)) is not None)
-
-
-def notices(events: list[events_pb2.RunEvent]) -> list[tuple[str, str]]:
-    return [(e.notice.code, e.notice.message) for e in events if e.HasField("notice")]
-
-
-async def execute(server: StargrpcServer, tool_name: str, arguments: dict[str, object],
-                  ) -> list[events_pb2.RunEvent]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-        return await asyncio.wait_for(run_tool(stub, tool_name, arguments), WAIT)
-
-
-def verdicts(verdict: str, critic: str) -> float:
-    return metrics.REGISTRY.get_sample_value(
-        "tool_executor_critic_verdicts_total", {"verdict": verdict, "critic": critic}) or 0.0
 
 
 async def test_a_critic_chosen_by_setting_judges_every_run(make_server) -> None:

@@ -16,7 +16,7 @@ from stargrpc.critic.supervision import MAX_VERDICT_NOTICES
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import critic_pb2, critic_pb2_grpc, events_pb2
-from tests.critic.test_custom import execute, notices, registry, verdicts
+from tests.critic.helpers import execute, notices, registry, verdicts
 
 WAIT = 30.0  # generous bound on waits for a run to end; never a performance claim
 

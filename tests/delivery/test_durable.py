@@ -24,9 +24,8 @@ from redis.asyncio import Redis
 
 from stargrpc.delivery.journal import JOURNAL_NAME
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
-from tests.auth.certs import TestCA
-from tests.delivery.test_redis_stream import start_request
-from tests.delivery.test_webhook import KEY, receiver_module, with_webhook
+from tests.delivery.helpers import KEY, receiver_module, start_request, with_webhook
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR
 from tests.stores.conftest import REDIS_URL
@@ -108,10 +107,13 @@ async def test_every_acknowledged_start_run_is_delivered_after_a_sigkill_at_the_
                                        60)
             # Runs killed between their delivery's registration and their answer are
             # delivered too; then nothing is left pending.
-            pending = -1
-            async with asyncio.timeout(30):
-                while pending := await redis.hlen(f"{redis_prefix}delivery:pending"):  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)  # the survivor writes it: no event to await
+
+            async def none_pending() -> bool:
+                return not await redis.hlen(f"{redis_prefix}delivery:pending")
+
+            # The survivor writes it: no event to await.
+            await eventually(none_pending, within=30, interval=0.1, what="no delivery pending")
+            pending = await redis.hlen(f"{redis_prefix}delivery:pending")
             assert survivor.proc.poll() is None
     finally:
         await redis.aclose()
@@ -122,11 +124,6 @@ async def test_every_acknowledged_start_run_is_delivered_after_a_sigkill_at_the_
                 for entry in (delivered[run_id] for run_id in acknowledged)}
     assert outcomes <= {("OUTCOME_OK", ""), ("OUTCOME_ERROR", "RUN_LOST")}
     assert pending == 0
-
-
-@pytest.fixture
-def tls(tmp_path: Path) -> dict[str, Path]:
-    return TestCA().server_files(tmp_path)
 
 
 @pytest.fixture

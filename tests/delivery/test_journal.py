@@ -17,16 +17,10 @@ import pytest
 from stargrpc.delivery import DeliveryTarget
 from stargrpc.delivery.journal import JOURNAL_NAME, DeliveryJournal
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
-from tests.auth.certs import TestCA
-from tests.delivery.test_webhook import make_delivering_server
+from tests.delivery.helpers import make_delivering_server
 from tests.runs_support import run_registry
 
 TARGET = DeliveryTarget("webhook", "https://127.0.0.1:1/hook")
-
-
-@pytest.fixture
-def tls(tmp_path: Path) -> dict[str, Path]:
-    return TestCA().server_files(tmp_path)
 
 
 def _set_pid(journal: DeliveryJournal, run_id: str, pid: int) -> None:

@@ -13,18 +13,12 @@ import grpc
 from redis.asyncio import Redis
 
 from stargrpc.stores.connect import connect
-from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import tool_service_pb2_grpc
+from tests.delivery.helpers import start_request
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR, HeaderPrincipal, run_registry
 from tests.stores.conftest import REDIS_URL
-
-
-def start_request(tool_name: str, arguments: dict, stream: str
-                  ) -> tool_service_pb2.StartRunRequest:
-    request = tool_service_pb2.StartRunRequest(tool_name=tool_name,
-                                               arguments_json=json.dumps(arguments))
-    request.delivery.redis_stream.stream = stream
-    return request
 
 
 async def read_entry(redis: Redis, key: str, run_id: str, within: float) -> dict:
@@ -72,18 +66,23 @@ async def test_a_delivery_survives_a_sigkill_of_the_replica_running_the_run(
                 "tally", {"path": str(tmp_path / "tally"), "gate": str(tmp_path / "never")},
                 "results"))
         pending_key = f"{redis_prefix}delivery:pending"
-        async with asyncio.timeout(20):
-            # The delivery is pending and the run is in Redis (its first events flushed).
-            while not (await redis.hexists(pending_key, started.run_id) and await redis.exists(  # noqa: ASYNC110
-                    f"{redis_prefix}run:{started.run_id}")):
-                # Another process writes them: there is no event to await.
-                await asyncio.sleep(0.05)
+
+        async def pending_and_stored() -> bool:
+            return bool(await redis.hexists(pending_key, started.run_id) and await redis.exists(
+                f"{redis_prefix}run:{started.run_id}"))
+
+        # The delivery is pending and the run is in Redis (its first events flushed): another
+        # process writes them, there is no event to await.
+        await eventually(pending_and_stored, within=20, interval=0.05,
+                         what="the delivery pending and the run in Redis")
         doomed.signal(signal.SIGKILL)
         await replicas(run_lease_seconds=1)  # the survivor
         entry = await read_entry(redis, f"{redis_prefix}results", started.run_id, 60)
-        async with asyncio.timeout(10):
-            while await redis.hexists(pending_key, started.run_id):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+
+        async def delivered() -> bool:
+            return not await redis.hexists(pending_key, started.run_id)
+
+        await eventually(delivered, within=10, interval=0.05, what="the delivery no more pending")
     finally:
         doomed.stop()
         await redis.aclose()
@@ -104,9 +103,12 @@ async def test_the_result_is_added_to_a_stream_of_a_redis_cluster(
             stub = tool_service_pb2_grpc.ToolServiceStub(channel)
             started = await stub.StartRun(start_request("echo", {"text": "hi"}, "results"))
             entry = await read_entry(client, f"{redis_prefix}results", started.run_id, 20)
-        async with asyncio.timeout(10):
-            while await client.hlen(f"{redis_prefix}delivery:pending"):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)  # written by the delivery's task: no event to await
+
+        async def none_pending() -> bool:
+            return not await client.hlen(f"{redis_prefix}delivery:pending")
+
+        # Written by the delivery's task: no event to await.
+        await eventually(none_pending, within=10, interval=0.05, what="no delivery pending")
     finally:
         await client.aclose()
 

@@ -5,14 +5,11 @@ starts."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import grpc
 import pytest
@@ -25,29 +22,9 @@ from stargrpc.delivery import sign, verify
 from stargrpc.delivery.audit import DELIVERY_METHOD
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.auth.certs import TestCA
-from tests.helpers import status_details
+from tests.delivery.helpers import KEY, make_delivering_server, receiver_module, with_webhook
+from tests.helpers import eventually, status_details
 from tests.runs_support import collect
-
-EXAMPLE = Path(__file__).parents[2] / "examples" / "webhook_receiver.py"
-KEY = b"a delivery key for tests"
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("webhook_receiver", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-receiver_module = _example()
-
-
-@pytest.fixture
-def tls(tmp_path: Path) -> dict[str, Path]:
-    return TestCA().server_files(tmp_path)
 
 
 def start_receiver(tls: dict[str, Path], *, fail_first: int = 0) -> Iterator:
@@ -71,26 +48,6 @@ def receiver(tls):
 @pytest.fixture
 def flaky_receiver(tls):
     yield from start_receiver(tls, fail_first=2)
-
-
-async def make_delivering_server(make_server, tmp_path: Path, tls: dict[str, Path]):
-    secret = tmp_path / "delivery.key"
-    secret.write_bytes(KEY + b"\n")
-    server = await make_server(delivery_allowlist=["127.0.0.1"],
-                               delivery_allowed_networks=["127.0.0.1/32"],
-                               delivery_webhook_secret_file=secret,
-                               delivery_ca_file=tls["tls_client_ca_file"],
-                               delivery_retry_initial_seconds=0.05,
-                               delivery_retry_seconds=30)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    return channel, tool_service_pb2_grpc.ToolServiceStub(channel)
-
-
-def with_webhook(url: str, **fields) -> tool_service_pb2.StartRunRequest:
-    request = tool_service_pb2.StartRunRequest(tool_name="echo",
-                                               arguments_json='{"text": "delivered"}', **fields)
-    request.delivery.webhook.url = url
-    return request
 
 
 async def wait_for(receiver, run_id: str) -> dict:
@@ -183,14 +140,15 @@ async def _delivery_records(server, run_id: str, expected: int = 1) -> list:
     """The audit records of the deliveries of ``run_id``, once ``expected`` are written
     (a delivery's final state is recorded right after it is known; bounded wait)."""
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
-    async with asyncio.timeout(30):
-        while True:
-            await audit.writer.flush()
-            found = [r async for r in audit.writer.store.scan()
-                     if r.method == DELIVERY_METHOD and r.run_id == run_id]
-            if len(found) >= expected:
-                return found
-            await asyncio.sleep(0.05)
+
+    async def written() -> list:
+        await audit.writer.flush()
+        found = [r async for r in audit.writer.store.scan()
+                 if r.method == DELIVERY_METHOD and r.run_id == run_id]
+        return found if len(found) >= expected else []
+
+    return await eventually(written, within=30, interval=0.05,
+                            what=f"{expected} delivery records of {run_id}")
 
 
 async def test_each_delivery_s_final_state_is_an_audit_record(

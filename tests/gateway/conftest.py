@@ -5,6 +5,7 @@ going" is a fact of the test, not a matter of timing)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from enum import StrEnum
 
 import httpx
 import pytest
+from playwright.async_api import Browser, async_playwright
 from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, tool
@@ -132,3 +134,22 @@ def gate() -> Iterator[tuple[str, asyncio.Event]]:
     yield name, event
     event.set()
     GATES.pop(name, None)
+
+
+#: Debian's Chromium, which the page tests drive (scripts/test.sh installs it).
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 "--disable-background-networking"]
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """A headless Chromium (Playwright drives Debian's; its own browser download is never
+    used)."""
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM,
+                                                   args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            await browser.close()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
+from stargrpc.gateway.app import STATIC_DIR
 from tests.gateway.conftest import NUMBERS, GatewayUnderTest
 
 
@@ -310,6 +313,37 @@ async def test_page_and_api_carry_security_headers(gateway) -> None:
     assert page.headers["x-content-type-options"] == "nosniff"
     assert script.status_code == 200
     assert "EventSource" in script.text or "Last-Event-ID" in script.text
+
+
+async def test_every_page_module_is_served_as_javascript(gateway) -> None:
+    # The page is ES modules: a browser runs a module only when it comes with a JavaScript
+    # MIME type (nosniff or not), one missing import stops the whole page, and after an
+    # upgrade a fresh module must not run beside a stale one it imports.
+    static = STATIC_DIR.resolve()
+    page = await gateway.http.get("/")
+    entry = re.search(r'<script type="module" src="/static/([^"]+)"', page.text)
+    assert entry is not None
+
+    seen: set[Path] = set()
+    queue = [static / entry.group(1)]
+    while queue:
+        path = queue.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        reply = await gateway.http.get(f"/static/{path.relative_to(static).as_posix()}")
+        assert reply.status_code == 200, path.name
+        media_type = reply.headers["content-type"].split(";")[0]
+        assert media_type in ("text/javascript", "application/javascript"), path.name
+        assert reply.headers["x-content-type-options"] == "nosniff"
+        # Revalidated on every load, as the page is: no fresh module beside a stale one.
+        assert reply.headers["cache-control"] == "no-cache"
+        again = await gateway.http.get(reply.url, headers={"If-None-Match": reply.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == "no-cache"
+        for specifier in re.findall(r'^import [^;]*? from "([^"]+)";', reply.text, re.MULTILINE):
+            queue.append((path.parent / specifier).resolve())
+
+    assert seen == set(static.rglob("*.js")), "a module the page never imports"
 
 
 async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:

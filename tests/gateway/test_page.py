@@ -17,9 +17,6 @@ from playwright.async_api import Browser, Page, expect
 from stargrpc.registry import load_registry
 from tests.conftest import AuthServerFactory
 from tests.gateway.conftest import GatewayUnderTest
-from tests.gateway.test_progress_page import browser
-
-__all__ = ["browser"]
 
 AXE_DIR = Path(__file__).parent / "axe"
 BUNDLED = sorted(load_registry(bundled=True, entry_points=False))

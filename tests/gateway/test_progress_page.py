@@ -11,18 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 
-from tests.gateway.conftest import NUMBERS, GatewayUnderTest
+from tests.gateway.conftest import CHROMIUM, NUMBERS, GatewayUnderTest
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
@@ -30,17 +25,6 @@ if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
                 allow_module_level=True)
 
 expect.set_options(timeout=30_000)
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM,
-                                                   args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            await browser.close()
 
 
 async def start_from_the_page(page: Page, gateway: GatewayUnderTest, tool: str,

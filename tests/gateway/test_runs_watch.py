@@ -15,6 +15,7 @@ from stargrpc.gateway import runs_watch
 from stargrpc.gateway.runs_watch import RunListWatch
 from tests.conftest import AuthServerFactory
 from tests.gateway.conftest import GatewayUnderTest, gateway_registry
+from tests.helpers import eventually
 
 BOUND = 30.0
 
@@ -67,10 +68,8 @@ async def test_streams_that_ask_the_same_share_one_poll_until_the_last_goes(
             assert (await until_listed(stream, added["run_id"]))[0] == added["run_id"]
 
     # The server notices each client went away on its own time: look, bounded.
-    for _ in range(int(BOUND / 0.05)):
-        if watch.polls == 0:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: watch.polls == 0, within=BOUND, interval=0.05,
+                     what=lambda: f"every shared poll gone ({watch.polls} left)")
     assert watch.polls == 0
 
 

@@ -8,7 +8,7 @@ import contextlib
 
 from pydantic import BaseModel, Field
 
-from stargrpc import ToolContext, tool
+from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.registry import Registry, load_registry, spec_of
 from tests.auth_tools import ops_only, whoami
 
@@ -83,9 +83,44 @@ async def tally(ctx: ToolContext) -> str:
     return f"run {TALLY[0]}"
 
 
+class LongArgs(BaseModel):
+    chars: int = Field(ge=1, le=1_000_000, description="How many characters.")
+
+
+def long_text(chars: int) -> str:
+    """``chars`` characters of numbered lines, so that any cut shows where it fell."""
+    lines: list[str] = []
+    total = 0
+    number = 0
+    while total < chars:
+        line = f"line {number:07d}\n"
+        lines.append(line)
+        total += len(line)
+        number += 1
+    return "".join(lines)[:chars]
+
+
+@tool(kind="test", name="long_text")
+async def long_text_tool(ctx: ToolContext, args: LongArgs) -> str:
+    """Return a long text."""
+    return long_text(args.chars)
+
+
+@tool(kind="test")
+async def facts(ctx: ToolContext) -> ToolResult:
+    """Text for the model, and facts about the run beside it (no output schema)."""
+    return ToolResult(output="the answer is 42", structured={"took_ms": 5, "cached": False})
+
+
+@tool(kind="test")
+async def data(ctx: ToolContext) -> dict[str, object]:
+    """Return data without declaring an output schema: its text is that data as JSON."""
+    return {"a": 1, "b": [1, 2.5], "c": "three"}
+
+
 def mcp_registry() -> Registry:
     """The bundled tools, the tools above, and whoami and ops_only (roles: ops)."""
     bundled = load_registry(bundled=True, entry_points=False)
     extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, big_file, tally, whoami,
-                                    ops_only)]
+                                    ops_only, long_text_tool, facts, data)]
     return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])

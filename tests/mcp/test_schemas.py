@@ -99,3 +99,20 @@ def test_a_reference_to_a_url_is_never_fetched() -> None:
     checker = ArgumentChecker({"properties": {"a": {"$ref": "http://127.0.0.1:9/x.json"}}})
     with pytest.raises(Exception, match="Unresolvable"):
         checker.problem({"a": 1})
+
+
+def test_mismatches_name_each_field_at_its_path_as_local_tools_do() -> None:
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "integer"},
+                             "b": {"type": "object", "required": ["c"],
+                                   "additionalProperties": False,
+                                   "properties": {"c": {"type": "string"}}},
+                             "d": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+    checker = ArgumentChecker(schema)
+    assert [str(m) for m in checker.mismatches({"a": "two"})] == [
+        "a: 'two' is not of type 'integer'"]
+    found = checker.mismatches({"b": {"x": 1}, "d": "no"})
+    assert {(m.path, m.message) for m in found} == {
+        (("a",), "Field required"), (("b", "c"), "Field required"),
+        (("b", "x"), "unknown field"), (("d",), "'no' is not valid under any of the given schemas")}
+    assert checker.mismatches({"a": 1}) == []

@@ -13,8 +13,9 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
-from stargrpc.mcp.mapping import UNAUTHENTICATED
+from stargrpc.mcp.mapping import MAX_TEXT_CHARS, UNAUTHENTICATED
 from tests.mcp.conftest import McpUnderTest, cancel_mid_run, reload_with_greet
+from tests.mcp.mcp_tools import long_text
 
 
 def bridge_command(mcp_server: McpUnderTest, key: str | None) -> StdioServerParameters:
@@ -75,3 +76,16 @@ async def test_cancel_and_list_changed_over_stdio(
         await reload_with_greet(mcp_server.auth.server, tmp_path, changed)
         greeting = await client.call_tool("greet", {"name": "ada"})
     assert greeting.content == [types.TextContent(text="hello ada")]
+
+
+async def test_a_long_output_links_to_all_of_it_over_stdio_too(
+        mcp_server: McpUnderTest) -> None:
+    chars = MAX_TEXT_CHARS + 10
+    async with Client(bridge_command(mcp_server, mcp_server.auth.key),
+                      read_timeout_seconds=30) as client:
+        result = await client.call_tool("long_text", {"chars": chars})
+        [link] = [b for b in result.content if isinstance(b, types.ResourceLink)]
+        read = await client.read_resource(link.uri)
+    [whole] = read.contents
+    assert isinstance(whole, types.TextResourceContents)
+    assert whole.text == long_text(chars)

@@ -5,6 +5,7 @@ called over gRPC through the whole pipeline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from mcp import Client as McpClient
+from mcp.client.session import ClientSession
 from structlog.testing import capture_logs
 
 from stargrpc.client import Client
@@ -27,7 +30,7 @@ from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
-from tests.helpers import key_channel, run_tool, status_details
+from tests.helpers import eventually, key_channel, run_tool, status_details
 from tests.mcp.upstream_server import PNG, Observed, serve_http
 
 # The SDK deprecates MCP logging for the 2026-07-28 revision; log messages still flow.
@@ -76,11 +79,9 @@ def only(server: StargrpcServer) -> Upstream:
 async def reason_says(server: StargrpcServer, text: str) -> Upstream:
     """Waits (bounded) until the server's only MCP server is unavailable for ``text``."""
     upstream = only(server)
-    for _ in range(200):
-        if text in upstream.reason:
-            return upstream
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{text!r} not in {upstream.reason!r}")
+    await eventually(lambda: text in upstream.reason, within=10, interval=0.05,
+                     what=lambda: f"{text!r} in {upstream.reason!r}")
+    return upstream
 
 
 async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
@@ -128,8 +129,56 @@ async def test_http_server_tools_join_the_catalog_and_run_through_the_pipeline(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         [bad] = [d for d in status_details(refused.value)
                  if isinstance(d, error_details_pb2.BadRequest)]
-        assert "steps: 'many' is not of type 'integer'" in bad.field_violations[0].description
+        # Named at its path, as a local tool's argument is (issue 29).
+        [violation] = bad.field_violations
+        assert violation.field == "arguments.steps"
+        assert violation.description == "'many' is not of type 'integer'"
         assert len(observed.calls) == calls
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+async def test_an_idle_connection_stays_up_through_pings_in_either_protocol_era(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any],
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # A 2026-07-28 server answers ping with an error ("Method not found"): an answer all
+    # the same, so the connection must stay (issue 29, item 1); a handshake-era one answers
+    # it. Either way: pings go out, none ends the connection.
+    url, _, _ = http_upstream
+    monkeypatch.setattr(upstream_module, "Client", functools.partial(McpClient, mode=mode))
+    pinged = asyncio.Event()
+    answers: list[str] = []
+    send_ping = ClientSession.send_ping
+
+    async def counting(self: ClientSession, **kwargs: Any) -> Any:
+        try:
+            reply = await send_ping(self, **kwargs)
+        except Exception as exc:
+            answers.append(f"error: {exc}")
+            raise
+        else:
+            answers.append("ok")
+            return reply
+        finally:
+            if len(answers) >= 5:
+                pinged.set()
+
+    monkeypatch.setattr(ClientSession, "send_ping", counting)
+    with capture_logs() as logs:
+        server = await make_server(mcp_servers=[{"name": "up", "url": url}],
+                                   mcp_servers_allowed_networks=LOOPBACK)
+        await tools_of(server, "up.progress")
+        await asyncio.wait_for(pinged.wait(), 20)
+        upstream = only(server)
+        assert upstream.available, upstream.reason
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "up.progress", {"steps": 1}))
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+    connected = [e for e in logs if e["event"] == "mcp_server_connected"]
+    lost = [e for e in logs if e["event"] == "mcp_server_unavailable"]
+    assert len(connected) == 1 and not lost, (connected, lost, answers)
+    expected = "ok" if mode == "legacy" else "error: Method not found"
+    assert answers[0].startswith(expected), answers
 
 
 async def test_a_hung_call_is_stopped_by_the_critic_and_the_server_told(
@@ -263,10 +312,8 @@ async def test_stdio_server_runs_in_the_sandbox_and_is_restarted_after_a_crash(
         assert "'box' went away during the call" in result.error.message
 
         await tools_of(stdio_server, "box.progress")  # restarted (unavailable meanwhile)
-        for _ in range(100):
-            if only(stdio_server).available:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: only(stdio_server).available, within=10, interval=0.1,
+                         what="the restarted MCP server available")
         result = result_of(await run_tool(stub, "box.progress", {"steps": 1}))
         assert result.outcome == events_pb2.OUTCOME_OK
         assert server_pid(stdio_server) != first
@@ -281,10 +328,9 @@ async def test_stdio_server_killed_mid_call_ends_the_run_with_a_clear_result(
         async for response in stub.Execute(request):
             events.append(response.event)
             if len(events) == 1:  # the run has started: the call is on its way
-                for _ in range(500):  # bounded: the call is sent right after the start
-                    if only(stdio_server)._calls:
-                        break
-                    await asyncio.sleep(0.01)
+                # The call is sent right after the start.
+                await eventually(lambda: only(stdio_server)._calls, within=5,
+                                 what="the call sent to the MCP server")
                 os.killpg(server_pid(stdio_server), signal.SIGKILL)
     result = result_of(events)
     assert result.outcome == events_pb2.OUTCOME_FAILED
@@ -468,6 +514,6 @@ def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reas
     with pytest.raises(InvalidArgument) as refused:
         validate(model, {"a": [1]})
     [violation] = refused.value.violations
-    assert "arguments: the tool's input schema cannot check them (AttributeError" \
-        in violation.description
+    assert violation.field == "arguments"
+    assert "the tool's input schema cannot check them (AttributeError" in violation.description
     assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}

@@ -161,10 +161,10 @@ async def serve_http(port: int = 0, *, hostile: bool = False, bulk: int = 0
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
+    from tests.helpers import eventually  # here: run as a script, there is no tests package
+
+    await eventually(lambda: server.started or task.done(), within=5,
+                     what="the upstream HTTP server started")
     assert server.started, "the upstream HTTP server did not start"
     bound = server.servers[0].sockets[0].getsockname()[1]
     try:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
-import time
 import uuid
+
+from tests.helpers import eventually
 
 
 def marker() -> str:
@@ -32,17 +33,18 @@ def processes_with(token: str) -> list[int]:
 
 
 async def wait_until_gone(token: str, within: float = 10.0) -> list[int]:
-    """Waits for every process carrying ``token`` to be gone; returns the survivors."""
-    deadline = time.monotonic() + within
+    """Waits for every process carrying ``token`` to be gone; returns the survivors (for the
+    test's assertion to name, and for it to kill)."""
     # The process table has no event to await: poll it, bounded.
-    while (left := processes_with(token)) and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.05)
-    return left
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: not processes_with(token), within=within, interval=0.05,
+                         what=f"the processes marked {token} gone")
+    return processes_with(token)
 
 
 async def wait_until_running(token: str, within: float = 10.0, count: int = 1) -> list[int]:
     """Waits for ``count`` processes carrying ``token`` to exist; returns those found."""
-    deadline = time.monotonic() + within
-    while len(found := processes_with(token)) < count and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.05)
-    return found
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: len(processes_with(token)) >= count, within=within,
+                         interval=0.05, what=f"{count} processes marked {token} running")
+    return processes_with(token)

@@ -4,19 +4,22 @@ own that it can stall."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+
+from tests.helpers import eventually
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -64,20 +67,15 @@ class StallableRedis:
             self.port = int(probe.getsockname()[1])
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Starts the server (again, empty, after a kill) and waits until it answers."""
-        self.proc = subprocess.Popen(
+        # Popen returns once the process is forked: nothing to wait for on the loop.
+        self.proc = subprocess.Popen(  # noqa: ASYNC220
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.folder)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # up once it answers PING
-            ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"],
-                                  capture_output=True, text=True, timeout=10)
-            if ping.stdout.strip() == "PONG":
-                return
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not come up")
+        await eventually(_off_loop(lambda: _cli(self.port, "ping") == "PONG"), within=20,
+                         interval=0.05, what="redis-server answering PING")
 
     def stall(self) -> None:
         """Freezes the server: connections stay open, nothing is answered."""
@@ -97,10 +95,10 @@ class StallableRedis:
 
 
 @pytest.fixture
-def stallable_redis(tmp_path: Path) -> Iterator[StallableRedis]:
+async def stallable_redis(tmp_path: Path) -> AsyncIterator[StallableRedis]:
     """A started :class:`StallableRedis`, killed by its PID afterwards."""
     redis = StallableRedis(tmp_path)
-    redis.start()
+    await redis.start()
     try:
         yield redis
     finally:
@@ -151,14 +149,10 @@ def _each(node: SyncRedis, commands: list[tuple[Any, ...]]) -> list[Any]:
     return list(pipe.execute())
 
 
-def _until(what: str, check: Callable[[], bool], within: float = 30) -> None:
-    """Waits (polling, bounded) until ``check()`` holds; processes give no event to await."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {within} s")
+def _off_loop(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    """``check`` (which runs redis-cli: processes give no event to await) for
+    :func:`~tests.helpers.eventually`, in a thread, so the test's event loop goes on."""
+    return lambda: asyncio.to_thread(check)
 
 
 class RedisProcesses:
@@ -169,7 +163,7 @@ class RedisProcesses:
         self.folder = folder
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
-    def start(self, port: int, *args: str, sentinel: bool = False) -> None:
+    async def start(self, port: int, *args: str, sentinel: bool = False) -> None:
         """Starts a server (or a Sentinel) on ``port`` and waits until it answers PING."""
         home = self.folder / str(port)
         home.mkdir(exist_ok=True)
@@ -181,9 +175,11 @@ class RedisProcesses:
         else:
             command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                        "--appendonly", "no", "--dir", str(home), *args]
-        self.procs[port] = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+        # Popen returns once the process is forked: nothing to wait for on the loop.
+        self.procs[port] = subprocess.Popen(command, stdout=subprocess.DEVNULL,  # noqa: ASYNC220
                                             stderr=subprocess.DEVNULL)
-        _until(f"redis on {port} answering", lambda: _cli(port, "ping") == "PONG", 20)
+        await eventually(_off_loop(lambda: _cli(port, "ping") == "PONG"), within=20,
+                         interval=0.05, what=f"redis on {port} answering")
 
     def kill(self, port: int) -> None:
         """Kills one server by its PID (SIGKILL: no goodbye to its replicas)."""
@@ -204,22 +200,25 @@ class LoopbackCluster(RedisProcesses):
     ports: list[int]
     url: str
 
-    def create(self) -> None:
+    async def create(self) -> None:
         """Starts the six nodes and joins them into a cluster whose every slot is served."""
         self.ports = _free_ports(6, bus=True)
         for port in self.ports:
-            self.start(port, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+            await self.start(port, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
                        "--cluster-config-file", f"nodes-{port}.conf")
-        out = subprocess.run(
-            ["redis-cli", "--cluster", "create",
-             *(f"127.0.0.1:{port}" for port in self.ports), "--cluster-replicas", "1",
-             "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        out = await asyncio.to_thread(
+            subprocess.run, ["redis-cli", "--cluster", "create",
+                             *(f"127.0.0.1:{port}" for port in self.ports),
+                             "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
-        _until("the cluster state ok", lambda: all(
-            "cluster_state:ok" in _cli(port, "cluster", "info") for port in self.ports), 30)
-        _until("every replica in sync", lambda: all(
+        await eventually(_off_loop(lambda: all(
+            "cluster_state:ok" in _cli(port, "cluster", "info") for port in self.ports)),
+            within=30, interval=0.05, what="the cluster state ok")
+        await eventually(_off_loop(lambda: all(
             "master_link_status:up" in _cli(port, "info", "replication")
-            for port in self.replica_ports()), 30)
+            for port in self.replica_ports())),
+            within=30, interval=0.05, what="every replica in sync")
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def roles(self) -> dict[int, str]:
@@ -294,19 +293,20 @@ class LoopbackCluster(RedisProcesses):
                 moved += len(picked)
         return moved
 
-    def await_failover(self, killed: int) -> None:
+    async def await_failover(self, killed: int) -> None:
         """Waits until the cluster serves every slot again after primary ``killed`` died."""
         live = [port for port in self.ports if port != killed]
-        _until("a replica promoted", lambda: len(self.primary_ports()) == 3 and all(
-            "cluster_state:ok" in _cli(port, "cluster", "info") for port in live), 30)
+        await eventually(_off_loop(lambda: len(self.primary_ports()) == 3 and all(
+            "cluster_state:ok" in _cli(port, "cluster", "info") for port in live)),
+            within=30, interval=0.05, what="a replica promoted")
 
 
 @pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[LoopbackCluster]:
+async def redis_cluster(tmp_path: Path) -> AsyncIterator[LoopbackCluster]:
     """A started :class:`LoopbackCluster`, every node killed by its PID afterwards."""
     cluster = LoopbackCluster(tmp_path)
     try:
-        cluster.create()
+        await cluster.create()
         yield cluster
     finally:
         cluster.stop_all()
@@ -320,20 +320,22 @@ class LoopbackSentinel(RedisProcesses):
     sentinels: list[int]
     url: str
 
-    def create(self) -> None:
+    async def create(self) -> None:
         """Starts the primary, its replica (in sync) and the Sentinels (which know both)."""
         self.primary, self.replica, *self.sentinels = _free_ports(5)
-        self.start(self.primary)
-        self.start(self.replica, "--replicaof", "127.0.0.1", str(self.primary))
-        _until("the replica in sync", lambda: "master_link_status:up" in _cli(
-            self.replica, "info", "replication"), 30)
+        await self.start(self.primary)
+        await self.start(self.replica, "--replicaof", "127.0.0.1", str(self.primary))
+        await eventually(_off_loop(lambda: "master_link_status:up" in _cli(
+            self.replica, "info", "replication")),
+            within=30, interval=0.05, what="the replica in sync")
         for port in self.sentinels:
-            self.start(port, f"sentinel monitor stargrpc 127.0.0.1 {self.primary} 2",
+            await self.start(port, f"sentinel monitor stargrpc 127.0.0.1 {self.primary} 2",
                        "sentinel down-after-milliseconds stargrpc 1000",
                        "sentinel failover-timeout stargrpc 5000", sentinel=True)
-        _until("the Sentinels seeing the replica and each other", lambda: all(
+        await eventually(_off_loop(lambda: all(
             "slaves=1,sentinels=3" in _cli(port, "info", "sentinel")
-            for port in self.sentinels), 30)
+            for port in self.sentinels)),
+            within=30, interval=0.05, what="the Sentinels seeing the replica and each other")
         self.url = "redis+sentinel://" + ",".join(
             f"127.0.0.1:{port}" for port in self.sentinels) + "/stargrpc"
 
@@ -344,11 +346,11 @@ class LoopbackSentinel(RedisProcesses):
 
 
 @pytest.fixture
-def redis_sentinel(tmp_path: Path) -> Iterator[LoopbackSentinel]:
+async def redis_sentinel(tmp_path: Path) -> AsyncIterator[LoopbackSentinel]:
     """A started :class:`LoopbackSentinel`, every process killed by its PID afterwards."""
     sentinel = LoopbackSentinel(tmp_path)
     try:
-        sentinel.create()
+        await sentinel.create()
         yield sentinel
     finally:
         sentinel.stop_all()

@@ -6,7 +6,7 @@ per key unless its run was lost)."""
 from __future__ import annotations
 
 import asyncio
-import time
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,10 @@ from redis.crc import key_slot
 from redis.exceptions import MovedError
 
 from stargrpc.stores.connect import connect
-from stargrpc.stores.redis import _SLOT_MOVING, NotReplicated, RedisRunStore
+from stargrpc.stores.redis import NotReplicated, RedisRunStore
+from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import eventually
 from tests.runs_support import (
     HeaderPrincipal,
     collect,
@@ -96,22 +98,22 @@ async def _keyed_call(stubs: list[Any], index: int, folder: Path, gate: Path
     tally = folder / f"tally-{index}"
     request = execute_request("tally", {"path": str(tally), "gate": str(gate), "deltas": 5},
                               idempotency_key=key())
-    streams = []
-    deadline = time.monotonic() + 90
-    attempt = 0
-    while time.monotonic() < deadline:
-        stub = stubs[(index + attempt) % 2]
-        attempt += 1
+    streams: list[list[events_pb2.RunEvent]] = []
+    attempts = itertools.count()
+
+    async def a_result() -> bool:
+        stub = stubs[(index + next(attempts)) % 2]
         try:
             events = await asyncio.wait_for(collect(stub.Execute(request)), 60)
         except grpc.aio.AioRpcError as exc:  # refused before it ran: the store was failing over
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            await asyncio.sleep(0.2)
-            continue
+            return False
         streams.append(events)
-        if events[-1].result.error.code != "RUN_LOST":
-            return str(tally), streams
-    raise AssertionError(f"call {index} got no Result in time: {streams}")
+        return events[-1].result.error.code != "RUN_LOST"
+
+    await eventually(a_result, within=90, interval=0.2,
+                     what=f"call {index} getting a Result other than RUN_LOST")
+    return str(tally), streams
 
 
 async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
@@ -137,7 +139,7 @@ async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
     async def kill_a_primary() -> None:
         await halfway.wait()
         redis_cluster.kill(killed)
-        await asyncio.to_thread(redis_cluster.await_failover, killed)
+        await redis_cluster.await_failover(killed)
 
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
     try:
@@ -203,13 +205,13 @@ async def test_a_durable_write_redirected_to_another_node_is_not_taken_as_replic
                        if "role:slave" in lines and f"master_port:{target}" in lines)
         redis_cluster.kill(replica)
 
-        first = await store._call_all(script, [([name], ["after"])], durable=True)
+        first = await store.shared.scripts.call_all(script, [([name], ["after"])], durable=True)
         # Not written elsewhere without its WAIT: answered with the redirect, to try again.
-        assert isinstance(first[0], MovedError) and isinstance(first[0], _SLOT_MOVING)
+        assert isinstance(first[0], MovedError) and isinstance(first[0], SLOT_MOVING)
         assert await client.get(name) == b"before"
         # Sent again (by the claim or the flush), it goes to the node serving the slot now,
         # with its own WAIT, which tells that no replica has the write.
         with pytest.raises(NotReplicated):
-            await store._call_all(script, [([name], ["after"])], durable=True)
+            await store.shared.scripts.call_all(script, [([name], ["after"])], durable=True)
     finally:
         await client.aclose()

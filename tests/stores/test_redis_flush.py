@@ -18,9 +18,10 @@ from structlog.testing import capture_logs
 from stargrpc.errors import Unavailable
 from stargrpc.ids import new_id
 from stargrpc.settings import Settings
-from stargrpc.stores import redis as redis_store
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
+from stargrpc.stores.redis import store as redis_store
 from stargrpc.v1 import events_pb2
+from tests.helpers import eventually
 from tests.stores.conftest import REDIS_URL
 from tests.stores.test_redis_unavailable import OwnRedis, _free_port
 
@@ -86,7 +87,7 @@ async def test_a_run_without_key_reaches_redis_with_its_first_events(
     assert lease_left == 0
     assert await redis.pttl(meta) > 0 and await redis.pttl(events) > 0
     # ListRuns finds it by its start, in every run's index and its principal's.
-    for index in store._index_keys("alice"):
+    for index in store.index.keys_of("alice"):
         assert await redis.zscore(index, run_log.run_id) == run_log.started_ms
 
 
@@ -124,7 +125,7 @@ async def test_more_concurrent_runs_than_pooled_connections_all_reach_redis(
 
 async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
     own = OwnRedis(_free_port(), tmp_path)
-    own.start()
+    await own.start()
     url = f"redis://127.0.0.1:{own.port}/0"
     store = RedisRunStore(Redis.from_url(url))
     try:
@@ -146,7 +147,7 @@ async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> 
 async def test_the_flusher_reconnects_when_its_connection_is_cut(tmp_path: Path) -> None:
     # A Redis of the test's own: cutting connections on the shared one would cut everybody's.
     own = OwnRedis(_free_port(), tmp_path)
-    own.start()
+    await own.start()
     store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0"))
     try:
         first = await _published(store)
@@ -181,7 +182,7 @@ async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
 async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
         tmp_path: Path) -> None:
     own = OwnRedis(_free_port(), tmp_path)
-    own.start()
+    await own.start()
     store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0",
                                          socket_connect_timeout=2))
     try:
@@ -190,13 +191,11 @@ async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
         unseen = await _published(store)  # accepted: nothing has failed yet
         own.stop()
         _run_whole(unseen)
-        for _ in range(500):  # its write fails in the background; bounded wait for that
-            if not store.healthy:
-                break
-            await asyncio.sleep(0.01)
+        # Its write fails in the background: no event tells of that.
+        await eventually(lambda: not store.healthy, within=5, what="the failed write noted")
         with pytest.raises(Unavailable) as refused:
             await _published(store)
-        own.start()
+        await own.start()
         after = await _published(store)
         _run_whole(after)
         assert await store.flushed(10)  # the failed run is written too, once Redis is back
@@ -218,7 +217,7 @@ async def test_only_the_flusher_goes_without_a_socket_timeout(redis_prefix: str)
         run_log = await _published(store)
         _run_whole(run_log)
         assert await store.flushed(10)
-        assert store._flush_line._conn.socket_timeout is None
+        assert store.flusher.line.socket_timeout is None
         assert store.redis.connection_pool.connection_kwargs["socket_timeout"] > 0
         assert store.flush_timeout > 0
     finally:
@@ -232,10 +231,8 @@ async def test_forged_fresh_run_ids_hold_at_most_so_many_redis_waits(store: Redi
     # the next is answered at once, while those still wait.
     monkeypatch.setattr(redis_store, "MAX_FRESH_RUN_WAITS", 4)
     waiting = [asyncio.create_task(store.open(new_id())) for _ in range(4)]
-    for _ in range(1000):  # until all four wait on Redis
-        if store._fresh_waits == 4:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: store._fresh_waits == 4, within=10,
+                     what="all four lookups waiting on Redis")
     extra = asyncio.create_task(store.open(new_id()))
     try:
         done, _ = await asyncio.wait([extra, *waiting], return_when=asyncio.FIRST_COMPLETED)

@@ -118,7 +118,7 @@ async def test_a_claim_allows_for_a_redis_clock_ahead_of_the_replicas(
         redis_prefix: str) -> None:
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
     # As seen from a replica whose clock is 5 s behind Redis's (the clocks here agree).
-    store._clock_ahead_ms = -5000
+    store.shared.clock_ahead_ms = -5000
     try:
         run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
         await store.publish(run_log)
@@ -137,7 +137,7 @@ async def test_a_claim_redis_found_late_is_told_as_such_not_as_redis_unreachable
     # refused for running out of time, and the log says Redis answered late, not that it
     # was unreachable or did not answer.
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
-    store._deadline_ms = lambda log: 1  # type: ignore[method-assign]
+    store.shared.deadline_ms = lambda deadline: 1  # type: ignore[method-assign]
     try:
         run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
         await store.publish(run_log)
@@ -310,7 +310,7 @@ async def test_redis_killed_in_a_stall_ends_the_run_with_a_result_and_serving_go
         first = (await call.read()).event
         stallable_redis.stall()
         stallable_redis.kill()
-        stallable_redis.start()  # empty: the run's record is gone
+        await stallable_redis.start()  # empty: the run's record is gone
         rest = await asyncio.wait_for(collect(call), 30)
         gate.touch()
         after = await collect(stub.Execute(execute_request("echo", {"text": "hi"},

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from stargrpc.stores.redis import RedisRunStore, RemoteRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import status_details
+from tests.helpers import eventually, status_details
 from tests.run_tools.blob import blob_bytes
 from tests.runs_support import as_principal, collect, execute_request, key, stripped
 from tests.stores.conftest import REDIS_URL
@@ -123,16 +123,16 @@ async def test_unknown_and_expired_runs_are_not_found(replicas) -> None:
             await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id="nope"),
                                         metadata=ALICE))
         # Redis expires the keys itself; wait for that, bounded.
-        for _ in range(100):
+        async def refused() -> grpc.aio.AioRpcError | None:
             try:
                 await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=run_id),
                                             metadata=ALICE))
             except grpc.aio.AioRpcError as error:
-                expired = error
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the finished run never expired")
+                return error
+            return None
+
+        expired = await eventually(refused, within=5, interval=0.05,
+                                   what="the finished run expired")
 
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     assert expired.code() == grpc.StatusCode.NOT_FOUND
@@ -241,12 +241,13 @@ async def test_a_watcher_on_b_of_a_run_just_admitted_on_a_waits_for_its_first_wr
         watch = b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=executed[0].run_id),
                            metadata=ALICE)
         watching = asyncio.ensure_future(collect(watch))
-        for _ in range(400):  # until B waits on the run's stream (or answered already)
+        async def waiting_on_the_stream() -> bool:  # or answered already
             clients = (await admin.execute_command("CLIENT", "LIST")).decode()
-            if watching.done() or any("cmd=xread" in line and "flags=b" in line
-                                      for line in clients.splitlines()):
-                break
-            await asyncio.sleep(0.01)  # Redis's client list has no event to await
+            return watching.done() or any("cmd=xread" in line and "flags=b" in line
+                                          for line in clients.splitlines())
+
+        # Redis's client list has no event to await.
+        await eventually(waiting_on_the_stream, within=4, what="B waiting on the run's stream")
         assert not watching.done(), watching.result()
         assert not (await admin.get("race:run:" + executed[0].run_id))  # nothing written
         await admin.execute_command("CLIENT", "UNPAUSE")
@@ -271,7 +272,7 @@ async def test_a_remote_log_without_the_bytes_of_an_event_raises_index_error(
     # As RunLog.encoded says (and the in-memory log does): IndexError, not a KeyError.
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix)
     try:
-        remote = RemoteRunLog(store, "run", "alice", "echo", finished=False, last_seq=0)
+        remote = RemoteRunLog(store.leases, "run", "alice", "echo", finished=False, last_seq=0)
         with pytest.raises(IndexError):
             remote.encoded(1)
     finally:

@@ -27,6 +27,7 @@ from stargrpc.stores.connect import connect
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.delivery.test_redis_stream import read_entry, start_request
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR
 from tests.stores.conftest import REDIS_URL, LoopbackCluster, StallableRedis
@@ -82,12 +83,10 @@ async def _running_run(store: RedisRunStore) -> RedisRunLog:
 async def _abandon(store: RedisRunStore) -> None:
     """What SIGKILL does to a replica, as Redis sees it: nothing more is written or renewed
     (its connections are left as they are)."""
-    for task in (store._renewer, store._flusher, store._sweeper):
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    store._renewer = store._flusher = store._sweeper = None
-    store._local.clear()
+    await store.stop_renewing()
+    await store.flusher.stop()
+    await store.sweep.stop()
+    store.runs.clear()
 
 
 def _swept(logs: list[dict[str, Any]], run_id: str) -> list[dict[str, Any]]:
@@ -113,14 +112,16 @@ async def test_a_killed_replicas_runs_end_run_lost_unwatched_and_its_delivery_is
             unwatched.ClearField("delivery")  # nobody will ever look at this one
             alone = await stub.StartRun(unwatched)
         run_ids = [delivered.run_id, alone.run_id]
-        async with asyncio.timeout(20):
-            # Both runs in Redis, leased (their first events flushed), and the delivery: another
-            # process writes them, so there is no event to await here.
-            while not all([await redis.hexists(f"{redis_prefix}delivery:pending",  # noqa: ASYNC110
-                                               delivered.run_id),
-                           *[await redis.exists(f"{redis_prefix}run:{run_id}:lease")
-                             for run_id in run_ids]]):
-                await asyncio.sleep(0.05)
+        async def in_redis() -> bool:
+            return all([await redis.hexists(f"{redis_prefix}delivery:pending",
+                                            delivered.run_id),
+                        *[await redis.exists(f"{redis_prefix}run:{run_id}:lease")
+                          for run_id in run_ids]])
+
+        # Both runs in Redis, leased (their first events flushed), and the delivery: another
+        # process writes them, so there is no event to await here.
+        await eventually(in_redis, within=20, interval=0.05,
+                         what="both runs and the delivery in Redis")
         with capture_logs() as logs:
             doomed.signal(signal.SIGKILL)
             killed = time.monotonic()
@@ -173,7 +174,7 @@ async def test_two_sweepers_end_a_lost_run_once_and_leave_a_live_run_alone(
     await _abandon(dead)
     with capture_logs() as logs:
         abandoned = time.monotonic()
-        result = await _result_in_redis(live.redis, live._key(lost_log.run_id, "events"),
+        result = await _result_in_redis(live.redis, live.shared.key(lost_log.run_id, "events"),
                                         2 * 1.0 + 3 * 0.05 + 5)
         lost_after = time.monotonic() - abandoned
         # Past two more leases: a run that keeps its lease is never ended by a sweep.
@@ -182,9 +183,9 @@ async def test_two_sweepers_end_a_lost_run_once_and_leave_a_live_run_alone(
             live_log.append_nowait(_step(events_pb2.STEP_PHASE_DELTA))
             assert await live.flushed(5)
             await asyncio.sleep(0.1)  # a run's pace, not a wait for something to happen
-        lost_results = await _results(live.redis, live._key(lost_log.run_id, "events"))
-        live_results = await _results(live.redis, live._key(live_log.run_id, "events"))
-        live_state = await live._state(live_log.run_id)
+        lost_results = await _results(live.redis, live.shared.key(lost_log.run_id, "events"))
+        live_results = await _results(live.redis, live.shared.key(live_log.run_id, "events"))
+        live_state = await live.leases.state(live_log.run_id)
         due: Any = await live.redis.zscore(f"{redis_prefix}runs:running", live_log.run_id)
 
     assert result.result.error.code == "RUN_LOST"
@@ -216,7 +217,7 @@ async def test_a_finished_run_leaves_the_sweep_set_and_a_short_one_never_enters_
     short.append_nowait(_step(events_pb2.STEP_PHASE_START))
     short.append_nowait(result)
     assert await store.flushed(10)
-    short_state = await store._state(short.run_id)
+    short_state = await store.leases.state(short.run_id)
 
     assert while_running is not None and after is None
     assert short_state == "finished" and not short.swept
@@ -236,10 +237,10 @@ async def test_the_sweep_finds_lost_runs_on_a_redis_cluster(
         lost = [await _running_run(dead) for _ in range(12)]
         await _abandon(dead)
         abandoned = time.monotonic()
-        results = [await _result_in_redis(survivor.redis, survivor._key(run.run_id, "events"),
+        results = [await _result_in_redis(survivor.redis, survivor.shared.key(run.run_id, "events"),
                                           2 * 1.0 + 3 * 0.05 + 5) for run in lost]
         lost_after = time.monotonic() - abandoned
-        nodes = {survivor.redis.get_node_from_key(survivor._key(run.run_id)).name  # type: ignore[union-attr]
+        nodes = {survivor.redis.get_node_from_key(survivor.shared.key(run.run_id)).name  # type: ignore[union-attr]
                  for run in lost}
     finally:
         await dead.aclose()
@@ -264,20 +265,21 @@ async def test_the_sweep_rides_out_a_stalled_redis(stallable_redis: StallableRed
         with capture_logs() as logs:
             stallable_redis.stall()
             try:
-                async with asyncio.timeout(20):  # the sweeps meet the stall, and say so
-                    while not [line for line in logs if line["event"] == "redis_sweep_failed"]:  # noqa: ASYNC110
-                        await asyncio.sleep(0.05)  # a log line gives no event to await
+                # The sweeps meet the stall, and say so (a log line gives no event to await).
+                await eventually(lambda: [line for line in logs
+                                          if line["event"] == "redis_sweep_failed"],
+                                 within=20, interval=0.05, what="a sweep failing")
             finally:
                 stallable_redis.resume()
             resumed = time.monotonic()
             reader = Redis.from_url(stallable_redis.url)
             try:
-                result = await _result_in_redis(reader, survivor._key(run_log.run_id, "events"),
-                                                2 * 1.0 + 3 * 0.05 + 5)
+                result = await _result_in_redis(
+                    reader, survivor.shared.key(run_log.run_id, "events"), 2 * 1.0 + 3 * 0.05 + 5)
             finally:
                 await reader.aclose()
             lost_after = time.monotonic() - resumed
-        sweeping = survivor._sweeper is not None and not survivor._sweeper.done()
+        sweeping = survivor.sweep.running
     finally:
         stallable_redis.resume()
         await dead.aclose()
@@ -303,16 +305,16 @@ async def test_the_sweep_waits_for_a_redis_that_is_down_and_sweeps_once_it_is_up
     try:
         with capture_logs() as logs:
             await survivor.start()
-            async with asyncio.timeout(20):
-                while len([line for line in logs if line["event"] == "redis_sweep_failed"]) < 3:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)  # a log line gives no event to await
-        own.start()
+            await eventually(lambda: len([line for line in logs
+                                          if line["event"] == "redis_sweep_failed"]) >= 3,
+                             within=20, interval=0.05, what="three sweeps failing")
+        await own.start()
         dead = store()
         run_log = await _running_run(dead)
         await _abandon(dead)
         abandoned = time.monotonic()
-        result = await _result_in_redis(survivor.redis, survivor._key(run_log.run_id, "events"),
-                                        2 * 1.0 + 3 * 0.05 + 5)
+        result = await _result_in_redis(
+            survivor.redis, survivor.shared.key(run_log.run_id, "events"), 2 * 1.0 + 3 * 0.05 + 5)
         lost_after = time.monotonic() - abandoned
     finally:
         if dead is not None:

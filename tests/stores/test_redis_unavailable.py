@@ -3,9 +3,9 @@ the server recovers by itself when Redis comes back (a redis-server started by t
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stargrpc.errors import Unavailable
-from stargrpc.stores.redis import _reachable
+from stargrpc.stores.redis.errors import reachable
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import status_details
+from tests.helpers import eventually, status_details
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
 
 
@@ -33,17 +33,15 @@ class OwnRedis:
         self.port = port
         self.folder = folder
 
-    def start(self) -> None:
-        subprocess.run(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                        "--save", "", "--appendonly", "no", "--daemonize", "yes",
-                        "--dir", str(self.folder),
-                        "--pidfile", str(self.folder / "redis.pid")], check=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # up once it answers PING
-            if self._cli("ping").stdout.strip() == "PONG":
-                return
-            time.sleep(0.05)
-        raise AssertionError("redis-server did not come up")
+    async def start(self) -> None:
+        await asyncio.to_thread(
+            subprocess.run, ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--daemonize", "yes",
+                             "--dir", str(self.folder),
+                             "--pidfile", str(self.folder / "redis.pid")], check=True)
+        await eventually(lambda: asyncio.to_thread(
+            lambda: self._cli("ping").stdout.strip() == "PONG"), within=20, interval=0.05,
+            what="redis-server answering PING")
 
     def stop(self) -> None:
         self._cli("shutdown", "nosave")
@@ -78,13 +76,13 @@ async def test_redis_down_is_unavailable_fast_and_recovers_when_it_returns(
         with pytest.raises(grpc.aio.AioRpcError) as watch_down:
             await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id="x"),
                                         timeout=20))
-        own_redis.start()
+        await own_redis.start()
         back = await echo()
         own_redis.stop()
         with pytest.raises(grpc.aio.AioRpcError) as down_again:
             await echo()
         serving = await health.Check(health_pb2.HealthCheckRequest())
-        own_redis.start()
+        await own_redis.start()
         back_again = await echo()
 
     for error in (down.value, watch_down.value, down_again.value):
@@ -102,7 +100,7 @@ def test_a_call_that_timed_out_is_told_apart_from_a_lost_connection() -> None:
     # which it was rather than "connection lost".
     for raised, said in ((TimeoutError(), "no answer in time"),
                          (ConnectionResetError("reset by peer"), "connection lost")):
-        with pytest.raises(Unavailable) as refused, _reachable("claim"):
+        with pytest.raises(Unavailable) as refused, reachable("claim"):
             raise raised
         assert refused.value.reason == "RUN_STORE_UNAVAILABLE"
         assert said in str(refused.value.__cause__)

@@ -304,6 +304,7 @@ class AuditInterceptor(ComposedInterceptor):
             "outcome": record.outcome,
             "detail": self.view.detail_text(record.detail),
             "duration_ms": round((time.monotonic() - record.started) * 1000, 3),
+            "usage": self.view.usage_text(call.result),
             "idempotency_key": record.idempotency_key,
             "privileged": record.privileged,
             "key_id": "", "seq": 0, "prev_hash": "", "hash": "",

@@ -8,15 +8,13 @@ import asyncio
 import contextlib
 import io
 import json
-import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import jwt
 import pytest
-import structlog
 from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolFailed, tool
@@ -25,13 +23,12 @@ from stargrpc.audit.key import default_key_path, load_key
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import Query, default_store_url, open_store
 from stargrpc.ids import minted_ms
-from stargrpc.logs import configure_logging
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
-from tests.audit.conftest import pg_schema
+from tests.audit.helpers import pg_schema
 from tests.conftest import ServerFactory
 from tests.helpers import eventually, run_tool
 
@@ -127,18 +124,6 @@ async def stub(server: StargrpcServer) -> AsyncIterator[tool_service_pb2_grpc.To
         yield tool_service_pb2_grpc.ToolServiceStub(channel)
 
 
-@pytest.fixture
-def log_lines() -> Iterator[io.StringIO]:
-    """The server's log as JSON lines in a buffer (logging restored afterwards)."""
-    buffer = io.StringIO()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    configure_logging("info", "json", stream=buffer)
-    yield buffer
-    structlog.reset_defaults()
-    root.handlers[:], root.level = handlers, level
-
-
 def _parsed(buffer: io.StringIO, event: str) -> list[dict[str, Any]]:
     lines = [json.loads(line) for line in buffer.getvalue().splitlines() if line.startswith("{")]
     return [line for line in lines if line.get("event") == event]
@@ -232,10 +217,13 @@ async def test_a_cancelled_call_and_an_expired_deadline(server, stub) -> None:
             pass
 
     audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
-    deadline = time.monotonic() + WAIT
-    while len(await audit.writer.store.query(Query())) < 2 and time.monotonic() < deadline:
+
+    async def both_written() -> bool:
         await audit.writer.flush()
-        await asyncio.sleep(0.05)  # the server notices a gone client on its own schedule
+        return len(await audit.writer.store.query(Query())) >= 2
+
+    # The server notices a gone client on its own schedule.
+    await eventually(both_written, within=WAIT, interval=0.05, what="both calls' records")
     records = await _records(server)
     assert sorted(r.outcome for r in records) == ["cancelled", "timeout"]
     assert all(r.tool == "waits" and r.run_id for r in records)

@@ -178,6 +178,7 @@ type printer struct {
 	w        io.Writer
 	json     bool
 	streamed bool
+	midLine  bool // the last delta did not end its line
 }
 
 var jsonLine = protojson.MarshalOptions{UseProtoNames: true}
@@ -193,10 +194,21 @@ func (p *printer) event(event *pb.RunEvent) error {
 	}
 	if step := event.GetStep(); step != nil && step.GetPhase() == pb.StepPhase_STEP_PHASE_DELTA {
 		p.streamed = true
-		_, err := fmt.Fprint(p.w, step.GetDelta())
+		delta := step.GetDelta()
+		if delta != "" {
+			p.midLine = !strings.HasSuffix(delta, "\n")
+		}
+		_, err := fmt.Fprint(p.w, delta)
 		return err
 	}
 	if result := event.GetResult(); result != nil {
+		if p.midLine { // the summary starts on a line of its own
+			fmt.Fprintln(p.w)
+			p.midLine = false
+		}
+		if usage := result.GetUsage(); usage != nil {
+			fmt.Fprintln(p.w, usageLine(usage)) // the receipt, just above the outcome
+		}
 		line := "= " + strings.TrimPrefix(result.GetOutcome().String(), "OUTCOME_")
 		if e := result.GetError(); e != nil {
 			line += fmt.Sprintf(" [%s] %s", e.GetCode(), e.GetMessage())
@@ -207,4 +219,50 @@ func (p *printer) event(event *pb.RunEvent) error {
 		}
 	}
 	return nil
+}
+
+// usageLine is the run's receipt (Result.usage) on one line, as `stargrpc call` prints it:
+// what was measured, nothing for what was not (an unset optional field is nil).
+func usageLine(u *pb.Usage) string {
+	var parts []string
+	if u.WallSeconds != nil {
+		parts = append(parts, fmt.Sprintf("wall %.2fs", u.GetWallSeconds()))
+	}
+	if u.GetQueuedSeconds() != 0 {
+		parts = append(parts, fmt.Sprintf("queued %.2fs", u.GetQueuedSeconds()))
+	}
+	if u.CpuUserSeconds != nil || u.CpuSystemSeconds != nil {
+		user, system := u.GetCpuUserSeconds(), u.GetCpuSystemSeconds()
+		parts = append(parts, fmt.Sprintf("cpu %.2fs (%.2fs user + %.2fs system)",
+			user+system, user, system))
+	}
+	if u.PeakRssBytes != nil {
+		parts = append(parts, "peak memory "+size(u.GetPeakRssBytes()))
+	}
+	if u.BytesWritten != nil {
+		parts = append(parts, "wrote "+size(u.GetBytesWritten()))
+	}
+	if u.NetworkBytesSent != nil || u.NetworkBytesReceived != nil {
+		parts = append(parts, fmt.Sprintf("network %s sent, %s received",
+			size(u.GetNetworkBytesSent()), size(u.GetNetworkBytesReceived())))
+	}
+	if u.GetChildRuns() != 0 {
+		parts = append(parts, fmt.Sprintf("%d child runs", u.GetChildRuns()))
+	}
+	return "usage: " + strings.Join(parts, ", ")
+}
+
+// size is a byte count for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB.
+func size(count uint64) string {
+	if count < 1024 {
+		return fmt.Sprintf("%d B", count)
+	}
+	value, unit := float64(count), ""
+	for _, unit = range []string{"KiB", "MiB", "GiB"} {
+		value /= 1024
+		if value < 1024 {
+			break
+		}
+	}
+	return fmt.Sprintf("%.1f %s", value, unit)
 }
