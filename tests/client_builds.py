@@ -1,19 +1,28 @@
 """The clients of clients/ in other languages, as the tests that run them build them: Go in
-GOPATH mode over Debian's libraries, Node.js from its folder."""
+GOPATH mode over Debian's libraries, Node.js from its folder; and their command lines run,
+their JSON lines read back as the contract's messages."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
+
+from stargrpc.v1 import events_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 GO_DIR = REPO / "clients" / "go"
 GO_PACKAGE = "github.com/stargrpc/stargrpc/clients/go"
 NODE_DIR = REPO / "clients" / "node"
 BUILD_TIMEOUT = 600
+#: How long a client's command line may take.
+RUN_TIMEOUT = 60
 
 
 def go(*args: str, timeout: float = BUILD_TIMEOUT) -> subprocess.CompletedProcess[str]:
@@ -43,3 +52,28 @@ def node_cli_command() -> list[str]:
         subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
                        cwd=NODE_DIR, check=True, timeout=600)
     return [node, str(NODE_DIR / "cli.js")]
+
+
+async def _run(command: Sequence[str], *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *command, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def run_go(go_cli: str, *args: str) -> tuple[int, str, str]:
+    """The built ``stargrpc-go`` run with ``args``: its exit code, stdout and stderr."""
+    return await _run([go_cli], *args)
+
+
+async def run_node(node_cli: list[str], *args: str) -> tuple[int, str, str]:
+    """``node clients/node/cli.js`` run with ``args``: its exit code, stdout and stderr."""
+    return await _run(node_cli, *args)
+
+
+def json_events(lines: str) -> list[events_pb2.RunEvent]:
+    """A client's proto3 JSON lines, read back as the contract's messages: any field the
+    client decoded differently would fail here or in the comparisons."""
+    return [json_format.ParseDict(json.loads(line), events_pb2.RunEvent())
+            for line in lines.splitlines()]

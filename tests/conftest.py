@@ -21,7 +21,7 @@ from stargrpc.registry import Registry
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2_grpc
-from tests.client_builds import node_cli_command
+from tests.client_builds import build_go, node_cli_command
 from tests.procs import ImageUser, image_user
 
 ServerFactory = Callable[..., Awaitable[StargrpcServer]]
@@ -149,6 +149,12 @@ def log_lines() -> Iterator[io.StringIO]:
     yield buffer
     structlog.reset_defaults()
     root.handlers[:], root.level = handlers, level
+
+
+@pytest.fixture(scope="session")
+def go_cli(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The built ``stargrpc-go`` command."""
+    return build_go("stargrpc-go", tmp_path_factory.mktemp("go"))
 
 
 @pytest.fixture(scope="session")

@@ -13,37 +13,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from google.protobuf import json_format
 
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
-from tests.client_builds import GO_DIR, GO_PACKAGE, build_go, go
+from tests.client_builds import GO_DIR, GO_PACKAGE, go, json_events, run_go
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.helpers import COUNT_TO_3, count_phases, key_channel, phases, run_tool
 from tests.runs_support import collect
 
 TIMEOUT = 60
-
-
-@pytest.fixture(scope="session")
-def go_cli(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The built ``stargrpc-go`` command."""
-    return build_go("stargrpc-go", tmp_path_factory.mktemp("go"))
-
-
-async def _go(go_cli: str, *args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        go_cli, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
-def _events(lines: str) -> list[events_pb2.RunEvent]:
-    """Go's proto3 JSON lines, read back as the contract's messages."""
-    return [json_format.ParseDict(json.loads(line), events_pb2.RunEvent())
-            for line in lines.splitlines()]
 
 
 def test_go_vet_and_unit_tests_pass() -> None:
@@ -75,15 +54,15 @@ async def test_go_lists_tools_and_streams_the_same_events_as_python(
     auth = await make_auth_server(list_tools_show_uncallable=True)
     common = ("-target", auth.target, "-api-key", auth.key)
 
-    code, out, _ = await _go(go_cli, *common, "-json", "tools")
+    code, out, _ = await run_go(go_cli, *common, "-json", "tools")
     assert code == 0
     assert json.loads(out)["catalogHash"] == auth.server.runtime.registry.catalog_hash
-    code, listed, _ = await _go(go_cli, *common, "tools")
+    code, listed, _ = await run_go(go_cli, *common, "tools")
     lines = {line.split()[0]: line for line in listed.splitlines()}
     assert "[privileged]" in lines["shell"] and "[privileged]" not in lines["echo"]
 
-    code, out, err = await _go(go_cli, *common, "-json", "call", "count", '{"to": 3}')
-    from_go = _events(out)
+    code, out, err = await run_go(go_cli, *common, "-json", "call", "count", '{"to": 3}')
+    from_go = json_events(out)
     async with key_channel(auth.target, auth.key) as channel:
         from_python = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel),
                                      "count", {"to": 3})
@@ -94,7 +73,7 @@ async def test_go_lists_tools_and_streams_the_same_events_as_python(
     assert [e.seq for e in from_go] == list(range(1, len(from_go) + 1))
     assert from_go[-1].result.output == "counted to 3"
 
-    code, _, err = await _go(go_cli, "-target", auth.target, "-api-key", "wrong", "tools")
+    code, _, err = await run_go(go_cli, "-target", auth.target, "-api-key", "wrong", "tools")
     assert code == 1 and err.startswith("UNAUTHENTICATED: ")
 
 
@@ -103,8 +82,8 @@ async def test_go_shows_the_reason_and_each_field_violation(
     target = ("-target", f"127.0.0.1:{server.port}")
 
     (bad, _, bad_err), (unknown, _, unknown_err) = await asyncio.gather(
-        _go(go_cli, *target, "call", "count", '{"to": "many"}'),
-        _go(go_cli, *target, "call", "no_such_tool"))
+        run_go(go_cli, *target, "call", "count", '{"to": "many"}'),
+        run_go(go_cli, *target, "call", "no_such_tool"))
 
     assert bad == 1
     assert bad_err.startswith("INVALID_ARGUMENT: ") and "[INVALID_ARGUMENT]" in bad_err
@@ -133,7 +112,7 @@ async def test_go_resumes_a_broken_stream_through_watch_run(
             proc.kill()
             await proc.wait()
 
-    events = _events(b"".join(lines).decode() + rest.decode())
+    events = json_events(b"".join(lines).decode() + rest.decode())
     assert proc.returncode == 0
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert phases(events) == count_phases(6)
@@ -149,13 +128,13 @@ async def test_go_watch_at_or_past_the_end_of_a_finished_run_exits_zero(
     target = ("-target", f"127.0.0.1:{server.port}")
 
     (code, out, err), (tail_code, tail, _) = await asyncio.wait_for(asyncio.gather(
-        _go(go_cli, *target, "watch", "-after-seq", str(last), run_id),
-        _go(go_cli, *target, "-json", "watch", "-after-seq", str(last - 1), run_id)), 20)
+        run_go(go_cli, *target, "watch", "-after-seq", str(last), run_id),
+        run_go(go_cli, *target, "-json", "watch", "-after-seq", str(last - 1), run_id)), 20)
 
     assert (code, out) == (0, "")
     assert f"run {run_id} has ended: nothing follows seq {last}" in err
     assert tail_code == 0
-    assert _events(tail) == executed[-1:]
+    assert json_events(tail) == executed[-1:]
 
 
 async def test_go_ctrl_c_during_call_cancels_the_run_and_cancel_says_it_ended(
@@ -176,7 +155,7 @@ async def test_go_ctrl_c_during_call_cancels_the_run_and_cancel_says_it_ended(
             await proc.wait()
     watched = await asyncio.wait_for(collect(stub.WatchRun(
         tool_service_pb2.WatchRunRequest(run_id=first["run_id"]))), TIMEOUT)
-    again, _, again_err = await _go(go_cli, *target, "cancel", first["run_id"])
+    again, _, again_err = await run_go(go_cli, *target, "cancel", first["run_id"])
 
     assert proc.returncode == 130
     assert f"run {first['run_id']} cancelled" in err.decode()
@@ -193,10 +172,10 @@ async def test_go_steers_a_live_run_and_is_refused_a_finished_one(
         tool_name="sleep", arguments_json='{"seconds": 60}'))
     run_id = (await running.read()).event.run_id
 
-    steered = await _go(go_cli, *target, "steer", run_id, "wrap it up")
+    steered = await run_go(go_cli, *target, "steer", run_id, "wrap it up")
     await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
     events = await asyncio.wait_for(collect(running), TIMEOUT)
-    late, _, late_err = await _go(go_cli, *target, "steer", run_id, "too late")
+    late, _, late_err = await run_go(go_cli, *target, "steer", run_id, "too late")
 
     assert (steered[0], steered[2].strip()) == (0, "steered")
     notices = [e.notice for e in events if e.HasField("notice") and e.notice.code == "STEERED"]

@@ -3,19 +3,19 @@ it, and its CLI prints it on a ``usage:`` line above the outcome, as ``stargrpc 
 
 from __future__ import annotations
 
+from tests.client_builds import json_events, run_go
 from tests.conftest import AuthServerFactory
-from tests.test_go_client import _events, _go, go_cli  # noqa: F401
 
 
 async def test_go_shows_the_receipt_of_a_run(make_auth_server: AuthServerFactory,
-                                              go_cli: str) -> None:  # noqa: F811
+                                              go_cli: str) -> None:
     auth = await make_auth_server()
     common = ("-target", auth.target, "-api-key", auth.key)
 
-    code, out, _ = await _go(go_cli, *common, "call", "echo", '{"text": "hi"}')
-    code_json, out_json, _ = await _go(go_cli, *common, "-json", "call", "echo",
+    code, out, _ = await run_go(go_cli, *common, "call", "echo", '{"text": "hi"}')
+    code_json, out_json, _ = await run_go(go_cli, *common, "-json", "call", "echo",
                                        '{"text": "hi"}')
-    result = _events(out_json)[-1].result
+    result = json_events(out_json)[-1].result
     lines = out.splitlines()
 
     assert code == code_json == 0

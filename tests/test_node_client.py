@@ -12,32 +12,15 @@ import re
 import signal
 
 import grpc
-from google.protobuf import json_format
 
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
-from tests.client_builds import NODE_DIR
+from tests.client_builds import NODE_DIR, json_events, run_node
 from tests.helpers import COUNT_TO_3, count_phases, phases, run_tool
 from tests.runs_support import collect
 
 TIMEOUT = 60
-
-
-
-async def _node(node_cli: list[str], *args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *node_cli, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
-def _events(lines: str) -> list[events_pb2.RunEvent]:
-    """Node's JSON lines, read back as the contract's messages: any field Node decoded
-    differently would fail here or in the comparisons."""
-    return [json_format.ParseDict(json.loads(line), events_pb2.RunEvent())
-            for line in lines.splitlines()]
 
 
 async def test_node_lists_tools_and_streams_the_same_events_as_python(
@@ -45,15 +28,15 @@ async def test_node_lists_tools_and_streams_the_same_events_as_python(
         node_cli: list[str]) -> None:
     target = f"127.0.0.1:{server.port}"
 
-    code, out, _ = await _node(node_cli, "tools", "--json", "--target", target)
+    code, out, _ = await run_node(node_cli, "tools", "--json", "--target", target)
     assert code == 0
     catalog = json.loads(out)
     assert catalog["catalog_hash"] == server.runtime.registry.catalog_hash
     assert {"count", "echo", "sleep"} <= {t["name"] for t in catalog["tools"]}
 
-    code, out, _ = await _node(node_cli, "call", "count", '{"to": 3}', "--json",
+    code, out, _ = await run_node(node_cli, "call", "count", '{"to": 3}', "--json",
                                "--target", target)
-    from_node = _events(out)
+    from_node = json_events(out)
     from_python = await run_tool(stub, "count", {"to": 3})
 
     assert code == 0
@@ -61,7 +44,7 @@ async def test_node_lists_tools_and_streams_the_same_events_as_python(
     assert [e.seq for e in from_node] == list(range(1, len(from_node) + 1))
     assert from_node[-1].result.output == from_python[-1].result.output == "counted to 3"
 
-    code, _, err = await _node(node_cli, "call", "no_such_tool", "--target", target)
+    code, _, err = await run_node(node_cli, "call", "no_such_tool", "--target", target)
     assert code == 1 and "NOT_FOUND" in err
 
 
@@ -72,14 +55,14 @@ async def test_node_watch_replays_a_run_after_a_seq(
         tool_name="count", arguments_json='{"to": 4, "delay": 0.05}', idempotency_key="k1"))
     first = [(await call.read()).event, (await call.read()).event]
 
-    code, out, _ = await _node(node_cli, "watch", first[0].run_id, "--after-seq", "2",
+    code, out, _ = await run_node(node_cli, "watch", first[0].run_id, "--after-seq", "2",
                                "--json", "--target", f"127.0.0.1:{server.port}")
     rest = []
     while (response := await call.read()) is not grpc.aio.EOF:
         rest.append(response.event)
 
     assert code == 0
-    assert _events(out) == rest  # the very same events, field for field
+    assert json_events(out) == rest  # the very same events, field for field
     assert phases(first + rest) == count_phases(4)
 
 
@@ -105,7 +88,7 @@ async def test_node_resumes_a_broken_stream_through_watch_run(
             proc.kill()
             await proc.wait()
 
-    events = _events(b"".join(lines).decode() + rest.decode())
+    events = json_events(b"".join(lines).decode() + rest.decode())
     assert proc.returncode == 0
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert phases(events) == count_phases(6)
@@ -114,15 +97,15 @@ async def test_node_resumes_a_broken_stream_through_watch_run(
 
 
 async def test_node_cli_usage_errors_are_clear_and_exit_two(node_cli: list[str]) -> None:
-    code, out, _ = await _node(node_cli, "--help")
+    code, out, _ = await run_node(node_cli, "--help")
     assert code == 0
     assert out.startswith("usage: cli.js tools")
 
-    code, _, err = await _node(node_cli, "--no-such-option")
+    code, _, err = await run_node(node_cli, "--no-such-option")
     assert code == 2
     assert "Unknown option '--no-such-option'" in err and "usage:" in err
 
-    code, _, err = await _node(node_cli, "call", "echo", '{"text": ')
+    code, _, err = await run_node(node_cli, "call", "echo", '{"text": ')
     assert code == 2
     assert "ARGS_JSON is not valid JSON" in err
 
@@ -154,14 +137,14 @@ async def test_node_watch_at_or_past_the_end_of_a_finished_run_exits_zero(
 
     # Bounded well below TIMEOUT: a client that waits for a Result that never comes hangs.
     (code, out, err), (tail_code, tail, _) = await asyncio.wait_for(asyncio.gather(
-        _node(node_cli, "watch", run_id, "--after-seq", str(last), "--target", target),
-        _node(node_cli, "watch", run_id, "--after-seq", str(last - 1), "--json",
+        run_node(node_cli, "watch", run_id, "--after-seq", str(last), "--target", target),
+        run_node(node_cli, "watch", run_id, "--after-seq", str(last - 1), "--json",
               "--target", target)), 20)
 
     assert (code, out) == (0, "")
     assert f"run {run_id} has ended: nothing follows seq {last}" in err
     assert tail_code == 0
-    assert _events(tail) == executed[-1:]
+    assert json_events(tail) == executed[-1:]
 
 
 async def test_node_ctrl_c_during_call_cancels_the_run(
@@ -201,12 +184,12 @@ async def test_node_shows_field_violations_cancels_and_renders_run_ids(
 
         (bad, _, bad_err), (cancel, _, cancel_err), (echo, echoed, echo_err), \
             (tools, listed, _) = await asyncio.gather(
-                _node(node_cli, "call", "count", '{"to": "many"}', "--target", target),
-                _node(node_cli, "cancel", run_id, "--reason", "from node", "--target", target),
-                _node(node_cli, "call", "echo", '{"text": "hello there"}', "--target", target),
-                _node(node_cli, "tools", "--target", target))
+                run_node(node_cli, "call", "count", '{"to": "many"}', "--target", target),
+                run_node(node_cli, "cancel", run_id, "--reason", "from node", "--target", target),
+                run_node(node_cli, "call", "echo", '{"text": "hello there"}', "--target", target),
+                run_node(node_cli, "tools", "--target", target))
         rest = await collect(running)
-        again, _, again_err = await _node(node_cli, "cancel", run_id, "--target", target)
+        again, _, again_err = await run_node(node_cli, "cancel", run_id, "--target", target)
 
     assert bad == 1
     assert "INVALID_ARGUMENT" in bad_err and "[INVALID_ARGUMENT]" in bad_err
@@ -285,10 +268,10 @@ async def test_node_steers_a_live_run_and_is_refused_a_finished_one(
         running = stub.Execute(tool_service_pb2.ExecuteRequest(
             tool_name="sleep", arguments_json='{"seconds": 60}'))
         run_id = (await running.read()).event.run_id
-        steered = await _node(node_cli, "steer", run_id, "wrap it up", "--target", target)
+        steered = await run_node(node_cli, "steer", run_id, "wrap it up", "--target", target)
         await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
         events = await collect(running)
-        late, _, late_err = await _node(node_cli, "steer", run_id, "too late", "--target",
+        late, _, late_err = await run_node(node_cli, "steer", run_id, "too late", "--target",
                                         target)
 
     assert (steered[0], steered[2].strip()) == (0, "steered")
@@ -299,7 +282,7 @@ async def test_node_steers_a_live_run_and_is_refused_a_finished_one(
 
 async def test_node_ends_a_delta_s_unfinished_line_before_the_next_one(
         server, node_cli: list[str]) -> None:
-    code, out, _ = await _node(node_cli, "call", "echo", '{"text": "no newline"}',
+    code, out, _ = await run_node(node_cli, "call", "echo", '{"text": "no newline"}',
                                "--target", f"127.0.0.1:{server.port}")
 
     assert code == 0

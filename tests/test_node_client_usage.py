@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 
 from stargrpc.server.grpc_server import StargrpcServer
-from tests.test_node_client import _node, node_cli  # noqa: F401
+from tests.client_builds import run_node
 
 
 async def test_node_shows_the_receipt_of_a_run(server: StargrpcServer,
-                                                node_cli: list[str]) -> None:  # noqa: F811
+                                                node_cli: list[str]) -> None:
     target = f"127.0.0.1:{server.port}"
 
-    code, out, _ = await _node(node_cli, "call", "echo", '{"text": "hi"}', "--target", target)
+    code, out, _ = await run_node(node_cli, "call", "echo", '{"text": "hi"}', "--target", target)
     lines = out.splitlines()
-    code_json, out_json, _ = await _node(node_cli, "call", "echo", '{"text": "hi"}', "--json",
+    code_json, out_json, _ = await run_node(node_cli, "call", "echo", '{"text": "hi"}', "--json",
                                          "--target", target)
     usage = json.loads(out_json.splitlines()[-1])["result"]["usage"]
 

@@ -1,8 +1,10 @@
 """What the delivery tests share: the example webhook receiver and its key, a server that
-delivers to it, and the StartRun requests that ask for a delivery."""
+delivers to it, the StartRun requests that ask for a delivery, and the reading of a
+Redis stream delivery's entry."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import grpc
+from redis.asyncio import Redis
 
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import ServerFactory
@@ -64,3 +67,17 @@ def start_request(tool_name: str, arguments: dict, stream: str
                                                arguments_json=json.dumps(arguments))
     request.delivery.redis_stream.stream = stream
     return request
+
+
+async def read_entry(redis: Redis, key: str, run_id: str, within: float) -> dict:
+    """The first entry of stream ``key`` for ``run_id``, waited for (bounded)."""
+    last = "0-0"
+    async with asyncio.timeout(within):
+        while True:
+            reply = await redis.xread({key: last}, count=10, block=500)
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    decoded = {k.decode(): v.decode() for k, v in fields.items()}
+                    if decoded["run_id"] == run_id:
+                        return decoded

@@ -4,7 +4,6 @@ with SIGKILL (another replica takes the pending delivery over)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 from pathlib import Path
@@ -14,25 +13,11 @@ from redis.asyncio import Redis
 
 from stargrpc.stores.connect import connect
 from stargrpc.v1 import tool_service_pb2_grpc
-from tests.delivery.helpers import start_request
+from tests.delivery.helpers import read_entry, start_request
 from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR, HeaderPrincipal, run_registry
 from tests.stores.conftest import REDIS_URL
-
-
-async def read_entry(redis: Redis, key: str, run_id: str, within: float) -> dict:
-    """The first entry of stream ``key`` for ``run_id``, waited for (bounded)."""
-    last = "0-0"
-    async with asyncio.timeout(within):
-        while True:
-            reply = await redis.xread({key: last}, count=10, block=500)
-            for _, entries in reply:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    decoded = {k.decode(): v.decode() for k, v in fields.items()}
-                    if decoded["run_id"] == run_id:
-                        return decoded
 
 
 async def test_the_result_is_added_to_the_stream(replicas, redis_prefix: str) -> None:

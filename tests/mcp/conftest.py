@@ -1,5 +1,6 @@
 """MCP fixtures: a real server with its MCP endpoint on an ephemeral port and API-key
-authentication on, and the official MCP SDK's client over streamable HTTP."""
+authentication on, the official MCP SDK's client over streamable HTTP, and an MCP server
+written with the SDK over streamable HTTP, to be put behind stargrpc."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from stargrpc.mcp import upstream as upstream_module
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.conftest import AuthServer, AuthServerFactory
 from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
+from tests.mcp.upstream_server import Observed, serve_http
 
 #: The protocol eras a client may speak: the initialize handshake, and 2026-07-28.
 MODES = ("legacy", "2026-07-28")
@@ -68,6 +71,20 @@ def gate() -> Iterator[tuple[str, asyncio.Event, asyncio.Event]]:
     opened.set()
     GATES.pop(name, None)
     CANCELLED.pop(name, None)
+
+
+@pytest.fixture
+def quick_pings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead HTTP server is noticed within a fraction of a second (for the tests of MCP
+    servers behind stargrpc: ``pytest.mark.usefixtures("quick_pings")``)."""
+    monkeypatch.setattr(upstream_module, "PING_SECONDS", 0.2)
+
+
+@pytest.fixture
+async def http_upstream() -> AsyncIterator[tuple[str, Observed, Any]]:
+    """The SDK server over streamable HTTP on 127.0.0.1."""
+    async with serve_http() as served:
+        yield served
 
 
 GREET = textwrap.dedent('''

@@ -9,7 +9,6 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,40 +30,14 @@ from stargrpc.stores.memory import MemoryRunLog
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.helpers import eventually, key_channel, run_tool, status_details
+from tests.mcp.helpers import LOOPBACK, tools_of
 from tests.mcp.upstream_server import PNG, Observed, serve_http
 
 # The SDK deprecates MCP logging for the 2026-07-28 revision; log messages still flow.
-pytestmark = [pytest.mark.timeout(60),
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quick_pings"),
               pytest.mark.filterwarnings("ignore:The logging capability is deprecated")]
 
-LOOPBACK = ["127.0.0.0/8"]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def quick_pings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dead HTTP server is noticed within a fraction of a second."""
-    monkeypatch.setattr(upstream_module, "PING_SECONDS", 0.2)
-
-
-@pytest.fixture
-async def http_upstream() -> AsyncIterator[tuple[str, Observed, Any]]:
-    """The SDK server over streamable HTTP on 127.0.0.1."""
-    async with serve_http() as served:
-        yield served
-
-
-async def tools_of(server: StargrpcServer, wanted: str, *, available: bool = True
-                   ) -> dict[str, Any]:
-    """Waits (on catalog changes, bounded) until ``wanted`` is listed as (un)available."""
-    async def wait() -> dict[str, Any]:
-        async for registry in server.runtime.catalog_updates():
-            spec = registry.get(wanted)
-            if spec is not None and spec.description.startswith("[unavailable") != available:
-                return dict(registry)
-        raise AssertionError("unreachable")
-
-    return await asyncio.wait_for(wait(), 20)
 
 
 def result_of(events: list[events_pb2.RunEvent]) -> events_pb2.Result:

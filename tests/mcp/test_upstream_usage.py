@@ -4,7 +4,6 @@ its result, the only bytes of the shared connection that are the call's own."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -13,17 +12,11 @@ import pytest
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.helpers import run_tool
-from tests.mcp.test_upstream import LOOPBACK, quick_pings, tools_of  # noqa: F401
-from tests.mcp.upstream_server import Observed, serve_http
+from tests.mcp.helpers import LOOPBACK, tools_of
+from tests.mcp.upstream_server import Observed
 
-pytestmark = [pytest.mark.timeout(60),
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("quick_pings"),
               pytest.mark.filterwarnings("ignore:The logging capability is deprecated")]
-
-
-@pytest.fixture
-async def http_upstream() -> AsyncIterator[tuple[str, Observed, Any]]:
-    async with serve_http() as served:
-        yield served
 
 
 async def test_a_call_counts_the_json_of_its_parameters_and_result(

@@ -20,6 +20,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from tests.helpers import eventually
+from tests.stores.helpers import redis_cli
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -74,7 +75,7 @@ class StallableRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.folder)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await eventually(_off_loop(lambda: _cli(self.port, "ping") == "PONG"), within=20,
+        await eventually(_off_loop(lambda: redis_cli(self.port, "ping") == "PONG"), within=20,
                          interval=0.05, what="redis-server answering PING")
 
     def stall(self) -> None:
@@ -131,11 +132,6 @@ def _free_ports(count: int, *, bus: bool = False) -> list[int]:
     return ports
 
 
-def _cli(port: int, *args: str, timeout: float = 10) -> str:
-    return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
-                          text=True, timeout=timeout).stdout.strip()
-
-
 def _node(port: int) -> SyncRedis:
     """A plain (non-cluster) client of one node, for the cluster's own administration."""
     return SyncRedis(host="127.0.0.1", port=port, socket_timeout=30)
@@ -178,7 +174,7 @@ class RedisProcesses:
         # Popen returns once the process is forked: nothing to wait for on the loop.
         self.procs[port] = subprocess.Popen(command, stdout=subprocess.DEVNULL,  # noqa: ASYNC220
                                             stderr=subprocess.DEVNULL)
-        await eventually(_off_loop(lambda: _cli(port, "ping") == "PONG"), within=20,
+        await eventually(_off_loop(lambda: redis_cli(port, "ping") == "PONG"), within=20,
                          interval=0.05, what=f"redis on {port} answering")
 
     def kill(self, port: int) -> None:
@@ -213,10 +209,10 @@ class LoopbackCluster(RedisProcesses):
             capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         await eventually(_off_loop(lambda: all(
-            "cluster_state:ok" in _cli(port, "cluster", "info") for port in self.ports)),
+            "cluster_state:ok" in redis_cli(port, "cluster", "info") for port in self.ports)),
             within=30, interval=0.05, what="the cluster state ok")
         await eventually(_off_loop(lambda: all(
-            "master_link_status:up" in _cli(port, "info", "replication")
+            "master_link_status:up" in redis_cli(port, "info", "replication")
             for port in self.replica_ports())),
             within=30, interval=0.05, what="every replica in sync")
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
@@ -225,7 +221,7 @@ class LoopbackCluster(RedisProcesses):
         """Each live node's role, master or slave (from CLUSTER NODES of a live node)."""
         for port in self.ports:
             if self.procs[port].poll() is None:
-                nodes = _cli(port, "cluster", "nodes")
+                nodes = redis_cli(port, "cluster", "nodes")
                 if nodes:
                     break
         roles = {}
@@ -297,7 +293,7 @@ class LoopbackCluster(RedisProcesses):
         """Waits until the cluster serves every slot again after primary ``killed`` died."""
         live = [port for port in self.ports if port != killed]
         await eventually(_off_loop(lambda: len(self.primary_ports()) == 3 and all(
-            "cluster_state:ok" in _cli(port, "cluster", "info") for port in live)),
+            "cluster_state:ok" in redis_cli(port, "cluster", "info") for port in live)),
             within=30, interval=0.05, what="a replica promoted")
 
 
@@ -325,7 +321,7 @@ class LoopbackSentinel(RedisProcesses):
         self.primary, self.replica, *self.sentinels = _free_ports(5)
         await self.start(self.primary)
         await self.start(self.replica, "--replicaof", "127.0.0.1", str(self.primary))
-        await eventually(_off_loop(lambda: "master_link_status:up" in _cli(
+        await eventually(_off_loop(lambda: "master_link_status:up" in redis_cli(
             self.replica, "info", "replication")),
             within=30, interval=0.05, what="the replica in sync")
         for port in self.sentinels:
@@ -333,7 +329,7 @@ class LoopbackSentinel(RedisProcesses):
                        "sentinel down-after-milliseconds stargrpc 1000",
                        "sentinel failover-timeout stargrpc 5000", sentinel=True)
         await eventually(_off_loop(lambda: all(
-            "slaves=1,sentinels=3" in _cli(port, "info", "sentinel")
+            "slaves=1,sentinels=3" in redis_cli(port, "info", "sentinel")
             for port in self.sentinels)),
             within=30, interval=0.05, what="the Sentinels seeing the replica and each other")
         self.url = "redis+sentinel://" + ",".join(
@@ -341,7 +337,7 @@ class LoopbackSentinel(RedisProcesses):
 
     def current_primary(self) -> int:
         """The port of the primary the Sentinels name now."""
-        reply = _cli(self.sentinels[0], "sentinel", "get-master-addr-by-name", "stargrpc")
+        reply = redis_cli(self.sentinels[0], "sentinel", "get-master-addr-by-name", "stargrpc")
         return int(reply.split()[1])
 
 

@@ -6,7 +6,6 @@ per key unless its run was lost)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -20,38 +19,25 @@ from stargrpc.stores.connect import connect
 from stargrpc.stores.redis import NotReplicated, RedisRunStore
 from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import eventually
 from tests.runs_support import (
-    HeaderPrincipal,
     collect,
     execute_request,
     key,
-    run_registry,
     stripped,
 )
-from tests.stores.conftest import LoopbackCluster, _cli
-
-
-def _assert_whole(events: list[events_pb2.RunEvent]) -> None:
-    """Seqs 1..N with no gap and no repeat, the Result last and only there."""
-    assert [event.seq for event in events] == list(range(1, len(events) + 1))
-    assert [event.HasField("result") for event in events] == [False] * (len(events) - 1) + [True]
-
-
-async def _stored(client: RedisCluster, prefix: str, run_id: str) -> list[events_pb2.RunEvent]:
-    entries: Any = await client.xrange(f"{prefix}run:{{{run_id}}}:events")
-    return [events_pb2.RunEvent.FromString(fields[b"e"]) for _, fields in entries]
-
-
-async def _two_replicas(make_server, url: str, **overrides: Any) -> list[Any]:
-    return [await make_server(registry=run_registry(), interceptors=[HeaderPrincipal()],
-                              redis_url=url, redis_key_prefix="stargrpc:", **overrides)
-            for _ in range(2)]
+from tests.stores.conftest import LoopbackCluster
+from tests.stores.helpers import (
+    assert_whole,
+    keyed_call,
+    redis_cli,
+    stored_events,
+    two_replicas,
+)
 
 
 async def test_two_replicas_share_runs_on_a_cluster_each_script_in_one_slot(
         make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
-    a, b = await _two_replicas(make_server, redis_cluster.url)
+    a, b = await two_replicas(make_server, redis_cluster.url)
     client, _ = connect(redis_cluster.url, timeout=2.0)
     assert isinstance(client, RedisCluster)
     gate = tmp_path / "gate"
@@ -74,13 +60,13 @@ async def test_two_replicas_share_runs_on_a_cluster_each_script_in_one_slot(
         plain = await asyncio.gather(*(collect(stub.Execute(execute_request(
             "echo", {"text": str(i)}))) for i, stub in enumerate([stub_a, stub_b] * 10)))
     try:
-        stored = await _stored(client, "stargrpc:", first.run_id)
+        stored = await stored_events(client, "stargrpc:", first.run_id)
         slots = {await client.cluster_keyslot(f"stargrpc:run:{{{first.run_id}}}{part}")
                  for part in ("", ":events", ":lease", ":cancel")}
     finally:
         await client.aclose()
 
-    _assert_whole(executed)
+    assert_whole(executed)
     assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
     assert stripped(watched) == stripped(executed)
     assert stripped(joined) == stripped(executed)
@@ -91,34 +77,9 @@ async def test_two_replicas_share_runs_on_a_cluster_each_script_in_one_slot(
     assert len(slots) == 1
 
 
-async def _keyed_call(stubs: list[Any], index: int, folder: Path, gate: Path
-                      ) -> tuple[str, list[list[events_pb2.RunEvent]]]:
-    """One keyed call, retried with its key (on the other replica too) until it has a Result
-    that is not RUN_LOST; its key's tally path and every stream it got."""
-    tally = folder / f"tally-{index}"
-    request = execute_request("tally", {"path": str(tally), "gate": str(gate), "deltas": 5},
-                              idempotency_key=key())
-    streams: list[list[events_pb2.RunEvent]] = []
-    attempts = itertools.count()
-
-    async def a_result() -> bool:
-        stub = stubs[(index + next(attempts)) % 2]
-        try:
-            events = await asyncio.wait_for(collect(stub.Execute(request)), 60)
-        except grpc.aio.AioRpcError as exc:  # refused before it ran: the store was failing over
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            return False
-        streams.append(events)
-        return events[-1].result.error.code != "RUN_LOST"
-
-    await eventually(a_result, within=90, interval=0.2,
-                     what=f"call {index} getting a Result other than RUN_LOST")
-    return str(tally), streams
-
-
 async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
         make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
-    replicas = await _two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
+    replicas = await two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
                                    redis_timeout_seconds=1.0)
     gate = tmp_path / "gate"
     gate.touch()
@@ -130,7 +91,7 @@ async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
     async def one(stubs: list[Any], index: int) -> tuple[str, list[list[events_pb2.RunEvent]]]:
         nonlocal done
         async with limit:
-            outcome = await _keyed_call(stubs, index, tmp_path, gate)
+            outcome = await keyed_call(stubs, index, tmp_path, gate)
         done += 1
         if done >= 150:
             halfway.set()
@@ -159,14 +120,14 @@ async def test_500_keyed_calls_across_two_replicas_survive_a_killed_primary(
     client, _ = connect(redis_cluster.url, timeout=2.0)
     assert isinstance(client, RedisCluster)
     try:
-        stored = [await _stored(client, "stargrpc:", streams[-1][0].run_id)
+        stored = [await stored_events(client, "stargrpc:", streams[-1][0].run_id)
                   for _, streams in calls]
     finally:
         await client.aclose()
 
     for (tally, streams), in_redis in zip(calls, stored, strict=True):
         for events in streams:
-            _assert_whole(events)
+            assert_whole(events)
         final = streams[-1]
         assert final[-1].result.outcome == events_pb2.OUTCOME_OK
         assert stripped(in_redis) == stripped(final)
@@ -195,7 +156,7 @@ async def test_a_durable_write_redirected_to_another_node_is_not_taken_as_replic
         await client.script_load(script.script)  # so that EVALSHA meets the redirect
         slot = key_slot(name.encode())
         # Each node's role as it says itself (another node's view may lag just after start).
-        replication = {port: _cli(port, "info", "replication").splitlines()
+        replication = {port: redis_cli(port, "info", "replication").splitlines()
                        for port in redis_cluster.ports}
         primaries = [port for port, lines in replication.items() if "role:master" in lines]
         source = next(p for p in primaries if slot in redis_cluster.slots_of(p))

@@ -23,7 +23,7 @@ from stargrpc.stores.redis import store as redis_store
 from stargrpc.v1 import events_pb2
 from tests.helpers import eventually
 from tests.stores.conftest import REDIS_URL
-from tests.stores.test_redis_unavailable import OwnRedis, _free_port
+from tests.stores.helpers import OwnRedis, free_port
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ async def test_more_concurrent_runs_than_pooled_connections_all_reach_redis(
 
 
 async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
-    own = OwnRedis(_free_port(), tmp_path)
+    own = OwnRedis(free_port(), tmp_path)
     await own.start()
     url = f"redis://127.0.0.1:{own.port}/0"
     store = RedisRunStore(Redis.from_url(url))
@@ -146,7 +146,7 @@ async def test_a_redis_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> 
 
 async def test_the_flusher_reconnects_when_its_connection_is_cut(tmp_path: Path) -> None:
     # A Redis of the test's own: cutting connections on the shared one would cut everybody's.
-    own = OwnRedis(_free_port(), tmp_path)
+    own = OwnRedis(free_port(), tmp_path)
     await own.start()
     store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0"))
     try:
@@ -168,7 +168,7 @@ async def test_the_flusher_reconnects_when_its_connection_is_cut(tmp_path: Path)
 
 
 async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
-    store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{_free_port()}/0",
+    store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{free_port()}/0",
                                          socket_connect_timeout=2))
     try:
         with pytest.raises(Unavailable) as caught:
@@ -181,7 +181,7 @@ async def test_a_run_is_refused_while_redis_is_unreachable() -> None:
 
 async def test_after_a_failed_write_runs_are_refused_until_redis_answers_again(
         tmp_path: Path) -> None:
-    own = OwnRedis(_free_port(), tmp_path)
+    own = OwnRedis(free_port(), tmp_path)
     await own.start()
     store = RedisRunStore(Redis.from_url(f"redis://127.0.0.1:{own.port}/0",
                                          socket_connect_timeout=2))

@@ -21,7 +21,7 @@ from stargrpc.stores.connect import connect
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.runs_support import collect, execute_request, key, stripped
 from tests.stores.conftest import LoopbackCluster
-from tests.stores.test_redis_cluster import _assert_whole, _keyed_call, _stored, _two_replicas
+from tests.stores.helpers import assert_whole, keyed_call, stored_events, two_replicas
 
 #: Long runs, each started on one replica and watched (and attached to) on the other.
 _LONG_RUNS = 6
@@ -66,7 +66,7 @@ async def _steer(stub: Any, run_id: str, message: str) -> None:
 
 async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
         make_server, redis_cluster: LoopbackCluster, tmp_path: Path) -> None:
-    replicas = await _two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
+    replicas = await two_replicas(make_server, redis_cluster.url, run_lease_seconds=5.0,
                                    redis_timeout_seconds=1.0)
     gate = tmp_path / "gate"  # the keyed calls' tool returns at once
     gate.touch()
@@ -110,7 +110,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
         for n in range(_CALLS_PER_WORKER):
             if resharded.is_set() and n > 0:
                 break
-            done.append(await _keyed_call(stubs, worker * _CALLS_PER_WORKER + n, tmp_path,
+            done.append(await keyed_call(stubs, worker * _CALLS_PER_WORKER + n, tmp_path,
                                           gate))
         return done
 
@@ -157,8 +157,8 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
     client, _ = connect(redis_cluster.url, timeout=2.0)
     assert isinstance(client, RedisCluster)
     try:
-        stored_long = [await _stored(client, "stargrpc:", first.run_id) for first in firsts]
-        stored_keyed = [await _stored(client, "stargrpc:", streams[-1][0].run_id)
+        stored_long = [await stored_events(client, "stargrpc:", first.run_id) for first in firsts]
+        stored_keyed = [await stored_events(client, "stargrpc:", streams[-1][0].run_id)
                         for _, streams in keyed_calls]
     finally:
         await client.aclose()
@@ -168,7 +168,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
     assert steered[-1].result.output == "round 0 | round 1 | round 2"
     for events, joined_events, watched_events, replayed_events, in_redis in zip(
             executed, joined, watched, replayed, stored_long, strict=True):
-        _assert_whole(events)
+        assert_whole(events)
         assert events[-1].result.outcome == events_pb2.OUTCOME_OK
         assert events[-1].result.output == "sent 2000"
         assert stripped(joined_events) == stripped(events)
@@ -178,7 +178,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
     assert len(keyed_calls) >= _WORKERS
     for tally, streams in keyed_calls:
         for events in streams:
-            _assert_whole(events)
+            assert_whole(events)
         final = streams[-1]
         assert final[-1].result.outcome == events_pb2.OUTCOME_OK
         ran = Path(tally).read_text().split()  # noqa: ASYNC240 - after every call ended

@@ -14,7 +14,7 @@ import grpc
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
 from tests.stores.conftest import LoopbackSentinel
-from tests.stores.test_redis_cluster import _assert_whole, _keyed_call
+from tests.stores.helpers import assert_whole, keyed_call
 
 
 async def _replica(make_server, url: str, **overrides: Any) -> Any:
@@ -32,10 +32,10 @@ async def test_keyed_calls_go_on_through_a_sentinel_failover(
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
     try:
         stubs = [tool_service_pb2_grpc.ToolServiceStub(channel) for channel in channels]
-        before = await asyncio.gather(*(_keyed_call(stubs, i, tmp_path, gate)
+        before = await asyncio.gather(*(keyed_call(stubs, i, tmp_path, gate)
                                         for i in range(40)))
         redis_sentinel.kill(old)
-        during = asyncio.gather(*(_keyed_call(stubs, i, tmp_path, gate)
+        during = asyncio.gather(*(keyed_call(stubs, i, tmp_path, gate)
                                   for i in range(40, 120)))
         calls = [*before, *await asyncio.wait_for(during, 120)]
         promoted = await asyncio.to_thread(redis_sentinel.current_primary)
@@ -46,7 +46,7 @@ async def test_keyed_calls_go_on_through_a_sentinel_failover(
     assert promoted == redis_sentinel.replica
     for tally, streams in calls:
         for events in streams:
-            _assert_whole(events)
+            assert_whole(events)
         assert streams[-1][-1].result.outcome == events_pb2.OUTCOME_OK
         ran = Path(tally).read_text().split()  # noqa: ASYNC240 - after every call ended
         assert ran[-1] == streams[-1][0].run_id and len(set(ran)) == len(ran)
@@ -72,7 +72,7 @@ async def test_wait_replicas_acknowledge_writes_and_a_missing_replica_fails_the_
         # for Redis, in this replica, until a replica acknowledges them).
         plain = await collect(stub.Execute(execute_request("echo", {"text": "still"})))
 
-    _assert_whole(acknowledged)
+    assert_whole(acknowledged)
     assert acknowledged[-1].result.outcome == events_pb2.OUTCOME_OK
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "redis_wait_replicas" in (refused.details() or "")

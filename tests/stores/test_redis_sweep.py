@@ -26,12 +26,12 @@ from stargrpc import metrics
 from stargrpc.stores.connect import connect
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.delivery.test_redis_stream import read_entry, start_request
+from tests.delivery.helpers import read_entry, start_request
 from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR
 from tests.stores.conftest import REDIS_URL, LoopbackCluster, StallableRedis
-from tests.stores.test_redis_unavailable import OwnRedis, _free_port
+from tests.stores.helpers import OwnRedis, free_port
 
 #: run_lease_seconds of the replicas here.
 LEASE = 2.0
@@ -293,7 +293,7 @@ async def test_the_sweep_rides_out_a_stalled_redis(stallable_redis: StallableRed
 
 async def test_the_sweep_waits_for_a_redis_that_is_down_and_sweeps_once_it_is_up(
         tmp_path: Path) -> None:
-    own = OwnRedis(_free_port(), tmp_path)
+    own = OwnRedis(free_port(), tmp_path)
     url = f"redis://127.0.0.1:{own.port}/0"
 
     def store() -> RedisRunStore:

@@ -3,9 +3,6 @@ the server recovers by itself when Redis comes back (a redis-server started by t
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,44 +13,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stargrpc.errors import Unavailable
 from stargrpc.stores.redis.errors import reachable
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import eventually, status_details
+from tests.helpers import status_details
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class OwnRedis:
-    """A throw-away redis-server on ``port`` that the test starts and stops."""
-
-    def __init__(self, port: int, folder: Path) -> None:
-        self.port = port
-        self.folder = folder
-
-    async def start(self) -> None:
-        await asyncio.to_thread(
-            subprocess.run, ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--daemonize", "yes",
-                             "--dir", str(self.folder),
-                             "--pidfile", str(self.folder / "redis.pid")], check=True)
-        await eventually(lambda: asyncio.to_thread(
-            lambda: self._cli("ping").stdout.strip() == "PONG"), within=20, interval=0.05,
-            what="redis-server answering PING")
-
-    def stop(self) -> None:
-        self._cli("shutdown", "nosave")
-
-    def _cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["redis-cli", "-p", str(self.port), *args],
-                              capture_output=True, text=True, timeout=10)
+from tests.stores.helpers import OwnRedis, free_port
 
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
-    redis = OwnRedis(_free_port(), tmp_path)
+    redis = OwnRedis(free_port(), tmp_path)
     yield redis
     redis.stop()
 
