@@ -50,6 +50,20 @@ async def _watch_resuming(stub: Any, run_id: str, resume: asyncio.Event
     return seen + rest
 
 
+async def _attach(stub: Any, request: tool_service_pb2.ExecuteRequest
+                  ) -> list[events_pb2.RunEvent]:
+    """Execute with the request's idempotency key, sent again while it fails UNAVAILABLE
+    before any event (a claim that did not answer within redis_timeout_seconds on a loaded
+    machine), as a client does: the key attaches it to the same run."""
+    for _ in range(40):
+        try:
+            return await collect(stub.Execute(request))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"Execute {request.idempotency_key!r} never attached")
+
+
 async def _steer(stub: Any, run_id: str, message: str) -> None:
     """SteerRun, sent again (as its RetryInfo says) while it fails UNAVAILABLE: a steer
     refused because the run's slot was moving was not left, so nothing is sent twice."""
@@ -130,7 +144,7 @@ async def test_runs_stream_through_a_resharding_without_loss_gap_or_second_run(
         run_slots.update(key_slot(run_id.encode())
                          for run_id in [listening_id, *(first.run_id for first in firsts)])
         executing = [asyncio.create_task(collect(call)) for call in calls]
-        attached = [asyncio.create_task(collect(stubs[(i + 1) % 2].Execute(request)))
+        attached = [asyncio.create_task(_attach(stubs[(i + 1) % 2], request))
                     for i, request in enumerate(requests)]
         watching = [asyncio.create_task(_watch_resuming(
             stubs[(i + 1) % 2], first.run_id, resume_watchers))
