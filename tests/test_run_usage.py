@@ -11,7 +11,7 @@ from stargrpc.runs.context import SentFileRecord, WriteBack
 from stargrpc.runs.event_sizes import RESULT_TOO_LARGE, EventSizes
 from stargrpc.runs.outcome import Outcome, ToolResult
 from stargrpc.runs.result_fit import fit_result
-from stargrpc.runs.usage import RunUsage, fill_usage, usage_json
+from stargrpc.runs.usage import RunUsage, fill_usage, usage_dict, usage_json
 from stargrpc.v1 import events_pb2
 
 
@@ -72,3 +72,19 @@ def test_a_result_that_must_become_an_error_keeps_its_receipt() -> None:
     assert result.error.code == RESULT_TOO_LARGE
     assert result.usage.wall_seconds == 1.5
     assert (result.usage.network_bytes_sent, result.usage.network_bytes_received) == (3, 4)
+
+
+def test_the_receipt_written_to_the_audit_is_json_of_the_measured_figures() -> None:
+    result = events_pb2.Result()
+    assert usage_json(result) == ""  # no receipt: nothing recorded
+    usage = result.usage
+    usage.wall_seconds, usage.queued_seconds, usage.child_runs = 1 / 3, 0.0, 0
+    usage.cpu_user_seconds, usage.peak_rss_bytes = 1e-300, 2**63
+    usage.network_bytes_received = 10**16
+
+    text = usage_json(result)
+    assert json.loads(text) == usage_dict(usage) == {
+        "wall_seconds": 1 / 3, "queued_seconds": 0.0, "cpu_user_seconds": 1e-300,
+        "peak_rss_bytes": 2**63, "network_bytes_received": 10**16, "child_runs": 0}
+    assert " " not in text  # compact, in the contract's field order
+    assert list(json.loads(text)) == [f.name for f, _ in usage.ListFields()]

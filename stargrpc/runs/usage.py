@@ -11,7 +11,6 @@ other run, and no per-run figure of either would be true.
 
 from __future__ import annotations
 
-import json
 import threading
 
 from stargrpc.v1 import events_pb2
@@ -135,4 +134,7 @@ def usage_json(result: events_pb2.Result | None) -> str:
     the Result has none (as from a server before receipts)."""
     if result is None or not result.HasField("usage"):
         return ""
-    return json.dumps(usage_dict(result.usage), separators=(",", ":"))
+    # Every field is a number (a finite float or an int), whose repr is its JSON: written
+    # directly, as json.dumps builds an encoder per call, on every run's audit record.
+    return "{" + ",".join(f'"{field.name}":{value!r}'
+                          for field, value in result.usage.ListFields()) + "}"
