@@ -4,6 +4,7 @@ goes — the audit record, the metrics, the Python SDK and ``stargrpc call``."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import AsyncIterator
@@ -42,6 +43,8 @@ with open(os.path.join(os.environ["OUTPUT_DIR"], "data.bin"), "wb") as out:
     out.write(b"x" * 100_000)
 print("done")
 """
+
+_OWN_PYTHON = "python_receipt"
 
 MODES = ["rlimits", pytest.param("bwrap", marks=pytest.mark.skipif(
     isolation_for(Settings.load()).mode != "bwrap",
@@ -89,11 +92,15 @@ def _observed(name: str, tool_name: str) -> float:
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_sandboxed_run_reports_the_cpu_memory_and_disk_of_its_process_tree(
         make_server: ServerFactory, mode: str) -> None:
-    server = await make_server(sandbox_isolation=mode)
-    cpu_before = _observed("stargrpc_run_cpu_seconds", "python")
-    memory_before = _observed("stargrpc_run_peak_memory_bytes", "python")
+    # The python tool under a name of its own: the metrics are the process's, and a run of
+    # another test (a python run a test left ending) must not count in this one's series.
+    python = dataclasses.replace(load_registry(bundled=True, entry_points=False)["python"],
+                                 name=_OWN_PYTHON)
+    server = await make_server(registry=Registry([python]), sandbox_isolation=mode)
+    cpu_before = _observed("stargrpc_run_cpu_seconds", _OWN_PYTHON)
+    memory_before = _observed("stargrpc_run_peak_memory_bytes", _OWN_PYTHON)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), "python",
+        events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), _OWN_PYTHON,
                                 {"code": BURN})
 
     result = events[-1].result
@@ -108,8 +115,8 @@ async def test_a_sandboxed_run_reports_the_cpu_memory_and_disk_of_its_process_tr
     assert not usage.HasField("network_bytes_sent")  # its network is not stargrpc's
     assert (usage.queued_seconds, usage.child_runs) == (0, 0)
     # One observation of each histogram for the run.
-    assert _observed("stargrpc_run_cpu_seconds", "python") == cpu_before + 1
-    assert _observed("stargrpc_run_peak_memory_bytes", "python") == memory_before + 1
+    assert _observed("stargrpc_run_cpu_seconds", _OWN_PYTHON) == cpu_before + 1
+    assert _observed("stargrpc_run_peak_memory_bytes", _OWN_PYTHON) == memory_before + 1
 
 
 async def test_an_in_process_run_reports_its_wall_time_and_leaves_cpu_and_memory_unset(
