@@ -23,6 +23,8 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
+from packaging.requirements import Requirement
+
 from stargrpc.errors import MissingExtra
 
 if TYPE_CHECKING:
@@ -35,7 +37,7 @@ __all__ = ["IDEMPOTENCY_META_KEY", "MCP_REQUIREMENT", "Bridge", "require_mcp",
 
 #: The SDK the MCP features are written against (the ``mcp`` extra's requirement).
 MCP_REQUIREMENT = "mcp>=2.3"
-_LEAST = (2, 3)
+_REQUIRED = Requirement(MCP_REQUIREMENT)
 
 _LAZY = {"Bridge": "stargrpc.mcp.bridge", "IDEMPOTENCY_META_KEY": "stargrpc.mcp.mapping"}
 
@@ -53,7 +55,7 @@ def require_mcp(feature: str) -> None:
         found = importlib.metadata.version("mcp")
     except importlib.metadata.PackageNotFoundError:
         found = ""
-    if found and _release(found) >= _LEAST:
+    if found and _REQUIRED.specifier.contains(found, prereleases=True):
         return
     have = f"mcp {found} is installed" if found else "mcp is not installed"
     raise MissingExtra(
@@ -71,23 +73,6 @@ def require_mcp_for(settings: Settings) -> None:
         require_mcp("the MCP endpoint (--mcp-port, STARGRPC_MCP_PORT)")
     if settings.mcp_servers:
         require_mcp("mcp_servers")
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The leading numbers of a version (``2.3.0rc1`` → ``(2, 3, 0)``)."""
-    numbers = []
-    for part in version.split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if digits != part:
-            break
-    return tuple(numbers)
 
 
 def __getattr__(name: str) -> Any:
