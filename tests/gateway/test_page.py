@@ -6,6 +6,7 @@ scan. Screenshots go to the test's tmp dir (its path is printed)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -311,3 +312,76 @@ async def test_a_form_on_another_site_cannot_run_a_tool(gateway: GatewayUnderTes
     assert answer is not None and answer.status == 403
     listed = (await gateway.http.get("/v1/runs")).json()["runs"]
     assert listed == []  # no run started
+
+
+#: Holds 64 MiB, burns a second of CPU (so the sandbox's twice-a-second samples of its tree
+#: see it) and leaves 100 kB in its output folder.
+BURN = """
+import os, time
+hold = bytearray(64 * 1024 * 1024)
+for i in range(0, len(hold), 4096):
+    hold[i] = 1
+start = time.process_time()
+while time.process_time() - start < 1.0:
+    pass
+time.sleep(0.3)
+with open(os.path.join(os.environ["OUTPUT_DIR"], "data.bin"), "wb") as out:
+    out.write(b"x" * 100_000)
+print("done")
+"""
+
+
+async def receipt(page: Page) -> dict[str, str]:
+    """The run view's receipt, term → figure, as shown."""
+    figures = page.locator("#result-usage div")
+    return {await item.locator("dt").inner_text(): await item.locator("dd").inner_text()
+            for item in await figures.all()}
+
+
+async def test_the_result_shows_what_the_run_used_and_nothing_it_did_not_measure(
+        gateway: GatewayUnderTest, browser: Browser, tmp_path: Path, axe_source: str
+) -> None:
+    page = await open_page(browser, gateway)
+    await page.select_option("#tool", "python")
+    await page.click("#view-json")
+    await page.fill("#arguments", json.dumps({"code": BURN}))
+    await page.click("#run-button")
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK", timeout=30_000)
+    usage_box = page.locator("#usage-box")
+    await expect(usage_box).to_be_visible()
+    await expect(usage_box).to_have_attribute("aria-label", "What the run used")
+    shown = await receipt(page)
+    await page.screenshot(path=str(tmp_path / "receipt.png"), full_page=True)
+    await inject_axe(page, axe_source)
+    report = await page.evaluate("axe.run('#result', {resultTypes: ['violations']})")
+    assert [v["id"] for v in report["violations"]
+            if v["impact"] in ("serious", "critical")] == []
+
+    # The server's own receipt for the run, as the page received it (proto field names;
+    # 64-bit counts as strings).
+    run_id = await page.locator("#run-id").text_content()
+    stream = (await gateway.http.get(f"/v1/runs/{run_id}/events")).text
+    usage = [json.loads(line.removeprefix("data: ")) for line in stream.splitlines()
+             if line.startswith("data: ")][-1]["result"]["usage"]
+    assert "network_bytes_sent" not in usage  # the snippet's network is not stargrpc's
+    # Every measured figure, in human units; nothing for what was not measured (network),
+    # nor for the zeros every run has (queued time, child runs).
+    assert list(shown) == ["wall", "CPU", "peak memory", "wrote"]
+    assert shown["wall"] == f"{usage['wall_seconds']:.2f} s"
+    user, system = re.fullmatch(r"([\d.]+) s user / ([\d.]+) s system", shown["CPU"]).groups()
+    assert float(user) == pytest.approx(usage["cpu_user_seconds"], abs=0.006)
+    assert float(system) == pytest.approx(usage["cpu_system_seconds"], abs=0.006)
+    memory = re.fullmatch(r"([\d.]+) MiB", shown["peak memory"])
+    assert memory and float(memory[1]) >= 64
+    assert float(memory[1]) == pytest.approx(int(usage["peak_rss_bytes"]) / 2**20, abs=0.06)
+    wrote = re.fullmatch(r"([\d.]+) KiB", shown["wrote"])
+    assert wrote and float(wrote[1]) == pytest.approx(int(usage["bytes_written"]) / 1024,
+                                                      abs=0.06)
+
+    # An in-process tool measures its wall time only; the next run's receipt replaces this.
+    await page.select_option("#tool", "echo")
+    await page.fill("#arguments", json.dumps({"text": "hi"}))
+    await page.click("#run-button")
+    await expect(page.locator("#result-output-full")).to_have_text("hi")
+    await expect(page.locator("#result-usage dt")).to_have_text(["wall"])
+    await expect(page.locator("#result-usage dd")).to_have_text(re.compile(r"^\d+\.\d\d s$"))

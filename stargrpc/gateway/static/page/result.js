@@ -1,10 +1,11 @@
-// A run's Result: outcome, duration, error, output, structured output, and what the tool
-// wrote back (files, injected tools, rich messages).
+// A run's Result: outcome, duration, what the run used, error, output, structured output,
+// and what the tool wrote back (files, injected tools, rich messages).
 
 import { $, el } from "./dom.js";
 import { base64Bytes, outcomeName, seconds } from "./format.js";
 import { richMessage } from "./messages.js";
 import { tree } from "./tree.js";
+import { renderUsage } from "./usage.js";
 
 // `streamed` is the stdout the steps streamed (already on the page); `chunks` the streamed
 // files' bytes by file_id.
@@ -16,6 +17,7 @@ export function renderResult(result, { streamed, chunks }) {
   $("result-outcome").textContent = outcome;
   $("result-outcome").dataset.state = outcome;
   $("result-duration").textContent = `in ${seconds(result.duration).toFixed(2)} s`;
+  renderUsage($("usage-box"), $("result-usage"), result.usage);
   $("result-error").textContent = result.error
     ? `${result.error.code}: ${result.error.message}` : "";
   // The output the steps streamed is shown there, once; the Result's own text (what the
