@@ -129,6 +129,19 @@ class Settings(BaseSettings):
         256 * MiB, ge=0, description="Bytes of events (serialised) the finished runs kept in "
         "memory may hold together; the oldest expire first when over it; 0 = no bound.")
 
+    # -- run state (runs/state.py, stores/) -------------------------------------------------
+    state_max_value_bytes: int = Field(64 * 1024, ge=1, description="Largest value (its "
+                                       "JSON, in bytes) a tool may keep in run state.")
+    state_max_bytes_per_scope: int = Field(
+        1 * MiB, ge=0, description="Bytes of keys and values one state scope (a run, a "
+        "tree, a principal, global) may hold; 0 = no bound.")
+    state_retention_seconds: float = Field(
+        86400.0, gt=0, description="How long run and tree state stays after the run (the "
+        "root run) ends.")
+    state_global_writers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Tools (comma-separated names) that may write the "
+        "global state scope; every tool may read it.")
+
     # -- runs, retries and replicas (stores/, runs/idempotency.py, runs/concurrency.py) -------
     redis_url: str = Field("", description="The run store shared by replicas: "
                            "redis://host:port/db (one Redis), redis+cluster://host:port[,…] "
@@ -509,6 +522,7 @@ class Settings(BaseSettings):
                      "http_fetch_allowed_networks", "delivery_allowlist",
                      "delivery_allowed_networks", "mcp_servers_allowed_networks",
                      "http_allowed_hosts", "http_allowed_origins", "http_trusted_proxies",
+                     "state_global_writers",
                      mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:

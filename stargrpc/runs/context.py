@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from stargrpc.principal import Principal
+from stargrpc.runs.state import RunState, SyncRunState, scope_key
 from stargrpc.runs.usage import RunUsage
 from stargrpc.settings import Settings
+from stargrpc.stores.base import StateStore
+from stargrpc.stores.memory import MemoryStateStore
 
 if TYPE_CHECKING:
     from stargrpc.registry import ToolSpec
@@ -78,6 +81,9 @@ class RunHandle(Protocol):
     """
 
     run_id: str
+    root_run_id: str
+    state_store: StateStore | None
+    state_scopes: set[str] | None
     spec: ToolSpec
     principal: Principal
     invocation: Mapping[str, Any]
@@ -127,6 +133,23 @@ class RunHandle(Protocol):
     def steering_pending(self) -> list[str]:
         """The steering messages not read yet, taken off the queue."""
         ...
+
+
+#: The state store of runs made without a runtime's (a bare :class:`~stargrpc.runs.run.Run`).
+_fallback_state = MemoryStateStore()
+
+
+def _run_state(run: RunHandle, settings: Settings, scope: str) -> RunState:
+    name = scope_key(scope, run_id=run.run_id, root_run_id=run.root_run_id,
+                     principal=run.principal)
+    if scope in ("run", "tree"):
+        # Remembered so that the run's end starts the scope's retention.
+        if run.state_scopes is None:
+            run.state_scopes = set()
+        run.state_scopes.add(name)
+    writable = scope != "global" or run.spec.name in settings.state_global_writers
+    store = run.state_store if run.state_store is not None else _fallback_state
+    return RunState(store, scope, name, settings, writable=writable)
 
 
 # The innermost open step of the running task, so nested steps find their parent.
@@ -296,6 +319,22 @@ class ToolContext:
         """Posts a rich message such as a card (``writeback.sent_rich_messages``)."""
         self._run.writeback.rich_messages.append(RichMessageRecord(kind, dict(payload)))
 
+    def state(self, scope: str) -> RunState:
+        """State that outlives this call, in one of four scopes: ``run`` (this run),
+        ``tree`` (the root run's, shared by a whole call tree), ``principal`` (the caller's
+        own, across runs) and ``global`` (every tool's; written only by the tools named in
+        ``state_global_writers``)::
+
+            seen = await ctx.state("principal").get("seen", [])
+            await ctx.state("principal").set("seen", [*seen, url], ttl=3600)
+
+        See :mod:`stargrpc.runs.state` for the limits and the errors.
+
+        Raises:
+            StateBadScope: No such scope.
+        """
+        return _run_state(self._run, self.settings, scope)
+
     def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
                    result: str | None = None) -> None:
         """Replaces what the audit record shows for this run's arguments and/or result, for a
@@ -455,6 +494,11 @@ class SyncToolContext:
     def send_rich_message(self, kind: str, payload: Mapping[str, Any]) -> None:
         """See :meth:`ToolContext.send_rich_message`."""
         self._ctx.send_rich_message(kind, payload)
+
+    def state(self, scope: str) -> SyncRunState:
+        """See :meth:`ToolContext.state`: the same methods, blocking
+        (``ctx.state("run").set("n", 1)``)."""
+        return SyncRunState(self._ctx.state(scope), self._loop)
 
     def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
                    result: str | None = None) -> None:

@@ -37,7 +37,7 @@ from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, class
 from stargrpc.runs.result_fit import fit_result, set_duration
 from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
-from stargrpc.stores.base import RunLog, run_finished_error
+from stargrpc.stores.base import RunLog, StateStore, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.run")
@@ -127,6 +127,11 @@ class Run:
 
     Attributes:
         run_id: Unique id of the run.
+        root_run_id: The id of the root of the run's call tree, whose ``tree`` state the run
+            shares: its own id until runs call runs (the trees work sets it).
+        state_store: Where ``ctx.state`` keeps its scopes; the runtime's, else one in memory.
+        state_scopes: The run and tree scopes the run wrote (``run:<id>`` …), which go
+            ``state_retention_seconds`` after it ends.
         spec: The tool being run.
         args: Validated arguments.
         principal: Who started it.
@@ -145,6 +150,9 @@ class Run:
     """
 
     run_id: str
+    root_run_id: str
+    state_store: StateStore | None
+    state_scopes: set[str] | None
     limits: RunLimits
     spec: ToolSpec
     args: BaseModel
@@ -187,6 +195,8 @@ class Run:
     audit_result = None
     _result_appended: events_pb2.Result | None = None
     _usage: RunUsage | None = None
+    state_store = None
+    state_scopes = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -210,6 +220,7 @@ class Run:
                 makes them from its settings once and hands them to each of its runs).
         """
         self.run_id = run_id
+        self.root_run_id = run_id
         self.limits = limits if limits is not None else RunLimits.default()
         self.spec = spec
         self.args = args

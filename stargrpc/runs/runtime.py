@@ -46,8 +46,8 @@ from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.runs.run import Run, RunLimits
 from stargrpc.settings import Settings
-from stargrpc.stores.base import RunLog, RunStore
-from stargrpc.stores.memory import MemoryRunStore
+from stargrpc.stores.base import RunLog, RunStore, StateStore
+from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.runtime")
@@ -148,6 +148,7 @@ class _StartRun(RunInterceptor):
             record.run = run
         metrics.RUNS_IN_FLIGHT.inc()
         run.finish_hooks.append(self._finished)
+        run.finish_hooks.append(self._runtime.end_state)
         run.start(self._runtime.settings)
         return run
 
@@ -209,6 +210,8 @@ class Runtime:
     Attributes:
         settings: The server's settings (tools read them through ``ctx.settings``).
         store: Where run event logs live.
+        state_store: Where tools keep run state (``ctx.state``): by default the run store's
+            own (its ``state``), else one in memory.
         policy: Who may run which tool.
         run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
@@ -221,6 +224,7 @@ class Runtime:
 
     settings: Settings
     store: RunStore
+    state_store: StateStore
     policy: ToolPolicy
     run_access: RunAccess
     limits: ArgumentLimits
@@ -238,7 +242,8 @@ class Runtime:
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
                  settings: Settings | None = None,
                  concurrency: ConcurrencyLimits | None = None,
-                 interceptors: Iterable[RunInterceptor] = ()) -> None:
+                 interceptors: Iterable[RunInterceptor] = (),
+                 state_store: StateStore | None = None) -> None:
         """
         Raises:
             CriticConfigError: The server's critic or a tool's cannot be loaded.
@@ -246,6 +251,10 @@ class Runtime:
         self._registry = registry
         self.settings = settings if settings is not None else Settings()
         self.store = store if store is not None else MemoryRunStore()
+        if state_store is None:
+            state_store = getattr(self.store, "state", None) or MemoryStateStore()
+        self.state_store = state_store
+        self._state_endings: set[asyncio.Task[None]] = set()
         self.policy = policy if policy is not None else AllowAll()
         self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
@@ -261,6 +270,27 @@ class Runtime:
         self._interceptors = list(interceptors)
         self._pipeline = self._chain()
         self._catalog_changed = asyncio.Event()
+
+    def end_state(self, run: Run) -> None:
+        """Starts the retention (``state_retention_seconds``) of the run and tree state a
+        finished run wrote, in the background."""
+        scopes = run.state_scopes
+        if not scopes:
+            return
+        # The tree's state outlives its other runs: it ends with the root.
+        ending = [s for s in scopes if s.startswith("run:") or run.root_run_id == run.run_id]
+        if ending:
+            task = asyncio.create_task(self._end_state(ending))
+            self._state_endings.add(task)
+            task.add_done_callback(self._state_endings.discard)
+
+    async def _end_state(self, scopes: list[str]) -> None:
+        retention_ms = max(1, int(self.settings.state_retention_seconds * 1000))
+        for scope in scopes:
+            try:
+                await self.state_store.end_scope(scope, retention_ms)
+            except Exception:  # its running bound (runs/state.py) still ends it
+                log.warning("run_state_end_failed", scope=scope, exc_info=True)
 
     # -- the run pipeline --------------------------------------------------------------------
 
@@ -377,9 +407,11 @@ class Runtime:
         run_id = new_id()
         if record is not None:
             record.run_id = run_id
-        return Run(run_id, spec, args, principal, request.invocation,
-                   self.store.create(run_id, owner=principal.id, tool=spec.name),
-                   limits=self.run_limits)
+        run = Run(run_id, spec, args, principal, request.invocation,
+                  self.store.create(run_id, owner=principal.id, tool=spec.name),
+                  limits=self.run_limits)
+        run.state_store = self.state_store
+        return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,
                     before_start: Callable[[Run], Awaitable[None]] | None = None

@@ -392,3 +392,69 @@ def run_finished_error(run_id: str) -> FailedPrecondition:
     return FailedPrecondition("the run has ended; it cannot be steered",
                               reason=reason_name(errors_pb2.RUN_FINISHED),
                               metadata={"run_id": run_id})
+
+
+# -- run state (ctx.state) ------------------------------------------------------------------
+
+#: What a state write can answer besides a value: written, the expected value was not there
+#: (compare_and_set), the scope's quota would be exceeded, or the value to increment is no
+#: integer.
+STATE_WRITTEN = "written"
+STATE_MISMATCH = "mismatch"
+STATE_OVER_QUOTA = "quota"
+STATE_NOT_INTEGER = "not_integer"
+
+
+@dataclass(frozen=True)
+class StateWrite:
+    """How a state write goes.
+
+    Attributes:
+        scope_ttl_ms: The TTL the scope's keys get with this write (0: none) — the bound on
+            the state of a run or tree still going.
+        max_scope_bytes: The scope's quota: bytes of keys and values together (0: none).
+        ttl_ms: The entry's own TTL (0: none).
+    """
+
+    scope_ttl_ms: int = 0
+    max_scope_bytes: int = 0
+    ttl_ms: int = 0
+
+
+class StateStore(Protocol):
+    """Where tools keep state between calls (``ctx.state(scope)``), one namespace per scope
+    key (``run:<id>``, ``tree:<root id>``, ``principal:<id>``, ``global``).
+
+    Values are canonical JSON text (the caller encodes them, so equal values are equal
+    strings); the store compares them as strings. Each method is atomic on its own: two
+    replicas writing one key see :meth:`put` with ``expected`` succeed for exactly one.
+    """
+
+    async def get(self, scope: str, key: str) -> str | None:
+        """The value of ``key``, None when absent or expired."""
+        ...
+
+    async def put(self, scope: str, key: str, value: str, write: StateWrite, *,
+                  conditional: bool = False, expected: str | None = None) -> str:
+        """Sets ``key`` to ``value``; with ``conditional``, only if its value is ``expected``
+        (None: absent). Returns :data:`STATE_WRITTEN`, :data:`STATE_MISMATCH` or
+        :data:`STATE_OVER_QUOTA`."""
+        ...
+
+    async def increment(self, scope: str, key: str, by: int,
+                        write: StateWrite) -> int | str:
+        """Adds ``by`` to the integer at ``key`` (absent counts as 0) and returns the new
+        value, or :data:`STATE_NOT_INTEGER` / :data:`STATE_OVER_QUOTA`."""
+        ...
+
+    async def delete(self, scope: str, key: str) -> bool:
+        """Removes ``key``; whether it was there."""
+        ...
+
+    async def keys(self, scope: str, prefix: str) -> list[str]:
+        """The live keys starting with ``prefix``, sorted."""
+        ...
+
+    async def end_scope(self, scope: str, retention_ms: int) -> None:
+        """The run or tree of ``scope`` ended: its state goes ``retention_ms`` from now."""
+        ...

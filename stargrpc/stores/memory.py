@@ -15,12 +15,17 @@ from contextlib import aclosing
 from stargrpc.errors import WatcherTooSlow
 from stargrpc.stores.base import (
     ENCODED_KEEP_BYTES,
+    STATE_MISMATCH,
+    STATE_NOT_INTEGER,
+    STATE_OVER_QUOTA,
+    STATE_WRITTEN,
     CancelHandler,
     Claim,
     RunLog,
     RunPage,
     RunQuery,
     RunSummary,
+    StateWrite,
     SteerHandler,
     run_finished_error,
     stamp_now,
@@ -218,7 +223,7 @@ class MemoryRunStore:
     A finished run is dropped ``retention`` seconds after its Result, or earlier (oldest
     first) while more than ``max_finished`` finished runs are kept or their events come to
     more than ``max_finished_bytes`` (serialised; 0 = no bound); its idempotency claim goes
-    with it.
+    with it. Its :attr:`state` holds the tools' run state.
     """
 
     retention: float
@@ -231,6 +236,7 @@ class MemoryRunStore:
     _claim_of_run: dict[str, tuple[str, str]]
     cancel_handler: CancelHandler | None
     steer_handler: SteerHandler | None
+    state: MemoryStateStore
     _page_token_key: bytes
 
     def __init__(self, retention: float = 600.0, max_finished: int = 10_000,
@@ -248,6 +254,8 @@ class MemoryRunStore:
         self.steer_handler = None
         # Its runs are this process's alone, and so are the tokens that page through them.
         self._page_token_key = secrets.token_bytes(32)
+        # Run state (ctx.state) lives beside the runs, as in every store.
+        self.state = MemoryStateStore()
 
     def create(self, run_id: str, owner: str = "", tool: str = "") -> MemoryRunLog:
         self._expire()
@@ -336,3 +344,135 @@ class MemoryRunStore:
             claim_key = self._claim_of_run.pop(run_id, None)
             if claim_key is not None and self._claims.get(claim_key, ("", ""))[1] == run_id:
                 del self._claims[claim_key]
+
+
+class _Scope:
+    """One scope's entries: key → (value, expiry by the monotonic clock or None)."""
+
+    __slots__ = ("entries", "expires", "size")
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, float | None]] = {}
+        self.size = 0
+        self.expires: float | None = None
+
+
+def _entry_size(key: str, value: str) -> int:
+    return len(key.encode()) + len(value.encode())
+
+
+class MemoryStateStore:
+    """Run state in this process (the embedded server's :class:`StateStore`).
+
+    It does not survive a restart: state is a convenience for tools, not a record, and an
+    embedded server has nothing to share it with. Every method runs without awaiting
+    anything, so each is atomic on the event loop. Expired entries and ended scopes go when
+    next touched, and ended scopes also when any scope is written (a sweep of the few whose
+    retention runs).
+    """
+
+    def __init__(self) -> None:
+        self._scopes: dict[str, _Scope] = {}
+        self._ending: dict[str, float] = {}
+
+    def _sweep(self, now: float) -> None:
+        for name, deadline in list(self._ending.items()):
+            if deadline <= now:
+                del self._ending[name]
+                self._scopes.pop(name, None)
+
+    def _scope(self, name: str, now: float, *, create: bool) -> _Scope | None:
+        scope = self._scopes.get(name)
+        if scope is not None and scope.expires is not None and scope.expires <= now:
+            del self._scopes[name]
+            self._ending.pop(name, None)
+            scope = None
+        if scope is None and create:
+            scope = self._scopes[name] = _Scope()
+        return scope
+
+    @staticmethod
+    def _live(scope: _Scope, key: str, now: float) -> str | None:
+        entry = scope.entries.get(key)
+        if entry is None:
+            return None
+        if entry[1] is not None and entry[1] <= now:
+            del scope.entries[key]
+            scope.size -= _entry_size(key, entry[0])
+            return None
+        return entry[0]
+
+    def _drop_expired(self, scope: _Scope, now: float) -> None:
+        for key in list(scope.entries):
+            self._live(scope, key, now)
+
+    def _write(self, scope: _Scope, key: str, old: str | None, value: str,
+               write: StateWrite, now: float) -> str:
+        grows = _entry_size(key, value) - (_entry_size(key, old) if old is not None else 0)
+        if write.max_scope_bytes and grows > 0 and scope.size + grows > write.max_scope_bytes:
+            self._drop_expired(scope, now)
+            if scope.size + grows > write.max_scope_bytes:
+                return STATE_OVER_QUOTA
+        scope.entries[key] = (value, now + write.ttl_ms / 1000 if write.ttl_ms else None)
+        scope.size += grows
+        if write.scope_ttl_ms and scope.expires is None:
+            scope.expires = now + write.scope_ttl_ms / 1000
+        return STATE_WRITTEN
+
+    async def get(self, scope: str, key: str) -> str | None:
+        now = time.monotonic()
+        held = self._scope(scope, now, create=False)
+        return None if held is None else self._live(held, key, now)
+
+    async def put(self, scope: str, key: str, value: str, write: StateWrite, *,
+                  conditional: bool = False, expected: str | None = None) -> str:
+        now = time.monotonic()
+        self._sweep(now)
+        held = self._scope(scope, now, create=True)
+        assert held is not None
+        old = self._live(held, key, now)
+        if conditional and old != expected:
+            return STATE_MISMATCH
+        return self._write(held, key, old, value, write, now)
+
+    async def increment(self, scope: str, key: str, by: int, write: StateWrite) -> int | str:
+        now = time.monotonic()
+        self._sweep(now)
+        held = self._scope(scope, now, create=True)
+        assert held is not None
+        old = self._live(held, key, now)
+        if old is not None and not _is_integer(old):
+            return STATE_NOT_INTEGER
+        value = (int(old) if old is not None else 0) + by
+        outcome = self._write(held, key, old, str(value), write, now)
+        return value if outcome == STATE_WRITTEN else outcome
+
+    async def delete(self, scope: str, key: str) -> bool:
+        now = time.monotonic()
+        held = self._scope(scope, now, create=False)
+        if held is None or self._live(held, key, now) is None:
+            return False
+        value, _ = held.entries.pop(key)
+        held.size -= _entry_size(key, value)
+        return True
+
+    async def keys(self, scope: str, prefix: str) -> list[str]:
+        now = time.monotonic()
+        held = self._scope(scope, now, create=False)
+        if held is None:
+            return []
+        return sorted(key for key in list(held.entries)
+                      if key.startswith(prefix) and self._live(held, key, now) is not None)
+
+    async def end_scope(self, scope: str, retention_ms: int) -> None:
+        now = time.monotonic()
+        held = self._scope(scope, now, create=False)
+        if held is None:
+            return
+        held.expires = now + retention_ms / 1000
+        self._ending[scope] = held.expires
+
+
+def _is_integer(text: str) -> bool:
+    body = text[1:] if text.startswith("-") else text
+    return body.isascii() and body.isdigit()

@@ -33,6 +33,7 @@ from stargrpc.stores.redis.index import RunIndex
 from stargrpc.stores.redis.leases import Leases, Sweep
 from stargrpc.stores.redis.logs import LocalRuns, RedisRunLog, RemoteRunLog
 from stargrpc.stores.redis.shared import Shared
+from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.v1 import errors_pb2
 
 log = structlog.get_logger("stargrpc.stores.redis")
@@ -53,6 +54,7 @@ class RedisRunStore:
         index: The ListRuns index.
         flusher: Writes this replica's events to Redis.
         claims: Registration before a run starts, and idempotency claims.
+        state: Run state (``ctx.state``), on the same client.
     """
 
     shared: Shared
@@ -61,6 +63,7 @@ class RedisRunStore:
     index: RunIndex
     flusher: Flusher
     claims: Claims
+    state: RedisStateStore
     _fresh_waits: int
     _renewer: asyncio.Task[None] | None
 
@@ -98,6 +101,7 @@ class RedisRunStore:
         self.index = RunIndex(self.shared, self.sweep)
         self.flusher = Flusher(self.shared, self.leases, self.index)
         self.claims = Claims(self.shared, self.leases, self.index)
+        self.state = RedisStateStore(redis, prefix=prefix)
         self._fresh_waits = 0
         self._renewer = None
 
