@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from stargrpc.registry import tool
     from stargrpc.runs.context import SyncToolContext, SyncToolStep, ToolContext, ToolStep
     from stargrpc.runs.outcome import Outcome, ToolResult
+    from stargrpc.runs.state import StateError
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "Outcome": "stargrpc.runs.outcome",
     "Principal": "stargrpc.principal",
+    "StateError": "stargrpc.runs.state",
     "SyncToolContext": "stargrpc.runs.context",
     "SyncToolStep": "stargrpc.runs.context",
     "ToolContext": "stargrpc.runs.context",
@@ -46,6 +48,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "Outcome",
     "Principal",
+    "StateError",
     "SyncToolContext",
     "SyncToolStep",
     "ToolContext",

@@ -21,8 +21,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "stargrpc"
 
 PUBLIC: dict[str, set[str]] = {
     "stargrpc": {
-        "Outcome", "Principal", "SyncToolContext", "SyncToolStep", "ToolContext", "ToolDenied",
-        "ToolFailed", "ToolResult", "ToolStep", "__version__", "tool",
+        "Outcome", "Principal", "StateError", "SyncToolContext", "SyncToolStep", "ToolContext",
+        "ToolDenied", "ToolFailed", "ToolResult", "ToolStep", "__version__", "tool",
     },
     "stargrpc.client": {
         "NO_RETRY", "AsyncClient", "CallError", "Catalog", "Client", "ClientError", "Event",

@@ -11,9 +11,11 @@ gateway, the MCP endpoint, the test harness) hand a decoded request to
   validation), ``idempotency.py`` (keys), ``concurrency.py`` (runs in flight);
 - a run's output: ``outcome.py`` (what a return or exception means), ``event_sizes.py``
   (every event under the send limit), ``usage.py`` (its receipt, ``Result.usage``);
-- ``call_record.py``: the record of one call attempt, shared along the interceptors.
+- ``call_record.py``: the record of one call attempt, shared along the interceptors;
+- ``state.py``: run state (``ctx.state``), scoped to a run, its tree, its caller or global,
+  kept in the run store's ``state`` (:class:`~stargrpc.stores.base.StateStore`).
 
 Rooms still to come sit beside these, each with its seam named in the runtime: lanes and
-approval (when a run may start), trees (``parent_run_id``, ``root_run_id``), state scoped to
-a run, a tree or a caller, and sessions.
+approval (when a run may start), trees (``parent_run_id``; ``Run.root_run_id``, which the
+``tree`` state scope already names, is the run's own id until then), and sessions.
 """

@@ -88,6 +88,8 @@ The package's rooms, each owning one thing and talking to the others through met
     claims.py      Claims: registering before a run starts, idempotency claims, undoing
                    those whose call gave up
     store.py       RedisRunStore: the RunStore the runtime uses, a facade over the rooms
+    state.py       RedisStateStore: run state (ctx.state), a scope's keys under one hash
+                   tag, one script per operation; the store's ``state``
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ from __future__ import annotations
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, NotReplicated
 from stargrpc.stores.redis.logs import RedisRunLog, RemoteRunLog
+from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.stores.redis.store import MAX_FRESH_RUN_WAITS, RedisRunStore
 
 __all__ = [
@@ -104,5 +107,6 @@ __all__ = [
     "NotReplicated",
     "RedisRunLog",
     "RedisRunStore",
+    "RedisStateStore",
     "RemoteRunLog",
 ]
