@@ -4,17 +4,22 @@ writes only for the tools the operator names, and run state gone after its reten
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import grpc
 import pytest
+from redis.asyncio import Redis
 
-from stargrpc.runs.state import StateValueNotJson, encode
+from stargrpc.runs.state import RunState, StateUnavailable, StateValueNotJson, encode
+from stargrpc.settings import Settings
+from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually
 from tests.runs_support import HeaderPrincipal, as_principal, collect, execute_request
 from tests.state_tools import state_registry
+from tests.stores.helpers import free_port
 
 TOOLS = ["state_op", "state_op_sync"]
 
@@ -173,3 +178,34 @@ def test_a_value_that_is_not_json_is_refused(value) -> None:
 def test_equal_values_are_equal_json_whatever_the_key_order() -> None:
     assert encode({"b": 1, "a": [1, "é"]}, 0) == encode({"a": [1, "é"], "b": 1}, 0) == \
         '{"a":[1,"é"],"b":1}'
+
+
+async def test_concurrent_increments_from_async_and_sync_tools_add_up(make_server) -> None:
+    _, stub = await _state_stub(make_server)
+    await asyncio.gather(*(_call(stub, TOOLS[i % 2], scope="principal", op="increment",
+                                 key="hits", repeat=25) for i in range(8)))
+    assert _value(await _call(stub, "state_op", scope="principal", op="get",
+                              key="hits")) == 200
+
+
+async def test_an_increment_past_2_53_is_refused_and_changes_nothing(make_server) -> None:
+    _, stub = await _state_stub(make_server)
+    await _call(stub, "state_op", scope="principal", op="set", key="n", value=2**53 - 2)
+    assert _value(await _call(stub, "state_op", scope="principal", op="increment",
+                              key="n")) == 2**53 - 1
+    refused = await _call(stub, "state_op", scope="principal", op="increment", key="n")
+    assert refused.error.code == "STATE_NOT_INTEGER"
+    assert _value(await _call(stub, "state_op", scope="principal", op="get",
+                              key="n")) == 2**53 - 1
+
+
+async def test_a_store_that_cannot_be_reached_is_refused_unavailable() -> None:
+    client = Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    state = RunState(RedisStateStore(client), "principal", "principal:alice", Settings(),
+                     writable=True)
+    try:
+        with pytest.raises(StateUnavailable) as refused:
+            await state.set("k", 1)
+        assert refused.value.code == "STATE_UNAVAILABLE"
+    finally:
+        await client.aclose()

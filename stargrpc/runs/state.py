@@ -24,6 +24,8 @@ tool that does not catch it ends FAILED with its code), each with a stable code:
     │                                                 state_max_bytes_per_scope
     ├── StateNotInteger        STATE_NOT_INTEGER      increment of a non-integer value
     ├── StateBadScope          STATE_BAD_SCOPE        no such scope, or a bad ttl
+    ├── StateUnavailable       STATE_UNAVAILABLE      the store did not answer (Redis
+    │                                                 down or failing); try again later
     └── StateReadOnly          STATE_READ_ONLY        a write to global by a tool not in
                                                       state_global_writers (a ToolDenied)
 
@@ -40,7 +42,7 @@ import re
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stargrpc.errors import ToolDenied, ToolFailed
+from stargrpc.errors import RequestError, ToolDenied, ToolFailed
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     STATE_NOT_INTEGER,
@@ -111,6 +113,12 @@ class StateBadScope(StateError):
     """No such scope, or a ttl that is not a positive number of seconds."""
 
     default_code = "STATE_BAD_SCOPE"
+
+
+class StateUnavailable(StateError):
+    """The state store could not be reached, or failed (the fleet's Redis)."""
+
+    default_code = "STATE_UNAVAILABLE"
 
 
 class StateReadOnly(ToolDenied):
@@ -189,6 +197,13 @@ def _ttl_ms(ttl: float | None) -> int:
     return max(1, int(ttl * 1000))
 
 
+async def _stored(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except RequestError as exc:  # the store's own failure, already logged by it
+        raise StateUnavailable(f"run state is unavailable: {exc.message}") from None
+
+
 class RunState:
     """One scope of state for one run: ``await ctx.state("tree").get("seen")``.
 
@@ -234,7 +249,7 @@ class RunState:
         Raises:
             StateBadKey: The key is not valid.
         """
-        text = await self._store.get(self.name, check_key(key))
+        text = await _stored(self._store.get(self.name, check_key(key)))
         return default if text is None else json.loads(text)
 
     async def set(self, key: str, value: Any, *, ttl: float | None = None) -> None:
@@ -247,7 +262,8 @@ class RunState:
         """
         write = self._write(ttl)
         text = encode(value, self._settings.state_max_value_bytes)
-        if await self._store.put(self.name, check_key(key), text, write) == STATE_OVER_QUOTA:
+        if await _stored(self._store.put(self.name, check_key(key), text, write)) \
+                == STATE_OVER_QUOTA:
             raise self._quota()
 
     async def compare_and_set(self, key: str, expected: Any, value: Any, *,
@@ -262,8 +278,8 @@ class RunState:
         max_bytes = self._settings.state_max_value_bytes
         text = encode(value, max_bytes)
         wanted = None if expected is None else encode(expected, 0)
-        outcome = await self._store.put(self.name, check_key(key), text, write,
-                                        conditional=True, expected=wanted)
+        outcome = await _stored(self._store.put(self.name, check_key(key), text, write,
+                                                 conditional=True, expected=wanted))
         if outcome == STATE_OVER_QUOTA:
             raise self._quota()
         return outcome == STATE_WRITTEN
@@ -278,7 +294,7 @@ class RunState:
         write = self._write(ttl)
         if isinstance(by, bool) or not isinstance(by, int) or abs(by) > MAX_INTEGER:
             raise StateNotInteger(f"increment adds an integer, not {by!r}")
-        outcome = await self._store.increment(self.name, check_key(key), by, write)
+        outcome = await _stored(self._store.increment(self.name, check_key(key), by, write))
         if outcome == STATE_OVER_QUOTA:
             raise self._quota()
         if outcome == STATE_NOT_INTEGER or isinstance(outcome, str) \
@@ -294,7 +310,7 @@ class RunState:
             StateBadKey, StateReadOnly.
         """
         self._write(None)
-        return await self._store.delete(self.name, check_key(key))
+        return await _stored(self._store.delete(self.name, check_key(key)))
 
     async def keys(self, prefix: str = "") -> list[str]:
         """The keys starting with ``prefix``, sorted.
@@ -302,7 +318,7 @@ class RunState:
         Raises:
             StateBadKey: The prefix holds a character a key cannot.
         """
-        return await self._store.keys(self.name, check_key(prefix, prefix=True))
+        return await _stored(self._store.keys(self.name, check_key(prefix, prefix=True)))
 
 
 class SyncRunState:
@@ -355,6 +371,7 @@ class SyncRunState:
 __all__ = [
     "MAX_KEY_LENGTH", "RUNNING_BOUND_SECONDS", "SCOPES", "RunState",
     "StateBadKey", "StateBadScope", "StateError", "StateNotInteger", "StateQuotaExceeded",
-    "StateReadOnly", "StateValueNotJson", "StateValueTooLarge", "SyncRunState",
+    "StateReadOnly", "StateUnavailable", "StateValueNotJson", "StateValueTooLarge",
+    "SyncRunState",
     "check_key", "encode", "scope_key",
 ]

@@ -357,6 +357,10 @@ class _Scope:
         self.expires: float | None = None
 
 
+#: Largest integer ``increment`` keeps (exact in every store).
+_MAX_INTEGER = 2**53 - 1
+
+
 def _entry_size(key: str, value: str) -> int:
     return len(key.encode()) + len(value.encode())
 
@@ -444,6 +448,8 @@ class MemoryStateStore:
         if old is not None and not _is_integer(old):
             return STATE_NOT_INTEGER
         value = (int(old) if old is not None else 0) + by
+        if abs(value) > _MAX_INTEGER:  # as in Redis, whose Lua counts exactly to 2**53
+            return STATE_NOT_INTEGER
         outcome = self._write(held, key, old, str(value), write, now)
         return value if outcome == STATE_WRITTEN else outcome
 
@@ -454,6 +460,8 @@ class MemoryStateStore:
             return False
         value, _ = held.entries.pop(key)
         held.size -= _entry_size(key, value)
+        if not held.entries and held.expires is None:
+            del self._scopes[scope]  # a principal's emptied scope costs nothing
         return True
 
     async def keys(self, scope: str, prefix: str) -> list[str]:
