@@ -130,7 +130,7 @@ class Run:
         root_run_id: The id of the root of the run's call tree, whose ``tree`` state the run
             shares: its own id until runs call runs (the trees work sets it).
         state_store: Where ``ctx.state`` keeps its scopes; the runtime's, else one in memory.
-        state_scopes: The run and tree scopes the run wrote (``run:<id>`` …), which go
+        state_scopes: The run and tree scopes the run's tool asked for (``run:<id>`` …), which go
             ``state_retention_seconds`` after it ends.
         spec: The tool being run.
         args: Validated arguments.
@@ -150,7 +150,6 @@ class Run:
     """
 
     run_id: str
-    root_run_id: str
     state_store: StateStore | None
     state_scopes: set[str] | None
     limits: RunLimits
@@ -197,6 +196,7 @@ class Run:
     _usage: RunUsage | None = None
     state_store = None
     state_scopes = None
+    _root_run_id: str | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -220,7 +220,6 @@ class Run:
                 makes them from its settings once and hands them to each of its runs).
         """
         self.run_id = run_id
-        self.root_run_id = run_id
         self.limits = limits if limits is not None else RunLimits.default()
         self.spec = spec
         self.args = args
@@ -237,6 +236,15 @@ class Run:
         self._output_tail = []
         self._sizes = self.limits.sizes
         self.root_step = ToolStep(self, self.next_step_id(), "", spec.name, spec.kind or "tool")
+
+    @property
+    def root_run_id(self) -> str:
+        """The root of the run's call tree: its own id unless set (the trees seam)."""
+        return self._root_run_id if self._root_run_id is not None else self.run_id
+
+    @root_run_id.setter
+    def root_run_id(self, value: str) -> None:
+        self._root_run_id = value
 
     @property
     def usage(self) -> RunUsage:

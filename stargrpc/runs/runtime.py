@@ -237,6 +237,7 @@ class Runtime:
     _interceptors: list[RunInterceptor]
     _registry: Registry
     _catalog_changed: asyncio.Event
+    _state_endings: set[asyncio.Task[None]]
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
@@ -254,7 +255,7 @@ class Runtime:
         if state_store is None:
             state_store = getattr(self.store, "state", None) or MemoryStateStore()
         self.state_store = state_store
-        self._state_endings: set[asyncio.Task[None]] = set()
+        self._state_endings = set()  # held until done, or the loop may drop them
         self.policy = policy if policy is not None else AllowAll()
         self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
