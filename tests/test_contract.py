@@ -24,9 +24,10 @@ GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl"
 
 #: What a stable code looks like.
 _CODE = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*")
-#: Keyword arguments that carry a code: ErrorInfo/RequestError ``reason``, ToolFailed and
-#: ToolDenied ``code``, ToolResult ``error_code``.
-_CODE_KEYWORDS = frozenset({"reason", "code", "error_code"})
+#: Keyword arguments (and assignments) that carry a code: ErrorInfo/RequestError ``reason``,
+#: ToolFailed and ToolDenied ``code``, ToolResult ``error_code``, an error class's
+#: ``default_code``.
+_CODE_KEYWORDS = frozenset({"reason", "code", "error_code", "default_code"})
 #: Calls whose positional string arguments include a code: a sandbox Verdict, an http_fetch
 #: Refused, Run.stop(outcome, code, message), the supervision's _stop(code, message) and
 #: _notice(code, message), Run.emit_notice(code, message), a tool's ctx.notice(code, message).

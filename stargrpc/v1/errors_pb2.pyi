@@ -87,6 +87,15 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MCP_CALL_TIMEOUT: _ClassVar[ErrorReason]
     MCP_TOOL_UNAVAILABLE: _ClassVar[ErrorReason]
     MCP_PROGRESS_COALESCED: _ClassVar[ErrorReason]
+    STATE_ERROR: _ClassVar[ErrorReason]
+    STATE_BAD_KEY: _ClassVar[ErrorReason]
+    STATE_VALUE_NOT_JSON: _ClassVar[ErrorReason]
+    STATE_VALUE_TOO_LARGE: _ClassVar[ErrorReason]
+    STATE_QUOTA_EXCEEDED: _ClassVar[ErrorReason]
+    STATE_NOT_INTEGER: _ClassVar[ErrorReason]
+    STATE_BAD_SCOPE: _ClassVar[ErrorReason]
+    STATE_UNAVAILABLE: _ClassVar[ErrorReason]
+    STATE_READ_ONLY: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -168,3 +177,12 @@ MCP_ERROR: ErrorReason
 MCP_CALL_TIMEOUT: ErrorReason
 MCP_TOOL_UNAVAILABLE: ErrorReason
 MCP_PROGRESS_COALESCED: ErrorReason
+STATE_ERROR: ErrorReason
+STATE_BAD_KEY: ErrorReason
+STATE_VALUE_NOT_JSON: ErrorReason
+STATE_VALUE_TOO_LARGE: ErrorReason
+STATE_QUOTA_EXCEEDED: ErrorReason
+STATE_NOT_INTEGER: ErrorReason
+STATE_BAD_SCOPE: ErrorReason
+STATE_UNAVAILABLE: ErrorReason
+STATE_READ_ONLY: ErrorReason
