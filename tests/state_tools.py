@@ -4,12 +4,15 @@ uses the run and tree scopes in one run."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from stargrpc import SyncToolContext, ToolContext, tool
 from stargrpc.registry import Registry, spec_of
+from stargrpc.v1 import events_pb2
+from tests.runs_support import as_principal, collect, execute_request
 
 
 class StateArgs(BaseModel):
@@ -80,3 +83,18 @@ def state_registry() -> Registry:
     """The state test tools."""
     specs = [spec_of(fn) for fn in (state_op, state_op_sync, state_run_and_tree)]
     return Registry([spec for spec in specs if spec is not None])
+
+
+async def call_state_tool(stub: Any, tool: str = "state_op", principal: str = "alice",
+                          **arguments: Any) -> events_pb2.Result:
+    """Runs a state test tool as ``principal`` (a header the test interceptor trusts) and
+    returns its Result."""
+    events = await collect(stub.Execute(execute_request(tool, arguments),
+                                        metadata=as_principal(principal)))
+    return events[-1].result
+
+
+def value_of(result: events_pb2.Result) -> Any:
+    """The value a state test tool reports, once it ended OK."""
+    assert result.outcome == events_pb2.OUTCOME_OK, result
+    return json.loads(result.output)["value"]

@@ -17,8 +17,9 @@ from stargrpc.settings import Settings
 from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually
-from tests.runs_support import HeaderPrincipal, as_principal, collect, execute_request
-from tests.state_tools import state_registry
+from tests.runs_support import HeaderPrincipal
+from tests.state_tools import call_state_tool as state_call
+from tests.state_tools import state_registry, value_of
 from tests.stores.helpers import free_port
 
 TOOLS = ["state_op", "state_op_sync"]
@@ -31,62 +32,50 @@ async def _state_stub(make_server: Any, **settings: Any) -> Any:
     return server, tool_service_pb2_grpc.ToolServiceStub(channel)
 
 
-async def _call(stub: Any, tool: str, principal: str = "alice",
-                **arguments: Any) -> events_pb2.Result:
-    events = await collect(stub.Execute(execute_request(tool, arguments),
-                                        metadata=as_principal(principal)))
-    return events[-1].result
-
-
-def _value(result: events_pb2.Result) -> Any:
-    assert result.outcome == events_pb2.OUTCOME_OK, result
-    return json.loads(result.output)["value"]
-
-
 @pytest.mark.parametrize("tool", TOOLS)
 async def test_a_tool_keeps_state_across_calls_with_every_operation(make_server, tool) -> None:
     _, stub = await _state_stub(make_server)
-    call = lambda **a: _call(stub, tool, scope="principal", **a)  # noqa: E731
-    assert _value(await call(op="get", key="seen")) is None
-    assert _value(await call(op="set", key="seen", value={"urls": ["a"], "n": 1})) is None
-    assert _value(await call(op="get", key="seen")) == {"n": 1, "urls": ["a"]}
+    call = lambda **a: state_call(stub, tool, scope="principal", **a)  # noqa: E731
+    assert value_of(await call(op="get", key="seen")) is None
+    assert value_of(await call(op="set", key="seen", value={"urls": ["a"], "n": 1})) is None
+    assert value_of(await call(op="get", key="seen")) == {"n": 1, "urls": ["a"]}
     # compare_and_set: the expected value (equal JSON, any key order) wins once.
-    assert _value(await call(op="cas", key="seen", expected={"n": 1, "urls": ["a"]},
+    assert value_of(await call(op="cas", key="seen", expected={"n": 1, "urls": ["a"]},
                              value={"n": 2})) is True
-    assert _value(await call(op="cas", key="seen", expected={"n": 1, "urls": ["a"]},
+    assert value_of(await call(op="cas", key="seen", expected={"n": 1, "urls": ["a"]},
                              value={"n": 3})) is False
-    assert _value(await call(op="cas", key="fresh", expected=None, value=1)) is True
-    assert _value(await call(op="cas", key="fresh", expected=None, value=2)) is False
-    assert _value(await call(op="increment", key="count", by=5)) == 5
-    assert _value(await call(op="increment", key="count", by=-2)) == 3
-    assert _value(await call(op="keys", key="")) == ["count", "fresh", "seen"]
-    assert _value(await call(op="keys", key="co")) == ["count"]
-    assert _value(await call(op="delete", key="count")) is True
-    assert _value(await call(op="delete", key="count")) is False
-    assert _value(await call(op="get", key="seen")) == {"n": 2}
+    assert value_of(await call(op="cas", key="fresh", expected=None, value=1)) is True
+    assert value_of(await call(op="cas", key="fresh", expected=None, value=2)) is False
+    assert value_of(await call(op="increment", key="count", by=5)) == 5
+    assert value_of(await call(op="increment", key="count", by=-2)) == 3
+    assert value_of(await call(op="keys", key="")) == ["count", "fresh", "seen"]
+    assert value_of(await call(op="keys", key="co")) == ["count"]
+    assert value_of(await call(op="delete", key="count")) is True
+    assert value_of(await call(op="delete", key="count")) is False
+    assert value_of(await call(op="get", key="seen")) == {"n": 2}
 
 
 async def test_async_and_sync_tools_share_a_scope(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await _call(stub, "state_op", scope="principal", op="set", key="k", value="from async")
-    assert _value(await _call(stub, "state_op_sync", scope="principal", op="get",
+    await state_call(stub, "state_op", scope="principal", op="set", key="k", value="from async")
+    assert value_of(await state_call(stub, "state_op_sync", scope="principal", op="get",
                               key="k")) == "from async"
 
 
 async def test_scopes_are_kept_apart(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await _call(stub, "state_op", "alice", scope="principal", op="set", key="k", value="a")
+    await state_call(stub, "state_op", "alice", scope="principal", op="set", key="k", value="a")
     # Another principal's own scope does not see alice's.
-    assert _value(await _call(stub, "state_op", "bob", scope="principal", op="get",
+    assert value_of(await state_call(stub, "state_op", "bob", scope="principal", op="get",
                               key="k")) is None
     # A run's run scope is its own: the next run starts empty.
-    first = await _call(stub, "state_run_and_tree")
-    second = await _call(stub, "state_run_and_tree")
+    first = await state_call(stub, "state_run_and_tree")
+    second = await state_call(stub, "state_run_and_tree")
     one, two = json.loads(first.output), json.loads(second.output)
     assert one["run"] == ["mine"] and two["run"] == ["mine"]
     assert one["tree"] == one["id"] and two["tree"] == two["id"]  # the root is the run
-    assert _value(await _call(stub, "state_op", scope="run", op="keys", key="")) == []
-    assert _value(await _call(stub, "state_op", scope="tree", op="keys", key="")) == []
+    assert value_of(await state_call(stub, "state_op", scope="run", op="keys", key="")) == []
+    assert value_of(await state_call(stub, "state_op", scope="tree", op="keys", key="")) == []
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -103,7 +92,7 @@ async def test_scopes_are_kept_apart(make_server) -> None:
 ])
 async def test_bad_use_is_refused_with_its_code(make_server, tool, arguments, code) -> None:
     _, stub = await _state_stub(make_server, state_max_value_bytes=100)
-    result = await _call(stub, tool, **arguments)
+    result = await state_call(stub, tool, **arguments)
     expected = (events_pb2.OUTCOME_DENIED if code == "STATE_READ_ONLY"
                 else events_pb2.OUTCOME_FAILED)
     assert (result.outcome, result.error.code) == (expected, code), result
@@ -111,44 +100,44 @@ async def test_bad_use_is_refused_with_its_code(make_server, tool, arguments, co
 
 async def test_a_non_integer_is_not_incremented(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await _call(stub, "state_op", op="set", scope="principal", key="k", value="text")
-    result = await _call(stub, "state_op", op="increment", scope="principal", key="k")
+    await state_call(stub, "state_op", op="set", scope="principal", key="k", value="text")
+    result = await state_call(stub, "state_op", op="increment", scope="principal", key="k")
     assert result.error.code == "STATE_NOT_INTEGER"
 
 
 async def test_a_scope_floods_its_quota_and_freeing_space_lets_it_write(make_server) -> None:
     _, stub = await _state_stub(make_server, state_max_bytes_per_scope=100)
-    assert _value(await _call(stub, "state_op", scope="principal", op="set", key="a",
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="set", key="a",
                               value="x" * 80)) is None
-    refused = await _call(stub, "state_op", scope="principal", op="set", key="b",
+    refused = await state_call(stub, "state_op", scope="principal", op="set", key="b",
                           value="y" * 30)
     assert (refused.outcome, refused.error.code) == (events_pb2.OUTCOME_FAILED,
                                                      "STATE_QUOTA_EXCEEDED")
     # Other principals have quotas of their own; a smaller value in place still fits.
-    assert _value(await _call(stub, "state_op", "bob", scope="principal", op="set", key="b",
+    assert value_of(await state_call(stub, "state_op", "bob", scope="principal", op="set", key="b",
                               value="y" * 30)) is None
-    assert _value(await _call(stub, "state_op", scope="principal", op="set", key="a",
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="set", key="a",
                               value="x")) is None
-    assert _value(await _call(stub, "state_op", scope="principal", op="set", key="b",
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="set", key="b",
                               value="y" * 30)) is None
 
 
 async def test_global_is_written_by_the_named_tools_and_read_by_all(make_server) -> None:
     _, stub = await _state_stub(make_server, state_global_writers="state_op")
-    assert _value(await _call(stub, "state_op", scope="global", op="set", key="motd",
+    assert value_of(await state_call(stub, "state_op", scope="global", op="set", key="motd",
                               value="hello")) is None
-    refused = await _call(stub, "state_op_sync", scope="global", op="increment", key="n")
+    refused = await state_call(stub, "state_op_sync", scope="global", op="increment", key="n")
     assert refused.error.code == "STATE_READ_ONLY"
-    assert _value(await _call(stub, "state_op_sync", "bob", scope="global", op="get",
+    assert value_of(await state_call(stub, "state_op_sync", "bob", scope="global", op="get",
                               key="motd")) == "hello"
 
 
 async def test_an_entry_ttl_runs_out(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await _call(stub, "state_op", scope="principal", op="set", key="k", value=1, ttl=0.05)
+    await state_call(stub, "state_op", scope="principal", op="set", key="k", value=1, ttl=0.05)
 
     async def gone() -> bool:
-        return _value(await _call(stub, "state_op", scope="principal", op="get",
+        return value_of(await state_call(stub, "state_op", scope="principal", op="get",
                                   key="k")) is None
 
     await eventually(gone, what="the entry's ttl to run out")
@@ -156,7 +145,7 @@ async def test_an_entry_ttl_runs_out(make_server) -> None:
 
 async def test_run_state_goes_its_retention_after_the_run_ends(make_server) -> None:
     server, stub = await _state_stub(make_server, state_retention_seconds=0.2)
-    result = await _call(stub, "state_run_and_tree")
+    result = await state_call(stub, "state_run_and_tree")
     run_id = json.loads(result.output)["id"]
     store = server.runtime.state_store
     # Right after the run, its state is still there for the retention ...
@@ -182,20 +171,20 @@ def test_equal_values_are_equal_json_whatever_the_key_order() -> None:
 
 async def test_concurrent_increments_from_async_and_sync_tools_add_up(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await asyncio.gather(*(_call(stub, TOOLS[i % 2], scope="principal", op="increment",
+    await asyncio.gather(*(state_call(stub, TOOLS[i % 2], scope="principal", op="increment",
                                  key="hits", repeat=25) for i in range(8)))
-    assert _value(await _call(stub, "state_op", scope="principal", op="get",
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="get",
                               key="hits")) == 200
 
 
 async def test_an_increment_past_2_53_is_refused_and_changes_nothing(make_server) -> None:
     _, stub = await _state_stub(make_server)
-    await _call(stub, "state_op", scope="principal", op="set", key="n", value=2**53 - 2)
-    assert _value(await _call(stub, "state_op", scope="principal", op="increment",
+    await state_call(stub, "state_op", scope="principal", op="set", key="n", value=2**53 - 2)
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="increment",
                               key="n")) == 2**53 - 1
-    refused = await _call(stub, "state_op", scope="principal", op="increment", key="n")
+    refused = await state_call(stub, "state_op", scope="principal", op="increment", key="n")
     assert refused.error.code == "STATE_NOT_INTEGER"
-    assert _value(await _call(stub, "state_op", scope="principal", op="get",
+    assert value_of(await state_call(stub, "state_op", scope="principal", op="get",
                               key="n")) == 2**53 - 1
 
 

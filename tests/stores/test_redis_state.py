@@ -17,10 +17,11 @@ from redis.crc import key_slot
 from stargrpc.stores.base import STATE_MISMATCH, STATE_OVER_QUOTA, STATE_WRITTEN, StateWrite
 from stargrpc.stores.connect import connect
 from stargrpc.stores.redis.state import RedisStateStore
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import tool_service_pb2_grpc
 from tests.helpers import eventually
-from tests.runs_support import HeaderPrincipal, as_principal, collect, execute_request
-from tests.state_tools import state_registry
+from tests.runs_support import HeaderPrincipal
+from tests.state_tools import call_state_tool as state_call
+from tests.state_tools import state_registry, value_of
 from tests.stores.conftest import REDIS_URL, LoopbackCluster
 
 
@@ -34,56 +35,44 @@ async def _two_replicas(make_server: Any, prefix: str, **settings: Any) -> list[
     return stubs
 
 
-async def _call(stub: Any, tool: str = "state_op", principal: str = "alice",
-                **arguments: Any) -> events_pb2.Result:
-    events = await collect(stub.Execute(execute_request(tool, arguments),
-                                        metadata=as_principal(principal)))
-    return events[-1].result
-
-
-def _value(result: events_pb2.Result) -> Any:
-    assert result.outcome == events_pb2.OUTCOME_OK, result
-    return json.loads(result.output)["value"]
-
-
 async def test_two_replicas_race_compare_and_set_and_exactly_one_wins(
         make_server, redis_prefix: str) -> None:
     stubs = await _two_replicas(make_server, redis_prefix)
     for round_, expected in enumerate([None, "start"]):
         if expected is not None:
-            await _call(stubs[0], scope="principal", op="set", key=f"lock{round_}",
+            await state_call(stubs[0], scope="principal", op="set", key=f"lock{round_}",
                         value=expected)
         results = await asyncio.gather(*(
-            _call(stubs[i % 2], "state_op" if i % 3 else "state_op_sync", scope="principal",
+            state_call(stubs[i % 2], "state_op" if i % 3 else "state_op_sync", scope="principal",
                   op="cas", key=f"lock{round_}", expected=expected, value=f"winner-{i}")
             for i in range(20)))
-        won = [i for i, result in enumerate(results) if _value(result) is True]
+        won = [i for i, result in enumerate(results) if value_of(result) is True]
         assert len(won) == 1, won
-        assert _value(await _call(stubs[1], scope="principal", op="get",
+        assert value_of(await state_call(stubs[1], scope="principal", op="get",
                                   key=f"lock{round_}")) == f"winner-{won[0]}"
 
 
 async def test_increments_from_two_replicas_are_atomic(make_server, redis_prefix: str) -> None:
     stubs = await _two_replicas(make_server, redis_prefix)
     await asyncio.gather(*(
-        _call(stubs[i % 2], "state_op" if i % 2 else "state_op_sync", scope="principal",
+        state_call(stubs[i % 2], "state_op" if i % 2 else "state_op_sync", scope="principal",
               op="increment", key="hits", repeat=25) for i in range(8)))
-    assert _value(await _call(stubs[0], scope="principal", op="get", key="hits")) == 200
+    assert value_of(await state_call(stubs[0], scope="principal", op="get", key="hits")) == 200
 
 
 async def test_quota_and_value_size_are_refused_in_redis(make_server, redis_prefix: str) -> None:
     stubs = await _two_replicas(make_server, redis_prefix, state_max_bytes_per_scope=100,
                                 state_max_value_bytes=90)
-    assert _value(await _call(stubs[0], scope="principal", op="set", key="a",
+    assert value_of(await state_call(stubs[0], scope="principal", op="set", key="a",
                               value="x" * 80)) is None
-    refused = await _call(stubs[1], scope="principal", op="set", key="b", value="y" * 30)
+    refused = await state_call(stubs[1], scope="principal", op="set", key="b", value="y" * 30)
     assert refused.error.code == "STATE_QUOTA_EXCEEDED"
-    too_big = await _call(stubs[1], scope="principal", op="set", key="c", value="z" * 100)
+    too_big = await state_call(stubs[1], scope="principal", op="set", key="c", value="z" * 100)
     assert too_big.error.code == "STATE_VALUE_TOO_LARGE"
-    assert _value(await _call(stubs[1], scope="principal", op="delete", key="a")) is True
-    assert _value(await _call(stubs[0], scope="principal", op="set", key="b",
+    assert value_of(await state_call(stubs[1], scope="principal", op="delete", key="a")) is True
+    assert value_of(await state_call(stubs[0], scope="principal", op="set", key="b",
                               value="y" * 30)) is None
-    not_integer = await _call(stubs[0], scope="principal", op="increment", key="b")
+    not_integer = await state_call(stubs[0], scope="principal", op="increment", key="b")
     assert not_integer.error.code == "STATE_NOT_INTEGER"
 
 
@@ -91,8 +80,8 @@ async def test_run_state_expires_after_the_run_ends(make_server, redis_prefix: s
     stubs = await _two_replicas(make_server, redis_prefix, state_retention_seconds=0.5)
     client = Redis.from_url(REDIS_URL)
     try:
-        await _call(stubs[0], scope="principal", op="set", key="kept", value=1)
-        result = await _call(stubs[0], "state_run_and_tree")
+        await state_call(stubs[0], scope="principal", op="set", key="kept", value=1)
+        result = await state_call(stubs[0], "state_run_and_tree")
         run_id = json.loads(result.output)["id"]
         run_key = f"{redis_prefix}state:{{run:{run_id}}}"
         tree_key = f"{redis_prefix}state:{{tree:{run_id}}}"
