@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,17 @@ YIELD_EVERY_EVENTS = 16
 #: Called with every event just before it is appended: observers may read it (progress
 #: tracking) or stamp fields on it (time left before the supervisor stops the run).
 EventObserver = Callable[[events_pb2.RunEvent], None]
+
+
+#: A wait a run passes in its own task before its START (a person's approval, a lane's
+#: turn): it returns once the run may go on, or raises :class:`ToolOutcomeError` to end the
+#: run without its tool. It may set :attr:`Run.phase` while it waits.
+RunGate = Callable[["Run"], Awaitable[None]]
+
+#: The phases of a run before it ends, as ListRuns shows them (``RunState``).
+PHASE_QUEUED = "queued"
+PHASE_AWAITING_APPROVAL = "awaiting_approval"
+PHASE_RUNNING = "running"
 
 
 #: The code of the Notice each steering message leaves in the run's log.
@@ -147,6 +158,15 @@ class Run:
         usage: What the run used, as its tool reports it (``ctx.usage``); the Result's
             ``usage`` is made of it and of the run's wall time.
         limits: The limits the run keeps to.
+        gates: Waits the run passes, in order, before its START (see :data:`RunGate`):
+            approval first, then the lane's queue. None for a run that waits for nothing.
+        phase: Where the run is before it ends: :data:`PHASE_RUNNING` unless a gate set
+            :data:`PHASE_AWAITING_APPROVAL` or :data:`PHASE_QUEUED` while it waits.
+        parent_run_id: The run whose tool called this one (or that the caller hung it
+            under); empty for a top-level run.
+        depth: How many runs are above this one in its tree (0 at the root).
+        queued_ns: Nanoseconds the run spent in its gates (``Usage.queued_seconds``).
+        child_runs: Runs this run's tool started (``Usage.child_runs``).
     """
 
     run_id: str
@@ -197,6 +217,13 @@ class Run:
     state_store = None
     state_scopes = None
     _root_run_id: str | None = None
+    gates: list[RunGate] | None = None
+    phase: str = PHASE_RUNNING
+    parent_run_id: str = ""
+    depth: int = 0
+    queued_ns: int = 0
+    child_runs: int = 0
+    _gated = False
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -291,7 +318,11 @@ class Run:
         if self.finished or self._stop is not None:
             return False
         self._stop = StopRequest(outcome, code, message)
-        if self._tool_running and self._main_task is not None:
+        if self._gated and self._main_task is not None:
+            # Waiting in a gate (our own code, which honours cancellation at once).
+            self._cancel_sent = True
+            self._main_task.cancel(message)
+        elif self._tool_running and self._main_task is not None:
             # The tool runs in the run's own task: cancelling that task cancels the tool.
             self._cancel_sent = True
             self._main_task.cancel(message)
@@ -364,6 +395,12 @@ class Run:
     async def _main(self, settings: Settings) -> None:
         started = time.monotonic()
         try:
+            if self.gates:
+                stopped = await self._pass_gates()
+                if stopped is not None:  # ended before its START: no step ever opened
+                    await self._finish(stopped, time.monotonic() - started)
+                    return
+                started = time.monotonic()
             await self.start_step(self.root_step)
             outcome = await self._run_tool(settings)
         except Exception:  # the run's own machinery broke; still end the run
@@ -373,6 +410,32 @@ class Run:
         if self._abandoned:
             return  # the run ended without the tool (see _abandon_tool)
         await self._finish(outcome, time.monotonic() - started)
+
+    async def _pass_gates(self) -> ToolResult | None:
+        """Passes the run's gates in order; the outcome that ends the run instead, if any
+        (a gate's refusal, or a stop that came while waiting)."""
+        assert self.gates is not None
+        entered = time.monotonic_ns()
+        self._gated = True
+        try:
+            for gate in self.gates:
+                if self._stop is not None:
+                    return self._stopped_result()
+                await gate(self)
+        except asyncio.CancelledError:
+            if self._external_cancel():
+                self._stop = self._stop or StopRequest(
+                    Outcome.CANCELLED, "SERVER_SHUTDOWN", "the server is shutting down")
+            return self._stopped_result()
+        except ToolOutcomeError as exc:
+            return classify_exception(exc)
+        finally:
+            self._gated = False
+            self.queued_ns += time.monotonic_ns() - entered
+            self.phase = PHASE_RUNNING
+        if self._stop is not None:
+            return self._stopped_result()
+        return None
 
     async def _run_tool(self, settings: Settings) -> ToolResult:
         ctx = ToolContext(self, settings)
@@ -514,7 +577,8 @@ class Run:
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
         set_duration(result.duration, self.duration_ns or 0)
-        fill_usage(result.usage, self.duration_ns or 0, self._usage)
+        fill_usage(result.usage, self.duration_ns or 0, self._usage,
+                   queued_ns=self.queued_ns, child_runs=self.child_runs)
         return result
 
     def _ended(self) -> None:
@@ -543,7 +607,8 @@ class Run:
         event = events_pb2.RunEvent()
         result = event.result
         # The receipt first: the fitting then counts its few bytes in the Result's room.
-        fill_usage(result.usage, self.duration_ns or 0, self._usage)
+        fill_usage(result.usage, self.duration_ns or 0, self._usage,
+                   queued_ns=self.queued_ns, child_runs=self.child_runs)
         fit = fit_result(result, outcome, self.writeback, run_id=self.run_id,
                          duration_ns=self.duration_ns or 0, sizes=self._sizes,
                          inline_file_bytes=self.limits.inline_file_bytes)
