@@ -71,12 +71,15 @@ def _more(running: list[Any], token: str) -> dict[str, tuple[float, float, float
                 strict=True)}
 
 
-def _profile(running: list[Any], name: str, token: str) -> None:
+def _profile(running: list[Any], name: str, token: str, concurrent: int = 0) -> None:
     server = next(s for s in running if s.name == name)
     raw = Path(tempfile.mkstemp(prefix=f"ab-{name}-", suffix=".txt")[1])
     recorder = profiling.Recorder(server.pid, raw, rate=500)
+    load: dict[str, Any] = (
+        {"measure": "concurrency", "concurrent": concurrent, "rounds": 10} if concurrent
+        else {"measure": "latency", "calls": 2000, "warmup": 0})
     try:
-        run_plan([server], [{"measure": "latency", "calls": 2000, "warmup": 0}], token)
+        run_plan([server], [load], token)
     finally:
         recorded = recorder.stop()
     if recorded is not None:
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", metavar="NAME",
                         help="then py-spy this server under 2,000 sequential calls and print "
                              "its summary (the raw profile is kept in /tmp)")
+    parser.add_argument("--profile-concurrent", type=int, default=0, metavar="N",
+                        help="with --profile: profile ten rounds of N concurrent 10 ms runs "
+                             "instead of sequential calls (the concurrent path)")
     args = parser.parse_args(argv)
     trees = []
     for entry in args.tree:
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.more:
                 more = _more(running, stack.token)
             if args.profile:
-                _profile(running, args.profile, stack.token)
+                _profile(running, args.profile, stack.token, args.profile_concurrent)
     bare_cpu, bare_p50, bare_p99 = min(cpu["bare"]), min(p50["bare"]), min(p99["bare"])
     floor_cpu = min(cpu["floor"]) if "floor" in cpu else None
     print(f"run log: {'Redis' if args.redis else 'in memory'}; {args.repeats} repeats of "
