@@ -64,6 +64,8 @@ class ToolSpec:
         categories: Grouping hints for a palette.
         annotations: Behaviour hints.
         privileged: Needs an explicit privileged role to run.
+        approval: Each run waits for a person's approval before it starts
+            (:mod:`stargrpc.runs.approval`; ``approval_policy`` may exempt roles).
         allowed_roles: Roles allowed by the tool itself ("*" for all); configuration may
             override it.
         allowed_principals: Principal ids allowed by the tool itself, besides its roles.
@@ -83,6 +85,7 @@ class ToolSpec:
     categories: tuple[str, ...] = ()
     annotations: ToolAnnotations = ToolAnnotations()
     privileged: bool = False
+    approval: bool = False
     allowed_roles: tuple[str, ...] = ("*",)
     allowed_principals: tuple[str, ...] = ()
     soft_timeout: float | None = None
@@ -117,6 +120,8 @@ class ToolSpec:
             "privileged": self.privileged,
             "allowed_roles": list(self.allowed_roles),
         }
+        if self.approval:  # absent otherwise, so existing catalog hashes stay
+            described["approval"] = True
         if self.allowed_principals:  # absent otherwise, so existing catalog hashes stay
             described["allowed_principals"] = list(self.allowed_principals)
         return described
@@ -135,6 +140,7 @@ def tool(
     idempotent: bool = False,
     open_world: bool = False,
     privileged: bool = False,
+    approval: bool = False,
     allowed_roles: Iterable[str] = ("*",),
     output_model: type[BaseModel] | None = None,
     soft_timeout: float | None = None,
@@ -152,6 +158,7 @@ def tool(
         idempotent: Calling twice has the effect of calling once.
         open_world: The tool reaches systems outside the server.
         privileged: Running it needs an explicit privileged role.
+        approval: Each run waits for a person's approval (ApproveRun) before it starts.
         allowed_roles: Roles allowed by default ("*" for every authenticated caller).
         output_model: Pydantic model of the structured output.
         soft_timeout: Critic soft timeout for this tool, in seconds.
@@ -187,6 +194,7 @@ def tool(
             categories=tuple(categories),
             annotations=ToolAnnotations(read_only, destructive, idempotent, open_world),
             privileged=privileged,
+            approval=approval,
             allowed_roles=tuple(allowed_roles),
             soft_timeout=soft_timeout,
             critic=critic,

@@ -38,6 +38,23 @@ class ToolAccess(BaseModel):
     privileged: bool = Field(False, description="Also require the privileged role.")
 
 
+class ApprovalPolicy(BaseModel):
+    """Which runs wait for a person's approval (``Settings.approval_policy``), besides those
+    of tools declared ``@tool(approval=True)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[str] = Field(default_factory=list, description="Tools whose runs need "
+                             "approval ('*' for every tool).")
+    roles: list[str] = Field(default_factory=list, description="Callers holding any of "
+                             "these roles need approval for every run.")
+    destructive: bool = Field(False, description="Runs of tools annotated destructive need "
+                              "approval.")
+    exempt_roles: list[str] = Field(default_factory=list, description="Callers holding any "
+                                    "of these roles never need approval (not even for a "
+                                    "tool declared approval=True).")
+
+
 class McpServerEntry(BaseModel):
     """One MCP server whose tools join the catalog (an entry of ``Settings.mcp_servers``)."""
 
@@ -451,6 +468,18 @@ class Settings(BaseSettings):
     mcp_servers_restart_max_seconds: float = Field(
         30.0, ge=0.1, le=3600, description="Longest wait between two attempts to (re)start "
         "or reconnect an MCP server; the wait doubles from 0.1 s up to this.")
+
+    # -- human approval (runs/approval.py, ApproveRun) -----------------------------------
+    approval_policy: ApprovalPolicy = Field(
+        default_factory=ApprovalPolicy, description="Which runs wait for a person's "
+        "approval before they start: per tool, per role, destructive tools; exempt roles.")
+    approver_role: str = Field("approver", description="The role that may approve or deny "
+                               "a waiting run (ApproveRun), held explicitly (admin_role "
+                               "does not grant it).")
+    approval_allow_self: bool = Field(False, description="An approver may decide on a run "
+                                      "it started itself.")
+    approval_timeout_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description=(
+        "A run nobody approves or denies within this ends DENIED, code APPROVAL_TIMEOUT."))
 
     # -- delivery and steering (delivery/, runs/run.py steer, server/service.py) -----
     steer_max_bytes: int = Field(4096, ge=1, le=1024 * 1024, description="Longest SteerRun "

@@ -716,11 +716,19 @@ class Run:
             event.heartbeat.progress = progress
         await self._emit(event)
 
-    async def emit_notice(self, code: str, message: str, *, warning: bool = True) -> None:
-        """Emits a notice from the server, such as a supervisor warning."""
+    async def emit_notice(self, code: str, message: str, *, warning: bool = True,
+                          detail: Callable[[events_pb2.Notice], None] | None = None) -> None:
+        """Emits a notice from the server, such as a supervisor warning.
+
+        Args:
+            detail: Sets the notice's typed detail (``queued`` of a QUEUED notice).
+        """
         if self.finished:
             return
-        await self._emit(self._notice(code, message, warning=warning))
+        event = self._notice(code, message, warning=warning)
+        if detail is not None:
+            detail(event.notice)
+        await self._emit(event)
 
     def _notice(self, code: str, message: str, *, warning: bool, source: str = ""
                 ) -> events_pb2.RunEvent:

@@ -38,6 +38,7 @@ from stargrpc.errors import (
 from stargrpc.ids import new_id
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
+from stargrpc.runs.approval import ApprovalGate, Approvals
 from stargrpc.runs.arguments import ArgumentLimits, validate
 from stargrpc.runs.call_record import current_call
 from stargrpc.runs.concurrency import ConcurrencyLimits
@@ -46,6 +47,7 @@ from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.runs.run import Run, RunLimits
 from stargrpc.settings import Settings
+from stargrpc.stores.approvals import MemoryApprovalStore
 from stargrpc.stores.base import RunLog, RunStore, StateStore
 from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
 from stargrpc.v1 import events_pb2
@@ -220,6 +222,8 @@ class Runtime:
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
         critics: The server's critic and the tools' own.
+        approvals: Which runs wait for a person's approval, and their requests: the run
+            store's ``approvals`` (a fleet's), else this process's.
     """
 
     settings: Settings
@@ -233,6 +237,7 @@ class Runtime:
     runs: dict[str, Run]
     draining: bool
     critics: Critics
+    approvals: Approvals
     _pipeline: RunInterceptor
     _interceptors: list[RunInterceptor]
     _registry: Registry
@@ -268,6 +273,8 @@ class Runtime:
         self.draining = False
         self.critics = Critics(self.settings)
         self.critics.load_tools(registry.values())
+        self.approvals = Approvals(self.settings, getattr(self.store, "approvals", None)
+                                   or MemoryApprovalStore())
         self._interceptors = list(interceptors)
         self._pipeline = self._chain()
         self._catalog_changed = asyncio.Event()
@@ -315,8 +322,10 @@ class Runtime:
         return self._pipeline.start(input)
 
     async def aclose(self) -> None:
-        """Lets go of what the runtime holds open (a remote critic's channel)."""
+        """Lets go of what the runtime holds open (a remote critic's channel, the approval
+        store's poller)."""
         await self.critics.aclose()
+        await self.approvals.store.aclose()
 
     # -- catalog ---------------------------------------------------------------------------
 
@@ -463,6 +472,10 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     return Admission(log=held, run=None)
+            gate: ApprovalGate | None = None
+            if self.approvals.required(run.spec, run.principal):
+                # Written before the call is answered: an approver finds it at once.
+                gate = await self.approvals.request(run, request.arguments)
             if before_start is not None:
                 await before_start(run)
         except BaseException:
@@ -473,6 +486,8 @@ class Runtime:
                 await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
+        if gate is not None:  # approval first: a lane's slot is not held while a person decides
+            run.gates = [gate, *(run.gates or [])]
         policy = request.policy or SupervisionPolicy.for_call(self.settings)
         started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
                                        arguments=request.arguments, policy=policy))

@@ -17,6 +17,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stargrpc.audit.approvals import approval_auditor
 from stargrpc.auth.mtls import server_credentials
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
@@ -160,6 +161,8 @@ class StargrpcServer:
         self.service = ToolService(self.runtime)
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
+            # and each approval request, timeout and withdrawal
+            self.runtime.approvals.on_audit = approval_auditor(audit.writer)
         add_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)

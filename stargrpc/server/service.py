@@ -32,6 +32,7 @@ from stargrpc.errors import (
 )
 from stargrpc.principal import Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
+from stargrpc.runs.approval import check_decision, fill_request
 from stargrpc.runs.arguments import decode_json, decode_struct
 from stargrpc.runs.call_record import current_call
 from stargrpc.runs.event_sizes import trailing_notices
@@ -46,6 +47,7 @@ from stargrpc.server.streaming import (
     serialize_response,
 )
 from stargrpc.settings import Settings
+from stargrpc.stores.approvals import ApprovalRecord
 from stargrpc.stores.base import (
     RunLog,
     RunQuery,
@@ -174,6 +176,7 @@ class ToolService:
             permissions.allowed_principals.extend(access.principals)
             permissions.privileged = access.privileged
             permissions.callable = may_run
+            message.requires_approval = self.runtime.approvals.required(spec, principal)
             tools.append(message)
         return tools
 
@@ -375,11 +378,15 @@ class ToolService:
     async def ListRuns(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> tool_service_pb2.ListRunsResponse:
         principal = current_principal.get()
-        sees_all = self.runtime.run_access.sees_all_runs(principal)
+        state = request.state
+        awaiting = state == tool_service_pb2.RUN_STATE_AWAITING_APPROVAL
+        approvals = self.runtime.approvals
+        # An approver lists every principal's runs that wait for approval.
+        sees_all = self.runtime.run_access.sees_all_runs(principal) or (
+            awaiting and principal.has_role(approvals.rules.approver_role))
         if request.page_size > MAX_RUNS_PAGE:
             raise InvalidArgument("page_size is too large", [FieldViolation(
                 "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
-        state = request.state
         key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
@@ -390,9 +397,46 @@ class ToolService:
             else state == tool_service_pb2.RUN_STATE_FINISHED,
             outcome=request.outcome)
         page = await self.runtime.store.list_runs(query)
+        # Which of the page's unfinished runs wait for approval (one look for them all).
+        records = await approvals.store.get_many(
+            [run.run_id for run in page.runs if not run.finished])
+        waiting = {run_id: record for run_id, record in records.items() if record.pending}
+        runs = page.runs
+        if awaiting:
+            runs = [run for run in runs if run.run_id in waiting]
+        elif state == tool_service_pb2.RUN_STATE_RUNNING:
+            runs = [run for run in runs if run.run_id not in waiting]
         return tool_service_pb2.ListRunsResponse(
-            runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
+            runs=[run_summary_message(run, with_principal=sees_all,
+                                      approval=waiting.get(run.run_id)) for run in runs],
             next_page_token=encode_page_token(page.cursor, key))
+
+    @_statuses
+    async def ApproveRun(self, request: Any, context: grpc.aio.ServicerContext
+                         ) -> tool_service_pb2.ApproveRunResponse:
+        principal = current_principal.get()
+        check_decision(request.run_id, request.approval_id, request.decision, request.reason,
+                       request.arguments_digest)
+        approvals = self.runtime.approvals
+        log = await self.runtime.store.open(request.run_id)
+        # Its owner (and whoever may watch it) finds the run; an approver finds any run that
+        # asked for approval. Anyone else is told it does not exist, as for an unknown run.
+        if log is None or not (
+                self.runtime.run_access.may_watch(principal, log.owner)
+                or (principal.has_role(approvals.rules.approver_role)
+                    and await approvals.store.get(log.run_id) is not None)):
+            raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
+        decided = await approvals.decide(principal, log.owner, log.run_id, request.approval_id,
+                                         request.decision, request.reason,
+                                         request.arguments_digest)
+        record = current_call.get()
+        if record is not None:  # who, when (the record's time), what and why
+            record.tool = decided.tool
+            record.detail = (f"{decided.state} the run of {decided.principal} "
+                             f"(arguments sha256 {decided.digest})"
+                             + (f": {decided.reason}" if decided.reason else ""))
+        return tool_service_pb2.ApproveRunResponse(
+            run_id=log.run_id, decision=request.decision, arguments_digest=decided.digest)
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:
@@ -438,19 +482,25 @@ DEFAULT_RUNS_PAGE = 50
 MAX_RUNS_PAGE = 200
 
 
-def run_summary_message(run: RunSummary, *, with_principal: bool
+def run_summary_message(run: RunSummary, *, with_principal: bool,
+                        approval: ApprovalRecord | None = None
                         ) -> tool_service_pb2.RunSummary:
-    """A run of a listing as the contract's RunSummary."""
+    """A run of a listing as the contract's RunSummary (``approval``: the pending request
+    it waits on, if any)."""
+    state = (tool_service_pb2.RUN_STATE_FINISHED if run.finished
+             else tool_service_pb2.RUN_STATE_AWAITING_APPROVAL if approval is not None
+             else tool_service_pb2.RUN_STATE_RUNNING)
     message = tool_service_pb2.RunSummary(
         run_id=run.run_id, tool_name=run.tool,
         principal=run.owner if with_principal else "",
-        state=tool_service_pb2.RUN_STATE_FINISHED if run.finished
-        else tool_service_pb2.RUN_STATE_RUNNING,
+        state=state,
         outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
         current_step=run.current_step)
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)
+    if approval is not None:
+        fill_request(message.approval, approval)
     return message
 
 

@@ -96,6 +96,15 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_BAD_SCOPE: _ClassVar[ErrorReason]
     STATE_UNAVAILABLE: _ClassVar[ErrorReason]
     STATE_READ_ONLY: _ClassVar[ErrorReason]
+    APPROVAL_REQUIRED: _ClassVar[ErrorReason]
+    APPROVAL_GRANTED: _ClassVar[ErrorReason]
+    APPROVAL_DENIED: _ClassVar[ErrorReason]
+    APPROVAL_TIMEOUT: _ClassVar[ErrorReason]
+    APPROVAL_NOT_PENDING: _ClassVar[ErrorReason]
+    APPROVAL_ID_MISMATCH: _ClassVar[ErrorReason]
+    APPROVAL_DIGEST_MISMATCH: _ClassVar[ErrorReason]
+    APPROVER_ROLE_REQUIRED: _ClassVar[ErrorReason]
+    APPROVAL_SELF_NOT_ALLOWED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -186,3 +195,12 @@ STATE_NOT_INTEGER: ErrorReason
 STATE_BAD_SCOPE: ErrorReason
 STATE_UNAVAILABLE: ErrorReason
 STATE_READ_ONLY: ErrorReason
+APPROVAL_REQUIRED: ErrorReason
+APPROVAL_GRANTED: ErrorReason
+APPROVAL_DENIED: ErrorReason
+APPROVAL_TIMEOUT: ErrorReason
+APPROVAL_NOT_PENDING: ErrorReason
+APPROVAL_ID_MISMATCH: ErrorReason
+APPROVAL_DIGEST_MISMATCH: ErrorReason
+APPROVER_ROLE_REQUIRED: ErrorReason
+APPROVAL_SELF_NOT_ALLOWED: ErrorReason

@@ -127,16 +127,48 @@ class Heartbeat(_message.Message):
     def __init__(self, message: _Optional[str] = ..., progress: _Optional[float] = ...) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("level", "code", "message", "source")
+    __slots__ = ("level", "code", "message", "source", "approval", "approval_decision")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_DECISION_FIELD_NUMBER: _ClassVar[int]
     level: NoticeLevel
     code: str
     message: str
     source: str
-    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    approval: ApprovalRequest
+    approval_decision: ApprovalDecision
+    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., approval: _Optional[_Union[ApprovalRequest, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecision, _Mapping]] = ...) -> None: ...
+
+class ApprovalRequest(_message.Message):
+    __slots__ = ("approval_id", "tool_name", "principal", "arguments_digest", "arguments", "requested_at", "deadline")
+    APPROVAL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    approval_id: str
+    tool_name: str
+    principal: str
+    arguments_digest: str
+    arguments: str
+    requested_at: _timestamp_pb2.Timestamp
+    deadline: _timestamp_pb2.Timestamp
+    def __init__(self, approval_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., arguments_digest: _Optional[str] = ..., arguments: _Optional[str] = ..., requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ApprovalDecision(_message.Message):
+    __slots__ = ("approver", "reason", "decided_at")
+    APPROVER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    approver: str
+    reason: str
+    decided_at: _timestamp_pb2.Timestamp
+    def __init__(self, approver: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("file_id", "offset", "data", "last")

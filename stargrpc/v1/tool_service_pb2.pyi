@@ -18,9 +18,20 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
     RUN_STATE_RUNNING: _ClassVar[RunState]
     RUN_STATE_FINISHED: _ClassVar[RunState]
+    RUN_STATE_AWAITING_APPROVAL: _ClassVar[RunState]
+
+class ApprovalVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    APPROVAL_VERDICT_UNSPECIFIED: _ClassVar[ApprovalVerdict]
+    APPROVAL_VERDICT_APPROVE: _ClassVar[ApprovalVerdict]
+    APPROVAL_VERDICT_DENY: _ClassVar[ApprovalVerdict]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_FINISHED: RunState
+RUN_STATE_AWAITING_APPROVAL: RunState
+APPROVAL_VERDICT_UNSPECIFIED: ApprovalVerdict
+APPROVAL_VERDICT_APPROVE: ApprovalVerdict
+APPROVAL_VERDICT_DENY: ApprovalVerdict
 
 class ListToolsRequest(_message.Message):
     __slots__ = ("known_catalog_hash",)
@@ -204,7 +215,7 @@ class ListRunsRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step")
+    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "approval")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +225,7 @@ class RunSummary(_message.Message):
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     tool_name: str
     principal: str
@@ -223,7 +235,8 @@ class RunSummary(_message.Message):
     ended_at: _timestamp_pb2.Timestamp
     last_seq: int
     current_step: str
-    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ...) -> None: ...
+    approval: _events_pb2.ApprovalRequest
+    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., approval: _Optional[_Union[_events_pb2.ApprovalRequest, _Mapping]] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs", "next_page_token")
@@ -232,3 +245,27 @@ class ListRunsResponse(_message.Message):
     runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
     next_page_token: str
     def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ApproveRunRequest(_message.Message):
+    __slots__ = ("run_id", "approval_id", "decision", "reason", "arguments_digest")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    approval_id: str
+    decision: ApprovalVerdict
+    reason: str
+    arguments_digest: str
+    def __init__(self, run_id: _Optional[str] = ..., approval_id: _Optional[str] = ..., decision: _Optional[_Union[ApprovalVerdict, str]] = ..., reason: _Optional[str] = ..., arguments_digest: _Optional[str] = ...) -> None: ...
+
+class ApproveRunResponse(_message.Message):
+    __slots__ = ("run_id", "decision", "arguments_digest")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    decision: ApprovalVerdict
+    arguments_digest: str
+    def __init__(self, run_id: _Optional[str] = ..., decision: _Optional[_Union[ApprovalVerdict, str]] = ..., arguments_digest: _Optional[str] = ...) -> None: ...

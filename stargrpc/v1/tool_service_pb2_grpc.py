@@ -75,6 +75,11 @@ class ToolServiceStub:
                 request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.SerializeToString,
                 response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
+        self.ApproveRun = channel.unary_unary(
+                '/stargrpc.v1.ToolService/ApproveRun',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.FromString,
+                _registered_method=True)
 
 
 class ToolServiceServicer:
@@ -158,6 +163,22 @@ class ToolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApproveRun(self, request, context):
+        """Approves or denies a run that waits for approval (its stream's APPROVAL_REQUIRED
+        notice, or ListRuns state RUN_STATE_AWAITING_APPROVAL, gives the approval id). Only a
+        holder of `approver_role` decides, held explicitly (PERMISSION_DENIED,
+        APPROVER_ROLE_REQUIRED), and not on a run it started unless `approval_allow_self`
+        (PERMISSION_DENIED, APPROVAL_SELF_NOT_ALLOWED). The decision binds to the run's
+        approval id (PERMISSION_DENIED, APPROVAL_ID_MISMATCH for another) and, when given, to
+        the digest of its arguments (FAILED_PRECONDITION, APPROVAL_DIGEST_MISMATCH). A run that
+        does not wait (any more) is FAILED_PRECONDITION, APPROVAL_NOT_PENDING, with metadata
+        `state`; a run the caller may not see NOT_FOUND, RUN_NOT_FOUND. An approved run starts;
+        a denied one ends Result{OUTCOME_DENIED} with code APPROVAL_DENIED and the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +221,11 @@ def add_ToolServiceServicer_to_server(servicer, server):
                     servicer.ListRuns,
                     request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.FromString,
                     response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'ApproveRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApproveRun,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -419,6 +445,33 @@ class ToolService:
             '/stargrpc.v1.ToolService/ListRuns',
             stargrpc_dot_v1_dot_tool__service__pb2.ListRunsRequest.SerializeToString,
             stargrpc_dot_v1_dot_tool__service__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApproveRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/ApproveRun',
+            stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,17 @@ type ToolServiceClient interface {
 	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
 	// INVALID_ARGUMENT with a field violation on `page_token`.
 	ListRuns(ctx context.Context, in *ListRunsRequest, opts ...grpc.CallOption) (*ListRunsResponse, error)
+	// Approves or denies a run that waits for approval (its stream's APPROVAL_REQUIRED
+	// notice, or ListRuns state RUN_STATE_AWAITING_APPROVAL, gives the approval id). Only a
+	// holder of `approver_role` decides, held explicitly (PERMISSION_DENIED,
+	// APPROVER_ROLE_REQUIRED), and not on a run it started unless `approval_allow_self`
+	// (PERMISSION_DENIED, APPROVAL_SELF_NOT_ALLOWED). The decision binds to the run's
+	// approval id (PERMISSION_DENIED, APPROVAL_ID_MISMATCH for another) and, when given, to
+	// the digest of its arguments (FAILED_PRECONDITION, APPROVAL_DIGEST_MISMATCH). A run that
+	// does not wait (any more) is FAILED_PRECONDITION, APPROVAL_NOT_PENDING, with metadata
+	// `state`; a run the caller may not see NOT_FOUND, RUN_NOT_FOUND. An approved run starts;
+	// a denied one ends Result{OUTCOME_DENIED} with code APPROVAL_DENIED and the reason.
+	ApproveRun(ctx context.Context, in *ApproveRunRequest, opts ...grpc.CallOption) (*ApproveRunResponse, error)
 }
 
 type toolServiceClient struct {
@@ -205,6 +216,15 @@ func (c *toolServiceClient) ListRuns(ctx context.Context, in *ListRunsRequest, o
 	return out, nil
 }
 
+func (c *toolServiceClient) ApproveRun(ctx context.Context, in *ApproveRunRequest, opts ...grpc.CallOption) (*ApproveRunResponse, error) {
+	out := new(ApproveRunResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/ApproveRun", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToolServiceServer is the server API for ToolService service.
 // All implementations must embed UnimplementedToolServiceServer
 // for forward compatibility
@@ -246,6 +266,17 @@ type ToolServiceServer interface {
 	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
 	// INVALID_ARGUMENT with a field violation on `page_token`.
 	ListRuns(context.Context, *ListRunsRequest) (*ListRunsResponse, error)
+	// Approves or denies a run that waits for approval (its stream's APPROVAL_REQUIRED
+	// notice, or ListRuns state RUN_STATE_AWAITING_APPROVAL, gives the approval id). Only a
+	// holder of `approver_role` decides, held explicitly (PERMISSION_DENIED,
+	// APPROVER_ROLE_REQUIRED), and not on a run it started unless `approval_allow_self`
+	// (PERMISSION_DENIED, APPROVAL_SELF_NOT_ALLOWED). The decision binds to the run's
+	// approval id (PERMISSION_DENIED, APPROVAL_ID_MISMATCH for another) and, when given, to
+	// the digest of its arguments (FAILED_PRECONDITION, APPROVAL_DIGEST_MISMATCH). A run that
+	// does not wait (any more) is FAILED_PRECONDITION, APPROVAL_NOT_PENDING, with metadata
+	// `state`; a run the caller may not see NOT_FOUND, RUN_NOT_FOUND. An approved run starts;
+	// a denied one ends Result{OUTCOME_DENIED} with code APPROVAL_DENIED and the reason.
+	ApproveRun(context.Context, *ApproveRunRequest) (*ApproveRunResponse, error)
 	mustEmbedUnimplementedToolServiceServer()
 }
 
@@ -276,6 +307,9 @@ func (UnimplementedToolServiceServer) StartRun(context.Context, *StartRunRequest
 }
 func (UnimplementedToolServiceServer) ListRuns(context.Context, *ListRunsRequest) (*ListRunsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListRuns not implemented")
+}
+func (UnimplementedToolServiceServer) ApproveRun(context.Context, *ApproveRunRequest) (*ApproveRunResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ApproveRun not implemented")
 }
 func (UnimplementedToolServiceServer) mustEmbedUnimplementedToolServiceServer() {}
 
@@ -443,6 +477,24 @@ func _ToolService_ListRuns_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ToolService_ApproveRun_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ApproveRunRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).ApproveRun(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/ApproveRun",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).ApproveRun(ctx, req.(*ApproveRunRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _ToolService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "stargrpc.v1.ToolService",
 	HandlerType: (*ToolServiceServer)(nil),
@@ -466,6 +518,10 @@ var _ToolService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListRuns",
 			Handler:    _ToolService_ListRuns_Handler,
+		},
+		{
+			MethodName: "ApproveRun",
+			Handler:    _ToolService_ApproveRun_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -12,6 +12,7 @@ Keys (all under ``redis_key_prefix``)::
     runs:running      zset    the id of every running run, scored by when the sweep looks
                               at it next (its lease's expiry as last seen, ms, Redis's clock)
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
+    approval:{id}     hash    a run's approval request and decision (approvals.py)
 
 The meta hash also holds ``summary`` (JSON: last seq, current step, outcome and end, as of
 the run's last written batch), which ListRuns shows. The indexes are written apart from the
@@ -90,6 +91,9 @@ The package's rooms, each owning one thing and talking to the others through met
     store.py       RedisRunStore: the RunStore the runtime uses, a facade over the rooms
     state.py       RedisStateStore: run state (ctx.state), a scope's keys under one hash
                    tag, one script per operation; the store's ``state``
+    approvals.py   RedisApprovalStore: approval requests and decisions, one key per run;
+                   how a decision reaches the replica whose run waits; the store's
+                   ``approvals``
 """
 
 from __future__ import annotations

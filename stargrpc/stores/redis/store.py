@@ -26,6 +26,7 @@ from stargrpc.stores.base import (
 )
 from stargrpc.stores.connect import connect
 from stargrpc.stores.keys import KeyLayout
+from stargrpc.stores.redis.approvals import RedisApprovalStore
 from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
 from stargrpc.stores.redis.flusher import Flusher
@@ -55,6 +56,7 @@ class RedisRunStore:
         flusher: Writes this replica's events to Redis.
         claims: Registration before a run starts, and idempotency claims.
         state: Run state (``ctx.state``), on the same client.
+        approvals: Approval requests and decisions (:mod:`.approvals`), on the same client.
     """
 
     shared: Shared
@@ -64,6 +66,7 @@ class RedisRunStore:
     flusher: Flusher
     claims: Claims
     state: RedisStateStore
+    approvals: RedisApprovalStore
     _fresh_waits: int
     _renewer: asyncio.Task[None] | None
 
@@ -102,6 +105,7 @@ class RedisRunStore:
         self.flusher = Flusher(self.shared, self.leases, self.index)
         self.claims = Claims(self.shared, self.leases, self.index)
         self.state = RedisStateStore(redis, prefix=prefix)
+        self.approvals = RedisApprovalStore(redis, prefix=prefix)
         self._fresh_waits = 0
         self._renewer = None
 
