@@ -6,6 +6,9 @@
 //   node clients/node/cli.js watch RUN_ID --after-seq 2     replay + follow a run
 //   node clients/node/cli.js cancel RUN_ID --reason "why"   stop a run
 //   node clients/node/cli.js steer RUN_ID "message"          steer a running tool
+//   node clients/node/cli.js approve RUN_ID --approval-id ID [--reason TEXT]
+//   node clients/node/cli.js deny RUN_ID --approval-id ID [--reason TEXT]
+//                                                           decide on a waiting run
 //
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
@@ -200,7 +203,7 @@ async function callCancellingOnInterrupt(client, streamed, run) {
 
 const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
-  "steer RUN_ID MESSAGE\n" +
+  "steer RUN_ID MESSAGE | approve|deny RUN_ID --approval-id ID [--reason TEXT]\n" +
   "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
 
 class UsageError extends Error {}
@@ -220,6 +223,8 @@ async function main(argv) {
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
         reason: { type: "string", default: "" },
+        "approval-id": { type: "string", default: "" },
+        "arguments-digest": { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
     });
@@ -274,6 +279,14 @@ async function main(argv) {
     if (command === "steer" && rest.length === 2) {
       await client.steerRun(rest[0], rest[1]);
       console.error("steered");
+      return 0;
+    }
+    if ((command === "approve" || command === "deny") && rest.length === 1) {
+      const reply = await client.approveRun(rest[0], values["approval-id"], {
+        deny: command === "deny", reason: values.reason,
+        argumentsDigest: values["arguments-digest"],
+      });
+      console.error(`${command === "deny" ? "denied" : "approved"} run ${reply.run_id}`);
       return 0;
     }
     if (command === "cancel" && rest.length === 1) {

@@ -236,6 +236,28 @@ class StargrpcClient {
   }
 
   /**
+   * Approves (or, with `deny`, denies) a run that waits for approval (ApproveRun); needs
+   * the server's approver role. Resolves to `{ run_id, decision, arguments_digest }`. Not
+   * retried: a decision is taken once.
+   * @param {string} runId
+   * @param {string} approvalId the ApprovalRequest's approval_id
+   * @param {object} [options] { deny, reason, argumentsDigest }
+   */
+  approveRun(runId, approvalId, options = {}) {
+    const request = {
+      run_id: runId,
+      approval_id: approvalId,
+      decision: options.deny ? "APPROVAL_VERDICT_DENY" : "APPROVAL_VERDICT_APPROVE",
+      reason: options.reason || "",
+      arguments_digest: options.argumentsDigest || "",
+    };
+    return new Promise((resolve, reject) => {
+      this.stub.ApproveRun(request, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply)));
+    });
+  }
+
+  /**
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]

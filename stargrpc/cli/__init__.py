@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from stargrpc import __version__
+from stargrpc.cli.approve import approve, deny
 from stargrpc.cli.audit import audit
 from stargrpc.cli.client_commands import call, cancel, steer, tools, watch
 from stargrpc.cli.doctor import doctor
@@ -36,6 +37,8 @@ main.add_command(call)
 main.add_command(watch)
 main.add_command(cancel)
 main.add_command(steer)
+main.add_command(approve)
+main.add_command(deny)
 main.add_command(runs)
 main.add_command(health)
 main.add_command(keys)

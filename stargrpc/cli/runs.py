@@ -20,8 +20,9 @@ _OUTCOMES = [name.removeprefix("OUTCOME_").lower() for name in events_pb2.Outcom
 @click.command()
 @connection_options
 @click.option("--tool", default="", help="Only runs of this tool.")
-@click.option("--state", type=click.Choice(["running", "finished"]), default=None,
-              help="Only runs in this state.")
+@click.option("--state", type=click.Choice(["running", "finished", "awaiting_approval"]),
+              default=None, help="Only runs in this state (awaiting_approval: with the "
+              "approver role, everyone's).")
 @click.option("--outcome", type=click.Choice(_OUTCOMES), default=None,
               help="Only runs that ended with this outcome.")
 @click.option("--limit", type=click.IntRange(1, 200), default=50, show_default=True,
@@ -52,8 +53,9 @@ def runs(client_options: dict[str, Any], tool: str, state: str | None, outcome: 
 
 def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
     finished = run.state == tool_service_pb2.RUN_STATE_FINISHED
+    awaiting = run.state == tool_service_pb2.RUN_STATE_AWAITING_APPROVAL
     status = (events_pb2.Outcome.Name(run.outcome).removeprefix("OUTCOME_").lower()
-              if finished else "running")
+              if finished else "awaiting" if awaiting else "running")
     started = run.started_at.ToMilliseconds() / 1000
     ended = run.ended_at.ToMilliseconds() / 1000 if run.HasField("ended_at") else time.time()
     columns = [run.run_id, run.tool_name.ljust(12), status.ljust(9),
@@ -63,4 +65,8 @@ def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
         columns.append(run.principal)
     if run.current_step:
         columns.append(f"· {run.current_step}")
+    if awaiting:  # what an approver needs: stargrpc approve RUN_ID --approval-id …
+        approval = run.approval
+        columns.append(f"approval-id {approval.approval_id} sha256 "
+                       f"{approval.arguments_digest} {approval.arguments}")
     return columns

@@ -383,6 +383,41 @@ class AsyncClient:
                 metadata=self._call_metadata(metadata), timeout=left),
             timeout, retry=NO_RETRY)
 
+    async def approve(self, run_id: str, approval_id: str, *, reason: str = "",
+                      arguments_digest: str = "", deny: bool = False,
+                      timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                      metadata: Metadata | None = None) -> tool_service_pb2.ApproveRunResponse:
+        """Approves (or, with ``deny``, denies) a run that waits for approval (ApproveRun);
+        the caller needs the server's approver role.
+
+        Sent once, never retried: a decision is taken once, and a repeat is refused
+        APPROVAL_NOT_PENDING.
+
+        Args:
+            run_id: The waiting run.
+            approval_id: Its ApprovalRequest.approval_id (the APPROVAL_REQUIRED notice, or
+                ListRuns state ``"awaiting_approval"``).
+            reason: Why; a denied run's Result carries it.
+            arguments_digest: The ApprovalRequest.arguments_digest the decision is for:
+                refused when the run's arguments are not those.
+            deny: Deny instead of approve.
+
+        Raises:
+            CallError: Refused — no role (PERMISSION_DENIED, APPROVER_ROLE_REQUIRED), the
+                caller's own run, another approval id, other arguments, a run that does not
+                wait, an unknown run (NOT_FOUND), a malformed field (INVALID_ARGUMENT).
+        """
+        request = tool_service_pb2.ApproveRunRequest(
+            run_id=run_id, approval_id=approval_id, reason=reason,
+            arguments_digest=arguments_digest,
+            decision=tool_service_pb2.APPROVAL_VERDICT_DENY if deny
+            else tool_service_pb2.APPROVAL_VERDICT_APPROVE)
+        reply: tool_service_pb2.ApproveRunResponse = await self._unary(
+            lambda left: self._stub.ApproveRun(
+                request, metadata=self._call_metadata(metadata), timeout=left),
+            timeout, retry=NO_RETRY)
+        return reply
+
     async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
                         page_size: int = 0, page_token: str = "",
                         timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
@@ -391,7 +426,8 @@ class AsyncClient:
 
         Args:
             tool: Only runs of this tool.
-            state: Only ``"running"`` or ``"finished"`` runs; empty for both.
+            state: Only ``"running"``, ``"finished"`` or ``"awaiting_approval"`` runs;
+                empty for all.
             outcome: Only runs that ended so, by Outcome name (``"OK"``, ``"FAILED"``, …).
             page_size: Most runs in the page (0: the server's default).
             page_token: ``next_page_token`` of the previous page.

@@ -171,6 +171,13 @@ class Client:
         """See :meth:`AsyncClient.steer`."""
         self._run(self._client.steer(run_id, message, **options))
 
+    def approve(self, run_id: str, approval_id: str,
+                **options: Any) -> tool_service_pb2.ApproveRunResponse:
+        """See :meth:`AsyncClient.approve`."""
+        reply: tool_service_pb2.ApproveRunResponse = self._run(
+            self._client.approve(run_id, approval_id, **options))
+        return reply
+
     def list_runs(self, **options: Any) -> tool_service_pb2.ListRunsResponse:
         """See :meth:`AsyncClient.list_runs`."""
         return self._run(self._client.list_runs(**options))

@@ -16,6 +16,8 @@ Routes:
   ``Last-Event-ID`` (or ``?after_seq=``), then live until the Result
 - ``POST /v1/runs/{run_id}:cancel``       CancelRun
 - ``POST /v1/runs/{run_id}:steer``        SteerRun: ``{"message": "…"}``
+- ``POST /v1/runs/{run_id}:approve``      ApproveRun: ``{"approval_id": "…", "decision":
+  "approve" | "deny", "reason": "…", "arguments_digest": "…"}``
 
 Credentials travel in ``Authorization: Bearer …`` exactly as in gRPC metadata; the gateway
 forwards them (with the W3C trace context) and never looks at them.
@@ -29,7 +31,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, json_format
@@ -113,6 +115,17 @@ class SteerBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     message: str
+
+
+class ApproveBody(BaseModel):
+    """The JSON body of ``POST /v1/runs/{run_id}:approve``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    approval_id: str
+    decision: Literal["approve", "deny"]
+    reason: str = ""
+    arguments_digest: str = ""
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
@@ -246,6 +259,7 @@ class Gateway:
                 Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
                 Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
+                Route("/v1/runs/{run_id}:approve", self.approve, methods=["POST"]),
             ],
             # Outermost first: refusals of the guard carry the security headers too.
             middleware=[Middleware(SecurityHeaders),
@@ -419,6 +433,21 @@ class Gateway:
 
         return await self._run_command(request, SteerBody, send)
 
+    async def approve(self, request: Request) -> Response:
+        """``POST /v1/runs/{run_id}:approve``: ApproveRun; 200 ``{"run_id": …, "decision":
+        …, "arguments_digest": …}``."""
+
+        async def send(body: ApproveBody) -> dict[str, Any]:
+            reply = await self.client.approve(tool_service_pb2.ApproveRunRequest(
+                run_id=request.path_params["run_id"], approval_id=body.approval_id,
+                reason=body.reason, arguments_digest=body.arguments_digest,
+                decision=tool_service_pb2.APPROVAL_VERDICT_DENY if body.decision == "deny"
+                else tool_service_pb2.APPROVAL_VERDICT_APPROVE), self._metadata(request))
+            return {"run_id": reply.run_id, "decision": body.decision,
+                    "arguments_digest": reply.arguments_digest}
+
+        return await self._run_command(request, ApproveBody, send)
+
     async def _run_command(self, request: Request, body_type: type[_Body],
                            send: Callable[[_Body], Awaitable[dict[str, Any]]]) -> Response:
         """A ``POST /v1/runs/{run_id}:…`` command: the JSON body checked as ``body_type``,
@@ -490,7 +519,7 @@ def _after_seq(request: Request) -> int:
 
 
 #: What this gateway offers the page: its routes are fixed, so this is too.
-_CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True}
+_CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True, "approve": True}
 
 
 def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
@@ -508,7 +537,7 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
         try:
             message.state = tool_service_pb2.RunState.Value(f"RUN_STATE_{state}")
         except ValueError:
-            violations.append(("state", "one of running, finished"))
+            violations.append(("state", "one of running, finished, awaiting_approval"))
     outcome = params.get("outcome", "").upper().removeprefix("OUTCOME_")
     if outcome:
         try:

@@ -140,6 +140,17 @@ class GatewayClient:
             metadata=metadata)
         return reply.run_id
 
+    async def approve(self, request: tool_service_pb2.ApproveRunRequest, metadata: Metadata
+                      ) -> tool_service_pb2.ApproveRunResponse:
+        """ApproveRun.
+
+        Raises:
+            grpc.aio.AioRpcError: The call was refused (no role, another id, not waiting, …).
+        """
+        reply: tool_service_pb2.ApproveRunResponse = await self.stub.ApproveRun(
+            request, metadata=metadata)
+        return reply
+
     async def start_run(self, request: tool_service_pb2.ExecuteRequest, metadata: Metadata,
                         *, listen: bool = False) -> StartedRun:
         """Starts a run and keeps reading its Execute stream until the Result.

@@ -6,6 +6,7 @@
 //   fields.js     the form's fields, one builder per kind of schema (schema.js reads it)
 //   stream.js     following a run: its event stream, Last-Event-ID re-joins (sse.js parses)
 //   run-view.js   the run shown: steps, heartbeat, notices, countdown, Cancel, Steer
+//   approval.js   a run waiting for approval: its arguments, Approve and Deny
 //   result.js     its Result; messages.js the rich messages (markdown.js, tree.js)
 //   runs-list.js  the runs list, live, with its filters
 //   state.js      what the parts share: the catalog, the server's offers, the run shown

@@ -2,6 +2,7 @@
 // heartbeat, notices, the critic's countdown, Cancel and Steer, and its Result.
 
 import { authHeaders } from "./api.js";
+import { hideApproval, showApproval } from "./approval.js";
 import { $, announce, el } from "./dom.js";
 import { hideError, showRefusal } from "./errors.js";
 import { base64Bytes, outcomeName, phaseName, statusName } from "./format.js";
@@ -22,6 +23,7 @@ export function resetRunView() {
   $("event-count").textContent = "0";
   $("steps").replaceChildren();
   $("notices").replaceChildren();
+  hideApproval();
   $("heartbeat").hidden = true;
   $("result").hidden = true;
   $("cancel-button").disabled = false;
@@ -104,6 +106,13 @@ export function onHeartbeat(heartbeat) {
 }
 
 export function onNotice(notice) {
+  if (notice.code === "APPROVAL_REQUIRED" && notice.approval) {
+    showApproval(shown.runId, notice.approval);
+    setRunState("AWAITING");
+  } else if (notice.code === "APPROVAL_GRANTED") {
+    hideApproval();
+    setRunState("RUNNING");
+  }
   const level = (notice.level || "").replace("NOTICE_LEVEL_", "").toLowerCase();
   const item = el("li", `notice ${level}`, `${notice.code || ""} ${notice.message || ""}`.trim());
   $("notices").append(item);
@@ -121,6 +130,7 @@ export function onResult(result) {
   $("cancel-button").disabled = true;
   $("steer-form").hidden = true;
   $("heartbeat").hidden = true;
+  hideApproval();
   const outcome = outcomeName(result.outcome);
   setRunState(outcome);
   announce(`Run finished: ${outcome.toLowerCase()}`);

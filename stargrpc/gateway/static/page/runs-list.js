@@ -2,6 +2,7 @@
 // by tool and outcome; a click opens one.
 
 import { authHeaders } from "./api.js";
+import { approvalBox } from "./approval.js";
 import { $, el } from "./dom.js";
 import { outcomeName } from "./format.js";
 import { readEvents } from "./sse.js";
@@ -21,7 +22,7 @@ function runsQuery() {
   const params = new URLSearchParams({ page_size: "30" });
   if ($("filter-tool").value) params.set("tool", $("filter-tool").value);
   const outcome = $("filter-outcome").value;
-  if (outcome === "running") params.set("state", "running");
+  if (outcome === "running" || outcome === "awaiting_approval") params.set("state", outcome);
   else if (outcome) params.set("outcome", outcome);
   return params.toString();
 }
@@ -72,7 +73,8 @@ function renderRuns(runs) {
   $("runs-status").textContent = runs.length ? "" : "No runs yet.";
   for (const run of runs) {
     const running = run.state === "RUN_STATE_RUNNING";
-    const status = running ? "RUNNING" : outcomeName(run.outcome);
+    const awaiting = run.state === "RUN_STATE_AWAITING_APPROVAL";
+    const status = running ? "RUNNING" : awaiting ? "AWAITING" : outcomeName(run.outcome);
     const button = el("button", "run-item");
     button.type = "button";
     button.dataset.runId = run.run_id;
@@ -94,6 +96,8 @@ function renderRuns(runs) {
     });
     const item = el("li");
     item.append(button);
+    // A waiting run's request and Approve / Deny (for an approver, anyone's).
+    if (awaiting && run.approval) item.append(approvalBox(run.run_id, run.approval));
     list.append(item);
   }
 }
