@@ -184,3 +184,34 @@ def test_the_digest_is_the_canonical_json_of_the_arguments() -> None:
         '{"a":"é","b":1}'.encode()).hexdigest()
     assert arguments_digest({"a": [1, {"y": 2, "x": 1}]}) == arguments_digest(
         json.loads('{ "a" : [ 1 , { "x" : 1 , "y" : 2 } ] }'))
+
+
+async def test_the_callers_deadline_ends_a_waiting_run_and_a_retry_attaches(people) -> None:
+    # A retry with the run's key while it waits attaches to it: the same request, the same
+    # approval id, and one decision starts the run once.
+    request = execute_request("deploy", {"service": "keyed"}, idempotency_key="deploy-once")
+    first = people.alice.Execute(request)
+    head, approval = await read_until_approval(first)
+    retry = people.alice.Execute(request)
+    retry_head, retried = await read_until_approval(retry)
+    assert retry_head[0].run_id == head[0].run_id and retried == approval
+    await people.bob.ApproveRun(approve_request(head[0].run_id, approval.approval_id))
+    assert (await rest_of(first))[-1].result.output == "deployed keyed to staging"
+    assert (await rest_of(retry))[-1].result.output == "deployed keyed to staging"
+    assert BODIES_RUN.count(head[0].run_id) == 1
+
+    # The critic's clock waits for the START, the caller's deadline does not: a keyed run
+    # outlives its stream, so only the deadline can have ended it.
+    call = people.alice.Execute(execute_request("deploy", {"service": "late"},
+                                                idempotency_key="deploy-late"), timeout=1.5)
+    head, approval = await read_until_approval(call)
+    try:
+        await rest_of(call)
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    watched = await rest_of(people.alice.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=head[0].run_id)))
+    result = watched[-1].result
+    assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_TIMEOUT,
+                                                   "CLIENT_DEADLINE")
+    assert head[0].run_id not in BODIES_RUN
