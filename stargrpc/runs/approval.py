@@ -236,9 +236,15 @@ class Approvals:
         return ApprovalGate(self, record)
 
     async def decide(self, principal: Principal, owner: str, run_id: str, approval_id: str,
-                     verdict: int, reason: str, digest: str) -> ApprovalRecord:
+                     verdict: int, reason: str, digest: str, *, run_ended: bool = False
+                     ) -> ApprovalRecord:
         """Takes an approver's decision on the request of run ``run_id`` (owned by
         ``owner``), after :func:`check_decision` took the request apart.
+
+        Args:
+            run_ended: The run has its Result already. Its request, if still pending (its
+                replica died while it waited), is withdrawn instead: a decision on it could
+                start nothing.
 
         Returns:
             The decided record.
@@ -256,6 +262,10 @@ class Approvals:
                 reason=APPROVER_ROLE_REQUIRED,
                 metadata={"run_id": run_id, "required_role": rules.approver_role})
         record = await self.store.get(run_id)
+        if record is not None and record.pending and run_ended:
+            record = await self.store.settle(run_id, WITHDRAWN, "the run ended while it waited")
+            if record is not None and record.state == WITHDRAWN:
+                self.audit("withdrawn", record)
         if record is None or not record.pending:
             raise not_pending(run_id, record)
         if owner == principal.id and not rules.allow_self:

@@ -428,7 +428,7 @@ class ToolService:
             raise NotFound("unknown run (or expired, or not yours)", reason=_RUN_NOT_FOUND)
         decided = await approvals.decide(principal, log.owner, log.run_id, request.approval_id,
                                          request.decision, request.reason,
-                                         request.arguments_digest)
+                                         request.arguments_digest, run_ended=log.finished)
         record = current_call.get()
         if record is not None:  # who, when (the record's time), what and why
             record.tool = decided.tool

@@ -143,3 +143,21 @@ async def test_an_approver_may_approve_its_own_run_when_allowed(make_auth_server
         head, approval = await read_until_approval(call)
         await people.bob.ApproveRun(approve_request(head[0].run_id, approval.approval_id))
         assert (await rest_of(call))[-1].result.output == "deployed mine to staging"
+
+
+async def test_a_request_left_pending_by_an_ended_run_cannot_be_approved(auth, people) -> None:
+    # As when the replica of a waiting run died: the run ended (RUN_LOST) and nobody
+    # withdrew its request. A decision on it would start nothing: it is withdrawn instead.
+    from stargrpc.stores.approvals import ApprovalRecord, now_ms
+
+    ended = await people.alice.StartRun(tool_service_pb2.StartRunRequest(tool_name="greet"))
+    await rest_of(people.alice.WatchRun(tool_service_pb2.WatchRunRequest(run_id=ended.run_id)))
+    store = auth.server.runtime.approvals.store
+    await store.put(ApprovalRecord(
+        run_id=ended.run_id, approval_id="left-behind", tool="greet", owner="alice",
+        principal="alice", digest="0" * 64, arguments="{}", requested_ms=now_ms(),
+        deadline_ms=now_ms() + 60_000), 60_000)
+    assert await refusal(people.bob.ApproveRun(approve_request(
+        ended.run_id, "left-behind"))) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_NOT_PENDING",
+        {"run_id": ended.run_id, "state": "withdrawn"}, [])
