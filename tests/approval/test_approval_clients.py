@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -19,7 +21,7 @@ from tests.approval.approval_helpers import (
     read_until_approval,
     rest_of,
 )
-from tests.client_builds import run_node
+from tests.client_builds import run_go, run_node
 
 TIMEOUT = 60
 
@@ -91,25 +93,35 @@ async def test_approve_with_the_python_clients(auth, people) -> None:
     assert (await rest_of(call))[-1].result.error.message == "denied by erin: sync"
 
 
-async def test_approve_and_deny_with_the_node_client(auth, people, node_cli) -> None:
-    key = auth.add_key("frank", "approver")
-    options = ["--target", auth.target, "--api-key", key]
-    call = people.alice.Execute(execute_request("deploy", {"service": "node"}))
+async def _decide_with(command: Callable[..., Awaitable[tuple[int, str, str]]], flag: str,
+                       auth: Any, people: Any, approver: str) -> None:
+    """Approves one run (after a forged id is refused) and denies another with a client's
+    command line: ``command(*args)`` runs it, ``flag`` is its option prefix (- or --)."""
+    target = [f"{flag}target", auth.target, f"{flag}api-key", auth.add_key(approver, "approver")]
+    call = people.alice.Execute(execute_request("deploy", {"service": approver}))
     head, approval = await read_until_approval(call)
     run_id = head[0].run_id
 
-    code, _, err = await run_node(node_cli, "approve", run_id, "--approval-id", "forged",
-                                  *options)
-    assert code == 1 and "PERMISSION_DENIED" in err and "[APPROVAL_ID_MISMATCH]" in err
-    code, _, err = await run_node(node_cli, "approve", run_id, "--approval-id",
-                                  approval.approval_id, "--arguments-digest",
-                                  approval.arguments_digest, *options)
+    code, _, err = await command(*target, "approve", f"{flag}approval-id", "forged", run_id)
+    assert code == 1 and "PERMISSION_DENIED" in err and "APPROVAL_ID_MISMATCH" in err
+    code, _, err = await command(*target, "approve", f"{flag}approval-id",
+                                 approval.approval_id, f"{flag}arguments-digest",
+                                 approval.arguments_digest, run_id)
     assert (code, err.strip()) == (0, f"approved run {run_id}")
-    assert (await rest_of(call))[-1].result.output == "deployed node to staging"
+    assert (await rest_of(call))[-1].result.output == f"deployed {approver} to staging"
 
-    call = people.alice.Execute(execute_request("deploy", {"service": "node2"}))
+    call = people.alice.Execute(execute_request("deploy", {"service": "other"}))
     head, approval = await read_until_approval(call)
-    code, _, _ = await run_node(node_cli, "deny", head[0].run_id, "--approval-id",
-                                approval.approval_id, "--reason", "from node", *options)
+    code, _, _ = await command(*target, "deny", f"{flag}approval-id", approval.approval_id,
+                               f"{flag}reason", "from the client", head[0].run_id)
     assert code == 0
-    assert (await rest_of(call))[-1].result.error.message == "denied by frank: from node"
+    assert (await rest_of(call))[-1].result.error.message == \
+        f"denied by {approver}: from the client"
+
+
+async def test_approve_and_deny_with_the_node_client(auth, people, node_cli) -> None:
+    await _decide_with(lambda *args: run_node(node_cli, *args), "--", auth, people, "frank")
+
+
+async def test_approve_and_deny_with_the_go_client(auth, people, go_cli) -> None:
+    await _decide_with(lambda *args: run_go(go_cli, *args), "-", auth, people, "grace")

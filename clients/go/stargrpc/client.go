@@ -149,6 +149,35 @@ func (c *Client) Steer(ctx context.Context, runID, message string) error {
 	return FromError(err)
 }
 
+// Decision is an approver's answer to a run that waits for approval (ApproveRun).
+type Decision struct {
+	// Deny denies the run instead of approving it.
+	Deny bool
+	// Reason says why; a denied run's Result carries it.
+	Reason string
+	// ArgumentsDigest, when set, is the ApprovalRequest.arguments_digest the approver was
+	// shown: the decision is refused when the run's arguments are not those.
+	ArgumentsDigest string
+}
+
+// Approve decides on a run that waits for approval (ApproveRun), with the approval id of
+// its request; the caller needs the server's approver role. It is not retried: a decision
+// is taken once.
+func (c *Client) Approve(ctx context.Context, runID, approvalID string, decision Decision) (*pb.ApproveRunResponse, error) {
+	verdict := pb.ApprovalVerdict_APPROVAL_VERDICT_APPROVE
+	if decision.Deny {
+		verdict = pb.ApprovalVerdict_APPROVAL_VERDICT_DENY
+	}
+	reply, err := c.stub.ApproveRun(ctx, &pb.ApproveRunRequest{
+		RunId: runID, ApprovalId: approvalID, Decision: verdict, Reason: decision.Reason,
+		ArgumentsDigest: decision.ArgumentsDigest,
+	})
+	if err != nil {
+		return nil, FromError(err)
+	}
+	return reply, nil
+}
+
 // Call is one Execute.
 type Call struct {
 	// Tool is the tool's name.

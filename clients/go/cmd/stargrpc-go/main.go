@@ -1,11 +1,12 @@
 // Command stargrpc-go is a small command line on the Go client: list the tools, call one,
-// watch a run, steer or cancel a run.
+// watch a run, steer, cancel, approve or deny a run.
 //
 //	stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] tools
 //	stargrpc-go call TOOL [ARGS_JSON]
 //	stargrpc-go watch [-after-seq N] RUN_ID
 //	stargrpc-go cancel [-reason TEXT] RUN_ID
 //	stargrpc-go steer RUN_ID MESSAGE
+//	stargrpc-go approve|deny -approval-id ID [-reason TEXT] [-arguments-digest SHA256] RUN_ID
 //
 // The target and key default to $STARGRPC_TARGET (else localhost:50051) and
 // $STARGRPC_API_KEY. `call` prints "run <id>" on stderr and exits 0 only for OUTCOME_OK
@@ -36,6 +37,8 @@ const usage = `usage: stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] COM
   watch [-after-seq N] RUN_ID    replay a run after a seq, then follow it
   cancel [-reason TEXT] RUN_ID   stop a run
   steer RUN_ID MESSAGE           send a running tool a message
+  approve|deny -approval-id ID [-reason TEXT] [-arguments-digest SHA256] RUN_ID
+                                 decide on a run that waits for approval
 `
 
 func main() {
@@ -71,7 +74,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	sub := flag.NewFlagSet(command, flag.ContinueOnError)
 	sub.SetOutput(stderr)
 	afterSeq := sub.Uint64("after-seq", 0, "watch: replay the events after this seq")
-	reason := sub.String("reason", "", "cancel: why, shown in the Result")
+	reason := sub.String("reason", "", "cancel, approve, deny: why, shown in the Result")
+	approvalID := sub.String("approval-id", "", "approve, deny: the approval id of the request")
+	digest := sub.String("arguments-digest", "", "approve, deny: the arguments' sha256 shown")
 	if err := sub.Parse(params); err != nil {
 		return exitUsage(err)
 	}
@@ -141,6 +146,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		fmt.Fprintln(stderr, "cancelled")
+		return 0
+	case (command == "approve" || command == "deny") && len(params) == 1:
+		reply, err := client.Approve(ctx, params[0], *approvalID, stargrpc.Decision{
+			Deny: command == "deny", Reason: *reason, ArgumentsDigest: *digest,
+		})
+		if err != nil {
+			return fail(stderr, err)
+		}
+		verb := "approved"
+		if command == "deny" {
+			verb = "denied"
+		}
+		fmt.Fprintf(stderr, "%s run %s\n", verb, reply.GetRunId())
 		return 0
 	case command == "steer" && len(params) == 2:
 		if err := client.Steer(ctx, params[0], params[1]); err != nil {
