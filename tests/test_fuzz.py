@@ -62,13 +62,18 @@ def _mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
     return bytes(buffer)
 
 
+#: The reply type of each unary method fuzzed here.
+_UNARY_REPLIES = {"CancelRun": tool_service_pb2.CancelRunResponse,
+                  "ApproveRun": tool_service_pb2.ApproveRunResponse}
+
+
 def _check_raw(channel: grpc.Channel, method: str, payload: bytes) -> None:
     """Sends ``payload`` as the request bytes of ``method`` and checks the reply's shape.
     (Without serializers the channel sends and returns raw bytes.)"""
     try:
-        if method == "CancelRun":
+        if method in _UNARY_REPLIES:
             reply = channel.unary_unary(SERVICE + method)(payload, timeout=20)
-            tool_service_pb2.CancelRunResponse.FromString(reply)
+            _UNARY_REPLIES[method].FromString(reply)
             return
         call = channel.unary_stream(SERVICE + method)(payload, timeout=20)
         # ExecuteResponse and WatchRunResponse share their shape: {event = 1}.
@@ -89,7 +94,7 @@ def _check_stream(events: list[events_pb2.RunEvent]) -> None:
 
 
 @FUZZ
-@given(method=st.sampled_from(["Execute", "WatchRun", "CancelRun"]),
+@given(method=st.sampled_from(["Execute", "WatchRun", "CancelRun", "ApproveRun"]),
        payload=st.binary(max_size=300))
 def test_random_bytes(channel: grpc.Channel, method: str, payload: bytes) -> None:
     _check_raw(channel, method, payload)
@@ -133,6 +138,17 @@ def test_random_watch_and_cancel_requests(channel: grpc.Channel, run_id: str, af
         run_id=run_id, after_seq=after_seq).SerializeToString())
     _check_raw(channel, "CancelRun", tool_service_pb2.CancelRunRequest(
         run_id=run_id, reason=reason).SerializeToString())
+
+
+@FUZZ
+@given(run_id=st.text(max_size=150), approval_id=st.text(max_size=150),
+       decision=st.integers(-3, 5), reason=st.text(max_size=1100),
+       digest=st.text(alphabet="0123456789abcdefABCDEF", max_size=70))
+def test_random_approve_requests(channel: grpc.Channel, run_id: str, approval_id: str,
+                                 decision: int, reason: str, digest: str) -> None:
+    _check_raw(channel, "ApproveRun", tool_service_pb2.ApproveRunRequest(
+        run_id=run_id, approval_id=approval_id, decision=decision,  # type: ignore[arg-type]
+        reason=reason, arguments_digest=digest).SerializeToString())
 
 
 def test_the_server_serves_normally_after_the_fuzzing(live: ServerProcess,
