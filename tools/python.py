@@ -27,7 +27,9 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     {"message": ...} per line, to the file named by the STEER_FILE environment variable.
     Limits on CPU time, memory, file size, processes and wall-clock time apply.
     """
+    # -s -u rather than -I: the environment is the server's own (scrubbed) and must be
+    # read, for PYTHONPATH holds the run's state client (import stargrpc_state).
     return await run_in_sandbox(
-        ctx, [ctx.settings.sandbox_python, "-I", "-u", "snippet.py"],
+        ctx, [ctx.settings.sandbox_python, "-s", "-u", "snippet.py"],
         title="Running Python", files={"snippet.py": args.code},
         env={"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})

@@ -96,6 +96,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_BAD_SCOPE: _ClassVar[ErrorReason]
     STATE_UNAVAILABLE: _ClassVar[ErrorReason]
     STATE_READ_ONLY: _ClassVar[ErrorReason]
+    STATE_BAD_REQUEST: _ClassVar[ErrorReason]
+    STATE_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
+    STATE_RATE_LIMITED: _ClassVar[ErrorReason]
+    STATE_SCOPE_NOT_OFFERED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -186,3 +190,7 @@ STATE_NOT_INTEGER: ErrorReason
 STATE_BAD_SCOPE: ErrorReason
 STATE_UNAVAILABLE: ErrorReason
 STATE_READ_ONLY: ErrorReason
+STATE_BAD_REQUEST: ErrorReason
+STATE_REQUEST_TOO_LARGE: ErrorReason
+STATE_RATE_LIMITED: ErrorReason
+STATE_SCOPE_NOT_OFFERED: ErrorReason
