@@ -13,6 +13,8 @@ import grpc
 from google.protobuf import json_format
 from google.rpc import error_details_pb2, status_pb2
 
+from stargrpc.audit.record import AuditRecord
+from stargrpc.audit.store import default_store_url, open_store
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 
 T = TypeVar("T")
@@ -164,3 +166,15 @@ def key_channel(target: str, key: str,
     if credentials is not None:
         return grpc.aio.secure_channel(target, credentials, interceptors=interceptors)
     return grpc.aio.insecure_channel(target, interceptors=interceptors)
+
+
+async def records_of(server: Any) -> list[AuditRecord]:
+    """Every audit record of a server (a StargrpcServer), once it has stopped (and so
+    written them all)."""
+    await server.stop(grace=5)
+    store = open_store(default_store_url(server.settings.state_dir))
+    await store.open()
+    try:
+        return [record async for record in store.scan()]
+    finally:
+        await store.aclose()

@@ -12,14 +12,12 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from stargrpc.audit.record import AuditRecord
-from stargrpc.audit.store import default_store_url, open_store
 from stargrpc.forwarded import CLIENT_METADATA, VOUCHER_METADATA, ForwardedClient
-from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import ServerFactory
 from tests.gateway.conftest import gateway_registry
+from tests.helpers import records_of
 
 #: The HTTP clients of these tests connect from here: the gateway reaches its gRPC port from
 #: 127.0.0.1, so the two are told apart.
@@ -27,17 +25,6 @@ CLIENT_ADDRESS = "127.0.0.2"
 
 #: Whom the forged calls claim to be.
 SOMEONE_ELSE = "ipv4:198.51.100.7"
-
-
-async def records_of(server: StargrpcServer) -> list[AuditRecord]:
-    """Every record of a server, once it has stopped (and so written them all)."""
-    await server.stop(grace=5)
-    store = open_store(default_store_url(server.settings.state_dir))
-    await store.open()
-    try:
-        return [record async for record in store.scan()]
-    finally:
-        await store.aclose()
 
 
 async def test_http_calls_are_recorded_with_the_http_clients_address(

@@ -37,6 +37,9 @@ from stargrpc.server.interceptors.auth import AuthInterceptor
 from stargrpc.server.interceptors.composed import compose
 from stargrpc.server.reflection import enable_reflection
 from stargrpc.server.service import ToolService, add_to_server
+from stargrpc.server.state_service import SERVICE_NAME as STATE_SERVICE_NAME
+from stargrpc.server.state_service import RunStateService
+from stargrpc.server.state_service import add_to_server as add_state_service
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
@@ -161,8 +164,10 @@ class StargrpcServer:
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
         add_to_server(self.service, self._server)
+        add_state_service(RunStateService(self.runtime.state_store, settings), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
+        enable_reflection((SERVICE_NAME, STATE_SERVICE_NAME, health.SERVICE_NAME),
+                          self._server)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings
