@@ -141,6 +141,10 @@ class Settings(BaseSettings):
     state_global_writers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Tools (comma-separated names) that may write the "
         "global state scope; every tool may read it.")
+    state_persist: bool = Field(
+        False, description="Keep run state across restarts in <state_dir>/state.db (SQLite) "
+        "when embedded; otherwise it lives in memory and a restart loses it. With redis_url "
+        "state is in Redis and this is ignored.")
     sandbox_state_scopes: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["run", "tree"], description="State scopes sandboxed "
         "commands (python, shell) reach through their run's state socket (comma-separated "

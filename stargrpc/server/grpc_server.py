@@ -43,6 +43,7 @@ from stargrpc.server.state_service import add_to_server as add_state_service
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
+from stargrpc.stores.sqlite_state import SqliteStateStore
 from stargrpc.tracing import TracingRunInterceptor
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ def build_runtime(settings: Settings, registry: Registry, *,
     return Runtime(
         registry,
         store=store,
+        state_store=persisted_state(settings),
         limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
         policy=RolePolicy.from_settings(settings),
         settings=settings,
@@ -101,6 +103,14 @@ def build_runtime(settings: Settings, registry: Registry, *,
         # mention: the runtime puts every run under its critic.
         interceptors=[TracingRunInterceptor()] if settings.tracing else (),
     )
+
+
+def persisted_state(settings: Settings) -> SqliteStateStore | None:
+    """The run state store kept across restarts (``state_persist``, embedded only), or None
+    for the default: the run store's own (Redis), else memory."""
+    if not settings.state_persist or settings.redis_url:
+        return None
+    return SqliteStateStore(settings.state_dir / "state.db")
 
 
 class StargrpcServer:
@@ -255,6 +265,8 @@ class StargrpcServer:
         await self.service.deliveries.aclose(grace)
         await self.runtime.store.aclose()
         await self.runtime.aclose()
+        if isinstance(self.runtime.state_store, SqliteStateStore):
+            self.runtime.state_store.close()
         for component in reversed(self.interceptors):
             if isinstance(component, Lifecycle):
                 await component.aclose()
