@@ -15,8 +15,9 @@ import pytest
 from stargrpc.sandbox.isolation import MODES, probe
 from stargrpc.sandbox.runner import sandbox_ids, sandbox_root
 from stargrpc.settings import Settings
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
+from tests.runs_support import HeaderPrincipal, as_principal
 from tests.sandbox.state_socket_helpers import RAW_CLIENT
 
 LIMITS = {"sandbox_cpu_seconds": 5, "sandbox_memory_mb": 256, "sandbox_wall_clock_seconds": 60}
@@ -285,3 +286,30 @@ print(json.dumps({"fd": os.environ.get("STARGRPC_STATE_FD"), "module": found}))
 """
     _, seen = await _python(stub, code)
     assert seen == {"fd": None, "module": "absent"}
+
+
+async def test_the_principal_scope_is_the_callers_own(make_server) -> None:
+    """With principal offered, a snippet reaches its caller's state, never another's."""
+    server = await make_server(interceptors=[HeaderPrincipal()], **LIMITS,
+                               sandbox_state_scopes="run,tree,principal")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+
+    async def snippet(principal: str, code: str) -> Any:
+        request = tool_service_pb2.ExecuteRequest(tool_name="python",
+                                                  arguments_json=json.dumps({"code": code}))
+        events = [r.event async for r in stub.Execute(request,
+                                                      metadata=as_principal(principal))]
+        result = events[-1].result
+        assert result.outcome == events_pb2.OUTCOME_OK, result.output
+        return json.loads(result.output.split("\n[exited")[0].splitlines()[-1])
+
+    write = ("import json, stargrpc_state as s\ns.state('principal').set('secret', 'of-alice')"
+             "\nprint(json.dumps(s.state('principal').keys()))")
+    assert await snippet("alice", write) == ["secret"]
+    read = ("import json, stargrpc_state as s\n"
+            "print(json.dumps([s.state('principal').keys(), "
+            "s.state('principal').get('secret')]))")
+    assert await snippet("bob", read) == [[], None]
+    assert await snippet("alice", read) == [["secret"], "of-alice"]
+    await channel.close()
