@@ -43,6 +43,7 @@ import shlex
 import socket
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,17 +83,21 @@ def max_request_bytes(max_value_bytes: int) -> int:
 
 
 class _Bucket:
-    """A token bucket: ``rate`` a second, up to ``rate`` at once."""
+    """A token bucket: ``rate`` a second, up to ``rate`` at once.
+
+    Attributes:
+        rate: Tokens a second.
+    """
 
     def __init__(self, rate: float) -> None:
-        self._rate = rate
+        self.rate = rate
         self._capacity = max(rate, 1.0)
         self._tokens = self._capacity
         self._at = time.monotonic()
 
     def _refill(self) -> None:
         now = time.monotonic()
-        self._tokens = min(self._capacity, self._tokens + (now - self._at) * self._rate)
+        self._tokens = min(self._capacity, self._tokens + (now - self._at) * self.rate)
         self._at = now
 
     def take(self) -> bool:
@@ -106,7 +111,7 @@ class _Bucket:
     def wait_seconds(self) -> float:
         """How long until a token is there."""
         self._refill()
-        return max(0.0, (1.0 - self._tokens) / self._rate)
+        return max(0.0, (1.0 - self._tokens) / self.rate)
 
 
 class _Refused(Exception):
@@ -118,6 +123,7 @@ class _Refused(Exception):
 
 def _refusal(code: str, message: str) -> bytes:
     return _line({"ok": False, "code": code, "message": message})
+
 
 
 def _line(reply: dict[str, Any]) -> bytes:
@@ -140,10 +146,11 @@ class StateSocket:
 
     def __init__(self, state: Callable[[str], RunState], *, scopes: Sequence[str],
                  requests_per_second: float, max_value_bytes: int,
-                 client_dir: Path) -> None:
+                 client_dir: Path, run_id: str = "") -> None:
         """
         Args:
             state: The run's ``ctx.state``.
+            run_id: The run, for the log line that counts its refusals.
             scopes: The scopes offered.
             requests_per_second: The rate allowed (requests and conversations).
             max_value_bytes: ``state_max_value_bytes``.
@@ -160,6 +167,9 @@ class StateSocket:
         self._reading = False
         self._resume: asyncio.TimerHandle | None = None
         self._closed = False
+        self._run_id = run_id
+        #: Refusals by code, logged once when the socket closes (a flood is one line).
+        self.refusals: Counter[str] = Counter()
         fd = self._child.fileno()
         self.pass_fds = (fd,)
         self.read_only_paths = (client_dir,)
@@ -221,7 +231,7 @@ class StateSocket:
         conversation.setblocking(False)
         if not self._bucket.take():
             self._refuse_now(conversation, "STATE_RATE_LIMITED", "more than "
-                             f"{self._bucket._rate:g} state requests a second "
+                             f"{self._bucket.rate:g} state requests a second "
                              "(sandbox_state_requests_per_second); try again later")
             self._pause_broker(self._bucket.wait_seconds())
             return
@@ -233,14 +243,19 @@ class StateSocket:
         self._connections.add(task)
         task.add_done_callback(self._connections.discard)
 
-    @staticmethod
-    def _refuse_now(conversation: socket.socket, code: str, message: str) -> None:
+    def _refuse_now(self, conversation: socket.socket, code: str, message: str) -> None:
+        self.refusals[code] += 1
         with contextlib.suppress(OSError):
             conversation.send(_refusal(code, message))  # a fresh socket: room for a line
         conversation.close()
 
     async def _converse(self, conversation: socket.socket) -> None:
-        reader, writer = await asyncio.open_connection(sock=conversation, limit=self._limit)
+        try:
+            reader, writer = await asyncio.open_connection(sock=conversation,
+                                                           limit=self._limit)
+        except OSError:  # closed by its client meanwhile
+            conversation.close()
+            return
         try:
             while True:
                 try:
@@ -248,6 +263,7 @@ class StateSocket:
                 except asyncio.IncompleteReadError:
                     return  # the client is done
                 except asyncio.LimitOverrunError:
+                    self.refusals["STATE_REQUEST_TOO_LARGE"] += 1
                     writer.write(_refusal(
                         "STATE_REQUEST_TOO_LARGE", f"a state request is at most "
                         f"{self._limit} bytes (a line); this connection is closed"))
@@ -256,8 +272,9 @@ class StateSocket:
                 if self._bucket.take():
                     writer.write(await self._answer(line))
                 else:
+                    self.refusals["STATE_RATE_LIMITED"] += 1
                     writer.write(_refusal(
-                        "STATE_RATE_LIMITED", f"more than {self._bucket._rate:g} state "
+                        "STATE_RATE_LIMITED", f"more than {self._bucket.rate:g} state "
                         "requests a second (sandbox_state_requests_per_second); try again "
                         f"in {self._bucket.wait_seconds():.3f} s"))
                 await writer.drain()
@@ -272,10 +289,13 @@ class StateSocket:
             state = self._state(scope)
             return _line({"ok": True, **await self._apply(state, op, fields)})
         except _Refused as exc:
+            self.refusals[exc.code] += 1
             return _refusal(exc.code, exc.message)
         except ToolOutcomeError as exc:  # the StateError codes (StateReadOnly is a denial)
+            self.refusals[exc.code] += 1
             return _refusal(exc.code, exc.message)
         except RecursionError:
+            self.refusals["STATE_VALUE_NOT_JSON"] += 1
             return _refusal("STATE_VALUE_NOT_JSON", "a state value is nested too deeply")
 
     def _parse(self, line: bytes) -> tuple[str, str, dict[str, Any]]:
@@ -348,6 +368,9 @@ class StateSocket:
             self._reading = False
         self._broker.close()
         self._child.close()
+        if self.refusals:  # what the command tried that the socket refused
+            log.warning("state_socket_refusals", run_id=self._run_id,
+                        refusals=dict(self.refusals))
         tasks = list(self._connections)
         for task in tasks:
             task.cancel()
@@ -369,7 +392,8 @@ def open_state_socket(ctx: ToolContext, root: Path) -> StateSocket | None:
     return StateSocket(ctx.state, scopes=settings.sandbox_state_scopes,
                        requests_per_second=settings.sandbox_state_requests_per_second,
                        max_value_bytes=settings.state_max_value_bytes,
-                       client_dir=client_dir(root, settings.sandbox_python))
+                       client_dir=client_dir(root, settings.sandbox_python),
+                       run_id=ctx.run_id)
 
 
 @functools.cache

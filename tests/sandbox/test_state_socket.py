@@ -164,7 +164,7 @@ HOSTILE = {
 }
 
 
-async def test_hostile_frames_are_each_refused_with_its_code(make_server) -> None:
+async def test_hostile_frames_are_each_refused_with_its_code(make_server, log_lines) -> None:
     _, stub = await _server(make_server, state_max_value_bytes=1024)
     code = RAW_CLIENT + """
 import json
@@ -181,6 +181,13 @@ print(json.dumps({"codes": codes, "big": big.get("code"),
         name: expected for name, (_, expected) in HOSTILE.items()}
     assert seen["big"] == "STATE_REQUEST_TOO_LARGE"
     assert seen["after"] == {"ok": True}
+    # The refusals are counted in one log line with the run's id, when the run ends.
+    [counted] = [line for line in map(json.loads, log_lines.getvalue().splitlines())
+                 if line["event"] == "state_socket_refusals"]
+    expected: dict[str, int] = {}
+    for _, code in [*HOSTILE.values(), (b"", "STATE_REQUEST_TOO_LARGE")]:
+        expected[code] = expected.get(code, 0) + 1
+    assert counted["refusals"] == expected and counted["run_id"]
 
 
 async def test_a_flood_is_rate_limited_and_the_socket_serves_again(make_server) -> None:
