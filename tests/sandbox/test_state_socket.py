@@ -7,10 +7,12 @@ hostile frames, floods, stolen or guessed descriptors."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import grpc
 import pytest
+from redis.asyncio import Redis
 
 from stargrpc.sandbox.isolation import MODES, probe
 from stargrpc.sandbox.runner import sandbox_ids, sandbox_root
@@ -320,3 +322,25 @@ async def test_the_principal_scope_is_the_callers_own(make_server) -> None:
     assert await snippet("bob", read) == [[], None]
     assert await snippet("alice", read) == [["secret"], "of-alice"]
     await channel.close()
+
+
+async def test_a_fleet_serves_the_socket_from_redis(make_server) -> None:
+    """On a fleet's store, what a snippet keeps is in Redis, where another replica reads
+    it."""
+    prefix = f"stargrpc-test:{uuid.uuid4().hex[:12]}:"
+    client = Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        replicas = [await make_server(**LIMITS, redis_url="redis://127.0.0.1:6379/0",
+                                      redis_key_prefix=prefix) for _ in range(2)]
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{replicas[0].port}")
+        run_id, seen = await _python(tool_service_pb2_grpc.ToolServiceStub(channel),
+                                     "import json, stargrpc_state as s\n"
+                                     "print(json.dumps(s.state('tree').increment('n', 41)))")
+        await channel.close()
+        assert seen == 41
+        other = replicas[1].runtime.state_store
+        assert await other.get(f"tree:{run_id}", "n") == "41"
+    finally:
+        async for key in client.scan_iter(match=f"{prefix}*"):
+            await client.delete(key)
+        await client.aclose()
