@@ -158,6 +158,17 @@ class Settings(BaseSettings):
     state_global_writers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Tools (comma-separated names) that may write the "
         "global state scope; every tool may read it.")
+    state_persist: bool = Field(
+        False, description="Keep run state across restarts in <state_dir>/state.db (SQLite) "
+        "when embedded; otherwise it lives in memory and a restart loses it. With redis_url "
+        "state is in Redis and this is ignored.")
+    sandbox_state_scopes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["run", "tree"], description="State scopes sandboxed "
+        "commands (python, shell) reach through their run's state socket (comma-separated "
+        "of run, tree, principal, global); empty gives them no socket.")
+    sandbox_state_requests_per_second: float = Field(
+        200.0, gt=0, description="State requests a sandboxed run may make per second "
+        "(bursts up to as many at once); more are refused STATE_RATE_LIMITED.")
 
     # -- runs, retries and replicas (stores/, runs/idempotency.py, runs/concurrency.py) -------
     redis_url: str = Field("", description="The run store shared by replicas: "
@@ -551,13 +562,22 @@ class Settings(BaseSettings):
                      "http_fetch_allowed_networks", "delivery_allowlist",
                      "delivery_allowed_networks", "mcp_servers_allowed_networks",
                      "http_allowed_hosts", "http_allowed_origins", "http_trusted_proxies",
-                     "state_global_writers",
+                     "state_global_writers", "sandbox_state_scopes",
                      mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("sandbox_state_scopes")
+    @classmethod
+    def _check_sandbox_state_scopes(cls, value: list[str]) -> list[str]:
+        for scope in value:
+            if scope not in ("run", "tree", "principal", "global"):
+                raise ValueError(f"sandbox_state_scopes: no state scope {scope!r} (run, "
+                                 "tree, principal, global)")
+        return list(dict.fromkeys(value))
 
     @field_validator("http_allowed_hosts")
     @classmethod

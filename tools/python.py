@@ -25,9 +25,14 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     Files written to the folder named by the OUTPUT_DIR environment variable are returned
     as files. Steering messages sent to the run are appended, one JSON object
     {"message": ...} per line, to the file named by the STEER_FILE environment variable.
+    The run's own state, kept by the server beyond this call, is reachable from the
+    snippet: import stargrpc_state; stargrpc_state.state("run").set("k", value) (or "tree",
+    shared by a call tree), then get, increment, compare_and_set, keys and delete.
     Limits on CPU time, memory, file size, processes and wall-clock time apply.
     """
+    # -s -u rather than -I: the environment is the server's own (scrubbed) and must be
+    # read, for PYTHONPATH holds the run's state client (import stargrpc_state).
     return await run_in_sandbox(
-        ctx, [ctx.settings.sandbox_python, "-I", "-u", "snippet.py"],
+        ctx, [ctx.settings.sandbox_python, "-s", "-u", "snippet.py"],
         title="Running Python", files={"snippet.py": args.code},
         env={"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})

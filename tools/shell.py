@@ -18,8 +18,11 @@ class ShellArgs(BaseModel):
 async def shell(ctx: ToolContext, args: ShellArgs) -> ToolResult:
     """Run a shell command line in a sandbox and return its output and exit status.
 
-    Files written to $OUTPUT_DIR are returned as files. Limits on CPU time, memory, file
-    size, processes and wall-clock time apply.
+    Files written to $OUTPUT_DIR are returned as files. The run's own state, kept by the
+    server beyond this call, is reachable with the stargrpc-state command (stargrpc-state
+    set KEY JSON, get KEY, incr KEY, cas KEY EXPECTED NEW, keys, delete KEY; --scope tree
+    for the call tree's). Limits on CPU time, memory, file size, processes and wall-clock
+    time apply.
     """
     return await run_in_sandbox(ctx, ["sh", "-c", args.command],
                                 title=f"$ {args.command[:80]}")

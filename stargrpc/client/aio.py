@@ -31,7 +31,13 @@ from stargrpc.client.errors import CallError, ResumeError
 from stargrpc.client.events import Catalog, Event, Result, ToolInfo, event_from_proto
 from stargrpc.client.retry import NO_RETRY, RESUMABLE, RetryPolicy
 from stargrpc.contract import reason_name
-from stargrpc.v1 import errors_pb2, tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import (
+    errors_pb2,
+    state_pb2,
+    state_pb2_grpc,
+    tool_service_pb2,
+    tool_service_pb2_grpc,
+)
 
 T = TypeVar("T")
 
@@ -109,6 +115,7 @@ class AsyncClient:
         self._metadata = (*bearer_metadata(api_key, token), *metadata)
         self._channel = channel
         self._stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        self._state_stub = state_pb2_grpc.RunStateServiceStub(channel)
         self._retry = retry if retry is not None else RetryPolicy()
         self._own_channel = own_channel
         self.catalog = None
@@ -449,6 +456,91 @@ class AsyncClient:
             timeout)
         return reply
 
+    # -- run state (RunStateService: the admin role) ----------------------------------------
+
+    async def get_state(self, scope: str, key: str, default: Any = None, *, run_id: str = "",
+                        principal: str = "",
+                        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                        metadata: Metadata | None = None) -> Any:
+        """The value of ``key`` in a scope of run state, or ``default`` when absent (admin
+        role).
+
+        Args:
+            scope: ``run``, ``tree``, ``principal`` or ``global``.
+            key: The key.
+            default: What an absent key gives.
+            run_id: The run (scope run) or the tree's root run (scope tree).
+            principal: The principal's id (scope principal).
+
+        Raises:
+            CallError: Not an admin (PERMISSION_DENIED), a bad scope or key
+                (INVALID_ARGUMENT), the store is down (UNAVAILABLE).
+        """
+        request = state_pb2.GetStateRequest(scope=_state_scope(scope, run_id, principal),
+                                            key=key)
+        reply = await self._unary(
+            lambda left: self._state_stub.GetState(
+                request, metadata=self._call_metadata(metadata), timeout=left), timeout)
+        return json.loads(reply.value_json) if reply.found else default
+
+    async def set_state(self, scope: str, key: str, value: Any, *, ttl: float | None = None,
+                        run_id: str = "", principal: str = "",
+                        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                        metadata: Metadata | None = None) -> None:
+        """Sets ``key`` to ``value`` (JSON) in a scope of run state, for ``ttl`` seconds
+        (None: as long as the scope); admin role. See :meth:`get_state` for the scope.
+
+        Raises:
+            CallError: As :meth:`get_state`; RESOURCE_EXHAUSTED over the scope's quota.
+            TypeError, ValueError: ``value`` is not JSON.
+        """
+        request = state_pb2.SetStateRequest(
+            scope=_state_scope(scope, run_id, principal), key=key,
+            value_json=json.dumps(value, allow_nan=False), ttl_seconds=ttl or 0.0)
+        await self._unary(
+            lambda left: self._state_stub.SetState(
+                request, metadata=self._call_metadata(metadata), timeout=left), timeout)
+
+    async def delete_state(self, scope: str, key: str, *, run_id: str = "",
+                           principal: str = "",
+                           timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                           metadata: Metadata | None = None) -> bool:
+        """Removes ``key`` from a scope of run state; whether it was there (admin role).
+
+        Raises:
+            CallError: As :meth:`get_state`.
+        """
+        request = state_pb2.DeleteStateRequest(scope=_state_scope(scope, run_id, principal),
+                                               key=key)
+        reply = await self._unary(
+            lambda left: self._state_stub.DeleteState(
+                request, metadata=self._call_metadata(metadata), timeout=left), timeout)
+        return bool(reply.deleted)
+
+    async def list_state(self, scope: str, *, prefix: str = "", run_id: str = "",
+                         principal: str = "", page_size: int = 0, after_key: str = "",
+                         with_values: bool = False,
+                         timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                         metadata: Metadata | None = None) -> state_pb2.ListStateResponse:
+        """One page of the keys of a scope of run state, sorted (admin role).
+
+        Args:
+            prefix: Only keys starting with it.
+            page_size: Most entries (0: the server's default).
+            after_key: The previous page's ``next_after_key``.
+            with_values: Return each value (``value_json``) too.
+
+        Raises:
+            CallError: As :meth:`get_state`.
+        """
+        request = state_pb2.ListStateRequest(
+            scope=_state_scope(scope, run_id, principal), prefix=prefix,
+            page_size=page_size, after_key=after_key, with_values=with_values)
+        reply: state_pb2.ListStateResponse = await self._unary(
+            lambda left: self._state_stub.ListState(
+                request, metadata=self._call_metadata(metadata), timeout=left), timeout)
+        return reply
+
     # -- streams ---------------------------------------------------------------------------
 
     async def _read(self, call: Any, cursor: _Cursor) -> AsyncIterator[Event]:
@@ -521,3 +613,17 @@ def _ended_by(error: CallError) -> int:
         return int(error.metadata.get("last_seq", ""))
     except ValueError:
         return 2**64
+
+
+def _state_scope(scope: str, run_id: str, principal: str) -> state_pb2.StateScopeRef:
+    """The scope reference of a run state call.
+
+    Raises:
+        ValueError: ``scope`` is not run, tree, principal or global.
+    """
+    try:
+        number = state_pb2.StateScope.Value(f"STATE_SCOPE_{scope.upper()}")
+    except ValueError:
+        raise ValueError(f"no state scope {scope!r}: run, tree, principal or global") \
+            from None
+    return state_pb2.StateScopeRef(scope=number, run_id=run_id, principal=principal)

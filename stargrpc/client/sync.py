@@ -22,7 +22,7 @@ from stargrpc.client.aio import AsyncClient, Metadata
 from stargrpc.client.channel import open_channel
 from stargrpc.client.events import Catalog, Event, Result
 from stargrpc.client.retry import RetryPolicy
-from stargrpc.v1 import tool_service_pb2
+from stargrpc.v1 import state_pb2, tool_service_pb2
 
 T = TypeVar("T")
 
@@ -181,6 +181,22 @@ class Client:
     def list_runs(self, **options: Any) -> tool_service_pb2.ListRunsResponse:
         """See :meth:`AsyncClient.list_runs`."""
         return self._run(self._client.list_runs(**options))
+
+    def get_state(self, scope: str, key: str, default: Any = None, **options: Any) -> Any:
+        """See :meth:`AsyncClient.get_state`."""
+        return self._run(self._client.get_state(scope, key, default, **options))
+
+    def set_state(self, scope: str, key: str, value: Any, **options: Any) -> None:
+        """See :meth:`AsyncClient.set_state`."""
+        self._run(self._client.set_state(scope, key, value, **options))
+
+    def delete_state(self, scope: str, key: str, **options: Any) -> bool:
+        """See :meth:`AsyncClient.delete_state`."""
+        return self._run(self._client.delete_state(scope, key, **options))
+
+    def list_state(self, scope: str, **options: Any) -> state_pb2.ListStateResponse:
+        """See :meth:`AsyncClient.list_state`."""
+        return self._run(self._client.list_state(scope, **options))
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from stargrpc.gateway.sse import (
     event_json,
     sse_stream,
 )
+from stargrpc.gateway.state_api import BodyRefused, StateApi
 from stargrpc.http_guard import RequestGuard
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -260,6 +261,7 @@ class Gateway:
                 Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
                 Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
                 Route("/v1/runs/{run_id}:approve", self.approve, methods=["POST"]),
+                *StateApi(self.client, self._metadata, self._state_body).routes,
             ],
             # Outermost first: refusals of the guard carry the security headers too.
             middleware=[Middleware(SecurityHeaders),
@@ -464,6 +466,12 @@ class Gateway:
             return rpc_error_response(error)
 
     # -- request decoding ------------------------------------------------------------------
+
+    async def _state_body(self, request: Request) -> Any:
+        try:
+            return await self._json_body(request)
+        except _BadRequest as bad:
+            raise BodyRefused(bad.response()) from None
 
     async def _json_body(self, request: Request) -> Any:
         raw = bytearray()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, state_pb2_grpc, tool_service_pb2, tool_service_pb2_grpc
 
 log = structlog.get_logger("stargrpc.gateway")
 
@@ -54,6 +54,7 @@ class GatewayClient:
     target: str
     _channel: grpc.aio.Channel | None
     _stub: tool_service_pb2_grpc.ToolServiceStub | None
+    _state_stub: state_pb2_grpc.RunStateServiceStub | None
     _pumps: set[asyncio.Task[None]]
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
@@ -65,6 +66,7 @@ class GatewayClient:
         self._max_message_bytes = max_message_bytes
         self._channel = None
         self._stub = None
+        self._state_stub = None
         self._pumps = set()
 
     async def start(self) -> None:
@@ -82,6 +84,7 @@ class GatewayClient:
             self._channel = grpc.aio.secure_channel(self.target, self._credentials,
                                                     options=options)
         self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
+        self._state_stub = state_pb2_grpc.RunStateServiceStub(self._channel)
 
     async def aclose(self) -> None:
         """Stops reading the streams still open and closes the channel."""
@@ -99,6 +102,13 @@ class GatewayClient:
         if self._stub is None:
             raise RuntimeError("the gateway client is not started")
         return self._stub
+
+    @property
+    def state_stub(self) -> state_pb2_grpc.RunStateServiceStub:
+        """The RunStateService stub."""
+        if self._state_stub is None:
+            raise RuntimeError("the gateway client is not started")
+        return self._state_stub
 
     async def list_tools(self, metadata: Metadata, known_catalog_hash: str = ""
                          ) -> tool_service_pb2.ListToolsResponse:

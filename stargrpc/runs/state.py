@@ -64,6 +64,9 @@ RUNNING_BOUND_SECONDS = 7 * 86400
 MAX_KEY_LENGTH = 200
 _KEY = re.compile(r"[A-Za-z0-9._-]+")
 _BAD_CHAR = re.compile(r"[^A-Za-z0-9._-]")
+#: Canonical JSON, made once: json.dumps with these options builds an encoder per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False)
 #: Largest integer increment keeps (exact in every store, Redis's Lua included).
 MAX_INTEGER = 2**53 - 1
 
@@ -177,8 +180,7 @@ def encode(value: Any, max_bytes: int) -> str:
         StateValueTooLarge: Its JSON is over ``max_bytes``.
     """
     try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
+        text = _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
         raise StateValueNotJson(f"a state value is JSON: {exc}") from None
     size = len(text.encode())

@@ -327,7 +327,9 @@ class Sandbox:
                   on_output: OutputCallback | None = None,
                   on_tick: TickCallback | None = None,
                   steering: AsyncIterator[str] | None = None,
-                  on_usage: UsageCallback | None = None) -> SandboxResult:
+                  on_usage: UsageCallback | None = None,
+                  pass_fds: Sequence[int] = (),
+                  read_only_paths: Sequence[Path] = ()) -> SandboxResult:
         """Runs ``argv`` in a fresh working directory and waits for it.
 
         Args:
@@ -339,6 +341,8 @@ class Sandbox:
             steering: Messages to append to ``$STEER_FILE`` while the command runs.
             on_usage: Told once what the command's tree used — also when the run is
                 cancelled, which returns no result (bytes written are then not measured).
+            pass_fds: Descriptors the command inherits (the run's state socket).
+            read_only_paths: Host folders shown read-only inside bubblewrap.
 
         Returns:
             How it ended. Limits hit are a verdict, not an exception.
@@ -355,7 +359,7 @@ class Sandbox:
                     if steering is not None else None)
             try:
                 return await self._run_in(workdir, argv, full_env, on_output, on_tick,
-                                          started, on_usage)
+                                          started, on_usage, pass_fds, read_only_paths)
             finally:
                 if pump is not None:
                     pump.cancel()
@@ -411,8 +415,11 @@ class Sandbox:
 
     async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
-                      started: float, on_usage: UsageCallback | None) -> SandboxResult:
-        leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
+                      started: float, on_usage: UsageCallback | None,
+                      pass_fds: Sequence[int] = (),
+                      read_only_paths: Sequence[Path] = ()) -> SandboxResult:
+        leader = _Leader(self._command(argv, workdir, read_only_paths), workdir, env,
+                         stdin=subprocess.DEVNULL, pass_fds=pass_fds)
         output = _Output(self.limits.output_bytes, on_output, keep=True)
         sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
@@ -706,12 +713,13 @@ class _Leader:
     _loose: list[IO[bytes]]
 
     def __init__(self, command: list[str], workdir: _Workdir, env: Mapping[str, str], *,
-                 stdin: int) -> None:
+                 stdin: int, pass_fds: Sequence[int] = ()) -> None:
         # Popen, not asyncio's subprocess: the exit must be reaped here with wait4 (for the
         # CPU time of the tree); Popen only spawns (vfork+exec), so it returns at once.
         self.proc = subprocess.Popen(
             command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=workdir.path, env=env, start_new_session=True, close_fds=True)
+            cwd=workdir.path, env=env, start_new_session=True, close_fds=True,
+            pass_fds=tuple(pass_fds))
         #: Its pipes not (yet) handed to a transport, closed by :meth:`end`.
         self._loose = [pipe for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr)
                        if pipe is not None]

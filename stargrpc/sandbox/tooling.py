@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage
+from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage, sandbox_root
+from stargrpc.sandbox.state_socket import open_state_socket
 
 
 class _CommandFailed(Exception):
@@ -77,6 +79,8 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
                                 bytes_written=tree.bytes_written)
 
     result: SandboxResult | None = None
+    # The run's own state, reached by the command through an inherited socket.
+    state_socket = open_state_socket(ctx, sandbox_root(ctx.settings))
     try:
         async with ctx.step(title, kind="sandbox",
                             detail={"isolation": sandbox.isolation.mode}) as step:
@@ -84,14 +88,24 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
             async def on_output(channel: str, text: str) -> None:
                 await step.delta(text, channel=channel)
 
-            result = await sandbox.run(argv, files=files, env=env, on_output=on_output,
+            extra_env = dict(env or {})
+            pass_fds: tuple[int, ...] = ()
+            shown: tuple[Path, ...] = ()
+            if state_socket is not None:
+                extra_env.update(state_socket.env)
+                pass_fds, shown = state_socket.pass_fds, state_socket.read_only_paths
+            result = await sandbox.run(argv, files=files, env=extra_env, on_output=on_output,
                                        on_tick=on_tick, steering=ctx.steering(),
-                                       on_usage=on_usage)
+                                       on_usage=on_usage, pass_fds=pass_fds,
+                                       read_only_paths=shown)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed
     except _CommandFailed:
         pass
+    finally:
+        if state_socket is not None:
+            await state_socket.aclose()
     assert result is not None
     for sent in result.files:
         ctx.send_file(sent.name, sent.data, sent.mime_type)

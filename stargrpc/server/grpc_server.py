@@ -38,9 +38,13 @@ from stargrpc.server.interceptors.auth import AuthInterceptor
 from stargrpc.server.interceptors.composed import compose
 from stargrpc.server.reflection import enable_reflection
 from stargrpc.server.service import ToolService, add_to_server
+from stargrpc.server.state_service import SERVICE_NAME as STATE_SERVICE_NAME
+from stargrpc.server.state_service import RunStateService
+from stargrpc.server.state_service import add_to_server as add_state_service
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunStore
 from stargrpc.stores.factory import make_store
+from stargrpc.stores.sqlite_state import SqliteStateStore
 from stargrpc.tracing import TracingRunInterceptor
 
 if TYPE_CHECKING:
@@ -88,6 +92,7 @@ def build_runtime(settings: Settings, registry: Registry, *,
     return Runtime(
         registry,
         store=store,
+        state_store=persisted_state(settings),
         limits=ArgumentLimits(settings.max_argument_bytes, settings.max_argument_depth),
         policy=RolePolicy.from_settings(settings),
         settings=settings,
@@ -99,6 +104,14 @@ def build_runtime(settings: Settings, registry: Registry, *,
         # mention: the runtime puts every run under its critic.
         interceptors=[TracingRunInterceptor()] if settings.tracing else (),
     )
+
+
+def persisted_state(settings: Settings) -> SqliteStateStore | None:
+    """The run state store kept across restarts (``state_persist``, embedded only), or None
+    for the default: the run store's own (Redis), else memory."""
+    if not settings.state_persist or settings.redis_url:
+        return None
+    return SqliteStateStore(settings.state_dir / "state.db")
 
 
 class StargrpcServer:
@@ -164,8 +177,10 @@ class StargrpcServer:
             # and each approval request, timeout and withdrawal
             self.runtime.approvals.on_audit = approval_auditor(audit.writer)
         add_to_server(self.service, self._server)
+        add_state_service(RunStateService(self.runtime.state_store, settings), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
+        enable_reflection((SERVICE_NAME, STATE_SERVICE_NAME, health.SERVICE_NAME),
+                          self._server)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings
@@ -253,6 +268,8 @@ class StargrpcServer:
         await self.service.deliveries.aclose(grace)
         await self.runtime.store.aclose()
         await self.runtime.aclose()
+        if isinstance(self.runtime.state_store, SqliteStateStore):
+            self.runtime.state_store.close()
         for component in reversed(self.interceptors):
             if isinstance(component, Lifecycle):
                 await component.aclose()

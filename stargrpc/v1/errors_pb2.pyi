@@ -105,6 +105,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     APPROVAL_DIGEST_MISMATCH: _ClassVar[ErrorReason]
     APPROVER_ROLE_REQUIRED: _ClassVar[ErrorReason]
     APPROVAL_SELF_NOT_ALLOWED: _ClassVar[ErrorReason]
+    STATE_BAD_REQUEST: _ClassVar[ErrorReason]
+    STATE_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
+    STATE_RATE_LIMITED: _ClassVar[ErrorReason]
+    STATE_SCOPE_NOT_OFFERED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -204,3 +208,7 @@ APPROVAL_ID_MISMATCH: ErrorReason
 APPROVAL_DIGEST_MISMATCH: ErrorReason
 APPROVER_ROLE_REQUIRED: ErrorReason
 APPROVAL_SELF_NOT_ALLOWED: ErrorReason
+STATE_BAD_REQUEST: ErrorReason
+STATE_REQUEST_TOO_LARGE: ErrorReason
+STATE_RATE_LIMITED: ErrorReason
+STATE_SCOPE_NOT_OFFERED: ErrorReason
