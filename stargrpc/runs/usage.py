@@ -113,12 +113,13 @@ class RunUsage:
                 message.network_bytes_received = self.network_bytes_received
 
 
-def fill_usage(message: events_pb2.Usage, duration_ns: int, reported: RunUsage | None) -> None:
-    """Fills a Result's ``usage``: what every run measures (its wall time; no wait before it
-    started and no child runs, in this version) and what was reported for it."""
+def fill_usage(message: events_pb2.Usage, duration_ns: int, reported: RunUsage | None, *,
+               child_runs: int = 0) -> None:
+    """Fills a Result's ``usage``: what every run measures (its wall time, the child runs its
+    tool started; no wait before it started, in this version) and what was reported for it."""
     message.wall_seconds = duration_ns / 1e9
     message.queued_seconds = 0.0
-    message.child_runs = 0
+    message.child_runs = child_runs
     if reported is not None:
         reported.fill(message)
 

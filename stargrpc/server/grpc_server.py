@@ -160,6 +160,8 @@ class StargrpcServer:
         self.service = ToolService(self.runtime)
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
+            # So does each child run a tool starts (ctx.call): no gRPC call carries it.
+            self.runtime.audit_child = audit.audit_child
         add_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)

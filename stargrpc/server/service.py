@@ -38,6 +38,7 @@ from stargrpc.runs.event_sizes import trailing_notices
 from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.run import Run, check_steer_message
 from stargrpc.runs.runtime import Admission, RunRequest, Runtime
+from stargrpc.runs.trees import MAX_RUN_ID_CHARS, cancel_subtree
 from stargrpc.server.streaming import (
     EventFrame,
     StreamedResponse,
@@ -304,7 +305,7 @@ class ToolService:
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
-                           policy=policy)
+                           policy=policy, parent_run_id=request.parent_run_id)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
@@ -353,6 +354,10 @@ class ToolService:
             return tool_service_pb2.CancelRunResponse(cancelled=False)
         reason = request.reason[:500] or "cancelled by the caller"
         cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
+        if cancelled:
+            # Its children in this process stop with it (Run.stop); those on other
+            # replicas are found in its tree's index and asked to stop too.
+            await cancel_subtree(self.runtime.store, log)
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
     @_statuses
@@ -380,6 +385,10 @@ class ToolService:
             raise InvalidArgument("page_size is too large", [FieldViolation(
                 "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
         state = request.state
+        for name in ("root_run_id", "parent_run_id"):
+            if len(getattr(request, name)) > MAX_RUN_ID_CHARS:
+                raise InvalidArgument(f"{name} is too long", [FieldViolation(
+                    name, f"a run id: at most {MAX_RUN_ID_CHARS} characters")])
         key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
@@ -388,7 +397,8 @@ class ToolService:
             tool=request.tool_name,
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
-            outcome=request.outcome)
+            outcome=request.outcome, root_run_id=request.root_run_id,
+            parent_run_id=request.parent_run_id)
         page = await self.runtime.store.list_runs(query)
         return tool_service_pb2.ListRunsResponse(
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
@@ -447,7 +457,8 @@ def run_summary_message(run: RunSummary, *, with_principal: bool
         state=tool_service_pb2.RUN_STATE_FINISHED if run.finished
         else tool_service_pb2.RUN_STATE_RUNNING,
         outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
-        current_step=run.current_step)
+        current_step=run.current_step, parent_run_id=run.parent_run_id,
+        root_run_id=run.tree_root, depth=run.depth)
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)

@@ -96,6 +96,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_BAD_SCOPE: _ClassVar[ErrorReason]
     STATE_UNAVAILABLE: _ClassVar[ErrorReason]
     STATE_READ_ONLY: _ClassVar[ErrorReason]
+    RUN_DEPTH_EXCEEDED: _ClassVar[ErrorReason]
+    RUN_TREE_FULL: _ClassVar[ErrorReason]
+    RUN_TREE_EXPIRED: _ClassVar[ErrorReason]
+    PARENT_RUN_ENDED: _ClassVar[ErrorReason]
+    PARENT_RUN_CANCELLED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -186,3 +191,8 @@ STATE_NOT_INTEGER: ErrorReason
 STATE_BAD_SCOPE: ErrorReason
 STATE_UNAVAILABLE: ErrorReason
 STATE_READ_ONLY: ErrorReason
+RUN_DEPTH_EXCEEDED: ErrorReason
+RUN_TREE_FULL: ErrorReason
+RUN_TREE_EXPIRED: ErrorReason
+PARENT_RUN_ENDED: ErrorReason
+PARENT_RUN_CANCELLED: ErrorReason
