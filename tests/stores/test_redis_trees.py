@@ -1,0 +1,76 @@
+"""Call trees across two replicas sharing Redis: a child an agent hangs (``parent_run_id``) on
+replica B under a root running on replica A joins the root's tree (the run index carries
+parent and root), and cancelling the root on A cancels the child on B and the child's own
+children there."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import eventually
+from tests.runs_support import HeaderPrincipal, as_principal
+from tests.stores.conftest import REDIS_URL
+from tests.tree_tools import tree_registry
+
+ALICE = as_principal("alice")
+
+
+async def _tree(stub: Any, root: str) -> list[tool_service_pb2.RunSummary]:
+    reply = await stub.ListRuns(tool_service_pb2.ListRunsRequest(root_run_id=root),
+                                metadata=ALICE)
+    return list(reply.runs)
+
+
+async def _start(stub: Any, arguments: dict[str, Any], parent: str = "") -> str:
+    started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+        tool_name="tree_node", arguments_json=json.dumps(arguments), parent_run_id=parent),
+        metadata=ALICE)
+    return str(started.run_id)
+
+
+async def test_cancelling_a_root_on_one_replica_cancels_its_subtree_on_another(
+        make_server: Any, redis_prefix: str) -> None:
+    servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
+                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+               for _ in range(2)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
+        a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
+        b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
+        root = await _start(a, {"levels": 0, "hold": True})
+        # On B, under A's root: a node whose two children (ctx.call) run on B too.
+        child = await _start(b, {"levels": 1, "fan_out": 2, "hold": True}, parent=root)
+        assert child in servers[1].runtime.runs and root in servers[0].runtime.runs
+
+        async def whole_tree() -> bool:
+            runs = await _tree(a, root)
+            return len(runs) == 4 and all(run.last_seq for run in runs)
+
+        await eventually(whole_tree, what="the tree, listed from A")
+        listed = {run.run_id: run for run in await _tree(a, root)}
+        assert (listed[child].parent_run_id, listed[child].root_run_id,
+                listed[child].depth) == (root, root, 1)
+        grandchildren = [run for run in listed.values() if run.parent_run_id == child]
+        assert len(grandchildren) == 2
+        assert all((run.root_run_id, run.depth) == (root, 2) for run in grandchildren)
+        assert listed[root].depth == 0 and listed[root].root_run_id == root
+
+        reply = await a.CancelRun(tool_service_pb2.CancelRunRequest(run_id=root),
+                                  metadata=ALICE)
+        assert reply.cancelled
+
+        async def all_ended() -> bool:
+            return all(run.state == tool_service_pb2.RUN_STATE_FINISHED
+                       for run in await _tree(a, root))
+
+        await eventually(all_ended, what="every run of the tree ended, on both replicas")
+        assert {run.outcome for run in await _tree(a, root)} == {events_pb2.OUTCOME_CANCELLED}
+        # The child's own log (read from A) ends CANCELLED, and says where it sat.
+        watched = [r.event async for r in a.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=child), metadata=ALICE)]
+        assert watched[0].parent_run_id == root
+        assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
