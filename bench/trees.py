@@ -56,16 +56,16 @@ def measure(calls: int, blocks: int) -> dict[str, float]:
         argv = [*stargrpc_argv(), "--tools-dir", "bench/tree_tools"]
         spec = ServerSpec("stargrpc", argv, stack.env)
         metadata = (("authorization", f"Bearer {stack.token}"),) if stack.token else ()
-        with servers([spec], workdir) as (server,):
-            with grpc.insecure_channel(server.address) as channel:
-                stub = tool_service_pb2_grpc.ToolServiceStub(channel)
-                per_tool: dict[str, list[float]] = {tool: [] for tool in TOOLS}
-                for tool in TOOLS:  # warm-up: imports, caches, the audit file
-                    _block(stub, tool, max(20, calls // 20), metadata, server.pid)
-                for _ in range(blocks):  # in turns: drift on a shared machine hits both
-                    for tool in TOOLS:
-                        per_tool[tool].append(
-                            _block(stub, tool, calls // blocks, metadata, server.pid))
+        per_tool: dict[str, list[float]] = {tool: [] for tool in TOOLS}
+        with servers([spec], workdir) as (server,), \
+                grpc.insecure_channel(server.address) as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            for tool in TOOLS:  # warm-up: imports, caches, the audit file
+                _block(stub, tool, max(20, calls // 20), metadata, server.pid)
+            for _ in range(blocks):  # in turns: drift on a shared machine hits both
+                for tool in TOOLS:
+                    per_tool[tool].append(
+                        _block(stub, tool, calls // blocks, metadata, server.pid))
     top = statistics.median(per_tool["bench_trivial"])
     parent = statistics.median(per_tool["bench_call_trivial"])
     child = parent - top
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  top-level bench_trivial           {figures['top_level_us']:8.1f} µs")
     print(f"  bench_call_trivial (run + child)  {figures['with_child_us']:8.1f} µs")
     print(f"  the child run (difference)        {figures['child_us']:8.1f} µs")
-    print(f"  child / top-level                 {figures['ratio']:8.2f}×  (target ≤ 1.2×)")
+    print(f"  child / top-level                 {figures['ratio']:8.2f}x  (target <= 1.2x)")
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
 
 
