@@ -201,7 +201,7 @@ async function callCancellingOnInterrupt(client, streamed, run) {
 const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
   "steer RUN_ID MESSAGE\n" +
-  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
+  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K  --parent-run-id RUN_ID";
 
 class UsageError extends Error {}
 
@@ -219,6 +219,7 @@ async function main(argv) {
         json: { type: "boolean", default: false },
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
+        "parent-run-id": { type: "string" },
         reason: { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
@@ -263,7 +264,8 @@ async function main(argv) {
       }
       const run = newRun();
       const streamed = follow(client.execute(rest[0], args,
-        { idempotencyKey: values["idempotency-key"] }), values.json, run);
+        { idempotencyKey: values["idempotency-key"], parentRunId: values["parent-run-id"] }),
+        values.json, run);
       return await callCancellingOnInterrupt(client, streamed, run);
     }
     if (command === "watch" && rest.length === 1) {
