@@ -6,6 +6,7 @@ bomb with every child audited; a tree of depth 3 with fan-out cancelled from its
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ from stargrpc.audit.record import AuditRecord
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import eventually, run_tool, status_details
+from tests.helpers import eventually, key_channel, run_tool, status_details
 from tests.tree_tools import tree_registry
 
 
@@ -221,3 +222,63 @@ async def test_list_runs_refuses_an_oversized_tree_filter(tree_server: Any) -> N
         assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert name in str(status_details(caught.value))
     await _still_serving(stub)
+
+
+async def test_a_parent_that_ends_first_cancels_the_children_still_running(
+        tree_server: Any) -> None:
+    _, stub = tree_server
+    events = await run_tool(stub, "orphaner", {"started": uuid.uuid4().hex})
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    parent = events[0].run_id
+    children = await stub.ListRuns(tool_service_pb2.ListRunsRequest(parent_run_id=parent))
+    assert len(children.runs) == 1
+    watched = [r.event async for r in stub.WatchRun(
+        tool_service_pb2.WatchRunRequest(run_id=children.runs[0].run_id))]
+    assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    assert watched[-1].result.error.code == "PARENT_RUN_ENDED"
+
+
+async def test_the_tree_time_budget_refuses_late_children_and_bounds_running_ones(
+        make_server: Any) -> None:
+    server = await make_server(registry=tree_registry(), max_tree_seconds=0.5)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        late = await run_tool(stub, "caller", {"tool": "echo", "arguments": {"text": "x"},
+                                               "delay": 0.6, "catch": True})
+        assert json.loads(late[-1].result.output)["code"] == "RUN_TREE_EXPIRED"
+        # A child still running when the tree's time is up is stopped.
+        held = await run_tool(stub, "caller", {"tool": "tree_node", "catch": True,
+                                               "arguments": {"levels": 0, "hold": True}})
+        assert json.loads(held[-1].result.output)["failed"] == "TIMEOUT"
+        # Uncaught, the child's TIMEOUT ends its parent so (an outcome tools cannot raise).
+        uncaught = await run_tool(stub, "caller", {"tool": "tree_node",
+                                                   "arguments": {"levels": 0, "hold": True}})
+        assert uncaught[-1].result.outcome == events_pb2.OUTCOME_TIMEOUT
+        assert uncaught[-1].result.error.code == "CLIENT_DEADLINE"
+        await _still_serving(stub)
+
+
+async def test_a_child_runs_with_the_callers_permissions(make_auth_server: Any) -> None:
+    auth = await make_auth_server(registry=tree_registry(), roles=("user",),
+                                  tool_permissions={"flop": {"roles": ["ops"]}})
+    async with key_channel(auth.target, auth.key) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        events = await run_tool(stub, "caller", {"tool": "flop", "catch": True})
+        reported = json.loads(events[-1].result.output)
+        assert reported["failed"] == "DENIED" and reported["status"] == "PERMISSION_DENIED"
+        uncaught = await run_tool(stub, "caller", {"tool": "flop"})
+        assert uncaught[-1].result.outcome == events_pb2.OUTCOME_DENIED
+        records = [r for r in await _records(auth.server) if r.tool == "flop"]
+        assert [r.outcome for r in records] == ["denied", "denied"]
+        assert all(r.principal == "tester" for r in records)
+
+
+async def test_a_tree_shares_its_state_between_parent_and_child(tree_server: Any) -> None:
+    _, stub = tree_server
+    events = await run_tool(stub, "caller", {"tool": "state_tree_probe", "times": 2})
+    (first, first_saw), (second, second_saw) = json.loads(events[-1].result.output)["all"]
+    assert first != second
+    assert first_saw == second_saw == first  # the second sibling read what the first wrote
+    again = await run_tool(stub, "caller", {"tool": "state_tree_probe"})
+    (third, third_saw), = json.loads(again[-1].result.output)["all"]
+    assert third_saw == third  # another tree: a scope of its own

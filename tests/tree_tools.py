@@ -19,6 +19,8 @@ class CallArgs(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict, description="Its arguments.")
     catch: bool = Field(False, description="Report a failed child instead of failing.")
     timeout: float | None = Field(None, description="The child's timeout.")
+    delay: float = Field(0.0, ge=0, le=10, description="Seconds to wait before calling.")
+    times: int = Field(1, ge=1, le=5, description="Calls made one after the other.")
 
 
 def _failure(error: ChildRunError) -> dict[str, Any]:
@@ -31,14 +33,20 @@ def _failure(error: ChildRunError) -> dict[str, Any]:
 @tool(kind="test")
 async def caller(ctx: ToolContext, args: CallArgs) -> dict[str, Any]:
     """Calls a tool as a child run, inside a step of its own, and reports its Result."""
+    if args.delay:
+        await asyncio.sleep(args.delay)  # lets the tree's time run out (max_tree_seconds)
+    outputs = []
     async with ctx.step("Calling"):
-        try:
-            child = await ctx.call(args.tool, args.arguments, timeout=args.timeout, priority=3)
-        except ChildRunError as error:
-            if not args.catch:
-                raise
-            return _failure(error)
-    return {"output": child.output, "structured": child.structured_output,
+        for _ in range(args.times):
+            try:
+                child = await ctx.call(args.tool, args.arguments, timeout=args.timeout,
+                                       priority=3)
+            except ChildRunError as error:
+                if not args.catch:
+                    raise
+                return _failure(error)
+            outputs.append([child.run_id, child.output])
+    return {"output": child.output, "structured": child.structured_output, "all": outputs,
             "outcome": child.outcome.name, "child_run_id": child.run_id,
             "files": [[f.name, f.content.decode()] for f in child.files]}
 
@@ -57,10 +65,15 @@ def caller_sync(ctx: SyncToolContext, args: CallArgs) -> dict[str, Any]:
             "child_run_id": child.run_id}
 
 
+#: Events the ``started`` argument of a held leaf sets once it runs (tests wait on them).
+STARTED: dict[str, asyncio.Event] = {}
+
+
 class NodeArgs(BaseModel):
     levels: int = Field(ge=0, le=10, description="Levels of children below this node.")
     fan_out: int = Field(2, ge=1, le=5, description="Children per node.")
     hold: bool = Field(False, description="Leaves wait until they are cancelled.")
+    started: str = Field("", description="A leaf sets STARTED[started] once it runs.")
 
 
 @tool(kind="test")
@@ -69,6 +82,8 @@ async def tree_node(ctx: ToolContext, args: NodeArgs) -> str:
     if args.levels == 0:
         async with ctx.step("Leaf") as step:
             await step.delta(f"leaf {ctx.run_id}\n")
+            if args.started:
+                STARTED.setdefault(args.started, asyncio.Event()).set()
             while args.hold:
                 await ctx.heartbeat("holding")
                 await asyncio.sleep(0.2)
@@ -94,9 +109,34 @@ async def bomb(ctx: ToolContext, args: BombArgs) -> str:
     return "never"
 
 
+class OrphanArgs(BaseModel):
+    started: str = Field(description="The name its held child sets in STARTED.")
+
+
+@tool(kind="test")
+async def orphaner(ctx: ToolContext, args: OrphanArgs) -> str:
+    """Starts a held child in the background and returns while it still runs."""
+    started = STARTED.setdefault(args.started, asyncio.Event())
+    child = asyncio.ensure_future(ctx.call("tree_node", NodeArgs(levels=0, hold=True,
+                                                                 started=args.started)))
+    await started.wait()
+    child.add_done_callback(lambda task: task.exception())  # its end is not this run's
+    return "left it running"
+
+
+@tool(kind="test")
+async def state_tree_probe(ctx: ToolContext) -> str:
+    """Reads the tree scope's ``first`` key, after setting it when absent (the first run of
+    a tree to ask sets it to its own id)."""
+    tree = ctx.state("tree")
+    await tree.compare_and_set("first", None, ctx.run_id)
+    return str(await tree.get("first"))
+
+
 def tree_registry() -> Registry:
     """The bundled tools and the call-tree test tools."""
-    specs = [spec_of(fn) for fn in (caller, caller_sync, tree_node, bomb, flop)]
+    specs = [spec_of(fn) for fn in (caller, caller_sync, tree_node, bomb, flop, orphaner,
+                                     state_tree_probe)]
     return Registry([*load_registry().values(), *(spec for spec in specs if spec is not None)])
 
 

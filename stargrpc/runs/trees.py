@@ -271,8 +271,12 @@ class ChildRunError(ToolOutcomeError):
 
     def __init__(self, message: str, *, outcome: Outcome, code: str,
                  child: ChildResult | None = None, run_id: str = "") -> None:
+        # Not ToolOutcomeError.__init__: its default code is TOOL_<outcome>, and a child may
+        # end TIMEOUT, ERROR or CANCELLED, which have none; the child's own code stands.
+        Exception.__init__(self, message)
+        self.message = message
+        self.code = code or reason_name(errors_pb2.TOOL_FAILED)
         self.outcome_name = outcome.name  # read by the outcome classification
-        super().__init__(message, code=code or None)
         self.outcome = outcome
         self.child = child
         self.run_id = run_id
