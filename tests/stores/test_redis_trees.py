@@ -1,7 +1,7 @@
-"""Call trees across two replicas sharing Redis: a child an agent hangs (``parent_run_id``) on
-replica B under a root running on replica A joins the root's tree (the run index carries
-parent and root), and cancelling the root on A cancels the child on B and the child's own
-children there."""
+"""Call trees across two replicas sharing Redis (one Redis, and a Redis Cluster): a child an
+agent hangs (``parent_run_id``) on replica B under a root running on replica A joins the
+root's tree (the run index carries parent and root), and cancelling the root on A cancels
+the child on B and the child's own children there."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import grpc
+import pytest
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually
@@ -32,10 +33,18 @@ async def _start(stub: Any, arguments: dict[str, Any], parent: str = "") -> str:
     return str(started.run_id)
 
 
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """One Redis, then a Redis Cluster of the test's own."""
+    if request.param == "redis":
+        return REDIS_URL
+    return str(request.getfixturevalue("redis_cluster").url)
+
+
 async def test_cancelling_a_root_on_one_replica_cancels_its_subtree_on_another(
-        make_server: Any, redis_prefix: str) -> None:
+        make_server: Any, redis_prefix: str, redis_url: str) -> None:
     servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
-                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+                                 redis_url=redis_url, redis_key_prefix=redis_prefix)
                for _ in range(2)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
             grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
