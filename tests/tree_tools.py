@@ -8,10 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from stargrpc import SyncToolContext, ToolContext, tool
+from stargrpc import ChildRunError, ChildRunRefused, SyncToolContext, ToolContext, tool
 from stargrpc.errors import ToolFailed
 from stargrpc.registry import Registry, load_registry, spec_of
-from stargrpc.runs.trees import ChildRunError, ChildRunRefused
 
 
 class CallArgs(BaseModel):

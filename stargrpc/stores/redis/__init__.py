@@ -18,10 +18,10 @@ Keys (all under ``redis_key_prefix``)::
 
 The meta hash also holds ``summary`` (JSON: last seq, current step, outcome and end, as of
 the run's last written batch; for a run below a root also ``parent``, ``root`` and
-``depth``, which a replica hanging a run under it reads), which ListRuns shows. The indexes are written apart from the
-run's scripts (on a cluster they live in slots of their own), when a run is registered and
-when it ends; they expire like the runs (each write pushes their TTL out) and drop the ids
-of expired runs when a listing comes across them.
+``depth``, which a replica hanging a run under it reads), which ListRuns shows. The
+indexes are written apart from the run's scripts (on a cluster they live in slots of their
+own), when a run is registered and when it ends; they expire like the runs (each write
+pushes their TTL out) and drop the ids of expired runs when a listing comes across them.
 
 A run is written by exactly one replica, which holds its **lease** and renews it (every
 second or so, and with every batch of events). Events are appended to an in-process log
