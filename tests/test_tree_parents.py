@@ -1,7 +1,7 @@
 """``parent_run_id`` on Execute and StartRun (authentication on): an agent hangs a call under
 one of its own runs, and every hostile parent is refused precisely and audited — another
-principal's run, a finished run, malformed and oversized ids, a tree at its depth cap —
-while the server keeps serving."""
+principal's run, a finished run, malformed and oversized ids, a tree at its depth cap and
+at its size cap — while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ async def _start_holding(stub: Any, parent: str = "") -> str:
 @pytest.fixture
 async def agents(make_auth_server: Any) -> Any:
     """Alice's and Bob's stubs on one server (plain roles: each sees only its own runs)."""
-    auth = await make_auth_server(registry=tree_registry(), roles=("user",), max_run_depth=2)
+    auth = await make_auth_server(registry=tree_registry(), roles=("user",), max_run_depth=2,
+                                  max_runs_per_tree=3)
     bob = auth.add_key("bob", "user")
     async with key_channel(auth.target, auth.key) as alice_channel, \
             key_channel(auth.target, bob) as bob_channel:
@@ -106,3 +107,8 @@ async def test_hostile_parents_are_refused_precisely_and_audited(agents: Any) ->
     # The server still serves, and Alice's run is untouched.
     done = [r.event async for r in alice.Execute(_execute("echo", {"text": "ok"}, alices))]
     assert done[-1].result.output == "ok"
+    # That was the tree's third run below its root (max_runs_per_tree is 3): no fourth.
+    assert await _refusal(alice, _execute("echo", echo, alices)) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "RUN_TREE_FULL")
+    listed = await alice.ListRuns(tool_service_pb2.ListRunsRequest(root_run_id=alices))
+    assert len(listed.runs) == 4

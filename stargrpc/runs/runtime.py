@@ -486,7 +486,9 @@ class Runtime:
         if len(key) > MAX_KEY_LENGTH:
             raise InvalidArgument("idempotency_key is too long", [FieldViolation(
                 "idempotency_key", f"at most {MAX_KEY_LENGTH} characters")])
-        link = await self._tree_link(request, principal)
+        # Most runs hang under nothing: no coroutine for them.
+        link = (await self._tree_link(request, principal)
+                if request.parent is not None or request.parent_run_id else None)
         try:
             run = self._prepare(request, principal, link)
         except BaseException:
