@@ -72,6 +72,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	sub.SetOutput(stderr)
 	afterSeq := sub.Uint64("after-seq", 0, "watch: replay the events after this seq")
 	reason := sub.String("reason", "", "cancel: why, shown in the Result")
+	parentRunID := sub.String("parent-run-id", "", "call: hang the run under this run of yours")
 	if err := sub.Parse(params); err != nil {
 		return exitUsage(err)
 	}
@@ -96,7 +97,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	case command == "call" && (len(params) == 1 || len(params) == 2):
-		call := stargrpc.Call{Tool: params[0]}
+		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID}
 		if len(params) == 2 {
 			call.ArgumentsJSON = params[1]
 		}
