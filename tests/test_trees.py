@@ -144,6 +144,7 @@ async def test_a_refused_child_raises_its_status_and_is_audited(
     refused = [r for r in await _records(server) if r.root_run_id == root and not r.run_id]
     assert len(refused) == 1 and refused[0].outcome == "invalid"
     assert refused[0].detail.startswith(reason) and refused[0].parent_run_id == root
+    assert refused[0].tool == arguments["tool"]
     await _still_serving(stub)
 
 

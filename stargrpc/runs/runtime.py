@@ -614,7 +614,8 @@ class Runtime:
         asked_at = utc_now()
         # The child's own call record: the parent's run task holds the parent's in its
         # context, which the child's admission must not write into.
-        record = CallRecord(method=CHILD_METHOD, principal=parent.principal)
+        # The tool as named (cut: a refusal's record keeps it even when there is no such tool).
+        record = CallRecord(method=CHILD_METHOD, principal=parent.principal, tool=tool[:200])
         record.extra["invocation"] = parent.invocation
         left = max(parent.call_tree().seconds_left(self.settings), 0.001)
         policy = SupervisionPolicy.for_call(
