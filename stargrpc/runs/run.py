@@ -146,6 +146,8 @@ class Run:
         parent_run_id: The run that started this one (``ctx.call``, or a request's
             ``parent_run_id``); empty for a top-level run.
         depth: How far below its root the run is (0 for a top-level run).
+        queued_ns: Nanoseconds the run waited before its START (``Usage.queued_seconds``).
+        child_runs: Runs this run's tool started (``Usage.child_runs``).
         runtime: What starts the child runs its tool asks for (``ctx.call``); None for a
             run made without a runtime.
         state_store: Where ``ctx.state`` keeps its scopes; the runtime's, else one in memory.
@@ -216,14 +218,15 @@ class Run:
     state_store = None
     state_scopes = None
     _root_run_id: str | None = None
-    parent_run_id = ""
-    depth = 0
+    parent_run_id: str = ""
+    depth: int = 0
+    queued_ns: int = 0
+    child_runs: int = 0
     runtime: ChildStarter | None = None
-    # The tree's shared count (made when the run first has a child, or handed down), the
-    # children running in this process, and how many the tool started (Usage.child_runs).
+    # The tree's shared count (made when the run first has a child, or handed down) and
+    # the children running in this process.
     _tree: CallTree | None = None
     _children: list[Run] | None = None
-    _child_runs = 0
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -301,10 +304,6 @@ class Run:
     def _child_ended(self, child: Run) -> None:
         if self._children is not None and child in self._children:
             self._children.remove(child)
-
-    def count_child(self) -> None:
-        """Counts a child run the tool started (the Result's ``usage.child_runs``)."""
-        self._child_runs += 1
 
     def relay(self, event: events_pb2.RunEvent) -> None:
         """Appends an event relayed from a child run (:class:`stargrpc.runs.trees.Relay`) to
@@ -606,7 +605,8 @@ class Run:
         result.error.code = "INTERNAL"
         result.error.message = "the server failed while ending the run"
         set_duration(result.duration, self.duration_ns or 0)
-        fill_usage(result.usage, self.duration_ns or 0, self._usage)
+        fill_usage(result.usage, self.duration_ns or 0, self._usage,
+                   queued_ns=self.queued_ns, child_runs=self.child_runs)
         return result
 
     def _ended(self) -> None:
@@ -639,7 +639,7 @@ class Run:
         result = event.result
         # The receipt first: the fitting then counts its few bytes in the Result's room.
         fill_usage(result.usage, self.duration_ns or 0, self._usage,
-                   child_runs=self._child_runs)
+                   queued_ns=self.queued_ns, child_runs=self.child_runs)
         fit = fit_result(result, outcome, self.writeback, run_id=self.run_id,
                          duration_ns=self.duration_ns or 0, sizes=self._sizes,
                          inline_file_bytes=self.limits.inline_file_bytes)

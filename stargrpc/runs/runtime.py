@@ -638,7 +638,7 @@ class Runtime:
         assert child is not None  # a child has no idempotency key: it always starts
         relay = Relay(parent, child.run_id, calling_step_id or parent.root_step.id)
         child.observers.append(relay)
-        parent.count_child()
+        parent.child_runs += 1
         auditor = self.audit_child
         if auditor is not None:
             child.finish_hooks.append(lambda ended: auditor(record, ended.result, asked_at))

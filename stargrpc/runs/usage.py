@@ -114,11 +114,12 @@ class RunUsage:
 
 
 def fill_usage(message: events_pb2.Usage, duration_ns: int, reported: RunUsage | None, *,
-               child_runs: int = 0) -> None:
-    """Fills a Result's ``usage``: what every run measures (its wall time, the child runs its
-    tool started; no wait before it started, in this version) and what was reported for it."""
+               queued_ns: int = 0, child_runs: int = 0) -> None:
+    """Fills a Result's ``usage``: what every run measures (its wall time after its START,
+    the time it waited before it — approval, a lane's queue —, the runs its tool started)
+    and what was reported for it."""
     message.wall_seconds = duration_ns / 1e9
-    message.queued_seconds = 0.0
+    message.queued_seconds = queued_ns / 1e9
     message.child_runs = child_runs
     if reported is not None:
         reported.fill(message)
