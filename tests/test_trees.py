@@ -283,3 +283,22 @@ async def test_a_tree_shares_its_state_between_parent_and_child(tree_server: Any
     again = await run_tool(stub, "caller", {"tool": "state_tree_probe"})
     (third, third_saw), = json.loads(again[-1].result.output)["all"]
     assert third_saw == third  # another tree: a scope of its own
+
+
+async def test_cancelling_a_sync_tool_blocked_in_call_sync_cancels_its_child(
+        tree_server: Any) -> None:
+    _, stub = tree_server
+    started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+        tool_name="caller_sync", arguments_json=json.dumps(
+            {"tool": "tree_node", "arguments": {"levels": 0, "hold": True}})))
+    root = started.run_id
+    await eventually(lambda: _count(stub, root, 2), what="the caller and its held child")
+    assert (await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=root))).cancelled
+
+    async def both_ended() -> bool:
+        return all(run.state == tool_service_pb2.RUN_STATE_FINISHED
+                   for run in await _tree(stub, root))
+
+    await eventually(both_ended, what="the caller and its child ended")
+    assert {run.outcome for run in await _tree(stub, root)} == {events_pb2.OUTCOME_CANCELLED}
+    await _still_serving(stub)
