@@ -132,10 +132,25 @@ async def state_tree_probe(ctx: ToolContext) -> str:
     return str(await tree.get("first"))
 
 
+#: Gates the ``gate`` tool waits on, by name (tests open them).
+GATES: dict[str, asyncio.Event] = {}
+
+
+class GateArgs(BaseModel):
+    name: str = Field(description="The gate to wait on (GATES[name]).")
+
+
+@tool(kind="test")
+async def gate(ctx: ToolContext, args: GateArgs) -> str:
+    """Waits until the test opens its gate, then ends OK."""
+    await GATES.setdefault(args.name, asyncio.Event()).wait()
+    return "opened"
+
+
 def tree_registry() -> Registry:
     """The bundled tools and the call-tree test tools."""
     specs = [spec_of(fn) for fn in (caller, caller_sync, tree_node, bomb, flop, orphaner,
-                                     state_tree_probe)]
+                                     state_tree_probe, gate)]
     return Registry([*load_registry().values(), *(spec for spec in specs if spec is not None)])
 
 

@@ -275,6 +275,7 @@ class Runtime:
     _registry: Registry
     _catalog_changed: asyncio.Event
     _state_endings: set[asyncio.Task[None]]
+    _parent_watches: set[asyncio.Task[None]]
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
@@ -293,6 +294,7 @@ class Runtime:
             state_store = getattr(self.store, "state", None) or MemoryStateStore()
         self.state_store = state_store
         self._state_endings = set()  # held until done, or the loop may drop them
+        self._parent_watches = set()
         self.policy = policy if policy is not None else AllowAll()
         self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
@@ -546,6 +548,8 @@ class Runtime:
             if parent.finished or parent.stop_requested:  # it ended while this one started
                 started.stop(Outcome.CANCELLED, PARENT_RUN_ENDED,
                              f"its parent run {parent.run_id} ended before it")
+        elif link is not None:
+            self._watch_remote_parent(started, link.parent_run_id)
         return Admission(log=run.log, run=started)
 
     # -- call trees (stargrpc.runs.trees) ------------------------------------------------------
@@ -599,6 +603,35 @@ class Runtime:
         if tree is None:
             tree = self.trees[root] = CallTree(root)
         return TreeLink(parent_log.run_id, root, parent_log.depth + 1, tree)
+
+    def _watch_remote_parent(self, child: Run, parent_run_id: str) -> None:
+        """Ends ``child`` (CANCELLED, ``PARENT_RUN_ENDED``) once its parent, which runs on
+        another replica, has ended: that replica cannot reach the child to stop it."""
+        task = asyncio.create_task(self._follow_remote_parent(child, parent_run_id),
+                                   name=f"run-{child.run_id}-parent")
+        self._parent_watches.add(task)
+        task.add_done_callback(self._parent_watches.discard)
+
+        def stop_watching(_: Run) -> None:
+            task.cancel()
+
+        child.finish_hooks.append(stop_watching)
+
+    async def _follow_remote_parent(self, child: Run, parent_run_id: str) -> None:
+        # Looked at as often as the store looks for lost runs: a run's state in the shared
+        # store says when it has ended, and no event of another replica's run reaches this
+        # one unasked. Only runs an agent hung under another replica's run are watched.
+        interval = self.settings.run_sweep_interval_seconds
+        while not child.finished:
+            await asyncio.sleep(interval)
+            try:
+                parent_log = await self.store.open(parent_run_id)
+            except RequestError:  # the store is away: look again next time
+                continue
+            if parent_log is None or parent_log.finished:
+                child.stop(Outcome.CANCELLED, PARENT_RUN_ENDED,
+                           f"its parent run {parent_run_id} ended before it")
+                return
 
     async def call_child(self, parent: Run, tool: str, arguments: Mapping[str, Any], *,
                          priority: int = 0, timeout: float | None = None,  # noqa: ASYNC109

@@ -5,7 +5,9 @@ the child on B and the child's own children there."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import uuid
 from typing import Any
 
 import grpc
@@ -15,7 +17,7 @@ from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually
 from tests.runs_support import HeaderPrincipal, as_principal
 from tests.stores.conftest import REDIS_URL
-from tests.tree_tools import tree_registry
+from tests.tree_tools import GATES, tree_registry
 
 ALICE = as_principal("alice")
 
@@ -83,3 +85,29 @@ async def test_cancelling_a_root_on_one_replica_cancels_its_subtree_on_another(
             tool_service_pb2.WatchRunRequest(run_id=child), metadata=ALICE)]
         assert watched[0].parent_run_id == root
         assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+
+
+async def test_a_root_that_ends_on_one_replica_cancels_its_child_on_another(
+        make_server: Any, redis_prefix: str) -> None:
+    servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
+                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+               for _ in range(2)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
+        a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
+        b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
+        name = uuid.uuid4().hex
+        GATES[name] = asyncio.Event()
+        started = await a.StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="gate", arguments_json=json.dumps({"name": name})), metadata=ALICE)
+        root = started.run_id
+        child = await _start(b, {"levels": 0, "hold": True}, parent=root)
+        assert child in servers[1].runtime.runs
+        GATES.pop(name).set()  # the root ends OK on A, its child still holding on B
+        watched = [r.event async for r in b.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=child), metadata=ALICE)]
+        assert watched[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+        assert watched[-1].result.error.code == "PARENT_RUN_ENDED"
+        rooted = [r.event async for r in a.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=root), metadata=ALICE)]
+        assert rooted[-1].result.outcome == events_pb2.OUTCOME_OK
