@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -35,6 +37,19 @@ async def _start(stub: Any, arguments: dict[str, Any], parent: str = "") -> str:
     return str(started.run_id)
 
 
+@asynccontextmanager
+async def _replicas(make_server: Any, url: str, prefix: str) -> AsyncIterator[
+        tuple[list[Any], tool_service_pb2_grpc.ToolServiceStub,
+              tool_service_pb2_grpc.ToolServiceStub]]:
+    """Replicas A and B on ``url`` under ``prefix``, and a stub of each."""
+    servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
+                                 redis_url=url, redis_key_prefix=prefix) for _ in range(2)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
+        yield (servers, tool_service_pb2_grpc.ToolServiceStub(chan_a),
+               tool_service_pb2_grpc.ToolServiceStub(chan_b))
+
+
 @pytest.fixture(params=["redis", "cluster"])
 def redis_url(request: pytest.FixtureRequest) -> str:
     """One Redis, then a Redis Cluster of the test's own."""
@@ -45,13 +60,7 @@ def redis_url(request: pytest.FixtureRequest) -> str:
 
 async def test_cancelling_a_root_on_one_replica_cancels_its_subtree_on_another(
         make_server: Any, redis_prefix: str, redis_url: str) -> None:
-    servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
-                                 redis_url=redis_url, redis_key_prefix=redis_prefix)
-               for _ in range(2)]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
-        a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
-        b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
+    async with _replicas(make_server, redis_url, redis_prefix) as (servers, a, b):
         root = await _start(a, {"levels": 0, "hold": True})
         # On B, under A's root: a node whose two children (ctx.call) run on B too.
         child = await _start(b, {"levels": 1, "fan_out": 2, "hold": True}, parent=root)
@@ -89,13 +98,7 @@ async def test_cancelling_a_root_on_one_replica_cancels_its_subtree_on_another(
 
 async def test_a_root_that_ends_on_one_replica_cancels_its_child_on_another(
         make_server: Any, redis_prefix: str) -> None:
-    servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
-                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
-               for _ in range(2)]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
-        a = tool_service_pb2_grpc.ToolServiceStub(chan_a)
-        b = tool_service_pb2_grpc.ToolServiceStub(chan_b)
+    async with _replicas(make_server, REDIS_URL, redis_prefix) as (servers, a, b):
         name = uuid.uuid4().hex
         GATES[name] = asyncio.Event()
         started = await a.StartRun(tool_service_pb2.StartRunRequest(
