@@ -55,6 +55,7 @@ from stargrpc.runs.trees import (
     MAX_RUN_ID_CHARS,
     PARENT_RUN_CANCELLED,
     PARENT_RUN_ENDED,
+    RUN_TREE_FULL,
     CallTree,
     ChildAuditor,
     ChildResult,
@@ -495,7 +496,7 @@ class Runtime:
             run = self._prepare(request, principal, link)
         except BaseException:
             if link is not None:
-                uncount(link)
+                await self._give_back(link)
             raise
         # Reserve a place first so that a refused request leaves no claim behind; a request that
         # turns out to attach gives its place back at once.
@@ -503,7 +504,7 @@ class Runtime:
             permit = self.concurrency.acquire(principal.id, run.spec.name)
         except ResourceExhausted:
             if link is not None:
-                uncount(link)
+                await self._give_back(link)
             await self.store.discard(run.log)
             raise
         try:
@@ -524,14 +525,14 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     if link is not None:
-                        uncount(link)
+                        await self._give_back(link)
                     return Admission(log=held, run=None)
             if before_start is not None:
                 await before_start(run)
         except BaseException:
             permit.release()
             if link is not None:
-                uncount(link)
+                await self._give_back(link)
             # The run never started: forget its log too (best effort — the store may be
             # the very thing that failed), so a refused request leaves nothing behind.
             with contextlib.suppress(Exception):
@@ -573,7 +574,40 @@ class Runtime:
         if record is not None:  # a refused child is recorded in its tree too
             record.parent_run_id, record.root_run_id = link.parent_run_id, link.root_run_id
         check_caps(link, self.settings)
+        try:
+            await self._count_in_fleet(link)
+        except BaseException:
+            uncount(link)
+            raise
         return link
+
+    async def _count_in_fleet(self, link: TreeLink) -> None:
+        """Counts the run in its tree on every replica (a shared store's count: a tree an
+        agent spreads over replicas keeps to ``max_runs_per_tree`` as a whole).
+
+        Raises:
+            ResourceExhausted: The tree has started ``max_runs_per_tree`` runs (RUN_TREE_FULL).
+            Unavailable: The shared store cannot be reached.
+        """
+        settings = self.settings
+        ttl_ms = int(max(link.tree.seconds_left(settings), 0) * 1000) + 60_000
+        total = await self.store.count_tree_runs(link.root_run_id, 1, ttl_ms)
+        if total is not None and total > settings.max_runs_per_tree:
+            await self._give_back(link, counted_here=False)
+            raise ResourceExhausted(
+                f"the call tree has started {total - 1} runs on the replicas together; "
+                f"max_runs_per_tree is {settings.max_runs_per_tree}", reason=RUN_TREE_FULL,
+                retry_after=settings.limit_retry_after_seconds,
+                metadata={"root_run_id": link.root_run_id,
+                          "parent_run_id": link.parent_run_id})
+
+    async def _give_back(self, link: TreeLink, *, counted_here: bool = True) -> None:
+        """Gives back the place a run that did not start took in its tree (best effort in
+        the shared store: a place lost there is one run fewer the tree may start)."""
+        if counted_here:
+            uncount(link)
+        with contextlib.suppress(Exception):
+            await self.store.count_tree_runs(link.root_run_id, -1, 60_000)
 
     async def _link_to(self, parent_run_id: str, principal: Principal) -> TreeLink:
         """The link under the run ``parent_run_id`` names (ExecuteRequest.parent_run_id):

@@ -72,7 +72,8 @@ class CallTree:
         root_run_id: The root run.
         started_ms: When the root started (ms since the epoch): read from the root's id,
             which holds the time it was made, so every replica agrees without a lookup.
-        runs: Runs admitted below the root in this process (refused ones not counted).
+        runs: Runs admitted below the root in this process (refused ones not counted); a
+            shared store counts them on every replica too (``RunStore.count_tree_runs``).
     """
 
     __slots__ = ("__weakref__", "root_run_id", "runs", "started_ms")

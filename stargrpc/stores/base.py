@@ -409,6 +409,17 @@ class RunStore(Protocol):
         """
         ...
 
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        """Adds ``delta`` to the runs the call tree of ``root_run_id`` has started on every
+        replica, and returns the new count (the count goes ``ttl_ms`` after its last
+        change); None for a store of one process, where the runtime's own count is the
+        tree's.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
 
 def run_finished_error(run_id: str) -> FailedPrecondition:
     """The refusal of a request that needs a run still going (steering it)."""

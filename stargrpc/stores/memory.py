@@ -310,6 +310,9 @@ class MemoryRunStore:
     async def page_token_key(self) -> bytes:
         return self._page_token_key
 
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        return None  # one process: the runtime's count of each tree is the whole count
+
     async def list_runs(self, query: RunQuery) -> RunPage:
         self._expire()
         runs: list[RunSummary] = []

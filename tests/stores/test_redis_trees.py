@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import eventually
+from tests.helpers import eventually, status_details
 from tests.runs_support import HeaderPrincipal, as_principal
 from tests.stores.conftest import REDIS_URL
 from tests.tree_tools import GATES, tree_registry
@@ -38,12 +38,13 @@ async def _start(stub: Any, arguments: dict[str, Any], parent: str = "") -> str:
 
 
 @asynccontextmanager
-async def _replicas(make_server: Any, url: str, prefix: str) -> AsyncIterator[
+async def _replicas(make_server: Any, url: str, prefix: str, **settings: Any) -> AsyncIterator[
         tuple[list[Any], tool_service_pb2_grpc.ToolServiceStub,
               tool_service_pb2_grpc.ToolServiceStub]]:
     """Replicas A and B on ``url`` under ``prefix``, and a stub of each."""
     servers = [await make_server(registry=tree_registry(), interceptors=[HeaderPrincipal()],
-                                 redis_url=url, redis_key_prefix=prefix) for _ in range(2)]
+                                 redis_url=url, redis_key_prefix=prefix, **settings)
+               for _ in range(2)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
             grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
         yield (servers, tool_service_pb2_grpc.ToolServiceStub(chan_a),
@@ -114,3 +115,23 @@ async def test_a_root_that_ends_on_one_replica_cancels_its_child_on_another(
         rooted = [r.event async for r in a.WatchRun(
             tool_service_pb2.WatchRunRequest(run_id=root), metadata=ALICE)]
         assert rooted[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_a_tree_spread_over_replicas_keeps_to_max_runs_per_tree_as_a_whole(
+        make_server: Any, redis_prefix: str) -> None:
+    async with _replicas(make_server, REDIS_URL, redis_prefix,
+                         max_runs_per_tree=2) as (_, a, b):
+        root = await _start(a, {"levels": 0, "hold": True})
+        await _start(b, {"levels": 0, "hold": True}, parent=root)  # the tree's first run
+        await _start(a, {"levels": 0, "hold": True}, parent=root)  # and its second
+        # A has counted one run of the tree, B one: only the fleet's count refuses a third.
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _start(a, {"levels": 0, "hold": True}, parent=root)
+        assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "RUN_TREE_FULL" in str(status_details(caught.value))
+        await eventually(lambda: _listed(a, root, 3), what="the tree's three runs listed")
+        await a.CancelRun(tool_service_pb2.CancelRunRequest(run_id=root), metadata=ALICE)
+
+
+async def _listed(stub: Any, root: str, count: int) -> bool:
+    return len(await _tree(stub, root)) == count

@@ -12,6 +12,8 @@ Keys (all under ``redis_key_prefix``)::
     runs:tree:{hash}  zset    the runs of one call tree (its root and every run below it),
                               written by the runs below the root (ListRuns root_run_id,
                               and CancelRun's cascade to other replicas)
+    runs:tree:{hash}:count string the runs started below that root on every replica
+                              (max_runs_per_tree)
     runs:running      zset    the id of every running run, scored by when the sweep looks
                               at it next (its lease's expiry as last seen, ms, Redis's clock)
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)

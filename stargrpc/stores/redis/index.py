@@ -106,6 +106,22 @@ class RunIndex:
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
 
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int:
+        """Adds ``delta`` to the count of runs the call tree of ``root_run_id`` started on
+        every replica (``runs:tree:<hash>:count``, gone ``ttl_ms`` after its last change);
+        the new count.
+
+        Raises:
+            RequestError: Redis could not be reached (UNAVAILABLE).
+        """
+        key = self.tree_key(root_run_id) + ":count"
+        with reachable("counting the call tree's runs"):
+            async with self._shared.redis.pipeline(transaction=False) as pipe:
+                pipe.incrby(key, delta)
+                pipe.pexpire(key, max(1, ttl_ms))
+                total, _ = await pipe.execute()
+        return int(total)
+
     async def page_token_key(self) -> bytes:
         """The key that signs ListRuns page tokens, the same for every replica.
 

@@ -367,6 +367,9 @@ class RedisRunStore:
     async def page_token_key(self) -> bytes:
         return await self.index.page_token_key()
 
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        return await self.index.count_tree_runs(root_run_id, delta, ttl_ms)
+
     async def flushed(self, within: float) -> bool:
         """Waits until every event appended so far is in Redis, at most ``within`` seconds;
         whether it is."""
