@@ -26,12 +26,16 @@ if TYPE_CHECKING:
     from stargrpc.runs.context import SyncToolContext, SyncToolStep, ToolContext, ToolStep
     from stargrpc.runs.outcome import Outcome, ToolResult
     from stargrpc.runs.state import StateError
+    from stargrpc.runs.trees import ChildResult, ChildRunError, ChildRunRefused
 
 __version__ = "0.1.0"
 
 # Loaded on first use (PEP 562), so that importing a light part of the package, such as
 # ``stargrpc.client``, does not load the server (settings, registry, the run machinery).
 _LAZY: dict[str, str] = {
+    "ChildResult": "stargrpc.runs.trees",
+    "ChildRunError": "stargrpc.runs.trees",
+    "ChildRunRefused": "stargrpc.runs.trees",
     "Outcome": "stargrpc.runs.outcome",
     "Principal": "stargrpc.principal",
     "StateError": "stargrpc.runs.state",
@@ -46,6 +50,9 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
+    "ChildResult",
+    "ChildRunError",
+    "ChildRunRefused",
     "Outcome",
     "Principal",
     "StateError",

@@ -205,6 +205,16 @@ class Settings(BaseSettings):
                                                    "per principal per replica; 0 = unlimited.")
     max_concurrent_runs_per_tool: int = Field(0, ge=0, description="Runs in flight per tool "
                                               "per replica; 0 = unlimited.")
+    max_run_depth: int = Field(8, ge=1, le=64, description="How deep a call tree may go: "
+                               "a run started by a tool (ctx.call) or under a parent_run_id is "
+                               "refused RUN_DEPTH_EXCEEDED when it would be more than this "
+                               "many levels below its root.")
+    max_runs_per_tree: int = Field(1000, ge=1, description="Runs one call tree may start "
+                                   "below its root; one more is refused RUN_TREE_FULL.")
+    max_tree_seconds: float = Field(3600.0, gt=0, description="Wall time a call tree may "
+                                    "take from its root's start: later children are refused "
+                                    "RUN_TREE_EXPIRED, and children still running then end "
+                                    "TIMEOUT.")
     limit_retry_after_seconds: float = Field(1.0, gt=0, description="RetryInfo delay "
                                              "suggested when a limit refuses a call.")
     inline_file_bytes: int = Field(1 * MiB, ge=0, description="Sent files up to this size "

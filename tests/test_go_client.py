@@ -12,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
 
 from stargrpc.server.grpc_server import StargrpcServer
@@ -181,3 +182,21 @@ async def test_go_steers_a_live_run_and_is_refused_a_finished_one(
     notices = [e.notice for e in events if e.HasField("notice") and e.notice.code == "STEERED"]
     assert [n.message for n in notices] == ["wrap it up"]
     assert late == 1 and "RUN_FINISHED" in late_err
+
+
+async def test_go_hangs_a_call_under_a_parent_run(server: StargrpcServer, go_cli: str) -> None:
+    target = f"127.0.0.1:{server.port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        holding = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="count", arguments_json='{"to": 100, "delay": 0.1}'))
+        parent = (await holding.read()).event.run_id
+        code, out, _ = await run_go(go_cli, "-target", target, "-json", "call",
+                                    "-parent-run-id", parent, "echo", '{"text": "under"}')
+        events = json_events(out)
+        assert code == 0 and events[-1].result.output == "under"
+        assert (events[0].parent_run_id, events[0].root_run_id) == (parent, parent)
+        code, _, err = await run_go(go_cli, "-target", target, "call",
+                                    "-parent-run-id", "0" * 32, "echo", '{"text": "x"}')
+        assert code == 1 and "RUN_NOT_FOUND" in err
+        holding.cancel()

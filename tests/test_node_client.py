@@ -287,3 +287,22 @@ async def test_node_ends_a_delta_s_unfinished_line_before_the_next_one(
 
     assert code == 0
     assert "no newline\n✓ echo" in out  # not "no newline✓ echo"
+
+
+async def test_node_hangs_a_call_under_a_parent_run(
+        server: StargrpcServer, stub: tool_service_pb2_grpc.ToolServiceStub,
+        node_cli: list[str]) -> None:
+    holding = stub.Execute(tool_service_pb2.ExecuteRequest(
+        tool_name="count", arguments_json='{"to": 100, "delay": 0.1}'))
+    parent = (await holding.read()).event.run_id
+    target = f"127.0.0.1:{server.port}"
+
+    code, out, _ = await run_node(node_cli, "call", "echo", '{"text": "under"}', "--json",
+                                  "--parent-run-id", parent, "--target", target)
+    events = json_events(out)
+    assert code == 0 and events[-1].result.output == "under"
+    assert (events[0].parent_run_id, events[0].root_run_id) == (parent, parent)
+    code, _, err = await run_node(node_cli, "call", "echo", '{"text": "x"}',
+                                  "--parent-run-id", "0" * 32, "--target", target)
+    assert code == 1 and "NOT_FOUND" in err
+    holding.cancel()

@@ -21,7 +21,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "stargrpc"
 
 PUBLIC: dict[str, set[str]] = {
     "stargrpc": {
-        "Outcome", "Principal", "StateError", "SyncToolContext", "SyncToolStep", "ToolContext",
+        "ChildResult", "ChildRunError", "ChildRunRefused", "Outcome", "Principal",
+        "StateError", "SyncToolContext", "SyncToolStep", "ToolContext",
         "ToolDenied", "ToolFailed", "ToolResult", "ToolStep", "__version__", "tool",
     },
     "stargrpc.client": {

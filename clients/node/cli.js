@@ -204,7 +204,7 @@ async function callCancellingOnInterrupt(client, streamed, run) {
 const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
   "steer RUN_ID MESSAGE | approve|deny RUN_ID --approval-id ID [--reason TEXT]\n" +
-  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
+  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K  --parent-run-id RUN_ID";
 
 class UsageError extends Error {}
 
@@ -222,6 +222,7 @@ async function main(argv) {
         json: { type: "boolean", default: false },
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
+        "parent-run-id": { type: "string" },
         reason: { type: "string", default: "" },
         "approval-id": { type: "string", default: "" },
         "arguments-digest": { type: "string", default: "" },
@@ -268,7 +269,8 @@ async function main(argv) {
       }
       const run = newRun();
       const streamed = follow(client.execute(rest[0], args,
-        { idempotencyKey: values["idempotency-key"] }), values.json, run);
+        { idempotencyKey: values["idempotency-key"], parentRunId: values["parent-run-id"] }),
+        values.json, run);
       return await callCancellingOnInterrupt(client, streamed, run);
     }
     if (command === "watch" && rest.length === 1) {

@@ -261,7 +261,8 @@ class StargrpcClient {
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]
-   * @param {object} [options] { idempotencyKey }
+   * @param {object} [options] { idempotencyKey, parentRunId } — parentRunId hangs the run
+   *   under a run of the caller's own (a call tree): listed in its tree, cancelled with it.
    */
   async* execute(tool, args = {}, options = {}) {
     const request = {
@@ -269,6 +270,7 @@ class StargrpcClient {
       arguments_json: JSON.stringify(args),
       // Runs with a key outlive their stream, so a broken stream can be resumed.
       idempotency_key: options.idempotencyKey || crypto.randomUUID().replace(/-/g, ""),
+      parent_run_id: options.parentRunId || "",
     };
     const cursor = { runId: "", lastSeq: 0, finished: false };
     for (let attempt = 1; ; attempt++) {

@@ -109,6 +109,10 @@ class AuditRecord:
         auth_method: How the caller authenticated (api_key, jwt, mtls, none).
         tool: The tool named by an Execute.
         run_id: The run the call started, attached to, watched or cancelled.
+        parent_run_id: The run the started run hangs under (a child run, ``ctx.call`` or
+            ``parent_run_id``); "" for a top-level run and for calls that start none.
+        root_run_id: The root of the started run's call tree (its own id for a top-level
+            run); "" for calls that start none (and in records of versions before trees).
         arguments: The arguments as JSON text, secrets redacted and long values truncated
             (or what the tool chose to show instead).
         result: What the run returned, redacted and truncated (or the tool's substitute).
@@ -139,6 +143,8 @@ class AuditRecord:
     auth_method: str = ""
     tool: str = ""
     run_id: str = ""
+    parent_run_id: str = ""
+    root_run_id: str = ""
     arguments: str = ""
     result: str = ""
     invocation: str = ""

@@ -24,6 +24,8 @@ class Query:
         outcome: Only this outcome.
         method: Only this gRPC method: its full name or its last part ("Execute").
         since: Only records at or after this time (the store's ISO 8601 UTC format).
+        root_run_id: Only the records of this call tree: of its root run and of the runs
+            below it.
         after_seq: Only records after this seq.
         limit: At most this many (None: all).
         newest_first: Newest first instead of oldest first.
@@ -34,6 +36,7 @@ class Query:
     outcome: str | None = None
     method: str | None = None
     since: str | None = None
+    root_run_id: str | None = None
     after_seq: int = 0
     limit: int | None = None
     newest_first: bool = False
@@ -59,7 +62,9 @@ TABLE = "audit_records"
 #: Columns added after the first version, with their SQL type: a table an older version
 #: made gains them when a store opens it (empty in older rows, which leaves their hashes
 #: valid: empty text is not hashed).
-ADDED_COLUMNS = {"key_id": "TEXT NOT NULL DEFAULT ''", "usage": "TEXT NOT NULL DEFAULT ''"}
+ADDED_COLUMNS = {"key_id": "TEXT NOT NULL DEFAULT ''", "usage": "TEXT NOT NULL DEFAULT ''",
+                 "parent_run_id": "TEXT NOT NULL DEFAULT ''",
+                 "root_run_id": "TEXT NOT NULL DEFAULT ''"}
 
 
 #: Columns a store may index for ``stargrpc audit query`` (each index costs every append).
@@ -109,6 +114,9 @@ def select_sql(table: str, query: Query, placeholder: str) -> tuple[str, list[ob
                           f"OR method LIKE {param('%/' + query.method)})")
     if query.since:
         conditions.append(f"time >= {param(query.since)}")
+    if query.root_run_id:
+        conditions.append(f"(root_run_id = {param(query.root_run_id)} "
+                          f"OR run_id = {param(query.root_run_id)})")
     sql = (f"SELECT {', '.join(FIELDS)} FROM {table} WHERE {' AND '.join(conditions)} "
            f"ORDER BY seq {'DESC' if query.newest_first else 'ASC'}")
     if query.limit is not None:

@@ -172,6 +172,8 @@ def format_record(record: AuditRecord) -> str:
         parts.append(record.tool + (" [privileged]" if record.privileged else ""))
     if record.run_id:
         parts.append(f"run={record.run_id}")
+    if record.parent_run_id:
+        parts.append(f"parent={record.parent_run_id}")
     parts.append(f"{record.duration_ms:.1f}ms")
     if record.usage:
         parts.append(f"usage={record.usage}")
@@ -298,18 +300,22 @@ def tail(store_url: str | None, config_file: Path | None, count: int, follow: bo
               "last part, e.g. Execute).")
 @click.option("--since", default=None, help="Only records since an ISO 8601 time or an age "
               "(15m, 2h, 7d).")
+@click.option("--root", "root_run_id", default=None, metavar="RUN_ID",
+              help="Only the records of one call tree: its root run's and those of every "
+              "run below it (refused children too).")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True,
               help="At most this many records (the newest).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def query(store_url: str | None, config_file: Path | None, tool: str | None,
           principal: str | None, outcome: str | None, method: str | None, since: str | None,
-          limit: int, as_json: bool) -> None:
+          root_run_id: str | None, limit: int, as_json: bool) -> None:
     """Print the records that match, oldest first."""
     since_time = parse_since(since) if since else None
 
     async def work(store: AuditStore) -> None:
         records = await store.query(Query(tool=tool, principal=principal, outcome=outcome,
-                                          method=method, since=since_time, limit=limit,
+                                          method=method, since=since_time,
+                                          root_run_id=root_run_id, limit=limit,
                                           newest_first=True))
         _show(list(reversed(records)), as_json)
 

@@ -236,6 +236,7 @@ class AsyncClient:
     async def execute(self, tool: str, arguments: Mapping[str, Any] | str | None = None, *,
                       idempotency_key: str | None = None, catalog_hash: str | None = None,
                       context: InvocationContext | None = None,
+                      parent_run_id: str = "",
                       timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
                       metadata: Metadata | None = None) -> AsyncIterator[Event]:
         """Runs a tool and yields its events as they happen; the last one is the Result.
@@ -249,6 +250,8 @@ class AsyncClient:
             catalog_hash: The catalog hash the caller planned with; defaults to that of
                 :attr:`catalog` when one was loaded. Empty skips the check.
             context: The invocation context (end user, channel, trace id, labels).
+            parent_run_id: Hang the run under this run of the caller's own (a call tree
+                an agent started); its events then carry it, and it is cancelled with it.
             timeout: Seconds for the whole call, retries and resumes included.
             metadata: Extra metadata for this call.
 
@@ -265,7 +268,8 @@ class AsyncClient:
         idempotency key, so the server keeps it for WatchRun); call :meth:`cancel` for that.
         """
         request = tool_service_pb2.ExecuteRequest(
-            tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex)
+            tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex,
+            parent_run_id=parent_run_id)
         if isinstance(arguments, str):
             request.arguments_json = arguments
         elif arguments is not None:
@@ -426,6 +430,7 @@ class AsyncClient:
         return reply
 
     async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
+                        root_run_id: str = "", parent_run_id: str = "",
                         page_size: int = 0, page_token: str = "",
                         timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
                         metadata: Metadata | None = None) -> tool_service_pb2.ListRunsResponse:
@@ -436,6 +441,8 @@ class AsyncClient:
             state: Only ``"running"``, ``"finished"`` or ``"awaiting_approval"`` runs;
                 empty for all.
             outcome: Only runs that ended so, by Outcome name (``"OK"``, ``"FAILED"``, …).
+            root_run_id: Only the runs of this call tree (its root included).
+            parent_run_id: Only the runs this run started.
             page_size: Most runs in the page (0: the server's default).
             page_token: ``next_page_token`` of the previous page.
 
@@ -448,6 +455,7 @@ class AsyncClient:
         """
         request = tool_service_pb2.ListRunsRequest(
             tool_name=tool, page_size=page_size, page_token=page_token,
+            root_run_id=root_run_id, parent_run_id=parent_run_id,
             state=f"RUN_STATE_{state.upper()}" if state else None,
             outcome=f"OUTCOME_{outcome.upper()}" if outcome else None)
         reply: tool_service_pb2.ListRunsResponse = await self._unary(

@@ -74,6 +74,13 @@ class Event:
         time: When the server recorded it.
         critic_time_left: Seconds before the supervisor stops the run for lack of
             progress; None when the run is not supervised.
+        child_run_id: Set on an event relayed from a run this run started (``ctx.call``):
+            the run it comes from; its step ids are prefixed with the path of run ids down
+            to it, so they never clash with the run's own.
+        parent_run_id: The run that started this one (set on a run's first event and its
+            Result; empty for a top-level run).
+        root_run_id: The root of the run's call tree (set on its first event and its
+            Result: its own id for a top-level run).
         raw: The ``stargrpc.v1.RunEvent`` itself.
     """
 
@@ -81,6 +88,9 @@ class Event:
     seq: int
     time: dt.datetime | None
     critic_time_left: float | None
+    child_run_id: str = ""
+    parent_run_id: str = ""
+    root_run_id: str = ""
     raw: events_pb2.RunEvent = field(repr=False, compare=False)
 
 
@@ -375,6 +385,8 @@ def event_from_proto(event: events_pb2.RunEvent) -> Event:
         "time": _time(event.time, event.HasField("time")),
         "critic_time_left": (_seconds(event.critic_time_left)
                              if event.HasField("critic_time_left") else None),
+        "child_run_id": event.child_run_id, "parent_run_id": event.parent_run_id,
+        "root_run_id": event.root_run_id,
         "raw": event,
     }
     kind = event.WhichOneof("kind")

@@ -9,7 +9,8 @@ Routes:
   200 with the Result; ``Accept: text/event-stream``: the run's events as SSE
 - ``GET  /v1/capabilities``               what this server offers the page (steering, …)
 - ``GET  /v1/runs``                       ListRuns: ``?tool=&state=&outcome=&page_size=
-  &page_token=``
+  &page_token=&root_run_id=&parent_run_id=`` (each run with its ``parent_run_id``,
+  ``root_run_id`` and ``depth``)
 - ``GET  /v1/runs/events``                the first page of ListRuns as SSE (``runs``
   events), sent again whenever it changes
 - ``GET  /v1/runs/{run_id}/events``       the run's events as SSE, replayed after
@@ -100,6 +101,7 @@ class ExecuteBody(BaseModel):
     idempotency_key: str = ""
     catalog_hash: str = ""
     context: dict[str, Any] = Field(default_factory=dict)
+    parent_run_id: str = ""
 
 
 class CancelBody(BaseModel):
@@ -495,7 +497,7 @@ class Gateway:
             tool_name=request.path_params["name"],
             arguments_json=json.dumps(body.arguments),
             idempotency_key=body.idempotency_key or request.headers.get("idempotency-key", ""),
-            catalog_hash=body.catalog_hash)
+            catalog_hash=body.catalog_hash, parent_run_id=body.parent_run_id)
         try:
             json_format.ParseDict(body.context, message.context)
         except json_format.ParseError as exc:
@@ -531,7 +533,8 @@ _CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True, "approve": Tr
 
 
 def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
-    """The ListRuns request of ``GET /v1/runs?tool=&state=&outcome=&page_size=&page_token=``.
+    """The ListRuns request of ``GET /v1/runs?tool=&state=&outcome=&page_size=&page_token=
+    &root_run_id=&parent_run_id=``.
 
     Raises:
         _BadRequest: A parameter is not valid.
@@ -539,7 +542,9 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
     params = request.query_params
     violations: list[tuple[str, str]] = []
     message = tool_service_pb2.ListRunsRequest(tool_name=params.get("tool", ""),
-                                               page_token=params.get("page_token", ""))
+                                               page_token=params.get("page_token", ""),
+                                               root_run_id=params.get("root_run_id", ""),
+                                               parent_run_id=params.get("parent_run_id", ""))
     state = params.get("state", "").upper().removeprefix("RUN_STATE_")
     if state:
         try:

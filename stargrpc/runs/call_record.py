@@ -33,6 +33,8 @@ class CallRecord:
         principal: The authenticated caller, once known.
         tool: Tool name, for Execute.
         run_id: The run started (or attached to) by the call.
+        parent_run_id: The run the started run hangs under; empty for a top-level run.
+        root_run_id: The root of the started run's call tree (its own id at the top).
         run: The run the call started in this process (the audit reads the tool's
             ``ctx.audit_view`` substitutions from it).
         arguments: The arguments as the audit should see them (the tool may substitute).
@@ -54,6 +56,8 @@ class CallRecord:
     principal: Principal | None = None
     tool: str = ""
     run_id: str = ""
+    parent_run_id: str = ""
+    root_run_id: str = ""
     run: Run | None = None
     arguments: dict[str, Any] | None = None
     result_view: str | None = None

@@ -19,9 +19,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
+from pydantic import BaseModel
 
 from stargrpc.principal import Principal
 from stargrpc.runs.state import RunState, SyncRunState, scope_key
+from stargrpc.runs.trees import ChildResult
 from stargrpc.runs.usage import RunUsage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import StateStore
@@ -134,6 +136,11 @@ class RunHandle(Protocol):
         """The steering messages not read yet, taken off the queue."""
         ...
 
+    async def call(self, tool: str, arguments: Mapping[str, Any], *, priority: int = 0,
+                   timeout: float | None = None, calling_step_id: str = "") -> ChildResult:  # noqa: ASYNC109
+        """Runs ``tool`` as a child run."""
+        ...
+
 
 #: The state store of runs made without a runtime's (a bare :class:`~stargrpc.runs.run.Run`).
 _fallback_state = MemoryStateStore()
@@ -154,6 +161,12 @@ def _run_state(run: RunHandle, settings: Settings, scope: str) -> RunState:
 
 # The innermost open step of the running task, so nested steps find their parent.
 _current_step: ContextVar[ToolStep | None] = ContextVar("stargrpc_current_step", default=None)
+
+
+def forget_callers_step() -> None:
+    """Clears the open step a run's task inherited from the run that called it (a child
+    run's task starts in a copy of its parent's context): its steps are its own."""
+    _current_step.set(None)
 
 
 class ToolStep:
@@ -335,6 +348,41 @@ class ToolContext:
         """
         return _run_state(self._run, self.settings, scope)
 
+    async def call(self, tool: str, args: Mapping[str, Any] | BaseModel | None = None, *,
+                   priority: int = 0, timeout: float | None = None) -> ChildResult:  # noqa: ASYNC109
+        """Runs another tool as a **child run** of this one, and returns its Result::
+
+            found = await ctx.call("knowledge_search", {"query": "retention"})
+            print(found.output, found.structured_output)
+
+        The child goes through the same pipeline as any call: this run's principal and its
+        permissions, argument validation, concurrency limits, supervision and an audit
+        record of its own. While it runs, its steps and deltas appear in this run's stream
+        nested under the innermost open step (marked with the child's run id). Cancelling
+        this run cancels the child. See :mod:`stargrpc.runs.trees`.
+
+        Args:
+            tool: The tool to run.
+            args: Its arguments (a mapping or a model); None for none.
+            priority: The child's priority, passed on with it (its lane's, when lanes run).
+            timeout: Seconds the child may take (its supervision deadline); the tree's
+                ``max_tree_seconds`` bounds it too.
+
+        Returns:
+            The child's Result (``.outcome``, ``.output``, ``.structured_output``,
+            ``.files``), when it ended OK.
+
+        Raises:
+            ChildRunRefused: The child was refused before it started (``.status``,
+                ``.reason``: RUN_DEPTH_EXCEEDED, RUN_TREE_FULL, RUN_TREE_EXPIRED,
+                TOOL_NOT_FOUND, PERMISSION_DENIED, invalid arguments …).
+            ChildRunError: The child ended other than OK (``.outcome``, ``.code``,
+                ``.child``). Left uncaught, it ends this run with the child's outcome.
+        """
+        step = _current_step.get() or self._run.root_step
+        return await self._run.call(tool, _arguments_of(args), priority=priority,
+                                    timeout=timeout, calling_step_id=step.id)
+
     def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
                    result: str | None = None) -> None:
         """Replaces what the audit record shows for this run's arguments and/or result, for a
@@ -500,6 +548,15 @@ class SyncToolContext:
         (``ctx.state("run").set("n", 1)``)."""
         return SyncRunState(self._ctx.state(scope), self._loop)
 
+    def call_sync(self, tool: str, args: Mapping[str, Any] | BaseModel | None = None, *,
+                  priority: int = 0, timeout: float | None = None) -> ChildResult:
+        """:meth:`ToolContext.call` for a plain ``def`` tool: blocks this thread until the
+        child run ends; its events nest under the innermost open step."""
+        step = self._open[-1]._step if self._open else self._ctx._run.root_step
+        coroutine = self._ctx._run.call(tool, _arguments_of(args), priority=priority,
+                                        timeout=timeout, calling_step_id=step.id)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     def audit_view(self, *, arguments: Mapping[str, Any] | None = None,
                    result: str | None = None) -> None:
         """See :meth:`ToolContext.audit_view`."""
@@ -556,3 +613,12 @@ async def _next(ctx: ToolContext, timeout: float | None) -> str | None:  # noqa:
 
 async def _pending(ctx: ToolContext) -> list[str]:
     return ctx.steering_pending()
+
+
+def _arguments_of(args: Mapping[str, Any] | BaseModel | None) -> dict[str, Any]:
+    """A child run's arguments as the pipeline takes them: a JSON object."""
+    if args is None:
+        return {}
+    if isinstance(args, BaseModel):
+        return args.model_dump(mode="json")
+    return dict(args)

@@ -31,10 +31,24 @@ from stargrpc.errors import (
 )
 from stargrpc.principal import Principal
 from stargrpc.registry import ToolSpec
-from stargrpc.runs.context import SentFileRecord, SyncToolContext, ToolContext, ToolStep, WriteBack
+from stargrpc.runs.context import (
+    SentFileRecord,
+    SyncToolContext,
+    ToolContext,
+    ToolStep,
+    WriteBack,
+    forget_callers_step,
+)
 from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
 from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.runs.result_fit import fit_result, set_duration
+from stargrpc.runs.trees import (
+    PARENT_RUN_CANCELLED,
+    PARENT_RUN_ENDED,
+    CallTree,
+    ChildResult,
+    ChildStarter,
+)
 from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, StateStore, run_finished_error
@@ -139,7 +153,14 @@ class Run:
     Attributes:
         run_id: Unique id of the run.
         root_run_id: The id of the root of the run's call tree, whose ``tree`` state the run
-            shares: its own id until runs call runs (the trees work sets it).
+            shares: its own id for a top-level run.
+        parent_run_id: The run that started this one (``ctx.call``, or a request's
+            ``parent_run_id``); empty for a top-level run.
+        depth: How far below its root the run is (0 for a top-level run).
+        queued_ns: Nanoseconds the run waited before its START (``Usage.queued_seconds``).
+        child_runs: Runs this run's tool started (``Usage.child_runs``).
+        runtime: What starts the child runs its tool asks for (``ctx.call``); None for a
+            run made without a runtime.
         state_store: Where ``ctx.state`` keeps its scopes; the runtime's, else one in memory.
         state_scopes: The run and tree scopes the run's tool asked for (``run:<id>`` …), which go
             ``state_retention_seconds`` after it ends.
@@ -224,6 +245,11 @@ class Run:
     queued_ns: int = 0
     child_runs: int = 0
     _gated = False
+    runtime: ChildStarter | None = None
+    # The tree's shared count (made when the run first has a child, or handed down) and
+    # the children running in this process.
+    _tree: CallTree | None = None
+    _children: list[Run] | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -273,6 +299,55 @@ class Run:
     def root_run_id(self, value: str) -> None:
         self._root_run_id = value
 
+    # -- the call tree (stargrpc.runs.trees) ------------------------------------------------
+
+    def call_tree(self) -> CallTree:
+        """The tree the run belongs to, shared with the other runs of the tree in this
+        process (made when first needed)."""
+        if self._tree is None:
+            self._tree = CallTree(self.root_run_id)
+        return self._tree
+
+    def join_tree(self, parent_run_id: str, root_run_id: str, depth: int,
+                  tree: CallTree) -> None:
+        """Places the run (not started) below ``parent_run_id`` in a call tree."""
+        self.parent_run_id = parent_run_id
+        self._root_run_id = root_run_id
+        self.depth = depth
+        self._tree = tree
+
+    def adopt(self, child: Run) -> None:
+        """Keeps ``child``, a run of this process below this one, until it ends: stopping
+        this run stops it, and this run ending first cancels it."""
+        if self._children is None:
+            self._children = []
+        self._children.append(child)
+        child.finish_hooks.append(self._child_ended)
+
+    def _child_ended(self, child: Run) -> None:
+        if self._children is not None and child in self._children:
+            self._children.remove(child)
+
+    def relay(self, event: events_pb2.RunEvent) -> None:
+        """Appends an event relayed from a child run (:class:`stargrpc.runs.trees.Relay`) to
+        this run's log, through its observers: a child's progress is its parent's. Dropped
+        once this run is ending."""
+        if self.finished or self._stop is not None or self.log.finished:
+            return
+        for observer in self.observers:
+            observer(event)
+        self._append_nowait(event)
+
+    async def call(self, tool: str, arguments: Mapping[str, Any], *, priority: int = 0,
+                   timeout: float | None = None, calling_step_id: str = "") -> ChildResult:  # noqa: ASYNC109
+        """Runs ``tool`` as a child of this run (``ctx.call``; see
+        :mod:`stargrpc.runs.trees`)."""
+        if self.runtime is None:
+            raise RuntimeError("ctx.call needs a run started by a runtime")
+        return await self.runtime.call_child(
+            self, tool, arguments, priority=priority, timeout=timeout,
+            calling_step_id=calling_step_id or self.root_step.id)
+
     @property
     def usage(self) -> RunUsage:
         """What the run used, as its tool reports it (made when first reported: most runs
@@ -318,6 +393,9 @@ class Run:
         if self.finished or self._stop is not None:
             return False
         self._stop = StopRequest(outcome, code, message)
+        if self._children:
+            self._stop_children(PARENT_RUN_CANCELLED if outcome is Outcome.CANCELLED
+                                else PARENT_RUN_ENDED)
         if self._gated and self._main_task is not None:
             # Waiting in a gate (our own code, which honours cancellation at once).
             self._cancel_sent = True
@@ -331,6 +409,13 @@ class Run:
             self._abandon_timer = asyncio.get_running_loop().call_later(
                 STOP_GRACE_SECONDS, self._abandon_tool)
         return True
+
+    def _stop_children(self, code: str) -> None:
+        """Cancels the children still running (each passes it on to its own)."""
+        message = ("a run above it in its call tree was cancelled" if code == PARENT_RUN_CANCELLED
+                   else f"its parent run {self.run_id} ended before it")
+        for child in list(self._children or ()):
+            child.stop(Outcome.CANCELLED, code, message)
 
     def steer(self, message: str, *, source: str) -> None:
         """Hands the tool a steering message: a Notice with code ``STEERED`` and the text
@@ -440,6 +525,8 @@ class Run:
     async def _run_tool(self, settings: Settings) -> ToolResult:
         ctx = ToolContext(self, settings)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, tool=self.spec.name)
+        if self.parent_run_id:
+            forget_callers_step()
         if self._stop is not None:  # stopped before the tool even started
             return self._stopped_result()
         spec = self.spec
@@ -585,6 +672,8 @@ class Run:
         """Wakes the run's waiters and runs its finish hooks (once: they are taken off)."""
         if self._done is not None:
             self._done.set()
+        if self._children:  # the tool left children running: they end with it
+            self._stop_children(PARENT_RUN_ENDED)
         hooks, self.finish_hooks = self.finish_hooks, []
         for hook in hooks:
             try:
@@ -605,6 +694,7 @@ class Run:
         await self.end_step(self.root_step, error=not ok)
         # The Result is made in its event: RunEvent(result=...) would copy it.
         event = events_pb2.RunEvent()
+        self._stamp_tree(event)
         result = event.result
         # The receipt first: the fitting then counts its few bytes in the Result's room.
         fill_usage(result.usage, self.duration_ns or 0, self._usage,
@@ -669,10 +759,18 @@ class Run:
         self._step_counter += 1
         return step_id
 
+    def _stamp_tree(self, event: events_pb2.RunEvent) -> None:
+        """Sets where the run sits in its call tree on ``event`` (its first and its last)."""
+        event.root_run_id = self.root_run_id
+        if self.parent_run_id:
+            event.parent_run_id = self.parent_run_id
+
     async def start_step(self, step: ToolStep) -> None:
         """Emits the START of ``step``."""
         event, fields, now = _step_event(events_pb2.STEP_PHASE_START, step,
                                          events_pb2.STEP_STATUS_RUNNING, self._sizes)
+        if step is self.root_step:  # the run's first event
+            self._stamp_tree(event)
         stamp = fields.started_at
         stamp.seconds, stamp.nanos = now
         self._open_steps[step.id] = step

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,34 +26,59 @@ import structlog
 from pydantic import BaseModel
 
 from stargrpc import metrics
+from stargrpc.audit.record import outcome_for_status, utc_now
 from stargrpc.critic.loading import Critics
 from stargrpc.critic.supervision import Supervision, SupervisionPolicy
 from stargrpc.errors import (
     CatalogStale,
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
+    RequestError,
     ResourceExhausted,
     Unavailable,
+    reason_name,
 )
 from stargrpc.ids import new_id
 from stargrpc.principal import Principal
 from stargrpc.registry import NoArguments, Registry, ToolSpec
 from stargrpc.runs.approval import ApprovalGate, Approvals
 from stargrpc.runs.arguments import ArgumentLimits, validate
-from stargrpc.runs.call_record import current_call
+from stargrpc.runs.call_record import CallRecord, current_call
 from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
 from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.runs.run import Run, RunLimits
+from stargrpc.runs.trees import (
+    CHILD_METHOD,
+    MAX_RUN_ID_CHARS,
+    PARENT_RUN_CANCELLED,
+    PARENT_RUN_ENDED,
+    RUN_TREE_FULL,
+    CallTree,
+    ChildAuditor,
+    ChildResult,
+    ChildRunError,
+    ChildRunRefused,
+    Relay,
+    TreeLink,
+    check_caps,
+    check_parent_id,
+    child_result,
+    link_under,
+    uncount,
+)
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import MemoryApprovalStore
 from stargrpc.stores.base import RunLog, RunStore, StateStore
 from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
-from stargrpc.v1 import events_pb2
+from stargrpc.v1 import errors_pb2, events_pb2
 
 log = structlog.get_logger("stargrpc.runtime")
+
+_RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 
 
 #: The arguments of every run of a tool without arguments called with none: one instance
@@ -74,6 +100,12 @@ class RunRequest:
     invocation: Mapping[str, Any] = field(default_factory=dict)
     #: How the run is supervised; None: the server's policy, without a caller deadline.
     policy: SupervisionPolicy | None = None
+    #: A run of the caller's to hang the run under (checked: the caller must see it).
+    parent_run_id: str = ""
+    #: The priority asked for, passed on with the run (lanes read it).
+    priority: int = 0
+    #: The run of this process that asks for the run (``ctx.call``); never from a request.
+    parent: Run | None = None
 
 
 @dataclass(frozen=True)
@@ -224,9 +256,15 @@ class Runtime:
         critics: The server's critic and the tools' own.
         approvals: Which runs wait for a person's approval, and their requests: the run
             store's ``approvals`` (a fleet's), else this process's.
+        audit_child: Writes the audit record of each child run a tool starts (``ctx.call``;
+            set by the server from its audit interceptor); None: not audited here.
+        trees: The call trees of this process whose parent runs elsewhere, by root id
+            (each as long as a run of it lives here).
     """
 
     settings: Settings
+    audit_child: ChildAuditor | None
+    trees: weakref.WeakValueDictionary[str, CallTree]
     store: RunStore
     state_store: StateStore
     policy: ToolPolicy
@@ -243,6 +281,7 @@ class Runtime:
     _registry: Registry
     _catalog_changed: asyncio.Event
     _state_endings: set[asyncio.Task[None]]
+    _parent_watches: set[asyncio.Task[None]]
 
     def __init__(self, registry: Registry, *, store: RunStore | None = None,
                  policy: ToolPolicy | None = None, limits: ArgumentLimits | None = None,
@@ -261,12 +300,15 @@ class Runtime:
             state_store = getattr(self.store, "state", None) or MemoryStateStore()
         self.state_store = state_store
         self._state_endings = set()  # held until done, or the loop may drop them
+        self._parent_watches = set()
         self.policy = policy if policy is not None else AllowAll()
         self.run_access = RunAccess.from_settings(self.settings)
         self.limits = limits or ArgumentLimits()
         self.run_limits = RunLimits.from_settings(self.settings)
         self.concurrency = concurrency or ConcurrencyLimits()
         self.runs = {}
+        self.audit_child = None
+        self.trees = weakref.WeakValueDictionary()
         # CancelRun and a shared store's remote cancels reach runs of this process here.
         self.store.cancel_handler = self.cancel_local
         self.store.steer_handler = self.steer_local
@@ -383,7 +425,8 @@ class Runtime:
 
     # -- runs ------------------------------------------------------------------------------
 
-    def _prepare(self, request: RunRequest, principal: Principal) -> Run:
+    def _prepare(self, request: RunRequest, principal: Principal,
+                 link: TreeLink | None = None) -> Run:
         """Checks a request and builds its run, without starting it.
 
         Raises:
@@ -417,10 +460,19 @@ class Runtime:
         run_id = new_id()
         if record is not None:
             record.run_id = run_id
-        run = Run(run_id, spec, args, principal, request.invocation,
-                  self.store.create(run_id, owner=principal.id, tool=spec.name),
+        run_log = self.store.create(run_id, owner=principal.id, tool=spec.name)
+        run = Run(run_id, spec, args, principal, request.invocation, run_log,
                   limits=self.run_limits)
         run.state_store = self.state_store
+        run.runtime = self
+        if link is not None:
+            run.join_tree(link.parent_run_id, link.root_run_id, link.depth, link.tree)
+            run_log.parent_run_id = link.parent_run_id
+            run_log.root_run_id = link.root_run_id
+            run_log.depth = link.depth
+        if record is not None:
+            record.root_run_id = run.root_run_id
+            record.parent_run_id = run.parent_run_id
         return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,
@@ -446,12 +498,22 @@ class Runtime:
         if len(key) > MAX_KEY_LENGTH:
             raise InvalidArgument("idempotency_key is too long", [FieldViolation(
                 "idempotency_key", f"at most {MAX_KEY_LENGTH} characters")])
-        run = self._prepare(request, principal)
+        # Most runs hang under nothing: no coroutine for them.
+        link = (await self._tree_link(request, principal)
+                if request.parent is not None or request.parent_run_id else None)
+        try:
+            run = self._prepare(request, principal, link)
+        except BaseException:
+            if link is not None:
+                await self._give_back(link)
+            raise
         # Reserve a place first so that a refused request leaves no claim behind; a request that
         # turns out to attach gives its place back at once.
         try:
             permit = self.concurrency.acquire(principal.id, run.spec.name)
         except ResourceExhausted:
+            if link is not None:
+                await self._give_back(link)
             await self.store.discard(run.log)
             raise
         try:
@@ -471,6 +533,8 @@ class Runtime:
                         record.run_id = claim.run_id
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
+                    if link is not None:
+                        await self._give_back(link)
                     return Admission(log=held, run=None)
             gate: ApprovalGate | None = None
             if self.approvals.required(run.spec, run.principal):
@@ -480,6 +544,8 @@ class Runtime:
                 await before_start(run)
         except BaseException:
             permit.release()
+            if link is not None:
+                await self._give_back(link)
             # The run never started: forget its log too (best effort — the store may be
             # the very thing that failed), so a refused request leaves nothing behind.
             with contextlib.suppress(Exception):
@@ -491,7 +557,183 @@ class Runtime:
         policy = request.policy or SupervisionPolicy.for_call(self.settings)
         started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
                                        arguments=request.arguments, policy=policy))
+        if link is not None and link.parent is not None:
+            parent = link.parent
+            assert isinstance(parent, Run)
+            parent.adopt(started)
+            if parent.finished or parent.stop_requested:  # it ended while this one started
+                started.stop(Outcome.CANCELLED, PARENT_RUN_ENDED,
+                             f"its parent run {parent.run_id} ended before it")
+        elif link is not None:
+            self._watch_remote_parent(started, link.parent_run_id)
         return Admission(log=run.log, run=started)
+
+    # -- call trees (stargrpc.runs.trees) ------------------------------------------------------
+
+    async def _tree_link(self, request: RunRequest, principal: Principal) -> TreeLink | None:
+        """Where the requested run hangs in a call tree (None: a top-level run), its place
+        in the tree counted.
+
+        Raises:
+            RequestError: The parent cannot be used, or a cap of the tree refuses the run.
+        """
+        record = current_call.get()
+        if request.parent is not None:
+            link = link_under(request.parent)
+        elif request.parent_run_id:
+            if record is not None:  # as named, for the record of a refusal (cut: unchecked)
+                record.parent_run_id = request.parent_run_id[:MAX_RUN_ID_CHARS]
+            link = await self._link_to(request.parent_run_id, principal)
+        else:
+            return None
+        if record is not None:  # a refused child is recorded in its tree too
+            record.parent_run_id, record.root_run_id = link.parent_run_id, link.root_run_id
+        check_caps(link, self.settings)
+        try:
+            await self._count_in_fleet(link)
+        except BaseException:
+            uncount(link)
+            raise
+        return link
+
+    async def _count_in_fleet(self, link: TreeLink) -> None:
+        """Counts the run in its tree on every replica (a shared store's count: a tree an
+        agent spreads over replicas keeps to ``max_runs_per_tree`` as a whole).
+
+        Raises:
+            ResourceExhausted: The tree has started ``max_runs_per_tree`` runs (RUN_TREE_FULL).
+            Unavailable: The shared store cannot be reached.
+        """
+        settings = self.settings
+        ttl_ms = int(max(link.tree.seconds_left(settings), 0) * 1000) + 60_000
+        total = await self.store.count_tree_runs(link.root_run_id, 1, ttl_ms)
+        if total is not None and total > settings.max_runs_per_tree:
+            await self._give_back(link, counted_here=False)
+            raise ResourceExhausted(
+                f"the call tree has started {total - 1} runs on the replicas together; "
+                f"max_runs_per_tree is {settings.max_runs_per_tree}", reason=RUN_TREE_FULL,
+                retry_after=settings.limit_retry_after_seconds,
+                metadata={"root_run_id": link.root_run_id,
+                          "parent_run_id": link.parent_run_id})
+
+    async def _give_back(self, link: TreeLink, *, counted_here: bool = True) -> None:
+        """Gives back the place a run that did not start took in its tree (best effort in
+        the shared store: a place lost there is one run fewer the tree may start)."""
+        if counted_here:
+            uncount(link)
+        with contextlib.suppress(Exception):
+            await self.store.count_tree_runs(link.root_run_id, -1, 60_000)
+
+    async def _link_to(self, parent_run_id: str, principal: Principal) -> TreeLink:
+        """The link under the run ``parent_run_id`` names (ExecuteRequest.parent_run_id):
+        one the caller may see and that is still going, here or on another replica.
+
+        Raises:
+            InvalidArgument: The id is over-long.
+            NotFound: Unknown, expired, or not the caller's to see (as for any run).
+            FailedPrecondition: The parent has ended (``PARENT_RUN_ENDED``).
+            Unavailable: The shared run store cannot be reached.
+        """
+        check_parent_id(parent_run_id)
+        local = self.runs.get(parent_run_id)
+        parent_log = local.log if local is not None else await self.store.open(parent_run_id)
+        if parent_log is None or not self.run_access.may_watch(principal, parent_log.owner):
+            raise NotFound("unknown parent run (or expired, or not yours)",
+                           reason=_RUN_NOT_FOUND)
+        if parent_log.finished or (local is not None and local.stop_requested):
+            raise FailedPrecondition(
+                "the parent run has ended; a run can only be hung under a run still going",
+                reason=PARENT_RUN_ENDED, metadata={"parent_run_id": parent_log.run_id})
+        if local is not None:
+            return link_under(local)
+        # The parent runs on another replica: what its log says of its tree is all it takes.
+        root = parent_log.root_run_id or parent_log.run_id
+        tree = self.trees.get(root)
+        if tree is None:
+            tree = self.trees[root] = CallTree(root)
+        return TreeLink(parent_log.run_id, root, parent_log.depth + 1, tree)
+
+    def _watch_remote_parent(self, child: Run, parent_run_id: str) -> None:
+        """Ends ``child`` (CANCELLED, ``PARENT_RUN_ENDED``) once its parent, which runs on
+        another replica, has ended: that replica cannot reach the child to stop it."""
+        task = asyncio.create_task(self._follow_remote_parent(child, parent_run_id),
+                                   name=f"run-{child.run_id}-parent")
+        self._parent_watches.add(task)
+        task.add_done_callback(self._parent_watches.discard)
+
+        def stop_watching(_: Run) -> None:
+            task.cancel()
+
+        child.finish_hooks.append(stop_watching)
+
+    async def _follow_remote_parent(self, child: Run, parent_run_id: str) -> None:
+        # Looked at as often as the store looks for lost runs: a run's state in the shared
+        # store says when it has ended, and no event of another replica's run reaches this
+        # one unasked. Only runs an agent hung under another replica's run are watched.
+        interval = self.settings.run_sweep_interval_seconds
+        while not child.finished:
+            await asyncio.sleep(interval)
+            try:
+                parent_log = await self.store.open(parent_run_id)
+            except RequestError:  # the store is away: look again next time
+                continue
+            if parent_log is None or parent_log.finished:
+                child.stop(Outcome.CANCELLED, PARENT_RUN_ENDED,
+                           f"its parent run {parent_run_id} ended before it")
+                return
+
+    async def call_child(self, parent: Run, tool: str, arguments: Mapping[str, Any], *,
+                         priority: int = 0, timeout: float | None = None,  # noqa: ASYNC109
+                         calling_step_id: str = "") -> ChildResult:
+        """Runs ``tool`` as a child of ``parent`` (``ctx.call``): admitted as any call is,
+        for the parent's principal; its step events relayed into the parent's log under
+        ``calling_step_id``; audited (refused or ended) through :attr:`audit_child`.
+
+        Raises:
+            ChildRunRefused: The child was refused before it started.
+            ChildRunError: It ended other than OK.
+        """
+        asked_at = utc_now()
+        # The child's own call record: the parent's run task holds the parent's in its
+        # context, which the child's admission must not write into.
+        # The tool as named (cut: a refusal's record keeps it even when there is no such tool).
+        record = CallRecord(method=CHILD_METHOD, principal=parent.principal, tool=tool[:200])
+        record.extra["invocation"] = parent.invocation
+        left = max(parent.call_tree().seconds_left(self.settings), 0.001)
+        policy = SupervisionPolicy.for_call(
+            self.settings, left if timeout is None else min(timeout, left))
+        request = RunRequest(tool_name=tool, arguments=dict(arguments),
+                             invocation=parent.invocation, policy=policy, priority=priority,
+                             parent=parent)
+        token = current_call.set(record)
+        try:
+            admission = await self.admit(request, parent.principal)
+        except RequestError as error:
+            record.outcome = outcome_for_status(error.code)
+            record.detail = f"{error.reason}: {error.message}"
+            if self.audit_child is not None:
+                self.audit_child(record, None, asked_at)
+            raise ChildRunRefused(tool, error) from None
+        finally:
+            current_call.reset(token)
+        child = admission.run
+        assert child is not None  # a child has no idempotency key: it always starts
+        relay = Relay(parent, child.run_id, calling_step_id or parent.root_step.id)
+        child.observers.append(relay)
+        parent.child_runs += 1
+        auditor = self.audit_child
+        if auditor is not None:
+            child.finish_hooks.append(lambda ended: auditor(record, ended.result, asked_at))
+        try:
+            result = await child.wait()
+        except asyncio.CancelledError:  # the parent's tool was cancelled: so is the child
+            child.stop(Outcome.CANCELLED, PARENT_RUN_CANCELLED,
+                       "a run above it in its call tree was cancelled")
+            raise
+        answer = child_result(child.run_id, child.spec.name, result, relay.chunks)
+        if not answer.ok:
+            raise ChildRunError.of(answer)
+        return answer
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
         """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,

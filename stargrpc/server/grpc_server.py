@@ -176,6 +176,8 @@ class StargrpcServer:
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
             # and each approval request, timeout and withdrawal
             self.runtime.approvals.on_audit = approval_auditor(audit.writer)
+            # So does each child run a tool starts (ctx.call): no gRPC call carries it.
+            self.runtime.audit_child = audit.audit_child
         add_to_server(self.service, self._server)
         add_state_service(RunStateService(self.runtime.state_store, settings), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -39,6 +39,7 @@ from stargrpc.runs.event_sizes import trailing_notices
 from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.run import Run, check_steer_message
 from stargrpc.runs.runtime import Admission, RunRequest, Runtime
+from stargrpc.runs.trees import MAX_RUN_ID_CHARS, cancel_subtree
 from stargrpc.server.streaming import (
     EventFrame,
     StreamedResponse,
@@ -307,7 +308,7 @@ class ToolService:
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
-                           policy=policy)
+                           policy=policy, parent_run_id=request.parent_run_id)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
@@ -356,6 +357,10 @@ class ToolService:
             return tool_service_pb2.CancelRunResponse(cancelled=False)
         reason = request.reason[:500] or "cancelled by the caller"
         cancelled = await self.runtime.store.request_cancel(log.run_id, reason)
+        if cancelled:
+            # Its children in this process stop with it (Run.stop); those on other
+            # replicas are found in its tree's index and asked to stop too.
+            await cancel_subtree(self.runtime.store, log)
         return tool_service_pb2.CancelRunResponse(cancelled=cancelled)
 
     @_statuses
@@ -387,6 +392,10 @@ class ToolService:
         if request.page_size > MAX_RUNS_PAGE:
             raise InvalidArgument("page_size is too large", [FieldViolation(
                 "page_size", f"at most {MAX_RUNS_PAGE}; 0 means {DEFAULT_RUNS_PAGE}")])
+        for name in ("root_run_id", "parent_run_id"):
+            if len(getattr(request, name)) > MAX_RUN_ID_CHARS:
+                raise InvalidArgument(f"{name} is too long", [FieldViolation(
+                    name, f"a run id: at most {MAX_RUN_ID_CHARS} characters")])
         key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
@@ -395,7 +404,8 @@ class ToolService:
             tool=request.tool_name,
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
-            outcome=request.outcome)
+            outcome=request.outcome, root_run_id=request.root_run_id,
+            parent_run_id=request.parent_run_id)
         page = await self.runtime.store.list_runs(query)
         # Which of the page's unfinished runs wait for approval (one look for them all).
         records = await approvals.store.get_many(
@@ -495,7 +505,8 @@ def run_summary_message(run: RunSummary, *, with_principal: bool,
         principal=run.owner if with_principal else "",
         state=state,
         outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
-        current_step=run.current_step)
+        current_step=run.current_step, parent_run_id=run.parent_run_id,
+        root_run_id=run.tree_root, depth=run.depth)
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)

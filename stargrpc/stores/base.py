@@ -58,11 +58,17 @@ class RunLog(Protocol):
         run_id: The run.
         owner: The id of the principal the run belongs to.
         tool: The tool being run.
+        parent_run_id: The run it hangs under; empty for a top-level run.
+        root_run_id: The root of its call tree; empty for a top-level run (its own id).
+        depth: Its depth below the root (0 at the top).
     """
 
     run_id: str
     owner: str
     tool: str
+    parent_run_id: str
+    root_run_id: str
+    depth: int
 
     @property
     def finished(self) -> bool:
@@ -151,6 +157,9 @@ class RunSummary:
             unknown.
         last_seq: The seq of its newest event the store knows of.
         current_step: The title of the step running now; empty when none.
+        parent_run_id: The run it hangs under; empty for a top-level run.
+        root_run_id: The root of its call tree; empty for a top-level run.
+        depth: Its depth below the root.
     """
 
     run_id: str
@@ -162,6 +171,14 @@ class RunSummary:
     ended_ms: int = 0
     last_seq: int = 0
     current_step: str = ""
+    parent_run_id: str = ""
+    root_run_id: str = ""
+    depth: int = 0
+
+    @property
+    def tree_root(self) -> str:
+        """The root of the run's call tree: its own id for a top-level run."""
+        return self.root_run_id or self.run_id
 
     @property
     def position(self) -> tuple[int, str]:
@@ -181,6 +198,8 @@ class RunQuery:
         tool: Only runs of this tool; empty for any.
         finished: Only finished (True) or running (False) runs; None for both.
         outcome: Only runs that ended with this outcome; 0 for any.
+        root_run_id: Only the runs of this call tree (its root included); empty for any.
+        parent_run_id: Only the children of this run; empty for any.
     """
 
     owner: str | None
@@ -189,13 +208,17 @@ class RunQuery:
     tool: str = ""
     finished: bool | None = None
     outcome: int = 0
+    root_run_id: str = ""
+    parent_run_id: str = ""
 
     def admits(self, run: RunSummary) -> bool:
         """Whether ``run`` passes the filters (not the cursor)."""
         return ((self.owner is None or run.owner == self.owner)
                 and (not self.tool or run.tool == self.tool)
                 and (self.finished is None or run.finished == self.finished)
-                and (not self.outcome or run.outcome == self.outcome))
+                and (not self.outcome or run.outcome == self.outcome)
+                and (not self.root_run_id or run.tree_root == self.root_run_id)
+                and (not self.parent_run_id or run.parent_run_id == self.parent_run_id))
 
     def is_after_cursor(self, position: tuple[int, str]) -> bool:
         """Whether a run at ``position`` comes after the cursor (newest first)."""
@@ -380,6 +403,17 @@ class RunStore(Protocol):
         """The secret ListRuns page tokens are signed with: the same for every replica
         sharing this store (so a page asked of one continues on another), unknown to
         callers.
+
+        Raises:
+            Unavailable: A shared store is unreachable.
+        """
+        ...
+
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        """Adds ``delta`` to the runs the call tree of ``root_run_id`` has started on every
+        replica, and returns the new count (the count goes ``ttl_ms`` after its last
+        change); None for a store of one process, where the runtime's own count is the
+        tree's.
 
         Raises:
             Unavailable: A shared store is unreachable.

@@ -53,6 +53,10 @@ class MemoryRunLog:
     ended_ms: int
     outcome: int
     _open_steps: dict[str, str]
+    # Where the run sits in its call tree: set on the few runs below a root.
+    parent_run_id = ""
+    root_run_id = ""
+    depth = 0
 
     def __init__(self, run_id: str,
                  on_finish: Callable[[MemoryRunLog], None] | None = None, *,
@@ -88,7 +92,8 @@ class MemoryRunLog:
         return RunSummary(self.run_id, self.owner, self.tool, self.started_ms,
                           finished=self._finished, outcome=self.outcome,
                           ended_ms=self.ended_ms, last_seq=len(self._events),
-                          current_step=self.current_step)
+                          current_step=self.current_step, parent_run_id=self.parent_run_id,
+                          root_run_id=self.root_run_id, depth=self.depth)
 
     @property
     def last_seq(self) -> int:
@@ -305,6 +310,9 @@ class MemoryRunStore:
     async def page_token_key(self) -> bytes:
         return self._page_token_key
 
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        return None  # one process: the runtime's count of each tree is the whole count
+
     async def list_runs(self, query: RunQuery) -> RunPage:
         self._expire()
         runs: list[RunSummary] = []
@@ -313,6 +321,8 @@ class MemoryRunStore:
             if not query.is_after_cursor((log.started_ms, log.run_id)):
                 continue
             if query.owner is not None and log.owner != query.owner:
+                continue
+            if query.root_run_id and (log.root_run_id or log.run_id) != query.root_run_id:
                 continue
             summary = log.summary()
             if query.admits(summary):

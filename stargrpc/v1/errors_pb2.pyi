@@ -109,6 +109,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
     STATE_RATE_LIMITED: _ClassVar[ErrorReason]
     STATE_SCOPE_NOT_OFFERED: _ClassVar[ErrorReason]
+    RUN_DEPTH_EXCEEDED: _ClassVar[ErrorReason]
+    RUN_TREE_FULL: _ClassVar[ErrorReason]
+    RUN_TREE_EXPIRED: _ClassVar[ErrorReason]
+    PARENT_RUN_ENDED: _ClassVar[ErrorReason]
+    PARENT_RUN_CANCELLED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -212,3 +217,8 @@ STATE_BAD_REQUEST: ErrorReason
 STATE_REQUEST_TOO_LARGE: ErrorReason
 STATE_RATE_LIMITED: ErrorReason
 STATE_SCOPE_NOT_OFFERED: ErrorReason
+RUN_DEPTH_EXCEEDED: ErrorReason
+RUN_TREE_FULL: ErrorReason
+RUN_TREE_EXPIRED: ErrorReason
+PARENT_RUN_ENDED: ErrorReason
+PARENT_RUN_CANCELLED: ErrorReason

@@ -61,12 +61,15 @@ OUTCOME_TIMEOUT: Outcome
 OUTCOME_CANCELLED: Outcome
 
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "seq", "time", "critic_time_left", "first_seq", "step", "heartbeat", "notice", "file_chunk", "result")
+    __slots__ = ("run_id", "seq", "time", "critic_time_left", "first_seq", "child_run_id", "parent_run_id", "root_run_id", "step", "heartbeat", "notice", "file_chunk", "result")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     CRITIC_TIME_LEFT_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CHILD_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
@@ -77,12 +80,15 @@ class RunEvent(_message.Message):
     time: _timestamp_pb2.Timestamp
     critic_time_left: _duration_pb2.Duration
     first_seq: int
+    child_run_id: str
+    parent_run_id: str
+    root_run_id: str
     step: StepEvent
     heartbeat: Heartbeat
     notice: Notice
     file_chunk: FileChunk
     result: Result
-    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., critic_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_seq: _Optional[int] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., file_chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., seq: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., critic_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., first_seq: _Optional[int] = ..., child_run_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ..., root_run_id: _Optional[str] = ..., step: _Optional[_Union[StepEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., file_chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("id", "parent_id", "kind", "title", "summary", "status", "detail", "started_at", "ended_at")

@@ -85,7 +85,7 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery", "parent_run_id")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class ExecuteRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -102,7 +103,8 @@ class ExecuteRequest(_message.Message):
     context: InvocationContext
     coalesce_deltas: bool
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    parent_run_id: str
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., parent_run_id: _Optional[str] = ...) -> None: ...
 
 class Delivery(_message.Message):
     __slots__ = ("webhook", "redis_stream")
@@ -175,7 +177,7 @@ class SteerRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery", "parent_run_id")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,7 @@ class StartRunRequest(_message.Message):
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -190,7 +193,8 @@ class StartRunRequest(_message.Message):
     catalog_hash: str
     context: InvocationContext
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    parent_run_id: str
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., parent_run_id: _Optional[str] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
     __slots__ = ("run_id", "attached")
@@ -201,21 +205,25 @@ class StartRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., attached: _Optional[bool] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token", "tool_name", "state", "outcome")
+    __slots__ = ("page_size", "page_token", "tool_name", "state", "outcome", "root_run_id", "parent_run_id")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ROOT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
     tool_name: str
     state: RunState
     outcome: _events_pb2.Outcome
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ...) -> None: ...
+    root_run_id: str
+    parent_run_id: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., root_run_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "approval")
+    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "approval", "parent_run_id", "root_run_id", "depth")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +234,9 @@ class RunSummary(_message.Message):
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     tool_name: str
     principal: str
@@ -236,7 +247,10 @@ class RunSummary(_message.Message):
     last_seq: int
     current_step: str
     approval: _events_pb2.ApprovalRequest
-    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., approval: _Optional[_Union[_events_pb2.ApprovalRequest, _Mapping]] = ...) -> None: ...
+    parent_run_id: str
+    root_run_id: str
+    depth: int
+    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., approval: _Optional[_Union[_events_pb2.ApprovalRequest, _Mapping]] = ..., parent_run_id: _Optional[str] = ..., root_run_id: _Optional[str] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs", "next_page_token")

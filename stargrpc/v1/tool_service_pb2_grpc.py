@@ -157,7 +157,8 @@ class ToolServiceServicer:
         within the run retention, on any replica. Filtered by tool, state and outcome, and
         paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
         may hold fewer than `page_size` runs when filters skip many). A malformed token is
-        INVALID_ARGUMENT with a field violation on `page_token`.
+        INVALID_ARGUMENT with a field violation on `page_token`. `root_run_id` lists one call
+        tree, `parent_run_id` one run's children.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

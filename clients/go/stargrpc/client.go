@@ -198,6 +198,9 @@ type Call struct {
 	// CoalesceDeltas opts in to DELTA coalescing (see ExecuteRequest.coalesce_deltas);
 	// also asked for on WatchRun when the stream is resumed.
 	CoalesceDeltas bool
+	// ParentRunID hangs the run under a run of the caller's own (a call tree an agent
+	// started): it is listed in that run's tree and cancelled with it. Empty: top level.
+	ParentRunID string
 }
 
 // EventHandler receives each event exactly once, in seq order; the last one carries the
@@ -225,7 +228,8 @@ func NewIdempotencyKey() string {
 // TIMEOUT, code CLIENT_DEADLINE.
 func (c *Client) Execute(ctx context.Context, call Call, onEvent EventHandler) (*pb.RunEvent, error) {
 	request := &pb.ExecuteRequest{ToolName: call.Tool, IdempotencyKey: call.IdempotencyKey,
-		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas}
+		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas,
+		ParentRunId: call.ParentRunID}
 	if request.IdempotencyKey == "" {
 		request.IdempotencyKey = NewIdempotencyKey()
 	}

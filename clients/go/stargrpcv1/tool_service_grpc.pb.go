@@ -52,7 +52,8 @@ type ToolServiceClient interface {
 	// within the run retention, on any replica. Filtered by tool, state and outcome, and
 	// paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
 	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
-	// INVALID_ARGUMENT with a field violation on `page_token`.
+	// INVALID_ARGUMENT with a field violation on `page_token`. `root_run_id` lists one call
+	// tree, `parent_run_id` one run's children.
 	ListRuns(ctx context.Context, in *ListRunsRequest, opts ...grpc.CallOption) (*ListRunsResponse, error)
 	// Approves or denies a run that waits for approval (its stream's APPROVAL_REQUIRED
 	// notice, or ListRuns state RUN_STATE_AWAITING_APPROVAL, gives the approval id). Only a
@@ -264,7 +265,8 @@ type ToolServiceServer interface {
 	// within the run retention, on any replica. Filtered by tool, state and outcome, and
 	// paged: pass `next_page_token` back as `page_token` until it comes back empty (a page
 	// may hold fewer than `page_size` runs when filters skip many). A malformed token is
-	// INVALID_ARGUMENT with a field violation on `page_token`.
+	// INVALID_ARGUMENT with a field violation on `page_token`. `root_run_id` lists one call
+	// tree, `parent_run_id` one run's children.
 	ListRuns(context.Context, *ListRunsRequest) (*ListRunsResponse, error)
 	// Approves or denies a run that waits for approval (its stream's APPROVAL_REQUIRED
 	// notice, or ListRuns state RUN_STATE_AWAITING_APPROVAL, gives the approval id). Only a

@@ -298,6 +298,8 @@ class AuditInterceptor(ComposedInterceptor):
             "auth_method": principal.method if principal else "",
             "tool": record.tool,
             "run_id": record.run_id,
+            "parent_run_id": record.parent_run_id,
+            "root_run_id": record.root_run_id,
             "arguments": self.view.arguments_text(arguments),
             "result": self._result_text(call, run.audit_result if run is not None else None),
             "invocation": self.view.invocation_text(call.invocation),
@@ -309,6 +311,28 @@ class AuditInterceptor(ComposedInterceptor):
             "privileged": record.privileged,
             "key_id": "", "seq": 0, "prev_hash": "", "hash": "",
         })
+
+    def audit_child(self, record: CallRecord, result: events_pb2.Result | None,
+                    time: str) -> None:
+        """Writes the record of a child run a tool started (``ctx.call``), which no gRPC
+        call carries: when it ends (its ``result``), or when it was refused (None, the
+        record's outcome and detail set). The runtime's ``audit_child``."""
+        call = _AuditedCall(record, time=time, written=True, result=result,
+                            invocation=record.extra.pop("invocation", None) or None)
+        if result is not None:
+            record.outcome = outcome_for_result(result)
+            if result.HasField("error"):
+                record.detail = f"{result.error.code}: {result.error.message}"
+        audit_record = self._audit_record(call)
+        record.run = None  # the run holds this record's closure: no cycle back
+        notable = audit_record.privileged or audit_record.outcome != "ok"
+        if (notable and self.log_lines != "off") or self.log_lines == "all":
+            self._log(audit_record, notable)
+        try:
+            self.writer.submit(audit_record)
+        except RuntimeError:
+            log.error("audit_record_not_stored", reason="the audit writer is closed",
+                      record=audit_record.as_dict())
 
     def _result_text(self, call: _AuditedCall, substitute: str | None) -> str:
         if substitute is None:  # the tool chose nothing: what the call chose, if anything

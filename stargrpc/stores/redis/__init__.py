@@ -9,16 +9,22 @@ Keys (all under ``redis_key_prefix``)::
     run:{id}:steer    list    SteerRun messages (JSON) for the replica running the run
     runs:all          zset    every run's id, scored by its start (ms since the epoch)
     runs:owner:{hash} zset    the same for the runs of one principal (ListRuns)
+    runs:tree:{hash}  zset    the runs of one call tree (its root and every run below it),
+                              written by the runs below the root (ListRuns root_run_id,
+                              and CancelRun's cascade to other replicas)
+    runs:tree:{hash}:count string the runs started below that root on every replica
+                              (max_runs_per_tree)
     runs:running      zset    the id of every running run, scored by when the sweep looks
                               at it next (its lease's expiry as last seen, ms, Redis's clock)
     idem:{digest}     string  JSON {fp, run} — the idempotency claim of (principal, key)
     approval:{id}     hash    a run's approval request and decision (approvals.py)
 
 The meta hash also holds ``summary`` (JSON: last seq, current step, outcome and end, as of
-the run's last written batch), which ListRuns shows. The indexes are written apart from the
-run's scripts (on a cluster they live in slots of their own), when a run is registered and
-when it ends; they expire like the runs (each write pushes their TTL out) and drop the ids
-of expired runs when a listing comes across them.
+the run's last written batch; for a run below a root also ``parent``, ``root`` and
+``depth``, which a replica hanging a run under it reads), which ListRuns shows. The
+indexes are written apart from the run's scripts (on a cluster they live in slots of their
+own), when a run is registered and when it ends; they expire like the runs (each write
+pushes their TTL out) and drop the ids of expired runs when a listing comes across them.
 
 A run is written by exactly one replica, which holds its **lease** and renews it (every
 second or so, and with every batch of events). Events are appended to an in-process log

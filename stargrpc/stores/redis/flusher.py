@@ -237,6 +237,9 @@ class Flusher:
         summary = {"seq": batch[-1][0], "step": "" if final else run_log.current_step}
         if final:
             summary.update(outcome=run_log.outcome, ended=run_log.ended_ms)
+        if run_log.parent_run_id:  # a run below a root (ListRuns, a child's parent lookup)
+            summary.update(parent=run_log.parent_run_id, root=run_log.root_run_id,
+                           depth=run_log.depth)
         args.extend((json.dumps(summary), batch[0][0]))
         args.extend(data for _, data, _ in batch)
         return shared.with_claim(shared.run_keys(run_log.run_id), run_log.claim_key), args

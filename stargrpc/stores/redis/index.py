@@ -12,6 +12,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
+from stargrpc.ids import minted_ms
 from stargrpc.stores.base import RunPage, RunQuery, RunSummary
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import KeyVanished, as_redis_error, reachable, request_error
@@ -48,6 +49,11 @@ class RunIndex:
         """The run indexes a run of ``owner`` is in: every run's, then its principal's."""
         return [self.key(None), self.key(owner)]
 
+    def tree_key(self, root_run_id: str) -> str:
+        """The index of the runs of one call tree (its root and every run below it)."""
+        digest = hashlib.sha256(root_run_id.encode()).hexdigest()[:40]
+        return f"{self._shared.prefix}runs:tree:{digest}"
+
     def key(self, owner: str | None) -> str:
         """The index of ``owner``'s runs; of every run for None."""
         prefix = self._shared.prefix
@@ -72,6 +78,14 @@ class RunIndex:
                 commands.append(("ZREMRANGEBYRANK", key, 0, -(INDEX_MAX_RUNS + 1)))
                 # Every write sets the same TTL from now: it only ever grows.
                 commands.append(("PEXPIRE", key, shared.running_ttl_ms))
+            if run_log.parent_run_id:
+                # A run below a root: in its tree's index, with the root (placed at the time
+                # its id holds), so ListRuns(root_run_id) reads the tree alone.
+                root = run_log.root_run_id
+                key = self.tree_key(root)
+                commands.append(("ZADD", key, run_log.started_ms, run_log.run_id,
+                                 minted_ms(root) or run_log.started_ms, root))
+                commands.append(("PEXPIRE", key, shared.running_ttl_ms))
             commands.extend(self._sweep.commands(run_log))
         try:
             async with asyncio.timeout(shared.timeout):
@@ -91,6 +105,22 @@ class RunIndex:
                         await pipe.execute()
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int:
+        """Adds ``delta`` to the count of runs the call tree of ``root_run_id`` started on
+        every replica (``runs:tree:<hash>:count``, gone ``ttl_ms`` after its last change);
+        the new count.
+
+        Raises:
+            RequestError: Redis could not be reached (UNAVAILABLE).
+        """
+        key = self.tree_key(root_run_id) + ":count"
+        with reachable("counting the call tree's runs"):
+            async with self._shared.redis.pipeline(transaction=False) as pipe:
+                pipe.incrby(key, delta)
+                pipe.pexpire(key, max(1, ttl_ms))
+                total, _ = await pipe.execute()
+        return int(total)
 
     async def page_token_key(self) -> bytes:
         """The key that signs ListRuns page tokens, the same for every replica.
@@ -119,7 +149,7 @@ class RunIndex:
             RequestError: Redis could not be reached (UNAVAILABLE).
         """
         redis = self._shared.redis
-        key = self.key(query.owner)
+        key = self.tree_key(query.root_run_id) if query.root_run_id else self.key(query.owner)
         top: int | str = "+inf" if query.after is None else query.after[0]
         runs: list[RunSummary] = []
         position: tuple[int, str] | None = None
@@ -166,4 +196,20 @@ class RunIndex:
                           meta.get(b"tool", b"").decode(), started_ms, finished=finished,
                           outcome=outcome, ended_ms=int(written.get("ended", 0)),
                           last_seq=int(written.get("seq", 0)),
-                          current_step="" if finished else str(written.get("step", "")))
+                          current_step="" if finished else str(written.get("step", "")),
+                          parent_run_id=str(written.get("parent", "")),
+                          root_run_id=str(written.get("root", "")),
+                          depth=int(written.get("depth", 0)))
+
+
+def tree_of(meta: dict[bytes, bytes]) -> tuple[str, str, int] | None:
+    """Where a run sits in its call tree, as its meta hash's summary says: (parent, root,
+    depth), or None for a top-level run (or one whose first batch is not written yet)."""
+    try:
+        written = json.loads(meta.get(b"summary", b"{}"))
+    except ValueError:
+        return None
+    parent = written.get("parent") if isinstance(written, dict) else None
+    if not parent:
+        return None
+    return str(parent), str(written.get("root", "")), int(written.get("depth", 0))

@@ -184,6 +184,10 @@ class RemoteRunLog:
     _finished: bool
     _last_seq: int
     _raw: dict[int, bytes]
+    # Where the run sits in its call tree (from its summary), for a run below a root.
+    parent_run_id = ""
+    root_run_id = ""
+    depth = 0
 
     def __init__(self, lookup: RunLookup, run_id: str, owner: str, tool: str,
                  finished: bool, last_seq: int) -> None:

@@ -30,7 +30,7 @@ from stargrpc.stores.redis.approvals import RedisApprovalStore
 from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
 from stargrpc.stores.redis.flusher import Flusher
-from stargrpc.stores.redis.index import RunIndex
+from stargrpc.stores.redis.index import RunIndex, tree_of
 from stargrpc.stores.redis.leases import Leases, Sweep
 from stargrpc.stores.redis.logs import LocalRuns, RedisRunLog, RemoteRunLog
 from stargrpc.stores.redis.shared import Shared
@@ -227,9 +227,13 @@ class RedisRunStore:
         if not meta:
             return None
         last_seq = int(last[0][0].split(b"-", 1)[0]) if last else 0
-        return RemoteRunLog(self.leases, run_id, meta.get(b"owner", b"").decode(),
-                            meta.get(b"tool", b"").decode(),
-                            finished=meta.get(b"state") != b"running", last_seq=last_seq)
+        remote = RemoteRunLog(self.leases, run_id, meta.get(b"owner", b"").decode(),
+                              meta.get(b"tool", b"").decode(),
+                              finished=meta.get(b"state") != b"running", last_seq=last_seq)
+        tree = tree_of(meta)
+        if tree is not None:
+            remote.parent_run_id, remote.root_run_id, remote.depth = tree
+        return remote
 
     async def _look_up(self, run_id: str) -> tuple[dict[bytes, bytes], list[Any]]:
         """A run's meta hash (empty when Redis has none) and its last event."""
@@ -366,6 +370,9 @@ class RedisRunStore:
 
     async def page_token_key(self) -> bytes:
         return await self.index.page_token_key()
+
+    async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int | None:
+        return await self.index.count_tree_runs(root_run_id, delta, ttl_ms)
 
     async def flushed(self, within: float) -> bool:
         """Waits until every event appended so far is in Redis, at most ``within`` seconds;

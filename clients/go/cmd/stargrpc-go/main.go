@@ -77,6 +77,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	reason := sub.String("reason", "", "cancel, approve, deny: why, shown in the Result")
 	approvalID := sub.String("approval-id", "", "approve, deny: the approval id of the request")
 	digest := sub.String("arguments-digest", "", "approve, deny: the arguments' sha256 shown")
+	parentRunID := sub.String("parent-run-id", "", "call: hang the run under this run of yours")
 	if err := sub.Parse(params); err != nil {
 		return exitUsage(err)
 	}
@@ -101,7 +102,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	case command == "call" && (len(params) == 1 || len(params) == 2):
-		call := stargrpc.Call{Tool: params[0]}
+		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID}
 		if len(params) == 2 {
 			call.ArgumentsJSON = params[1]
 		}

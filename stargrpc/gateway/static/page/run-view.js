@@ -47,7 +47,10 @@ function stepNode(id) {
   return $("steps").querySelector(`li[data-step-id="${CSS.escape(id)}"]`);
 }
 
-export function onStep(event) {
+// A step event; `childRunId` is set on one a child run relayed (ctx.call): its step ids are
+// prefixed with the path of run ids down to it, and its top-level step names the step of
+// this run that called it as parent, so the child nests where it was called, live.
+export function onStep(event, childRunId = "") {
   const step = event.step || {};
   const phase = phaseName(event.phase);
   let node = stepNode(step.id);
@@ -57,6 +60,15 @@ export function onStep(event) {
     const head = el("div", "step-head");
     head.append(el("span", "step-status"), el("span", "step-title", step.title || step.id),
                 el("span", "step-kind", step.kind || ""), el("span", "step-time", ""));
+    if (childRunId && step.id.endsWith(`${childRunId}/s0`)) {
+      // The child run's own top-level step: say which run it is, and link to it.
+      node.classList.add("child-run");
+      node.dataset.childRunId = childRunId;
+      const link = el("a", "child-run-link", `run ${childRunId.slice(0, 8)}…`);
+      link.href = `#run=${childRunId}`;
+      link.title = `child run ${childRunId}`;
+      head.append(link);
+    }
     node.replaceChildren(head, el("div", "step-summary", ""), el("pre", "step-output"),
                          el("ul", "steps children"));
     const parent = step.parent_id ? stepNode(step.parent_id) : null;
@@ -69,7 +81,8 @@ export function onStep(event) {
     const output = node.querySelector(":scope > pre.step-output");
     const piece = el("span", event.channel ? `channel-${event.channel}` : "", event.delta || "");
     output.append(piece);
-    if (event.channel !== "stderr") shown.streamed += event.delta || "";
+    // A child's output is the child's: the run's own streamed output stays its own.
+    if (event.channel !== "stderr" && !childRunId) shown.streamed += event.delta || "";
   } else if (phase === "END") {
     setStepStatus(node, statusName(step.status));
     node.querySelector(":scope > .step-summary").textContent = step.summary || "";

@@ -120,7 +120,7 @@ function dispatch(kind, data) {
     shown.deadline = stamped + seconds(payload.critic_time_left) * 1000;
     if (shown.softTimeout === null) shown.softTimeout = Math.round(seconds(payload.critic_time_left));
   }
-  if (payload.step) onStep(payload.step);
+  if (payload.step) onStep(payload.step, payload.child_run_id || "");
   else if (payload.heartbeat) onHeartbeat(payload.heartbeat);
   else if (payload.notice) onNotice(payload.notice);
   else if (payload.file_chunk) onFileChunk(payload.file_chunk);
