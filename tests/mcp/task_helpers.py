@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import mcp_types as types
 from mcp import Client
-from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
+from mcp.client.extension import ClaimContext, ClientExtension, NotificationBinding, ResultClaim
 from pydantic import ConfigDict, Field
 
 from stargrpc.mcp.run_events import RUN_EVENTS_METHOD
@@ -131,3 +131,23 @@ async def until_listed(client: Client, tool: str) -> str:
             await asyncio.sleep(0.05)
 
     return await asyncio.wait_for(poll(), 30)
+
+
+class TaskStatusWatcher(ClientExtension):
+    """Receives ``notifications/tasks/status`` (2025-11-25), which the SDK's client routes
+    to an extension's binding (its core tables leave tasks out)."""
+
+    identifier = "io.stargrpc/test-task-status"
+
+    def __init__(self) -> None:
+        self.statuses: list[types.TaskStatusNotificationParams] = []
+        self.arrived = asyncio.Event()
+
+    def notifications(self) -> Sequence[NotificationBinding[Any]]:
+        return [NotificationBinding(method="notifications/tasks/status",
+                                    params_type=types.TaskStatusNotificationParams,
+                                    handler=self._on_status)]
+
+    async def _on_status(self, params: types.TaskStatusNotificationParams) -> None:
+        self.statuses.append(params)
+        self.arrived.set()

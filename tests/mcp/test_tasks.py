@@ -15,11 +15,13 @@ from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION, RUN_EVENTS_METHOD
 from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION
 from tests.conftest import AuthServerFactory
 from tests.mcp.conftest import McpUnderTest
-from tests.mcp.mcp_tools import mcp_registry
+from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
 from tests.mcp.task_helpers import (
+    TERMINAL,
     AnyResult,
     TaskHandle,
     TasksExtension,
+    TaskStatusWatcher,
     legacy_task,
     send,
     until_listed,
@@ -60,15 +62,8 @@ async def test_2025_capabilities_and_tools_offer_tasks(tasks_server: McpUnderTes
 async def test_2025_task_get_result_list_and_status_notification(
         tasks_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
     name, opened, _ = gate
-    statuses: list[types.TaskStatusNotificationParams] = []
-    ended = asyncio.Event()
-
-    async def on_message(message: Any) -> None:
-        if isinstance(message, types.TaskStatusNotification):  # pragma: no cover - typed
-            statuses.append(message.params)
-            ended.set()
-
-    async with tasks_server.client(mode=LEGACY) as client:
+    watcher = TaskStatusWatcher()
+    async with tasks_server.client(mode=LEGACY, extensions=[watcher]) as client:
         task = await legacy_task(client, "wait_at_gate", {"gate": name}, ttl=60_000)
         assert task.status == "working"
         assert task.ttl is not None and task.ttl >= 120_000  # the run retention, at least
@@ -88,6 +83,8 @@ async def test_2025_task_get_result_list_and_status_notification(
         done = await until_status(client, task.task_id, ("completed",))
         assert done["statusMessage"] == "completed"
         assert done["lastUpdatedAt"] >= done["createdAt"]
+        await asyncio.wait_for(watcher.arrived.wait(), 10)  # on the session's own stream
+    assert [(s.task_id, s.status) for s in watcher.statuses] == [(task.task_id, "completed")]
 
 
 async def test_2025_cancel_ends_the_run_and_a_finished_task_cannot_be_cancelled(
@@ -259,3 +256,39 @@ async def test_hostile_task_requests_get_precise_errors(
             types.TextContent(text="still here")]
     opened.set()
     assert AnyResult  # the helper type is what every answer above was read into
+
+
+async def test_a_task_made_on_one_replica_is_answered_by_another(
+        mcp_replicas: tuple[McpUnderTest, McpUnderTest],
+        gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
+    first, second = mcp_replicas
+    name, opened, cancelled = gate
+    async with first.client(mode=LEGACY) as on_a, second.client(mode=LEGACY) as on_b:
+        task = await legacy_task(on_a, "wait_at_gate", {"gate": name})
+        got = await until_status(on_b, task.task_id, ("working",))
+        assert got["taskId"] == task.task_id
+        assert task.task_id in [t["taskId"] for t in (
+            await send(on_b, "tasks/list", {})).model_dump()["tasks"]]
+        waiting = asyncio.create_task(
+            send(on_b, "tasks/result", {"taskId": task.task_id}, types.CallToolResult))
+        opened.set()
+        result = await asyncio.wait_for(waiting, 30)
+        assert result.content == [types.TextContent(text="through the gate")]
+        assert (await until_status(on_b, task.task_id, TERMINAL))["status"] == "completed"
+    # 2026-07-28: made on the second replica, cancelled and read on the first.
+    other_gate = name + "-2"
+    GATES[other_gate], CANCELLED[other_gate] = asyncio.Event(), cancelled
+    try:
+        async with second.client(mode=MODERN, extensions=[TasksExtension()]) as on_b, \
+                first.client(mode=MODERN, extensions=[TasksExtension()]) as on_a:
+            long = await on_b.session.call_tool("wait_at_gate", {"gate": other_gate},
+                                                allow_claimed=True)
+            assert isinstance(long, TaskHandle)
+            assert (await until_status(on_a, long.task_id, ("working",)))["status"] == "working"
+            assert acknowledged(await send(on_a, "tasks/cancel", {"taskId": long.task_id}))
+            await asyncio.wait_for(cancelled.wait(), 15)
+            assert (await until_status(on_a, long.task_id, TERMINAL))["status"] == "cancelled"
+            assert (await until_status(on_b, long.task_id, TERMINAL))["status"] == "cancelled"
+    finally:
+        GATES.pop(other_gate).set()
+        CANCELLED.pop(other_gate, None)
