@@ -64,6 +64,17 @@ async def mcp_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpU
 
 
 @pytest.fixture
+async def tasks_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpUnderTest:
+    """An MCP endpoint that answers a 2026-07-28 call with a task after 0.2 s, and keeps
+    finished runs for 120 s."""
+    tools = tmp_path / "extra_tools"
+    tools.mkdir()
+    auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools],
+                                  mcp_task_after_seconds=0.2, run_retention_seconds=120)
+    return McpUnderTest(auth)
+
+
+@pytest.fixture
 async def mcp_replicas(make_auth_server: AuthServerFactory, make_server: ServerFactory,
                        redis_prefix: str, tmp_path: Any) -> tuple[McpUnderTest, McpUnderTest]:
     """Two replicas sharing Redis (runs, hence tasks) and the keys file, each with its MCP

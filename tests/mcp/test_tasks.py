@@ -13,9 +13,8 @@ from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION, RUN_EVENTS_METHOD
 from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION
-from tests.conftest import AuthServerFactory
 from tests.mcp.conftest import McpUnderTest
-from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
+from tests.mcp.mcp_tools import CANCELLED, GATES
 from tests.mcp.task_helpers import (
     TERMINAL,
     AnyResult,
@@ -36,16 +35,6 @@ def acknowledged(answer: AnyResult) -> bool:
     """An empty result (2026-07-28: ``resultType`` and the server's ``_meta`` stamp)."""
     fields = answer.model_dump(by_alias=True, exclude_none=True)
     return fields.pop("resultType") == "complete" and set(fields) <= {"_meta"}
-
-
-@pytest.fixture
-async def tasks_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpUnderTest:
-    """An MCP endpoint that answers a 2026-07-28 call with a task after 0.2 s."""
-    tools = tmp_path / "extra_tools"
-    tools.mkdir()
-    auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools],
-                                  mcp_task_after_seconds=0.2, run_retention_seconds=120)
-    return McpUnderTest(auth)
 
 
 async def test_2025_capabilities_and_tools_offer_tasks(tasks_server: McpUnderTest) -> None:
