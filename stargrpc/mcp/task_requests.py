@@ -132,6 +132,8 @@ class TaskRequests:
             run_id = await self._start(call, metadata)
         except grpc.aio.AioRpcError as error:
             raise _refused(CallError.from_rpc_error(error), call.name) from None
+        log.info("mcp_task_created", run_id=run_id, tool=call.name,
+                 protocol=LEGACY_TASKS_VERSION)
         now = int(time.time() * 1000)
         seed = RunSnapshot(run_id, call.name, False, minted_ms(run_id) or now, now, "started", 0)
         self._follow(ctx, run_id, metadata)
@@ -250,6 +252,8 @@ class TaskRequests:
         snapshot = await self.runs.snapshot(run_id, metadata)
         if snapshot.finished:  # ended just now: its result, as for a quick run
             return await self._inline_result(run_id, metadata, params.name)
+        log.info("mcp_task_created", run_id=run_id, tool=params.name,
+                 protocol=ctx.protocol_version)
         return {"resultType": "task", **self.runs.task(snapshot, legacy=False)}
 
     async def _inline_result(self, run_id: str, metadata: Metadata, tool_name: str

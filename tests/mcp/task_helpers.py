@@ -120,19 +120,6 @@ async def until_status(client: Client, task_id: str, wanted: tuple[str, ...]
     return await asyncio.wait_for(poll(), 30)
 
 
-async def until_listed(client: Client, tool: str) -> str:
-    """Polls ``tasks/list`` (2025-11-25) until a working task of ``tool`` shows; its id."""
-    async def poll() -> str:
-        while True:
-            page = (await send(client, "tasks/list", {})).model_dump(by_alias=True)
-            for task in page["tasks"]:
-                if task["status"] == "working" and task["statusMessage"] != "started":
-                    return str(task["taskId"])
-            await asyncio.sleep(0.05)
-
-    return await asyncio.wait_for(poll(), 30)
-
-
 class TaskStatusWatcher(ClientExtension):
     """Receives ``notifications/tasks/status`` (2025-11-25), which the SDK's client routes
     to an extension's binding (its core tables leave tasks out)."""
@@ -151,3 +138,8 @@ class TaskStatusWatcher(ClientExtension):
     async def _on_status(self, params: types.TaskStatusNotificationParams) -> None:
         self.statuses.append(params)
         self.arrived.set()
+
+
+def tasks_created(logs: list[dict[str, Any]]) -> list[str]:
+    """The tools of the tasks the endpoint made, from ``structlog.testing.capture_logs``."""
+    return [entry["tool"] for entry in logs if entry["event"] == "mcp_task_created"]

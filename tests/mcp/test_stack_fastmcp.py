@@ -12,11 +12,13 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 from fastmcp_tasks import call_tool_task
 from mcp.shared.exceptions import MCPError
+from structlog.testing import capture_logs
 
 from stargrpc.mcp.mapping import UNAUTHENTICATED
+from tests.helpers import eventually
 from tests.mcp.conftest import McpUnderTest
 from tests.mcp.mcp_tools import CANCELLED, GATES
-from tests.mcp.task_helpers import until_listed
+from tests.mcp.task_helpers import tasks_created
 
 MODES = ("legacy", "auto")  # auto: server/discover, then 2026-07-28
 
@@ -92,11 +94,12 @@ async def test_a_long_call_is_a_task_the_client_drives(
     name, opened, cancelled = gate
     async with fastmcp_client(tasks_server) as client:
         # Transparent: call_tool polls the task to its result.
-        call = asyncio.create_task(client.call_tool("wait_at_gate", {"gate": name}))
-        async with tasks_server.client(mode="legacy") as watcher:
-            await until_listed(watcher, "wait_at_gate")  # the run is going: a task by now
-        opened.set()
-        result = await asyncio.wait_for(call, 30)
+        with capture_logs() as logs:
+            call = asyncio.create_task(client.call_tool("wait_at_gate", {"gate": name}))
+            await eventually(lambda: tasks_created(logs), what="a task")  # answered: a task
+            opened.set()
+            result = await asyncio.wait_for(call, 30)
+        assert tasks_created(logs) == ["wait_at_gate"]
         assert result.content[0].text == "through the gate"  # type: ignore[union-attr]
         # A handle: status, then cancel.
         other = name + "-handle"

@@ -10,9 +10,11 @@ from typing import Any
 import mcp_types as types
 import pytest
 from mcp.shared.exceptions import MCPError
+from structlog.testing import capture_logs
 
 from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION, RUN_EVENTS_METHOD
 from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION
+from tests.helpers import eventually
 from tests.mcp.conftest import McpUnderTest
 from tests.mcp.mcp_tools import CANCELLED, GATES
 from tests.mcp.task_helpers import (
@@ -23,7 +25,7 @@ from tests.mcp.task_helpers import (
     TaskStatusWatcher,
     legacy_task,
     send,
-    until_listed,
+    tasks_created,
     until_status,
 )
 
@@ -137,13 +139,13 @@ async def test_2026_the_sdk_extension_resolves_a_task_transparently(
         tasks_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
     name, opened, _ = gate
     async with tasks_server.client(mode=MODERN, extensions=[TasksExtension()]) as client:
-        call = asyncio.create_task(client.call_tool("wait_at_gate", {"gate": name}))
-        async with tasks_server.client(mode=LEGACY) as watcher:
-            listed = await until_listed(watcher, "wait_at_gate")
-        opened.set()
-        result = await asyncio.wait_for(call, 30)
+        with capture_logs() as logs:
+            call = asyncio.create_task(client.call_tool("wait_at_gate", {"gate": name}))
+            await eventually(lambda: tasks_created(logs), what="a task")
+            opened.set()
+            result = await asyncio.wait_for(call, 30)
     assert result.content == [types.TextContent(text="through the gate")]
-    assert (result.meta or {})["stargrpc.dev/run-id"] == listed
+    assert tasks_created(logs) == ["wait_at_gate"]
 
 
 async def test_2026_cancel_is_acknowledged_and_the_task_ends_cancelled(
