@@ -93,9 +93,14 @@ async def legacy_task(client: Client, tool: str, arguments: dict[str, Any],
     its answer is read with the SDK's ``CreateTaskResult``."""
     params = types.CallToolRequestParams(name=tool, arguments=arguments,
                                          task=types.TaskMetadata(ttl=ttl))
-    raw = await client.session._dispatcher.send_raw_request(
-        "tools/call", params.model_dump(by_alias=True, mode="json", exclude_none=True), {})
+    raw = await raw_request(client, "tools/call",
+                            params.model_dump(by_alias=True, mode="json", exclude_none=True))
     return types.CreateTaskResult.model_validate(raw).task
+
+
+async def raw_request(client: Client, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A request sent as it is, its answer unchecked (a handshake-era session)."""
+    return dict(await client.session._dispatcher.send_raw_request(method, params, {}))
 
 
 async def send(client: Client, method: str, params: Any,

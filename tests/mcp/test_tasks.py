@@ -24,6 +24,7 @@ from tests.mcp.task_helpers import (
     TasksExtension,
     TaskStatusWatcher,
     legacy_task,
+    raw_request,
     send,
     tasks_created,
     until_status,
@@ -236,6 +237,11 @@ async def test_hostile_task_requests_get_precise_errors(
                 else:  # huge: served, the actual ttl stated
                     task = await legacy_task(client, "echo", {"text": "x"}, ttl=ttl)
                     assert task.ttl is not None and task.ttl < 10**30
+            for task in ("soon", {"ttl": "long"}, [1]):
+                with pytest.raises(MCPError) as malformed_task:
+                    await raw_request(client, "tools/call",
+                                      {"name": "echo", "arguments": {}, "task": task})
+                assert malformed_task.value.error.code == types.INVALID_PARAMS
             with pytest.raises(MCPError) as unknown_tool:
                 await legacy_task(client, "no_such_tool", {})
             assert unknown_tool.value.error.code == types.INVALID_PARAMS
