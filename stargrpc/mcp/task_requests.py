@@ -306,8 +306,7 @@ class TaskRequests:
         self._era(ctx, legacy_only=True)
         metadata = self._credentials(ctx)
         snapshot = await self.runs.wait_final(params.task_id, metadata)
-        summary = await self.runs.snapshot(params.task_id, metadata)
-        snapshot.tool_name = summary.tool_name
+        snapshot.tool_name = await self.runs.tool_of(params.task_id, metadata)
         return result_meta(await self._call_result(snapshot, metadata), params.task_id)
 
     async def _cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams

@@ -258,6 +258,12 @@ class TaskRuns:
         return call_result(snapshot.final, snapshot.view,
                            declares_output_schema=declares_output_schema)
 
+    async def tool_of(self, run_id: str, metadata: Metadata) -> str:
+        """The tool the run runs, when ListRuns shows the run among the caller's newest
+        (empty when not)."""
+        summary = await self._summary(run_id, metadata)
+        return summary.tool_name if summary is not None else ""
+
     async def _summary(self, run_id: str, metadata: Metadata
                        ) -> tool_service_pb2.RunSummary | None:
         """The run's ListRuns summary when it is among the caller's newest runs (it always

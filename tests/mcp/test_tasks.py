@@ -79,6 +79,17 @@ async def test_2025_task_get_result_list_and_status_notification(
     assert [(s.task_id, s.status) for s in watcher.statuses] == [(task.task_id, "completed")]
 
 
+async def test_2025_a_task_result_is_what_the_call_answers(tasks_server: McpUnderTest) -> None:
+    async with tasks_server.client(mode=LEGACY) as client:
+        task = await legacy_task(client, "measure", {"size": 2})
+        result = await send(client, "tasks/result", {"taskId": task.task_id},
+                            types.CallToolResult)
+        direct = await client.call_tool("measure", {"size": 2})
+    assert result.structured_content == direct.structured_content == {"x": 2, "y": 4}
+    assert [block.type for block in result.content] == [block.type for block in direct.content]
+    assert (result.meta or {})["stargrpc.dev/run-id"] == task.task_id
+
+
 async def test_2025_cancel_ends_the_run_and_a_finished_task_cannot_be_cancelled(
         tasks_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
     name, _, cancelled = gate
