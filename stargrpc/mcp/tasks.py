@@ -74,7 +74,10 @@ _SKEW_MS = 60_000
 _PROBE_SECONDS = 2.0
 _AFTER_EVERYTHING = 2**64 - 1
 _TASK_ID = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
-_STATE_NAMES = {value: name for name, value in tool_service_pb2.RunState.items()}
+#: RunState names by value; the waiting states by the numbers the run-state seam gives them,
+#: for stubs generated before they were added.
+_STATE_NAMES = {3: "RUN_STATE_QUEUED", 4: "RUN_STATE_AWAITING_APPROVAL",
+                **{value: name for name, value in tool_service_pb2.RunState.items()}}
 
 TaskStatus = str
 
@@ -144,10 +147,9 @@ def waiting_message(summary: tool_service_pb2.RunSummary) -> str:
     """The status message of a run that has not ended, from its ListRuns summary: where it
     waits (queued in a lane, awaiting approval) or the step it is running.
 
-    The waiting states (RunState QUEUED, AWAITING_APPROVAL) and their fields (``lane``,
-    ``queue_position``) belong to the lanes and approval feature; they are read by name,
-    so the message shows them wherever the server reports them and is plain ``running``
-    where it does not.
+    The waiting states (RunState 3 QUEUED, 4 AWAITING_APPROVAL) and their fields
+    (``lane``, ``queue_position``; ``approval``) belong to the lanes and approval features;
+    the fields are read by name, so the message shows what the server reports.
     """
     state = _STATE_NAMES.get(summary.state, "")
     if state == "RUN_STATE_QUEUED":
@@ -156,7 +158,13 @@ def waiting_message(summary: tool_service_pb2.RunSummary) -> str:
         text = f"queued in lane {lane}" if lane else "queued"
         return f"{text} (position {position})" if position else text
     if state == "RUN_STATE_AWAITING_APPROVAL":
-        return "awaiting approval"
+        approval = getattr(summary, "approval", None)
+        approval_id = str(getattr(approval, "approval_id", "") or "")
+        deadline = getattr(approval, "deadline", None)
+        details = [f"approval {approval_id}"] if approval_id else []
+        if deadline is not None and deadline.seconds:
+            details.append(f"denied at {_iso(_ms(deadline))} unless decided")
+        return f"awaiting approval ({', '.join(details)})" if details else "awaiting approval"
     return f"running: {summary.current_step}" if summary.current_step else "running"
 
 
@@ -246,7 +254,9 @@ class TaskRuns:
             task_id, metadata)
         if last_seq is None:  # going, though ListRuns did not show it (yet)
             return RunSnapshot(task_id, tool, False, created, created, "running", 0)
-        final, view = await self._final(task_id, last_seq if not with_result else 0, metadata)
+        # Its Result alone, or (for its CallToolResult) the whole run, files sent in chunks.
+        final, view = await self._final(task_id, 0 if with_result else max(0, last_seq - 1),
+                                        metadata)
         return RunSnapshot(task_id, tool, True, created, _ms(final.time),
                            ended_message(final), final.seq, final, view)
 

@@ -168,8 +168,9 @@ async def test_the_sdk_and_langchain_mcp_adapters_beside_mcp_1(
     await _run(tmp_path, sys.executable, "-m", "venv", str(venv))
     python, command = venv / "bin" / "python", venv / "bin" / "stargrpc"
     # No extra: what an agent app that also uses langchain-mcp-adapters 0.3 installs.
-    await _run(tmp_path, str(python), "-m", "pip", "install", "-q", str(REPO), "mcp<2",
-               f"langchain-mcp-adapters=={LANGCHAIN_MCP_ADAPTERS}")
+    # (--no-compile: the modules the app imports compile as they are imported.)
+    await _run(tmp_path, str(python), "-m", "pip", "install", "-q", "--no-compile", str(REPO),
+               "mcp<2", f"langchain-mcp-adapters=={LANGCHAIN_MCP_ADAPTERS}")
     out = await _run(tmp_path, str(python), "-c", SDK_CALL, mcp_server.auth.target,
                      str(command), mcp_server.auth.key)
     assert "OUTPUT:beside mcp 1" in out

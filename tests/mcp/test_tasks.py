@@ -13,7 +13,8 @@ from mcp.shared.exceptions import MCPError
 from structlog.testing import capture_logs
 
 from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION, RUN_EVENTS_METHOD
-from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION
+from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION, waiting_message
+from stargrpc.v1 import tool_service_pb2
 from tests.helpers import eventually
 from tests.mcp.conftest import McpUnderTest
 from tests.mcp.mcp_tools import CANCELLED, GATES
@@ -300,3 +301,15 @@ async def test_a_task_made_on_one_replica_is_answered_by_another(
     finally:
         GATES.pop(other_gate).set()
         CANCELLED.pop(other_gate, None)
+
+
+def test_a_waiting_run_says_where_it_waits() -> None:
+    # RunState 3 and 4 are the lanes' and approval's (the run-state seam's numbers).
+    summary = tool_service_pb2.RunSummary(state=3)
+    assert waiting_message(summary) == "queued"
+    summary = tool_service_pb2.RunSummary(state=4)
+    assert waiting_message(summary).startswith("awaiting approval")
+    summary = tool_service_pb2.RunSummary(state=tool_service_pb2.RUN_STATE_RUNNING,
+                                          current_step="Counting to 3")
+    assert waiting_message(summary) == "running: Counting to 3"
+    assert waiting_message(tool_service_pb2.RunSummary(state=1)) == "running"
