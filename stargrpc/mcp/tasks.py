@@ -69,8 +69,8 @@ _PAGE = 200
 #: Runs are listed newest first by when their replica made them: a run made this long
 #: before the task's id was minted is past it (clock skew between replicas).
 _SKEW_MS = 60_000
-#: How long WatchRun may think about a run that ListRuns did not show before the run is
-#: taken to be going (a finished or unknown run is answered at once).
+#: How long WatchRun may think about a run older than the runs ListRuns was asked for before
+#: the run is taken to be going (a finished or unknown run is answered at once).
 _PROBE_SECONDS = 2.0
 _AFTER_EVERYTHING = 2**64 - 1
 _TASK_ID = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
@@ -242,7 +242,12 @@ class TaskRuns:
         """
         if not _TASK_ID.fullmatch(task_id):
             raise TaskNotFound(task_id)
-        summary = await self._summary(task_id, metadata)
+        summary, looked_everywhere = await self._summary(task_id, metadata)
+        if summary is None and looked_everywhere:
+            # Every run the caller may see that is newer than this one was listed: a run made
+            # for a task is listed before the task is answered (it carries an idempotency
+            # key, which registers it), and ListRuns keeps finished runs as long as WatchRun.
+            raise TaskNotFound(task_id)
         created = (_ms(summary.started_at) if summary is not None and summary.started_at.seconds
                    else minted_ms(task_id) or int(time.time() * 1000))
         tool = summary.tool_name if summary is not None else ""
@@ -252,7 +257,7 @@ class TaskRuns:
                                waiting_message(summary), summary.last_seq)
         last_seq = summary.last_seq if summary is not None else await self._probe(
             task_id, metadata)
-        if last_seq is None:  # going, though ListRuns did not show it (yet)
+        if last_seq is None:  # going, older than the newest runs ListRuns was asked for
             return RunSnapshot(task_id, tool, False, created, created, "running", 0)
         # Its Result alone, or (for its CallToolResult) the whole run, files sent in chunks.
         final, view = await self._final(task_id, 0 if with_result else max(0, last_seq - 1),
@@ -271,13 +276,14 @@ class TaskRuns:
     async def tool_of(self, run_id: str, metadata: Metadata) -> str:
         """The tool the run runs, when ListRuns shows the run among the caller's newest
         (empty when not)."""
-        summary = await self._summary(run_id, metadata)
+        summary, _ = await self._summary(run_id, metadata)
         return summary.tool_name if summary is not None else ""
 
     async def _summary(self, run_id: str, metadata: Metadata
-                       ) -> tool_service_pb2.RunSummary | None:
+                       ) -> tuple[tool_service_pb2.RunSummary | None, bool]:
         """The run's ListRuns summary when it is among the caller's newest runs (it always
-        is while a client polls a task it has just made); None when not found there."""
+        is while a client polls a task it has just made), and whether the listing went past
+        where the run would be (so that a run not found is not one the caller may see)."""
         minted = minted_ms(run_id)
         token = ""
         for _ in range(_SCAN_PAGES):
@@ -288,13 +294,13 @@ class TaskRuns:
                 raise protocol_error(CallError.from_rpc_error(error)) from None
             for run in page.runs:
                 if run.run_id == run_id:
-                    return run
+                    return run, True
                 if minted is not None and _ms(run.started_at) < minted - _SKEW_MS:
-                    return None  # listed newest first: it would have come before
+                    return None, True  # listed newest first: it would have come before
             token = page.next_page_token
             if not token:
-                return None
-        return None
+                return None, True
+        return None, False
 
     async def _probe(self, run_id: str, metadata: Metadata) -> int | None:
         """Asks WatchRun for what follows the end of everything: the seq of the run's
