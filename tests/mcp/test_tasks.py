@@ -12,6 +12,7 @@ import pytest
 from mcp.shared.exceptions import MCPError
 from structlog.testing import capture_logs
 
+from stargrpc.mcp import tasks as tasks_module
 from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION, RUN_EVENTS_METHOD
 from stargrpc.mcp.tasks import RELATED_TASK_META_KEY, TASKS_EXTENSION, waiting_message
 from stargrpc.v1 import tool_service_pb2
@@ -313,3 +314,28 @@ def test_a_waiting_run_says_where_it_waits() -> None:
                                           current_step="Counting to 3")
     assert waiting_message(summary) == "running: Counting to 3"
     assert waiting_message(tool_service_pb2.RunSummary(state=1)) == "running"
+
+
+async def test_a_task_past_the_runs_listed_is_read_through_watchrun(
+        tasks_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # ListRuns is asked for the newest run only: older tasks are found by WatchRun.
+    monkeypatch.setattr(tasks_module, "_PAGE", 1)
+    monkeypatch.setattr(tasks_module, "_SCAN_PAGES", 1)
+    monkeypatch.setattr(tasks_module, "_PROBE_SECONDS", 0.5)
+    name, opened, _ = gate
+    async with tasks_server.client(mode=LEGACY) as client:
+        going = await legacy_task(client, "wait_at_gate", {"gate": name})
+        done = await legacy_task(client, "echo", {"text": "done"})
+        await send(client, "tasks/result", {"taskId": done.task_id}, types.CallToolResult)
+        newest = await legacy_task(client, "echo", {"text": "newest"})
+        await send(client, "tasks/result", {"taskId": newest.task_id}, types.CallToolResult)
+        got = (await send(client, "tasks/get", {"taskId": going.task_id})).model_dump()
+        assert got["status"] == "working"
+        got = (await send(client, "tasks/get", {"taskId": done.task_id})).model_dump()
+        assert got["status"] == "completed" and got["statusMessage"] == "completed"
+        for unknown in ("0" * 32, going.task_id[:-1] + "x"):
+            with pytest.raises(MCPError) as refused:
+                await send(client, "tasks/get", {"taskId": unknown})
+            assert refused.value.error.code == types.INVALID_PARAMS
+        opened.set()
