@@ -10,7 +10,8 @@
   starts the run detached and follows it for ``mcp_task_after_seconds``: ended by then,
   the answer is its ``CallToolResult``; else a task (``resultType: "task"``). ``tasks/get``
   (result inline) and ``tasks/cancel``; both refuse a request that does not declare the
-  extension (-32021), as SEP-2663 requires.
+  extension (-32021), as SEP-2663 requires. ``tasks/update`` is acknowledged (no run asks
+  its client for input).
 
 Every task-created run carries an idempotency key (the caller's, else a fresh one): the
 server then registers the run in its store before StartRun answers, so the task can be
@@ -106,6 +107,7 @@ class TaskRequests:
         server.add_request_handler("tasks/get", TaskIdParams, self._get)
         server.add_request_handler("tasks/result", TaskIdParams, self._result)
         server.add_request_handler("tasks/cancel", TaskIdParams, self._cancel)
+        server.add_request_handler("tasks/update", TaskIdParams, self._update)
         server.add_request_handler("tasks/list", types.PaginatedRequestParams, self._list)
         server.add_request_handler(RUN_EVENTS_METHOD, RunEventsParams, self._events)
         server.middleware.append(self._task_augmented_call)
@@ -328,6 +330,17 @@ class TaskRequests:
         except TimeoutError:
             snapshot = await self.runs.snapshot(params.task_id, metadata)
         return self.runs.task(snapshot, legacy=True)
+
+    async def _update(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams
+                      ) -> dict[str, Any]:
+        """2026-07-28 ``tasks/update``: a run never asks its client for input (its task is
+        never ``input_required``), so every response is for a request that is not
+        outstanding, which SEP-2663 has the server ignore: an acknowledgement, for a task the
+        caller may see."""
+        if self._era(ctx):
+            raise MCPError(types.METHOD_NOT_FOUND, "Method not found", ctx.method)
+        await self.runs.snapshot(params.task_id, self._credentials(ctx))
+        return {}
 
     async def _list(self, ctx: ServerRequestContext[Any, Any],
                     params: types.PaginatedRequestParams) -> dict[str, Any]:

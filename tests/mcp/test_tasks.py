@@ -134,6 +134,12 @@ async def test_2026_quick_calls_answer_inline_long_ones_become_tasks(
         done = await until_status(client, long.task_id, ("completed",))
         result = types.CallToolResult.model_validate(done["result"])
         assert result.content == [types.TextContent(text="through the gate")]
+        # No run asks for input: an update is acknowledged (and changes nothing).
+        update = {"taskId": long.task_id, "inputResponses": {"name": {"action": "decline"}}}
+        assert acknowledged(await send(client, "tasks/update", update))
+        with pytest.raises(MCPError) as unknown:
+            await send(client, "tasks/update", {**update, "taskId": "0" * 32})
+        assert unknown.value.error.code == types.INVALID_PARAMS
         # tasks/result and tasks/list are not of this version.
         for method in ("tasks/result", "tasks/list"):
             with pytest.raises(MCPError) as missing:
