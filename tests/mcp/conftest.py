@@ -67,9 +67,10 @@ async def mcp_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpU
 async def tasks_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpUnderTest:
     """An MCP endpoint that answers a 2026-07-28 call with a task after 0.2 s, and keeps
     finished runs for 120 s."""
-    tools = tmp_path / "extra_tools"
+    tools = tmp_path / "task_tools"
     tools.mkdir()
     auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools],
+                                  keys_file=tmp_path / "task-keys.json",
                                   mcp_task_after_seconds=0.2, run_retention_seconds=120)
     return McpUnderTest(auth)
 

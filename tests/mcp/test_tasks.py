@@ -114,16 +114,20 @@ async def test_2025_cancel_ends_the_run_and_a_finished_task_cannot_be_cancelled(
 
 
 async def test_2026_quick_calls_answer_inline_long_ones_become_tasks(
-        tasks_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
+        mcp_server: McpUnderTest, tasks_server: McpUnderTest,
+        gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
     name, opened, _ = gate
     async with tasks_server.client(mode="auto") as client:  # server/discover
         assert client.protocol_version == MODERN
         extensions = client.server_capabilities.extensions or {}
         assert extensions[TASKS_EXTENSION] == {}
         assert extensions[RUN_EVENTS_EXTENSION]["method"] == RUN_EVENTS_METHOD
-    async with tasks_server.client(mode=MODERN, extensions=[TasksExtension()]) as client:
+    # A quick call is answered inline (within the default mcp_task_after_seconds, 2 s).
+    async with mcp_server.client(mode=MODERN, extensions=[TasksExtension()]) as client:
         quick = await client.session.call_tool("echo", {"text": "at once"}, allow_claimed=True)
         assert isinstance(quick, types.CallToolResult)
+        assert quick.content == [types.TextContent(text="at once")]
+    async with tasks_server.client(mode=MODERN, extensions=[TasksExtension()]) as client:
         long = await client.session.call_tool("wait_at_gate", {"gate": name},
                                               allow_claimed=True)
         assert isinstance(long, TaskHandle) and long.status == "working"
