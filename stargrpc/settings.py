@@ -478,6 +478,11 @@ class Settings(BaseSettings):
         1800.0, gt=0, le=7 * 24 * 3600, description="An MCP session with no request in "
         "flight (no call answered, no open GET stream) for this long ends; its client must "
         "initialize again.")
+    mcp_task_after_seconds: float = Field(
+        2.0, ge=0, le=3600, description="A tools/call of a 2026-07-28 MCP client that "
+        "declares the tasks extension (io.modelcontextprotocol/tasks) is answered with its "
+        "result when its run ends within this, else with a task the client polls (tasks/get); "
+        "0 makes every such call a task.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
         "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md. Needs the "

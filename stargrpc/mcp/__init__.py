@@ -7,6 +7,9 @@ of MCP servers behind stargrpc.
 - :mod:`stargrpc.mcp.sessions`: its door: every request authenticated, each session its
   principal's, and how many each principal may hold.
 - :mod:`stargrpc.mcp.stdio`: the same bridge over stdio (``stargrpc mcp-stdio``).
+- :mod:`stargrpc.mcp.tasks`: MCP tasks read from runs (a task is a run);
+  :mod:`stargrpc.mcp.task_requests`: their requests in 2025-11-25 and 2026-07-28;
+  :mod:`stargrpc.mcp.run_events`: the ``io.stargrpc/run-events`` extension.
 - :mod:`stargrpc.mcp.upstream`, :mod:`stargrpc.mcp.schemas`: MCP servers behind stargrpc
   (``mcp_servers``).
 

@@ -18,6 +18,8 @@ the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request
 - ``notifications/tools/list_changed``: WatchCatalog, followed with the credentials of the
   connection (handshake-era clients) or of the ``subscriptions/listen`` request
   (2026-07-28 clients).
+- tasks (2025-11-25 and the 2026-07-28 extension) and the ``io.stargrpc/run-events``
+  extension: :mod:`stargrpc.mcp.task_requests`, on the same runs.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from stargrpc.gateway.client import GatewayClient, Metadata, StartedRun
 from stargrpc.mcp.mapping import (
     IDEMPOTENCY_META_KEY,
     OUTPUT_URI,
+    TASK_SUPPORT,
     ProgressView,
     call_result,
     mcp_tool,
@@ -60,12 +63,14 @@ from stargrpc.mcp.mapping import (
     refusal,
     run_of_output_uri,
 )
+from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION
+from stargrpc.mcp.run_events import capability as run_events_capability
+from stargrpc.mcp.task_requests import Credentials, TaskRequests
+from stargrpc.mcp.tasks import TASKS_EXTENSION
+from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.mcp")
-
-#: The credentials (gRPC metadata) of the MCP caller behind a request.
-Credentials = Callable[[ServerRequestContext[Any, Any]], Metadata]
 
 #: How long a cancelled ``tools/call`` waits for its CancelRun to be accepted.
 CANCEL_TIMEOUT_SECONDS = 5.0
@@ -73,9 +78,16 @@ CANCEL_TIMEOUT_SECONDS = 5.0
 _LOG_LEVELS = {events_pb2.NOTICE_LEVEL_WARNING: "warning"}
 
 
+#: ``run_retention_seconds`` and ``mcp_task_after_seconds`` of a bridge that is not told.
+DEFAULT_RETENTION_SECONDS = float(Settings.model_fields["run_retention_seconds"].default)
+DEFAULT_TASK_AFTER_SECONDS = float(Settings.model_fields["mcp_task_after_seconds"].default)
+
+
 class _Server(Server[Any]):
     """The SDK's low-level server announcing ``tools.listChanged`` to handshake-era
-    clients (the streamable-HTTP manager asks for the options without arguments)."""
+    clients (the streamable-HTTP manager asks for the options without arguments), tasks
+    (``capabilities.tasks`` in 2025-11-25, the extension from 2026-07-28) and the run-events
+    extension (``experimental`` in 2025-11-25, which has no ``extensions``)."""
 
     def create_initialization_options(
             self, notification_options: NotificationOptions | None = None,
@@ -85,6 +97,26 @@ class _Server(Server[Any]):
             notification_options or NotificationOptions(tools_changed=True),
             experimental_capabilities, extensions)
 
+    def get_capabilities(self, notification_options: NotificationOptions | None = None,
+                         experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+                         extensions: dict[str, dict[str, Any]] | None = None, *,
+                         protocol_version: str | None = None) -> types.ServerCapabilities:
+        capabilities = super().get_capabilities(
+            notification_options, experimental_capabilities, extensions,
+            protocol_version=protocol_version)
+        if protocol_version in MODERN_PROTOCOL_VERSIONS:
+            capabilities.extensions = {**(capabilities.extensions or {}),
+                                       TASKS_EXTENSION: {},
+                                       RUN_EVENTS_EXTENSION: run_events_capability()}
+            return capabilities
+        capabilities.tasks = types.ServerTasksCapability(
+            list=types.TasksListCapability(), cancel=types.TasksCancelCapability(),
+            requests=types.ServerTasksRequestsCapability(
+                tools=types.TasksToolsCapability(call=types.TasksCallCapability())))
+        capabilities.experimental = {**(capabilities.experimental or {}),
+                                     RUN_EVENTS_EXTENSION: run_events_capability()}
+        return capabilities
+
 
 class Bridge:
     """An MCP server whose tools are a stargrpc server's.
@@ -92,16 +124,29 @@ class Bridge:
     Attributes:
         client: The gRPC client of the stargrpc server.
         server: The SDK's MCP server (serve it over any MCP transport).
+        tasks: Its tasks (and run events).
     """
 
     client: GatewayClient
     server: Server[Any]
+    tasks: TaskRequests
     _credentials: Credentials
     # Whether each tool lists an output schema over MCP, as of the latest ListTools (the
     # same for every caller: only permissions differ between their catalogs).
     _output_schemas: dict[str, bool]
 
-    def __init__(self, client: GatewayClient, credentials: Credentials) -> None:
+    def __init__(self, client: GatewayClient, credentials: Credentials, *,
+                 retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+                 task_after_seconds: float = DEFAULT_TASK_AFTER_SECONDS) -> None:
+        """A bridge to the server ``client`` calls.
+
+        Args:
+            client: The gRPC client of the server.
+            credentials: The credentials of the MCP caller behind each request.
+            retention_seconds: The server's ``run_retention_seconds`` (tasks' TTL).
+            task_after_seconds: ``mcp_task_after_seconds``: how long a 2026-07-28 call of a
+                client that takes tasks may run before it is answered with a task.
+        """
         self.client = client
         self._credentials = credentials
         self._output_schemas = {}
@@ -115,6 +160,11 @@ class Bridge:
             on_subscriptions_listen=self._listen)
         self.server.add_notification_handler(
             "notifications/initialized", types.NotificationParams, self._initialized)
+        self.tasks = TaskRequests(client, credentials, retention_seconds=retention_seconds,
+                                  task_after_seconds=task_after_seconds,
+                                  declares_output_schema=self._declares_output_schema,
+                                  events_sender=_progress_sender)
+        self.tasks.install(self.server)
 
     # -- tools/list ------------------------------------------------------------------------
 
@@ -125,6 +175,8 @@ class Bridge:
         except grpc.aio.AioRpcError as error:
             raise protocol_error(CallError.from_rpc_error(error)) from None
         tools = [mcp_tool(tool) for tool in reply.tools]
+        for tool in tools:  # every run is a task (the field is of 2025-11-25 only)
+            tool.execution = TASK_SUPPORT
         self._output_schemas = {tool.name: tool.output_schema is not None for tool in tools}
         return types.ListToolsResult(tools=[
             tool for tool, listed in zip(tools, reply.tools, strict=True)
@@ -148,6 +200,9 @@ class Bridge:
 
     async def _call_tool(self, ctx: ServerRequestContext[Any, Any],
                          params: types.CallToolRequestParams) -> types.CallToolResult:
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS and self.tasks.declares_tasks(ctx):
+            # A CreateTaskResult (resultType "task") is the extension's, past the SDK's sieve.
+            return await self.tasks.call_or_task(ctx, params)  # type: ignore[return-value]
         meta = params.meta or {}
         key = meta.get(IDEMPOTENCY_META_KEY, "")
         if not isinstance(key, str):

@@ -44,6 +44,9 @@ from stargrpc.v1 import catalog_pb2, events_pb2
 #: the same caller attaches to the first run or replays its Result instead of running again).
 IDEMPOTENCY_META_KEY = "stargrpc.dev/idempotency-key"
 
+#: A listed tool's ``execution`` (2025-11-25): every call may be a task (every run is one).
+TASK_SUPPORT = types.ToolExecution(task_support="optional")
+
 #: ``_meta`` keys of a ``CallToolResult``.
 RUN_ID_META_KEY = "stargrpc.dev/run-id"
 OUTCOME_META_KEY = "stargrpc.dev/outcome"

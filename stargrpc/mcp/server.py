@@ -93,7 +93,9 @@ class McpEndpoint:
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name)
         self._bridge = Bridge(self._client,
-                              functools.partial(request_credentials, forwarded=forwarded))
+                              functools.partial(request_credentials, forwarded=forwarded),
+                              retention_seconds=settings.run_retention_seconds,
+                              task_after_seconds=settings.mcp_task_after_seconds)
         self._http = None
         self._manager_task = None
         self._manager_stop = asyncio.Event()
@@ -154,6 +156,7 @@ class McpEndpoint:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.sessions.clear()
+        await self._bridge.tasks.aclose()
         http, self._http = self._http, None
         if http is not None:
             await http.stop()

@@ -47,4 +47,5 @@ async def serve_stdio(target: str, *, api_key: str | None = None, tls: bool = Fa
             await bridge.server.run(read_stream, write_stream,
                                     bridge.server.create_initialization_options())
     finally:
+        await bridge.tasks.aclose()
         await client.aclose()

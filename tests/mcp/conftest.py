@@ -19,9 +19,12 @@ from mcp.client.streamable_http import streamable_http_client
 
 from stargrpc.mcp import upstream as upstream_module
 from stargrpc.server.grpc_server import StargrpcServer
-from tests.conftest import AuthServer, AuthServerFactory
+from tests.conftest import AuthServer, AuthServerFactory, ServerFactory
 from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
 from tests.mcp.upstream_server import Observed, serve_http
+from tests.stores.conftest import REDIS_URL, redis_prefix
+
+__all__ = ["redis_prefix"]  # a fixture of the two-replica task tests
 
 #: The protocol eras a client may speak: the initialize handshake, and 2026-07-28.
 MODES = ("legacy", "2026-07-28")
@@ -58,6 +61,31 @@ async def mcp_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpU
     tools.mkdir()
     auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools])
     return McpUnderTest(auth)
+
+
+@pytest.fixture
+async def tasks_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpUnderTest:
+    """An MCP endpoint that answers a 2026-07-28 call with a task after 0.2 s, and keeps
+    finished runs for 120 s."""
+    tools = tmp_path / "task_tools"
+    tools.mkdir()
+    auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools],
+                                  keys_file=tmp_path / "task-keys.json",
+                                  mcp_task_after_seconds=0.2, run_retention_seconds=120)
+    return McpUnderTest(auth)
+
+
+@pytest.fixture
+async def mcp_replicas(make_auth_server: AuthServerFactory, make_server: ServerFactory,
+                       redis_prefix: str, tmp_path: Any) -> tuple[McpUnderTest, McpUnderTest]:
+    """Two replicas sharing Redis (runs, hence tasks) and the keys file, each with its MCP
+    endpoint; a 2026-07-28 call becomes a task after 0.2 s."""
+    shared = {"redis_url": REDIS_URL, "redis_key_prefix": redis_prefix, "mcp_port": 0,
+              "mcp_task_after_seconds": 0.2}
+    first = await make_auth_server(mcp_registry(), **shared)
+    second = await make_server(mcp_registry(), insecure_no_auth=False,
+                               keys_file=tmp_path / "keys.json", **shared)
+    return McpUnderTest(first), McpUnderTest(AuthServer(second, first.key, first.keys))
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The MCP features are an extra (``stargrpc[mcp]``, issue 29): the Python SDK installs and
-works beside an agent framework pinned to ``mcp < 2`` (langchain-mcp-adapters 0.3), and
+works beside an agent framework pinned to ``mcp < 2`` (langchain-mcp-adapters 0.3, whose
+own MCP client is tested here against the endpoint: it cannot share the suite's venv), and
 asking for an MCP feature without the extra says what to install."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.metadata
+import json
 import os
 import sys
 import textwrap
@@ -20,10 +22,13 @@ from stargrpc.errors import MissingExtra
 from stargrpc.mcp import require_mcp
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
-from tests.conftest import ServerFactory
+from tests.mcp.conftest import McpUnderTest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "stargrpc"
+
+#: The langchain-mcp-adapters an agent app installs beside the SDK (it needs mcp < 2).
+LANGCHAIN_MCP_ADAPTERS = "0.3.2"
 
 #: Modules only the mcp extra brings (the SDK and what it alone requires).
 EXTRA_MODULES = ("mcp", "mcp_types", "httpx2", "jsonschema", "referencing")
@@ -96,7 +101,7 @@ SDK_CALL = textwrap.dedent('''
     from stargrpc.client import Client
 
     assert importlib.metadata.version("mcp").startswith("1."), importlib.metadata.version("mcp")
-    with Client(sys.argv[1]) as client:
+    with Client(sys.argv[1], api_key=sys.argv[3]) as client:
         result = client.call("echo", {"text": "beside mcp 1"})
     print("OUTPUT:" + result.output)
     assert "site-packages" in sys.modules["stargrpc"].__file__  # the installed copy
@@ -106,21 +111,81 @@ SDK_CALL = textwrap.dedent('''
     print("STDIO:" + str(stdio.returncode) + ":" + stdio.stderr.replace("\\n", " "))
 ''')
 
+#: langchain-mcp-adapters (with its mcp 1) against the MCP endpoint: the tools as LangChain
+#: tools, a call with progress, a tool error, a call cancelled mid-run, wrong credentials.
+LANGCHAIN_CALLS = textwrap.dedent('''
+    import asyncio, json, sys
+    from langchain_mcp_adapters.callbacks import Callbacks
+    from langchain_mcp_adapters.client import MultiServerMCPClient
+
+    url, key, gate = sys.argv[1], sys.argv[2], sys.argv[3]
+    progress, waiting = [], asyncio.Event()
+
+    async def on_progress(value, total, message, context):
+        progress.append(message)
+        if message and "waiting at the gate" in message:
+            waiting.set()
+
+    def server(token):
+        return {"stargrpc": {"transport": "streamable_http", "url": url,
+                             "headers": {"Authorization": "Bearer " + token}}}
+
+    async def main():
+        client = MultiServerMCPClient(server(key), callbacks=Callbacks(on_progress=on_progress))
+        tools = {tool.name: tool for tool in await client.get_tools()}
+        out = {"tools": sorted(tools), "count": await tools["count"].ainvoke({"to": 3})}
+        try:
+            out["breaks"] = await tools["breaks"].ainvoke({})
+        except Exception as error:
+            out["breaks"] = "raised " + str(error)
+        call = asyncio.ensure_future(tools["wait_at_gate"].ainvoke({"gate": gate}))
+        await asyncio.wait_for(waiting.wait(), 30)
+        call.cancel()
+        try:
+            await call
+            out["cancelled"] = "not cancelled"
+        except asyncio.CancelledError:
+            out["cancelled"] = "cancelled"
+        out["progress"] = progress
+        try:
+            await MultiServerMCPClient(server("not-a-key")).get_tools()
+            out["bad_key"] = "accepted"
+        except BaseException as error:
+            out["bad_key"] = repr(error)
+        print("LANGCHAIN:" + json.dumps(out, default=str))
+
+    asyncio.run(main())
+''')
+
 
 @pytest.mark.timeout(900)  # a fresh venv and an install (from the pip cache): about a minute
-async def test_the_sdk_installs_and_calls_beside_mcp_1(make_server: ServerFactory,
-                                                       tmp_path: Path) -> None:
+async def test_the_sdk_and_langchain_mcp_adapters_beside_mcp_1(
+        mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
+        tmp_path: Path) -> None:
     # Runs wherever the suite runs, CI included: it is the promise an agent app relies on.
-    server = await make_server()
+    name, _, cancelled = gate
     venv = tmp_path / "agent-app"
     await _run(tmp_path, sys.executable, "-m", "venv", str(venv))
     python, command = venv / "bin" / "python", venv / "bin" / "stargrpc"
     # No extra: what an agent app that also uses langchain-mcp-adapters 0.3 installs.
-    await _run(tmp_path, str(python), "-m", "pip", "install", "-q", str(REPO), "mcp<2")
-    out = await _run(tmp_path, str(python), "-c", SDK_CALL, f"127.0.0.1:{server.port}",
-                     str(command))
+    # (--no-compile: the modules the app imports compile as they are imported.)
+    await _run(tmp_path, str(python), "-m", "pip", "install", "-q", "--no-compile", str(REPO),
+               "mcp<2", f"langchain-mcp-adapters=={LANGCHAIN_MCP_ADAPTERS}")
+    out = await _run(tmp_path, str(python), "-c", SDK_CALL, mcp_server.auth.target,
+                     str(command), mcp_server.auth.key)
     assert "OUTPUT:beside mcp 1" in out
     assert "STDIO:1:" in out and "pip install 'stargrpc[mcp]'" in out, out
+    # The same app's LangChain agent reaches the same server's MCP endpoint.
+    out = await _run(tmp_path, str(python), "-c", LANGCHAIN_CALLS, mcp_server.url,
+                     mcp_server.auth.key, name)
+    seen = json.loads(out.split("LANGCHAIN:", 1)[1])
+    assert {"echo", "count", "wait_at_gate"} <= set(seen["tools"])
+    assert "counted to 3" in json.dumps(seen["count"])
+    assert "ERROR [TOOL_EXCEPTION]" in json.dumps(seen["breaks"])
+    assert "Counting to 3: 2" in seen["progress"]
+    assert seen["cancelled"] == "cancelled"
+    await asyncio.wait_for(cancelled.wait(), 10)  # the run stopped with the call
+    assert "401" in seen["bad_key"] or "nauthorized" in seen["bad_key"], seen["bad_key"]
 
 
 async def _run(cwd: Path, *argv: str) -> str:

@@ -16,6 +16,7 @@ from mcp.shared.exceptions import MCPError
 from stargrpc.mcp.mapping import MAX_TEXT_CHARS, UNAUTHENTICATED
 from tests.mcp.conftest import McpUnderTest, cancel_mid_run, reload_with_greet
 from tests.mcp.mcp_tools import long_text
+from tests.mcp.task_helpers import legacy_task, send, until_status
 
 
 def bridge_command(mcp_server: McpUnderTest, key: str | None) -> StdioServerParameters:
@@ -89,3 +90,18 @@ async def test_a_long_output_links_to_all_of_it_over_stdio_too(
     [whole] = read.contents
     assert isinstance(whole, types.TextResourceContents)
     assert whole.text == long_text(chars)
+
+
+async def test_tasks_over_stdio(mcp_server: McpUnderTest,
+                                gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
+    name, opened, _ = gate
+    async with Client(bridge_command(mcp_server, mcp_server.auth.key), mode="legacy",
+                      read_timeout_seconds=30) as client:
+        assert client.protocol_version == "2025-11-25"
+        assert client.server_capabilities.tasks is not None
+        task = await legacy_task(client, "wait_at_gate", {"gate": name})
+        assert (await until_status(client, task.task_id, ("working",)))["ttl"] >= 600_000
+        opened.set()
+        result = await send(client, "tasks/result", {"taskId": task.task_id},
+                            types.CallToolResult)
+    assert result.content == [types.TextContent(text="through the gate")]
