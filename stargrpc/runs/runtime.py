@@ -72,6 +72,10 @@ class RunRequest:
     invocation: Mapping[str, Any] = field(default_factory=dict)
     #: How the run is supervised; None: the server's policy, without a caller deadline.
     policy: SupervisionPolicy | None = None
+    #: The session the run runs in (``ctx.session``: a
+    #: :class:`stargrpc.sessions.session.SessionHandle`, found for the caller by the entry
+    #: point), or None.
+    session: Any = None
 
 
 @dataclass(frozen=True)
@@ -412,6 +416,8 @@ class Runtime:
                   self.store.create(run_id, owner=principal.id, tool=spec.name),
                   limits=self.run_limits)
         run.state_store = self.state_store
+        if request.session is not None:
+            run.session = request.session
         return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,

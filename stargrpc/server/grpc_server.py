@@ -202,6 +202,7 @@ class StargrpcServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         self.service.deliveries.start()
+        self.service.sessions.start()
         if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
             await self.runtime.store.start()
         if self.upstreams is not None:  # in the background: a slow one never delays serving
@@ -239,6 +240,8 @@ class StargrpcServer:
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
+        # After the drain: its runs' calls in sessions have ended (or been cancelled).
+        await self.service.sessions.aclose()
         if self.upstreams is not None:
             await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport

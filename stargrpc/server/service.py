@@ -22,12 +22,14 @@ from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     RequestError,
     RunFinished,
+    Unavailable,
     reason_name,
 )
 from stargrpc.principal import Principal, current_principal
@@ -45,6 +47,7 @@ from stargrpc.server.streaming import (
     event_responses,
     serialize_response,
 )
+from stargrpc.sessions import Session, SessionHandle, Sessions
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     RunLog,
@@ -61,6 +64,8 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
+_SESSION_BUSY = reason_name(errors_pb2.SESSION_BUSY)
+_SESSION_KIND_MISMATCH = reason_name(errors_pb2.SESSION_KIND_MISMATCH)
 
 
 class MalformedRequest:
@@ -122,12 +127,14 @@ class ToolService:
 
     runtime: Runtime
     deliveries: Deliveries
+    sessions: Sessions
     _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
 
     def __init__(self, runtime: Runtime, deliveries: Deliveries | None = None) -> None:
         self.runtime = runtime
         self.deliveries = (deliveries if deliveries is not None
                            else Deliveries(runtime.settings, runtime.store))
+        self.sessions = Sessions(runtime.settings)
         self._tool_messages = ("", {})
 
     # -- catalog ---------------------------------------------------------------------------
@@ -304,7 +311,30 @@ class ToolService:
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
-                           policy=policy)
+                           policy=policy, session=self._session_of(request))
+
+    def _session_of(self, request: tool_service_pb2.ExecuteRequest
+                    | tool_service_pb2.StartRunRequest) -> SessionHandle | None:
+        """The caller's session the request names (None when it names none).
+
+        Raises:
+            NotFound: Not one of the caller's open sessions (SESSION_NOT_FOUND).
+            FailedPrecondition: ``python`` in a shell session or the reverse
+                (SESSION_KIND_MISMATCH); busy while the caller would not wait (SESSION_BUSY).
+        """
+        if not request.session_id:
+            return None
+        session = self.sessions.get(current_principal.get().id, request.session_id)
+        tool = request.tool_name
+        if tool in ("python", "shell") and tool != session.kind:
+            raise FailedPrecondition(
+                f"the session runs {session.kind}, not {tool}",
+                reason=_SESSION_KIND_MISMATCH, metadata={"session_kind": session.kind})
+        if request.session_no_wait and session.busy:
+            raise FailedPrecondition("the session is running another call",
+                                     reason=_SESSION_BUSY,
+                                     metadata={"session_id": session.session_id})
+        return SessionHandle.of(session, no_wait=request.session_no_wait)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
@@ -394,6 +424,38 @@ class ToolService:
             runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
             next_page_token=encode_page_token(page.cursor, key))
 
+    # -- sessions --------------------------------------------------------------------------
+
+    @_statuses
+    async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext
+                            ) -> tool_service_pb2.CreateSessionResponse:
+        principal = current_principal.get()
+        limits = self.sessions.grant(
+            request.kind, ttl_seconds=request.ttl_seconds, idle_seconds=request.idle_seconds,
+            memory_mb=request.memory_mb, cpu_seconds=request.cpu_seconds,
+            disk_mb=request.disk_mb)
+        # A session runs its kind's tool: the caller must be allowed to run it (shell is
+        # privileged).
+        self.runtime.policy.check(principal, self.runtime.lookup(request.kind))
+        if self.runtime.draining:
+            raise Unavailable("the server is shutting down; retry on another replica",
+                              reason="DRAINING")
+        session = await self.sessions.create(principal.id, request.kind, limits)
+        return tool_service_pb2.CreateSessionResponse(session=session_message(session))
+
+    @_statuses
+    async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> tool_service_pb2.CloseSessionResponse:
+        session = await self.sessions.close(current_principal.get().id, request.session_id)
+        return tool_service_pb2.CloseSessionResponse(session_id=session.session_id)
+
+    @_statuses
+    async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> tool_service_pb2.ListSessionsResponse:
+        sessions = self.sessions.owned_by(current_principal.get().id)
+        return tool_service_pb2.ListSessionsResponse(
+            sessions=[session_message(s) for s in sessions])
+
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:
         """The log of ``run_id`` when ``allowed(caller, owner)`` (a :class:`RunAccess` rule).
@@ -451,6 +513,27 @@ def run_summary_message(run: RunSummary, *, with_principal: bool
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)
+    return message
+
+
+def session_message(session: Session) -> tool_service_pb2.Session:
+    """A session as the contract's Session."""
+    limits, usage = session.limits, session.usage
+    message = tool_service_pb2.Session(
+        session_id=session.session_id, kind=session.kind,
+        idle_seconds=int(limits.idle_seconds), memory_mb=limits.memory_mb,
+        cpu_seconds=limits.cpu_seconds, disk_mb=limits.disk_mb, calls=session.calls,
+        busy=session.busy)
+    message.created_at.FromMilliseconds(int(session.created_at * 1000))
+    message.expires_at.FromMilliseconds(int(session.expires_at * 1000))
+    message.last_used_at.FromMilliseconds(int(session.last_used_at * 1000))
+    message.usage.wall_seconds = usage.wall_seconds
+    message.usage.cpu_user_seconds = usage.cpu_user_seconds
+    message.usage.cpu_system_seconds = usage.cpu_system_seconds
+    if usage.peak_rss_bytes is not None:
+        message.usage.peak_rss_bytes = usage.peak_rss_bytes
+    if usage.disk_bytes is not None:
+        message.usage.bytes_written = usage.disk_bytes
     return message
 
 

@@ -96,6 +96,13 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_BAD_SCOPE: _ClassVar[ErrorReason]
     STATE_UNAVAILABLE: _ClassVar[ErrorReason]
     STATE_READ_ONLY: _ClassVar[ErrorReason]
+    SESSION_NOT_FOUND: _ClassVar[ErrorReason]
+    SESSION_BUSY: _ClassVar[ErrorReason]
+    SESSION_LOST: _ClassVar[ErrorReason]
+    SESSION_LIMIT: _ClassVar[ErrorReason]
+    SESSION_KIND_MISMATCH: _ClassVar[ErrorReason]
+    SESSION_CLOSED: _ClassVar[ErrorReason]
+    PYTHON_EXCEPTION: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -186,3 +193,10 @@ STATE_NOT_INTEGER: ErrorReason
 STATE_BAD_SCOPE: ErrorReason
 STATE_UNAVAILABLE: ErrorReason
 STATE_READ_ONLY: ErrorReason
+SESSION_NOT_FOUND: ErrorReason
+SESSION_BUSY: ErrorReason
+SESSION_LOST: ErrorReason
+SESSION_LIMIT: ErrorReason
+SESSION_KIND_MISMATCH: ErrorReason
+SESSION_CLOSED: ErrorReason
+PYTHON_EXCEPTION: ErrorReason

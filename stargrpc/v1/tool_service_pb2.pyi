@@ -74,7 +74,7 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery", "session_id", "session_no_wait")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class ExecuteRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -91,7 +93,9 @@ class ExecuteRequest(_message.Message):
     context: InvocationContext
     coalesce_deltas: bool
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    session_id: str
+    session_no_wait: bool
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
 
 class Delivery(_message.Message):
     __slots__ = ("webhook", "redis_stream")
@@ -164,7 +168,7 @@ class SteerRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery", "session_id", "session_no_wait")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +176,8 @@ class StartRunRequest(_message.Message):
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -179,7 +185,9 @@ class StartRunRequest(_message.Message):
     catalog_hash: str
     context: InvocationContext
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    session_id: str
+    session_no_wait: bool
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
     __slots__ = ("run_id", "attached")
@@ -232,3 +240,75 @@ class ListRunsResponse(_message.Message):
     runs: _containers.RepeatedCompositeFieldContainer[RunSummary]
     next_page_token: str
     def __init__(self, runs: _Optional[_Iterable[_Union[RunSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("kind", "ttl_seconds", "idle_seconds", "memory_mb", "cpu_seconds", "disk_mb")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_MB_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    ttl_seconds: int
+    idle_seconds: int
+    memory_mb: int
+    cpu_seconds: int
+    disk_mb: int
+    def __init__(self, kind: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_seconds: _Optional[int] = ..., memory_mb: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., disk_mb: _Optional[int] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "kind", "created_at", "expires_at", "last_used_at", "idle_seconds", "memory_mb", "cpu_seconds", "disk_mb", "calls", "busy", "usage")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_MB_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    kind: str
+    created_at: _timestamp_pb2.Timestamp
+    expires_at: _timestamp_pb2.Timestamp
+    last_used_at: _timestamp_pb2.Timestamp
+    idle_seconds: int
+    memory_mb: int
+    cpu_seconds: int
+    disk_mb: int
+    calls: int
+    busy: bool
+    usage: _events_pb2.Usage
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_used_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., idle_seconds: _Optional[int] = ..., memory_mb: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., disk_mb: _Optional[int] = ..., calls: _Optional[int] = ..., busy: _Optional[bool] = ..., usage: _Optional[_Union[_events_pb2.Usage, _Mapping]] = ...) -> None: ...
