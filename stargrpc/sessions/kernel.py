@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 #: Largest frame either way (the server enforces the same bound).
@@ -70,6 +71,7 @@ class Kernel:
         self.current = None  # the id of the call running now
         self.shell = None  # the shell of a shell call running now
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
+        self.sweeps = os.environ.get("STARGRPC_SESSION_SWEEP") == "1"
         os.register_at_fork(after_in_child=self._forked)
 
     def _forked(self):
@@ -187,10 +189,28 @@ class Kernel:
             finally:
                 self.current = None
                 self.shell = None
+            self.sweep()
             done.update(t="done", call=call)
             with self.relay_lock:
                 self.drain()
                 self.send(done)
+
+    def sweep(self):
+        """Ends every process a call left behind (its processes end with it), when the
+        kernel is alone in a PID namespace of the session's own (``STARGRPC_SESSION_SWEEP``):
+        ``kill(-1)`` there reaches the session's processes and nothing else."""
+        if self.sweeps:
+            for _ in range(200):  # a fork bomb refills as it is killed: until none is left
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except ProcessLookupError:
+                    break
+                except OSError:
+                    break
+                _reap()
+            _reap(wait=1.0)  # SIGKILL lands asynchronously: the last ones die after it
+        else:
+            _reap()
 
     def run_python(self, code):
         try:
@@ -243,6 +263,22 @@ class Kernel:
                     "error": f"killed by signal {signal.Signals(-status).name}"}
         return {"ok": status == 0, "exit_status": status,
                 "error": "" if status == 0 else f"exited with status {status}"}
+
+
+def _reap(wait=0.0):
+    """Reaps exited children (and, as a PID namespace's init, the orphans it inherited):
+    a zombie still counts against the session's process limit. With ``wait``, waits up to
+    that many seconds for children that were killed and are not gone yet."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
 
 
 def _kill_group(pgid):

@@ -273,7 +273,10 @@ class Session:
             SessionLost: The kernel did not come up (the reason says why).
         """
         env = {"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",
-               "STARGRPC_SESSION_ID": self.session_id}
+               "STARGRPC_SESSION_ID": self.session_id,
+               # With a PID namespace of its own, the kernel ends the processes each call
+               # leaves behind; without one (rlimits) kill(-1) could reach others.
+               "STARGRPC_SESSION_SWEEP": "1" if sandbox.isolation.mode != "rlimits" else "0"}
         self._process = await sandbox.spawn([python, "-I", "-u", "-c", _KERNEL_SOURCE],
                                             env=env, on_stderr=self._kernel_stderr)
         self._workdir_inside = sandbox.isolation.workdir_inside(self._process.folder)

@@ -1,0 +1,109 @@
+"""Sessions at their limits: CPU, disk, the wall clock, idle and total TTLs, and a custom
+tool's ctx.session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.helpers import as_dict, eventually, run_tool
+from tests.sessions.session_helpers import create, open_sessions, python, reason
+
+SESSION_TOOLS = Path(__file__).parent / "session_tools"
+
+
+async def serve(make_server, **settings):
+    server = await make_server(**{"sandbox_max_processes": 32, **settings})
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    return channel, tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+async def test_the_cpu_limit_kills_the_interpreter_and_the_call_is_session_lost(
+        make_server) -> None:
+    channel, stub = await serve(make_server, session_cpu_seconds=1)
+    async with channel:
+        session_id = await create(stub)
+        result = await python(stub, session_id, "while True:\n    pass")
+        assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED,
+                                                       "SESSION_LOST")
+        assert "signal" in result.error.message and "closed" in result.error.message
+        assert await open_sessions(stub) == []
+        # The server serves on, and a new session works.
+        fresh = await create(stub)
+        assert as_dict(await python(stub, fresh, "'ok'"))["structured_output"] == "ok"
+
+
+async def test_a_session_over_its_disk_cap_is_closed(make_server) -> None:
+    channel, stub = await serve(make_server, session_disk_mb=8)
+    async with channel:
+        session_id = await create(stub)
+        code = ("import time\nfor i in range(6):\n"
+                "    open(f'f{i}', 'wb').write(b'x' * 2 * 1024 * 1024)\n"
+                "time.sleep(60)")
+        result = await python(stub, session_id, code)
+        assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED,
+                                                       "SESSION_LOST")
+        assert "disk limit of 8 MB exceeded" in result.error.message
+
+
+async def test_the_wall_clock_interrupts_the_call_and_the_session_lives_on(
+        make_server) -> None:
+    channel, stub = await serve(make_server, sandbox_wall_clock_seconds=1)
+    async with channel:
+        session_id = await create(stub)
+        result = await python(stub, session_id, "x = 1\nimport time\ntime.sleep(60)")
+        assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_TIMEOUT,
+                                                       "WALL_CLOCK_LIMIT")
+        assert "KeyboardInterrupt" in result.output
+        assert as_dict(await python(stub, session_id, "x"))["structured_output"] == 1
+        # Code that swallows the interrupt loses its session.
+        stubborn = ("import time\nwhile True:\n    try:\n        time.sleep(60)\n"
+                    "    except KeyboardInterrupt:\n        pass")
+        result = await python(stub, session_id, stubborn)
+        assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED,
+                                                       "SESSION_LOST")
+        assert "did not stop" in result.error.message
+
+
+async def test_idle_and_total_ttls_close_a_session(make_server) -> None:
+    channel, stub = await serve(make_server)
+    async with channel:
+        idle = await create(stub, idle_seconds=1)
+        short = await create(stub, ttl_seconds=2)
+        await eventually(lambda: _gone(stub, idle))
+        await eventually(lambda: _gone(stub, short))
+        for session_id in (idle, short):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await python(stub, session_id, "1")
+            assert reason(caught.value) == "SESSION_NOT_FOUND"
+
+
+async def _gone(stub, session_id: str) -> bool:
+    return session_id not in await open_sessions(stub)
+
+
+async def test_sessions_can_be_turned_off(make_server) -> None:
+    channel, stub = await serve(make_server, session_max_per_principal=0)
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await create(stub)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reason(caught.value) == "SESSION_LIMIT"
+
+
+async def test_a_custom_tool_gets_ctx_session(make_server) -> None:
+    channel, stub = await serve(make_server, tools_dir=[SESSION_TOOLS])
+    async with channel:
+        session_id = await create(stub)
+        events = await run_tool(stub, "session_note", {"text": "from a tool"},
+                                session_id=session_id)
+        result = events[-1].result
+        assert as_dict(result)["structured_output"] == {"session_id": session_id,
+                                                        "kind": "python"}
+        read = await python(stub, session_id, "open('note.txt').read()")
+        assert as_dict(read)["structured_output"] == "from a tool"
+        outside = (await run_tool(stub, "session_note", {"text": "x"}))[-1].result
+        assert as_dict(outside)["structured_output"] == {"session_id": None}
