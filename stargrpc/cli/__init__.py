@@ -15,6 +15,7 @@ from stargrpc.cli.mcp import mcp_stdio
 from stargrpc.cli.new_tool import new_tool
 from stargrpc.cli.runs import runs
 from stargrpc.cli.serve import serve
+from stargrpc.cli.sessions import session
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,6 +37,7 @@ main.add_command(call)
 main.add_command(watch)
 main.add_command(cancel)
 main.add_command(steer)
+main.add_command(session)
 main.add_command(runs)
 main.add_command(health)
 main.add_command(keys)
