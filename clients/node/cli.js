@@ -7,6 +7,8 @@
 //   node clients/node/cli.js cancel RUN_ID --reason "why"   stop a run
 //   node clients/node/cli.js steer RUN_ID "message"          steer a running tool
 //
+//   node clients/node/cli.js session create python            open a session (prints its id)
+//   node clients/node/cli.js call python '{"code":"x=1"}' --session ID   run in it
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
 // `call` and `watch` exit 0 only when the outcome is OK, like `stargrpc call`; `watch` past
@@ -198,9 +200,9 @@ async function callCancellingOnInterrupt(client, streamed, run) {
   return EXIT_INTERRUPTED;
 }
 
-const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
+const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] [--session ID] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
-  "steer RUN_ID MESSAGE\n" +
+  "steer RUN_ID MESSAGE | session create [python|shell] | session list | session close ID\n" +
   "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K";
 
 class UsageError extends Error {}
@@ -219,6 +221,7 @@ async function main(argv) {
         json: { type: "boolean", default: false },
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
+        session: { type: "string", default: "" },
         reason: { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
@@ -263,8 +266,25 @@ async function main(argv) {
       }
       const run = newRun();
       const streamed = follow(client.execute(rest[0], args,
-        { idempotencyKey: values["idempotency-key"] }), values.json, run);
+        { idempotencyKey: values["idempotency-key"], sessionId: values.session }), values.json, run);
       return await callCancellingOnInterrupt(client, streamed, run);
+    }
+    if (command === "session" && rest[0] === "create" && rest.length <= 2) {
+      const session = await client.createSession(rest[1] || "python");
+      console.log(values.json ? JSON.stringify(session) : session.session_id);
+      return 0;
+    }
+    if (command === "session" && rest[0] === "list" && rest.length === 1) {
+      for (const session of await client.listSessions()) {
+        console.log(values.json ? JSON.stringify(session)
+          : `${session.session_id}  ${session.kind}  ${session.busy ? "busy" : "idle"}  ${session.calls} calls`);
+      }
+      return 0;
+    }
+    if (command === "session" && rest[0] === "close" && rest.length === 2) {
+      await client.closeSession(rest[1]);
+      console.error("closed");
+      return 0;
     }
     if (command === "watch" && rest.length === 1) {
       if (!/^\d+$/.test(values["after-seq"])) throw new UsageError("--after-seq must be a seq (a whole number >= 0)");

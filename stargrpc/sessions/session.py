@@ -443,7 +443,9 @@ class Session:
         finally:
             self._call = None
         self.calls += 1
-        return self._ended(done, call, started, before, timed_out)
+        # Measured in a thread: a folder of many small files must not stall the loop.
+        disk = await asyncio.to_thread(self._disk_used)
+        return self._ended(done, call, started, before, timed_out, disk)
 
     async def _interrupt(self, call: _Call) -> dict[str, Any]:
         """Interrupts the running call; closes the session when it does not stop."""
@@ -460,7 +462,8 @@ class Session:
             raise self.closed or SessionLost("lost") from None
 
     def _ended(self, done: dict[str, Any], call: _Call, started: float,
-               before: tuple[float, float] | None, timed_out: bool) -> CallEnd:
+               before: tuple[float, float] | None, timed_out: bool,
+               disk: int | None) -> CallEnd:
         assert self._sampler is not None
         self._sampler.sample()
         after = self._sampler.cpu
@@ -479,7 +482,7 @@ class Session:
             end.cpu_user_seconds = max(after[0] - before[0], 0.0)
             end.cpu_system_seconds = max(after[1] - before[1], 0.0)
         end.peak_rss_bytes = self._sampler.peak_rss
-        end.disk_bytes = self._disk_used()
+        end.disk_bytes = disk
         totals = self.usage
         totals.wall_seconds += end.duration
         totals.cpu_user_seconds += end.cpu_user_seconds or 0.0
