@@ -299,7 +299,21 @@ def _print_user_traceback(exc):
     traceback.print_exception(type(exc), exc, tb)
 
 
+#: prctl option: orphaned descendants are re-parented to the caller (Linux 3.4+).
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper():
+    """Makes the kernel the parent of every orphan among its descendants, so that it reaps
+    them itself (:meth:`Kernel.sweep`) instead of leaving them to the namespace's init."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def main():
+    _become_subreaper()
     ctrl_in = os.dup(0)
     ctrl_out = os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
