@@ -426,6 +426,11 @@ class Settings(BaseSettings):
                                      "may ask for).")
     session_disk_mb: int = Field(512, ge=1, description="Disk space a session's folder may "
                                  "hold (polled); past it the session is closed.")
+    session_advertise_address: str = Field(
+        "", description="With a fleet (redis_url): this replica's gRPC address as the other "
+        "replicas reach it (host:port). Set, the replica records the sessions it holds in "
+        "Redis and forwards a call for a session another replica holds to it; empty, a "
+        "session is known to its own replica only. A port of 0 means the port bound.")
     http_fetch_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Hosts http_fetch may reach (comma-separated; "
         "'*.example.com' for subdomains); empty refuses every host.")

@@ -22,7 +22,7 @@ from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
-from stargrpc.http_server import HttpEndpoints
+from stargrpc.http_server import HttpEndpoints, gateway_tls
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp import require_mcp_for
 from stargrpc.registry import Registry, load_registry
@@ -160,9 +160,24 @@ class StargrpcServer:
         self.service = ToolService(self.runtime)
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
+        self._connect_sessions()
         add_to_server(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
+
+    def _connect_sessions(self) -> None:
+        """With a fleet and ``session_advertise_address``: sessions recorded in Redis, and
+        calls for a session another replica holds forwarded there."""
+        shared = getattr(self.runtime.store, "shared", None)
+        address = self.settings.session_advertise_address
+        if shared is None or not address:
+            return
+        from stargrpc.sessions.forwarding import SessionDirectory, SessionForwarder
+
+        directory = SessionDirectory(shared.redis, self.settings.redis_key_prefix, address)
+        self.service.sessions.directory = directory
+        credentials, _ = gateway_tls(self.settings)
+        self.service.forwarder = SessionForwarder(directory, credentials)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings
@@ -201,6 +216,10 @@ class StargrpcServer:
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
+        directory = self.service.sessions.directory
+        if directory is not None and directory.address.endswith(":0"):
+            # Advertised with port 0: the port this replica bound.
+            directory.address = f"{directory.address.rsplit(':', 1)[0]}:{self.port}"
         self.service.deliveries.start()
         self.service.sessions.start()
         if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
@@ -242,6 +261,8 @@ class StargrpcServer:
         await self.runtime.drain(grace)
         # After the drain: its runs' calls in sessions have ended (or been cancelled).
         await self.service.sessions.aclose()
+        if self.service.forwarder is not None:
+            await self.service.forwarder.aclose()
         if self.upstreams is not None:
             await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport

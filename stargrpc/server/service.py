@@ -48,6 +48,7 @@ from stargrpc.server.streaming import (
     serialize_response,
 )
 from stargrpc.sessions import Session, SessionHandle, Sessions
+from stargrpc.sessions.forwarding import SessionForwarder
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     RunLog,
@@ -128,6 +129,8 @@ class ToolService:
     runtime: Runtime
     deliveries: Deliveries
     sessions: Sessions
+    #: Sends calls for a session another replica holds there (None: no fleet forwarding).
+    forwarder: SessionForwarder | None
     _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
 
     def __init__(self, runtime: Runtime, deliveries: Deliveries | None = None) -> None:
@@ -135,6 +138,7 @@ class ToolService:
         self.deliveries = (deliveries if deliveries is not None
                            else Deliveries(runtime.settings, runtime.store))
         self.sessions = Sessions(runtime.settings)
+        self.forwarder = None
         self._tool_messages = ("", {})
 
     # -- catalog ---------------------------------------------------------------------------
@@ -205,6 +209,19 @@ class ToolService:
         notices: list[events_pb2.RunEvent] = []
         try:
             _well_formed(request)
+            replica = await self._session_replica(request, context)
+            if replica is not None:
+                assert self.forwarder is not None
+                try:
+                    async for forwarded in self.forwarder.execute(
+                            replica, request, context.invocation_metadata() or (),
+                            context.time_remaining()):
+                        yield forwarded
+                except grpc.aio.AioRpcError as error:  # the owner refused: its status
+                    await context.abort(error.code(), error.details() or "",
+                                        error.trailing_metadata())
+                streamed_to_end = True
+                return
             admitted = await self._admit(request, policy)
             log, coalesce = admitted.log, request.coalesce_deltas
             if admitted.run is not None:
@@ -252,9 +269,47 @@ class ToolService:
         # A detached run is supervised by the server's own timeouts: the deadline of this
         # unary call is not the run's.
         policy = SupervisionPolicy.for_call(self.settings)
+        replica = await self._session_replica(request, context)
+        if replica is not None:
+            return await self._forward_unary(replica, "StartRun", request,
+                                             tool_service_pb2.StartRunResponse, context)
         admitted = await self._admit(request, policy)
         return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
                                                  attached=admitted.run is None)
+
+    async def _session_replica(self, request: Any, context: grpc.aio.ServicerContext
+                               ) -> str | None:
+        """The replica a request for a session held elsewhere goes to (None: here).
+
+        Raises:
+            NotFound: Another principal's session (SESSION_NOT_FOUND).
+            FailedPrecondition: Its replica is gone (SESSION_LOST).
+            Unavailable: The fleet's store cannot be reached.
+        """
+        session_id = request.session_id
+        if (not session_id or self.forwarder is None or self.sessions.holds(session_id)
+                or len(session_id) > 64):
+            return None
+        try:
+            return await self.forwarder.route(session_id, current_principal.get().id,
+                                              context.invocation_metadata() or ())
+        except RequestError:
+            raise
+        except Exception as exc:  # the fleet's Redis
+            raise Unavailable("the fleet's store cannot be reached to find the session",
+                              retry_after=1.0) from exc
+
+    async def _forward_unary(self, replica: str, method: str, request: Any,
+                             reply_type: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A unary call answered by the replica that holds its session."""
+        assert self.forwarder is not None
+        try:
+            return await self.forwarder.unary(replica, method, request, reply_type,
+                                              context.invocation_metadata() or (),
+                                              context.time_remaining())
+        except grpc.aio.AioRpcError as error:  # the owner refused: its status, as it gave it
+            await context.abort(error.code(), error.details() or "",
+                                error.trailing_metadata())
 
     async def _admit(self, request: tool_service_pb2.ExecuteRequest
                      | tool_service_pb2.StartRunRequest, policy: SupervisionPolicy
@@ -446,6 +501,10 @@ class ToolService:
     @_statuses
     async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> tool_service_pb2.CloseSessionResponse:
+        replica = await self._session_replica(request, context)
+        if replica is not None:
+            return await self._forward_unary(replica, "CloseSession", request,
+                                             tool_service_pb2.CloseSessionResponse, context)
         session = await self.sessions.close(current_principal.get().id, request.session_id)
         return tool_service_pb2.CloseSessionResponse(session_id=session.session_id)
 

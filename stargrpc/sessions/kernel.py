@@ -327,12 +327,13 @@ def main():
         fcntl.fcntl(read_end, fcntl.F_SETFL, fcntl.fcntl(read_end, fcntl.F_GETFL)
                     | os.O_NONBLOCK)
         readers.append(read_end)
+    # Line-buffered, not write-through: a print() reaches the pipe as one whole line.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True,
-                                  write_through=True)
+                                  write_through=False)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True,
-                                  write_through=True)
+                                  write_through=False)
     Kernel(ctrl_in, ctrl_out, *readers).serve()
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import structlog
 
@@ -26,6 +27,7 @@ from stargrpc.errors import (
 )
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox
+from stargrpc.sessions.forwarding import SessionDirectory
 from stargrpc.sessions.session import (
     KINDS,
     Session,
@@ -55,6 +57,8 @@ class Sessions:
     _changed: asyncio.Event
     _reaper: asyncio.Task[None] | None
     _closing: set[asyncio.Task[None]]
+    #: The fleet's record of where sessions live (None: this replica alone knows them).
+    directory: SessionDirectory | None
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -63,6 +67,7 @@ class Sessions:
         self._changed = asyncio.Event()
         self._reaper = None
         self._closing = set()
+        self.directory = None
 
     # -- create -----------------------------------------------------------------------------
 
@@ -130,6 +135,12 @@ class Sessions:
             self._release(owner)
         self._sessions[session.session_id] = session
         self._wake()
+        if self.directory is not None:
+            try:
+                await self.directory.claim(session.session_id, owner, limits.ttl_seconds)
+            except Exception:  # the session works here; other replicas will not find it
+                log.warning("session_not_recorded", session_id=session.session_id,
+                            exc_info=True)
         log.info("session_created", session_id=session.session_id, kind=kind, owner=owner)
         return session
 
@@ -198,9 +209,20 @@ class Sessions:
         await session.close(SessionClosed("the session was closed by its owner"))
         return session
 
+    def holds(self, session_id: str) -> bool:
+        """Whether this replica holds ``session_id`` (whoever owns it)."""
+        return session_id in self._sessions
+
     def _forget(self, session: Session) -> None:
         self._sessions.pop(session.session_id, None)
         self._wake()
+        if self.directory is not None:
+            self._background(self.directory.release(session.session_id))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # -- time -------------------------------------------------------------------------------
 
@@ -220,10 +242,8 @@ class Sessions:
                     why = ("its time to live ended" if session.expires_at <= now
                            else "it was idle too long")
                     # Closed in the background: a slow close must not hold up the others.
-                    task = asyncio.create_task(session.close(SessionClosed(
+                    self._background(session.close(SessionClosed(
                         f"the session was closed: {why}")))
-                    self._closing.add(task)
-                    task.add_done_callback(self._closing.discard)
                     self._sessions.pop(session.session_id, None)
             deadlines = [s.deadline() for s in self._sessions.values()]
             # A busy session's idle time starts when its call ends: look again then.
@@ -243,6 +263,10 @@ class Sessions:
                    for s in list(self._sessions.values())]
         if closing:
             await asyncio.gather(*closing, return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+        if self.directory is not None:
+            await self.directory.aclose()
 
 
 def session_error_code(error: SessionError) -> str:

@@ -61,6 +61,8 @@ async def test_each_call_streams_its_output_as_deltas(stub) -> None:
                   and e.step.phase == events_pb2.STEP_PHASE_DELTA
                   and e.step.channel == "stderr")
     assert (out, err) == ("0\n1\n2\n", "oops\n")
+    assert all(e.step.delta.endswith("\n") for e in events if e.HasField("step")
+               and e.step.phase == events_pb2.STEP_PHASE_DELTA)  # whole lines
     assert events[-1].result.output == "0\n1\n2\n[stderr]\noops"
 
 
