@@ -143,6 +143,15 @@ class SessionDirectory:
 _LOST = "SESSION_LOST"
 
 
+def _unreachable(error: grpc.aio.AioRpcError) -> Exception:
+    """What a failed call to the owner becomes: SESSION_LOST when the owner cannot be
+    reached, the owner's own refusal otherwise."""
+    if error.code() == grpc.StatusCode.UNAVAILABLE:
+        return FailedPrecondition(f"the replica that holds the session cannot be reached "
+                                  f"({error.details()}); the session is lost", reason=_LOST)
+    return error
+
+
 class SessionForwarder:
     """Sends calls for a session to the replica that holds it."""
 
@@ -213,11 +222,7 @@ class SessionForwarder:
             async for response in call:
                 yield response
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise FailedPrecondition(
-                    f"the replica that holds the session cannot be reached "
-                    f"({error.details()}); the session is lost", reason=_LOST) from error
-            raise
+            raise _unreachable(error) from error
         finally:
             call.cancel()
 
@@ -238,11 +243,7 @@ class SessionForwarder:
         try:
             return await method(request, metadata=self.relayed(metadata), timeout=timeout)
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise FailedPrecondition(
-                    f"the replica that holds the session cannot be reached "
-                    f"({error.details()}); the session is lost", reason=_LOST) from error
-            raise
+            raise _unreachable(error) from error
 
     async def aclose(self) -> None:
         """Closes the channels to other replicas."""

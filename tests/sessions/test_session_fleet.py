@@ -15,14 +15,14 @@ from tests.sessions.session_helpers import create, python, reason
 
 
 @pytest.fixture
-async def fleet(make_server, session_prefix, tmp_path):
+async def fleet(make_server, redis_prefix, tmp_path):
     keys_file = tmp_path / "keys.json"
     store = KeyStore(keys_file)
     keys = {name: store.create(name, ("admin",))[1] for name in ("alice", "bob")}
 
     async def replica():
         return await make_server(insecure_no_auth=False, keys_file=keys_file,
-                                 redis_url=REDIS_URL, redis_key_prefix=session_prefix,
+                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix,
                                  session_advertise_address="127.0.0.1:0",
                                  sandbox_max_processes=32)
 
