@@ -503,6 +503,11 @@ class Session:
         finally:
             os.close(fd)
 
+    def open_folder(self) -> tuple[int, fsops.Owner]:
+        """A new descriptor of its folder (the caller closes it) and its owner."""
+        assert self._process is not None
+        return self._process.open_folder()
+
     def files(self, limit: int = 1000) -> list[tuple[str, int]]:
         """The regular files in its folder (relative name, size), at most ``limit``,
         walked safely from the folder's descriptor (the session may have rearranged it)."""
@@ -523,6 +528,13 @@ class Session:
         return found
 
 
+def _plain(name: str) -> str:
+    """``name`` when it is a plain file name (no folder, not . or ..)."""
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a plain file name")
+    return name
+
+
 @dataclass
 class SessionHandle:
     """What a tool run in a session sees as ``ctx.session``.
@@ -530,8 +542,9 @@ class SessionHandle:
     Attributes:
         session_id: The session.
         kind: "python" or "shell".
-        folder: The session's folder on the server's host (a custom tool running in the
-            server's process reads and writes the session's files there).
+        folder: The session's folder on the server's host. The session's code owns it and
+            may have put symlinks there: never open a path under it blindly (the server's
+            process would follow them); use :meth:`read_file` and :meth:`write_file`.
         no_wait: The caller asked not to wait for a busy session.
     """
 
@@ -545,6 +558,55 @@ class SessionHandle:
     def of(cls, session: Session, *, no_wait: bool = False) -> SessionHandle:
         """The handle of a run in ``session``."""
         return cls(session.session_id, session.kind, session.folder, session, no_wait)
+
+    def write_file(self, name: str, data: bytes | str) -> None:
+        """Writes a file of the session's folder (a plain name, no folders), owned by the
+        session's user so that its code may change it; never through a symlink.
+
+        Raises:
+            ValueError: ``name`` is not a plain file name.
+            OSError: It could not be written (such as a symlink or a folder of that name).
+        """
+        content = data.encode() if isinstance(data, str) else data
+        folder_fd, owner = self.session.open_folder()
+        try:
+            fd = os.open(_plain(name), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK, 0o644, dir_fd=folder_fd)
+            with os.fdopen(fd, "wb") as handle:
+                info = os.fstat(handle.fileno())
+                # Only a file of the session's own (or the one just made): never a hard
+                # link the session made to a file of someone else's.
+                if (not stat.S_ISREG(info.st_mode) or info.st_nlink != 1
+                        or info.st_uid not in (owner.uid, os.geteuid())):
+                    raise OSError(f"{name} is not a plain file of the session's")
+                handle.truncate(0)
+                handle.write(content)
+                os.fchown(handle.fileno(), owner.uid, -1)
+        finally:
+            os.close(folder_fd)
+
+    def read_file(self, name: str, limit: int = 8 * MiB) -> bytes:
+        """Reads a regular file of the session's folder (a plain name), at most ``limit``
+        bytes; never through a symlink.
+
+        Raises:
+            ValueError: ``name`` is not a plain file name, or the file is over ``limit``.
+            OSError: No such regular file.
+        """
+        folder_fd, _ = self.session.open_folder()
+        try:
+            fd = os.open(_plain(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK, dir_fd=folder_fd)
+            with os.fdopen(fd, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(f"{name} is not a regular file")
+                data = handle.read(limit + 1)
+        finally:
+            os.close(folder_fd)
+        if len(data) > limit:
+            raise ValueError(f"{name} is larger than {limit} bytes")
+        return data
 
     async def hold(self, tool: Coroutine[Any, Any, T]) -> T:
         """Runs the tool's coroutine once the session's turn is its own (calls in one

@@ -101,9 +101,26 @@ async def test_a_custom_tool_gets_ctx_session(make_server) -> None:
         events = await run_tool(stub, "session_note", {"text": "from a tool"},
                                 session_id=session_id)
         result = events[-1].result
-        assert as_dict(result)["structured_output"] == {"session_id": session_id,
-                                                        "kind": "python"}
+        assert as_dict(result)["structured_output"] == {
+            "session_id": session_id, "kind": "python", "read_back": "from a tool"}
         read = await python(stub, session_id, "open('note.txt').read()")
         assert as_dict(read)["structured_output"] == "from a tool"
         outside = (await run_tool(stub, "session_note", {"text": "x"}))[-1].result
         assert as_dict(outside)["structured_output"] == {"session_id": None}
+
+
+async def test_a_custom_tool_never_follows_a_symlink_the_session_planted(make_server,
+                                                                         tmp_path) -> None:
+    channel, stub = await serve(make_server, tools_dir=[SESSION_TOOLS])
+    target = tmp_path / "server-file"
+    target.write_text("the server's own")
+    async with channel:
+        session_id = await create(stub)
+        planted = await python(stub, session_id,
+                               f"import os\nos.symlink({str(target)!r}, 'note.txt')")
+        assert planted.outcome == events_pb2.OUTCOME_OK, planted
+        events = await run_tool(stub, "session_note", {"text": "overwritten?"},
+                                session_id=session_id)
+        assert as_dict(events[-1].result)["structured_output"] == {
+            "session_id": session_id, "refused": "OSError"}
+        assert target.read_text() == "the server's own"
