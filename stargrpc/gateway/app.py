@@ -17,7 +17,7 @@ Routes:
 - ``POST /v1/runs/{run_id}:cancel``       CancelRun
 - ``POST /v1/runs/{run_id}:steer``        SteerRun: ``{"message": "…"}``
 - ``POST /v1/sessions``                   CreateSession: ``{"kind": "python", …}``
-- ``GET  /v1/sessions``                   ListSessions (the caller's)
+- ``GET  /v1/sessions``                   ListSessions (the caller's; ``?files=true``)
 - ``POST /v1/sessions/{session_id}:close`` CloseSession
   (an execute body's ``session_id`` runs the call in that session)
 
@@ -460,10 +460,13 @@ class Gateway:
         return await self._run_command(request, SessionBody, send)
 
     async def list_sessions(self, request: Request) -> Response:
-        """``GET /v1/sessions``: ListSessions; ``{"sessions": […]}``."""
+        """``GET /v1/sessions``: ListSessions; ``{"sessions": […]}`` (``?files=true``: with
+        each session's files)."""
         try:
-            reply = await self.client.stub.ListSessions(tool_service_pb2.ListSessionsRequest(),
-                                                        metadata=self._metadata(request))
+            with_files = request.query_params.get("files", "").lower() in ("1", "true", "yes")
+            reply = await self.client.stub.ListSessions(
+                tool_service_pb2.ListSessionsRequest(with_files=with_files),
+                metadata=self._metadata(request))
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
         return JSONResponse({"sessions": [_message_json(s) for s in reply.sessions]})

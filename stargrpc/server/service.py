@@ -512,8 +512,14 @@ class ToolService:
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> tool_service_pb2.ListSessionsResponse:
         sessions = self.sessions.owned_by(current_principal.get().id)
-        return tool_service_pb2.ListSessionsResponse(
-            sessions=[session_message(s) for s in sessions])
+        messages = [session_message(s) for s in sessions]
+        if request.with_files:
+            for session, message in zip(sessions, messages, strict=True):
+                # In a thread: a folder of many entries must not stall the loop.
+                files = await asyncio.to_thread(session.files, MAX_SESSION_FILES)
+                message.files.extend(tool_service_pb2.SessionFile(name=name, size=size)
+                                     for name, size in files)
+        return tool_service_pb2.ListSessionsResponse(sessions=messages)
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:
@@ -553,6 +559,9 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
     message.permissions.allowed_roles.extend(spec.allowed_roles)
     return message
 
+
+#: Files of one session ListSessions lists at most.
+MAX_SESSION_FILES = 200
 
 #: ListRuns page size when the request leaves it 0, and the largest allowed.
 DEFAULT_RUNS_PAGE = 50

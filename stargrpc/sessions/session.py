@@ -38,7 +38,7 @@ import structlog
 from stargrpc.errors import ToolFailed
 from stargrpc.sandbox import fsops
 from stargrpc.sandbox.rlimits import Limits
-from stargrpc.sandbox.runner import Sandbox, SandboxProcess, TreeSampler
+from stargrpc.sandbox.runner import STEER_FILE_NAME, Sandbox, SandboxProcess, TreeSampler
 from stargrpc.sessions import protocol
 from stargrpc.sessions.protocol import ProtocolError
 from stargrpc.settings import MiB, Settings
@@ -509,17 +509,19 @@ class Session:
         return self._process.open_folder()
 
     def files(self, limit: int = 1000) -> list[tuple[str, int]]:
-        """The regular files in its folder (relative name, size), at most ``limit``,
-        walked safely from the folder's descriptor (the session may have rearranged it)."""
-        assert self._process is not None
-        fd, owner = self._process.open_folder()
+        """The regular files in its folder (relative name, size), at most ``limit`` (and
+        at most ``20 * limit`` entries looked at), walked safely from the folder's
+        descriptor (the session may have rearranged it); the server's steering file left
+        out."""
+        fd, owner = self.open_folder()
         found: list[tuple[str, int]] = []
         try:
             with fsops.walk(fd, max_depth=16) as tree:
-                for name, _, info in tree.entries():
-                    if len(found) >= limit:
+                for seen, (name, _, info) in enumerate(tree.entries()):
+                    if len(found) >= limit or seen >= 20 * limit:
                         break
-                    if owner.is_own(info) and stat.S_ISREG(info.st_mode):
+                    if (owner.is_own(info) and stat.S_ISREG(info.st_mode)
+                            and name != STEER_FILE_NAME):
                         found.append((name, info.st_size))
         except (fsops.Moved, OSError):
             pass

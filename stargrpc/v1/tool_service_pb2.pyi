@@ -276,8 +276,10 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_files",)
+    WITH_FILES_FIELD_NUMBER: _ClassVar[int]
+    with_files: bool
+    def __init__(self, with_files: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
@@ -286,7 +288,7 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "kind", "created_at", "expires_at", "last_used_at", "idle_seconds", "memory_mb", "cpu_seconds", "disk_mb", "calls", "busy", "usage")
+    __slots__ = ("session_id", "kind", "created_at", "expires_at", "last_used_at", "idle_seconds", "memory_mb", "cpu_seconds", "disk_mb", "calls", "busy", "usage", "files")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +301,7 @@ class Session(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: str
     created_at: _timestamp_pb2.Timestamp
@@ -311,4 +314,13 @@ class Session(_message.Message):
     calls: int
     busy: bool
     usage: _events_pb2.Usage
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_used_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., idle_seconds: _Optional[int] = ..., memory_mb: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., disk_mb: _Optional[int] = ..., calls: _Optional[int] = ..., busy: _Optional[bool] = ..., usage: _Optional[_Union[_events_pb2.Usage, _Mapping]] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[SessionFile]
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_used_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., idle_seconds: _Optional[int] = ..., memory_mb: _Optional[int] = ..., cpu_seconds: _Optional[int] = ..., disk_mb: _Optional[int] = ..., calls: _Optional[int] = ..., busy: _Optional[bool] = ..., usage: _Optional[_Union[_events_pb2.Usage, _Mapping]] = ..., files: _Optional[_Iterable[_Union[SessionFile, _Mapping]]] = ...) -> None: ...
+
+class SessionFile(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
