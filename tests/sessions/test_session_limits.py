@@ -124,3 +124,26 @@ async def test_a_custom_tool_never_follows_a_symlink_the_session_planted(make_se
         assert as_dict(events[-1].result)["structured_output"] == {
             "session_id": session_id, "refused": "OSError"}
         assert target.read_text() == "the server's own"
+
+
+@pytest.mark.parametrize("isolation", ["unshare", "rlimits"])
+async def test_sessions_work_in_the_other_isolation_modes(make_server, isolation) -> None:
+    channel, stub = await serve(make_server, sandbox_isolation=isolation,
+                                sandbox_allow_weak_isolation=True,
+                                sandbox_wall_clock_seconds=2)
+    async with channel:
+        session_id = await create(stub)
+        await python(stub, session_id, "import os\nkept = os.getpid()")
+        assert as_dict(await python(stub, session_id, "kept == os.getpid()"))[
+            "structured_output"] is True
+        bomb = await python(stub, session_id, "while True:\n    os.fork()")
+        assert (bomb.outcome, bomb.error.code) == (events_pb2.OUTCOME_FAILED,
+                                                   "PYTHON_EXCEPTION")
+        after = await python(stub, session_id, "'alive'")
+        assert as_dict(after)["structured_output"] == "alive"
+        # The wall clock interrupts a call here too (under unshare the kernel is PID 1).
+        slow = await python(stub, session_id, "import time\ntime.sleep(60)")
+        assert (slow.outcome, slow.error.code) == (events_pb2.OUTCOME_TIMEOUT,
+                                                   "WALL_CLOCK_LIMIT")
+        assert as_dict(await python(stub, session_id, "kept == os.getpid()"))[
+            "structured_output"] is True

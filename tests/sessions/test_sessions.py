@@ -326,3 +326,18 @@ async def test_a_session_cannot_reach_another_sessions_folder_or_interpreter(aut
     assert "planted" not in as_dict(survived)["structured_output"]
     assert as_dict(await python(stub, first, "open('secret').read()"))[
         "structured_output"] == "s"
+
+
+async def test_start_run_runs_in_the_session_and_watch_run_follows_it(stub) -> None:
+    session_id = await create(stub)
+    await python(stub, session_id, "base = 40")
+    started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+        tool_name="python", arguments_json=json.dumps({"code": "base + 2"}),
+        session_id=session_id))
+    events = [r.event async for r in stub.WatchRun(tool_service_pb2.WatchRunRequest(
+        run_id=started.run_id))]
+    assert as_dict(events[-1].result)["structured_output"] == 42
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="python", arguments_json='{"code": "1"}', session_id="ses_nope"))
+    assert reason(caught.value) == "SESSION_NOT_FOUND"
