@@ -285,7 +285,8 @@ class Session:
             ready = await asyncio.wait_for(protocol.read_frame(self._process.stdout),
                                            START_SECONDS)
             if ready is None or ready.get("t") != "ready":
-                await self._process.exited if ready is None else None
+                if ready is None:  # it ended: wait for the exit, to say how
+                    await asyncio.wait_for(asyncio.shield(self._process.exited), 5.0)
                 raise SessionLost("the session's interpreter did not start: "
                                   + self._process.describe_exit())
         except (TimeoutError, ProtocolError) as exc:
@@ -438,7 +439,10 @@ class Session:
                 timed_out = True
                 done = await self._interrupt(call)
             except asyncio.CancelledError:
-                await asyncio.shield(self._interrupt(call))
+                # The run was stopped: interrupt the call (or close the session when it
+                # will not stop), and still end as cancelled.
+                with contextlib.suppress(SessionError):
+                    await asyncio.shield(self._interrupt(call))
                 raise
         finally:
             self._call = None

@@ -3,12 +3,13 @@ tool's ctx.session."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
 import pytest
 
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import as_dict, eventually, run_tool
 from tests.sessions.session_helpers import create, open_sessions, python, reason
 
@@ -147,3 +148,35 @@ async def test_sessions_work_in_the_other_isolation_modes(make_server, isolation
                                                    "WALL_CLOCK_LIMIT")
         assert as_dict(await python(stub, session_id, "kept == os.getpid()"))[
             "structured_output"] is True
+
+
+async def test_a_cancelled_call_that_will_not_stop_is_cancelled_and_closes_its_session(
+        make_server) -> None:
+    channel, stub = await serve(make_server)
+    async with channel:
+        session_id = await create(stub)
+        stubborn = ("import time\nprint('started', flush=True)\nwhile True:\n    try:\n"
+                    "        time.sleep(60)\n    except KeyboardInterrupt:\n        pass")
+        started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="python", arguments_json=json.dumps({"code": stubborn}),
+            session_id=session_id))
+        events = stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=started.run_id))
+        seen = []
+        async for response in events:
+            seen.append(response.event)
+            if response.event.step.delta == "started\n":
+                await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=started.run_id))
+        assert seen[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+        await eventually(lambda: _gone(stub, session_id))
+        # A call that does stop when cancelled leaves its session alive.
+        kept = await create(stub)
+        started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="python", arguments_json=json.dumps(
+                {"code": "import time\nprint('started', flush=True)\ntime.sleep(60)"}),
+            session_id=kept))
+        async for response in stub.WatchRun(tool_service_pb2.WatchRunRequest(
+                run_id=started.run_id)):
+            if response.event.step.delta == "started\n":
+                await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=started.run_id))
+        assert as_dict(await python(stub, kept, "'still here'"))[
+            "structured_output"] == "still here"
