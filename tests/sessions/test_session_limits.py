@@ -180,3 +180,24 @@ async def test_a_cancelled_call_that_will_not_stop_is_cancelled_and_closes_its_s
                 await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=started.run_id))
         assert as_dict(await python(stub, kept, "'still here'"))[
             "structured_output"] == "still here"
+
+
+async def test_stopping_the_server_ends_session_calls_and_closes_sessions(make_server
+                                                                          ) -> None:
+    server = await make_server(sandbox_max_processes=32)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        session_id = await create(stub)
+        [held] = list(server.service.sessions)
+        assert held.session_id == session_id
+        folder = held.folder
+        call = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="python", arguments_json=json.dumps(
+                {"code": "import time\nprint('started', flush=True)\ntime.sleep(60)"}),
+            session_id=session_id))
+        async for response in call:
+            if response.event.step.delta == "started\n":
+                break
+        await server.stop(grace=0.5)
+        assert len(server.service.sessions) == 0
+        assert not folder.exists()  # its folder went with it

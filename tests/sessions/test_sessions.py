@@ -341,3 +341,18 @@ async def test_start_run_runs_in_the_session_and_watch_run_follows_it(stub) -> N
         await stub.StartRun(tool_service_pb2.StartRunRequest(
             tool_name="python", arguments_json='{"code": "1"}', session_id="ses_nope"))
     assert reason(caught.value) == "SESSION_NOT_FOUND"
+
+
+async def test_a_flood_of_closes_closes_once_and_the_server_serves_on(stub) -> None:
+    session_id = await create(stub)
+    closes = await asyncio.gather(*(stub.CloseSession(tool_service_pb2.CloseSessionRequest(
+        session_id=session_id)) for _ in range(10)), return_exceptions=True)
+    done = [c for c in closes if isinstance(c, tool_service_pb2.CloseSessionResponse)]
+    refused = [c for c in closes if isinstance(c, grpc.aio.AioRpcError)]
+    assert len(done) == 1 and len(refused) == 9
+    assert {reason(r) for r in refused} == {"SESSION_NOT_FOUND"}
+    lists = await asyncio.gather(*(stub.ListSessions(tool_service_pb2.ListSessionsRequest(
+        with_files=True)) for _ in range(20)))
+    assert all(list(listed.sessions) == [] for listed in lists)
+    fresh = await create(stub)
+    assert as_dict(await python(stub, fresh, "'ok'"))["structured_output"] == "ok"
