@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mimetypes
 import os
 import secrets
 import stat
@@ -38,7 +39,14 @@ import structlog
 from stargrpc.errors import ToolFailed
 from stargrpc.sandbox import fsops
 from stargrpc.sandbox.rlimits import Limits
-from stargrpc.sandbox.runner import STEER_FILE_NAME, Sandbox, SandboxProcess, TreeSampler
+from stargrpc.sandbox.runner import (
+    MAX_SENT_FILES,
+    STEER_FILE_NAME,
+    OutputFile,
+    Sandbox,
+    SandboxProcess,
+    TreeSampler,
+)
 from stargrpc.sessions import protocol
 from stargrpc.sessions.protocol import ProtocolError
 from stargrpc.settings import MiB, Settings
@@ -241,6 +249,7 @@ class Session:
     _workdir_inside: str
     _output_cap: int
     _wall_clock: float
+    _sent_file_bytes: int
 
     def __init__(self, kind: str, owner: str, limits: SessionLimits, settings: Settings,
                  *, on_closed: Callable[[Session], None] | None = None,
@@ -263,6 +272,7 @@ class Session:
         self._workdir_inside = ""
         self._output_cap = settings.sandbox_output_bytes
         self._wall_clock = settings.sandbox_wall_clock_seconds
+        self._sent_file_bytes = settings.sandbox_sent_file_bytes
 
     # -- life -------------------------------------------------------------------------------
 
@@ -312,6 +322,11 @@ class Session:
     def folder_inside(self) -> str:
         """The session's folder as its processes see it."""
         return self._workdir_inside
+
+    @property
+    def sent_file_bytes(self) -> int:
+        """The byte cap of the files one call returns from its output folder."""
+        return self._sent_file_bytes
 
     @property
     def busy(self) -> bool:
@@ -511,6 +526,55 @@ class Session:
         """A new descriptor of its folder (the caller closes it) and its owner."""
         assert self._process is not None
         return self._process.open_folder()
+
+    def take_output(self, budget: int, most: int = MAX_SENT_FILES
+                    ) -> tuple[list[OutputFile], list[str]]:
+        """The files a call left in the session's output folder (``$OUTPUT_DIR``, ``out/``),
+        read and removed from it (so the next call does not return them again): at most
+        ``most`` files and ``budget`` bytes, walked safely from the folder's descriptor.
+
+        Returns:
+            The files read, and why others were not (left in place).
+        """
+        folder_fd, owner = self.open_folder()
+        files: list[OutputFile] = []
+        skipped: list[str] = []
+        try:
+            try:
+                out_fd = fsops.open_dir(folder_fd, "out", owner)
+            except OSError:
+                return files, ["out: not a plain folder of the session"]
+            try:
+                with fsops.walk(out_fd, max_depth=8) as tree:
+                    for seen, (name, entry, info) in enumerate(tree.entries()):
+                        if seen >= 20 * most:
+                            skipped.append("out: too many entries; the rest not looked at")
+                            break
+                        if stat.S_ISDIR(info.st_mode):
+                            continue
+                        if len(files) >= most:
+                            skipped.append(f"{name}: more than {most} files")
+                            continue
+                        try:
+                            data = fsops.read_own_file(tree.fd, entry, owner, budget)
+                        except fsops.TooLarge:
+                            skipped.append(f"{name}: over the sent files' byte cap")
+                            continue
+                        if data is None:
+                            skipped.append(f"{name}: not a plain file")
+                            continue
+                        budget -= len(data)
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry, dir_fd=tree.fd)
+                        mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                        files.append(OutputFile(name, data, mime))
+            except (fsops.Moved, OSError):
+                skipped.append("out: changed while it was read; the rest not returned")
+            finally:
+                os.close(out_fd)
+        finally:
+            os.close(folder_fd)
+        return files, skipped
 
     def files(self, limit: int = 1000) -> list[tuple[str, int]]:
         """The regular files in its folder (relative name, size), at most ``limit`` (and

@@ -16,12 +16,16 @@ run one at a time). It opens a step, streams the call's stdout/stderr as DELTAs 
   WALL_CLOCK_LIMIT. A kernel that died: FAILED, SESSION_LOST (the session is closed); a
   session closed meanwhile: FAILED, SESSION_CLOSED.
 
+Files the call left in ``$OUTPUT_DIR`` come back as sent files, as outside a session, and
+are removed from the output folder (the rest of the session's folder stays as it is).
+
 ``output`` is what the call printed: stdout, then ``[stderr]`` and stderr when it wrote
 any, then the value's ``repr`` (python) or the exit status (shell) in brackets.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
@@ -70,6 +74,12 @@ async def run_in_session(ctx: ToolContext, handle: SessionHandle, frame: dict[st
                 raise _CallFailed
     except _CallFailed:
         pass
+    # What the call left in $OUTPUT_DIR comes back as sent files, and leaves the folder.
+    sent, skipped = await asyncio.to_thread(session.take_output, session.sent_file_bytes)
+    for file in sent:
+        ctx.send_file(file.name, file.data, file.mime_type)
+    if skipped:
+        await ctx.notice("SESSION_FILES_SKIPPED", "; ".join(skipped)[:2000], warning=True)
     assert end is not None
     return _tool_result(end, frame["t"], session.session_id, kept)
 

@@ -103,6 +103,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_KIND_MISMATCH: _ClassVar[ErrorReason]
     SESSION_CLOSED: _ClassVar[ErrorReason]
     PYTHON_EXCEPTION: _ClassVar[ErrorReason]
+    SESSION_FILES_SKIPPED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -200,3 +201,4 @@ SESSION_LIMIT: ErrorReason
 SESSION_KIND_MISMATCH: ErrorReason
 SESSION_CLOSED: ErrorReason
 PYTHON_EXCEPTION: ErrorReason
+SESSION_FILES_SKIPPED: ErrorReason

@@ -356,3 +356,23 @@ async def test_a_flood_of_closes_closes_once_and_the_server_serves_on(stub) -> N
     assert all(list(listed.sessions) == [] for listed in lists)
     fresh = await create(stub)
     assert as_dict(await python(stub, fresh, "'ok'"))["structured_output"] == "ok"
+
+
+async def test_files_left_in_the_output_folder_come_back_once(stub) -> None:
+    session_id = await create(stub)
+    code = ("import os\nout = os.environ['OUTPUT_DIR']\n"
+            "open(os.path.join(out, 'report.txt'), 'w').write('done')\n"
+            "os.symlink('/etc/hostname', os.path.join(out, 'sneaky'))\n"
+            "open('kept.txt', 'w').write('stays')")
+    result = await python(stub, session_id, code)
+    [sent] = result.writeback.sent_files
+    assert (sent.name, sent.content, sent.mime_type) == ("report.txt", b"done", "text/plain")
+    events = await run_tool(stub, "python", {"code": "import os\nsorted(os.listdir(out))"},
+                            session_id=session_id)
+    assert list(events[-1].result.writeback.sent_files) == []
+    assert as_dict(events[-1].result)["structured_output"] == ["sneaky"]  # left in place
+    notices = [e.notice for e in events if e.HasField("notice")]
+    assert [n.code for n in notices] == ["SESSION_FILES_SKIPPED"]
+    assert "sneaky: not a plain file" in notices[0].message
+    kept = await python(stub, session_id, "open('kept.txt').read()")
+    assert as_dict(kept)["structured_output"] == "stays"
