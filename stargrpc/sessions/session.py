@@ -42,6 +42,7 @@ from stargrpc.sandbox.rlimits import Limits
 from stargrpc.sandbox.runner import (
     MAX_SENT_FILES,
     STEER_FILE_NAME,
+    TICK_SECONDS,
     OutputFile,
     Sandbox,
     SandboxProcess,
@@ -64,6 +65,8 @@ T = TypeVar("T")
 
 #: Called with (channel, text) for each piece of a call's output.
 OutputCallback = Callable[[str, str], Awaitable[None]]
+#: Called every TICK_SECONDS of a call with the seconds it has run.
+TickCallback = Callable[[float], Awaitable[None]]
 
 _KERNEL_SOURCE = (Path(__file__).parent / "kernel.py").read_text(encoding="utf-8")
 
@@ -419,6 +422,7 @@ class Session:
                     self._on_used()
 
     async def run(self, frame: dict[str, Any], *, on_output: OutputCallback | None = None,
+                  on_tick: TickCallback | None = None,
                   wall_clock: float | None = None) -> CallEnd:
         """Runs one call (``frame``: ``{"t": "python", "code": …}`` or ``{"t": "shell",
         "command": …}``) in the kernel; call it inside :meth:`turn`.
@@ -435,6 +439,8 @@ class Session:
             raise SessionClosed("the session is closed: " + self.closed.message)
         call = _Call(secrets.token_hex(16), on_output, self._output_cap,
                      asyncio.get_running_loop().create_future())
+        # Its end may come (the session closed) when nobody waits for it any more.
+        call.done.add_done_callback(_retrieved)
         self._sampler.sample()
         before = self._sampler.cpu
         started = time.monotonic()
@@ -448,11 +454,13 @@ class Session:
                 await self.close(SessionLost(f"the session's interpreter is gone ({exc})"))
                 raise self.closed or SessionLost("the session's interpreter is gone") from exc
             try:
-                done = await asyncio.wait_for(asyncio.shield(call.done),
-                                              wall_clock or self._wall_clock)
-            except TimeoutError:
-                timed_out = True
-                done = await self._interrupt(call)
+                finished = await self._wait(call, started, wall_clock or self._wall_clock,
+                                            on_tick)
+                if finished is None:
+                    timed_out = True
+                    done = await self._interrupt(call)
+                else:
+                    done = finished
             except asyncio.CancelledError:
                 # The run was stopped: interrupt the call (or close the session when it
                 # will not stop), and still end as cancelled.
@@ -465,6 +473,23 @@ class Session:
         # Measured in a thread: a folder of many small files must not stall the loop.
         disk = await asyncio.to_thread(self._disk_used)
         return self._ended(done, call, started, before, timed_out, disk)
+
+    @staticmethod
+    async def _wait(call: _Call, started: float, wall_clock: float,
+                    on_tick: TickCallback | None) -> dict[str, Any] | None:
+        """The call's ``done`` frame, or None at the wall clock; ``on_tick`` every
+        :data:`TICK_SECONDS` meanwhile (a silent call still shows it is alive)."""
+        deadline = started + wall_clock
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(asyncio.shield(call.done),
+                                              min(left, TICK_SECONDS))
+            except TimeoutError:
+                if on_tick is not None and time.monotonic() < deadline:
+                    await on_tick(time.monotonic() - started)
 
     async def _interrupt(self, call: _Call) -> dict[str, Any]:
         """Interrupts the running call; closes the session when it does not stop."""
@@ -596,6 +621,12 @@ class Session:
         finally:
             os.close(fd)
         return found
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Marks a future's exception as seen (a call's end no one waits for any more)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _plain(name: str) -> str:

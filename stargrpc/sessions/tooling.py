@@ -61,8 +61,14 @@ async def run_in_session(ctx: ToolContext, handle: SessionHandle, frame: dict[st
                 kept[channel].append(text)
                 await step.delta(text, channel=channel)
 
+            wall_clock = ctx.settings.sandbox_wall_clock_seconds
+
+            async def on_tick(elapsed: float) -> None:
+                await ctx.heartbeat(f"running for {elapsed:.0f} s",
+                                    progress=min(elapsed / wall_clock, 1.0))
+
             try:
-                end = await session.run(frame, on_output=on_output)
+                end = await session.run(frame, on_output=on_output, on_tick=on_tick)
             except SessionError as error:
                 step.summary = error.message
                 raise ToolFailed(error.message, code=error.code) from error

@@ -201,3 +201,15 @@ async def test_stopping_the_server_ends_session_calls_and_closes_sessions(make_s
         await server.stop(grace=0.5)
         assert len(server.service.sessions) == 0
         assert not folder.exists()  # its folder went with it
+
+
+async def test_a_silent_call_heartbeats_while_it_runs(make_server) -> None:
+    channel, stub = await serve(make_server)
+    async with channel:
+        session_id = await create(stub)
+        # Longer than one tick (5 s) of the session call: a heartbeat says it is alive.
+        events = await run_tool(stub, "python", {"code": "import time\ntime.sleep(5.5)"},
+                                session_id=session_id)
+        beats = [e.heartbeat for e in events if e.HasField("heartbeat")]
+        assert beats and beats[0].message.startswith("running for ")
+        assert events[-1].result.outcome == events_pb2.OUTCOME_OK
