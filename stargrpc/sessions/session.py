@@ -58,6 +58,8 @@ log = structlog.get_logger("stargrpc.sessions")
 KINDS = ("python", "shell")
 #: How long a kernel may take to say it is ready.
 START_SECONDS = 30.0
+#: Seconds between two samples of a session's process tree while a call runs.
+SAMPLE_SECONDS = 0.5
 #: After an interrupt, how long a call may take to end before the session is closed.
 INTERRUPT_GRACE_SECONDS = 2.0
 
@@ -383,6 +385,12 @@ class Session:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._process.exited), 5.0)
             reason = "the session's interpreter ended: " + self._process.describe_exit()
+            cpu = self._sampler.cpu if self._sampler is not None else None
+            if cpu is not None and sum(cpu) >= self.limits.cpu_seconds - SAMPLE_SECONDS:
+                # Its own exit says little under unshare (the wrapper's status): the CPU
+                # time its tree had used says which limit it met.
+                reason += (f" (it had used its CPU time limit of {self.limits.cpu_seconds} s"
+                           f": killed by it)")
         await self.close(SessionLost(reason + "; the session is closed"))
 
     async def _dispatch(self, frame: dict[str, Any]) -> None:
@@ -474,22 +482,28 @@ class Session:
         disk = await asyncio.to_thread(self._disk_used)
         return self._ended(done, call, started, before, timed_out, disk)
 
-    @staticmethod
-    async def _wait(call: _Call, started: float, wall_clock: float,
+    async def _wait(self, call: _Call, started: float, wall_clock: float,
                     on_tick: TickCallback | None) -> dict[str, Any] | None:
-        """The call's ``done`` frame, or None at the wall clock; ``on_tick`` every
-        :data:`TICK_SECONDS` meanwhile (a silent call still shows it is alive)."""
+        """The call's ``done`` frame, or None at the wall clock. Meanwhile the session's
+        tree is sampled every :data:`SAMPLE_SECONDS` (what it used, and whether a limit
+        killed it) and ``on_tick`` runs every :data:`TICK_SECONDS` (a silent call still
+        shows it is alive)."""
+        assert self._sampler is not None
         deadline = started + wall_clock
+        next_tick = started + TICK_SECONDS
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return None
             try:
                 return await asyncio.wait_for(asyncio.shield(call.done),
-                                              min(left, TICK_SECONDS))
+                                              min(deadline - now, SAMPLE_SECONDS))
             except TimeoutError:
-                if on_tick is not None and time.monotonic() < deadline:
-                    await on_tick(time.monotonic() - started)
+                self._sampler.sample()
+                now = time.monotonic()
+                if on_tick is not None and next_tick <= now < deadline:
+                    next_tick = now + TICK_SECONDS
+                    await on_tick(now - started)
 
     async def _interrupt(self, call: _Call) -> dict[str, Any]:
         """Interrupts the running call; closes the session when it does not stop."""
