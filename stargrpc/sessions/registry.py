@@ -32,7 +32,6 @@ from stargrpc.sessions.session import (
     KINDS,
     Session,
     SessionClosed,
-    SessionError,
     SessionLimits,
     SessionLost,
 )
@@ -268,7 +267,3 @@ class Sessions:
         if self.directory is not None:
             await self.directory.aclose()
 
-
-def session_error_code(error: SessionError) -> str:
-    """The ErrorReason name of a session error."""
-    return error.code
