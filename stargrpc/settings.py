@@ -446,6 +446,29 @@ class Settings(BaseSettings):
         "variables passed to sandboxed commands (comma-separated); nothing else is.")
     sandbox_python: str = Field("python3", description="Interpreter of the python tool, "
                                 "looked up on the sandbox PATH.")
+    session_max_per_principal: int = Field(4, ge=0, description="Sessions (CreateSession) "
+                                           "one principal may hold open at once on a "
+                                           "replica; 0 turns sessions off.")
+    session_max_total: int = Field(32, ge=0, description="Sessions open at once on a "
+                                   "replica, all principals together.")
+    session_ttl_seconds: float = Field(3600.0, gt=0, description="Longest life of a "
+                                       "session (and the TTL of one that asks for none).")
+    session_idle_seconds: float = Field(600.0, gt=0, description="A session without a call "
+                                        "for this long is closed (also the most one may "
+                                        "ask for).")
+    session_memory_mb: int = Field(1024, ge=16, description="Address-space limit of each "
+                                   "process of a session (the most a session may ask for).")
+    session_cpu_seconds: int = Field(300, ge=1, le=86400, description="CPU time each "
+                                     "process of a session may use over the session's "
+                                     "life: its interpreter's budget (the most a session "
+                                     "may ask for).")
+    session_disk_mb: int = Field(512, ge=1, description="Disk space a session's folder may "
+                                 "hold (polled); past it the session is closed.")
+    session_advertise_address: str = Field(
+        "", description="With a fleet (redis_url): this replica's gRPC address as the other "
+        "replicas reach it (host:port). Set, the replica records the sessions it holds in "
+        "Redis and forwards a call for a session another replica holds to it; empty, a "
+        "session is known to its own replica only. A port of 0 means the port bound.")
     http_fetch_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Hosts http_fetch may reach (comma-separated; "
         "'*.example.com' for subdomains); empty refuses every host.")

@@ -1,8 +1,10 @@
 """python: runs a Python snippet in the sandbox and streams what it prints.
 
-The snippet runs in a fresh interpreter (``python3 -I -u``: isolated mode, unbuffered) in
-a fresh working directory, under the sandbox's limits and isolation. Files it writes to
-``$OUTPUT_DIR`` (``out/`` in its working directory) come back as sent files.
+Outside a session the snippet runs in a fresh interpreter (``python3 -I -u``: isolated
+mode, unbuffered) in a fresh working directory, under the sandbox's limits and isolation.
+Files it writes to ``$OUTPUT_DIR`` (``out/`` in its working directory) come back as sent
+files. In a session (``ExecuteRequest.session_id``) it runs in the session's live
+interpreter instead (:mod:`stargrpc.sessions`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
+from stargrpc.sessions import run_in_session
 
 
 class PythonArgs(BaseModel):
@@ -29,7 +32,13 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     snippet: import stargrpc_state; stargrpc_state.state("run").set("k", value) (or "tree",
     shared by a call tree), then get, increment, compare_and_set, keys and delete.
     Limits on CPU time, memory, file size, processes and wall-clock time apply.
+    Called in a session (session_id), the code runs in the session's live interpreter:
+    imports, variables and files persist between calls, and the value of a final
+    expression comes back as the structured output.
     """
+    if ctx.session is not None:
+        return await run_in_session(ctx, ctx.session, {"t": "python", "code": args.code},
+                                    title="Running Python in the session")
     # -s -u rather than -I: the environment is the server's own (scrubbed) and must be
     # read, for PYTHONPATH holds the run's state client (import stargrpc_state).
     return await run_in_sandbox(

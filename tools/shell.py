@@ -7,6 +7,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
+from stargrpc.sessions import run_in_session
 
 
 class ShellArgs(BaseModel):
@@ -22,7 +23,11 @@ async def shell(ctx: ToolContext, args: ShellArgs) -> ToolResult:
     server beyond this call, is reachable with the stargrpc-state command (stargrpc-state
     set KEY JSON, get KEY, incr KEY, cas KEY EXPECTED NEW, keys, delete KEY; --scope tree
     for the call tree's). Limits on CPU time, memory, file size, processes and wall-clock
-    time apply.
+    time apply. Called in a session (session_id), the command runs in the session's folder,
+    whose files persist between calls.
     """
+    if ctx.session is not None:
+        return await run_in_session(ctx, ctx.session, {"t": "shell", "command": args.command},
+                                    title=f"$ {args.command[:80]}")
     return await run_in_sandbox(ctx, ["sh", "-c", args.command],
                                 title=f"$ {args.command[:80]}")

@@ -10,6 +10,8 @@
 //   node clients/node/cli.js deny RUN_ID --approval-id ID [--reason TEXT]
 //                                                           decide on a waiting run
 //
+//   node clients/node/cli.js session create python            open a session (prints its id)
+//   node clients/node/cli.js call python '{"code":"x=1"}' --session ID   run in it
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
 // `call` and `watch` exit 0 only when the outcome is OK, like `stargrpc call`; `watch` past
@@ -201,10 +203,11 @@ async function callCancellingOnInterrupt(client, streamed, run) {
   return EXIT_INTERRUPTED;
 }
 
-const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] | watch RUN_ID [--after-seq N] | " +
+const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] [--session ID] | watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
   "steer RUN_ID MESSAGE | approve|deny RUN_ID --approval-id ID [--reason TEXT]\n" +
-  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K  --parent-run-id RUN_ID";
+  "session create [python|shell] | session list | session close ID\n" +
+  "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K  --parent-run-id RUN_ID  --session ID";
 
 class UsageError extends Error {}
 
@@ -223,6 +226,7 @@ async function main(argv) {
         "after-seq": { type: "string", default: "0" },
         "idempotency-key": { type: "string" },
         "parent-run-id": { type: "string" },
+        session: { type: "string", default: "" },
         reason: { type: "string", default: "" },
         "approval-id": { type: "string", default: "" },
         "arguments-digest": { type: "string", default: "" },
@@ -269,9 +273,27 @@ async function main(argv) {
       }
       const run = newRun();
       const streamed = follow(client.execute(rest[0], args,
-        { idempotencyKey: values["idempotency-key"], parentRunId: values["parent-run-id"] }),
+        { idempotencyKey: values["idempotency-key"], parentRunId: values["parent-run-id"],
+          sessionId: values.session }),
         values.json, run);
       return await callCancellingOnInterrupt(client, streamed, run);
+    }
+    if (command === "session" && rest[0] === "create" && rest.length <= 2) {
+      const session = await client.createSession(rest[1] || "python");
+      console.log(values.json ? JSON.stringify(session) : session.session_id);
+      return 0;
+    }
+    if (command === "session" && rest[0] === "list" && rest.length === 1) {
+      for (const session of await client.listSessions()) {
+        console.log(values.json ? JSON.stringify(session)
+          : `${session.session_id}  ${session.kind}  ${session.busy ? "busy" : "idle"}  ${session.calls} calls`);
+      }
+      return 0;
+    }
+    if (command === "session" && rest[0] === "close" && rest.length === 2) {
+      await client.closeSession(rest[1]);
+      console.error("closed");
+      return 0;
     }
     if (command === "watch" && rest.length === 1) {
       if (!/^\d+$/.test(values["after-seq"])) throw new UsageError("--after-seq must be a seq (a whole number >= 0)");

@@ -42,13 +42,26 @@ function fraction(nanos) {
   return "." + digits.replace(/(000)+$/, "");
 }
 
+// The contract is loaded with keepCase, so a decoded Value holds its field under the proto
+// name (number_value); a Value made from an object by protobufjs, under the camelCase one.
+// Own properties only: the prototype carries every field's default ("" for a string).
+function field(value, camel, snake) {
+  if (Object.prototype.hasOwnProperty.call(value, snake)) return value[snake];
+  if (Object.prototype.hasOwnProperty.call(value, camel)) return value[camel];
+  return undefined;
+}
+
 function structValue(value) {
   if (value === null || value === undefined) return null;
-  if (value.structValue) return structObject(value.structValue);
-  if (value.listValue) return (value.listValue.values || []).map(structValue);
-  if ("stringValue" in value && value.stringValue !== undefined) return value.stringValue;
-  if ("numberValue" in value && value.numberValue !== undefined) return value.numberValue;
-  if ("boolValue" in value && value.boolValue !== undefined) return value.boolValue;
+  const struct = field(value, "structValue", "struct_value");
+  if (struct) return structObject(struct);
+  const list = field(value, "listValue", "list_value");
+  if (list) return (list.values || []).map(structValue);
+  for (const [camel, snake] of [["stringValue", "string_value"], ["numberValue", "number_value"],
+    ["boolValue", "bool_value"]]) {
+    const found = field(value, camel, snake);
+    if (found !== undefined && found !== null) return found;
+  }
   return null;
 }
 
@@ -258,11 +271,41 @@ class StargrpcClient {
   }
 
   /**
+   * Opens a session (CreateSession): a sandbox kept across calls. Resolves to the Session
+   * (`session_id`, `kind`, limits, `usage`). Not retried: a retry could open two.
+   * @param {string} [kind] "python" (a live interpreter) or "shell"
+   * @param {object} [limits] { ttl_seconds, idle_seconds, memory_mb, cpu_seconds, disk_mb }
+   */
+  createSession(kind = "python", limits = {}) {
+    return new Promise((resolve, reject) => {
+      this.stub.CreateSession({ kind, ...limits }, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply.session)));
+    });
+  }
+
+  /** Closes one of the caller's sessions (CloseSession). */
+  closeSession(sessionId) {
+    return new Promise((resolve, reject) => {
+      this.stub.CloseSession({ session_id: sessionId }, this.metadata(),
+        (error) => (error ? reject(withDetails(error)) : resolve()));
+    });
+  }
+
+  /** The caller's open sessions, with their running totals (ListSessions). */
+  listSessions() {
+    return new Promise((resolve, reject) => {
+      this.stub.ListSessions({}, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply.sessions)));
+    });
+  }
+
+  /**
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]
-   * @param {object} [options] { idempotencyKey, parentRunId } — parentRunId hangs the run
-   *   under a run of the caller's own (a call tree): listed in its tree, cancelled with it.
+   * @param {object} [options] { idempotencyKey, parentRunId, sessionId, sessionNoWait } —
+   *   parentRunId hangs the run under a run of the caller's own (a call tree): listed in its
+   *   tree, cancelled with it; sessionId runs it in one of the caller's sessions.
    */
   async* execute(tool, args = {}, options = {}) {
     const request = {
@@ -271,6 +314,8 @@ class StargrpcClient {
       // Runs with a key outlive their stream, so a broken stream can be resumed.
       idempotency_key: options.idempotencyKey || crypto.randomUUID().replace(/-/g, ""),
       parent_run_id: options.parentRunId || "",
+      session_id: options.sessionId || "",
+      session_no_wait: Boolean(options.sessionNoWait),
     };
     const cursor = { runId: "", lastSeq: 0, finished: false };
     for (let attempt = 1; ; attempt++) {

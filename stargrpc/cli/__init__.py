@@ -16,6 +16,7 @@ from stargrpc.cli.mcp import mcp_stdio
 from stargrpc.cli.new_tool import new_tool
 from stargrpc.cli.runs import runs
 from stargrpc.cli.serve import serve
+from stargrpc.cli.sessions import session
 from stargrpc.cli.state import state
 
 
@@ -40,6 +41,7 @@ main.add_command(cancel)
 main.add_command(steer)
 main.add_command(approve)
 main.add_command(deny)
+main.add_command(session)
 main.add_command(runs)
 main.add_command(state)
 main.add_command(health)

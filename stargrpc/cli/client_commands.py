@@ -111,8 +111,15 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
 @click.option("--idempotency-key", default="",
               help="Repeat a key to attach to or replay a run; one is generated when empty.")
 @click.option("--timeout", type=float, default=None, help="gRPC deadline in seconds.")
+@click.option("--session", "session_id", default="",
+              help="Run in this session (stargrpc session create): python or shell in its "
+                   "sandbox, with its files and live interpreter.")
+@click.option("--session-no-wait", is_flag=True,
+              help="With --session: fail (SESSION_BUSY) rather than wait while the session "
+                   "runs another call.")
 def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json: bool,
-         idempotency_key: str, timeout: float | None) -> None:
+         idempotency_key: str, timeout: float | None, session_id: str,
+         session_no_wait: bool) -> None:
     """Run a tool and show its steps and output live. Exits 0 only when the outcome is OK.
 
     A broken connection is resumed where it left off; Ctrl-C cancels the run.
@@ -126,7 +133,8 @@ def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json
     with Client(**client_options) as client:
         _follow(client, client.execute(tool_name, arguments,
                                        idempotency_key=idempotency_key or None,
-                                       timeout=timeout), as_json)
+                                       timeout=timeout, session_id=session_id or None,
+                                       session_no_wait=session_no_wait), as_json)
 
 
 @click.command()

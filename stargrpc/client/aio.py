@@ -238,7 +238,8 @@ class AsyncClient:
                       context: InvocationContext | None = None,
                       parent_run_id: str = "",
                       timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
-                      metadata: Metadata | None = None) -> AsyncIterator[Event]:
+                      metadata: Metadata | None = None, session_id: str | None = None,
+                      session_no_wait: bool = False) -> AsyncIterator[Event]:
         """Runs a tool and yields its events as they happen; the last one is the Result.
 
         Args:
@@ -254,6 +255,10 @@ class AsyncClient:
                 an agent started); its events then carry it, and it is cancelled with it.
             timeout: Seconds for the whole call, retries and resumes included.
             metadata: Extra metadata for this call.
+            session_id: Run in this session (:meth:`create_session`): ``python`` or
+                ``shell`` in its sandbox, with its files and live interpreter.
+            session_no_wait: With ``session_id``, be refused (SESSION_BUSY) rather than
+                wait while the session runs another call.
 
         Yields:
             Typed events, each exactly once and in ``seq`` order, ending with a
@@ -269,7 +274,8 @@ class AsyncClient:
         """
         request = tool_service_pb2.ExecuteRequest(
             tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex,
-            parent_run_id=parent_run_id)
+            parent_run_id=parent_run_id, session_id=session_id or "",
+            session_no_wait=session_no_wait)
         if isinstance(arguments, str):
             request.arguments_json = arguments
         elif arguments is not None:
@@ -428,6 +434,67 @@ class AsyncClient:
                 request, metadata=self._call_metadata(metadata), timeout=left),
             timeout, retry=NO_RETRY)
         return reply
+
+    async def create_session(self, kind: str = "python", *, ttl_seconds: int = 0,
+                             idle_seconds: int = 0, memory_mb: int = 0, cpu_seconds: int = 0,
+                             disk_mb: int = 0,
+                             timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                             metadata: Metadata | None = None) -> tool_service_pb2.Session:
+        """Opens a session (CreateSession): a sandbox kept for the caller across calls.
+
+        Sent once, never retried: a request repeated after an UNAVAILABLE the server had in
+        fact served would open a second session.
+
+        Args:
+            kind: ``"python"`` (a live interpreter) or ``"shell"``.
+            ttl_seconds: Longest life (0: the server's).
+            idle_seconds: Longest time without a call (0: the server's).
+            memory_mb: Address space of each process (0: the server's).
+            cpu_seconds: CPU seconds of each process over the session's life (0: the
+                server's).
+            disk_mb: Disk its folder may hold (0: the server's).
+
+        Returns:
+            The session; pass its ``session_id`` to :meth:`execute` or :meth:`call`.
+
+        Raises:
+            CallError: An unknown kind or a limit above the server's (INVALID_ARGUMENT),
+                too many sessions (RESOURCE_EXHAUSTED, SESSION_LIMIT).
+        """
+        request = tool_service_pb2.CreateSessionRequest(
+            kind=kind, ttl_seconds=ttl_seconds, idle_seconds=idle_seconds,
+            memory_mb=memory_mb, cpu_seconds=cpu_seconds, disk_mb=disk_mb)
+        reply: tool_service_pb2.CreateSessionResponse = await self._unary(
+            lambda left: self._stub.CreateSession(
+                request, metadata=self._call_metadata(metadata), timeout=left),
+            timeout, retry=NO_RETRY)
+        return reply.session
+
+    async def close_session(self, session_id: str, *,
+                            timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                            metadata: Metadata | None = None) -> None:
+        """Closes one of the caller's sessions (CloseSession); its files are gone.
+
+        Raises:
+            CallError: Unknown, expired or not the caller's (NOT_FOUND, SESSION_NOT_FOUND).
+        """
+        await self._unary(
+            lambda left: self._stub.CloseSession(
+                tool_service_pb2.CloseSessionRequest(session_id=session_id),
+                metadata=self._call_metadata(metadata), timeout=left),
+            timeout, retry=NO_RETRY)
+
+    async def list_sessions(self, *,
+                            timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
+                            metadata: Metadata | None = None
+                            ) -> list[tool_service_pb2.Session]:
+        """The caller's open sessions, oldest first, with what each used (ListSessions)."""
+        reply: tool_service_pb2.ListSessionsResponse = await self._unary(
+            lambda left: self._stub.ListSessions(
+                tool_service_pb2.ListSessionsRequest(),
+                metadata=self._call_metadata(metadata), timeout=left),
+            timeout)
+        return list(reply.sessions)
 
     async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
                         root_run_id: str = "", parent_run_id: str = "",

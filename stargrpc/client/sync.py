@@ -177,6 +177,18 @@ class Client:
         reply: tool_service_pb2.ApproveRunResponse = self._run(
             self._client.approve(run_id, approval_id, **options))
         return reply
+    def create_session(self, kind: str = "python", **options: Any
+                       ) -> tool_service_pb2.Session:
+        """See :meth:`AsyncClient.create_session`."""
+        return self._run(self._client.create_session(kind, **options))
+
+    def close_session(self, session_id: str, **options: Any) -> None:
+        """See :meth:`AsyncClient.close_session`."""
+        self._run(self._client.close_session(session_id, **options))
+
+    def list_sessions(self, **options: Any) -> list[tool_service_pb2.Session]:
+        """See :meth:`AsyncClient.list_sessions`."""
+        return self._run(self._client.list_sessions(**options))
 
     def list_runs(self, **options: Any) -> tool_service_pb2.ListRunsResponse:
         """See :meth:`AsyncClient.list_runs`."""

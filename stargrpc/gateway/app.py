@@ -19,6 +19,10 @@ Routes:
 - ``POST /v1/runs/{run_id}:steer``        SteerRun: ``{"message": "…"}``
 - ``POST /v1/runs/{run_id}:approve``      ApproveRun: ``{"approval_id": "…", "decision":
   "approve" | "deny", "reason": "…", "arguments_digest": "…"}``
+- ``POST /v1/sessions``                   CreateSession: ``{"kind": "python", …}``
+- ``GET  /v1/sessions``                   ListSessions (the caller's; ``?files=true``)
+- ``POST /v1/sessions/{session_id}:close`` CloseSession
+  (an execute body's ``session_id`` runs the call in that session)
 
 Credentials travel in ``Authorization: Bearer …`` exactly as in gRPC metadata; the gateway
 forwards them (with the W3C trace context) and never looks at them.
@@ -102,6 +106,27 @@ class ExecuteBody(BaseModel):
     catalog_hash: str = ""
     context: dict[str, Any] = Field(default_factory=dict)
     parent_run_id: str = ""
+    session_id: str = ""
+    session_no_wait: bool = False
+
+
+class SessionBody(BaseModel):
+    """The JSON body of ``POST /v1/sessions`` (CreateSessionRequest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = "python"
+    ttl_seconds: int = Field(0, ge=0, le=2**32 - 1)
+    idle_seconds: int = Field(0, ge=0, le=2**32 - 1)
+    memory_mb: int = Field(0, ge=0, le=2**32 - 1)
+    cpu_seconds: int = Field(0, ge=0, le=2**32 - 1)
+    disk_mb: int = Field(0, ge=0, le=2**32 - 1)
+
+
+class NoBody(BaseModel):
+    """An empty JSON body (or none)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class CancelBody(BaseModel):
@@ -264,6 +289,10 @@ class Gateway:
                 Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
                 Route("/v1/runs/{run_id}:approve", self.approve, methods=["POST"]),
                 *StateApi(self.client, self._metadata, self._state_body).routes,
+                Route("/v1/sessions", self.create_session, methods=["POST"]),
+                Route("/v1/sessions", self.list_sessions, methods=["GET"]),
+                Route("/v1/sessions/{session_id}:close", self.close_session,
+                      methods=["POST"]),
             ],
             # Outermost first: refusals of the guard carry the security headers too.
             middleware=[Middleware(SecurityHeaders),
@@ -451,6 +480,40 @@ class Gateway:
                     "arguments_digest": reply.arguments_digest}
 
         return await self._run_command(request, ApproveBody, send)
+    async def create_session(self, request: Request) -> Response:
+        """``POST /v1/sessions``: CreateSession; 200 with the session."""
+
+        async def send(body: SessionBody) -> dict[str, Any]:
+            reply = await self.client.stub.CreateSession(
+                tool_service_pb2.CreateSessionRequest(**body.model_dump()),
+                metadata=self._metadata(request))
+            return _message_json(reply.session)
+
+        return await self._run_command(request, SessionBody, send)
+
+    async def list_sessions(self, request: Request) -> Response:
+        """``GET /v1/sessions``: ListSessions; ``{"sessions": […]}`` (``?files=true``: with
+        each session's files)."""
+        try:
+            with_files = request.query_params.get("files", "").lower() in ("1", "true", "yes")
+            reply = await self.client.stub.ListSessions(
+                tool_service_pb2.ListSessionsRequest(with_files=with_files),
+                metadata=self._metadata(request))
+        except grpc.aio.AioRpcError as error:
+            return rpc_error_response(error)
+        return JSONResponse({"sessions": [_message_json(s) for s in reply.sessions]})
+
+    async def close_session(self, request: Request) -> Response:
+        """``POST /v1/sessions/{session_id}:close``: CloseSession; ``{"session_id": …}``."""
+
+        async def send(body: NoBody) -> dict[str, Any]:
+            reply = await self.client.stub.CloseSession(
+                tool_service_pb2.CloseSessionRequest(
+                    session_id=request.path_params["session_id"]),
+                metadata=self._metadata(request))
+            return {"session_id": reply.session_id}
+
+        return await self._run_command(request, NoBody, send)
 
     async def _run_command(self, request: Request, body_type: type[_Body],
                            send: Callable[[_Body], Awaitable[dict[str, Any]]]) -> Response:
@@ -497,7 +560,8 @@ class Gateway:
             tool_name=request.path_params["name"],
             arguments_json=json.dumps(body.arguments),
             idempotency_key=body.idempotency_key or request.headers.get("idempotency-key", ""),
-            catalog_hash=body.catalog_hash, parent_run_id=body.parent_run_id)
+            catalog_hash=body.catalog_hash, parent_run_id=body.parent_run_id,
+            session_id=body.session_id, session_no_wait=body.session_no_wait)
         try:
             json_format.ParseDict(body.context, message.context)
         except json_format.ParseError as exc:
@@ -566,6 +630,11 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
     if violations:
         raise _BadRequest("the run list query is not valid", violations)
     return message
+
+
+def _message_json(message: Any) -> dict[str, Any]:
+    """A reply message as the JSON the HTTP API answers (proto field names)."""
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
 def _validation_response(exc: ValidationError) -> JSONResponse:

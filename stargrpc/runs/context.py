@@ -259,6 +259,13 @@ class ToolContext:
         self._logger = None
 
     @property
+    def session(self) -> Any:
+        """The session the run was called in (``ExecuteRequest.session_id``): its
+        ``session_id``, ``kind`` and ``folder`` (the session's folder on the server's host,
+        where its files persist between calls); None for a run outside a session."""
+        return getattr(self._run, "session", None)
+
+    @property
     def logger(self) -> Any:
         """A structlog logger bound with the run id and tool name."""
         # Bound on first use: most tools never log, and binding costs more than the rest of

@@ -250,6 +250,8 @@ class Run:
     # the children running in this process.
     _tree: CallTree | None = None
     _children: list[Run] | None = None
+    #: The session the run runs in (``ctx.session``; the sessions seam), or None.
+    session: Any = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0
@@ -539,6 +541,9 @@ class Run:
                 else (lambda: spec.fn(sync_ctx))
             )
             coro = asyncio.to_thread(call)
+        if self.session is not None:
+            # Calls in one session run one at a time: the tool starts once it holds its turn.
+            coro = self.session.hold(coro)
         # The tool's coroutine runs in this run's own task (no task of its own, no shield:
         # a task and a future less per run). stop() cancels this task while the tool runs.
         self._tool_running = True

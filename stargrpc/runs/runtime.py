@@ -106,6 +106,10 @@ class RunRequest:
     priority: int = 0
     #: The run of this process that asks for the run (``ctx.call``); never from a request.
     parent: Run | None = None
+    #: The session the run runs in (``ctx.session``: a
+    #: :class:`stargrpc.sessions.session.SessionHandle`, found for the caller by the entry
+    #: point), or None.
+    session: Any = None
 
 
 @dataclass(frozen=True)
@@ -473,6 +477,8 @@ class Runtime:
         if record is not None:
             record.root_run_id = run.root_run_id
             record.parent_run_id = run.parent_run_id
+        if request.session is not None:
+            run.session = request.session
         return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,

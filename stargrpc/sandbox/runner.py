@@ -660,6 +660,17 @@ class SandboxProcess:
                 _kill_group(self.pid)
                 return
 
+    @property
+    def folder(self) -> Path:
+        """Its working directory on the host (held open by the server: see
+        :meth:`open_folder`)."""
+        return self._workdir.path
+
+    def open_folder(self) -> tuple[int, fsops.Owner]:
+        """A new descriptor of its working directory (the caller closes it) and what each
+        entry of it must match, for walking it safely with :mod:`stargrpc.sandbox.fsops`."""
+        return os.dup(self._workdir.fd), self._workdir.owner
+
     def describe_exit(self) -> str:
         """How the leader ended, once :attr:`exited` is done (it stays unreaped, holding
         its process group, until :meth:`aclose`)."""
@@ -1064,3 +1075,8 @@ def _decode_status(status: int, wrapped: bool) -> tuple[int | None, int | None]:
     if wrapped and 128 < code < 128 + 65:
         return code - 128, None
     return None, code
+
+
+#: The sampler of a process tree's CPU time and peak memory, for the long-running
+#: processes of :meth:`Sandbox.spawn` (a session measures each of its calls with it).
+TreeSampler = _TreeSampler

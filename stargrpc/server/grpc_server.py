@@ -23,7 +23,7 @@ from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
-from stargrpc.http_server import HttpEndpoints
+from stargrpc.http_server import HttpEndpoints, gateway_tls
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp import require_mcp_for
 from stargrpc.registry import Registry, load_registry
@@ -178,11 +178,26 @@ class StargrpcServer:
             self.runtime.approvals.on_audit = approval_auditor(audit.writer)
             # So does each child run a tool starts (ctx.call): no gRPC call carries it.
             self.runtime.audit_child = audit.audit_child
+        self._connect_sessions()
         add_to_server(self.service, self._server)
         add_state_service(RunStateService(self.runtime.state_store, settings), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         enable_reflection((SERVICE_NAME, STATE_SERVICE_NAME, health.SERVICE_NAME),
                           self._server)
+
+    def _connect_sessions(self) -> None:
+        """With a fleet and ``session_advertise_address``: sessions recorded in Redis, and
+        calls for a session another replica holds forwarded there."""
+        shared = getattr(self.runtime.store, "shared", None)
+        address = self.settings.session_advertise_address
+        if shared is None or not address:
+            return
+        from stargrpc.sessions.forwarding import SessionDirectory, SessionForwarder
+
+        directory = SessionDirectory(shared.redis, self.settings.redis_key_prefix, address)
+        self.service.sessions.directory = directory
+        credentials, _ = gateway_tls(self.settings)
+        self.service.forwarder = SessionForwarder(directory, credentials)
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings
@@ -221,7 +236,12 @@ class StargrpcServer:
         if not self.port:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
+        directory = self.service.sessions.directory
+        if directory is not None and directory.address.endswith(":0"):
+            # Advertised with port 0: the port this replica bound.
+            directory.address = f"{directory.address.rsplit(':', 1)[0]}:{self.port}"
         self.service.deliveries.start()
+        self.service.sessions.start()
         if isinstance(self.runtime.store, Lifecycle):  # a fleet's store sweeps for lost runs
             await self.runtime.store.start()
         if self.upstreams is not None:  # in the background: a slow one never delays serving
@@ -259,6 +279,10 @@ class StargrpcServer:
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
+        # After the drain: its runs' calls in sessions have ended (or been cancelled).
+        await self.service.sessions.aclose()
+        if self.service.forwarder is not None:
+            await self.service.forwarder.aclose()
         if self.upstreams is not None:
             await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport

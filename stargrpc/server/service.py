@@ -22,12 +22,14 @@ from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
+    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     RequestError,
     RunFinished,
+    Unavailable,
     reason_name,
 )
 from stargrpc.principal import Principal, current_principal
@@ -47,6 +49,8 @@ from stargrpc.server.streaming import (
     event_responses,
     serialize_response,
 )
+from stargrpc.sessions import Session, SessionHandle, Sessions
+from stargrpc.sessions.forwarding import SessionForwarder
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import ApprovalRecord
 from stargrpc.stores.base import (
@@ -64,6 +68,8 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
+_SESSION_BUSY = reason_name(errors_pb2.SESSION_BUSY)
+_SESSION_KIND_MISMATCH = reason_name(errors_pb2.SESSION_KIND_MISMATCH)
 
 
 class MalformedRequest:
@@ -125,12 +131,17 @@ class ToolService:
 
     runtime: Runtime
     deliveries: Deliveries
+    sessions: Sessions
+    #: Sends calls for a session another replica holds there (None: no fleet forwarding).
+    forwarder: SessionForwarder | None
     _tool_messages: tuple[str, dict[str, catalog_pb2.Tool]]
 
     def __init__(self, runtime: Runtime, deliveries: Deliveries | None = None) -> None:
         self.runtime = runtime
         self.deliveries = (deliveries if deliveries is not None
                            else Deliveries(runtime.settings, runtime.store))
+        self.sessions = Sessions(runtime.settings)
+        self.forwarder = None
         self._tool_messages = ("", {})
 
     # -- catalog ---------------------------------------------------------------------------
@@ -202,6 +213,19 @@ class ToolService:
         notices: list[events_pb2.RunEvent] = []
         try:
             _well_formed(request)
+            replica = await self._session_replica(request, context)
+            if replica is not None:
+                assert self.forwarder is not None
+                try:
+                    async for forwarded in self.forwarder.execute(
+                            replica, request, context.invocation_metadata() or (),
+                            context.time_remaining()):
+                        yield forwarded
+                except grpc.aio.AioRpcError as error:  # the owner refused: its status
+                    await context.abort(error.code(), error.details() or "",
+                                        error.trailing_metadata())
+                streamed_to_end = True
+                return
             admitted = await self._admit(request, policy)
             log, coalesce = admitted.log, request.coalesce_deltas
             if admitted.run is not None:
@@ -249,9 +273,47 @@ class ToolService:
         # A detached run is supervised by the server's own timeouts: the deadline of this
         # unary call is not the run's.
         policy = SupervisionPolicy.for_call(self.settings)
+        replica = await self._session_replica(request, context)
+        if replica is not None:
+            return await self._forward_unary(replica, "StartRun", request,
+                                             tool_service_pb2.StartRunResponse, context)
         admitted = await self._admit(request, policy)
         return tool_service_pb2.StartRunResponse(run_id=admitted.log.run_id,
                                                  attached=admitted.run is None)
+
+    async def _session_replica(self, request: Any, context: grpc.aio.ServicerContext
+                               ) -> str | None:
+        """The replica a request for a session held elsewhere goes to (None: here).
+
+        Raises:
+            NotFound: Another principal's session (SESSION_NOT_FOUND).
+            FailedPrecondition: Its replica is gone (SESSION_LOST).
+            Unavailable: The fleet's store cannot be reached.
+        """
+        session_id = request.session_id
+        if (not session_id or self.forwarder is None or self.sessions.holds(session_id)
+                or len(session_id) > 64):
+            return None
+        try:
+            return await self.forwarder.route(session_id, current_principal.get().id,
+                                              context.invocation_metadata() or ())
+        except RequestError:
+            raise
+        except Exception as exc:  # the fleet's Redis
+            raise Unavailable("the fleet's store cannot be reached to find the session",
+                              retry_after=1.0) from exc
+
+    async def _forward_unary(self, replica: str, method: str, request: Any,
+                             reply_type: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A unary call answered by the replica that holds its session."""
+        assert self.forwarder is not None
+        try:
+            return await self.forwarder.unary(replica, method, request, reply_type,
+                                              context.invocation_metadata() or (),
+                                              context.time_remaining())
+        except grpc.aio.AioRpcError as error:  # the owner refused: its status, as it gave it
+            await context.abort(error.code(), error.details() or "",
+                                error.trailing_metadata())
 
     async def _admit(self, request: tool_service_pb2.ExecuteRequest
                      | tool_service_pb2.StartRunRequest, policy: SupervisionPolicy
@@ -308,7 +370,31 @@ class ToolService:
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
-                           policy=policy, parent_run_id=request.parent_run_id)
+                           policy=policy, parent_run_id=request.parent_run_id,
+                           session=self._session_of(request))
+
+    def _session_of(self, request: tool_service_pb2.ExecuteRequest
+                    | tool_service_pb2.StartRunRequest) -> SessionHandle | None:
+        """The caller's session the request names (None when it names none).
+
+        Raises:
+            NotFound: Not one of the caller's open sessions (SESSION_NOT_FOUND).
+            FailedPrecondition: ``python`` in a shell session or the reverse
+                (SESSION_KIND_MISMATCH); busy while the caller would not wait (SESSION_BUSY).
+        """
+        if not request.session_id:
+            return None
+        session = self.sessions.get(current_principal.get().id, request.session_id)
+        tool = request.tool_name
+        if tool in ("python", "shell") and tool != session.kind:
+            raise FailedPrecondition(
+                f"the session runs {session.kind}, not {tool}",
+                reason=_SESSION_KIND_MISMATCH, metadata={"session_kind": session.kind})
+        if request.session_no_wait and session.busy:
+            raise FailedPrecondition("the session is running another call",
+                                     reason=_SESSION_BUSY,
+                                     metadata={"session_id": session.session_id})
+        return SessionHandle.of(session, no_wait=request.session_no_wait)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
@@ -447,6 +533,47 @@ class ToolService:
                              + (f": {decided.reason}" if decided.reason else ""))
         return tool_service_pb2.ApproveRunResponse(
             run_id=log.run_id, decision=request.decision, arguments_digest=decided.digest)
+    # -- sessions --------------------------------------------------------------------------
+
+    @_statuses
+    async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext
+                            ) -> tool_service_pb2.CreateSessionResponse:
+        principal = current_principal.get()
+        limits = self.sessions.grant(
+            request.kind, ttl_seconds=request.ttl_seconds, idle_seconds=request.idle_seconds,
+            memory_mb=request.memory_mb, cpu_seconds=request.cpu_seconds,
+            disk_mb=request.disk_mb)
+        # A session runs its kind's tool: the caller must be allowed to run it (shell is
+        # privileged).
+        self.runtime.policy.check(principal, self.runtime.lookup(request.kind))
+        if self.runtime.draining:
+            raise Unavailable("the server is shutting down; retry on another replica",
+                              reason="DRAINING")
+        session = await self.sessions.create(principal.id, request.kind, limits)
+        return tool_service_pb2.CreateSessionResponse(session=session_message(session))
+
+    @_statuses
+    async def CloseSession(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> tool_service_pb2.CloseSessionResponse:
+        replica = await self._session_replica(request, context)
+        if replica is not None:
+            return await self._forward_unary(replica, "CloseSession", request,
+                                             tool_service_pb2.CloseSessionResponse, context)
+        session = await self.sessions.close(current_principal.get().id, request.session_id)
+        return tool_service_pb2.CloseSessionResponse(session_id=session.session_id)
+
+    @_statuses
+    async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext
+                           ) -> tool_service_pb2.ListSessionsResponse:
+        sessions = self.sessions.owned_by(current_principal.get().id)
+        messages = [session_message(s) for s in sessions]
+        if request.with_files:
+            for session, message in zip(sessions, messages, strict=True):
+                # In a thread: a folder of many entries must not stall the loop.
+                files = await asyncio.to_thread(session.files, MAX_SESSION_FILES)
+                message.files.extend(tool_service_pb2.SessionFile(name=name, size=size)
+                                     for name, size in files)
+        return tool_service_pb2.ListSessionsResponse(sessions=messages)
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:
@@ -487,6 +614,9 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
     return message
 
 
+#: Files of one session ListSessions lists at most.
+MAX_SESSION_FILES = 200
+
 #: ListRuns page size when the request leaves it 0, and the largest allowed.
 DEFAULT_RUNS_PAGE = 50
 MAX_RUNS_PAGE = 200
@@ -512,6 +642,27 @@ def run_summary_message(run: RunSummary, *, with_principal: bool,
         message.ended_at.FromMilliseconds(run.ended_ms)
     if approval is not None:
         fill_request(message.approval, approval)
+    return message
+
+
+def session_message(session: Session) -> tool_service_pb2.Session:
+    """A session as the contract's Session."""
+    limits, usage = session.limits, session.usage
+    message = tool_service_pb2.Session(
+        session_id=session.session_id, kind=session.kind,
+        idle_seconds=int(limits.idle_seconds), memory_mb=limits.memory_mb,
+        cpu_seconds=limits.cpu_seconds, disk_mb=limits.disk_mb, calls=session.calls,
+        busy=session.busy)
+    message.created_at.FromMilliseconds(int(session.created_at * 1000))
+    message.expires_at.FromMilliseconds(int(session.expires_at * 1000))
+    message.last_used_at.FromMilliseconds(int(session.last_used_at * 1000))
+    message.usage.wall_seconds = usage.wall_seconds
+    message.usage.cpu_user_seconds = usage.cpu_user_seconds
+    message.usage.cpu_system_seconds = usage.cpu_system_seconds
+    if usage.peak_rss_bytes is not None:
+        message.usage.peak_rss_bytes = usage.peak_rss_bytes
+    if usage.disk_bytes is not None:
+        message.usage.bytes_written = usage.disk_bytes
     return message
 
 

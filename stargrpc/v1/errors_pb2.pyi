@@ -114,6 +114,14 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_TREE_EXPIRED: _ClassVar[ErrorReason]
     PARENT_RUN_ENDED: _ClassVar[ErrorReason]
     PARENT_RUN_CANCELLED: _ClassVar[ErrorReason]
+    SESSION_NOT_FOUND: _ClassVar[ErrorReason]
+    SESSION_BUSY: _ClassVar[ErrorReason]
+    SESSION_LOST: _ClassVar[ErrorReason]
+    SESSION_LIMIT: _ClassVar[ErrorReason]
+    SESSION_KIND_MISMATCH: _ClassVar[ErrorReason]
+    SESSION_CLOSED: _ClassVar[ErrorReason]
+    PYTHON_EXCEPTION: _ClassVar[ErrorReason]
+    SESSION_FILES_SKIPPED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -222,3 +230,11 @@ RUN_TREE_FULL: ErrorReason
 RUN_TREE_EXPIRED: ErrorReason
 PARENT_RUN_ENDED: ErrorReason
 PARENT_RUN_CANCELLED: ErrorReason
+SESSION_NOT_FOUND: ErrorReason
+SESSION_BUSY: ErrorReason
+SESSION_LOST: ErrorReason
+SESSION_LIMIT: ErrorReason
+SESSION_KIND_MISMATCH: ErrorReason
+SESSION_CLOSED: ErrorReason
+PYTHON_EXCEPTION: ErrorReason
+SESSION_FILES_SKIPPED: ErrorReason

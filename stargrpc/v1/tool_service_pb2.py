@@ -28,7 +28,7 @@ from stargrpc.v1 import catalog_pb2 as stargrpc_dot_v1_dot_catalog__pb2
 from stargrpc.v1 import events_pb2 as stargrpc_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estargrpc/v1/tool_service.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stargrpc/v1/catalog.proto\x1a\x18stargrpc/v1/events.proto\".\n\x10ListToolsRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"a\n\x11ListToolsResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\x12\x14\n\x0cnot_modified\x18\x03 \x01(\x08\"1\n\x13WatchCatalogRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"N\n\x14WatchCatalogResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\"\xc7\x01\n\x11InvocationContext\x12\x10\n\x08\x65nd_user\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.stargrpc.v1.InvocationContext.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xac\x02\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\x17\n\x0f\x63oalesce_deltas\x18\x07 \x01(\x08\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x15\n\rparent_run_id\x18\x0c \x01(\tB\x06\n\x04\x61rgs\"{\n\x08\x44\x65livery\x12-\n\x07webhook\x18\x01 \x01(\x0b\x32\x1a.stargrpc.v1.WebhookTargetH\x00\x12\x36\n\x0credis_stream\x18\x02 \x01(\x0b\x32\x1e.stargrpc.v1.RedisStreamTargetH\x00\x42\x08\n\x06target\"\x1c\n\rWebhookTarget\x12\x0b\n\x03url\x18\x01 \x01(\t\"#\n\x11RedisStreamTarget\x12\x0e\n\x06stream\x18\x01 \x01(\t\"7\n\x0f\x45xecuteResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"M\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x17\n\x0f\x63oalesce_deltas\x18\x03 \x01(\x08\"8\n\x10WatchRunResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"2\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelRunResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"2\n\x0fSteerRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x10SteerRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x94\x02\n\x0fStartRunRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x15\n\rparent_run_id\x18\x0c \x01(\tB\x06\n\x04\x61rgs\"4\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\"\xc4\x01\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x11\n\ttool_name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12\x13\n\x0broot_run_id\x18\x08 \x01(\t\x12\x15\n\rparent_run_id\x18\t \x01(\t\"\x80\x03\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\t \x01(\t\x12.\n\x08\x61pproval\x18\r \x01(\x0b\x32\x1c.stargrpc.v1.ApprovalRequest\x12\x15\n\rparent_run_id\x18\x10 \x01(\t\x12\x13\n\x0broot_run_id\x18\x11 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x12 \x01(\r\"R\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.stargrpc.v1.RunSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x92\x01\n\x11\x41pproveRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pproval_id\x18\x02 \x01(\t\x12.\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0e\x32\x1c.stargrpc.v1.ApprovalVerdict\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10\x61rguments_digest\x18\x05 \x01(\t\"n\n\x12\x41pproveRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12.\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x1c.stargrpc.v1.ApprovalVerdict\x12\x18\n\x10\x61rguments_digest\x18\x03 \x01(\t*u\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_FINISHED\x10\x02\x12\x1f\n\x1bRUN_STATE_AWAITING_APPROVAL\x10\x04*l\n\x0f\x41pprovalVerdict\x12 \n\x1c\x41PPROVAL_VERDICT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41PPROVAL_VERDICT_APPROVE\x10\x01\x12\x19\n\x15\x41PPROVAL_VERDICT_DENY\x10\x02\x32\xb9\x05\n\x0bToolService\x12J\n\tListTools\x12\x1d.stargrpc.v1.ListToolsRequest\x1a\x1e.stargrpc.v1.ListToolsResponse\x12U\n\x0cWatchCatalog\x12 .stargrpc.v1.WatchCatalogRequest\x1a!.stargrpc.v1.WatchCatalogResponse0\x01\x12\x46\n\x07\x45xecute\x12\x1b.stargrpc.v1.ExecuteRequest\x1a\x1c.stargrpc.v1.ExecuteResponse0\x01\x12I\n\x08WatchRun\x12\x1c.stargrpc.v1.WatchRunRequest\x1a\x1d.stargrpc.v1.WatchRunResponse0\x01\x12J\n\tCancelRun\x12\x1d.stargrpc.v1.CancelRunRequest\x1a\x1e.stargrpc.v1.CancelRunResponse\x12G\n\x08SteerRun\x12\x1c.stargrpc.v1.SteerRunRequest\x1a\x1d.stargrpc.v1.SteerRunResponse\x12G\n\x08StartRun\x12\x1c.stargrpc.v1.StartRunRequest\x1a\x1d.stargrpc.v1.StartRunResponse\x12G\n\x08ListRuns\x12\x1c.stargrpc.v1.ListRunsRequest\x1a\x1d.stargrpc.v1.ListRunsResponse\x12M\n\nApproveRun\x12\x1e.stargrpc.v1.ApproveRunRequest\x1a\x1f.stargrpc.v1.ApproveRunResponseB\x95\x01\n\x0f\x64\x65v.stargrpc.v1B\x10ToolServiceProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estargrpc/v1/tool_service.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stargrpc/v1/catalog.proto\x1a\x18stargrpc/v1/events.proto\".\n\x10ListToolsRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"a\n\x11ListToolsResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\x12\x14\n\x0cnot_modified\x18\x03 \x01(\x08\"1\n\x13WatchCatalogRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"N\n\x14WatchCatalogResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\"\xc7\x01\n\x11InvocationContext\x12\x10\n\x08\x65nd_user\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.stargrpc.v1.InvocationContext.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd9\x02\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\x17\n\x0f\x63oalesce_deltas\x18\x07 \x01(\x08\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x15\n\rparent_run_id\x18\x0c \x01(\t\x12\x12\n\nsession_id\x18\r \x01(\t\x12\x17\n\x0fsession_no_wait\x18\x0e \x01(\x08\x42\x06\n\x04\x61rgs\"{\n\x08\x44\x65livery\x12-\n\x07webhook\x18\x01 \x01(\x0b\x32\x1a.stargrpc.v1.WebhookTargetH\x00\x12\x36\n\x0credis_stream\x18\x02 \x01(\x0b\x32\x1e.stargrpc.v1.RedisStreamTargetH\x00\x42\x08\n\x06target\"\x1c\n\rWebhookTarget\x12\x0b\n\x03url\x18\x01 \x01(\t\"#\n\x11RedisStreamTarget\x12\x0e\n\x06stream\x18\x01 \x01(\t\"7\n\x0f\x45xecuteResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"M\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x17\n\x0f\x63oalesce_deltas\x18\x03 \x01(\x08\"8\n\x10WatchRunResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"2\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelRunResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"2\n\x0fSteerRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x10SteerRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xc1\x02\n\x0fStartRunRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x15\n\rparent_run_id\x18\x0c \x01(\t\x12\x12\n\nsession_id\x18\r \x01(\t\x12\x17\n\x0fsession_no_wait\x18\x0e \x01(\x08\x42\x06\n\x04\x61rgs\"4\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\"\xc4\x01\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x11\n\ttool_name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12\x13\n\x0broot_run_id\x18\x08 \x01(\t\x12\x15\n\rparent_run_id\x18\t \x01(\t\"\x80\x03\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\t \x01(\t\x12.\n\x08\x61pproval\x18\r \x01(\x0b\x32\x1c.stargrpc.v1.ApprovalRequest\x12\x15\n\rparent_run_id\x18\x10 \x01(\t\x12\x13\n\x0broot_run_id\x18\x11 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x12 \x01(\r\"R\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.stargrpc.v1.RunSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x92\x01\n\x11\x41pproveRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61pproval_id\x18\x02 \x01(\t\x12.\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0e\x32\x1c.stargrpc.v1.ApprovalVerdict\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10\x61rguments_digest\x18\x05 \x01(\t\"n\n\x12\x41pproveRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12.\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x1c.stargrpc.v1.ApprovalVerdict\x12\x18\n\x10\x61rguments_digest\x18\x03 \x01(\t\"\x88\x01\n\x14\x43reateSessionRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\r\x12\x11\n\tmemory_mb\x18\x04 \x01(\r\x12\x13\n\x0b\x63pu_seconds\x18\x05 \x01(\r\x12\x0f\n\x07\x64isk_mb\x18\x06 \x01(\r\">\n\x15\x43reateSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.stargrpc.v1.Session\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x43loseSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13ListSessionsRequest\x12\x12\n\nwith_files\x18\x01 \x01(\x08\">\n\x14ListSessionsResponse\x12&\n\x08sessions\x18\x01 \x03(\x0b\x32\x14.stargrpc.v1.Session\"\xf5\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_used_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cidle_seconds\x18\x06 \x01(\r\x12\x11\n\tmemory_mb\x18\x07 \x01(\r\x12\x13\n\x0b\x63pu_seconds\x18\x08 \x01(\r\x12\x0f\n\x07\x64isk_mb\x18\t \x01(\r\x12\r\n\x05\x63\x61lls\x18\n \x01(\x04\x12\x0c\n\x04\x62usy\x18\x0b \x01(\x08\x12!\n\x05usage\x18\x0c \x01(\x0b\x32\x12.stargrpc.v1.Usage\x12\'\n\x05\x66iles\x18\r \x03(\x0b\x32\x18.stargrpc.v1.SessionFile\")\n\x0bSessionFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04*u\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_FINISHED\x10\x02\x12\x1f\n\x1bRUN_STATE_AWAITING_APPROVAL\x10\x04*l\n\x0f\x41pprovalVerdict\x12 \n\x1c\x41PPROVAL_VERDICT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41PPROVAL_VERDICT_APPROVE\x10\x01\x12\x19\n\x15\x41PPROVAL_VERDICT_DENY\x10\x02\x32\xbb\x07\n\x0bToolService\x12J\n\tListTools\x12\x1d.stargrpc.v1.ListToolsRequest\x1a\x1e.stargrpc.v1.ListToolsResponse\x12U\n\x0cWatchCatalog\x12 .stargrpc.v1.WatchCatalogRequest\x1a!.stargrpc.v1.WatchCatalogResponse0\x01\x12\x46\n\x07\x45xecute\x12\x1b.stargrpc.v1.ExecuteRequest\x1a\x1c.stargrpc.v1.ExecuteResponse0\x01\x12I\n\x08WatchRun\x12\x1c.stargrpc.v1.WatchRunRequest\x1a\x1d.stargrpc.v1.WatchRunResponse0\x01\x12J\n\tCancelRun\x12\x1d.stargrpc.v1.CancelRunRequest\x1a\x1e.stargrpc.v1.CancelRunResponse\x12G\n\x08SteerRun\x12\x1c.stargrpc.v1.SteerRunRequest\x1a\x1d.stargrpc.v1.SteerRunResponse\x12G\n\x08StartRun\x12\x1c.stargrpc.v1.StartRunRequest\x1a\x1d.stargrpc.v1.StartRunResponse\x12G\n\x08ListRuns\x12\x1c.stargrpc.v1.ListRunsRequest\x1a\x1d.stargrpc.v1.ListRunsResponse\x12M\n\nApproveRun\x12\x1e.stargrpc.v1.ApproveRunRequest\x1a\x1f.stargrpc.v1.ApproveRunResponse\x12V\n\rCreateSession\x12!.stargrpc.v1.CreateSessionRequest\x1a\".stargrpc.v1.CreateSessionResponse\x12S\n\x0c\x43loseSession\x12 .stargrpc.v1.CloseSessionRequest\x1a!.stargrpc.v1.CloseSessionResponse\x12S\n\x0cListSessions\x12 .stargrpc.v1.ListSessionsRequest\x1a!.stargrpc.v1.ListSessionsResponseB\x95\x01\n\x0f\x64\x65v.stargrpc.v1B\x10ToolServiceProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.stargrpc.v1B\020ToolServiceProtoP\001Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\242\002\003SXX\252\002\013Stargrpc.V1\312\002\013Stargrpc\\V1\352\002\014Stargrpc::V1'
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._loaded_options = None
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=2776
-  _globals['_RUNSTATE']._serialized_end=2893
-  _globals['_APPROVALVERDICT']._serialized_start=2895
-  _globals['_APPROVALVERDICT']._serialized_end=3003
+  _globals['_RUNSTATE']._serialized_start=3682
+  _globals['_RUNSTATE']._serialized_end=3799
+  _globals['_APPROVALVERDICT']._serialized_start=3801
+  _globals['_APPROVALVERDICT']._serialized_end=3909
   _globals['_LISTTOOLSREQUEST']._serialized_start=163
   _globals['_LISTTOOLSREQUEST']._serialized_end=209
   _globals['_LISTTOOLSRESPONSE']._serialized_start=211
@@ -55,41 +55,57 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_start=596
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_end=641
   _globals['_EXECUTEREQUEST']._serialized_start=644
-  _globals['_EXECUTEREQUEST']._serialized_end=944
-  _globals['_DELIVERY']._serialized_start=946
-  _globals['_DELIVERY']._serialized_end=1069
-  _globals['_WEBHOOKTARGET']._serialized_start=1071
-  _globals['_WEBHOOKTARGET']._serialized_end=1099
-  _globals['_REDISSTREAMTARGET']._serialized_start=1101
-  _globals['_REDISSTREAMTARGET']._serialized_end=1136
-  _globals['_EXECUTERESPONSE']._serialized_start=1138
-  _globals['_EXECUTERESPONSE']._serialized_end=1193
-  _globals['_WATCHRUNREQUEST']._serialized_start=1195
-  _globals['_WATCHRUNREQUEST']._serialized_end=1272
-  _globals['_WATCHRUNRESPONSE']._serialized_start=1274
-  _globals['_WATCHRUNRESPONSE']._serialized_end=1330
-  _globals['_CANCELRUNREQUEST']._serialized_start=1332
-  _globals['_CANCELRUNREQUEST']._serialized_end=1382
-  _globals['_CANCELRUNRESPONSE']._serialized_start=1384
-  _globals['_CANCELRUNRESPONSE']._serialized_end=1422
-  _globals['_STEERRUNREQUEST']._serialized_start=1424
-  _globals['_STEERRUNREQUEST']._serialized_end=1474
-  _globals['_STEERRUNRESPONSE']._serialized_start=1476
-  _globals['_STEERRUNRESPONSE']._serialized_end=1510
-  _globals['_STARTRUNREQUEST']._serialized_start=1513
-  _globals['_STARTRUNREQUEST']._serialized_end=1789
-  _globals['_STARTRUNRESPONSE']._serialized_start=1791
-  _globals['_STARTRUNRESPONSE']._serialized_end=1843
-  _globals['_LISTRUNSREQUEST']._serialized_start=1846
-  _globals['_LISTRUNSREQUEST']._serialized_end=2042
-  _globals['_RUNSUMMARY']._serialized_start=2045
-  _globals['_RUNSUMMARY']._serialized_end=2429
-  _globals['_LISTRUNSRESPONSE']._serialized_start=2431
-  _globals['_LISTRUNSRESPONSE']._serialized_end=2513
-  _globals['_APPROVERUNREQUEST']._serialized_start=2516
-  _globals['_APPROVERUNREQUEST']._serialized_end=2662
-  _globals['_APPROVERUNRESPONSE']._serialized_start=2664
-  _globals['_APPROVERUNRESPONSE']._serialized_end=2774
-  _globals['_TOOLSERVICE']._serialized_start=3006
-  _globals['_TOOLSERVICE']._serialized_end=3703
+  _globals['_EXECUTEREQUEST']._serialized_end=989
+  _globals['_DELIVERY']._serialized_start=991
+  _globals['_DELIVERY']._serialized_end=1114
+  _globals['_WEBHOOKTARGET']._serialized_start=1116
+  _globals['_WEBHOOKTARGET']._serialized_end=1144
+  _globals['_REDISSTREAMTARGET']._serialized_start=1146
+  _globals['_REDISSTREAMTARGET']._serialized_end=1181
+  _globals['_EXECUTERESPONSE']._serialized_start=1183
+  _globals['_EXECUTERESPONSE']._serialized_end=1238
+  _globals['_WATCHRUNREQUEST']._serialized_start=1240
+  _globals['_WATCHRUNREQUEST']._serialized_end=1317
+  _globals['_WATCHRUNRESPONSE']._serialized_start=1319
+  _globals['_WATCHRUNRESPONSE']._serialized_end=1375
+  _globals['_CANCELRUNREQUEST']._serialized_start=1377
+  _globals['_CANCELRUNREQUEST']._serialized_end=1427
+  _globals['_CANCELRUNRESPONSE']._serialized_start=1429
+  _globals['_CANCELRUNRESPONSE']._serialized_end=1467
+  _globals['_STEERRUNREQUEST']._serialized_start=1469
+  _globals['_STEERRUNREQUEST']._serialized_end=1519
+  _globals['_STEERRUNRESPONSE']._serialized_start=1521
+  _globals['_STEERRUNRESPONSE']._serialized_end=1555
+  _globals['_STARTRUNREQUEST']._serialized_start=1558
+  _globals['_STARTRUNREQUEST']._serialized_end=1879
+  _globals['_STARTRUNRESPONSE']._serialized_start=1881
+  _globals['_STARTRUNRESPONSE']._serialized_end=1933
+  _globals['_LISTRUNSREQUEST']._serialized_start=1936
+  _globals['_LISTRUNSREQUEST']._serialized_end=2132
+  _globals['_RUNSUMMARY']._serialized_start=2135
+  _globals['_RUNSUMMARY']._serialized_end=2519
+  _globals['_LISTRUNSRESPONSE']._serialized_start=2521
+  _globals['_LISTRUNSRESPONSE']._serialized_end=2603
+  _globals['_APPROVERUNREQUEST']._serialized_start=2606
+  _globals['_APPROVERUNREQUEST']._serialized_end=2752
+  _globals['_APPROVERUNRESPONSE']._serialized_start=2754
+  _globals['_APPROVERUNRESPONSE']._serialized_end=2864
+  _globals['_CREATESESSIONREQUEST']._serialized_start=2867
+  _globals['_CREATESESSIONREQUEST']._serialized_end=3003
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=3005
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=3067
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=3069
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=3110
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=3112
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=3154
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=3156
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=3197
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=3199
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=3261
+  _globals['_SESSION']._serialized_start=3264
+  _globals['_SESSION']._serialized_end=3637
+  _globals['_SESSIONFILE']._serialized_start=3639
+  _globals['_SESSIONFILE']._serialized_end=3680
+  _globals['_TOOLSERVICE']._serialized_start=3912
+  _globals['_TOOLSERVICE']._serialized_end=4867
 # @@protoc_insertion_point(module_scope)

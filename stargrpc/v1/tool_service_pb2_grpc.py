@@ -80,6 +80,21 @@ class ToolServiceStub:
                 request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.SerializeToString,
                 response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.FromString,
                 _registered_method=True)
+        self.CreateSession = channel.unary_unary(
+                '/stargrpc.v1.ToolService/CreateSession',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/stargrpc.v1.ToolService/CloseSession',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/stargrpc.v1.ToolService/ListSessions',
+                request_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class ToolServiceServicer:
@@ -180,6 +195,36 @@ class ToolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSession(self, request, context):
+        """Opens a session: a sandbox kept for the caller across calls (its own folder, and for
+        kind "python" a live interpreter whose imports, variables and functions persist). Pass
+        its `session_id` in ExecuteRequest / StartRunRequest to run `python` or `shell` (as the
+        kind says) inside it; other tools called with it get `ctx.session`. It belongs to the
+        caller: anyone else is told NOT_FOUND, reason SESSION_NOT_FOUND. More sessions than
+        `session_max_per_principal` for the caller, or `session_max_total` on the server, is
+        RESOURCE_EXHAUSTED, reason SESSION_LIMIT, with RetryInfo; an unknown kind, or a TTL or
+        limit above the server's, INVALID_ARGUMENT with BadRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Closes one of the caller's sessions: its processes are killed, its folder removed; a
+        call running in it ends FAILED, reason SESSION_CLOSED. Unknown, expired or another
+        caller's: NOT_FOUND, reason SESSION_NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """The caller's open sessions, oldest first, with the running totals of what each used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ToolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +272,21 @@ def add_ToolServiceServicer_to_server(servicer, server):
                     servicer.ApproveRun,
                     request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.FromString,
                     response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsRequest.FromString,
+                    response_serializer=stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +533,87 @@ class ToolService:
             '/stargrpc.v1.ToolService/ApproveRun',
             stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunRequest.SerializeToString,
             stargrpc_dot_v1_dot_tool__service__pb2.ApproveRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/CreateSession',
+            stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.CreateSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/CloseSession',
+            stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stargrpc.v1.ToolService/ListSessions',
+            stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsRequest.SerializeToString,
+            stargrpc_dot_v1_dot_tool__service__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,21 @@ type ToolServiceClient interface {
 	// `state`; a run the caller may not see NOT_FOUND, RUN_NOT_FOUND. An approved run starts;
 	// a denied one ends Result{OUTCOME_DENIED} with code APPROVAL_DENIED and the reason.
 	ApproveRun(ctx context.Context, in *ApproveRunRequest, opts ...grpc.CallOption) (*ApproveRunResponse, error)
+	// Opens a session: a sandbox kept for the caller across calls (its own folder, and for
+	// kind "python" a live interpreter whose imports, variables and functions persist). Pass
+	// its `session_id` in ExecuteRequest / StartRunRequest to run `python` or `shell` (as the
+	// kind says) inside it; other tools called with it get `ctx.session`. It belongs to the
+	// caller: anyone else is told NOT_FOUND, reason SESSION_NOT_FOUND. More sessions than
+	// `session_max_per_principal` for the caller, or `session_max_total` on the server, is
+	// RESOURCE_EXHAUSTED, reason SESSION_LIMIT, with RetryInfo; an unknown kind, or a TTL or
+	// limit above the server's, INVALID_ARGUMENT with BadRequest.
+	CreateSession(ctx context.Context, in *CreateSessionRequest, opts ...grpc.CallOption) (*CreateSessionResponse, error)
+	// Closes one of the caller's sessions: its processes are killed, its folder removed; a
+	// call running in it ends FAILED, reason SESSION_CLOSED. Unknown, expired or another
+	// caller's: NOT_FOUND, reason SESSION_NOT_FOUND.
+	CloseSession(ctx context.Context, in *CloseSessionRequest, opts ...grpc.CallOption) (*CloseSessionResponse, error)
+	// The caller's open sessions, oldest first, with the running totals of what each used.
+	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
 }
 
 type toolServiceClient struct {
@@ -226,6 +241,33 @@ func (c *toolServiceClient) ApproveRun(ctx context.Context, in *ApproveRunReques
 	return out, nil
 }
 
+func (c *toolServiceClient) CreateSession(ctx context.Context, in *CreateSessionRequest, opts ...grpc.CallOption) (*CreateSessionResponse, error) {
+	out := new(CreateSessionResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/CreateSession", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *toolServiceClient) CloseSession(ctx context.Context, in *CloseSessionRequest, opts ...grpc.CallOption) (*CloseSessionResponse, error) {
+	out := new(CloseSessionResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/CloseSession", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *toolServiceClient) ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error) {
+	out := new(ListSessionsResponse)
+	err := c.cc.Invoke(ctx, "/stargrpc.v1.ToolService/ListSessions", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToolServiceServer is the server API for ToolService service.
 // All implementations must embed UnimplementedToolServiceServer
 // for forward compatibility
@@ -279,6 +321,21 @@ type ToolServiceServer interface {
 	// `state`; a run the caller may not see NOT_FOUND, RUN_NOT_FOUND. An approved run starts;
 	// a denied one ends Result{OUTCOME_DENIED} with code APPROVAL_DENIED and the reason.
 	ApproveRun(context.Context, *ApproveRunRequest) (*ApproveRunResponse, error)
+	// Opens a session: a sandbox kept for the caller across calls (its own folder, and for
+	// kind "python" a live interpreter whose imports, variables and functions persist). Pass
+	// its `session_id` in ExecuteRequest / StartRunRequest to run `python` or `shell` (as the
+	// kind says) inside it; other tools called with it get `ctx.session`. It belongs to the
+	// caller: anyone else is told NOT_FOUND, reason SESSION_NOT_FOUND. More sessions than
+	// `session_max_per_principal` for the caller, or `session_max_total` on the server, is
+	// RESOURCE_EXHAUSTED, reason SESSION_LIMIT, with RetryInfo; an unknown kind, or a TTL or
+	// limit above the server's, INVALID_ARGUMENT with BadRequest.
+	CreateSession(context.Context, *CreateSessionRequest) (*CreateSessionResponse, error)
+	// Closes one of the caller's sessions: its processes are killed, its folder removed; a
+	// call running in it ends FAILED, reason SESSION_CLOSED. Unknown, expired or another
+	// caller's: NOT_FOUND, reason SESSION_NOT_FOUND.
+	CloseSession(context.Context, *CloseSessionRequest) (*CloseSessionResponse, error)
+	// The caller's open sessions, oldest first, with the running totals of what each used.
+	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)
 	mustEmbedUnimplementedToolServiceServer()
 }
 
@@ -312,6 +369,15 @@ func (UnimplementedToolServiceServer) ListRuns(context.Context, *ListRunsRequest
 }
 func (UnimplementedToolServiceServer) ApproveRun(context.Context, *ApproveRunRequest) (*ApproveRunResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ApproveRun not implemented")
+}
+func (UnimplementedToolServiceServer) CreateSession(context.Context, *CreateSessionRequest) (*CreateSessionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CreateSession not implemented")
+}
+func (UnimplementedToolServiceServer) CloseSession(context.Context, *CloseSessionRequest) (*CloseSessionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CloseSession not implemented")
+}
+func (UnimplementedToolServiceServer) ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ListSessions not implemented")
 }
 func (UnimplementedToolServiceServer) mustEmbedUnimplementedToolServiceServer() {}
 
@@ -497,6 +563,60 @@ func _ToolService_ApproveRun_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ToolService_CreateSession_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CreateSessionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).CreateSession(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/CreateSession",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).CreateSession(ctx, req.(*CreateSessionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ToolService_CloseSession_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CloseSessionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).CloseSession(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/CloseSession",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).CloseSession(ctx, req.(*CloseSessionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ToolService_ListSessions_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListSessionsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolServiceServer).ListSessions(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/stargrpc.v1.ToolService/ListSessions",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolServiceServer).ListSessions(ctx, req.(*ListSessionsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _ToolService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "stargrpc.v1.ToolService",
 	HandlerType: (*ToolServiceServer)(nil),
@@ -524,6 +644,18 @@ var _ToolService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ApproveRun",
 			Handler:    _ToolService_ApproveRun_Handler,
+		},
+		{
+			MethodName: "CreateSession",
+			Handler:    _ToolService_CreateSession_Handler,
+		},
+		{
+			MethodName: "CloseSession",
+			Handler:    _ToolService_CloseSession_Handler,
+		},
+		{
+			MethodName: "ListSessions",
+			Handler:    _ToolService_ListSessions_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -9,6 +9,7 @@
 //   approval.js   a run waiting for approval: its arguments, Approve and Deny
 //   result.js     its Result; messages.js the rich messages (markdown.js, tree.js)
 //   runs-list.js  the runs list, live, with its filters
+//   sessions.js   the session picker (python, shell) and the session's files
 //   state.js      what the parts share: the catalog, the server's offers, the run shown
 // Events are read with fetch() rather than EventSource so that credentials can travel in
 // an Authorization header.
@@ -19,12 +20,16 @@ import { hideError, showError } from "./page/errors.js";
 import { currentArguments, loadTools, setView, showTool } from "./page/form.js";
 import { cancelRun, steerRun, tick } from "./page/run-view.js";
 import { initRunsList, watchRuns } from "./page/runs-list.js";
+import { newSession, refreshSessions, showSessionsFor } from "./page/sessions.js";
 import { server, shown } from "./page/state.js";
 import { follow, startRun } from "./page/stream.js";
 
 // Lists the tools, then (when the server answered) the runs.
 async function refreshTools() {
-  if (await loadTools()) watchRuns();
+  if (await loadTools()) {
+    watchRuns();
+    showSessionsFor($("tool").value);
+  }
 }
 
 async function submit(event) {
@@ -59,7 +64,13 @@ $("token").addEventListener("change", () => {
   saveToken($("token").value.trim());
   refreshTools();
 });
-$("tool").addEventListener("change", () => { shown.runArgs = null; showTool($("tool").value); });
+$("tool").addEventListener("change", () => {
+  shown.runArgs = null;
+  showTool($("tool").value);
+  showSessionsFor($("tool").value);
+});
+$("session").addEventListener("change", refreshSessions);
+$("new-session").addEventListener("click", newSession);
 $("run-form").addEventListener("submit", submit);
 $("cancel-button").addEventListener("click", cancelRun);
 $("steer-form").addEventListener("submit", steerRun);

@@ -8,6 +8,7 @@ import { hideError, showRefusal } from "./errors.js";
 import { base64Bytes, outcomeName, phaseName, statusName } from "./format.js";
 import { showTool } from "./form.js";
 import { renderResult } from "./result.js";
+import { refreshSessions } from "./sessions.js";
 import { catalog, server, shown } from "./state.js";
 
 // Empties the view for the run `shown` now names.
@@ -148,6 +149,7 @@ export function onResult(result) {
   setRunState(outcome);
   announce(`Run finished: ${outcome.toLowerCase()}`);
   renderResult(result, shown);
+  refreshSessions();  // a run in a session may have changed its files
 }
 
 // -- the critic's countdown -------------------------------------------------------------------

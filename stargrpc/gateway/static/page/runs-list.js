@@ -78,32 +78,6 @@ function renderRuns(runs) {
   const listed = new Set(runs.map((run) => run.run_id));
   const below = new Map();  // root run id -> the runs of its tree in the list
   for (const run of runs) {
-    const running = run.state === "RUN_STATE_RUNNING";
-    const awaiting = run.state === "RUN_STATE_AWAITING_APPROVAL";
-    const status = running ? "RUNNING" : awaiting ? "AWAITING" : outcomeName(run.outcome);
-    const button = el("button", "run-item");
-    button.type = "button";
-    button.dataset.runId = run.run_id;
-    if (run.run_id === shown.runId) button.setAttribute("aria-current", "true");
-    const line = el("span", "run-line");
-    const badge = el("span", "badge", status.toLowerCase());
-    badge.dataset.state = status;
-    line.append(el("span", "run-tool", run.tool_name), badge);
-    const meta = [new Date(run.started_at).toLocaleTimeString(), duration(run)];
-    if (run.principal) meta.push(run.principal);
-    if (running && run.current_step) meta.push(run.current_step);
-    button.append(line, el("span", "run-meta", meta.join(" · ")));
-    button.setAttribute("aria-label",
-      `${run.tool_name}, ${status.toLowerCase()}, started ${meta[0]}, ${meta[1]}`);
-    button.addEventListener("click", () => {
-      history.pushState(null, "", `#run=${run.run_id}`);
-      watch.open(run.run_id);
-      $("run-title").focus();
-    });
-    const item = el("li");
-    item.append(button);
-    // A waiting run's request and Approve / Deny (for an approver, anyone's).
-    if (awaiting && run.approval) item.append(approvalBox(run.run_id, run.approval));
     const root = run.root_run_id;
     if (run.depth > 0 && root && listed.has(root)) {
       if (!below.has(root)) below.set(root, []);
@@ -159,7 +133,8 @@ function depthFirst(rootId, tree) {
 // One run of the list, as a list item holding its button.
 function runItem(run) {
   const running = run.state === "RUN_STATE_RUNNING";
-  const status = running ? "RUNNING" : outcomeName(run.outcome);
+  const awaiting = run.state === "RUN_STATE_AWAITING_APPROVAL";
+  const status = running ? "RUNNING" : awaiting ? "AWAITING" : outcomeName(run.outcome);
   const button = el("button", "run-item");
   button.type = "button";
   button.dataset.runId = run.run_id;
@@ -181,5 +156,7 @@ function runItem(run) {
   });
   const item = el("li");
   item.append(button);
+  // A waiting run's request and Approve / Deny (for an approver, anyone's).
+  if (awaiting && run.approval) item.append(approvalBox(run.run_id, run.approval));
   return item;
 }

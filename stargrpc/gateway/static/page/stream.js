@@ -12,6 +12,7 @@ import {
   onFileChunk, onHeartbeat, onNotice, onResult, onStep, resetRunView, setRunState,
   showEventCount,
 } from "./run-view.js";
+import { selectedSession } from "./sessions.js";
 import { readEvents } from "./sse.js";
 import { showRun, shown } from "./state.js";
 
@@ -32,11 +33,17 @@ function setConnection(text, stateName) {
 }
 
 // Starts `tool`; on success the run id goes into the URL and the page follows the run.
+// The execute body, with the session picked (when one is) for the run to go to.
+function withSession(body) {
+  const sessionId = selectedSession();
+  return sessionId ? { ...body, session_id: sessionId } : body;
+}
+
 export async function startRun(tool, args) {
   const response = await fetch(`/v1/tools/${encodeURIComponent(tool)}:execute`, {
     method: "POST",
     headers: authHeaders({ "Content-Type": "application/json" }),
-    body: JSON.stringify({ arguments: args }),
+    body: JSON.stringify(withSession({ arguments: args })),
   });
   if (response.status !== 202) {
     // The previous run's panel goes away: the refusal is about this call, not that run.

@@ -1,0 +1,89 @@
+"""Sessions in a fleet: two replicas on the real Redis; a call reaching the replica that
+does not hold its session is forwarded to the one that does, with the caller's own
+credentials; the holder gone, SESSION_LOST."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from stargrpc.auth.keys import KeyStore
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.helpers import as_dict, key_channel, run_tool
+from tests.sessions.conftest import REDIS_URL
+from tests.sessions.session_helpers import create, python, reason
+
+
+@pytest.fixture
+async def fleet(make_server, redis_prefix, tmp_path):
+    keys_file = tmp_path / "keys.json"
+    store = KeyStore(keys_file)
+    keys = {name: store.create(name, ("admin",))[1] for name in ("alice", "bob")}
+
+    async def replica():
+        return await make_server(insecure_no_auth=False, keys_file=keys_file,
+                                 redis_url=REDIS_URL, redis_key_prefix=redis_prefix,
+                                 session_advertise_address="127.0.0.1:0",
+                                 sandbox_max_processes=32)
+
+    return await replica(), await replica(), keys
+
+
+def stub_of(channel) -> tool_service_pb2_grpc.ToolServiceStub:
+    return tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+async def test_a_call_reaching_another_replica_is_forwarded_to_the_owner(fleet) -> None:
+    a, b, keys = fleet
+    async with key_channel(f"127.0.0.1:{a.port}", keys["alice"]) as on_a, \
+            key_channel(f"127.0.0.1:{b.port}", keys["alice"]) as on_b:
+        session_id = await create(stub_of(on_a))
+        await python(stub_of(on_a), session_id, "x = 20")
+        # Through the other replica, streamed as if it were local.
+        events = await run_tool(stub_of(on_b), "python", {"code": "print('hi')\nx + 22"},
+                                session_id=session_id)
+        assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+        assert as_dict(events[-1].result)["structured_output"] == 42
+        assert any(e.HasField("step") and e.step.delta == "hi\n" for e in events)
+        started = await stub_of(on_b).StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="python", arguments_json='{"code": "x"}', session_id=session_id))
+        assert started.run_id
+        # Closed through the other replica too.
+        await stub_of(on_b).CloseSession(tool_service_pb2.CloseSessionRequest(
+            session_id=session_id))
+        assert list((await stub_of(on_a).ListSessions(
+            tool_service_pb2.ListSessionsRequest())).sessions) == []
+        for stub in (stub_of(on_a), stub_of(on_b)):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await python(stub, session_id, "x")
+            assert reason(caught.value) == "SESSION_NOT_FOUND"
+
+
+async def test_another_principal_is_not_forwarded(fleet) -> None:
+    a, b, keys = fleet
+    async with key_channel(f"127.0.0.1:{a.port}", keys["alice"]) as on_a, \
+            key_channel(f"127.0.0.1:{b.port}", keys["bob"]) as bob_on_b:
+        session_id = await create(stub_of(on_a))
+        for attempt in (lambda: python(stub_of(bob_on_b), session_id, "1"),
+                        lambda: stub_of(bob_on_b).CloseSession(
+                            tool_service_pb2.CloseSessionRequest(session_id=session_id))):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await attempt()
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            assert reason(caught.value) == "SESSION_NOT_FOUND"
+
+
+async def test_the_owner_gone_makes_the_session_lost(fleet) -> None:
+    a, b, keys = fleet
+    async with key_channel(f"127.0.0.1:{a.port}", keys["alice"]) as on_a, \
+            key_channel(f"127.0.0.1:{b.port}", keys["alice"]) as on_b:
+        session_id = await create(stub_of(on_a))
+        # The owner dies without a word: its record stays, its lease lapses (here: at once).
+        directory = a.service.sessions.directory
+        assert directory is not None
+        directory._held.clear()
+        await directory._redis.delete(directory._lease_key(session_id))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await python(stub_of(on_b), session_id, "1")
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reason(caught.value) == "SESSION_LOST"
