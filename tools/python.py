@@ -1,7 +1,9 @@
 """python: runs a Python snippet in the sandbox and streams what it prints.
 
 The snippet runs in a fresh interpreter (``python3 -I -u``: isolated mode, unbuffered) in
-a fresh working directory, under the sandbox's limits and isolation. Files it writes to
+a fresh working directory, under the sandbox's limits and isolation: one the warm pool
+started ahead when one is ready (the interpreter already up, given the snippet at
+hand-out; see :mod:`stargrpc.sandbox.warm`), else one started for the call. Files it writes to
 ``$OUTPUT_DIR`` (``out/`` in its working directory) come back as sent files.
 """
 
@@ -11,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
+from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS
 
 
 class PythonArgs(BaseModel):
@@ -28,6 +31,5 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     Limits on CPU time, memory, file size, processes and wall-clock time apply.
     """
     return await run_in_sandbox(
-        ctx, [ctx.settings.sandbox_python, "-I", "-u", "snippet.py"],
-        title="Running Python", files={"snippet.py": args.code},
-        env={"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
+        ctx, [ctx.settings.sandbox_python, *PYTHON_FLAGS, "snippet.py"],
+        title="Running Python", files={"snippet.py": args.code}, env=dict(PYTHON_ENV))

@@ -174,6 +174,39 @@ class SandboxResult:
     bytes_written: int | None = None
 
 
+@dataclass
+class WarmStart:
+    """A sandbox started ahead of its run (a warm pool's), handed to one run: its folder
+    holds the run's input files, its command has been given and runs.
+
+    Attributes:
+        workdir: Its working directory.
+        leader: Its leader.
+        stdout: Its stdout, already connected (the hand-out was answered on it).
+    """
+
+    workdir: _Workdir
+    leader: _Leader
+    stdout: asyncio.StreamReader
+
+
+#: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
+#: sandbox, the command, its extra environment and its input files.
+WarmSource = Callable[["Sandbox", list[str], Mapping[str, str], Mapping[str, str | bytes]],
+                      Awaitable[WarmStart | None]]
+#: The warm pools of this process (:mod:`stargrpc.sandbox.pool` adds and removes them).
+warm_sources: list[WarmSource] = []
+
+
+async def _take_warm(sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
+                     files: Mapping[str, str | bytes]) -> WarmStart | None:
+    for source in list(warm_sources):
+        warm = await source(sandbox, argv, env, files)
+        if warm is not None:
+            return warm
+    return None
+
+
 def sandbox_root(settings: Settings) -> Path:
     """The folder run working directories are made in (created 0711 if missing)."""
     root = settings.sandbox_root or Path(tempfile.gettempdir()) / "stargrpc-sandbox"
@@ -347,14 +380,24 @@ class Sandbox:
             asyncio.CancelledError: The run was cancelled; the process group is killed
                 before this propagates.
         """
-        workdir = self._make_workdir(files or {})
+        files = files or {}
+        env = env or {}
+        check_input_names(files)
+        # A pre-started sandbox of the warm pool when one fits this run exactly, else one
+        # started now: the same folder, user, limits and isolation either way.
+        warm = await _take_warm(self, argv, env, files)
+        workdir = warm.workdir if warm is not None else self._make_workdir(files)
         try:
-            full_env = self._environment(workdir.path, env or {})
             started = time.monotonic()
             pump = (asyncio.create_task(_pump_steering(steering, workdir.steer_fd))
                     if steering is not None else None)
             try:
-                return await self._run_in(workdir, argv, full_env, on_output, on_tick,
+                if warm is not None:
+                    return await self._run_in(workdir, warm.leader, warm.stdout, on_output,
+                                              on_tick, started, on_usage)
+                leader = _Leader(self._command(argv, workdir), workdir,
+                                 self._environment(workdir.path, env), stdin=subprocess.DEVNULL)
+                return await self._run_in(workdir, leader, None, on_output, on_tick,
                                           started, on_usage)
             finally:
                 if pump is not None:
@@ -409,10 +452,12 @@ class Sandbox:
                                       tmpfs_bytes=self.limits.disk_bytes,
                                       read_only_paths=read_only_paths)
 
-    async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
+    async def _run_in(self, workdir: _Workdir, leader: _Leader,
+                      stdout: asyncio.StreamReader | None,
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float, on_usage: UsageCallback | None) -> SandboxResult:
-        leader = _Leader(self._command(argv, workdir), workdir, env, stdin=subprocess.DEVNULL)
+        """Streams, supervises and ends the started ``leader`` (``stdout``: its stdout
+        already connected, for a warm sandbox that answered on it)."""
         output = _Output(self.limits.output_bytes, on_output, keep=True)
         sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
@@ -420,8 +465,12 @@ class Sandbox:
         try:
             # Inside the try: connecting a pipe takes loop turns, and a cancellation landing
             # there must still bring the group down before the folder and uid are given back.
+            if stdout is not None:
+                pumps.append(asyncio.create_task(output.pump(stdout, "stdout")))
             for pipe, channel in ((leader.proc.stdout, "stdout"),
                                   (leader.proc.stderr, "stderr")):
+                if channel == "stdout" and stdout is not None:
+                    continue
                 reader = await leader.read_pipe(pipe)
                 pumps.append(asyncio.create_task(output.pump(reader, channel)))
             stopped = await self._wait(leader.exited, started, on_tick, workdir, sampler)
@@ -502,11 +551,17 @@ class Sandbox:
             cpu_user, cpu_system = sampler.cpu
         return cpu_user, cpu_system, sampler.peak_rss
 
+    def start_key(self) -> tuple[object, ...]:
+        """Everything a started sandbox depends on before it is given a command: two
+        sandboxes with the same key are started alike (isolation, root, user ids, limits,
+        the environment the server passes on), so one started ahead for one may serve
+        the other."""
+        return (self.isolation.mode, self._root, self._uid, self._gid, self._uid_range,
+                self._keep, self.limits,
+                tuple((name, os.environ.get(name)) for name in self._env_allowlist))
+
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
-        for name in files:
-            if not name or name.startswith(".") or Path(name).name != name or name in (
-                    "out", "tmp"):
-                raise ValueError(f"input file name {name!r} must be a plain file name")
+        check_input_names(files)
         uid, gid = self._uid, self._gid
         own_uid = self._uid_range is not None
         if self._uid_range is not None:
@@ -528,9 +583,8 @@ class Sandbox:
                            fsops.Owner(os.geteuid() if uid is None else uid,
                                        os.fstat(fd).st_dev), uid, gid, own_uid, -1)
         try:
-            _fill(workdir, files)
-            # What the run finds there, so that its bytes written leave it out.
-            workdir.input_bytes = fsops.measure(workdir.fd, self.limits.disk_bytes).bytes
+            _prepare(workdir)
+            write_inputs(workdir, files, self.limits)
         except BaseException:
             _finish(workdir, keep=False)
             raise
@@ -838,8 +892,17 @@ class _Final:
         self.skipped[-1] = f"{self._unlisted + 1} more entries not returned"
 
 
-def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
-    """Makes ``out/``, ``tmp/`` and the input files, all owned by the run's user."""
+def check_input_names(files: Mapping[str, str | bytes]) -> None:
+    """Raises ValueError unless every input file name is a plain file name."""
+    for name in files:
+        if not name or name.startswith(".") or Path(name).name != name or name in (
+                "out", "tmp"):
+            raise ValueError(f"input file name {name!r} must be a plain file name")
+
+
+def _prepare(workdir: _Workdir) -> None:
+    """Makes ``out/``, ``tmp/`` and the steering file, owned by the run's user (what every
+    run finds in its folder, whatever its inputs)."""
     uid, gid = workdir.uid, workdir.gid
     for sub in ("out", "tmp"):
         os.mkdir(sub, 0o700, dir_fd=workdir.fd)
@@ -850,6 +913,13 @@ def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
                                dir_fd=workdir.fd)
     if uid is not None and gid is not None:
         os.fchown(workdir.steer_fd, uid, gid)
+        os.fchown(workdir.fd, uid, gid)
+
+
+def write_inputs(workdir: _Workdir, files: Mapping[str, str | bytes], limits: Limits) -> None:
+    """Writes the input files (owned by the run's user) and notes the folder's disk use
+    then, so that the run's bytes written leave them out."""
+    uid, gid = workdir.uid, workdir.gid
     for name, content in files.items():
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o600, dir_fd=workdir.fd)
@@ -857,8 +927,7 @@ def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
             handle.write(content.encode() if isinstance(content, str) else content)
             if uid is not None and gid is not None:
                 os.fchown(handle.fileno(), uid, gid)
-    if uid is not None and gid is not None:
-        os.fchown(workdir.fd, uid, gid)
+    workdir.input_bytes = fsops.measure(workdir.fd, limits.disk_bytes).bytes
 
 
 def _finish(workdir: _Workdir, keep: bool) -> None:
@@ -941,38 +1010,38 @@ async def _wait_group_gone(pgid: int, uid: int | None) -> None:
 
 def _live_processes(*, pgid: int | None = None, uid: int | None = None) -> list[int]:
     """Live (non-zombie) processes of the process group ``pgid`` or whose real, effective
-    or saved uid is ``uid``: one pass over /proc, one read of each process's status."""
+    or saved uid is ``uid``: one pass over /proc, reading each process's ``stat`` (state
+    and process group, as this /proc sees them) and, when a uid is asked for and the
+    group did not match, its ``status`` (the ids). Parsed by search, not split into
+    fields: this pass runs at the end of every run, over every process of the machine."""
     wanted_uid = None if uid is None else str(uid).encode()
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        name = entry.name
+        if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/status", "rb") as handle:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                # After the ")" of the command name: state, ppid, pgrp, …
+                state, _, group, _ = handle.read().rsplit(b")", 1)[1].split(None, 3)
+        except (OSError, ValueError):
+            continue
+        if state in (b"Z", b"X"):
+            continue
+        if pgid is not None and int(group) == pgid:
+            found.append(int(name))
+            continue
+        if wanted_uid is None:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as handle:
                 status = handle.read()
         except OSError:
             continue
-        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-        if fields.get(b"State", b"").strip().startswith(b"Z"):
-            continue
-        if ((wanted_uid is not None and wanted_uid in fields.get(b"Uid", b"").split()[:3])
-                or (pgid is not None and _pgid_of(entry.name, fields) == pgid)):
-            found.append(int(entry.name))
+        at = status.find(b"\nUid:")
+        if at >= 0 and wanted_uid in status[at + 5:status.find(b"\n", at + 5)].split()[:3]:
+            found.append(int(name))
     return found
-
-
-def _pgid_of(pid: str, status: dict[bytes, bytes]) -> int | None:
-    """The process group of ``pid``: from its status (NSpgid, first the id as this /proc
-    sees it), or from its stat on a kernel older than 4.1."""
-    ids = status.get(b"NSpgid", b"").split()
-    if ids:
-        return int(ids[0])
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            # After the ")" of the command name: state, ppid, pgrp, …
-            return int(handle.read().rsplit(b")", 1)[1].split()[2])
-    except OSError:
-        return None
 
 
 #: Processes of one tree a sample reads at most (the process limit keeps trees smaller).
