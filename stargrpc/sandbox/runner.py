@@ -56,6 +56,7 @@ import os
 import pwd
 import resource
 import secrets
+import select
 import signal
 import stat
 import subprocess
@@ -93,6 +94,8 @@ _PARTIAL_LINE_CHARS = 8 * 1024
 MAX_SENT_FILES = 32
 #: After the command has exited, how long its pipes may stay open (held by a stray child).
 _DRAIN_SECONDS = 2.0
+#: How long the end of a run waits for the init of its PID namespace to exit.
+_NAMESPACE_EXIT_SECONDS = 1.0
 #: Seconds between ticks.
 TICK_SECONDS = 5.0
 #: Seconds between two measures of the working directory's disk use while a run runs.
@@ -756,6 +759,8 @@ class _Leader:
 
     proc: subprocess.Popen[bytes]
     exited: asyncio.Future[None]
+    #: A pidfd of the init of its PID namespace, when the starter found it (-1: unknown).
+    namespace_init: int
     _pidfd: int
     _loose: list[IO[bytes]]
 
@@ -770,6 +775,7 @@ class _Leader:
         self._loose = [pipe for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr)
                        if pipe is not None]
         self._pidfd = -1
+        self.namespace_init = -1
         try:
             loop = asyncio.get_running_loop()
             self._pidfd = os.pidfd_open(self.proc.pid)
@@ -841,8 +847,31 @@ class _Leader:
             _, still_open = await asyncio.wait(tasks, timeout=_DRAIN_SECONDS)
             for task in still_open:
                 task.cancel()
-        await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
+        if not await self._namespace_gone():
+            await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
         return status, usage
+
+    async def _namespace_gone(self) -> bool:
+        """Whether the init of the run's PID namespace, when known, has exited (within
+        :data:`_NAMESPACE_EXIT_SECONDS`): the kernel ends every other process of the
+        namespace before the exit of its init is told, and no process can leave a PID
+        namespace, so none of the run's processes is left (the pass over /proc that
+        :func:`_wait_group_gone` makes is then not needed). Closes its pidfd."""
+        fd, self.namespace_init = self.namespace_init, -1
+        if fd < 0:
+            return False
+        try:
+            if select.select([fd], [], [], 0)[0]:
+                return True
+            exited = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(fd, _set_done, exited)
+            try:
+                await asyncio.wait([exited], timeout=_NAMESPACE_EXIT_SECONDS)
+            finally:
+                asyncio.get_running_loop().remove_reader(fd)
+            return exited.done()
+        finally:
+            os.close(fd)
 
 
 @dataclass

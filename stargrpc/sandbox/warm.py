@@ -270,6 +270,20 @@ def _remove_unused(making: asyncio.Future[_Workdir]) -> None:
         _finish(making.result(), False)
 
 
+def _namespace_init(leader: int, processes: dict[int, _Process]) -> int:
+    """A pidfd of the leader's one child, the init of the sandbox's PID namespace (the
+    child ``bwrap`` or ``unshare --fork`` made), or -1 when it is not one child. The
+    hand-out's check of the tree (pid and start time) makes sure it is the same process."""
+    try:
+        with open(f"/proc/{leader}/task/{leader}/children", "rb") as handle:
+            children = [int(child) for child in handle.read().split()]
+        if len(children) != 1 or children[0] not in processes:
+            return -1
+        return os.pidfd_open(children[0])
+    except OSError:
+        return -1
+
+
 class WarmSandbox:
     """A sandbox started ahead, its launcher waiting (see the module docstring).
 
@@ -346,6 +360,8 @@ class WarmSandbox:
                                    f"{said[:200]!r}{warm._stderr_now()}")
             warm._folder = _folder_state(workdir)
             warm._processes = _tree(warm.pid)
+            if sandbox.isolation.mode != "rlimits":
+                leader.namespace_init = _namespace_init(warm.pid, warm._processes)
         except BaseException:
             await warm.aclose()
             raise
