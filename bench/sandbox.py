@@ -9,10 +9,13 @@ the two servers taking turns 10 calls at a time:
 - ``python`` with ``print(1)`` and ``shell`` with ``echo 1``, on each server;
 - ``echo`` (no sandbox), on the warm server: what the call costs without a sandbox.
 
-End to end: from the call to its Result at the client. An agent thinks between two calls;
-the bench leaves :data:`THINK_SECONDS` between them, time the pool refills in (how many
-calls were handed a warm sandbox is read from the server's metrics and printed beside).
-A burst of back-to-back calls, which empties a pool, is the cold figure's case.
+End to end: from the call to its Result at the client. Each call is made once the warm
+server's pool is full again (its ``stargrpc_sandbox_pool_ready`` metric polled): an agent
+thinks between two calls, and the pool refills meanwhile; a server left idle for that long
+would measure this machine's wake-up from idle instead (``--think 0.25`` does that: on this
+2-core VM even ``echo`` takes about twice as long after a quarter second idle). How many
+calls were handed a warm sandbox is read from the server's metrics and printed beside. A
+burst of back-to-back calls, which empties a pool, is the cold figure's case.
 
 The peers' figures are their published ones, not measured here: Daytona, 90 ms from code
 to execution; E2B, 0.44 s median from create to the first command (ComputeSDK's
@@ -47,8 +50,8 @@ from typing import Any
 from stargrpc.client import AsyncClient
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Seconds between two calls (an agent's thinking time, shortened).
-THINK_SECONDS = 0.25
+#: Seconds between two calls; 0: none, but each call waits for the warm pool to be full.
+THINK_SECONDS = 0.0
 #: Longest wait for a server process to listen.
 _START_SECONDS = 90.0
 #: The issue's targets, p50 in ms from a warm pool.
@@ -136,13 +139,27 @@ def servers(pool: str | None) -> Iterator[dict[str, Server]]:
                     server.process.wait()
 
 
+async def _pool_full(server: Server, size: int) -> None:
+    """Returns once the server's pool holds ``size`` sandboxes of each kind (bounded)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ready = await asyncio.to_thread(
+            lambda: [server.metric("stargrpc_sandbox_pool_ready", kind=kind)
+                     for kind in ("python", "exec")])
+        if min(ready) >= size:
+            return
+        await asyncio.sleep(0.005)
+    raise RuntimeError(f"the warm pool of {server.name} did not fill within 30 s")
+
+
 async def _turns(clients: dict[str, AsyncClient], lanes: list[tuple[str, str]], calls: int,
-                 think: float) -> dict[tuple[str, str], list[float]]:
+                 think: float, before: Any) -> dict[tuple[str, str], list[float]]:
     """Each lane (server, call) ``calls`` times, the lanes taking turns 10 calls at a time;
-    a few warm-up calls first."""
+    a few warm-up calls first. ``before()`` is awaited before each call."""
     took: dict[tuple[str, str], list[float]] = {lane: [] for lane in lanes}
 
     async def one(server: str, name: str) -> float:
+        await before()
         tool, arguments, expected = CALLS[name]
         started = time.perf_counter()
         result = await clients[server].call(tool, arguments)
@@ -174,8 +191,14 @@ def measure(calls: int = 60, think: float = THINK_SECONDS, pool: str | None = No
         async def run() -> dict[tuple[str, str], list[float]]:
             clients = {name: AsyncClient.connect(f"127.0.0.1:{server.port}")
                        for name, server in running.items()}
+            size = int(pool) if pool is not None else 2 * (os.cpu_count() or 1)
+
+            async def before() -> None:
+                if size and not think:
+                    await _pool_full(running["warm"], size)
+
             try:
-                return await _turns(clients, lanes, calls, think)
+                return await _turns(clients, lanes, calls, think, before)
             finally:
                 for client in clients.values():
                     await client.close()
@@ -222,7 +245,9 @@ def render(measured: dict[str, Any]) -> list[str]:
         lines.append(f"| {peer} | {value:g} | — | {value / echo:.0f}x | |")
     pool = measured["pool"]
     lines.append("")
-    lines.append(f"{measured['think_seconds']:g} s between calls; the warm server handed "
+    pause = (f"{measured['think_seconds']:g} s between calls" if measured["think_seconds"]
+             else "each call made once the warm pool was full again")
+    lines.append(f"{pause}; the warm server handed "
                  f"out {pool['python']['handouts']:.0f} python and "
                  f"{pool['exec']['handouts']:.0f} shell sandboxes from its pool, and "
                  f"started {pool['python']['misses']:.0f} and {pool['exec']['misses']:.0f} "

@@ -65,7 +65,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import structlog
 
@@ -397,20 +397,21 @@ class Sandbox:
             try:
                 if warm is not None:
                     return await self._run_in(workdir, warm.leader, warm.stdout, on_output,
-                                              on_tick, started, on_usage)
+                                              on_tick, started, on_usage, pump)
                 leader = _Leader(self._command(argv, workdir), workdir,
                                  self._environment(workdir.path, env), stdin=subprocess.DEVNULL)
                 return await self._run_in(workdir, leader, None, on_output, on_tick,
-                                          started, on_usage)
+                                          started, on_usage, pump)
             finally:
-                if pump is not None:
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await pump
+                await _stop_steering(pump)
         finally:
             # In a thread that owns the folder's fds: a huge tree must not stall the event
-            # loop, and a second cancellation must not close them under it.
-            await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
+            # loop, and a second cancellation must not close them under it. A run that
+            # ended normally began it already, with the reading of out/ (one thread hop).
+            if workdir.finishing is None:
+                workdir.finishing = asyncio.ensure_future(
+                    asyncio.to_thread(_finish, workdir, self._keep))
+            await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
                     read_only_paths: Sequence[Path] = (),
@@ -458,9 +459,12 @@ class Sandbox:
     async def _run_in(self, workdir: _Workdir, leader: _Leader,
                       stdout: asyncio.StreamReader | None,
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
-                      started: float, on_usage: UsageCallback | None) -> SandboxResult:
+                      started: float, on_usage: UsageCallback | None,
+                      steering: asyncio.Task[None] | None = None) -> SandboxResult:
         """Streams, supervises and ends the started ``leader`` (``stdout``: its stdout
-        already connected, for a warm sandbox that answered on it)."""
+        already connected, for a warm sandbox that answered on it); once it has ended,
+        stops ``steering`` (which writes into the folder) and reads ``out/`` and removes
+        the folder in one thread."""
         output = _Output(self.limits.output_bytes, on_output, keep=True)
         sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
@@ -486,7 +490,10 @@ class Sandbox:
             raise
         # The exit, the wall clock or the disk cap: the whole group goes down.
         status, usage = await leader.end(workdir, pumps, drain=True)
-        final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
+        await _stop_steering(steering)  # its last write lands before the folder's fds close
+        workdir.finishing = asyncio.ensure_future(
+            asyncio.to_thread(self._collect_and_finish, workdir))
+        final = await asyncio.shield(workdir.finishing)
         result = self._result(status, usage, sampler, stopped, output, started, final,
                               workdir.input_bytes)
         if on_usage is not None:
@@ -602,6 +609,13 @@ class Sandbox:
         env.setdefault("LANG", "C.UTF-8")
         env.update(extra)
         return env
+
+    def _collect_and_finish(self, workdir: _Workdir) -> _Final:
+        """:meth:`_collect`, then :func:`_finish` (in a thread)."""
+        try:
+            return self._collect(os.dup(workdir.fd), workdir.owner)
+        finally:
+            _finish(workdir, self._keep)
 
     def _collect(self, run_fd: int, owner: fsops.Owner) -> _Final:
         """Measures the working directory and reads ``out/`` (in a thread; closes
@@ -889,6 +903,7 @@ class _Workdir:
         own_uid: The uid was taken for this run alone.
         steer_fd: The steering file, open for appending (-1 until made).
         input_bytes: The disk use of the folder once the server filled it, before the run.
+        finishing: Reading its output and removing it, once begun (in a thread).
     """
 
     path: Path
@@ -901,6 +916,7 @@ class _Workdir:
     own_uid: bool
     steer_fd: int
     input_bytes: int = 0
+    finishing: asyncio.Future[Any] | None = None
 
 
 @dataclass
@@ -974,6 +990,14 @@ def _finish(workdir: _Workdir, keep: bool) -> None:
         os.close(workdir.root_fd)
         if workdir.own_uid and workdir.uid is not None:
             _uids_in_use.discard(workdir.uid)
+
+
+async def _stop_steering(pump: asyncio.Task[None] | None) -> None:
+    """Stops appending steering messages (idempotent)."""
+    if pump is not None:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
 
 
 async def _pump_steering(steering: AsyncIterator[str], steer_fd: int) -> None:
