@@ -5,7 +5,9 @@ needs ready (``python`` for the python tool, ``exec`` for the shell tool; see
 :mod:`stargrpc.sandbox.warm`), per process: under ``serve --workers N`` each worker keeps
 its own. A run whose command, environment, limits and isolation match a ready one takes it
 (the oldest first); it is never given to another run, and is destroyed when its run ends.
-Taking one wakes the refill, which starts replacements in the background, one at a time.
+The refill starts replacements in the background, one at a time, once the run that took
+one has ended its command (or a second after the hand-out at the latest), so that starting
+the next sandbox does not take CPU from the run it would serve.
 When none is ready (a burst emptied the pool, or it is still filling) the run starts its
 own sandbox on demand, as it would with no pool.
 
@@ -37,6 +39,10 @@ log = structlog.get_logger("stargrpc.sandbox")
 
 #: Longest wait between two attempts at starting a warm sandbox after failures.
 MAX_BACKOFF_SECONDS = 30.0
+#: After a hand-out, the refill waits for the run's command to end, then this long ...
+REFILL_SETTLE_SECONDS = 0.02
+#: ... or this long at most, whichever comes first.
+REFILL_AFTER_SECONDS = 1.0
 
 
 class _Lane:
@@ -129,17 +135,20 @@ class WarmPool:
                 continue
             while lane.ready:
                 warm = lane.ready.popleft()
-                self._changed(lane)
+                self._changed(lane, refill=False)
                 try:
                     handed = await warm.hand_out(arguments, files, sandbox.limits)
                 except Unfit as exc:
                     self._discard(warm, "tampered", str(exc))
+                    self._changed(lane)
                     continue
                 except BaseException:
                     # Cancelled (or failed) mid-hand-out: it belongs to no run; destroy it.
                     self._discard(warm, "abandoned", "the run was cancelled at hand-out")
+                    self._changed(lane)
                     raise
                 POOL_HANDOUTS.labels(lane.kind.name).inc()
+                self._refill_after(lane, handed)
                 return handed
             POOL_MISSES.labels(lane.kind.name).inc()
             return None
@@ -168,12 +177,27 @@ class WarmPool:
             await asyncio.gather(*list(self._chores), return_exceptions=True)
         log.info("sandbox_warm_pool_stopped")
 
-    def _changed(self, lane: _Lane) -> None:
+    def _changed(self, lane: _Lane, *, refill: bool = True) -> None:
         POOL_READY.labels(lane.kind.name).set(len(lane.ready))
         if len(lane.ready) >= self.size:
             lane.filled.set()
-        else:
+        elif refill:
             lane.wake.set()
+
+    def _refill_after(self, lane: _Lane, handed: WarmStart) -> None:
+        """Wakes the refill once the run just handed a sandbox has ended its command (and
+        a moment more, for its Result to go out), or after :data:`REFILL_AFTER_SECONDS`
+        at the latest: starting a sandbox costs CPU that the run itself would otherwise
+        share, on a machine with few cores (a burst that empties the pool meanwhile
+        starts its sandboxes on demand, as always)."""
+        loop = asyncio.get_running_loop()
+        latest = loop.call_later(REFILL_AFTER_SECONDS, lane.wake.set)
+
+        def ended(_: object) -> None:
+            latest.cancel()
+            loop.call_later(REFILL_SETTLE_SECONDS, lane.wake.set)
+
+        handed.leader.exited.add_done_callback(ended)
 
     def _discard(self, warm: WarmSandbox, reason: str | None, detail: str) -> None:
         """Destroys ``warm`` in the background (counted and logged under ``reason``)."""
