@@ -47,6 +47,7 @@ import asyncpg
 import redis
 
 from bench import profiling
+from bench import sandbox as bench_sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -95,6 +96,8 @@ class Sizes:
     cpu_repeats: int
     cpu_block: int
     layers: bool
+    #: Sequential calls per figure of the sandboxed calls (bench/sandbox.py).
+    sandbox_calls: int = 60
 
 
 MODES = {
@@ -103,13 +106,13 @@ MODES = {
                   concurrency=200, concurrency_rounds=5, concurrency_many=1000,
                   concurrency_many_rounds=3, held=5000, held_seconds=120.0, held_open_timeout=100.0,
                   held_fresh_server=True, cpu_calls=1000, cpu_warmup=60, cpu_repeats=3,
-                  cpu_block=25, layers=True),
+                  cpu_block=25, layers=True, sandbox_calls=60),
     "quick": Sizes(latency_calls=200, latency_warmup=30, latency_block=10, stream_n=5000,
                    stream_runs=1, slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10,
                    concurrency=200, concurrency_rounds=2, concurrency_many=1000,
                    concurrency_many_rounds=1, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
-                   cpu_block=20, layers=True),
+                   cpu_block=20, layers=True, sandbox_calls=20),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers — but
     # CPU calls enough for each server to use several of the kernel's 10 ms clock ticks
     # (/proc counts no less): ten calls of the leanest server could read as no CPU at all.
@@ -118,7 +121,8 @@ MODES = {
                    concurrency=5, concurrency_rounds=1, concurrency_many=10,
                    concurrency_many_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
-                   cpu_calls=200, cpu_warmup=2, cpu_repeats=1, cpu_block=20, layers=True),
+                   cpu_calls=200, cpu_warmup=2, cpu_repeats=1, cpu_block=20, layers=True,
+                   sandbox_calls=4),
 }
 
 
@@ -800,8 +804,10 @@ def build_peers(pair: dict[str, Any], missing: dict[str, str]) -> dict[str, Any]
     return peers
 
 
-def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
-    """The targets table (issue 15's, with issue 31's in its rows), from one run's figures."""
+def build_targets(pair: dict[str, Any], sizes: Sizes,
+                  sandboxed: dict[str, Any] | None = None) -> list[TargetRow]:
+    """The targets table (issue 15's, with issue 31's in its rows, and issue 28's sandboxed
+    calls from a warm pool), from one run's figures."""
     rows: list[TargetRow] = []
 
     def against_bare(measure: str, server: str, path: tuple[str, ...], unit: str,
@@ -860,6 +866,17 @@ def build_targets(pair: dict[str, Any], sizes: Sizes) -> list[TargetRow]:
                           _ratio(value, bare), "≤ 40 KiB",
                           None if value is None else value <= 40, _ratio(floor, bare),
                           None if floor is None else floor <= 40))
+    # Issue 28: absolute targets on this machine; the ratio is to the warm server's `echo`
+    # call through the same SDK (no bare figure: the baseline column holds that echo's).
+    figures = (sandboxed or {}).get("figures", {})
+    echo = figures.get("warm echo", {}).get("p50_ms")
+    for tool, label in (("python", "`python` `print(1)` p50 from a warm pool, Python SDK"),
+                        ("shell", "`shell` `echo 1` p50 from a warm pool, Python SDK")):
+        value = figures.get(f"warm {tool}", {}).get("p50_ms")
+        limit = bench_sandbox.TARGETS_MS[tool]
+        rows.append(TargetRow(label + " (baseline: `echo`)", value, echo, "ms",
+                              _ratio(value, echo), f"≤ {limit:g} ms",
+                              None if value is None else value <= limit))
     return rows
 
 
@@ -1077,6 +1094,17 @@ def render_profiles(profiles: dict[str, Any], top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_sandboxed(sizes: Sizes, say: Any) -> dict[str, Any] | None:
+    """The sandboxed calls, warm pool against cold (None when the sandbox does not run
+    here: the reason is said)."""
+    say(f"sandboxed calls: python and shell, warm pool and cold, {sizes.sandbox_calls} each")
+    try:
+        return bench_sandbox.measure(sizes.sandbox_calls)
+    except (RuntimeError, OSError) as exc:
+        say(f"sandboxed calls not measured: {exc}")
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="A reduced pass, a minute or two.")
@@ -1127,6 +1155,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.results_dir.mkdir(parents=True, exist_ok=True)
             profiles = (run_profiles(sizes, stack, workdir, args.results_dir, stamp, say)
                         if args.profile else None)
+            sandboxed = run_sandboxed(sizes, say)
         except BenchFailure as exc:
             print(f"bench: {exc}", file=sys.stderr)
             # The servers' last words, before their folder goes.
@@ -1136,11 +1165,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     rows = build_rows(pair, sizes)
     peers = build_peers(pair, missing)
-    targets = build_targets(pair, sizes)
+    targets = build_targets(pair, sizes, sandboxed)
     info["machine"]["load_average_end"] = os.getloadavg()
     info["seconds"] = round(time.monotonic() - started, 1)
     info["retried_unavailable"] = RETRIED
     report = render(peers, targets, rows, layers, stack, layer_stack, info, sizes)
+    if sandboxed:
+        report += "\n".join(["", "**Sandboxed calls** (`python -m bench.sandbox`):", "",
+                              *bench_sandbox.render(sandboxed), ""])
     if profiles:
         report += render_profiles(profiles)
     print(report)
@@ -1150,6 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(
             {**info, "peers": peers, "targets": [asdict(t) for t in targets],
              "rows": [asdict(r) for r in rows], "raw": pair, "layers_cpu": layers,
+             "sandboxed": sandboxed,
              "profiles": profiles}, indent=1, default=str))
         say(f"saved {base}.md and .json")
     say(f"done in {info['seconds']} s")

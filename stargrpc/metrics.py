@@ -42,6 +42,22 @@ RUN_PEAK_MEMORY_BYTES = Histogram(
     "run's tree, by tool; runs that do not measure it are not observed.", ["tool"],
     buckets=tuple(float(2 ** power) for power in range(22, 35)),  # 4 MiB … 16 GiB
     registry=REGISTRY)
+#: The sandbox warm pool (stargrpc/sandbox/pool.py), by warm kind ("python", "exec").
+POOL_READY = Gauge(
+    "stargrpc_sandbox_pool_ready", "Warm sandboxes started ahead and waiting for a run, by "
+    "kind (each process keeps its own pool).", ["kind"], registry=REGISTRY,
+    multiprocess_mode="livesum")
+POOL_HANDOUTS = Counter(
+    "stargrpc_sandbox_pool_handouts", "Runs given a warm sandbox from the pool, by kind.",
+    ["kind"], registry=REGISTRY)
+POOL_MISSES = Counter(
+    "stargrpc_sandbox_pool_misses", "Runs a warm sandbox would have fitted that found the "
+    "pool empty and started their own, by kind.", ["kind"], registry=REGISTRY)
+POOL_DISCARDED = Counter(
+    "stargrpc_sandbox_pool_discarded", "Warm sandboxes destroyed without serving a run, by "
+    "kind and reason (died: exited while waiting; tampered: touched while waiting or did "
+    "not answer the hand-out; abandoned: the run was cancelled at hand-out).",
+    ["kind", "reason"], registry=REGISTRY)
 RUNS_IN_FLIGHT = Gauge(
     "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY,
     multiprocess_mode="livesum")

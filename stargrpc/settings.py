@@ -444,6 +444,11 @@ class Settings(BaseSettings):
     sandbox_env_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["LANG", "LC_ALL", "TZ"], description="Server environment "
         "variables passed to sandboxed commands (comma-separated); nothing else is.")
+    sandbox_warm_pool: int | None = Field(
+        None, ge=0, le=256, description="Sandboxes started ahead of need, per warm kind "
+        "(python for the python tool, exec for the shell tool) and per process (each "
+        "worker of serve --workers keeps its own); each serves exactly one run. Unset: "
+        "2 per CPU core; 0 turns the warm pool off.")
     sandbox_python: str = Field("python3", description="Interpreter of the python tool, "
                                 "looked up on the sandbox PATH.")
     session_max_per_principal: int = Field(4, ge=0, description="Sessions (CreateSession) "
@@ -667,6 +672,13 @@ class Settings(BaseSettings):
             if not 0 < first <= last < 2**32 - 1:
                 raise ValueError("give FIRST-LAST with 0 < FIRST <= LAST < 4294967295")
         return value
+
+    @property
+    def sandbox_warm_pool_size(self) -> int:
+        """``sandbox_warm_pool``, or 2 per CPU core when it is unset."""
+        if self.sandbox_warm_pool is not None:
+            return self.sandbox_warm_pool
+        return 2 * (os.cpu_count() or 1)
 
     @property
     def sandbox_uids(self) -> tuple[int, int] | None:

@@ -68,8 +68,10 @@ async def make_server(tmp_path: Path) -> AsyncIterator[ServerFactory]:
         # Authentication is off unless the test configures it (see make_auth_server).
         if not any(name.startswith(_AUTH_SETTING_PREFIXES) for name in overrides):
             overrides["insecure_no_auth"] = True
+        # No warm pool unless the test asks for one: a pool starts sandboxes with every
+        # server, and most tests start several servers.
         settings = Settings.load(**{"host": "127.0.0.1", "port": 0, "log_format": "json",
-                                    "shutdown_grace_seconds": 2.0,
+                                    "shutdown_grace_seconds": 2.0, "sandbox_warm_pool": 0,
                                     "state_dir": tmp_path / "state", **overrides})
         server = StargrpcServer(settings, registry=registry, interceptors=interceptors)
         await server.start()

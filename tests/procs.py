@@ -107,10 +107,12 @@ class ServerProcess:
 
 
 def server_env(state_dir: Path, **extra: str) -> dict[str, str]:
-    """The environment of a test server: its own state folder, auth off (local tests)."""
+    """The environment of a test server: its own state folder, auth off (local tests), no
+    sandbox warm pool unless asked for (``STARGRPC_SANDBOX_WARM_POOL`` in ``extra``)."""
     env = dict(os.environ)
     env.update({"STARGRPC_STATE_DIR": str(state_dir), "STARGRPC_INSECURE_NO_AUTH": "true",
-                "STARGRPC_SHUTDOWN_GRACE_SECONDS": "10", **extra})
+                "STARGRPC_SHUTDOWN_GRACE_SECONDS": "10", "STARGRPC_SANDBOX_WARM_POOL": "0",
+                **extra})
     return env
 
 

@@ -92,12 +92,14 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
     assert "| system (each its own process) |" in done.stdout
     # The targets table: every target has its figure and a verdict.
     targets = results["targets"]
-    assert len(targets) == 9
+    assert len(targets) == 11  # issue 28's two sandboxed calls last
     for row in targets:
         if row["measure"].startswith("Fleet") and not _listening(5432):
             continue
         if "`--workers" in row["measure"] and not _listening(6379):
             continue
+        if "warm pool" in row["measure"] and results["sandboxed"] is None:
+            continue  # no working sandbox here: the run says why
         assert isinstance(row["value"], float) and isinstance(row["met"], bool), row
     assert "| measure | stargrpc | bare grpc.aio | unit | ratio | target | met |" in done.stdout
     assert (tmp_path / saved.name.replace(".json", ".md")).exists()

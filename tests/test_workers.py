@@ -10,12 +10,14 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
+from tests.sandbox.proctable import processes_with, wait_until_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -425,3 +428,34 @@ async def test_a_worker_still_starting_takes_sighup_as_a_reload(tmp_path: Path) 
     finally:
         link.close()
         await link.wait_closed()
+
+
+async def test_each_worker_keeps_its_own_warm_pool_and_leaves_none_behind(
+        tmp_path: Path) -> None:
+    # Under /tmp, not tmp_path: the sandbox users must be able to reach their folders.
+    root = Path(tempfile.mkdtemp(prefix="stargrpc-workers-pool-"))
+    try:
+        with workers(tmp_path, "--metrics-port", "0", STARGRPC_SANDBOX_WARM_POOL="1",
+                     STARGRPC_SANDBOX_ROOT=str(root)) as server:
+            metrics_port = next(int(str(line["address"]).rsplit(":", 1)[1])
+                                for line in server.lines if line.get("event") == "http_serving"
+                                and line.get("what") == "metrics")
+
+            async def pooled() -> float:
+                async with httpx.AsyncClient() as client:
+                    text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+                return (metric_value(text, "stargrpc_sandbox_pool_ready", kind="python")
+                        + metric_value(text, "stargrpc_sandbox_pool_ready", kind="exec"))
+
+            # One of each kind per worker, summed over the live workers.
+            await eventually(lambda: _ready_is(pooled, 4.0),
+                             within=60, what="two warm sandboxes per worker")
+            assert len(processes_with(str(root))) >= 4  # each pooled bubblewrap names it
+        assert await wait_until_gone(str(root)) == []
+        assert os.listdir(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _ready_is(pooled: Callable[[], Awaitable[float]], wanted: float) -> bool:
+    return await pooled() == wanted

@@ -1,9 +1,11 @@
 """python: runs a Python snippet in the sandbox and streams what it prints.
 
-Outside a session the snippet runs in a fresh interpreter (``python3 -I -u``: isolated
-mode, unbuffered) in a fresh working directory, under the sandbox's limits and isolation.
-Files it writes to ``$OUTPUT_DIR`` (``out/`` in its working directory) come back as sent
-files. In a session (``ExecuteRequest.session_id``) it runs in the session's live
+Outside a session the snippet runs in a fresh interpreter (``python3 -s -u``: no user
+site-packages, unbuffered) in a fresh working directory, under the sandbox's limits and
+isolation: one the warm pool started ahead when one is ready (the interpreter already up,
+given the snippet at hand-out; see :mod:`stargrpc.sandbox.warm`), else one started for the
+call. Files it writes to ``$OUTPUT_DIR`` (``out/`` in its working directory) come back as
+sent files. In a session (``ExecuteRequest.session_id``) it runs in the session's live
 interpreter instead (:mod:`stargrpc.sessions`).
 """
 
@@ -13,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
+from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS
 from stargrpc.sessions import run_in_session
 
 
@@ -42,6 +45,5 @@ async def python(ctx: ToolContext, args: PythonArgs) -> ToolResult:
     # -s -u rather than -I: the environment is the server's own (scrubbed) and must be
     # read, for PYTHONPATH holds the run's state client (import stargrpc_state).
     return await run_in_sandbox(
-        ctx, [ctx.settings.sandbox_python, "-s", "-u", "snippet.py"],
-        title="Running Python", files={"snippet.py": args.code},
-        env={"PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
+        ctx, [ctx.settings.sandbox_python, *PYTHON_FLAGS, "snippet.py"],
+        title="Running Python", files={"snippet.py": args.code}, env=dict(PYTHON_ENV))

@@ -7,6 +7,10 @@
 - :mod:`stargrpc.sandbox.policy` — whether sandboxed tools may run with the mode that works
   here (fail closed when it cannot keep a run away from the server's secrets).
 - :mod:`stargrpc.sandbox.tooling` — :func:`run_in_sandbox`, the one call a tool makes.
+- :mod:`stargrpc.sandbox.warm` — a sandbox started ahead of its run: the launcher waiting
+  in it, the checks and the nonce of its hand-out.
+- :mod:`stargrpc.sandbox.pool` — the warm pool: sandboxes started ahead, each handed to
+  exactly one run, refilled in the background.
 """
 
 from __future__ import annotations

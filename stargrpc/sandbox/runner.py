@@ -56,6 +56,7 @@ import os
 import pwd
 import resource
 import secrets
+import select
 import signal
 import stat
 import subprocess
@@ -64,7 +65,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import structlog
 
@@ -93,6 +94,8 @@ _PARTIAL_LINE_CHARS = 8 * 1024
 MAX_SENT_FILES = 32
 #: After the command has exited, how long its pipes may stay open (held by a stray child).
 _DRAIN_SECONDS = 2.0
+#: How long the end of a run waits for the init of its PID namespace to exit.
+_NAMESPACE_EXIT_SECONDS = 1.0
 #: Seconds between ticks.
 TICK_SECONDS = 5.0
 #: Seconds between two measures of the working directory's disk use while a run runs.
@@ -172,6 +175,39 @@ class SandboxResult:
     cpu_system_seconds: float | None = None
     peak_rss_bytes: int | None = None
     bytes_written: int | None = None
+
+
+@dataclass
+class WarmStart:
+    """A sandbox started ahead of its run (a warm pool's), handed to one run: its folder
+    holds the run's input files, its command has been given and runs.
+
+    Attributes:
+        workdir: Its working directory.
+        leader: Its leader.
+        stdout: Its stdout, already connected (the hand-out was answered on it).
+    """
+
+    workdir: _Workdir
+    leader: _Leader
+    stdout: asyncio.StreamReader
+
+
+#: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
+#: sandbox, the command, its extra environment and its input files.
+WarmSource = Callable[["Sandbox", list[str], Mapping[str, str], Mapping[str, str | bytes]],
+                      Awaitable[WarmStart | None]]
+#: The warm pools of this process (:mod:`stargrpc.sandbox.pool` adds and removes them).
+warm_sources: list[WarmSource] = []
+
+
+async def _take_warm(sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
+                     files: Mapping[str, str | bytes]) -> WarmStart | None:
+    for source in list(warm_sources):
+        warm = await source(sandbox, argv, env, files)
+        if warm is not None:
+            return warm
+    return None
 
 
 def sandbox_root(settings: Settings) -> Path:
@@ -351,24 +387,39 @@ class Sandbox:
             asyncio.CancelledError: The run was cancelled; the process group is killed
                 before this propagates.
         """
-        workdir = self._make_workdir(files or {})
+        files = files or {}
+        env = env or {}
+        check_input_names(files)
+        # A pre-started sandbox of the warm pool when one fits this run exactly, else one
+        # started now: the same folder, user, limits and isolation either way.
+        # A pooled sandbox inherited no descriptor of this run and shows no folder it was
+        # not started with: a run that needs either starts its own.
+        warm = (await _take_warm(self, argv, env, files)
+                if not pass_fds and not read_only_paths else None)
+        workdir = warm.workdir if warm is not None else self._make_workdir(files)
         try:
-            full_env = self._environment(workdir.path, env or {})
             started = time.monotonic()
             pump = (asyncio.create_task(_pump_steering(steering, workdir.steer_fd))
                     if steering is not None else None)
             try:
-                return await self._run_in(workdir, argv, full_env, on_output, on_tick,
-                                          started, on_usage, pass_fds, read_only_paths)
+                if warm is not None:
+                    return await self._run_in(workdir, warm.leader, warm.stdout, on_output,
+                                              on_tick, started, on_usage, pump)
+                leader = _Leader(self._command(argv, workdir, read_only_paths), workdir,
+                                 self._environment(workdir.path, env), stdin=subprocess.DEVNULL,
+                                 pass_fds=pass_fds)
+                return await self._run_in(workdir, leader, None, on_output, on_tick,
+                                          started, on_usage, pump)
             finally:
-                if pump is not None:
-                    pump.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await pump
+                await _stop_steering(pump)
         finally:
             # In a thread that owns the folder's fds: a huge tree must not stall the event
-            # loop, and a second cancellation must not close them under it.
-            await asyncio.shield(asyncio.to_thread(_finish, workdir, self._keep))
+            # loop, and a second cancellation must not close them under it. A run that
+            # ended normally began it already, with the reading of out/ (one thread hop).
+            if workdir.finishing is None:
+                workdir.finishing = asyncio.ensure_future(
+                    asyncio.to_thread(_finish, workdir, self._keep))
+            await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
                     read_only_paths: Sequence[Path] = (),
@@ -413,13 +464,15 @@ class Sandbox:
                                       tmpfs_bytes=self.limits.disk_bytes,
                                       read_only_paths=read_only_paths)
 
-    async def _run_in(self, workdir: _Workdir, argv: list[str], env: dict[str, str],
+    async def _run_in(self, workdir: _Workdir, leader: _Leader,
+                      stdout: asyncio.StreamReader | None,
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float, on_usage: UsageCallback | None,
-                      pass_fds: Sequence[int] = (),
-                      read_only_paths: Sequence[Path] = ()) -> SandboxResult:
-        leader = _Leader(self._command(argv, workdir, read_only_paths), workdir, env,
-                         stdin=subprocess.DEVNULL, pass_fds=pass_fds)
+                      steering: asyncio.Task[None] | None = None) -> SandboxResult:
+        """Streams, supervises and ends the started ``leader`` (``stdout``: its stdout
+        already connected, for a warm sandbox that answered on it); once it has ended,
+        stops ``steering`` (which writes into the folder) and reads ``out/`` and removes
+        the folder in one thread."""
         output = _Output(self.limits.output_bytes, on_output, keep=True)
         sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
@@ -427,8 +480,12 @@ class Sandbox:
         try:
             # Inside the try: connecting a pipe takes loop turns, and a cancellation landing
             # there must still bring the group down before the folder and uid are given back.
+            if stdout is not None:
+                pumps.append(asyncio.create_task(output.pump(stdout, "stdout")))
             for pipe, channel in ((leader.proc.stdout, "stdout"),
                                   (leader.proc.stderr, "stderr")):
+                if channel == "stdout" and stdout is not None:
+                    continue
                 reader = await leader.read_pipe(pipe)
                 pumps.append(asyncio.create_task(output.pump(reader, channel)))
             stopped = await self._wait(leader.exited, started, on_tick, workdir, sampler)
@@ -441,7 +498,10 @@ class Sandbox:
             raise
         # The exit, the wall clock or the disk cap: the whole group goes down.
         status, usage = await leader.end(workdir, pumps, drain=True)
-        final = await asyncio.to_thread(self._collect, os.dup(workdir.fd), workdir.owner)
+        await _stop_steering(steering)  # its last write lands before the folder's fds close
+        workdir.finishing = asyncio.ensure_future(
+            asyncio.to_thread(self._collect_and_finish, workdir))
+        final = await asyncio.shield(workdir.finishing)
         result = self._result(status, usage, sampler, stopped, output, started, final,
                               workdir.input_bytes)
         if on_usage is not None:
@@ -509,11 +569,17 @@ class Sandbox:
             cpu_user, cpu_system = sampler.cpu
         return cpu_user, cpu_system, sampler.peak_rss
 
+    def start_key(self) -> tuple[object, ...]:
+        """Everything a started sandbox depends on before it is given a command: two
+        sandboxes with the same key are started alike (isolation, root, user ids, limits,
+        the environment the server passes on), so one started ahead for one may serve
+        the other."""
+        return (self.isolation.mode, self._root, self._uid, self._gid, self._uid_range,
+                self._keep, self.limits,
+                tuple((name, os.environ.get(name)) for name in self._env_allowlist))
+
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
-        for name in files:
-            if not name or name.startswith(".") or Path(name).name != name or name in (
-                    "out", "tmp"):
-                raise ValueError(f"input file name {name!r} must be a plain file name")
+        check_input_names(files)
         uid, gid = self._uid, self._gid
         own_uid = self._uid_range is not None
         if self._uid_range is not None:
@@ -535,9 +601,8 @@ class Sandbox:
                            fsops.Owner(os.geteuid() if uid is None else uid,
                                        os.fstat(fd).st_dev), uid, gid, own_uid, -1)
         try:
-            _fill(workdir, files)
-            # What the run finds there, so that its bytes written leave it out.
-            workdir.input_bytes = fsops.measure(workdir.fd, self.limits.disk_bytes).bytes
+            _prepare(workdir)
+            write_inputs(workdir, files, self.limits)
         except BaseException:
             _finish(workdir, keep=False)
             raise
@@ -552,6 +617,13 @@ class Sandbox:
         env.setdefault("LANG", "C.UTF-8")
         env.update(extra)
         return env
+
+    def _collect_and_finish(self, workdir: _Workdir) -> _Final:
+        """:meth:`_collect`, then :func:`_finish` (in a thread)."""
+        try:
+            return self._collect(os.dup(workdir.fd), workdir.owner)
+        finally:
+            _finish(workdir, self._keep)
 
     def _collect(self, run_fd: int, owner: fsops.Owner) -> _Final:
         """Measures the working directory and reads ``out/`` (in a thread; closes
@@ -720,6 +792,8 @@ class _Leader:
 
     proc: subprocess.Popen[bytes]
     exited: asyncio.Future[None]
+    #: A pidfd of the init of its PID namespace, when the starter found it (-1: unknown).
+    namespace_init: int
     _pidfd: int
     _loose: list[IO[bytes]]
 
@@ -735,6 +809,7 @@ class _Leader:
         self._loose = [pipe for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr)
                        if pipe is not None]
         self._pidfd = -1
+        self.namespace_init = -1
         try:
             loop = asyncio.get_running_loop()
             self._pidfd = os.pidfd_open(self.proc.pid)
@@ -806,8 +881,31 @@ class _Leader:
             _, still_open = await asyncio.wait(tasks, timeout=_DRAIN_SECONDS)
             for task in still_open:
                 task.cancel()
-        await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
+        if not await self._namespace_gone():
+            await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
         return status, usage
+
+    async def _namespace_gone(self) -> bool:
+        """Whether the init of the run's PID namespace, when known, has exited (within
+        :data:`_NAMESPACE_EXIT_SECONDS`): the kernel ends every other process of the
+        namespace before the exit of its init is told, and no process can leave a PID
+        namespace, so none of the run's processes is left (the pass over /proc that
+        :func:`_wait_group_gone` makes is then not needed). Closes its pidfd."""
+        fd, self.namespace_init = self.namespace_init, -1
+        if fd < 0:
+            return False
+        try:
+            if select.select([fd], [], [], 0)[0]:
+                return True
+            exited = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(fd, _set_done, exited)
+            try:
+                await asyncio.wait([exited], timeout=_NAMESPACE_EXIT_SECONDS)
+            finally:
+                asyncio.get_running_loop().remove_reader(fd)
+            return exited.done()
+        finally:
+            os.close(fd)
 
 
 @dataclass
@@ -825,6 +923,7 @@ class _Workdir:
         own_uid: The uid was taken for this run alone.
         steer_fd: The steering file, open for appending (-1 until made).
         input_bytes: The disk use of the folder once the server filled it, before the run.
+        finishing: Reading its output and removing it, once begun (in a thread).
     """
 
     path: Path
@@ -837,6 +936,7 @@ class _Workdir:
     own_uid: bool
     steer_fd: int
     input_bytes: int = 0
+    finishing: asyncio.Future[Any] | None = None
 
 
 @dataclass
@@ -857,8 +957,17 @@ class _Final:
         self.skipped[-1] = f"{self._unlisted + 1} more entries not returned"
 
 
-def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
-    """Makes ``out/``, ``tmp/`` and the input files, all owned by the run's user."""
+def check_input_names(files: Mapping[str, str | bytes]) -> None:
+    """Raises ValueError unless every input file name is a plain file name."""
+    for name in files:
+        if not name or name.startswith(".") or Path(name).name != name or name in (
+                "out", "tmp"):
+            raise ValueError(f"input file name {name!r} must be a plain file name")
+
+
+def _prepare(workdir: _Workdir) -> None:
+    """Makes ``out/``, ``tmp/`` and the steering file, owned by the run's user (what every
+    run finds in its folder, whatever its inputs)."""
     uid, gid = workdir.uid, workdir.gid
     for sub in ("out", "tmp"):
         os.mkdir(sub, 0o700, dir_fd=workdir.fd)
@@ -869,6 +978,13 @@ def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
                                dir_fd=workdir.fd)
     if uid is not None and gid is not None:
         os.fchown(workdir.steer_fd, uid, gid)
+        os.fchown(workdir.fd, uid, gid)
+
+
+def write_inputs(workdir: _Workdir, files: Mapping[str, str | bytes], limits: Limits) -> None:
+    """Writes the input files (owned by the run's user) and notes the folder's disk use
+    then, so that the run's bytes written leave them out."""
+    uid, gid = workdir.uid, workdir.gid
     for name, content in files.items():
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o600, dir_fd=workdir.fd)
@@ -876,8 +992,7 @@ def _fill(workdir: _Workdir, files: Mapping[str, str | bytes]) -> None:
             handle.write(content.encode() if isinstance(content, str) else content)
             if uid is not None and gid is not None:
                 os.fchown(handle.fileno(), uid, gid)
-    if uid is not None and gid is not None:
-        os.fchown(workdir.fd, uid, gid)
+    workdir.input_bytes = fsops.measure(workdir.fd, limits.disk_bytes).bytes
 
 
 def _finish(workdir: _Workdir, keep: bool) -> None:
@@ -895,6 +1010,14 @@ def _finish(workdir: _Workdir, keep: bool) -> None:
         os.close(workdir.root_fd)
         if workdir.own_uid and workdir.uid is not None:
             _uids_in_use.discard(workdir.uid)
+
+
+async def _stop_steering(pump: asyncio.Task[None] | None) -> None:
+    """Stops appending steering messages (idempotent)."""
+    if pump is not None:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
 
 
 async def _pump_steering(steering: AsyncIterator[str], steer_fd: int) -> None:
@@ -960,38 +1083,38 @@ async def _wait_group_gone(pgid: int, uid: int | None) -> None:
 
 def _live_processes(*, pgid: int | None = None, uid: int | None = None) -> list[int]:
     """Live (non-zombie) processes of the process group ``pgid`` or whose real, effective
-    or saved uid is ``uid``: one pass over /proc, one read of each process's status."""
+    or saved uid is ``uid``: one pass over /proc, reading each process's ``stat`` (state
+    and process group, as this /proc sees them) and, when a uid is asked for and the
+    group did not match, its ``status`` (the ids). Parsed by search, not split into
+    fields: this pass runs at the end of every run, over every process of the machine."""
     wanted_uid = None if uid is None else str(uid).encode()
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        name = entry.name
+        if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/status", "rb") as handle:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                # After the ")" of the command name: state, ppid, pgrp, …
+                state, _, group, _ = handle.read().rsplit(b")", 1)[1].split(None, 3)
+        except (OSError, ValueError):
+            continue
+        if state in (b"Z", b"X"):
+            continue
+        if pgid is not None and int(group) == pgid:
+            found.append(int(name))
+            continue
+        if wanted_uid is None:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as handle:
                 status = handle.read()
         except OSError:
             continue
-        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-        if fields.get(b"State", b"").strip().startswith(b"Z"):
-            continue
-        if ((wanted_uid is not None and wanted_uid in fields.get(b"Uid", b"").split()[:3])
-                or (pgid is not None and _pgid_of(entry.name, fields) == pgid)):
-            found.append(int(entry.name))
+        at = status.find(b"\nUid:")
+        if at >= 0 and wanted_uid in status[at + 5:status.find(b"\n", at + 5)].split()[:3]:
+            found.append(int(name))
     return found
-
-
-def _pgid_of(pid: str, status: dict[bytes, bytes]) -> int | None:
-    """The process group of ``pid``: from its status (NSpgid, first the id as this /proc
-    sees it), or from its stat on a kernel older than 4.1."""
-    ids = status.get(b"NSpgid", b"").split()
-    if ids:
-        return int(ids[0])
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            # After the ")" of the command name: state, ppid, pgrp, …
-            return int(handle.read().rsplit(b")", 1)[1].split()[2])
-    except OSError:
-        return None
 
 
 #: Processes of one tree a sample reads at most (the process limit keeps trees smaller).

@@ -25,15 +25,36 @@ What the Result says, on every face (gRPC, the HTTP gateway, MCP):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
-from stargrpc.sandbox.policy import decide
+from stargrpc.sandbox.policy import Policy, decide
 from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage, sandbox_root
 from stargrpc.sandbox.state_socket import open_state_socket
+from stargrpc.settings import Settings
+
+#: How long a policy decision holds: it stats the server's secret files (in a thread), so
+#: it is taken again at most this often — a secret made readable is refused within it.
+POLICY_SECONDS = 1.0
+#: The last decision for each settings object: (settings, when, policy).
+_decided: dict[int, tuple[Settings, float, Policy]] = {}
+
+
+async def _policy(settings: Settings) -> Policy:
+    """:func:`decide` for ``settings``, at most :data:`POLICY_SECONDS` old."""
+    now = time.monotonic()
+    held = _decided.get(id(settings))
+    if held is not None and held[0] is settings and now - held[1] < POLICY_SECONDS:
+        return held[2]
+    policy = await asyncio.to_thread(decide, settings)
+    if len(_decided) > 64:  # settings objects come and go in tests and embedders
+        _decided.clear()
+    _decided[id(settings)] = (settings, now, policy)
+    return policy
 
 
 class _CommandFailed(Exception):
@@ -56,7 +77,7 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         The tool's result, with structured output ``{exit_status, signal, verdict, reason,
         cpu_seconds, duration_seconds, output_truncated, isolation, files, skipped_files}``.
     """
-    policy = await asyncio.to_thread(decide, ctx.settings)
+    policy = await _policy(ctx.settings)
     if policy.refusal is not None:
         raise ToolFailed(policy.refusal, code="SANDBOX_UNAVAILABLE")
     try:

@@ -32,6 +32,7 @@ from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.permissions import RolePolicy
 from stargrpc.runs.runtime import Runtime
 from stargrpc.sandbox import log_isolation
+from stargrpc.sandbox.pool import WarmPool, start_pool
 from stargrpc.server.interceptors import build_chain
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.server.interceptors.auth import AuthInterceptor
@@ -121,6 +122,8 @@ class StargrpcServer:
         settings: The settings it runs with.
         runtime: Runs and catalog.
         port: The bound port, once started.
+        warm_pool: Sandboxes started ahead for the sandboxed tools, once started (None
+            when it keeps none: see :func:`stargrpc.sandbox.pool.start_pool`).
     """
 
     settings: Settings
@@ -130,6 +133,7 @@ class StargrpcServer:
     http: HttpEndpoints
     mcp: McpEndpoint | None
     upstreams: Upstreams | None
+    warm_pool: WarmPool | None
     _local: Registry
     _forwarded: ForwardedClient | None
     _server: grpc.aio.Server
@@ -161,6 +165,7 @@ class StargrpcServer:
         # The HTTP gateway and the metrics endpoint, each when its port is set.
         self.http = HttpEndpoints(settings, forwarded=self._forwarded)
         self.mcp = None  # the MCP endpoint, when mcp_port is set (started with the server)
+        self.warm_pool = None  # sandboxes started ahead, when a sandboxed tool is served
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -267,6 +272,7 @@ class StargrpcServer:
                            if spec.kind == "sandbox")
         if sandboxed:  # says which mode, once, and which tools it disables
             await asyncio.to_thread(log_isolation, self.settings, sandboxed)
+            self.warm_pool = await start_pool(self.settings, sandboxed)
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:
@@ -283,6 +289,8 @@ class StargrpcServer:
         await self.service.sessions.aclose()
         if self.service.forwarder is not None:
             await self.service.forwarder.aclose()
+        if self.warm_pool is not None:  # no run is left to take from it
+            await self.warm_pool.aclose()
         if self.upstreams is not None:
             await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport

@@ -15,7 +15,8 @@ from tests.sandbox.proctable import marker, wait_until_gone, wait_until_running
 #: Small limits keep the abuse tests quick. The wall clock is generous, so that on a busy
 #: machine the CPU limit (1 s of CPU may take several seconds of real time) still comes first.
 LIMITS = {"sandbox_cpu_seconds": 1, "sandbox_memory_mb": 256, "sandbox_file_size_mb": 16,
-          "sandbox_max_processes": 32, "sandbox_wall_clock_seconds": 60}
+          "sandbox_max_processes": 32, "sandbox_wall_clock_seconds": 60,
+          "sandbox_warm_pool": 1}
 
 
 def tagged(code: str, token: str) -> str:
@@ -29,6 +30,9 @@ def tagged(code: str, token: str) -> str:
 @pytest.fixture
 async def stub(make_server):
     server = await make_server(**LIMITS)
+    # A warm pool of one: each test's first call takes the sandbox started ahead, so every
+    # behaviour here is checked through the pool's hand-out as well as on demand.
+    await server.warm_pool.filled()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield tool_service_pb2_grpc.ToolServiceStub(channel)
 

@@ -9,7 +9,7 @@ from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
 
 LIMITS = {"sandbox_cpu_seconds": 2, "sandbox_memory_mb": 256, "sandbox_file_size_mb": 16,
-          "sandbox_wall_clock_seconds": 10}
+          "sandbox_wall_clock_seconds": 10, "sandbox_warm_pool": 1}
 
 
 @pytest.fixture
@@ -17,6 +17,9 @@ async def stub(make_server, monkeypatch):
     # A secret in the server's own environment, which no sandboxed command may see.
     monkeypatch.setenv("STARGRPC_TEST_DB_PASSWORD", "hunter2-secret")
     server = await make_server(**LIMITS)
+    # A warm pool of one: each test's first call takes the sandbox started ahead, so every
+    # behaviour here is checked through the pool's hand-out as well as on demand.
+    await server.warm_pool.filled()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield tool_service_pb2_grpc.ToolServiceStub(channel)
 

@@ -1,0 +1,270 @@
+"""The sandbox warm pool: one run per pooled sandbox, matched exactly, never a touched one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from stargrpc.metrics import REGISTRY
+from stargrpc.sandbox import Limits, Sandbox
+from stargrpc.sandbox.pool import WarmPool
+from stargrpc.sandbox.runner import _live_processes
+from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS, WarmSandbox
+from stargrpc.settings import MiB, Settings
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.helpers import as_dict, run_tool
+
+SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
+               max_processes=32, wall_clock_seconds=20, output_bytes=64 * 1024)
+
+#: What a snippet can see of its interpreter and folder; equal warm or cold.
+INTROSPECT = """import json, os, sys
+print(json.dumps({"argv": sys.argv, "file": __file__, "name": __name__,
+                  "cwd": os.getcwd(), "listing": sorted(os.listdir(".")),
+                  "stdin": sys.stdin.read(), "path": sys.path, "flags": list(sys.flags),
+                  "env": sorted(os.environ), "uid_is_root": os.getuid() == 0}))
+def fail():
+    raise ValueError("boom")
+fail()
+"""
+
+PoolFactory = Callable[..., Awaitable[WarmPool]]
+
+
+def settings(tmp_path: Path, **overrides: Any) -> Settings:
+    return Settings.load(state_dir=tmp_path / "state", **overrides)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(f"stargrpc_sandbox_pool_{name}_total", labels) or 0.0
+
+
+@pytest.fixture
+async def make_pool(tmp_path) -> AsyncIterator[PoolFactory]:
+    """``await make_pool(kinds, size)``: a started pool, filled; closed at the end."""
+    pools: list[WarmPool] = []
+
+    async def factory(kinds: tuple[str, ...] = ("python", "exec"), size: int = 1) -> WarmPool:
+        pool = WarmPool(settings(tmp_path), kinds, size)
+        pools.append(pool)
+        pool.start()
+        await pool.filled()
+        return pool
+
+    yield factory
+    for pool in pools:
+        await pool.aclose()
+
+
+def box(tmp_path: Path, limits: Limits | None = None) -> Sandbox:
+    return Sandbox(settings(tmp_path), limits)
+
+
+async def run_python(sandbox: Sandbox, code: str) -> Any:
+    python = [sandbox_python(), *PYTHON_FLAGS, "snippet.py"]
+    return await sandbox.run(python, files={"snippet.py": code}, env=dict(PYTHON_ENV))
+
+
+def sandbox_python() -> str:
+    return Settings.load().sandbox_python
+
+
+def gone(warm: WarmSandbox) -> bool:
+    """Whether every process of ``warm`` has gone, and its folder too."""
+    uid = warm.workdir.uid
+    return (not _live_processes(pgid=warm.pid, uid=uid if warm.workdir.own_uid else None)
+            and not os.path.lexists(warm.workdir.path))
+
+
+async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool,
+                                                                   tmp_path) -> None:
+    pool = await make_pool(("exec",))
+    [waiting] = pool.waiting("exec")
+    handed = metric("handouts", kind="exec")
+
+    result = await box(tmp_path).run(["sh", "-c", "echo hi; ls -A; echo $HOME"])
+
+    assert result.verdict.ok
+    assert result.stdout == "hi\n.steer.jsonl\nout\ntmp\n/work\n" or result.isolation != "bwrap"
+    assert metric("handouts", kind="exec") == handed + 1
+    assert gone(waiting)  # used for exactly one run, destroyed with it
+    await pool.filled()  # and replaced in the background by a new one
+    [replacement] = pool.waiting("exec")
+    assert replacement.pid != waiting.pid
+    assert replacement.workdir.path != waiting.workdir.path
+    if waiting.workdir.own_uid:  # a uid per run: the next run is someone else
+        assert replacement.workdir.uid != waiting.workdir.uid
+
+
+@pytest.mark.parametrize("code", [INTROSPECT, "x = (", "import sys\nsys.exit('bye')",
+                                  "import os\nos.close(0)\nos.close(1)\nos.close(2)",
+                                  "print('no newline at the end', end='')"])
+async def test_a_warm_python_run_sees_what_a_cold_one_sees(make_pool, tmp_path, code) -> None:
+    cold = await run_python(box(tmp_path), code)
+    await make_pool(("python",))
+    handed = metric("handouts", kind="python")
+
+    warm = await run_python(box(tmp_path), code)
+
+    assert metric("handouts", kind="python") == handed + 1
+    assert (warm.exit_status, warm.verdict) == (cold.exit_status, cold.verdict)
+    assert warm.stdout == cold.stdout
+    # A traceback names the snippet only, as the interpreter run on it prints it.
+    assert warm.stderr == cold.stderr
+
+
+async def test_a_snippet_with_a_nul_byte_runs_as_it_would_cold(make_pool, tmp_path) -> None:
+    # Interpreters differ on a NUL byte in a source file: such a run starts its own.
+    cold = await run_python(box(tmp_path), "print(1)\0")
+    pool = await make_pool(("python",))
+    [waiting] = pool.waiting("python")
+
+    warm = await run_python(box(tmp_path), "print(1)\0")
+
+    assert (warm.exit_status, warm.stdout) == (cold.exit_status, cold.stdout)
+    assert pool.waiting("python") == [waiting]
+
+
+async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_path) -> None:
+    pool = await make_pool(("exec",))
+    [waiting] = pool.waiting("exec")
+    handed, missed = metric("handouts", kind="exec"), metric("misses", kind="exec")
+
+    # An extra environment, other limits: the pooled sandbox was started without them.
+    with_env = await box(tmp_path).run(["sh", "-c", "echo $EXTRA"], env={"EXTRA": "mine"})
+    other_limits = await box(tmp_path, SMALL).run(["sh", "-c", "ulimit -t"])
+
+    assert with_env.stdout == "mine\n"
+    assert other_limits.stdout == "2\n"  # the soft CPU limit of SMALL
+    assert metric("handouts", kind="exec") == handed
+    assert metric("misses", kind="exec") == missed  # not a miss: nothing could serve them
+    assert pool.waiting("exec") == [waiting]
+
+
+async def test_a_pooled_sandbox_that_dies_is_replaced_never_handed_out(make_pool,
+                                                                       tmp_path) -> None:
+    pool = await make_pool(("exec",))
+    [victim] = pool.waiting("exec")
+    died = metric("discarded", kind="exec", reason="died")
+
+    os.killpg(victim.pid, signal.SIGKILL)
+    await victim.exited  # the pool hears it through the pidfd, before this resumes
+    await pool.filled()
+
+    [replacement] = pool.waiting("exec")
+    assert replacement.pid != victim.pid
+    assert metric("discarded", kind="exec", reason="died") == died + 1
+    result = await box(tmp_path).run(["sh", "-c", "echo alive"])
+    assert result.stdout == "alive\n"
+    assert gone(victim)
+
+
+@pytest.mark.parametrize("touch", ["file in its folder", "file in out", "steering file",
+                                   "folder mode", "process stopped"])
+async def test_a_pooled_sandbox_touched_while_waiting_is_never_handed_out(
+        make_pool, tmp_path, touch) -> None:
+    pool = await make_pool(("exec",))
+    [touched] = pool.waiting("exec")
+    folder = touched.workdir.path
+    tampered = metric("discarded", kind="exec", reason="tampered")
+    missed = metric("misses", kind="exec")
+
+    if touch == "file in its folder":
+        (folder / "planted.txt").write_text("from someone else")
+    elif touch == "file in out":
+        (folder / "out" / "planted.txt").write_text("from someone else")
+    elif touch == "steering file":
+        steer = folder / ".steer.jsonl"
+        steer.write_text(steer.read_text() + '{"message": "planted"}\n')
+    elif touch == "folder mode":
+        folder.chmod(0o777)
+    else:
+        os.kill(touched.pid, signal.SIGSTOP)
+
+    result = await box(tmp_path).run(
+        ["sh", "-c", "ls -A; ls -A out; cat .steer.jsonl; stat -c %a ."])
+
+    # The touched one was destroyed; the run started its own (the pool had one).
+    assert metric("discarded", kind="exec", reason="tampered") == tampered + 1
+    assert metric("misses", kind="exec") == missed + 1
+    assert result.verdict.ok
+    assert "planted" not in result.stdout
+    assert result.stdout.splitlines()[-1] == "700"
+    assert gone(touched)
+
+
+async def test_a_burst_beyond_the_pool_starts_the_rest_on_demand(make_pool, tmp_path) -> None:
+    pool = await make_pool(("python",), size=1)
+    handed, missed = metric("handouts", kind="python"), metric("misses", kind="python")
+    code = "import os\nprint(os.getuid(), os.getcwd() if os.getcwd() != '/work' else '')"
+
+    results = await asyncio.gather(*(run_python(box(tmp_path), code) for _ in range(4)))
+
+    assert all(result.verdict.ok for result in results)
+    assert metric("handouts", kind="python") - handed >= 1
+    assert metric("misses", kind="python") - missed >= 1
+    assert (metric("handouts", kind="python") - handed
+            + metric("misses", kind="python") - missed) == 4
+    # Each run its own user id (when the server is root) and its own folder.
+    seen = [result.stdout for result in results]
+    if os.geteuid() == 0 and Settings.load().sandbox_uids is not None:
+        assert len(set(seen)) == 4
+    await pool.filled()
+
+
+async def test_the_pool_leaves_no_process_or_folder_when_the_server_stops(make_server,
+                                                                          ) -> None:
+    server = await make_server(sandbox_warm_pool=2)
+    assert server.warm_pool is not None
+    await server.warm_pool.filled()
+    pooled = [*server.warm_pool.waiting("python"), *server.warm_pool.waiting("exec")]
+    assert len(pooled) == 4
+
+    await server.stop()
+
+    assert all(gone(warm) for warm in pooled)
+
+
+async def test_a_server_with_the_pool_off_starts_none(make_server) -> None:
+    server = await make_server(sandbox_warm_pool=0)
+    assert server.warm_pool is None
+
+
+def test_the_pool_size_defaults_to_two_per_core(monkeypatch, tmp_path) -> None:
+    assert settings(tmp_path).sandbox_warm_pool_size == 2 * (os.cpu_count() or 1)
+    monkeypatch.setenv("STARGRPC_SANDBOX_WARM_POOL", "0")
+    assert settings(tmp_path).sandbox_warm_pool_size == 0
+    monkeypatch.setenv("STARGRPC_SANDBOX_WARM_POOL", "-1")
+    with pytest.raises(ValueError, match="sandbox_warm_pool"):
+        settings(tmp_path)
+
+
+async def test_the_python_tool_takes_a_warm_sandbox_end_to_end(make_server) -> None:
+    # No state socket: a pooled sandbox cannot inherit a run's descriptor (yet), so a run
+    # given one starts its own sandbox.
+    server = await make_server(sandbox_warm_pool=1, sandbox_state_scopes="")
+    await server.warm_pool.filled()
+    handed = metric("handouts", kind="python")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        events = await run_tool(stub, "python", {"code": "print(6 * 7)"})
+        # Hostile snippets through the pool: the server keeps serving after each.
+        for code in ("x = 1\0", "import os; os.close(0); os.close(1)",
+                     "import os; os.kill(os.getppid(), 9)"):
+            hostile = await run_tool(stub, "python", {"code": code})
+            assert hostile[-1].HasField("result")
+        again = await run_tool(stub, "python", {"code": "print('still')"})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert result.output.startswith("42\n")
+    assert as_dict(result)["structured_output"]["exit_status"] == 0
+    assert metric("handouts", kind="python") >= handed + 1
+    assert again[-1].result.output.startswith("still\n")
