@@ -38,6 +38,25 @@ class ToolAccess(BaseModel):
     privileged: bool = Field(False, description="Also require the privileged role.")
 
 
+#: Lane names: what a request's ``lane`` field, a tool's ``@tool(lane=…)``, metrics labels and
+#: Redis keys carry.
+LANE_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class LaneConfig(BaseModel):
+    """One lane of ``Settings.lanes``: how many of its runs go at once and how many wait."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent: int = Field(0, ge=0, description="Runs of the lane running at once "
+                                "(the fleet's, with redis_url); 0 = unlimited: runs never "
+                                "queue.")
+    max_queued: int = Field(1000, ge=0, description="Runs waiting in the lane's queue at "
+                            "most; past it calls are refused RESOURCE_EXHAUSTED LANE_FULL.")
+    default_priority: int = Field(0, ge=0, le=1000, description="Priority of a run whose "
+                                  "request and tool give none.")
+
+
 class McpServerEntry(BaseModel):
     """One MCP server whose tools join the catalog (an entry of ``Settings.mcp_servers``)."""
 
@@ -179,6 +198,20 @@ class Settings(BaseSettings):
                                               "per replica; 0 = unlimited.")
     limit_retry_after_seconds: float = Field(1.0, gt=0, description="RetryInfo delay "
                                              "suggested when a limit refuses a call.")
+
+    # -- lanes (stargrpc/runs/lanes.py, docs/operate/lanes.md) ------------------------------
+    lanes: dict[str, LaneConfig] = Field(
+        default_factory=dict, description="Named lanes (TOML table [lanes.NAME], or JSON in "
+        "the environment): max_concurrent, max_queued, default_priority. A lane 'default' "
+        "always exists (unlimited unless configured).")
+    tool_lanes: dict[str, str] = Field(
+        default_factory=dict, description="Per tool: the lane its runs go to, overriding "
+        "the tool's own @tool(lane=...).")
+    lane_override_role: str = Field("admin", description="Holders may name a lane in the "
+                                    "request (ExecuteRequest.lane).")
+    priority_max_per_principal: int = Field(5, ge=0, le=1000, description="Highest "
+                                            "priority a caller may ask for; the admin role "
+                                            "may exceed it.")
     inline_file_bytes: int = Field(1 * MiB, ge=0, description="Sent files up to this size "
                                    "travel inside the Result; larger ones as FileChunks.")
     file_chunk_bytes: int = Field(256 * 1024, ge=1024, le=4 * MiB, description="Size of "
@@ -344,6 +377,18 @@ class Settings(BaseSettings):
                                            "kept in an audit record.")
     audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
                                         "an audit record.")
+
+    @model_validator(mode="after")
+    def _lanes_named(self) -> Settings:
+        for name in self.lanes:
+            if not re.match(LANE_NAME_PATTERN, name):
+                raise ValueError(f"lanes: {name!r} is not a lane name (letters, digits, "
+                                 "'_', '.', '-'; at most 64)")
+        for tool_name, lane in self.tool_lanes.items():
+            if lane != "default" and lane not in self.lanes:
+                raise ValueError(f"tool_lanes: tool {tool_name!r} names lane {lane!r}, "
+                                 "which lanes does not configure")
+        return self
 
     @field_validator("redis_url")
     @classmethod

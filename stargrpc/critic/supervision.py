@@ -303,6 +303,7 @@ class Supervision:
     _verdict_timeout: float
     _record: CallRecord | None
     _loop: asyncio.AbstractEventLoop
+    _waiting: bool
     _hard_at: float
     _deadline_at: float
     _soft_span: float
@@ -330,11 +331,17 @@ class Supervision:
         self._record = current_call.get()
         self._loop = asyncio.get_running_loop()
         now = self._loop.time()
-        self._hard_at = now + self.hard_timeout
         self._deadline_at = (math.inf if policy.deadline is None
                              else policy.deadline - CLIENT_DEADLINE_MARGIN)
         self._soft_span = self.soft_timeout
-        self._soft_at = now + self.soft_timeout
+        # A run that waits at its gates first (its lane's queue, an approval) is timed from
+        # its START: only the caller's deadline runs while it waits.
+        self._waiting = bool(run.gates)
+        if self._waiting:
+            self._hard_at = self._soft_at = math.inf
+        else:
+            self._hard_at = now + self.hard_timeout
+            self._soft_at = now + self.soft_timeout
         self._last_extend = self._seen_extend = self._rules_progress = now
         self._asking_until = math.inf
         self._timer = None
@@ -387,6 +394,11 @@ class Supervision:
             event.critic_time_left.SetInParent()
             return
         now = self._loop.time()
+        if self._waiting:
+            if not event.HasField("step"):  # a notice while it waits: no progress to judge
+                self._stamp_time_left(event, now)
+                return
+            self._begin(now)  # its first step event is its START
         try:
             verdict = self._judge.observe(event)
         except Exception as exc:
@@ -410,6 +422,26 @@ class Supervision:
         stamp = event.critic_time_left
         stamp.seconds, rest = divmod(millis, 1000)
         stamp.nanos = rest * 1_000_000
+
+    def _stamp_time_left(self, event: events_pb2.RunEvent, now: float) -> None:
+        """Stamps ``critic_time_left`` on an event of a run still waiting to start: the
+        time left before the caller's deadline, or nothing when it has none."""
+        left = self._deadline_at - now
+        if left == math.inf:
+            return
+        millis = 0 if left <= 0 else int(min(left, _MAX_TIME_LEFT) * 1000 + 0.5)
+        stamp = event.critic_time_left
+        stamp.seconds, rest = divmod(millis, 1000)
+        stamp.nanos = rest * 1_000_000
+
+    def _begin(self, now: float) -> None:
+        """The run starts after waiting at its gates: its soft and hard timeouts start
+        now."""
+        self._waiting = False
+        self._hard_at = now + self.hard_timeout
+        self._soft_at = now + self._soft_span
+        self._last_extend = self._seen_extend = self._rules_progress = now
+        self._rearm()
 
     def time_left(self, now: float | None = None) -> float:
         """Seconds before the run is stopped if no extension comes."""

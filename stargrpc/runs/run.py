@@ -167,6 +167,8 @@ class Run:
         depth: How many runs are above this one in its tree (0 at the root).
         queued_ns: Nanoseconds the run spent in its gates (``Usage.queued_seconds``).
         child_runs: Runs this run's tool started (``Usage.child_runs``).
+        lane: The lane the run runs in, and ``priority`` its priority there (see
+            :mod:`stargrpc.runs.lanes`).
     """
 
     run_id: str
@@ -223,6 +225,8 @@ class Run:
     depth: int = 0
     queued_ns: int = 0
     child_runs: int = 0
+    lane: str = "default"
+    priority: int = 0
     _gated = False
     _step_counter = 0
     _emitted = 0
@@ -716,11 +720,19 @@ class Run:
             event.heartbeat.progress = progress
         await self._emit(event)
 
-    async def emit_notice(self, code: str, message: str, *, warning: bool = True) -> None:
-        """Emits a notice from the server, such as a supervisor warning."""
+    async def emit_notice(self, code: str, message: str, *, warning: bool = True,
+                          detail: Callable[[events_pb2.Notice], None] | None = None) -> None:
+        """Emits a notice from the server, such as a supervisor warning.
+
+        Args:
+            detail: Sets the notice's typed detail (``queued`` of a QUEUED notice).
+        """
         if self.finished:
             return
-        await self._emit(self._notice(code, message, warning=warning))
+        event = self._notice(code, message, warning=warning)
+        if detail is not None:
+            detail(event.notice)
+        await self._emit(event)
 
     def _notice(self, code: str, message: str, *, warning: bool, source: str = ""
                 ) -> events_pb2.RunEvent:

@@ -42,6 +42,14 @@ from stargrpc.runs.arguments import ArgumentLimits, validate
 from stargrpc.runs.call_record import current_call
 from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.runs.lanes import (
+    LaneBoard,
+    LaneGate,
+    LanePlace,
+    LanePolicy,
+    LaneTicket,
+    LocalLanes,
+)
 from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.runs.run import Run, RunLimits
@@ -72,6 +80,12 @@ class RunRequest:
     invocation: Mapping[str, Any] = field(default_factory=dict)
     #: How the run is supervised; None: the server's policy, without a caller deadline.
     policy: SupervisionPolicy | None = None
+    #: The lane to run in instead of the tool's (needs ``lane_override_role``).
+    lane: str = ""
+    #: Its priority in the lane's queue; 0: the tool's or the lane's default.
+    priority: int = 0
+    #: Refuse (LANE_BUSY) when the estimated wait in the lane is longer; 0: wait.
+    max_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -216,7 +230,11 @@ class Runtime:
         run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
         run_limits: The limits every run keeps to, made once from :attr:`settings`.
-        concurrency: Bounds on runs in flight.
+        concurrency: Bounds on runs in flight (per replica: the hard ceiling, queued runs
+            included).
+        lane_policy: Which lane and priority each run gets.
+        lanes: The lanes runs wait their turn in: the fleet's (the run store's ``lanes``)
+            or this process's.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
         critics: The server's critic and the tools' own.
@@ -230,6 +248,8 @@ class Runtime:
     limits: ArgumentLimits
     run_limits: RunLimits
     concurrency: ConcurrencyLimits
+    lane_policy: LanePolicy
+    lanes: LaneBoard
     runs: dict[str, Run]
     draining: bool
     critics: Critics
@@ -261,6 +281,12 @@ class Runtime:
         self.limits = limits or ArgumentLimits()
         self.run_limits = RunLimits.from_settings(self.settings)
         self.concurrency = concurrency or ConcurrencyLimits()
+        self.lane_policy = LanePolicy(self.settings)
+        self.lane_policy.check_tools(registry.values())
+        # A fleet's store shares its lanes; one process keeps its own.
+        shared_lanes = getattr(self.store, "lanes", None)
+        self.lanes = (shared_lanes if shared_lanes is not None
+                      else LocalLanes(self.lane_policy.limited))
         self.runs = {}
         # CancelRun and a shared store's remote cancels reach runs of this process here.
         self.store.cancel_handler = self.cancel_local
@@ -336,6 +362,7 @@ class Runtime:
                 loaded (the current catalog stays).
         """
         changed = registry.catalog_hash != self._registry.catalog_hash
+        self.lane_policy.check_tools(registry.values())
         self.critics.load_tools(registry.values())
         self._registry = registry
         if changed:
@@ -400,6 +427,9 @@ class Runtime:
         if record is not None:
             record.principal = principal
         self.policy.check(principal, spec)
+        choice = self.lane_policy.choose(spec, principal, lane=request.lane,
+                                         priority=request.priority,
+                                         max_wait=request.max_wait_seconds)
         args: BaseModel
         if spec.args_model is NoArguments and not request.arguments:
             args = _NO_ARGUMENTS  # what validating {} gives, made once
@@ -412,6 +442,10 @@ class Runtime:
                   self.store.create(run_id, owner=principal.id, tool=spec.name),
                   limits=self.run_limits)
         run.state_store = self.state_store
+        run.lane, run.priority = choice.lane, choice.priority
+        if record is not None and choice.capped:
+            record.extra["priority"] = (f"asked {choice.asked_priority}, capped to "
+                                        f"{choice.priority} (priority_max_per_principal)")
         return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,
@@ -445,6 +479,7 @@ class Runtime:
         except ResourceExhausted:
             await self.store.discard(run.log)
             raise
+        place: LanePlace | None = None
         try:
             await self.store.publish(run.log)
             if key:
@@ -463,9 +498,12 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     return Admission(log=held, run=None)
+            place = await self._enter_lane(run, request)
             if before_start is not None:
                 await before_start(run)
         except BaseException:
+            if place is not None:
+                self.lanes.leave(place, ran=False)
             permit.release()
             # The run never started: forget its log too (best effort — the store may be
             # the very thing that failed), so a refused request leaves nothing behind.
@@ -473,10 +511,31 @@ class Runtime:
                 await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
+        if place is not None:
+            lane_place = place
+            run.gates = [LaneGate(self.lanes, lane_place, current_call.get())]
+            run.finish_hooks.append(
+                lambda ended: self.lanes.leave(lane_place, ran=lane_place.granted))
         policy = request.policy or SupervisionPolicy.for_call(self.settings)
         started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
                                        arguments=request.arguments, policy=policy))
         return Admission(log=run.log, run=started)
+
+    async def _enter_lane(self, run: Run, request: RunRequest) -> LanePlace | None:
+        """The run's slot or place in its lane's queue; None for a lane without a limit.
+
+        Raises:
+            ResourceExhausted: LANE_FULL or LANE_BUSY (counted, with the lane).
+        """
+        if run.lane not in self.lane_policy.limited:
+            return None
+        ticket = LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
+                            request.max_wait_seconds)
+        try:
+            return await self.lanes.enter(ticket)
+        except ResourceExhausted as refused:
+            metrics.LANE_REFUSALS.labels(run.lane, refused.reason.lower()).inc()
+            raise
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
         """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,

@@ -304,7 +304,8 @@ class ToolService:
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
-                           policy=policy)
+                           policy=policy, lane=request.lane, priority=request.priority,
+                           max_wait_seconds=request.max_wait_seconds)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:

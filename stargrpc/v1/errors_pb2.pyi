@@ -96,6 +96,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATE_BAD_SCOPE: _ClassVar[ErrorReason]
     STATE_UNAVAILABLE: _ClassVar[ErrorReason]
     STATE_READ_ONLY: _ClassVar[ErrorReason]
+    LANE_FULL: _ClassVar[ErrorReason]
+    LANE_BUSY: _ClassVar[ErrorReason]
+    LANE_UNKNOWN: _ClassVar[ErrorReason]
+    LANE_OVERRIDE_NOT_ALLOWED: _ClassVar[ErrorReason]
+    QUEUED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -186,3 +191,8 @@ STATE_NOT_INTEGER: ErrorReason
 STATE_BAD_SCOPE: ErrorReason
 STATE_UNAVAILABLE: ErrorReason
 STATE_READ_ONLY: ErrorReason
+LANE_FULL: ErrorReason
+LANE_BUSY: ErrorReason
+LANE_UNKNOWN: ErrorReason
+LANE_OVERRIDE_NOT_ALLOWED: ErrorReason
+QUEUED: ErrorReason

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stargrpc/v1/events.proto\x12\x0bstargrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf2\x02\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x10\x63ritic_time_left\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tfirst_seq\x18\x05 \x01(\x04\x12&\n\x04step\x18\n \x01(\x0b\x32\x16.stargrpc.v1.StepEventH\x00\x12+\n\theartbeat\x18\x0b \x01(\x0b\x32\x16.stargrpc.v1.HeartbeatH\x00\x12%\n\x06notice\x18\x0c \x01(\x0b\x32\x13.stargrpc.v1.NoticeH\x00\x12,\n\nfile_chunk\x18\r \x01(\x0b\x32\x16.stargrpc.v1.FileChunkH\x00\x12%\n\x06result\x18\x0e \x01(\x0b\x32\x13.stargrpc.v1.ResultH\x00\x42\x06\n\x04kind\"\x83\x02\n\x04Step\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0f\n\x07summary\x18\x05 \x01(\t\x12\'\n\x06status\x18\x06 \x01(\x0e\x32\x17.stargrpc.v1.StepStatus\x12\'\n\x06\x64\x65tail\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"s\n\tStepEvent\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.stargrpc.v1.StepPhase\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x11.stargrpc.v1.Step\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\"@\n\tHeartbeat\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x15\n\x08progress\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_progress\"`\n\x06Notice\x12\'\n\x05level\x18\x01 \x01(\x0e\x32\x18.stargrpc.v1.NoticeLevel\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\"H\n\tFileChunk\x12\x0f\n\x07\x66ile_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\",\n\x0bResultError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\x06Result\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x31\n\x11structured_output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.stargrpc.v1.ResultError\x12+\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\twriteback\x18\x06 \x01(\x0b\x32\x16.stargrpc.v1.WriteBack\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.stargrpc.v1.Usage\"\xcd\x03\n\x05Usage\x12\x19\n\x0cwall_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0equeued_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10\x63pu_user_seconds\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12\x63pu_system_seconds\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0epeak_rss_bytes\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1a\n\rbytes_written\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12network_bytes_sent\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12#\n\x16network_bytes_received\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x17\n\nchild_runs\x18\t \x01(\rH\x08\x88\x01\x01\x42\x0f\n\r_wall_secondsB\x11\n\x0f_queued_secondsB\x13\n\x11_cpu_user_secondsB\x15\n\x13_cpu_system_secondsB\x11\n\x0f_peak_rss_bytesB\x10\n\x0e_bytes_writtenB\x15\n\x13_network_bytes_sentB\x19\n\x17_network_bytes_receivedB\r\n\x0b_child_runs\"\x9f\x01\n\tWriteBack\x12)\n\nsent_files\x18\x01 \x03(\x0b\x32\x15.stargrpc.v1.SentFile\x12\x31\n\x0einjected_tools\x18\x02 \x03(\x0b\x32\x19.stargrpc.v1.InjectedTool\x12\x34\n\x12sent_rich_messages\x18\x03 \x03(\x0b\x32\x18.stargrpc.v1.RichMessage\"}\n\x08SentFile\x12\x0f\n\x07\x66ile_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\x0c\x12\x10\n\x08streamed\x18\x07 \x01(\x08\"`\n\x0cInjectedTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"E\n\x0bRichMessage\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct*g\n\tStepPhase\x12\x1a\n\x16STEP_PHASE_UNSPECIFIED\x10\x00\x12\x14\n\x10STEP_PHASE_START\x10\x01\x12\x14\n\x10STEP_PHASE_DELTA\x10\x02\x12\x12\n\x0eSTEP_PHASE_END\x10\x03*s\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x01\x12\x18\n\x14STEP_STATUS_COMPLETE\x10\x02\x12\x15\n\x11STEP_STATUS_ERROR\x10\x03*\\\n\x0bNoticeLevel\x12\x1c\n\x18NOTICE_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11NOTICE_LEVEL_INFO\x10\x01\x12\x18\n\x14NOTICE_LEVEL_WARNING\x10\x02*\x99\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x12\n\x0eOUTCOME_DENIED\x10\x02\x12\x12\n\x0eOUTCOME_FAILED\x10\x03\x12\x11\n\rOUTCOME_ERROR\x10\x04\x12\x13\n\x0fOUTCOME_TIMEOUT\x10\x05\x12\x15\n\x11OUTCOME_CANCELLED\x10\x06\x42\x90\x01\n\x0f\x64\x65v.stargrpc.v1B\x0b\x45ventsProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18stargrpc/v1/events.proto\x12\x0bstargrpc.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf2\x02\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x10\x63ritic_time_left\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\tfirst_seq\x18\x05 \x01(\x04\x12&\n\x04step\x18\n \x01(\x0b\x32\x16.stargrpc.v1.StepEventH\x00\x12+\n\theartbeat\x18\x0b \x01(\x0b\x32\x16.stargrpc.v1.HeartbeatH\x00\x12%\n\x06notice\x18\x0c \x01(\x0b\x32\x13.stargrpc.v1.NoticeH\x00\x12,\n\nfile_chunk\x18\r \x01(\x0b\x32\x16.stargrpc.v1.FileChunkH\x00\x12%\n\x06result\x18\x0e \x01(\x0b\x32\x13.stargrpc.v1.ResultH\x00\x42\x06\n\x04kind\"\x83\x02\n\x04Step\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t\x12\x0f\n\x07summary\x18\x05 \x01(\t\x12\'\n\x06status\x18\x06 \x01(\x0e\x32\x17.stargrpc.v1.StepStatus\x12\'\n\x06\x64\x65tail\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"s\n\tStepEvent\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.stargrpc.v1.StepPhase\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x11.stargrpc.v1.Step\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\t\"@\n\tHeartbeat\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x15\n\x08progress\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_progress\"\x89\x01\n\x06Notice\x12\'\n\x05level\x18\x01 \x01(\x0e\x32\x18.stargrpc.v1.NoticeLevel\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\'\n\x06queued\x18\x05 \x01(\x0b\x32\x17.stargrpc.v1.LaneQueued\"q\n\nLaneQueued\x12\x0c\n\x04lane\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x31\n\x0e\x65stimated_wait\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08priority\x18\x04 \x01(\x05\"H\n\tFileChunk\x12\x0f\n\x07\x66ile_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\",\n\x0bResultError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x96\x02\n\x06Result\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12\x0e\n\x06output\x18\x02 \x01(\t\x12\x31\n\x11structured_output\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.stargrpc.v1.ResultError\x12+\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\twriteback\x18\x06 \x01(\x0b\x32\x16.stargrpc.v1.WriteBack\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.stargrpc.v1.Usage\"\xcd\x03\n\x05Usage\x12\x19\n\x0cwall_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0equeued_seconds\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10\x63pu_user_seconds\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12\x63pu_system_seconds\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1b\n\x0epeak_rss_bytes\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1a\n\rbytes_written\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12network_bytes_sent\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12#\n\x16network_bytes_received\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x17\n\nchild_runs\x18\t \x01(\rH\x08\x88\x01\x01\x42\x0f\n\r_wall_secondsB\x11\n\x0f_queued_secondsB\x13\n\x11_cpu_user_secondsB\x15\n\x13_cpu_system_secondsB\x11\n\x0f_peak_rss_bytesB\x10\n\x0e_bytes_writtenB\x15\n\x13_network_bytes_sentB\x19\n\x17_network_bytes_receivedB\r\n\x0b_child_runs\"\x9f\x01\n\tWriteBack\x12)\n\nsent_files\x18\x01 \x03(\x0b\x32\x15.stargrpc.v1.SentFile\x12\x31\n\x0einjected_tools\x18\x02 \x03(\x0b\x32\x19.stargrpc.v1.InjectedTool\x12\x34\n\x12sent_rich_messages\x18\x03 \x03(\x0b\x32\x18.stargrpc.v1.RichMessage\"}\n\x08SentFile\x12\x0f\n\x07\x66ile_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\x0c\x12\x10\n\x08streamed\x18\x07 \x01(\x08\"`\n\x0cInjectedTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"E\n\x0bRichMessage\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct*g\n\tStepPhase\x12\x1a\n\x16STEP_PHASE_UNSPECIFIED\x10\x00\x12\x14\n\x10STEP_PHASE_START\x10\x01\x12\x14\n\x10STEP_PHASE_DELTA\x10\x02\x12\x12\n\x0eSTEP_PHASE_END\x10\x03*s\n\nStepStatus\x12\x1b\n\x17STEP_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STEP_STATUS_RUNNING\x10\x01\x12\x18\n\x14STEP_STATUS_COMPLETE\x10\x02\x12\x15\n\x11STEP_STATUS_ERROR\x10\x03*\\\n\x0bNoticeLevel\x12\x1c\n\x18NOTICE_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11NOTICE_LEVEL_INFO\x10\x01\x12\x18\n\x14NOTICE_LEVEL_WARNING\x10\x02*\x99\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0e\n\nOUTCOME_OK\x10\x01\x12\x12\n\x0eOUTCOME_DENIED\x10\x02\x12\x12\n\x0eOUTCOME_FAILED\x10\x03\x12\x11\n\rOUTCOME_ERROR\x10\x04\x12\x13\n\x0fOUTCOME_TIMEOUT\x10\x05\x12\x15\n\x11OUTCOME_CANCELLED\x10\x06\x42\x90\x01\n\x0f\x64\x65v.stargrpc.v1B\x0b\x45ventsProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stargrpc.v1.events_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.stargrpc.v1B\013EventsProtoP\001Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\242\002\003SXX\252\002\013Stargrpc.V1\312\002\013Stargrpc\\V1\352\002\014Stargrpc::V1'
-  _globals['_STEPPHASE']._serialized_start=2375
-  _globals['_STEPPHASE']._serialized_end=2478
-  _globals['_STEPSTATUS']._serialized_start=2480
-  _globals['_STEPSTATUS']._serialized_end=2595
-  _globals['_NOTICELEVEL']._serialized_start=2597
-  _globals['_NOTICELEVEL']._serialized_end=2689
-  _globals['_OUTCOME']._serialized_start=2692
-  _globals['_OUTCOME']._serialized_end=2845
+  _globals['_STEPPHASE']._serialized_start=2532
+  _globals['_STEPPHASE']._serialized_end=2635
+  _globals['_STEPSTATUS']._serialized_start=2637
+  _globals['_STEPSTATUS']._serialized_end=2752
+  _globals['_NOTICELEVEL']._serialized_start=2754
+  _globals['_NOTICELEVEL']._serialized_end=2846
+  _globals['_OUTCOME']._serialized_start=2849
+  _globals['_OUTCOME']._serialized_end=3002
   _globals['_RUNEVENT']._serialized_start=137
   _globals['_RUNEVENT']._serialized_end=507
   _globals['_STEP']._serialized_start=510
@@ -51,22 +51,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPEVENT']._serialized_end=886
   _globals['_HEARTBEAT']._serialized_start=888
   _globals['_HEARTBEAT']._serialized_end=952
-  _globals['_NOTICE']._serialized_start=954
-  _globals['_NOTICE']._serialized_end=1050
-  _globals['_FILECHUNK']._serialized_start=1052
-  _globals['_FILECHUNK']._serialized_end=1124
-  _globals['_RESULTERROR']._serialized_start=1126
-  _globals['_RESULTERROR']._serialized_end=1170
-  _globals['_RESULT']._serialized_start=1173
-  _globals['_RESULT']._serialized_end=1451
-  _globals['_USAGE']._serialized_start=1454
-  _globals['_USAGE']._serialized_end=1915
-  _globals['_WRITEBACK']._serialized_start=1918
-  _globals['_WRITEBACK']._serialized_end=2077
-  _globals['_SENTFILE']._serialized_start=2079
-  _globals['_SENTFILE']._serialized_end=2204
-  _globals['_INJECTEDTOOL']._serialized_start=2206
-  _globals['_INJECTEDTOOL']._serialized_end=2302
-  _globals['_RICHMESSAGE']._serialized_start=2304
-  _globals['_RICHMESSAGE']._serialized_end=2373
+  _globals['_NOTICE']._serialized_start=955
+  _globals['_NOTICE']._serialized_end=1092
+  _globals['_LANEQUEUED']._serialized_start=1094
+  _globals['_LANEQUEUED']._serialized_end=1207
+  _globals['_FILECHUNK']._serialized_start=1209
+  _globals['_FILECHUNK']._serialized_end=1281
+  _globals['_RESULTERROR']._serialized_start=1283
+  _globals['_RESULTERROR']._serialized_end=1327
+  _globals['_RESULT']._serialized_start=1330
+  _globals['_RESULT']._serialized_end=1608
+  _globals['_USAGE']._serialized_start=1611
+  _globals['_USAGE']._serialized_end=2072
+  _globals['_WRITEBACK']._serialized_start=2075
+  _globals['_WRITEBACK']._serialized_end=2234
+  _globals['_SENTFILE']._serialized_start=2236
+  _globals['_SENTFILE']._serialized_end=2361
+  _globals['_INJECTEDTOOL']._serialized_start=2363
+  _globals['_INJECTEDTOOL']._serialized_end=2459
+  _globals['_RICHMESSAGE']._serialized_start=2461
+  _globals['_RICHMESSAGE']._serialized_end=2530
 # @@protoc_insertion_point(module_scope)

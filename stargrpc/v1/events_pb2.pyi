@@ -127,16 +127,30 @@ class Heartbeat(_message.Message):
     def __init__(self, message: _Optional[str] = ..., progress: _Optional[float] = ...) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("level", "code", "message", "source")
+    __slots__ = ("level", "code", "message", "source", "queued")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     level: NoticeLevel
     code: str
     message: str
     source: str
-    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    queued: LaneQueued
+    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., queued: _Optional[_Union[LaneQueued, _Mapping]] = ...) -> None: ...
+
+class LaneQueued(_message.Message):
+    __slots__ = ("lane", "position", "estimated_wait", "priority")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    lane: str
+    position: int
+    estimated_wait: _duration_pb2.Duration
+    priority: int
+    def __init__(self, lane: _Optional[str] = ..., position: _Optional[int] = ..., estimated_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("file_id", "offset", "data", "last")

@@ -28,7 +28,7 @@ from stargrpc.v1 import catalog_pb2 as stargrpc_dot_v1_dot_catalog__pb2
 from stargrpc.v1 import events_pb2 as stargrpc_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estargrpc/v1/tool_service.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stargrpc/v1/catalog.proto\x1a\x18stargrpc/v1/events.proto\".\n\x10ListToolsRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"a\n\x11ListToolsResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\x12\x14\n\x0cnot_modified\x18\x03 \x01(\x08\"1\n\x13WatchCatalogRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"N\n\x14WatchCatalogResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\"\xc7\x01\n\x11InvocationContext\x12\x10\n\x08\x65nd_user\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.stargrpc.v1.InvocationContext.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x02\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\x17\n\x0f\x63oalesce_deltas\x18\x07 \x01(\x08\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.DeliveryB\x06\n\x04\x61rgs\"{\n\x08\x44\x65livery\x12-\n\x07webhook\x18\x01 \x01(\x0b\x32\x1a.stargrpc.v1.WebhookTargetH\x00\x12\x36\n\x0credis_stream\x18\x02 \x01(\x0b\x32\x1e.stargrpc.v1.RedisStreamTargetH\x00\x42\x08\n\x06target\"\x1c\n\rWebhookTarget\x12\x0b\n\x03url\x18\x01 \x01(\t\"#\n\x11RedisStreamTarget\x12\x0e\n\x06stream\x18\x01 \x01(\t\"7\n\x0f\x45xecuteResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"M\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x17\n\x0f\x63oalesce_deltas\x18\x03 \x01(\x08\"8\n\x10WatchRunResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"2\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelRunResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"2\n\x0fSteerRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x10SteerRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xfd\x01\n\x0fStartRunRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.DeliveryB\x06\n\x04\x61rgs\"4\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\"\x98\x01\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x11\n\ttool_name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\"\x95\x02\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\t \x01(\t\"R\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.stargrpc.v1.RunSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*T\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_FINISHED\x10\x02\x32\xea\x04\n\x0bToolService\x12J\n\tListTools\x12\x1d.stargrpc.v1.ListToolsRequest\x1a\x1e.stargrpc.v1.ListToolsResponse\x12U\n\x0cWatchCatalog\x12 .stargrpc.v1.WatchCatalogRequest\x1a!.stargrpc.v1.WatchCatalogResponse0\x01\x12\x46\n\x07\x45xecute\x12\x1b.stargrpc.v1.ExecuteRequest\x1a\x1c.stargrpc.v1.ExecuteResponse0\x01\x12I\n\x08WatchRun\x12\x1c.stargrpc.v1.WatchRunRequest\x1a\x1d.stargrpc.v1.WatchRunResponse0\x01\x12J\n\tCancelRun\x12\x1d.stargrpc.v1.CancelRunRequest\x1a\x1e.stargrpc.v1.CancelRunResponse\x12G\n\x08SteerRun\x12\x1c.stargrpc.v1.SteerRunRequest\x1a\x1d.stargrpc.v1.SteerRunResponse\x12G\n\x08StartRun\x12\x1c.stargrpc.v1.StartRunRequest\x1a\x1d.stargrpc.v1.StartRunResponse\x12G\n\x08ListRuns\x12\x1c.stargrpc.v1.ListRunsRequest\x1a\x1d.stargrpc.v1.ListRunsResponseB\x95\x01\n\x0f\x64\x65v.stargrpc.v1B\x10ToolServiceProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estargrpc/v1/tool_service.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19stargrpc/v1/catalog.proto\x1a\x18stargrpc/v1/events.proto\".\n\x10ListToolsRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"a\n\x11ListToolsResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\x12\x14\n\x0cnot_modified\x18\x03 \x01(\x08\"1\n\x13WatchCatalogRequest\x12\x1a\n\x12known_catalog_hash\x18\x01 \x01(\t\"N\n\x14WatchCatalogResponse\x12 \n\x05tools\x18\x01 \x03(\x0b\x32\x11.stargrpc.v1.Tool\x12\x14\n\x0c\x63\x61talog_hash\x18\x02 \x01(\t\"\xc7\x01\n\x11InvocationContext\x12\x10\n\x08\x65nd_user\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x10\n\x08trace_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.stargrpc.v1.InvocationContext.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcf\x02\n\x0e\x45xecuteRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\x17\n\x0f\x63oalesce_deltas\x18\x07 \x01(\x08\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x0c\n\x04lane\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x18\n\x10max_wait_seconds\x18\x0b \x01(\x01\x42\x06\n\x04\x61rgs\"{\n\x08\x44\x65livery\x12-\n\x07webhook\x18\x01 \x01(\x0b\x32\x1a.stargrpc.v1.WebhookTargetH\x00\x12\x36\n\x0credis_stream\x18\x02 \x01(\x0b\x32\x1e.stargrpc.v1.RedisStreamTargetH\x00\x42\x08\n\x06target\"\x1c\n\rWebhookTarget\x12\x0b\n\x03url\x18\x01 \x01(\t\"#\n\x11RedisStreamTarget\x12\x0e\n\x06stream\x18\x01 \x01(\t\"7\n\x0f\x45xecuteResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"M\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x17\n\x0f\x63oalesce_deltas\x18\x03 \x01(\x08\"8\n\x10WatchRunResponse\x12$\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x15.stargrpc.v1.RunEvent\"2\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x11\x43\x61ncelRunResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"2\n\x0fSteerRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\"\n\x10SteerRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xb7\x02\n\x0fStartRunRequest\x12\x11\n\ttool_name\x18\x01 \x01(\t\x12,\n\targuments\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x12\x18\n\x0e\x61rguments_json\x18\x03 \x01(\tH\x00\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x05 \x01(\t\x12/\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1e.stargrpc.v1.InvocationContext\x12\'\n\x08\x64\x65livery\x18\x08 \x01(\x0b\x32\x15.stargrpc.v1.Delivery\x12\x0c\n\x04lane\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x18\n\x10max_wait_seconds\x18\x0b \x01(\x01\x42\x06\n\x04\x61rgs\"4\n\x10StartRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\"\x98\x01\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x11\n\ttool_name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\"\xcd\x02\n\nRunSummary\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.stargrpc.v1.RunState\x12%\n\x07outcome\x18\x05 \x01(\x0e\x32\x14.stargrpc.v1.Outcome\x12.\n\nstarted_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x08 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\t \x01(\t\x12\x0c\n\x04lane\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x16\n\x0equeue_position\x18\x0c \x01(\r\"R\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.stargrpc.v1.RunSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*j\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_FINISHED\x10\x02\x12\x14\n\x10RUN_STATE_QUEUED\x10\x03\x32\xea\x04\n\x0bToolService\x12J\n\tListTools\x12\x1d.stargrpc.v1.ListToolsRequest\x1a\x1e.stargrpc.v1.ListToolsResponse\x12U\n\x0cWatchCatalog\x12 .stargrpc.v1.WatchCatalogRequest\x1a!.stargrpc.v1.WatchCatalogResponse0\x01\x12\x46\n\x07\x45xecute\x12\x1b.stargrpc.v1.ExecuteRequest\x1a\x1c.stargrpc.v1.ExecuteResponse0\x01\x12I\n\x08WatchRun\x12\x1c.stargrpc.v1.WatchRunRequest\x1a\x1d.stargrpc.v1.WatchRunResponse0\x01\x12J\n\tCancelRun\x12\x1d.stargrpc.v1.CancelRunRequest\x1a\x1e.stargrpc.v1.CancelRunResponse\x12G\n\x08SteerRun\x12\x1c.stargrpc.v1.SteerRunRequest\x1a\x1d.stargrpc.v1.SteerRunResponse\x12G\n\x08StartRun\x12\x1c.stargrpc.v1.StartRunRequest\x1a\x1d.stargrpc.v1.StartRunResponse\x12G\n\x08ListRuns\x12\x1c.stargrpc.v1.ListRunsRequest\x1a\x1d.stargrpc.v1.ListRunsResponseB\x95\x01\n\x0f\x64\x65v.stargrpc.v1B\x10ToolServiceProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.stargrpc.v1B\020ToolServiceProtoP\001Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\242\002\003SXX\252\002\013Stargrpc.V1\312\002\013Stargrpc\\V1\352\002\014Stargrpc::V1'
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._loaded_options = None
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=2318
-  _globals['_RUNSTATE']._serialized_end=2402
+  _globals['_RUNSTATE']._serialized_start=2490
+  _globals['_RUNSTATE']._serialized_end=2596
   _globals['_LISTTOOLSREQUEST']._serialized_start=163
   _globals['_LISTTOOLSREQUEST']._serialized_end=209
   _globals['_LISTTOOLSRESPONSE']._serialized_start=211
@@ -53,37 +53,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_start=596
   _globals['_INVOCATIONCONTEXT_LABELSENTRY']._serialized_end=641
   _globals['_EXECUTEREQUEST']._serialized_start=644
-  _globals['_EXECUTEREQUEST']._serialized_end=921
-  _globals['_DELIVERY']._serialized_start=923
-  _globals['_DELIVERY']._serialized_end=1046
-  _globals['_WEBHOOKTARGET']._serialized_start=1048
-  _globals['_WEBHOOKTARGET']._serialized_end=1076
-  _globals['_REDISSTREAMTARGET']._serialized_start=1078
-  _globals['_REDISSTREAMTARGET']._serialized_end=1113
-  _globals['_EXECUTERESPONSE']._serialized_start=1115
-  _globals['_EXECUTERESPONSE']._serialized_end=1170
-  _globals['_WATCHRUNREQUEST']._serialized_start=1172
-  _globals['_WATCHRUNREQUEST']._serialized_end=1249
-  _globals['_WATCHRUNRESPONSE']._serialized_start=1251
-  _globals['_WATCHRUNRESPONSE']._serialized_end=1307
-  _globals['_CANCELRUNREQUEST']._serialized_start=1309
-  _globals['_CANCELRUNREQUEST']._serialized_end=1359
-  _globals['_CANCELRUNRESPONSE']._serialized_start=1361
-  _globals['_CANCELRUNRESPONSE']._serialized_end=1399
-  _globals['_STEERRUNREQUEST']._serialized_start=1401
-  _globals['_STEERRUNREQUEST']._serialized_end=1451
-  _globals['_STEERRUNRESPONSE']._serialized_start=1453
-  _globals['_STEERRUNRESPONSE']._serialized_end=1487
-  _globals['_STARTRUNREQUEST']._serialized_start=1490
-  _globals['_STARTRUNREQUEST']._serialized_end=1743
-  _globals['_STARTRUNRESPONSE']._serialized_start=1745
-  _globals['_STARTRUNRESPONSE']._serialized_end=1797
-  _globals['_LISTRUNSREQUEST']._serialized_start=1800
-  _globals['_LISTRUNSREQUEST']._serialized_end=1952
-  _globals['_RUNSUMMARY']._serialized_start=1955
-  _globals['_RUNSUMMARY']._serialized_end=2232
-  _globals['_LISTRUNSRESPONSE']._serialized_start=2234
-  _globals['_LISTRUNSRESPONSE']._serialized_end=2316
-  _globals['_TOOLSERVICE']._serialized_start=2405
-  _globals['_TOOLSERVICE']._serialized_end=3023
+  _globals['_EXECUTEREQUEST']._serialized_end=979
+  _globals['_DELIVERY']._serialized_start=981
+  _globals['_DELIVERY']._serialized_end=1104
+  _globals['_WEBHOOKTARGET']._serialized_start=1106
+  _globals['_WEBHOOKTARGET']._serialized_end=1134
+  _globals['_REDISSTREAMTARGET']._serialized_start=1136
+  _globals['_REDISSTREAMTARGET']._serialized_end=1171
+  _globals['_EXECUTERESPONSE']._serialized_start=1173
+  _globals['_EXECUTERESPONSE']._serialized_end=1228
+  _globals['_WATCHRUNREQUEST']._serialized_start=1230
+  _globals['_WATCHRUNREQUEST']._serialized_end=1307
+  _globals['_WATCHRUNRESPONSE']._serialized_start=1309
+  _globals['_WATCHRUNRESPONSE']._serialized_end=1365
+  _globals['_CANCELRUNREQUEST']._serialized_start=1367
+  _globals['_CANCELRUNREQUEST']._serialized_end=1417
+  _globals['_CANCELRUNRESPONSE']._serialized_start=1419
+  _globals['_CANCELRUNRESPONSE']._serialized_end=1457
+  _globals['_STEERRUNREQUEST']._serialized_start=1459
+  _globals['_STEERRUNREQUEST']._serialized_end=1509
+  _globals['_STEERRUNRESPONSE']._serialized_start=1511
+  _globals['_STEERRUNRESPONSE']._serialized_end=1545
+  _globals['_STARTRUNREQUEST']._serialized_start=1548
+  _globals['_STARTRUNREQUEST']._serialized_end=1859
+  _globals['_STARTRUNRESPONSE']._serialized_start=1861
+  _globals['_STARTRUNRESPONSE']._serialized_end=1913
+  _globals['_LISTRUNSREQUEST']._serialized_start=1916
+  _globals['_LISTRUNSREQUEST']._serialized_end=2068
+  _globals['_RUNSUMMARY']._serialized_start=2071
+  _globals['_RUNSUMMARY']._serialized_end=2404
+  _globals['_LISTRUNSRESPONSE']._serialized_start=2406
+  _globals['_LISTRUNSRESPONSE']._serialized_end=2488
+  _globals['_TOOLSERVICE']._serialized_start=2599
+  _globals['_TOOLSERVICE']._serialized_end=3217
 # @@protoc_insertion_point(module_scope)

@@ -18,9 +18,11 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
     RUN_STATE_RUNNING: _ClassVar[RunState]
     RUN_STATE_FINISHED: _ClassVar[RunState]
+    RUN_STATE_QUEUED: _ClassVar[RunState]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_FINISHED: RunState
+RUN_STATE_QUEUED: RunState
 
 class ListToolsRequest(_message.Message):
     __slots__ = ("known_catalog_hash",)
@@ -74,7 +76,7 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery", "lane", "priority", "max_wait_seconds")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,9 @@ class ExecuteRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -91,7 +96,10 @@ class ExecuteRequest(_message.Message):
     context: InvocationContext
     coalesce_deltas: bool
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    lane: str
+    priority: int
+    max_wait_seconds: float
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Delivery(_message.Message):
     __slots__ = ("webhook", "redis_stream")
@@ -164,7 +172,7 @@ class SteerRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery", "lane", "priority", "max_wait_seconds")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +180,9 @@ class StartRunRequest(_message.Message):
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tool_name: str
     arguments: _struct_pb2.Struct
     arguments_json: str
@@ -179,7 +190,10 @@ class StartRunRequest(_message.Message):
     catalog_hash: str
     context: InvocationContext
     delivery: Delivery
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ...) -> None: ...
+    lane: str
+    priority: int
+    max_wait_seconds: float
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
     __slots__ = ("run_id", "attached")
@@ -204,7 +218,7 @@ class ListRunsRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step")
+    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "lane", "priority", "queue_position")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +228,9 @@ class RunSummary(_message.Message):
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     tool_name: str
     principal: str
@@ -223,7 +240,10 @@ class RunSummary(_message.Message):
     ended_at: _timestamp_pb2.Timestamp
     last_seq: int
     current_step: str
-    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ...) -> None: ...
+    lane: str
+    priority: int
+    queue_position: int
+    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs", "next_page_token")

@@ -1,0 +1,48 @@
+"""Fixtures of the lane tests: the Holds of the test, a server with lanes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from stargrpc.server.grpc_server import StargrpcServer
+from tests.lanes.lane_helpers import HOLDS, Holds, lane_registry, lane_settings
+from tests.runs_support import HeaderPrincipal
+
+
+@pytest.fixture
+def holds() -> Holds:
+    """What the test's ``hold`` runs wait for."""
+    held = Holds()
+    HOLDS.append(held)
+    yield held
+    HOLDS.remove(held)
+    for event in held._events.values():
+        event.set()
+
+
+LaneServer = Callable[..., Awaitable[tuple[StargrpcServer, grpc.aio.Channel]]]
+
+
+@pytest.fixture
+async def lane_server(make_server: Any, holds: Holds) -> AsyncIterator[LaneServer]:
+    """``server, channel = await lane_server(**settings)``: the lane tools, lanes ``slow``
+    and ``timed`` of one slot, callers named by the x-test-principal header."""
+    channels: list[grpc.aio.Channel] = []
+
+    async def start(lanes: dict[str, Any] | None = None, **settings: Any
+                    ) -> tuple[StargrpcServer, grpc.aio.Channel]:
+        server = await make_server(registry=lane_registry(), interceptors=[HeaderPrincipal()],
+                                   **{**lane_settings(**(lanes or {})), **settings})
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        channels.append(channel)
+        return server, channel
+
+    yield start
+    for held in HOLDS:
+        held.release(*list(held._events))
+    for channel in channels:
+        await channel.close()
