@@ -93,6 +93,12 @@ def hold_request(name: str, **fields: Any) -> tool_service_pb2.ExecuteRequest:
     return request
 
 
+def nap_request(seconds: float, **fields: Any) -> tool_service_pb2.ExecuteRequest:
+    request = tool_service_pb2.ExecuteRequest(tool_name="nap", **fields)
+    request.arguments_json = f'{{"seconds": {seconds}}}'
+    return request
+
+
 async def next_event(call: Any) -> events_pb2.RunEvent:
     """The next event of an Execute stream."""
     response = await call.read()

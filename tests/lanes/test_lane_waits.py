@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stargrpc.v1 import events_pb2
+from stargrpc.v1 import events_pb2, tool_service_pb2
 from tests.lanes.conftest import LaneServer
 from tests.lanes.lane_helpers import (
     Holds,
@@ -66,3 +66,107 @@ async def test_a_cancelled_queued_call_leaves_the_queue_and_never_runs(
     events = await collect(third)
     assert events[-1].result.outcome == events_pb2.OUTCOME_OK
     assert "b" not in holds.started
+
+
+async def test_the_callers_deadline_applies_while_queued(lane_server: LaneServer,
+                                                        holds: Holds) -> None:
+    _, channel = await lane_server()
+    stub = stub_for(channel)
+    first = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    late = stub.Execute(hold_request("b"), metadata=ALICE, timeout=1.0)
+    await first_notice(late)
+    events = await collect(late)
+    result = events[-1].result
+    assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_TIMEOUT,
+                                                   "CLIENT_DEADLINE")
+    assert not any(event.HasField("step") for event in events)  # it never started
+    holds.release("a")
+    assert (await collect(first))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert holds.started == ["a"]
+
+
+async def test_the_critic_times_a_run_from_its_start_not_from_its_queueing(
+        lane_server: LaneServer, holds: Holds) -> None:
+    # Waiting longer than the hard cap in the queue does not count against the run.
+    _, channel = await lane_server(critic_hard_timeout=2.0, critic_soft_timeout=1.0)
+    stub = stub_for(channel)
+    first = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    second = stub.Execute(hold_request("b"), metadata=ALICE)
+    notice = await first_notice(second)
+    assert notice.queued.position == 1
+    # a runs out its own clock (no progress for 1 s); b waited for it meanwhile.
+    assert (await collect(first))[-1].result.error.code == "CRITIC_NO_PROGRESS"
+    start = await next_event(second)
+    assert start.step.phase == events_pb2.STEP_PHASE_START
+    assert start.critic_time_left.ToMilliseconds() > 500  # its own soft timeout, afresh
+    holds.release("b")
+    result = (await collect(second))[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert result.usage.queued_seconds >= 0.9
+
+
+async def test_cancel_run_removes_a_queued_run(lane_server: LaneServer, holds: Holds) -> None:
+    _, channel = await lane_server()
+    stub = stub_for(channel)
+    first = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    queued = await stub.StartRun(start_request("b"), metadata=ALICE)
+    third = stub.Execute(hold_request("c"), metadata=BOB)
+    assert (await first_notice(third)).queued.position == 2
+    reply = await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=queued.run_id),
+                                 metadata=ALICE)
+    assert reply.cancelled
+    watched = await collect(stub.WatchRun(
+        tool_service_pb2.WatchRunRequest(run_id=queued.run_id), metadata=ALICE))
+    assert watched[0].notice.code == "QUEUED"
+    assert (watched[-1].result.outcome, watched[-1].result.error.code) == (
+        events_pb2.OUTCOME_CANCELLED, "CANCELLED")
+    assert (await first_notice(third)).queued.position == 1
+    holds.release("a", "c")
+    await collect(first)
+    assert (await collect(third))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert holds.started == ["a", "c"]
+
+
+async def test_an_idempotent_retry_of_a_queued_call_attaches_to_it(
+        lane_server: LaneServer, holds: Holds) -> None:
+    _, channel = await lane_server(lanes={"slow": {"max_concurrent": 1, "max_queued": 1}})
+    stub = stub_for(channel)
+    first = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    queued = stub.Execute(hold_request("b", idempotency_key="k1"), metadata=ALICE)
+    notice = await first_notice(queued)
+    # The queue is full, yet the retry is no new run: it attaches (no LANE_FULL).
+    retry = stub.Execute(hold_request("b", idempotency_key="k1"), metadata=ALICE)
+    again = await first_notice(retry)
+    assert again == notice
+    holds.release("a", "b")
+    await collect(first)
+    first_events, retry_events = await collect(queued), await collect(retry)
+    assert first_events[-1].run_id == retry_events[-1].run_id
+    assert retry_events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert holds.started == ["a", "b"]
+
+
+async def test_start_run_queues_the_same_way(lane_server: LaneServer, holds: Holds) -> None:
+    _, channel = await lane_server()
+    stub = stub_for(channel)
+    first = await stub.StartRun(start_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    second = await stub.StartRun(start_request("b"), metadata=ALICE)
+    watch = stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=second.run_id),
+                          metadata=ALICE)
+    assert (await first_notice(watch)).queued.position == 1
+    holds.release("a", "b")
+    events = await collect(watch)
+    assert events[0].step.phase == events_pb2.STEP_PHASE_START
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert first.run_id != second.run_id
+
+
+def start_request(name: str, **fields: object) -> tool_service_pb2.StartRunRequest:
+    request = tool_service_pb2.StartRunRequest(tool_name="hold", **fields)  # type: ignore[arg-type]
+    request.arguments_json = f'{{"name": "{name}"}}'
+    return request
