@@ -20,7 +20,7 @@ _OUTCOMES = [name.removeprefix("OUTCOME_").lower() for name in events_pb2.Outcom
 @click.command()
 @connection_options
 @click.option("--tool", default="", help="Only runs of this tool.")
-@click.option("--state", type=click.Choice(["running", "finished"]), default=None,
+@click.option("--state", type=click.Choice(["running", "queued", "finished"]), default=None,
               help="Only runs in this state.")
 @click.option("--outcome", type=click.Choice(_OUTCOMES), default=None,
               help="Only runs that ended with this outcome.")
@@ -52,8 +52,9 @@ def runs(client_options: dict[str, Any], tool: str, state: str | None, outcome: 
 
 def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
     finished = run.state == tool_service_pb2.RUN_STATE_FINISHED
+    queued = run.state == tool_service_pb2.RUN_STATE_QUEUED
     status = (events_pb2.Outcome.Name(run.outcome).removeprefix("OUTCOME_").lower()
-              if finished else "running")
+              if finished else "queued" if queued else "running")
     started = run.started_at.ToMilliseconds() / 1000
     ended = run.ended_at.ToMilliseconds() / 1000 if run.HasField("ended_at") else time.time()
     columns = [run.run_id, run.tool_name.ljust(12), status.ljust(9),
@@ -63,4 +64,6 @@ def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
         columns.append(run.principal)
     if run.current_step:
         columns.append(f"· {run.current_step}")
+    if queued:
+        columns.append(f"· lane {run.lane or 'default'}, #{run.queue_position} in line")
     return columns

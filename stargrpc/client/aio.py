@@ -230,7 +230,8 @@ class AsyncClient:
                       idempotency_key: str | None = None, catalog_hash: str | None = None,
                       context: InvocationContext | None = None,
                       timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
-                      metadata: Metadata | None = None) -> AsyncIterator[Event]:
+                      metadata: Metadata | None = None, lane: str = "", priority: int = 0,
+                      max_wait_seconds: float = 0.0) -> AsyncIterator[Event]:
         """Runs a tool and yields its events as they happen; the last one is the Result.
 
         Args:
@@ -244,10 +245,16 @@ class AsyncClient:
             context: The invocation context (end user, channel, trace id, labels).
             timeout: Seconds for the whole call, retries and resumes included.
             metadata: Extra metadata for this call.
+            lane: Run in this lane instead of the tool's (needs the server's
+                ``lane_override_role``).
+            priority: Priority in the lane's queue (0: the tool's or lane's default).
+            max_wait_seconds: Refuse at once (``LANE_BUSY``) rather than wait longer than
+                this in the lane's queue; 0 waits.
 
         Yields:
             Typed events, each exactly once and in ``seq`` order, ending with a
-            :class:`Result`.
+            :class:`Result`; a run that waits for its lane first yields ``Notice`` events
+            with code ``QUEUED`` (:attr:`Notice.queued` says where it waits).
 
         Raises:
             CallError: The call was refused before the run started (and retrying did not
@@ -258,7 +265,8 @@ class AsyncClient:
         idempotency key, so the server keeps it for WatchRun); call :meth:`cancel` for that.
         """
         request = tool_service_pb2.ExecuteRequest(
-            tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex)
+            tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex, lane=lane,
+            priority=priority, max_wait_seconds=max_wait_seconds)
         if isinstance(arguments, str):
             request.arguments_json = arguments
         elif arguments is not None:

@@ -508,7 +508,7 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
         try:
             message.state = tool_service_pb2.RunState.Value(f"RUN_STATE_{state}")
         except ValueError:
-            violations.append(("state", "one of running, finished"))
+            violations.append(("state", "one of running, queued, finished"))
     outcome = params.get("outcome", "").upper().removeprefix("OUTCOME_")
     if outcome:
         try:

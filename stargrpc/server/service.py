@@ -36,7 +36,7 @@ from stargrpc.runs.arguments import decode_json, decode_struct
 from stargrpc.runs.call_record import current_call
 from stargrpc.runs.event_sizes import trailing_notices
 from stargrpc.runs.outcome import Outcome
-from stargrpc.runs.run import Run, check_steer_message
+from stargrpc.runs.run import PHASE_QUEUED, Run, check_steer_message
 from stargrpc.runs.runtime import Admission, RunRequest, Runtime
 from stargrpc.server.streaming import (
     EventFrame,
@@ -391,9 +391,28 @@ class ToolService:
             else state == tool_service_pb2.RUN_STATE_FINISHED,
             outcome=request.outcome)
         page = await self.runtime.store.list_runs(query)
+        runs = [self._with_phase(run_summary_message(run, with_principal=sees_all))
+                for run in page.runs]
+        if state in (tool_service_pb2.RUN_STATE_RUNNING, tool_service_pb2.RUN_STATE_QUEUED):
+            # The store tells running from finished; a queued run is one of its running
+            # ones (so a page of these may hold fewer than page_size).
+            runs = [run for run in runs if run.state == state]
         return tool_service_pb2.ListRunsResponse(
-            runs=[run_summary_message(run, with_principal=sees_all) for run in page.runs],
-            next_page_token=encode_page_token(page.cursor, key))
+            runs=runs, next_page_token=encode_page_token(page.cursor, key))
+
+    def _with_phase(self, message: tool_service_pb2.RunSummary) -> tool_service_pb2.RunSummary:
+        """Adds what this replica knows of a run it holds: its lane and priority, and
+        whether (and where) it waits in its lane's queue."""
+        run = self.runtime.runs.get(message.run_id)
+        if run is None or message.state == tool_service_pb2.RUN_STATE_FINISHED:
+            return message
+        message.lane, message.priority = run.lane, run.priority
+        if run.phase == PHASE_QUEUED:
+            message.state = tool_service_pb2.RUN_STATE_QUEUED
+            place = self.runtime.lanes.where(run.run_id)
+            if place is not None and not place.granted:
+                message.queue_position = place.position
+        return message
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
                            ) -> RunLog:

@@ -170,3 +170,36 @@ def start_request(name: str, **fields: object) -> tool_service_pb2.StartRunReque
     request = tool_service_pb2.StartRunRequest(tool_name="hold", **fields)  # type: ignore[arg-type]
     request.arguments_json = f'{{"name": "{name}"}}'
     return request
+
+
+async def test_list_runs_shows_queued_runs_with_lane_priority_and_position(
+        lane_server: LaneServer, holds: Holds) -> None:
+    _, channel = await lane_server()
+    stub = stub_for(channel)
+    first = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    second = stub.Execute(hold_request("b", priority=2), metadata=ALICE)
+    third = stub.Execute(hold_request("c"), metadata=ALICE)
+    await first_notice(second)
+    await first_notice(third)
+
+    listed = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
+    by_state = {(run.state, run.queue_position, run.priority, run.lane)
+                for run in listed.runs}
+    assert by_state == {(tool_service_pb2.RUN_STATE_RUNNING, 0, 0, "slow"),
+                        (tool_service_pb2.RUN_STATE_QUEUED, 1, 2, "slow"),
+                        (tool_service_pb2.RUN_STATE_QUEUED, 2, 0, "slow")}
+    queued = await stub.ListRuns(tool_service_pb2.ListRunsRequest(
+        state=tool_service_pb2.RUN_STATE_QUEUED), metadata=ALICE)
+    assert sorted(run.queue_position for run in queued.runs) == [1, 2]
+    running = await stub.ListRuns(tool_service_pb2.ListRunsRequest(
+        state=tool_service_pb2.RUN_STATE_RUNNING), metadata=ALICE)
+    assert [run.state for run in running.runs] == [tool_service_pb2.RUN_STATE_RUNNING]
+    # Another caller sees none of them.
+    assert not (await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=BOB)).runs
+
+    holds.release("a", "b", "c")
+    for call in (first, second, third):
+        await collect(call)
+    done = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
+    assert {run.state for run in done.runs} == {tool_service_pb2.RUN_STATE_FINISHED}

@@ -21,7 +21,7 @@ function runsQuery() {
   const params = new URLSearchParams({ page_size: "30" });
   if ($("filter-tool").value) params.set("tool", $("filter-tool").value);
   const outcome = $("filter-outcome").value;
-  if (outcome === "running") params.set("state", "running");
+  if (outcome === "running" || outcome === "queued") params.set("state", outcome);
   else if (outcome) params.set("outcome", outcome);
   return params.toString();
 }
@@ -72,7 +72,8 @@ function renderRuns(runs) {
   $("runs-status").textContent = runs.length ? "" : "No runs yet.";
   for (const run of runs) {
     const running = run.state === "RUN_STATE_RUNNING";
-    const status = running ? "RUNNING" : outcomeName(run.outcome);
+    const queued = run.state === "RUN_STATE_QUEUED";
+    const status = running ? "RUNNING" : queued ? "QUEUED" : outcomeName(run.outcome);
     const button = el("button", "run-item");
     button.type = "button";
     button.dataset.runId = run.run_id;
@@ -84,6 +85,7 @@ function renderRuns(runs) {
     const meta = [new Date(run.started_at).toLocaleTimeString(), duration(run)];
     if (run.principal) meta.push(run.principal);
     if (running && run.current_step) meta.push(run.current_step);
+    if (queued) meta.push(`lane ${run.lane || "default"}, #${run.queue_position || "?"} in line`);
     button.append(line, el("span", "run-meta", meta.join(" · ")));
     button.setAttribute("aria-label",
       `${run.tool_name}, ${status.toLowerCase()}, started ${meta[0]}, ${meta[1]}`);
