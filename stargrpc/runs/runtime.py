@@ -283,9 +283,9 @@ class Runtime:
         self.concurrency = concurrency or ConcurrencyLimits()
         self.lane_policy = LanePolicy(self.settings)
         self.lane_policy.check_tools(registry.values())
-        # A fleet's store shares its lanes; one process keeps its own.
-        shared_lanes = getattr(self.store, "lanes", None)
-        self.lanes = (shared_lanes if shared_lanes is not None
+        # A fleet's store shares its lanes (lanes_for); one process keeps its own.
+        fleet_lanes = getattr(self.store, "lanes_for", None)
+        self.lanes = (fleet_lanes(self.lane_policy.limited) if fleet_lanes is not None
                       else LocalLanes(self.lane_policy.limited))
         self.runs = {}
         # CancelRun and a shared store's remote cancels reach runs of this process here.

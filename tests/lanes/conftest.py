@@ -11,6 +11,7 @@ import pytest
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.lanes.lane_helpers import HOLDS, Holds, lane_registry, lane_settings
 from tests.runs_support import HeaderPrincipal
+from tests.stores.conftest import REDIS_URL, redis_cluster, redis_prefix  # noqa: F401
 
 
 @pytest.fixture
@@ -46,3 +47,24 @@ async def lane_server(make_server: Any, holds: Holds) -> AsyncIterator[LaneServe
         held.release(*list(held._events))
     for channel in channels:
         await channel.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def fleet_store(request: pytest.FixtureRequest, redis_prefix: str  # noqa: F811 (a fixture)
+                ) -> tuple[str, str]:
+    """The Redis URL and key prefix replicas share: one Redis, or a Redis Cluster."""
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url, "stargrpc:"
+    return REDIS_URL, redis_prefix
+
+
+@pytest.fixture
+async def fleet(lane_server: LaneServer, fleet_store: tuple[str, str]) -> LaneServer:
+    """``server, channel = await fleet(**settings)``: replicas of :func:`lane_server` that
+    share runs and lanes in Redis (:func:`fleet_store`)."""
+    url, prefix = fleet_store
+
+    async def start(**settings: Any) -> tuple[StargrpcServer, grpc.aio.Channel]:
+        return await lane_server(redis_url=url, redis_key_prefix=prefix, **settings)
+
+    return start

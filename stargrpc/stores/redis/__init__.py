@@ -90,6 +90,8 @@ The package's rooms, each owning one thing and talking to the others through met
     store.py       RedisRunStore: the RunStore the runtime uses, a facade over the rooms
     state.py       RedisStateStore: run state (ctx.state), a scope's keys under one hash
                    tag, one script per operation; the store's ``state``
+    lanes.py       RedisLanes: the fleet's lanes (slots and queues in sorted sets, held by
+                   leases), one script per step; the store's ``lanes_for``
 """
 
 from __future__ import annotations
