@@ -12,12 +12,12 @@ START (a gate of the run, :attr:`stargrpc.runs.run.Run.gates`): it is published,
 - a **higher priority** starts first (``priority`` of the request, else the tool's default,
   else the lane's; capped at ``priority_max_per_principal`` unless the caller has the admin
   role);
-- within one priority, **principals take turns**: each entry gets a *turn* number, one past
-  the later of the principal's previous entry's turn and the turn of the last entry that
-  started (the priority's *virtual time*), and the queue is ordered by turn, then by arrival.
-  A principal that queued 1,000 runs holds turns t+1 … t+1000; another that comes
-  afterwards gets turn t+1 too and starts second, not 1,001st (fair queueing by virtual
-  finish time with a unit cost per run).
+- within one priority, **principals take turns**: each entry gets a *turn*, the later of
+  the turn after its principal's previous entry and the turn of the last entry that started
+  (the priority's *virtual time*), and the queue is ordered by turn, then by arrival. A
+  principal that queued 1,000 runs holds turns t … t+999; another that comes afterwards
+  gets turn t (or the virtual time it has reached since) and starts next, not 1,001st:
+  start-time fair queueing with a unit cost per run.
 
 **The estimated wait** of a run at position *p* (1 = it starts next) in a lane of *c* slots:
 with *d* the mean duration of the lane's last :data:`DURATION_HISTORY` runs, each running run
@@ -144,8 +144,8 @@ class LanePlace:
 def lane_full(lane: str, max_queued: int, retry_after: float) -> ResourceExhausted:
     """The refusal of a run whose lane's queue is full."""
     return ResourceExhausted(
-        f"lane {lane!r} already holds {max_queued} waiting runs; retry after "
-        f"{retry_after:.3g} s", retry_after=retry_after, reason=LANE_FULL,
+        f"the queue of lane {lane!r} is full (max_queued {max_queued}); retry after "
+        f"{retry_after:.3g} s", retry_after=max(retry_after, 0.001), reason=LANE_FULL,
         metadata={"lane": lane, "max_queued": str(max_queued)})
 
 
@@ -199,7 +199,7 @@ class LaneQueue:
     _order: list[tuple[int, int, int, str]]
     _waiting: dict[str, LanePlace]
     _virtual: dict[int, int]
-    _last_turn: dict[tuple[int, str], int]
+    _next_turn: dict[tuple[int, str], int]
     _arrivals: int
     _clock: Callable[[], float]
 
@@ -212,7 +212,7 @@ class LaneQueue:
         self._order = []
         self._waiting = {}
         self._virtual = {}
-        self._last_turn = {}
+        self._next_turn = {}
         self._arrivals = 0
         self._clock = clock
 
@@ -256,11 +256,11 @@ class LaneQueue:
     def _key_for(self, ticket: LaneTicket) -> tuple[int, int, int, str]:
         """Where ``ticket`` sorts: priority (higher first), turn, arrival."""
         turn = max(self._virtual.get(ticket.priority, 0),
-                   self._last_turn.get((ticket.priority, ticket.principal), 0)) + 1
+                   self._next_turn.get((ticket.priority, ticket.principal), 0))
         return (-ticket.priority, turn, self._arrivals, ticket.run_id)
 
     def _take_turn(self, ticket: LaneTicket, key: tuple[int, int, int, str]) -> None:
-        self._last_turn[(ticket.priority, ticket.principal)] = key[1]
+        self._next_turn[(ticket.priority, ticket.principal)] = key[1] + 1
         self._arrivals += 1
 
     def leave(self, place: LanePlace, *, ran: bool = True) -> list[LanePlace]:
@@ -298,9 +298,9 @@ class LaneQueue:
         return granted
 
     def _forget_turns(self) -> None:
-        """Drops principals' turns the virtual time has passed (they count for nothing)."""
-        if len(self._last_turn) > 2 * len(self._waiting) + 64:
-            self._last_turn = {key: turn for key, turn in self._last_turn.items()
+        """Drops principals' turns the virtual time has reached (they count for nothing)."""
+        if len(self._next_turn) > 2 * len(self._waiting) + 64:
+            self._next_turn = {key: turn for key, turn in self._next_turn.items()
                                if turn > self._virtual.get(key[0], 0)}
 
     def _grant(self, place: LanePlace) -> None:

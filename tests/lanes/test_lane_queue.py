@@ -69,6 +69,14 @@ async def test_one_principals_thousand_runs_do_not_hold_back_anothers_one() -> N
     assert mine.position == 2  # after the flood's first waiting run, not its 1,000th
     order = drain_order(queue, running)
     assert order.index("mine") == 1
+    # Once the flood has started some, bob's next run is next in line.
+    queue2, _ = lane(slots=4)
+    running = [queue2.enter(ticket(f"r{i}", principal="flood")) for i in range(4)]
+    for i in range(1000):
+        queue2.enter(ticket(f"flood{i}", principal="flood"))
+    for place in running[:2]:
+        queue2.leave(place)
+    assert queue2.enter(ticket("mine", principal="bob")).position == 1
     assert len(order) == 1001
 
 
@@ -90,13 +98,16 @@ async def test_a_turn_taken_long_ago_gives_no_advantage_later() -> None:
         queue.enter(ticket(f"b{i}", principal="b"))
     order = drain_order(queue, [running])
     assert order == [f"b{i}" for i in range(5)]
-    # a has not queued for a while: it starts after what is already waiting for its turn,
-    # not before all of it (its old turn was passed by the lane's virtual time).
+    # a has not queued for a while: it takes the lane's turn now (the virtual time), ahead
+    # of b's later turns — but no turn it missed is kept for it: b's runs lost nothing.
     running = queue.enter(ticket("r1", principal="b"))
     queue.enter(ticket("b5", principal="b"))
     queue.enter(ticket("b6", principal="b"))
     late = queue.enter(ticket("a1", principal="a"))
-    assert late.position == 2
+    queue.enter(ticket("a2", principal="a"))
+    queue.enter(ticket("a3", principal="a"))
+    assert late.position == 1
+    assert drain_order(queue, [running]) == ["a1", "b5", "a2", "b6", "a3"]
 
 
 async def test_a_full_queue_refuses_lane_full() -> None:

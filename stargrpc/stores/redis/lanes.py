@@ -10,7 +10,7 @@ so a lane's keys share one slot and each script runs on them atomically)::
     lane:NAME:queue      zset    "arrival|run id" → (1000 - priority) · 2**40 + turn
     lane:NAME:alive      zset    "arrival|run id" → the waiting replica's lease on it (ms)
     lane:NAME:turns      hash    "v|P" → the virtual time of priority P; "p|P|principal" →
-                                 the principal's last turn; "n" → arrivals
+                                 the principal's next turn; "n" → arrivals
     lane:NAME:durations  list    the lane's last run durations (ms), newest first
 
 Runs take their slots and places in **leases**: the replica holding a slot or a queued run
@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
+from stargrpc import metrics
 from stargrpc.errors import RequestError
 from stargrpc.runs.lanes import (
     DURATION_HISTORY,
@@ -100,15 +101,17 @@ end
 local function touch()
   for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 end
--- What an estimate needs: now, the last durations, when each running run started.
+-- What an estimate needs: now, the last durations, when each running run started; and
+-- how many wait (the depth metric).
 local function looks()
-  return {now, redis.call('LRANGE', KEYS[6], 0, -1), redis.call('HVALS', KEYS[2])}
+  return {now, redis.call('LRANGE', KEYS[6], 0, -1), redis.call('HVALS', KEYS[2]),
+          redis.call('ZCARD', KEYS[3])}
 end
 """
 
 # A run enters its lane: a slot when one is free and nobody waits, else a place at the end
 # of its turn. ARGV: max_concurrent, lease_ms, ttl_ms, run id, principal, priority,
-# max_queued. Returns {1, looks} granted, {-1, waiting, looks} the queue is full, or
+# max_queued. Returns {1} granted, {-1, waiting, looks} the queue is full, or
 # {0, member, position, looks} queued.
 ENTER = _COMMON + """
 tidy()
@@ -117,14 +120,14 @@ local run, principal, priority = ARGV[4], ARGV[5], tonumber(ARGV[6])
 touch()
 if redis.call('ZCARD', KEYS[1]) < max_concurrent and redis.call('ZCARD', KEYS[3]) == 0 then
   grant(run)
-  return {1, looks()}
+  return {1}
 end
 local waiting = redis.call('ZCARD', KEYS[3])
 if waiting >= tonumber(ARGV[7]) then return {-1, waiting, looks()} end
 local mine = 'p|' .. priority .. '|' .. principal
 local turn = math.max(tonumber(redis.call('HGET', KEYS[5], 'v|' .. priority)) or 0,
-                      tonumber(redis.call('HGET', KEYS[5], mine)) or 0) + 1
-redis.call('HSET', KEYS[5], mine, turn)
+                      tonumber(redis.call('HGET', KEYS[5], mine)) or 0)
+redis.call('HSET', KEYS[5], mine, turn + 1)
 local member = string.format('%015d|%s', redis.call('HINCRBY', KEYS[5], 'n', 1), run)
 local score = (1000 - priority) * TURN + turn
 redis.call('ZADD', KEYS[3], score, member)
@@ -359,6 +362,7 @@ class RedisLanes:
                 log.warning("redis_lanes_poll_failed", lane=lane, error=str(reply))
                 continue
             looks, answers = reply[0], reply[1:]
+            metrics.LANE_QUEUE_DEPTH.labels(lane).set(int(looks[3]))
             for place, answer in zip(places, answers, strict=True):
                 if place.released:
                     continue
