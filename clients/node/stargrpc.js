@@ -239,7 +239,9 @@ class StargrpcClient {
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]
-   * @param {object} [options] { idempotencyKey }
+   * @param {object} [options] { idempotencyKey, lane, priority, maxWaitSeconds }: lane
+   *   (needs the server's lane_override_role), priority in the lane's queue (0: the
+   *   default), maxWaitSeconds (refuse with LANE_BUSY rather than wait longer; 0 waits)
    */
   async* execute(tool, args = {}, options = {}) {
     const request = {
@@ -247,6 +249,9 @@ class StargrpcClient {
       arguments_json: JSON.stringify(args),
       // Runs with a key outlive their stream, so a broken stream can be resumed.
       idempotency_key: options.idempotencyKey || crypto.randomUUID().replace(/-/g, ""),
+      lane: options.lane || "",
+      priority: options.priority || 0,
+      max_wait_seconds: options.maxWaitSeconds || 0,
     };
     const cursor = { runId: "", lastSeq: 0, finished: false };
     for (let attempt = 1; ; attempt++) {

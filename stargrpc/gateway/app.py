@@ -97,6 +97,10 @@ class ExecuteBody(BaseModel):
     idempotency_key: str = ""
     catalog_hash: str = ""
     context: dict[str, Any] = Field(default_factory=dict)
+    lane: str = ""
+    # Within the contract's int32; the server says what it takes (0 to 1000).
+    priority: int = Field(0, ge=-2**31, le=2**31 - 1)
+    max_wait_seconds: float = 0.0
 
 
 class CancelBody(BaseModel):
@@ -458,7 +462,8 @@ class Gateway:
             tool_name=request.path_params["name"],
             arguments_json=json.dumps(body.arguments),
             idempotency_key=body.idempotency_key or request.headers.get("idempotency-key", ""),
-            catalog_hash=body.catalog_hash)
+            catalog_hash=body.catalog_hash, lane=body.lane, priority=body.priority,
+            max_wait_seconds=body.max_wait_seconds)
         try:
             json_format.ParseDict(body.context, message.context)
         except json_format.ParseError as exc:
