@@ -16,6 +16,7 @@ from tests.lanes.lane_helpers import (
     first_notice,
     hold_request,
     nap_request,
+    next_event,
     started,
     stub_for,
 )
@@ -165,3 +166,25 @@ async def test_a_callers_priority_is_capped_unless_admin(lane_server: LaneServer
     # Higher priority first: d (9), c (3), b (2).
     assert holds.started == ["a", "d", "c", "b"]
 
+
+
+async def test_one_principals_flood_is_capped_and_does_not_hold_back_another(
+        lane_server: LaneServer, holds: Holds) -> None:
+    """A queued run holds its caller's place under max_concurrent_runs_per_principal: a
+    flooding caller is refused past it (CONCURRENCY_LIMIT) before it can fill the lane's
+    queue, and another caller's run takes its turn next."""
+    _, channel = await lane_server(max_concurrent_runs_per_principal=5)
+    stub = stub_for(channel)
+    flood = [stub.Execute(hold_request(f"f{i}"), metadata=ALICE) for i in range(5)]
+    firsts = [await next_event(call) for call in flood]
+    assert sorted(event.WhichOneof("kind") for event in firsts) == ["notice"] * 4 + ["step"]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(stub.Execute(hold_request("f5"), metadata=ALICE))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert detail(refused.value, error_details_pb2.ErrorInfo).reason == "CONCURRENCY_LIMIT"
+    bob = stub.Execute(hold_request("b"), metadata=as_principal("bob"))
+    assert (await first_notice(bob)).queued.position == 2  # behind f1 only, not f4
+    holds.release(*[f"f{i}" for i in range(5)], "b")
+    for call in [*flood, bob]:
+        assert (await collect(call))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert holds.started.index("b") == 2
