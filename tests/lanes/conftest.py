@@ -49,6 +49,22 @@ async def lane_server(make_server: Any, holds: Holds) -> AsyncIterator[LaneServe
         await channel.close()
 
 
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def lanes_at(request: pytest.FixtureRequest, lane_server: LaneServer,
+             redis_prefix: str) -> LaneServer:  # noqa: F811 (a fixture)
+    """:func:`lane_server` with its lanes in one process, in Redis, or in a Redis Cluster."""
+    if request.param == "memory":
+        return lane_server
+    url, prefix = REDIS_URL, redis_prefix
+    if request.param == "cluster":
+        url, prefix = request.getfixturevalue("redis_cluster").url, "stargrpc:"
+
+    async def start(**settings: Any) -> tuple[StargrpcServer, grpc.aio.Channel]:
+        return await lane_server(redis_url=url, redis_key_prefix=prefix, **settings)
+
+    return start
+
+
 @pytest.fixture(params=["redis", "cluster"])
 def fleet_store(request: pytest.FixtureRequest, redis_prefix: str  # noqa: F811 (a fixture)
                 ) -> tuple[str, str]:

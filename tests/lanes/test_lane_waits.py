@@ -1,4 +1,5 @@
-"""A call that finds its lane full waits in the lane's queue (over gRPC, one server)."""
+"""A call that finds its lane full waits in the lane's queue (over gRPC, one server: its
+lanes in memory, in Redis, in a Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ BOB = as_principal("bob")
 
 
 async def test_a_full_lane_queues_the_call_tells_its_place_then_starts_it(
-        lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server()
+        lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     assert (await next_event(first)).step.phase == events_pb2.STEP_PHASE_START
     await started(holds, 1)
 
     second = stub.Execute(hold_request("b"), metadata=ALICE)
-    third = stub.Execute(hold_request("c"), metadata=BOB)
     notice_b = await first_notice(second)
+    third = stub.Execute(hold_request("c"), metadata=BOB)
     notice_c = await first_notice(third)
     assert (notice_b.queued.lane, notice_b.queued.position) == ("slow", 1)
     assert (notice_c.queued.lane, notice_c.queued.position) == ("slow", 2)
@@ -50,8 +51,8 @@ async def test_a_full_lane_queues_the_call_tells_its_place_then_starts_it(
 
 
 async def test_a_cancelled_queued_call_leaves_the_queue_and_never_runs(
-        lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server()
+        lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -68,9 +69,9 @@ async def test_a_cancelled_queued_call_leaves_the_queue_and_never_runs(
     assert "b" not in holds.started
 
 
-async def test_the_callers_deadline_applies_while_queued(lane_server: LaneServer,
+async def test_the_callers_deadline_applies_while_queued(lanes_at: LaneServer,
                                                         holds: Holds) -> None:
-    _, channel = await lane_server()
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -87,9 +88,9 @@ async def test_the_callers_deadline_applies_while_queued(lane_server: LaneServer
 
 
 async def test_the_critic_times_a_run_from_its_start_not_from_its_queueing(
-        lane_server: LaneServer, holds: Holds) -> None:
+        lanes_at: LaneServer, holds: Holds) -> None:
     # Waiting longer than the hard cap in the queue does not count against the run.
-    _, channel = await lane_server(critic_hard_timeout=2.0, critic_soft_timeout=1.0)
+    _, channel = await lanes_at(critic_hard_timeout=2.0, critic_soft_timeout=1.0)
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -107,8 +108,8 @@ async def test_the_critic_times_a_run_from_its_start_not_from_its_queueing(
     assert result.usage.queued_seconds >= 0.9
 
 
-async def test_cancel_run_removes_a_queued_run(lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server()
+async def test_cancel_run_removes_a_queued_run(lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -131,8 +132,8 @@ async def test_cancel_run_removes_a_queued_run(lane_server: LaneServer, holds: H
 
 
 async def test_an_idempotent_retry_of_a_queued_call_attaches_to_it(
-        lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server(lanes={"slow": {"max_concurrent": 1, "max_queued": 1}})
+        lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at(lanes={"slow": {"max_concurrent": 1, "max_queued": 1}})
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -150,8 +151,8 @@ async def test_an_idempotent_retry_of_a_queued_call_attaches_to_it(
     assert holds.started == ["a", "b"]
 
 
-async def test_start_run_queues_the_same_way(lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server()
+async def test_start_run_queues_the_same_way(lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = await stub.StartRun(start_request("a"), metadata=ALICE)
     await started(holds, 1)
@@ -173,14 +174,14 @@ def start_request(name: str, **fields: object) -> tool_service_pb2.StartRunReque
 
 
 async def test_list_runs_shows_queued_runs_with_lane_priority_and_position(
-        lane_server: LaneServer, holds: Holds) -> None:
-    _, channel = await lane_server()
+        lanes_at: LaneServer, holds: Holds) -> None:
+    _, channel = await lanes_at()
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
     second = stub.Execute(hold_request("b", priority=2), metadata=ALICE)
-    third = stub.Execute(hold_request("c"), metadata=ALICE)
     await first_notice(second)
+    third = stub.Execute(hold_request("c"), metadata=ALICE)
     await first_notice(third)
 
     listed = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
