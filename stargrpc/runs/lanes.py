@@ -53,6 +53,7 @@ from stargrpc.errors import (
     PermissionDenied,
     ResourceExhausted,
     ToolDefinitionError,
+    ToolFailed,
     reason_name,
 )
 from stargrpc.principal import Principal
@@ -533,34 +534,59 @@ class LaneGate:
     """The gate a run passes before its START (:attr:`Run.gates`): waits for the run's
     slot in its lane, telling the run's stream where it waits.
 
+    A run enters its lane when it is admitted, so that a full lane refuses the call itself
+    (LANE_FULL, LANE_BUSY). A run that waits at an earlier gate first (a person's approval)
+    enters only when it reaches this one: a wait of minutes must not hold a slot, nor a
+    place that others would queue behind. Its lane's refusal is then its Result
+    (``Result{FAILED, LANE_FULL}``).
+
     Attributes:
         board: The lanes.
-        place: The run's place (a slot already, or a place in the queue).
+        ticket: What the run asks of its lane.
+        place: The run's place (a slot, or a place in the queue); None until it enters.
         record: The audit record of the call that started the run, if any.
     """
 
     board: LaneBoard
-    place: LanePlace
+    ticket: LaneTicket
+    place: LanePlace | None
     record: CallRecord | None
 
-    def __init__(self, board: LaneBoard, place: LanePlace, record: CallRecord | None) -> None:
+    def __init__(self, board: LaneBoard, ticket: LaneTicket, place: LanePlace | None,
+                 record: CallRecord | None) -> None:
         self.board = board
+        self.ticket = ticket
         self.place = place
         self.record = record
 
+    def leave(self, run: Run) -> None:
+        """Gives the run's place back when it ends (a finish hook of the run)."""
+        if self.place is not None:
+            self.board.leave(self.place, ran=self.place.granted)
+
     async def __call__(self, run: Run) -> None:
         """Waits for the slot; leaves the queue when the wait is cancelled (the run was
-        stopped: CancelRun, the caller's deadline or cancel, shutdown)."""
+        stopped: CancelRun, the caller's deadline or cancel, shutdown).
+
+        Raises:
+            ToolFailed: The run entered its lane here, and the lane refused it.
+        """
+        if self.place is None:
+            try:
+                self.place = await self.board.enter(self.ticket)
+            except ResourceExhausted as refused:
+                metrics.LANE_REFUSALS.labels(self.ticket.lane, refused.reason.lower()).inc()
+                raise ToolFailed(refused.message, code=refused.reason) from None
         place = self.place
         lane = place.ticket.lane
         if not place.granted:
             run.phase = PHASE_QUEUED
             try:
-                await self._tell(run)
+                await _tell(run, place)
                 while not place.granted:
                     await self.board.wait(place)
                     if not place.granted and place.worth_telling():
-                        await self._tell(run)
+                        await _tell(run, place)
             except BaseException:
                 self.board.leave(place, ran=False)
                 raise
@@ -572,8 +598,9 @@ class LaneGate:
             self.record.extra["lane"] = (f"{lane}, priority {place.ticket.priority}, "
                                          f"waited {waited:.3f} s")
 
-    async def _tell(self, run: Run) -> None:
-        place = self.place
-        place.told = place.position
-        await run.emit_notice(QUEUED, _describe(place), warning=False,
-                              detail=_queued_detail(place))
+
+async def _tell(run: Run, place: LanePlace) -> None:
+    """Tells the run's stream where it waits (a QUEUED notice)."""
+    place.told = place.position
+    await run.emit_notice(QUEUED, _describe(place), warning=False,
+                          detail=_queued_detail(place))

@@ -480,6 +480,7 @@ class Runtime:
             await self.store.discard(run.log)
             raise
         place: LanePlace | None = None
+        ticket: LaneTicket | None = None
         try:
             await self.store.publish(run.log)
             if key:
@@ -498,7 +499,10 @@ class Runtime:
                         record.extra["idempotent"] = "replayed" if held.finished else "attached"
                     permit.release()
                     return Admission(log=held, run=None)
-            place = await self._enter_lane(run, request)
+            ticket = self._lane_ticket(run, request)
+            # A run that waits at an earlier gate enters its lane when it gets there.
+            if ticket is not None and not run.gates:
+                place = await self._enter_lane(ticket)
             if before_start is not None:
                 await before_start(run)
         except BaseException:
@@ -511,30 +515,33 @@ class Runtime:
                 await self.store.discard(run.log)
             raise
         run.finish_hooks.append(lambda _: permit.release())
-        if place is not None:
-            lane_place = place
-            run.gates = [LaneGate(self.lanes, lane_place, current_call.get())]
-            run.finish_hooks.append(
-                lambda ended: self.lanes.leave(lane_place, ran=lane_place.granted))
+        if ticket is not None:
+            # After any gate already set (approval waits first, then the lane's queue).
+            gate = LaneGate(self.lanes, ticket, place, current_call.get())
+            run.gates = [*(run.gates or ()), gate]
+            run.finish_hooks.append(gate.leave)
         policy = request.policy or SupervisionPolicy.for_call(self.settings)
         started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
                                        arguments=request.arguments, policy=policy))
         return Admission(log=run.log, run=started)
 
-    async def _enter_lane(self, run: Run, request: RunRequest) -> LanePlace | None:
-        """The run's slot or place in its lane's queue; None for a lane without a limit.
+    def _lane_ticket(self, run: Run, request: RunRequest) -> LaneTicket | None:
+        """What the run asks of its lane; None for a lane without a limit (no wait)."""
+        if run.lane not in self.lane_policy.limited:
+            return None
+        return LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
+                          request.max_wait_seconds)
+
+    async def _enter_lane(self, ticket: LaneTicket) -> LanePlace:
+        """The run's slot or place in its lane's queue.
 
         Raises:
             ResourceExhausted: LANE_FULL or LANE_BUSY (counted, with the lane).
         """
-        if run.lane not in self.lane_policy.limited:
-            return None
-        ticket = LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
-                            request.max_wait_seconds)
         try:
             return await self.lanes.enter(ticket)
         except ResourceExhausted as refused:
-            metrics.LANE_REFUSALS.labels(run.lane, refused.reason.lower()).inc()
+            metrics.LANE_REFUSALS.labels(ticket.lane, refused.reason.lower()).inc()
             raise
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
