@@ -4,6 +4,7 @@ lanes in memory, in Redis, in a Redis Cluster)."""
 from __future__ import annotations
 
 from stargrpc.v1 import events_pb2, tool_service_pb2
+from tests.helpers import eventually
 from tests.lanes.conftest import LaneServer
 from tests.lanes.lane_helpers import (
     Holds,
@@ -184,7 +185,12 @@ async def test_list_runs_shows_queued_runs_with_lane_priority_and_position(
     third = stub.Execute(hold_request("c"), metadata=ALICE)
     await first_notice(third)
 
-    listed = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
+    async def listed_all() -> tool_service_pb2.ListRunsResponse | None:
+        # A fleet lists a run once its first events reach Redis (a moment after admission).
+        listed = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
+        return listed if len(listed.runs) == 3 else None
+
+    listed = await eventually(listed_all, what="the three runs listed")
     by_state = {(run.state, run.queue_position, run.priority, run.lane)
                 for run in listed.runs}
     assert by_state == {(tool_service_pb2.RUN_STATE_RUNNING, 0, 0, "slow"),
