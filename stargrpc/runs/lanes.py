@@ -355,6 +355,11 @@ class LaneBoard(Protocol):
         """Where a run of this process waits or runs, if it is in a lane."""
         ...
 
+    async def waiting(self, run_ids: list[str]) -> dict[str, tuple[str, int, int]]:
+        """Which of ``run_ids`` wait in a lane, wherever they were admitted: run id →
+        (lane, priority, position)."""
+        ...
+
 
 class LocalLanes:
     """The lanes of one process (the embedded default).
@@ -396,6 +401,14 @@ class LocalLanes:
             if place is not None:
                 return place
         return None
+
+    async def waiting(self, run_ids: list[str]) -> dict[str, tuple[str, int, int]]:
+        found = {}
+        for run_id in run_ids:
+            place = self.where(run_id)
+            if place is not None and not place.granted:
+                found[run_id] = (place.ticket.lane, place.ticket.priority, place.position)
+        return found
 
     def _later_reposition(self) -> None:
         # Once per turn of the loop however many runs entered or left meanwhile: a queue of

@@ -393,12 +393,26 @@ class ToolService:
         page = await self.runtime.store.list_runs(query)
         runs = [self._with_phase(run_summary_message(run, with_principal=sees_all))
                 for run in page.runs]
+        await self._with_queues_elsewhere(runs)
         if state in (tool_service_pb2.RUN_STATE_RUNNING, tool_service_pb2.RUN_STATE_QUEUED):
             # The store tells running from finished; a queued run is one of its running
             # ones (so a page of these may hold fewer than page_size).
             runs = [run for run in runs if run.state == state]
         return tool_service_pb2.ListRunsResponse(
             runs=runs, next_page_token=encode_page_token(page.cursor, key))
+
+    async def _with_queues_elsewhere(self, runs: list[tool_service_pb2.RunSummary]) -> None:
+        """Marks the runs of the page that wait in a lane of another replica (a fleet shares
+        its lanes: their queues say)."""
+        others = [run.run_id for run in runs if run.state == tool_service_pb2.RUN_STATE_RUNNING
+                  and run.run_id not in self.runtime.runs]
+        if not others:
+            return
+        waiting = await self.runtime.lanes.waiting(others)
+        for run in runs:
+            if run.run_id in waiting:
+                run.lane, run.priority, run.queue_position = waiting[run.run_id]
+                run.state = tool_service_pb2.RUN_STATE_QUEUED
 
     def _with_phase(self, message: tool_service_pb2.RunSummary) -> tool_service_pb2.RunSummary:
         """Adds what this replica knows of a run it holds: its lane and priority, and

@@ -55,6 +55,20 @@ async def test_two_replicas_share_a_lanes_slots_priority_and_turns(fleet: LaneSe
     urgent = a.Execute(hold_request("u", priority=3), metadata=ALICE)
     assert (await first_notice(urgent)).queued.position == 1
 
+    # Any replica lists the runs queued on either, with their place (a replica learns a
+    # place of its own that moved at its next look at the lane, within 50 ms).
+    expected = [(1, 3, "slow"), (2, 0, "slow"), (4, 0, "slow")]  # alice's u, b1, b2
+    seen: list[list[tuple[int, int, str]]] = []
+
+    async def listed_queued() -> bool:
+        listed = await a.ListRuns(tool_service_pb2.ListRunsRequest(
+            state=tool_service_pb2.RUN_STATE_QUEUED), metadata=ALICE)
+        seen.append(sorted((run.queue_position, run.priority, run.lane)
+                           for run in listed.runs))
+        return seen[-1] == expected
+
+    await eventually(listed_queued, what=lambda: f"alice's queued runs listed: {seen[-1]}")
+
     order = ["a", "u", "b1", "c", "b2"]
     calls = dict(zip(order, [first, urgent, b1, c, b2], strict=True))
     for i, name in enumerate(order):

@@ -9,6 +9,7 @@ so a lane's keys share one slot and each script runs on them atomically)::
     lane:NAME:starts     hash    run id → when it got its slot (ms)
     lane:NAME:queue      zset    "arrival|run id" → (1000 - priority) · 2**40 + turn
     lane:NAME:alive      zset    "arrival|run id" → the waiting replica's lease on it (ms)
+    lane:NAME:queued     hash    run id → "arrival|run id" of each waiting run (ListRuns)
     lane:NAME:turns      hash    "v|P" → the virtual time of priority P; "p|P|principal" →
                                  the principal's next turn; "n" → arrivals
     lane:NAME:durations  list    the lane's last run durations (ms), newest first
@@ -58,7 +59,7 @@ POLL_SECONDS = 0.05
 #: How long a lane's keys outlive its last use.
 LANE_TTL_MS = 24 * 3600 * 1000
 
-# KEYS = slots, starts, queue, alive, turns, durations. Every script first drops lapsed
+# KEYS = slots, starts, queue, alive, turns, durations, queued. Every script first drops lapsed
 # slots and lapsed queued runs, and hands free slots to the head of the queue (fill):
 # ARGV[1] = max_concurrent, ARGV[2] = lease_ms.
 _COMMON = NOW_MS + """
@@ -74,6 +75,7 @@ local function tidy()
   for _, member in ipairs(gone) do
     redis.call('ZREM', KEYS[3], member)
     redis.call('ZREM', KEYS[4], member)
+    redis.call('HDEL', KEYS[7], string.match(member, '|(.*)$'))
   end
 end
 local function grant(run)
@@ -94,12 +96,14 @@ local function fill()
     if turn > (tonumber(redis.call('HGET', KEYS[5], virtual)) or 0) then
       redis.call('HSET', KEYS[5], virtual, turn)
     end
-    grant(string.match(member, '|(.*)$'))
+    local run = string.match(member, '|(.*)$')
+    redis.call('HDEL', KEYS[7], run)
+    grant(run)
     free = free - 1
   end
 end
 local function touch()
-  for i = 1, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+  for i = 1, 7 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 end
 -- What an estimate needs: now, the last durations, when each running run started; and
 -- how many wait (the depth metric).
@@ -132,6 +136,7 @@ local member = string.format('%015d|%s', redis.call('HINCRBY', KEYS[5], 'n', 1),
 local score = (1000 - priority) * TURN + turn
 redis.call('ZADD', KEYS[3], score, member)
 redis.call('ZADD', KEYS[4], now + lease_ms, member)
+redis.call('HSET', KEYS[7], run, member)
 return {0, member, redis.call('ZRANK', KEYS[3], member) + 1, looks()}
 """
 
@@ -180,10 +185,28 @@ end
 if ARGV[5] ~= '' then
   redis.call('ZREM', KEYS[3], ARGV[5])
   redis.call('ZREM', KEYS[4], ARGV[5])
+  redis.call('HDEL', KEYS[7], ARGV[4])
 end
 fill()
 touch()
 return 1
+"""
+
+# Where runs wait, whatever replica admitted them (ListRuns). ARGV: run ids. Returns per run
+# {position, priority}, or {0, 0} when it does not wait in this lane.
+WHERE = """
+local answer = {}
+for i = 1, #ARGV do
+  local member = redis.call('HGET', KEYS[7], ARGV[i])
+  local rank = member and redis.call('ZRANK', KEYS[3], member)
+  if rank then
+    local score = tonumber(redis.call('ZSCORE', KEYS[3], member))
+    answer[i] = {rank + 1, 1000 - math.floor(score / 1099511627776)}
+  else
+    answer[i] = {0, 0}
+  end
+end
+return answer
 """
 
 
@@ -201,6 +224,7 @@ class RedisLanes:
     _poll: Any
     _renew: Any
     _leave: Any
+    _where: Any
     _waiting: dict[str, dict[str, LanePlace]]
     _running: dict[str, LanePlace]
     _members: dict[str, str]
@@ -216,6 +240,7 @@ class RedisLanes:
         self._poll = redis.register_script(POLL)
         self._renew = redis.register_script(RENEW)
         self._leave = redis.register_script(LEAVE)
+        self._where = redis.register_script(WHERE)
         self._waiting = {name: {} for name in self.configs}
         self._running = {}
         self._members = {}
@@ -228,7 +253,7 @@ class RedisLanes:
         shared = self._shared
         name = f"{{lane:{lane}}}" if shared.cluster else f"lane:{lane}"
         return [f"{shared.prefix}{name}:{part}" for part in
-                ("slots", "starts", "queue", "alive", "turns", "durations")]
+                ("slots", "starts", "queue", "alive", "turns", "durations", "queued")]
 
     def _args(self, lane: str) -> list[Any]:
         return [self.configs[lane].max_concurrent, self._shared.lease_ms, LANE_TTL_MS]
@@ -285,6 +310,28 @@ class RedisLanes:
             if run_id in waiting:
                 return waiting[run_id]
         return self._running.get(run_id)
+
+    async def waiting(self, run_ids: list[str]) -> dict[str, tuple[str, int, int]]:
+        """Which of ``run_ids`` wait in a lane, on any replica: run id → (lane, priority,
+        position). One script per lane, in one round trip.
+
+        Raises:
+            RequestError: Redis could not be reached (UNAVAILABLE).
+        """
+        if not run_ids or not self.configs:
+            return {}
+        lanes = list(self.configs)
+        with reachable("looking up queued runs"):
+            replies = await self._shared.scripts.call_all(
+                self._where, [(self.keys(lane), list(run_ids)) for lane in lanes])
+        found: dict[str, tuple[str, int, int]] = {}
+        for lane, reply in zip(lanes, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            for run_id, (position, priority) in zip(run_ids, reply, strict=True):
+                if int(position):
+                    found[run_id] = (lane, int(priority), int(position))
+        return found
 
     # -- what the scripts answer ------------------------------------------------------------
 
