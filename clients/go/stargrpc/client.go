@@ -169,6 +169,14 @@ type Call struct {
 	// CoalesceDeltas opts in to DELTA coalescing (see ExecuteRequest.coalesce_deltas);
 	// also asked for on WatchRun when the stream is resumed.
 	CoalesceDeltas bool
+	// Lane runs the call in this lane instead of the tool's (needs the server's
+	// lane_override_role). Empty: the tool's lane.
+	Lane string
+	// Priority in the lane's queue: higher starts first; 0 takes the default.
+	Priority int32
+	// MaxWaitSeconds refuses the call at once (RESOURCE_EXHAUSTED, LANE_BUSY) when its
+	// estimated wait in the lane's queue is longer; 0 waits.
+	MaxWaitSeconds float64
 }
 
 // EventHandler receives each event exactly once, in seq order; the last one carries the
@@ -196,7 +204,8 @@ func NewIdempotencyKey() string {
 // TIMEOUT, code CLIENT_DEADLINE.
 func (c *Client) Execute(ctx context.Context, call Call, onEvent EventHandler) (*pb.RunEvent, error) {
 	request := &pb.ExecuteRequest{ToolName: call.Tool, IdempotencyKey: call.IdempotencyKey,
-		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas}
+		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas,
+		Lane: call.Lane, Priority: call.Priority, MaxWaitSeconds: call.MaxWaitSeconds}
 	if request.IdempotencyKey == "" {
 		request.IdempotencyKey = NewIdempotencyKey()
 	}
