@@ -162,10 +162,12 @@ end
 return answer
 """
 
-# Renews the slots of a replica's running runs (taking back one that lapsed while Redis
-# stalled). ARGV: max_concurrent, lease_ms, ttl_ms, then run ids.
+# Renews the slots of a replica's running runs. Only slots still held: one given back
+# meanwhile (its run ended as this renewal was on its way) must not come back, and one that
+# lapsed while Redis stalled may have gone to another run already (the run keeps running
+# without it). ARGV: max_concurrent, lease_ms, ttl_ms, then run ids.
 RENEW = _COMMON + """
-for i = 4, #ARGV do redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[i]) end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + lease_ms, ARGV[i]) end
 touch()
 return 1
 """
