@@ -264,6 +264,11 @@ class RedisLanes:
 
     async def enter(self, ticket: LaneTicket) -> LanePlace:
         config = self.configs[ticket.lane]
+        releasing = [task for task in self._leaving if task.get_name() == ticket.lane]
+        if releasing:
+            # A slot this replica is giving back (a run that just ended, its caller's next
+            # call coming right after its Result) is free before this run asks for one.
+            await asyncio.wait(releasing)
         with reachable("entering the run's lane"):
             reply = await self._shared.scripts.call(
                 self._enter, self.keys(ticket.lane),
@@ -303,7 +308,8 @@ class RedisLanes:
         duration = ""
         if place.granted and ran:
             duration = str(int((time.monotonic() - place.started) * 1000))
-        task = asyncio.get_running_loop().create_task(self._release(ticket, member, duration))
+        task = asyncio.get_running_loop().create_task(self._release(ticket, member, duration),
+                                                      name=ticket.lane)
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)
 
