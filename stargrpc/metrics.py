@@ -89,6 +89,19 @@ DELIVERY_ATTEMPTS = Counter(
 DELIVERIES = Counter(
     "tool_executor_deliveries", "Results whose delivery ended, by target kind and final "
     "state (delivered, failed).", ["kind", "state"], registry=REGISTRY)
+#: Lanes (stargrpc/runs/lanes.py). The depth is the lane's whole queue as this process
+#: sees it: in a fleet every replica sees the same queue, so workers report their largest.
+LANE_QUEUE_DEPTH = Gauge(
+    "stargrpc_lane_queue_depth", "Runs waiting in a lane's queue, by lane.", ["lane"],
+    registry=REGISTRY, multiprocess_mode="livemax")
+LANE_WAIT_SECONDS = Histogram(
+    "stargrpc_lane_wait_seconds", "Time runs waited in their lane's queue before they "
+    "started (0 for a run that found a slot free), by lane.", ["lane"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+    registry=REGISTRY)
+LANE_REFUSALS = Counter(
+    "stargrpc_lane_refusals_total", "Calls a lane refused before their run started, by lane "
+    "and reason (lane_full, lane_busy).", ["lane", "reason"], registry=REGISTRY)
 RUNS_LOST = Counter(
     "tool_executor_runs_lost", "Runs of replicas that stopped responding that this replica "
     "ended RUN_LOST, by what noticed (sweep: the background sweep; call: a watch, a retry "

@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import re
 import sys
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -26,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from stargrpc.errors import ToolDefinitionError
+from stargrpc.settings import LANE_NAME_PATTERN
 
 #: The entry-point group third-party packages use to ship tools.
 ENTRY_POINT_GROUP = "stargrpc.tools"
@@ -74,6 +76,10 @@ class ToolSpec:
         critic: The critic that judges this tool's runs instead of the server's: a
             ``module:factory`` or ``stargrpc.critics`` entry-point name, or a Critic object.
         source: Where the tool was defined (file or entry point), for error messages.
+        lane: The lane its runs wait their turn in; empty for ``default`` (``tool_lanes``
+            may override it).
+        default_priority: The priority of its runs when the request gives none; 0 for the
+            lane's.
     """
 
     name: str
@@ -91,6 +97,8 @@ class ToolSpec:
     soft_timeout: float | None = None
     critic: object = None
     source: str = ""
+    lane: str = ""
+    default_priority: int = 0
     is_async: bool = True
     takes_args: bool = True
 
@@ -104,7 +112,7 @@ class ToolSpec:
 
     def descriptor(self) -> dict[str, Any]:
         """A JSON-ready description of the tool; the catalog hash is computed over these."""
-        described = {
+        described: dict[str, Any] = {
             "name": self.name,
             "description": self.description,
             "input_schema": self.input_schema(),
@@ -124,6 +132,10 @@ class ToolSpec:
             described["approval"] = True
         if self.allowed_principals:  # absent otherwise, so existing catalog hashes stay
             described["allowed_principals"] = list(self.allowed_principals)
+        if self.lane:  # likewise
+            described["lane"] = self.lane
+        if self.default_priority:
+            described["default_priority"] = self.default_priority
         return described
 
 
@@ -145,6 +157,8 @@ def tool(
     output_model: type[BaseModel] | None = None,
     soft_timeout: float | None = None,
     critic: object = None,
+    lane: str = "",
+    priority: int = 0,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Marks a function as a tool. Always call it: ``@tool()``, ``@tool(kind="demo")``.
 
@@ -165,6 +179,10 @@ def tool(
         critic: The critic that judges this tool's runs instead of the server's: a
             ``module:factory`` or ``stargrpc.critics`` entry-point name, or a Critic object
             (see :mod:`stargrpc.critic`).
+        lane: The lane its runs wait their turn in (``lanes`` must configure it); empty for
+            ``default``.
+        priority: The priority of its runs in the lane when the request gives none (0: the
+            lane's ``default_priority``).
 
     Returns:
         A decorator that returns the function unchanged, with its spec attached.
@@ -199,6 +217,8 @@ def tool(
             soft_timeout=soft_timeout,
             critic=critic,
             source=_source_of(fn),
+            lane=lane,
+            default_priority=priority,
             is_async=inspect.iscoroutinefunction(fn),
             takes_args=args_model is not NoArguments
             or len(inspect.signature(fn).parameters) == 2,
@@ -230,6 +250,12 @@ def _check_name(spec: ToolSpec) -> None:
         raise ToolDefinitionError(
             f"{spec.source}: tool name {spec.name!r} must be 1-64 letters, digits, '_', '-' or '.'"
         )
+    if spec.lane and not re.match(LANE_NAME_PATTERN, spec.lane):
+        raise ToolDefinitionError(f"{spec.source}: lane {spec.lane!r} of tool {spec.name!r} "
+                                  "must be 1-64 letters, digits, '_', '-' or '.'")
+    if not 0 <= spec.default_priority <= 1000:
+        raise ToolDefinitionError(f"{spec.source}: priority {spec.default_priority} of tool "
+                                  f"{spec.name!r} must be 0 to 1000")
 
 
 def _args_model_of(fn: Callable[..., Any]) -> type[BaseModel]:

@@ -53,6 +53,23 @@ class ApprovalPolicy(BaseModel):
     exempt_roles: list[str] = Field(default_factory=list, description="Callers holding any "
                                     "of these roles never need approval (not even for a "
                                     "tool declared approval=True).")
+#: Lane names: what a request's ``lane`` field, a tool's ``@tool(lane=…)``, metrics labels and
+#: Redis keys carry.
+LANE_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class LaneConfig(BaseModel):
+    """One lane of ``Settings.lanes``: how many of its runs go at once and how many wait."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent: int = Field(0, ge=0, description="Runs of the lane running at once "
+                                "(the fleet's, with redis_url); 0 = unlimited: runs never "
+                                "queue.")
+    max_queued: int = Field(1000, ge=0, description="Runs waiting in the lane's queue at "
+                            "most; past it calls are refused RESOURCE_EXHAUSTED LANE_FULL.")
+    default_priority: int = Field(0, ge=0, le=1000, description="Priority of a run whose "
+                                  "request and tool give none.")
 
 
 class McpServerEntry(BaseModel):
@@ -217,6 +234,20 @@ class Settings(BaseSettings):
                                     "TIMEOUT.")
     limit_retry_after_seconds: float = Field(1.0, gt=0, description="RetryInfo delay "
                                              "suggested when a limit refuses a call.")
+
+    # -- lanes (stargrpc/runs/lanes.py, docs/operate/lanes.md) ------------------------------
+    lanes: dict[str, LaneConfig] = Field(
+        default_factory=dict, description="Named lanes (TOML table [lanes.NAME], or JSON in "
+        "the environment): max_concurrent, max_queued, default_priority. A lane 'default' "
+        "always exists (unlimited unless configured).")
+    tool_lanes: dict[str, str] = Field(
+        default_factory=dict, description="Per tool: the lane its runs go to, overriding "
+        "the tool's own @tool(lane=...).")
+    lane_override_role: str = Field("admin", description="Holders may name a lane in the "
+                                    "request (ExecuteRequest.lane).")
+    priority_max_per_principal: int = Field(5, ge=0, le=1000, description="Highest "
+                                            "priority a caller may ask for; the admin role "
+                                            "may exceed it.")
     inline_file_bytes: int = Field(1 * MiB, ge=0, description="Sent files up to this size "
                                    "travel inside the Result; larger ones as FileChunks.")
     file_chunk_bytes: int = Field(256 * 1024, ge=1024, le=4 * MiB, description="Size of "
@@ -382,6 +413,18 @@ class Settings(BaseSettings):
                                            "kept in an audit record.")
     audit_max_result_chars: int = Field(2000, ge=0, description="Longest result text kept in "
                                         "an audit record.")
+
+    @model_validator(mode="after")
+    def _lanes_named(self) -> Settings:
+        for name in self.lanes:
+            if not re.match(LANE_NAME_PATTERN, name):
+                raise ValueError(f"lanes: {name!r} is not a lane name (letters, digits, "
+                                 "'_', '.', '-'; at most 64)")
+        for tool_name, lane in self.tool_lanes.items():
+            if lane != "default" and lane not in self.lanes:
+                raise ValueError(f"tool_lanes: tool {tool_name!r} names lane {lane!r}, "
+                                 "which lanes does not configure")
+        return self
 
     @field_validator("redis_url")
     @classmethod
@@ -764,6 +807,8 @@ class Settings(BaseSettings):
             elif isinstance(value, dict):  # e.g. tool_permissions: entries as plain dicts
                 shown[name] = {k: v.model_dump() if isinstance(v, BaseModel) else v
                                for k, v in value.items()}
+            elif isinstance(value, BaseModel):  # e.g. approval_policy
+                shown[name] = value.model_dump(mode="json")
             else:
                 shown[name] = value
         return shown

@@ -27,7 +27,7 @@ PUBLIC: dict[str, set[str]] = {
     },
     "stargrpc.client": {
         "NO_RETRY", "AsyncClient", "CallError", "Catalog", "Client", "ClientError", "Event",
-        "FileChunk", "Heartbeat", "InjectedTool", "Notice", "Outcome", "Result",
+        "FileChunk", "Heartbeat", "InjectedTool", "LaneQueued", "Notice", "Outcome", "Result",
         "ResumeError", "RetryPolicy", "RichMessage", "SentFile", "Step", "StepDelta",
         "StepEnded", "StepStarted", "ToolInfo", "ToolRunError", "Usage", "Violation",
         "event_from_proto", "open_channel",

@@ -303,9 +303,12 @@ class StargrpcClient {
    * Runs a tool; yields its events, the last one carrying `result`.
    * @param {string} tool
    * @param {object} [args]
-   * @param {object} [options] { idempotencyKey, parentRunId, sessionId, sessionNoWait } —
-   *   parentRunId hangs the run under a run of the caller's own (a call tree): listed in its
-   *   tree, cancelled with it; sessionId runs it in one of the caller's sessions.
+   * @param {object} [options] { idempotencyKey, parentRunId, sessionId, sessionNoWait, lane,
+   *   priority, maxWaitSeconds } — parentRunId hangs the run under a run of the caller's own
+   *   (a call tree): listed in its tree, cancelled with it; sessionId runs it in one of the
+   *   caller's sessions; lane (needs the server's lane_override_role), priority in the
+   *   lane's queue (0: the default), maxWaitSeconds (refuse with LANE_BUSY rather than wait
+   *   longer; 0 waits)
    */
   async* execute(tool, args = {}, options = {}) {
     const request = {
@@ -316,6 +319,9 @@ class StargrpcClient {
       parent_run_id: options.parentRunId || "",
       session_id: options.sessionId || "",
       session_no_wait: Boolean(options.sessionNoWait),
+      lane: options.lane || "",
+      priority: options.priority || 0,
+      max_wait_seconds: options.maxWaitSeconds || 0,
     };
     const cursor = { runId: "", lastSeq: 0, finished: false };
     for (let attempt = 1; ; attempt++) {

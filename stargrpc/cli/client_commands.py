@@ -117,9 +117,16 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
 @click.option("--session-no-wait", is_flag=True,
               help="With --session: fail (SESSION_BUSY) rather than wait while the session "
                    "runs another call.")
+@click.option("--lane", default="", help="Run in this lane instead of the tool's (needs the "
+              "server's lane_override_role).")
+@click.option("--priority", type=int, default=0, show_default=True,
+              help="Priority in the lane's queue (higher starts first; 0: the default).")
+@click.option("--max-wait", "max_wait", type=float, default=0.0, show_default=True,
+              help="Refuse at once (LANE_BUSY) rather than wait longer than this many "
+              "seconds in the lane's queue; 0 waits.")
 def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json: bool,
          idempotency_key: str, timeout: float | None, session_id: str,
-         session_no_wait: bool) -> None:
+         session_no_wait: bool, lane: str, priority: int, max_wait: float) -> None:
     """Run a tool and show its steps and output live. Exits 0 only when the outcome is OK.
 
     A broken connection is resumed where it left off; Ctrl-C cancels the run.
@@ -134,7 +141,8 @@ def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json
         _follow(client, client.execute(tool_name, arguments,
                                        idempotency_key=idempotency_key or None,
                                        timeout=timeout, session_id=session_id or None,
-                                       session_no_wait=session_no_wait), as_json)
+                                       session_no_wait=session_no_wait, lane=lane,
+                                       priority=priority, max_wait_seconds=max_wait), as_json)
 
 
 @click.command()

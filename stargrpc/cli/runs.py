@@ -21,7 +21,8 @@ _OUTCOMES = [name.removeprefix("OUTCOME_").lower() for name in events_pb2.Outcom
 @click.command()
 @connection_options
 @click.option("--tool", default="", help="Only runs of this tool.")
-@click.option("--state", type=click.Choice(["running", "finished", "awaiting_approval"]),
+@click.option("--state", type=click.Choice(["running", "queued", "awaiting_approval",
+                                         "finished"]),
               default=None, help="Only runs in this state (awaiting_approval: with the "
               "approver role, everyone's).")
 @click.option("--outcome", type=click.Choice(_OUTCOMES), default=None,
@@ -100,8 +101,9 @@ def _print_tree(client_options: dict[str, Any], root: str, as_json: bool) -> Non
 def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
     finished = run.state == tool_service_pb2.RUN_STATE_FINISHED
     awaiting = run.state == tool_service_pb2.RUN_STATE_AWAITING_APPROVAL
+    queued = run.state == tool_service_pb2.RUN_STATE_QUEUED
     status = (events_pb2.Outcome.Name(run.outcome).removeprefix("OUTCOME_").lower()
-              if finished else "awaiting" if awaiting else "running")
+              if finished else "awaiting" if awaiting else "queued" if queued else "running")
     started = run.started_at.ToMilliseconds() / 1000
     ended = run.ended_at.ToMilliseconds() / 1000 if run.HasField("ended_at") else time.time()
     columns = [run.run_id, run.tool_name.ljust(12), status.ljust(9),
@@ -115,4 +117,6 @@ def _columns(run: tool_service_pb2.RunSummary) -> list[str]:
         approval = run.approval
         columns.append(f"approval-id {approval.approval_id} sha256 "
                        f"{approval.arguments_digest} {approval.arguments}")
+    if queued:
+        columns.append(f"· lane {run.lane or 'default'}, #{run.queue_position} in line")
     return columns

@@ -239,7 +239,8 @@ class AsyncClient:
                       parent_run_id: str = "",
                       timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
                       metadata: Metadata | None = None, session_id: str | None = None,
-                      session_no_wait: bool = False) -> AsyncIterator[Event]:
+                      session_no_wait: bool = False, lane: str = "", priority: int = 0,
+                      max_wait_seconds: float = 0.0) -> AsyncIterator[Event]:
         """Runs a tool and yields its events as they happen; the last one is the Result.
 
         Args:
@@ -259,10 +260,16 @@ class AsyncClient:
                 ``shell`` in its sandbox, with its files and live interpreter.
             session_no_wait: With ``session_id``, be refused (SESSION_BUSY) rather than
                 wait while the session runs another call.
+            lane: Run in this lane instead of the tool's (needs the server's
+                ``lane_override_role``).
+            priority: Priority in the lane's queue (0: the tool's or lane's default).
+            max_wait_seconds: Refuse at once (``LANE_BUSY``) rather than wait longer than
+                this in the lane's queue; 0 waits.
 
         Yields:
             Typed events, each exactly once and in ``seq`` order, ending with a
-            :class:`Result`.
+            :class:`Result`; a run that waits for its lane first yields ``Notice`` events
+            with code ``QUEUED`` (:attr:`Notice.queued` says where it waits).
 
         Raises:
             CallError: The call was refused before the run started (and retrying did not
@@ -275,7 +282,8 @@ class AsyncClient:
         request = tool_service_pb2.ExecuteRequest(
             tool_name=tool, idempotency_key=idempotency_key or uuid.uuid4().hex,
             parent_run_id=parent_run_id, session_id=session_id or "",
-            session_no_wait=session_no_wait)
+            session_no_wait=session_no_wait, lane=lane, priority=priority,
+            max_wait_seconds=max_wait_seconds)
         if isinstance(arguments, str):
             request.arguments_json = arguments
         elif arguments is not None:

@@ -131,6 +131,23 @@ class Heartbeat(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LaneQueued:
+    """Where a queued run waits (the detail of a ``QUEUED`` notice).
+
+    Attributes:
+        lane: The lane.
+        position: How many runs start before it, plus one (1 = next).
+        estimated_wait: Seconds it is expected to wait from the notice on (0: unknown yet).
+        priority: Its priority in the lane.
+    """
+
+    lane: str
+    position: int
+    estimated_wait: float
+    priority: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Notice(Event):
     """A message from the server about the run, such as a supervisor warning.
 
@@ -138,12 +155,14 @@ class Notice(Event):
         level: ``"INFO"`` or ``"WARNING"``.
         code: A stable code such as ``"CRITIC_NO_PROGRESS"``.
         source: Who caused it, when someone did (for ``STEERED``: who steered).
+        queued: For code ``QUEUED``: where the run waits in its lane.
     """
 
     level: str
     code: str
     message: str
     source: str = ""
+    queued: LaneQueued | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,9 +425,16 @@ def event_from_proto(event: events_pb2.RunEvent) -> Event:
                          progress=beat.progress if beat.HasField("progress") else None)
     elif kind == "notice":
         notice = event.notice
+        queued = None
+        if notice.HasField("queued"):
+            place = notice.queued
+            queued = LaneQueued(lane=place.lane, position=place.position,
+                                estimated_wait=place.estimated_wait.ToNanoseconds() / 1e9,
+                                priority=place.priority)
         return Notice(**common,
                       level=events_pb2.NoticeLevel.Name(notice.level).removeprefix("NOTICE_LEVEL_"),
-                      code=notice.code, message=notice.message, source=notice.source)
+                      code=notice.code, message=notice.message, source=notice.source,
+                      queued=queued)
     elif kind == "file_chunk":
         chunk = event.file_chunk
         return FileChunk(**common, file_id=chunk.file_id, offset=chunk.offset, data=chunk.data,

@@ -108,6 +108,10 @@ class ExecuteBody(BaseModel):
     parent_run_id: str = ""
     session_id: str = ""
     session_no_wait: bool = False
+    lane: str = ""
+    # Within the contract's int32; the server says what it takes (0 to 1000).
+    priority: int = Field(0, ge=-2**31, le=2**31 - 1)
+    max_wait_seconds: float = 0.0
 
 
 class SessionBody(BaseModel):
@@ -561,7 +565,8 @@ class Gateway:
             arguments_json=json.dumps(body.arguments),
             idempotency_key=body.idempotency_key or request.headers.get("idempotency-key", ""),
             catalog_hash=body.catalog_hash, parent_run_id=body.parent_run_id,
-            session_id=body.session_id, session_no_wait=body.session_no_wait)
+            session_id=body.session_id, session_no_wait=body.session_no_wait, lane=body.lane,
+            priority=body.priority, max_wait_seconds=body.max_wait_seconds)
         try:
             json_format.ParseDict(body.context, message.context)
         except json_format.ParseError as exc:
@@ -614,7 +619,7 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
         try:
             message.state = tool_service_pb2.RunState.Value(f"RUN_STATE_{state}")
         except ValueError:
-            violations.append(("state", "one of running, finished, awaiting_approval"))
+            violations.append(("state", "one of running, queued, awaiting_approval, finished"))
     outcome = params.get("outcome", "").upper().removeprefix("OUTCOME_")
     if outcome:
         try:

@@ -11,11 +11,14 @@ gateway, the MCP endpoint, the test harness) hand a decoded request to
   validation), ``idempotency.py`` (keys), ``concurrency.py`` (runs in flight);
 - a run's output: ``outcome.py`` (what a return or exception means), ``event_sizes.py``
   (every event under the send limit), ``usage.py`` (its receipt, ``Result.usage``);
+- ``lanes.py``: when a run may start — its lane and priority, the lane's queue (turns between
+  principals, the estimated wait) and the gate a queued run waits in (``Run.gates``);
 - ``call_record.py``: the record of one call attempt, shared along the interceptors;
 - ``state.py``: run state (``ctx.state``), scoped to a run, its tree, its caller or global,
   kept in the run store's ``state`` (:class:`~stargrpc.stores.base.StateStore`).
 
-Rooms still to come sit beside these, each with its seam named in the runtime: lanes and
-approval (when a run may start), trees (``parent_run_id``; ``Run.root_run_id``, which the
-``tree`` state scope already names, is the run's own id until then), and sessions.
+Rooms still to come sit beside these, each with its seam named in the runtime: approval
+(whether a run may start: a gate before the lane's), trees (``parent_run_id``;
+``Run.root_run_id``, which the ``tree`` state scope already names, is the run's own id until
+then), and sessions.
 """

@@ -188,6 +188,8 @@ class Run:
         depth: How many runs are above this one in its tree (0 at the root).
         queued_ns: Nanoseconds the run spent in its gates (``Usage.queued_seconds``).
         child_runs: Runs this run's tool started (``Usage.child_runs``).
+        lane: The lane the run runs in, and ``priority`` its priority there (see
+            :mod:`stargrpc.runs.lanes`).
     """
 
     run_id: str
@@ -244,6 +246,8 @@ class Run:
     depth: int = 0
     queued_ns: int = 0
     child_runs: int = 0
+    lane: str = "default"
+    priority: int = 0
     _gated = False
     runtime: ChildStarter | None = None
     # The tree's shared count (made when the run first has a child, or handed down) and

@@ -48,6 +48,14 @@ from stargrpc.runs.arguments import ArgumentLimits, validate
 from stargrpc.runs.call_record import CallRecord, current_call
 from stargrpc.runs.concurrency import ConcurrencyLimits
 from stargrpc.runs.idempotency import MAX_KEY_LENGTH, check_reuse, fingerprint
+from stargrpc.runs.lanes import (
+    LaneBoard,
+    LaneGate,
+    LanePlace,
+    LanePolicy,
+    LaneTicket,
+    LocalLanes,
+)
 from stargrpc.runs.outcome import Outcome
 from stargrpc.runs.permissions import AllowAll, RunAccess, ToolPolicy
 from stargrpc.runs.run import Run, RunLimits
@@ -110,6 +118,10 @@ class RunRequest:
     #: :class:`stargrpc.sessions.session.SessionHandle`, found for the caller by the entry
     #: point), or None.
     session: Any = None
+    #: The lane to run in instead of the tool's (needs ``lane_override_role``).
+    lane: str = ""
+    #: Refuse (LANE_BUSY) when the estimated wait in the lane is longer; 0: wait.
+    max_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -254,7 +266,11 @@ class Runtime:
         run_access: Who may see and act on a run (watch, cancel, steer).
         limits: Bounds on arguments.
         run_limits: The limits every run keeps to, made once from :attr:`settings`.
-        concurrency: Bounds on runs in flight.
+        concurrency: Bounds on runs in flight (per replica: the hard ceiling, queued runs
+            included).
+        lane_policy: Which lane and priority each run gets.
+        lanes: The lanes runs wait their turn in: the fleet's (the run store's ``lanes``)
+            or this process's.
         runs: Runs in flight in this process, by id.
         draining: Set during shutdown; new runs are refused with UNAVAILABLE.
         critics: The server's critic and the tools' own.
@@ -276,6 +292,8 @@ class Runtime:
     limits: ArgumentLimits
     run_limits: RunLimits
     concurrency: ConcurrencyLimits
+    lane_policy: LanePolicy
+    lanes: LaneBoard
     runs: dict[str, Run]
     draining: bool
     critics: Critics
@@ -310,6 +328,12 @@ class Runtime:
         self.limits = limits or ArgumentLimits()
         self.run_limits = RunLimits.from_settings(self.settings)
         self.concurrency = concurrency or ConcurrencyLimits()
+        self.lane_policy = LanePolicy(self.settings)
+        self.lane_policy.check_tools(registry.values())
+        # A fleet's store shares its lanes (lanes_for); one process keeps its own.
+        fleet_lanes = getattr(self.store, "lanes_for", None)
+        self.lanes = (fleet_lanes(self.lane_policy.limited) if fleet_lanes is not None
+                      else LocalLanes(self.lane_policy.limited))
         self.runs = {}
         self.audit_child = None
         self.trees = weakref.WeakValueDictionary()
@@ -391,6 +415,7 @@ class Runtime:
                 loaded (the current catalog stays).
         """
         changed = registry.catalog_hash != self._registry.catalog_hash
+        self.lane_policy.check_tools(registry.values())
         self.critics.load_tools(registry.values())
         self._registry = registry
         if changed:
@@ -456,6 +481,9 @@ class Runtime:
         if record is not None:
             record.principal = principal
         self.policy.check(principal, spec)
+        choice = self.lane_policy.choose(spec, principal, lane=request.lane,
+                                         priority=request.priority,
+                                         max_wait=request.max_wait_seconds)
         args: BaseModel
         if spec.args_model is NoArguments and not request.arguments:
             args = _NO_ARGUMENTS  # what validating {} gives, made once
@@ -479,6 +507,10 @@ class Runtime:
             record.parent_run_id = run.parent_run_id
         if request.session is not None:
             run.session = request.session
+        run.lane, run.priority = choice.lane, choice.priority
+        if record is not None and choice.capped:
+            record.extra["priority"] = (f"asked {choice.asked_priority}, capped to "
+                                        f"{choice.priority} (priority_max_per_principal)")
         return run
 
     async def admit(self, request: RunRequest, principal: Principal, *,
@@ -522,6 +554,8 @@ class Runtime:
                 await self._give_back(link)
             await self.store.discard(run.log)
             raise
+        place: LanePlace | None = None
+        ticket: LaneTicket | None = None
         try:
             await self.store.publish(run.log)
             if key:
@@ -546,9 +580,16 @@ class Runtime:
             if self.approvals.required(run.spec, run.principal):
                 # Written before the call is answered: an approver finds it at once.
                 gate = await self.approvals.request(run, request.arguments)
+            ticket = self._lane_ticket(run, request)
+            # A run that waits at an earlier gate (approval) enters its lane when it gets
+            # there: a lane's slot is not held while a person decides.
+            if ticket is not None and not run.gates and gate is None:
+                place = await self._enter_lane(ticket)
             if before_start is not None:
                 await before_start(run)
         except BaseException:
+            if place is not None:
+                self.lanes.leave(place, ran=False)
             permit.release()
             if link is not None:
                 await self._give_back(link)
@@ -560,6 +601,11 @@ class Runtime:
         run.finish_hooks.append(lambda _: permit.release())
         if gate is not None:  # approval first: a lane's slot is not held while a person decides
             run.gates = [gate, *(run.gates or [])]
+        if ticket is not None:
+            # After any gate already set (approval waits first, then the lane's queue).
+            lane_gate = LaneGate(self.lanes, ticket, place, current_call.get())
+            run.gates = [*(run.gates or ()), lane_gate]
+            run.finish_hooks.append(lane_gate.leave)
         policy = request.policy or SupervisionPolicy.for_call(self.settings)
         started = self._start(RunInput(run=run, spec=run.spec, principal=run.principal,
                                        arguments=request.arguments, policy=policy))
@@ -740,6 +786,25 @@ class Runtime:
         if not answer.ok:
             raise ChildRunError.of(answer)
         return answer
+
+    def _lane_ticket(self, run: Run, request: RunRequest) -> LaneTicket | None:
+        """What the run asks of its lane; None for a lane without a limit (no wait)."""
+        if run.lane not in self.lane_policy.limited:
+            return None
+        return LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
+                          request.max_wait_seconds)
+
+    async def _enter_lane(self, ticket: LaneTicket) -> LanePlace:
+        """The run's slot or place in its lane's queue.
+
+        Raises:
+            ResourceExhausted: LANE_FULL or LANE_BUSY (counted, with the lane).
+        """
+        try:
+            return await self.lanes.enter(ticket)
+        except ResourceExhausted as refused:
+            metrics.LANE_REFUSALS.labels(ticket.lane, refused.reason.lower()).inc()
+            raise
 
     def cancel_local(self, run_id: str, reason: str, failure_code: str = "") -> bool:
         """Stops a run of this process with Result{CANCELLED}, or Result{ERROR,

@@ -39,7 +39,7 @@ from stargrpc.runs.arguments import decode_json, decode_struct
 from stargrpc.runs.call_record import current_call
 from stargrpc.runs.event_sizes import trailing_notices
 from stargrpc.runs.outcome import Outcome
-from stargrpc.runs.run import Run, check_steer_message
+from stargrpc.runs.run import PHASE_QUEUED, Run, check_steer_message
 from stargrpc.runs.runtime import Admission, RunRequest, Runtime
 from stargrpc.runs.trees import MAX_RUN_ID_CHARS, cancel_subtree
 from stargrpc.server.streaming import (
@@ -371,7 +371,9 @@ class ToolService:
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
                            policy=policy, parent_run_id=request.parent_run_id,
-                           session=self._session_of(request))
+                           session=self._session_of(request), lane=request.lane,
+                           priority=request.priority,
+                           max_wait_seconds=request.max_wait_seconds)
 
     def _session_of(self, request: tool_service_pb2.ExecuteRequest
                     | tool_service_pb2.StartRunRequest) -> SessionHandle | None:
@@ -497,15 +499,46 @@ class ToolService:
         records = await approvals.store.get_many(
             [run.run_id for run in page.runs if not run.finished])
         waiting = {run_id: record for run_id, record in records.items() if record.pending}
-        runs = page.runs
+        runs = [self._with_phase(run_summary_message(run, with_principal=sees_all,
+                                                     approval=waiting.get(run.run_id)))
+                for run in page.runs]
+        await self._with_queues_elsewhere(runs)
         if awaiting:
             runs = [run for run in runs if run.run_id in waiting]
-        elif state == tool_service_pb2.RUN_STATE_RUNNING:
-            runs = [run for run in runs if run.run_id not in waiting]
+        elif state in (tool_service_pb2.RUN_STATE_RUNNING, tool_service_pb2.RUN_STATE_QUEUED):
+            # The store tells running from finished; a queued run (or one waiting for
+            # approval) is one of its running ones (so a page of these may hold fewer than
+            # page_size).
+            runs = [run for run in runs if run.state == state and run.run_id not in waiting]
         return tool_service_pb2.ListRunsResponse(
-            runs=[run_summary_message(run, with_principal=sees_all,
-                                      approval=waiting.get(run.run_id)) for run in runs],
-            next_page_token=encode_page_token(page.cursor, key))
+            runs=runs, next_page_token=encode_page_token(page.cursor, key))
+
+    async def _with_queues_elsewhere(self, runs: list[tool_service_pb2.RunSummary]) -> None:
+        """Marks the runs of the page that wait in a lane of another replica (a fleet shares
+        its lanes: their queues say)."""
+        others = [run.run_id for run in runs if run.state == tool_service_pb2.RUN_STATE_RUNNING
+                  and run.run_id not in self.runtime.runs]
+        if not others:
+            return
+        waiting = await self.runtime.lanes.waiting(others)
+        for run in runs:
+            if run.run_id in waiting:
+                run.lane, run.priority, run.queue_position = waiting[run.run_id]
+                run.state = tool_service_pb2.RUN_STATE_QUEUED
+
+    def _with_phase(self, message: tool_service_pb2.RunSummary) -> tool_service_pb2.RunSummary:
+        """Adds what this replica knows of a run it holds: its lane and priority, and
+        whether (and where) it waits in its lane's queue."""
+        run = self.runtime.runs.get(message.run_id)
+        if run is None or message.state == tool_service_pb2.RUN_STATE_FINISHED:
+            return message
+        message.lane, message.priority = run.lane, run.priority
+        if run.phase == PHASE_QUEUED:
+            message.state = tool_service_pb2.RUN_STATE_QUEUED
+            place = self.runtime.lanes.where(run.run_id)
+            if place is not None and not place.granted:
+                message.queue_position = place.position
+        return message
 
     @_statuses
     async def ApproveRun(self, request: Any, context: grpc.aio.ServicerContext

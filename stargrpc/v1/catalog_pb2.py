@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stargrpc/v1/catalog.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xab\x02\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\routput_schema\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\ncategories\x18\x06 \x03(\t\x12\x31\n\x0b\x61nnotations\x18\x07 \x01(\x0b\x32\x1c.stargrpc.v1.ToolAnnotations\x12\x31\n\x0bpermissions\x18\x08 \x01(\x0b\x32\x1c.stargrpc.v1.ToolPermissions\x12\x19\n\x11requires_approval\x18\x19 \x01(\x08\"a\n\x0fToolAnnotations\x12\x11\n\tread_only\x18\x01 \x01(\x08\x12\x13\n\x0b\x64\x65structive\x18\x02 \x01(\x08\x12\x12\n\nidempotent\x18\x03 \x01(\x08\x12\x12\n\nopen_world\x18\x04 \x01(\x08\"j\n\x0fToolPermissions\x12\x12\n\nprivileged\x18\x01 \x01(\x08\x12\x15\n\rallowed_roles\x18\x02 \x03(\t\x12\x1a\n\x12\x61llowed_principals\x18\x03 \x03(\t\x12\x10\n\x08\x63\x61llable\x18\x04 \x01(\x08\x42\x91\x01\n\x0f\x64\x65v.stargrpc.v1B\x0c\x43\x61talogProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stargrpc/v1/catalog.proto\x12\x0bstargrpc.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xd3\x02\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x0cinput_schema\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\routput_schema\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x12\n\ncategories\x18\x06 \x03(\t\x12\x31\n\x0b\x61nnotations\x18\x07 \x01(\x0b\x32\x1c.stargrpc.v1.ToolAnnotations\x12\x31\n\x0bpermissions\x18\x08 \x01(\x0b\x32\x1c.stargrpc.v1.ToolPermissions\x12\x19\n\x11requires_approval\x18\x19 \x01(\x08\x12\x0c\n\x04lane\x18\x14 \x01(\t\x12\x18\n\x10\x64\x65\x66\x61ult_priority\x18\x15 \x01(\x05\"a\n\x0fToolAnnotations\x12\x11\n\tread_only\x18\x01 \x01(\x08\x12\x13\n\x0b\x64\x65structive\x18\x02 \x01(\x08\x12\x12\n\nidempotent\x18\x03 \x01(\x08\x12\x12\n\nopen_world\x18\x04 \x01(\x08\"j\n\x0fToolPermissions\x12\x12\n\nprivileged\x18\x01 \x01(\x08\x12\x15\n\rallowed_roles\x18\x02 \x03(\t\x12\x1a\n\x12\x61llowed_principals\x18\x03 \x03(\t\x12\x10\n\x08\x63\x61llable\x18\x04 \x01(\x08\x42\x91\x01\n\x0f\x64\x65v.stargrpc.v1B\x0c\x43\x61talogProtoP\x01Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\xa2\x02\x03SXX\xaa\x02\x0bStargrpc.V1\xca\x02\x0bStargrpc\\V1\xea\x02\x0cStargrpc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.stargrpc.v1B\014CatalogProtoP\001Z=github.com/stargrpc/stargrpc/clients/go/stargrpcv1;stargrpcv1\242\002\003SXX\252\002\013Stargrpc.V1\312\002\013Stargrpc\\V1\352\002\014Stargrpc::V1'
   _globals['_TOOL']._serialized_start=73
-  _globals['_TOOL']._serialized_end=372
-  _globals['_TOOLANNOTATIONS']._serialized_start=374
-  _globals['_TOOLANNOTATIONS']._serialized_end=471
-  _globals['_TOOLPERMISSIONS']._serialized_start=473
-  _globals['_TOOLPERMISSIONS']._serialized_end=579
+  _globals['_TOOL']._serialized_end=412
+  _globals['_TOOLANNOTATIONS']._serialized_start=414
+  _globals['_TOOLANNOTATIONS']._serialized_end=511
+  _globals['_TOOLPERMISSIONS']._serialized_start=513
+  _globals['_TOOLPERMISSIONS']._serialized_end=619
 # @@protoc_insertion_point(module_scope)

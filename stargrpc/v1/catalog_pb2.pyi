@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Tool(_message.Message):
-    __slots__ = ("name", "description", "input_schema", "output_schema", "kind", "categories", "annotations", "permissions", "requires_approval")
+    __slots__ = ("name", "description", "input_schema", "output_schema", "kind", "categories", "annotations", "permissions", "requires_approval", "lane", "default_priority")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     INPUT_SCHEMA_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class Tool(_message.Message):
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     REQUIRES_APPROVAL_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     input_schema: _struct_pb2.Struct
@@ -27,7 +29,9 @@ class Tool(_message.Message):
     annotations: ToolAnnotations
     permissions: ToolPermissions
     requires_approval: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., kind: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., annotations: _Optional[_Union[ToolAnnotations, _Mapping]] = ..., permissions: _Optional[_Union[ToolPermissions, _Mapping]] = ..., requires_approval: _Optional[bool] = ...) -> None: ...
+    lane: str
+    default_priority: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., output_schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., kind: _Optional[str] = ..., categories: _Optional[_Iterable[str]] = ..., annotations: _Optional[_Union[ToolAnnotations, _Mapping]] = ..., permissions: _Optional[_Union[ToolPermissions, _Mapping]] = ..., requires_approval: _Optional[bool] = ..., lane: _Optional[str] = ..., default_priority: _Optional[int] = ...) -> None: ...
 
 class ToolAnnotations(_message.Message):
     __slots__ = ("read_only", "destructive", "idempotent", "open_world")

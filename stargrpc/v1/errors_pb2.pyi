@@ -122,6 +122,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_CLOSED: _ClassVar[ErrorReason]
     PYTHON_EXCEPTION: _ClassVar[ErrorReason]
     SESSION_FILES_SKIPPED: _ClassVar[ErrorReason]
+    LANE_FULL: _ClassVar[ErrorReason]
+    LANE_BUSY: _ClassVar[ErrorReason]
+    LANE_UNKNOWN: _ClassVar[ErrorReason]
+    LANE_OVERRIDE_NOT_ALLOWED: _ClassVar[ErrorReason]
+    QUEUED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_ARGUMENT: ErrorReason
 INVALID_REQUEST: ErrorReason
@@ -238,3 +243,8 @@ SESSION_KIND_MISMATCH: ErrorReason
 SESSION_CLOSED: ErrorReason
 PYTHON_EXCEPTION: ErrorReason
 SESSION_FILES_SKIPPED: ErrorReason
+LANE_FULL: ErrorReason
+LANE_BUSY: ErrorReason
+LANE_UNKNOWN: ErrorReason
+LANE_OVERRIDE_NOT_ALLOWED: ErrorReason
+QUEUED: ErrorReason

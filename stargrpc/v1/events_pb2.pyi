@@ -133,20 +133,22 @@ class Heartbeat(_message.Message):
     def __init__(self, message: _Optional[str] = ..., progress: _Optional[float] = ...) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("level", "code", "message", "source", "approval", "approval_decision")
+    __slots__ = ("level", "code", "message", "source", "queued", "approval", "approval_decision")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_DECISION_FIELD_NUMBER: _ClassVar[int]
     level: NoticeLevel
     code: str
     message: str
     source: str
+    queued: LaneQueued
     approval: ApprovalRequest
     approval_decision: ApprovalDecision
-    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., approval: _Optional[_Union[ApprovalRequest, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecision, _Mapping]] = ...) -> None: ...
+    def __init__(self, level: _Optional[_Union[NoticeLevel, str]] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., queued: _Optional[_Union[LaneQueued, _Mapping]] = ..., approval: _Optional[_Union[ApprovalRequest, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecision, _Mapping]] = ...) -> None: ...
 
 class ApprovalRequest(_message.Message):
     __slots__ = ("approval_id", "tool_name", "principal", "arguments_digest", "arguments", "requested_at", "deadline")
@@ -175,6 +177,18 @@ class ApprovalDecision(_message.Message):
     reason: str
     decided_at: _timestamp_pb2.Timestamp
     def __init__(self, approver: _Optional[str] = ..., reason: _Optional[str] = ..., decided_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class LaneQueued(_message.Message):
+    __slots__ = ("lane", "position", "estimated_wait", "priority")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    lane: str
+    position: int
+    estimated_wait: _duration_pb2.Duration
+    priority: int
+    def __init__(self, lane: _Optional[str] = ..., position: _Optional[int] = ..., estimated_wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class FileChunk(_message.Message):
     __slots__ = ("file_id", "offset", "data", "last")

@@ -18,6 +18,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
     RUN_STATE_RUNNING: _ClassVar[RunState]
     RUN_STATE_FINISHED: _ClassVar[RunState]
+    RUN_STATE_QUEUED: _ClassVar[RunState]
     RUN_STATE_AWAITING_APPROVAL: _ClassVar[RunState]
 
 class ApprovalVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -28,6 +29,7 @@ class ApprovalVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_FINISHED: RunState
+RUN_STATE_QUEUED: RunState
 RUN_STATE_AWAITING_APPROVAL: RunState
 APPROVAL_VERDICT_UNSPECIFIED: ApprovalVerdict
 APPROVAL_VERDICT_APPROVE: ApprovalVerdict
@@ -85,7 +87,7 @@ class InvocationContext(_message.Message):
     def __init__(self, end_user: _Optional[str] = ..., channel: _Optional[str] = ..., trace_id: _Optional[str] = ..., session_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery", "parent_run_id", "session_id", "session_no_wait")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "coalesce_deltas", "delivery", "lane", "priority", "max_wait_seconds", "parent_run_id", "session_id", "session_no_wait")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,9 @@ class ExecuteRequest(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     COALESCE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_NO_WAIT_FIELD_NUMBER: _ClassVar[int]
@@ -105,10 +110,13 @@ class ExecuteRequest(_message.Message):
     context: InvocationContext
     coalesce_deltas: bool
     delivery: Delivery
+    lane: str
+    priority: int
+    max_wait_seconds: float
     parent_run_id: str
     session_id: str
     session_no_wait: bool
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., parent_run_id: _Optional[str] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., coalesce_deltas: _Optional[bool] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., parent_run_id: _Optional[str] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
 
 class Delivery(_message.Message):
     __slots__ = ("webhook", "redis_stream")
@@ -181,7 +189,7 @@ class SteerRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery", "parent_run_id", "session_id", "session_no_wait")
+    __slots__ = ("tool_name", "arguments", "arguments_json", "idempotency_key", "catalog_hash", "context", "delivery", "lane", "priority", "max_wait_seconds", "parent_run_id", "session_id", "session_no_wait")
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +197,9 @@ class StartRunRequest(_message.Message):
     CATALOG_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_NO_WAIT_FIELD_NUMBER: _ClassVar[int]
@@ -199,10 +210,13 @@ class StartRunRequest(_message.Message):
     catalog_hash: str
     context: InvocationContext
     delivery: Delivery
+    lane: str
+    priority: int
+    max_wait_seconds: float
     parent_run_id: str
     session_id: str
     session_no_wait: bool
-    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., parent_run_id: _Optional[str] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tool_name: _Optional[str] = ..., arguments: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., arguments_json: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., context: _Optional[_Union[InvocationContext, _Mapping]] = ..., delivery: _Optional[_Union[Delivery, _Mapping]] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., max_wait_seconds: _Optional[float] = ..., parent_run_id: _Optional[str] = ..., session_id: _Optional[str] = ..., session_no_wait: _Optional[bool] = ...) -> None: ...
 
 class StartRunResponse(_message.Message):
     __slots__ = ("run_id", "attached")
@@ -231,7 +245,7 @@ class ListRunsRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., root_run_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ...) -> None: ...
 
 class RunSummary(_message.Message):
-    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "approval", "parent_run_id", "root_run_id", "depth")
+    __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "lane", "priority", "queue_position", "approval", "parent_run_id", "root_run_id", "depth")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +255,9 @@ class RunSummary(_message.Message):
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_FIELD_NUMBER: _ClassVar[int]
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROOT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -254,11 +271,14 @@ class RunSummary(_message.Message):
     ended_at: _timestamp_pb2.Timestamp
     last_seq: int
     current_step: str
+    lane: str
+    priority: int
+    queue_position: int
     approval: _events_pb2.ApprovalRequest
     parent_run_id: str
     root_run_id: str
     depth: int
-    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., approval: _Optional[_Union[_events_pb2.ApprovalRequest, _Mapping]] = ..., parent_run_id: _Optional[str] = ..., root_run_id: _Optional[str] = ..., depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., tool_name: _Optional[str] = ..., principal: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., current_step: _Optional[str] = ..., lane: _Optional[str] = ..., priority: _Optional[int] = ..., queue_position: _Optional[int] = ..., approval: _Optional[_Union[_events_pb2.ApprovalRequest, _Mapping]] = ..., parent_run_id: _Optional[str] = ..., root_run_id: _Optional[str] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
     __slots__ = ("runs", "next_page_token")

@@ -117,3 +117,21 @@ async def test_call_prints_streamed_output_once_and_the_rest_after_the_outcome(
     # count streams the numbers and returns other text: that text is shown after "= OK".
     assert counted.splitlines()[-2:] == ["= OK", "counted to 2"]
     assert counted.count("counted to 2") == 1
+
+
+async def test_call_sends_lane_priority_and_max_wait(recorded_server: StargrpcServer,
+                                                    recorder: Recorder) -> None:
+    target = f"127.0.0.1:{recorded_server.port}"
+
+    (code, _, _), (bad_code, _, err) = await asyncio.gather(
+        _stargrpc("call", "--target", target, "count", "--args", '{"to": 1}', "--json",
+                  "--priority", "3", "--max-wait", "2.5"),
+        _stargrpc("call", "--target", target, "count", "--args", '{"to": 1}',
+                  "--lane", "no-such-lane"))
+
+    assert code == 0
+    sent = {(a.request.priority, a.request.max_wait_seconds, a.request.lane)
+            for a in recorder.seen("Execute")}
+    assert sent == {(3, 2.5, ""), (0, 0.0, "no-such-lane")}
+    assert bad_code == 1
+    assert "LANE_UNKNOWN" in err and "lane:" in err

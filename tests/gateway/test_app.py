@@ -446,3 +446,25 @@ def test_gateway_refuses_to_front_client_certificate_auth(tmp_path) -> None:
     with pytest.raises(ValidationError, match="client certificates"):
         Settings(http_port=8080, tls_cert_file=tmp_path / "c", tls_key_file=tmp_path / "k",
                  tls_client_ca_file=tmp_path / "ca")
+
+
+async def test_execute_takes_lane_priority_and_max_wait(gateway) -> None:
+    http = gateway.http
+
+    ok = await http.post("/v1/tools/echo:execute?wait=true", json={
+        "arguments": {"text": "x"}, "priority": 3, "max_wait_seconds": 5})
+    negative = await http.post("/v1/tools/echo:execute", json={
+        "arguments": {"text": "x"}, "priority": -1})
+    huge = await http.post("/v1/tools/echo:execute", json={
+        "arguments": {"text": "x"}, "priority": 2**40})
+    unknown = await http.post("/v1/tools/echo:execute", json={
+        "arguments": {"text": "x"}, "lane": "nope"})
+
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["result"]["outcome"] == "OUTCOME_OK"
+    assert negative.status_code == 400
+    assert [v["field"] for v in detail(negative.json(), "BadRequest")["fieldViolations"]] == [
+        "priority"]
+    assert huge.status_code == 400
+    assert unknown.status_code == 400
+    assert detail(unknown.json(), "ErrorInfo")["reason"] == "LANE_UNKNOWN"

@@ -201,6 +201,14 @@ type Call struct {
 	// ParentRunID hangs the run under a run of the caller's own (a call tree an agent
 	// started): it is listed in that run's tree and cancelled with it. Empty: top level.
 	ParentRunID string
+	// Lane runs the call in this lane instead of the tool's (needs the server's
+	// lane_override_role). Empty: the tool's lane.
+	Lane string
+	// Priority in the lane's queue: higher starts first; 0 takes the default.
+	Priority int32
+	// MaxWaitSeconds refuses the call at once (RESOURCE_EXHAUSTED, LANE_BUSY) when its
+	// estimated wait in the lane's queue is longer; 0 waits.
+	MaxWaitSeconds float64
 }
 
 // EventHandler receives each event exactly once, in seq order; the last one carries the
@@ -229,7 +237,8 @@ func NewIdempotencyKey() string {
 func (c *Client) Execute(ctx context.Context, call Call, onEvent EventHandler) (*pb.RunEvent, error) {
 	request := &pb.ExecuteRequest{ToolName: call.Tool, IdempotencyKey: call.IdempotencyKey,
 		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas,
-		ParentRunId: call.ParentRunID}
+		ParentRunId: call.ParentRunID, Lane: call.Lane, Priority: call.Priority,
+		MaxWaitSeconds: call.MaxWaitSeconds}
 	if request.IdempotencyKey == "" {
 		request.IdempotencyKey = NewIdempotencyKey()
 	}

@@ -240,6 +240,11 @@ class AuditInterceptor(ComposedInterceptor):
         critic = record.extra.get("critic")
         if critic:  # what the run's critic decided (verdicts, a fallback to the rules)
             record.detail = "; ".join(filter(None, (record.detail, critic)))
+        # Where the run waited its turn (a limited lane), and a priority it was refused.
+        lane, priority = record.extra.get("lane"), record.extra.get("priority")
+        if lane or priority:
+            record.detail = "; ".join(filter(None, (
+                record.detail, lane and f"lane {lane}", priority and f"priority {priority}")))
         if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
             # The idempotency key was already held: this call attached to (or replayed) the
             # run that holds it instead of running the tool again.

@@ -100,6 +100,8 @@ The package's rooms, each owning one thing and talking to the others through met
     approvals.py   RedisApprovalStore: approval requests and decisions, one key per run;
                    how a decision reaches the replica whose run waits; the store's
                    ``approvals``
+    lanes.py       RedisLanes: the fleet's lanes (slots and queues in sorted sets, held by
+                   leases), one script per step; the store's ``lanes_for``
 """
 
 from __future__ import annotations

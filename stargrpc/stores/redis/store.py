@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -14,7 +15,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from stargrpc.errors import ResourceExhausted, reason_name
 from stargrpc.ids import minted_ms
-from stargrpc.settings import Settings
+from stargrpc.settings import LaneConfig, Settings
 from stargrpc.stores.base import (
     CancelHandler,
     Claim,
@@ -31,6 +32,7 @@ from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
 from stargrpc.stores.redis.flusher import Flusher
 from stargrpc.stores.redis.index import RunIndex, tree_of
+from stargrpc.stores.redis.lanes import RedisLanes
 from stargrpc.stores.redis.leases import Leases, Sweep
 from stargrpc.stores.redis.logs import LocalRuns, RedisRunLog, RemoteRunLog
 from stargrpc.stores.redis.shared import Shared
@@ -57,6 +59,7 @@ class RedisRunStore:
         claims: Registration before a run starts, and idempotency claims.
         state: Run state (``ctx.state``), on the same client.
         approvals: Approval requests and decisions (:mod:`.approvals`), on the same client.
+        lanes: The fleet's lanes, once the runtime asked for them (:meth:`lanes_for`).
     """
 
     shared: Shared
@@ -67,6 +70,7 @@ class RedisRunStore:
     claims: Claims
     state: RedisStateStore
     approvals: RedisApprovalStore
+    lanes: RedisLanes | None
     _fresh_waits: int
     _renewer: asyncio.Task[None] | None
 
@@ -106,6 +110,7 @@ class RedisRunStore:
         self.claims = Claims(self.shared, self.leases, self.index)
         self.state = RedisStateStore(redis, prefix=prefix)
         self.approvals = RedisApprovalStore(redis, prefix=prefix)
+        self.lanes = None
         self._fresh_waits = 0
         self._renewer = None
 
@@ -210,6 +215,11 @@ class RedisRunStore:
     @steer_handler.setter
     def steer_handler(self, handler: SteerHandler | None) -> None:
         self.shared.steer_handler = handler
+
+    def lanes_for(self, configs: Mapping[str, LaneConfig]) -> RedisLanes:
+        """The lanes ``configs`` name, shared with every replica through this store."""
+        self.lanes = RedisLanes(self.shared, configs)
+        return self.lanes
 
     # -- RunStore --------------------------------------------------------------------------
 
@@ -388,6 +398,8 @@ class RedisRunStore:
         """Flushes what runs of this replica still hold, stops renewing and sweeping,
         disconnects."""
         await self.flushed(5.0)
+        if self.lanes is not None:
+            await self.lanes.aclose()
         await self.stop_renewing()
         await self.flusher.aclose()
         await self.sweep.stop()

@@ -26,6 +26,7 @@ export function resetRunView() {
   $("notices").replaceChildren();
   hideApproval();
   $("heartbeat").hidden = true;
+  $("queue-place").hidden = true;
   $("result").hidden = true;
   $("cancel-button").disabled = false;
   $("steer-form").hidden = !server.canSteer;
@@ -74,7 +75,11 @@ export function onStep(event, childRunId = "") {
                          el("ul", "steps children"));
     const parent = step.parent_id ? stepNode(step.parent_id) : null;
     (parent ? parent.querySelector(":scope > ul.children") : $("steps")).append(node);
-    if (!step.parent_id) showRunTool(step.title);
+    if (!step.parent_id) {
+      showRunTool(step.title);
+      if ($("run-state").dataset.state === "QUEUED") setRunState("RUNNING");
+      $("queue-place").hidden = true;
+    }
     setStepStatus(node, "RUNNING");
     if (step.parent_id) announce(`Step started: ${step.title || step.id}`);
   }
@@ -126,10 +131,24 @@ export function onNotice(notice) {
   } else if (notice.code === "APPROVAL_GRANTED") {
     hideApproval();
     setRunState("RUNNING");
+  } else if (notice.code === "QUEUED" && notice.queued) {
+    showQueued(notice.queued);
+    return;
   }
   const level = (notice.level || "").replace("NOTICE_LEVEL_", "").toLowerCase();
   const item = el("li", `notice ${level}`, `${notice.code || ""} ${notice.message || ""}`.trim());
   $("notices").append(item);
+}
+
+// A queued run: its state, and where it waits (updated with each QUEUED notice).
+function showQueued(queued) {
+  if (!shown.finished) setRunState("QUEUED");
+  const place = $("queue-place");
+  const wait = queued.estimated_wait ? parseFloat(queued.estimated_wait) : 0;
+  place.textContent = `Waiting in lane ${queued.lane || "default"}: #${queued.position || "?"} in line`
+    + (wait ? `, about ${wait < 60 ? `${wait.toFixed(1)} s` : `${Math.round(wait / 60)} min`}` : "")
+    + (queued.priority ? ` (priority ${queued.priority})` : "");
+  place.hidden = false;
 }
 
 export function onFileChunk(chunk) {
@@ -145,6 +164,7 @@ export function onResult(result) {
   $("steer-form").hidden = true;
   $("heartbeat").hidden = true;
   hideApproval();
+  $("queue-place").hidden = true;
   const outcome = outcomeName(result.outcome);
   setRunState(outcome);
   announce(`Run finished: ${outcome.toLowerCase()}`);

@@ -26,7 +26,7 @@ function runsQuery() {
   const params = new URLSearchParams({ page_size: "30" });
   if ($("filter-tool").value) params.set("tool", $("filter-tool").value);
   const outcome = $("filter-outcome").value;
-  if (outcome === "running" || outcome === "awaiting_approval") params.set("state", outcome);
+  if (["running", "queued", "awaiting_approval"].includes(outcome)) params.set("state", outcome);
   else if (outcome) params.set("outcome", outcome);
   return params.toString();
 }
@@ -134,7 +134,9 @@ function depthFirst(rootId, tree) {
 function runItem(run) {
   const running = run.state === "RUN_STATE_RUNNING";
   const awaiting = run.state === "RUN_STATE_AWAITING_APPROVAL";
-  const status = running ? "RUNNING" : awaiting ? "AWAITING" : outcomeName(run.outcome);
+  const queued = run.state === "RUN_STATE_QUEUED";
+  const status = running ? "RUNNING" : awaiting ? "AWAITING" : queued ? "QUEUED"
+    : outcomeName(run.outcome);
   const button = el("button", "run-item");
   button.type = "button";
   button.dataset.runId = run.run_id;
@@ -146,6 +148,7 @@ function runItem(run) {
   const meta = [new Date(run.started_at).toLocaleTimeString(), duration(run)];
   if (run.principal) meta.push(run.principal);
   if (running && run.current_step) meta.push(run.current_step);
+  if (queued) meta.push(`lane ${run.lane || "default"}, #${run.queue_position || "?"} in line`);
   button.append(line, el("span", "run-meta", meta.join(" · ")));
   button.setAttribute("aria-label",
     `${run.tool_name}, ${status.toLowerCase()}, started ${meta[0]}, ${meta[1]}`);
