@@ -15,9 +15,11 @@ from typing import Any
 import grpc
 import pytest
 
+from stargrpc.registry import Registry
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import eventually, status_details
 from tests.runs_support import HeaderPrincipal, as_principal
+from tests.state_tools import state_registry, value_of
 from tests.stores.conftest import REDIS_URL
 from tests.tree_tools import GATES, tree_registry
 
@@ -135,3 +137,43 @@ async def test_a_tree_spread_over_replicas_keeps_to_max_runs_per_tree_as_a_whole
 
 async def _listed(stub: Any, root: str, count: int) -> bool:
     return len(await _tree(stub, root)) == count
+
+
+async def test_siblings_on_two_replicas_coordinate_through_their_tree_state(
+        make_server: Any, redis_prefix: str, redis_url: str) -> None:
+    """Runs an agent hangs under one root, half on replica A and half on B, race to claim
+    one key of the tree's state: exactly one wins, every sibling reads the winner, and a
+    counter all of them increment loses no update."""
+    registry = Registry([*tree_registry().values(), *state_registry().values()])
+    servers = [await make_server(registry=registry, interceptors=[HeaderPrincipal()],
+                                 redis_url=redis_url, redis_key_prefix=redis_prefix)
+               for _ in range(2)]
+    gate_name = uuid.uuid4().hex
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as chan_a, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{servers[1].port}") as chan_b:
+        stubs = [tool_service_pb2_grpc.ToolServiceStub(chan) for chan in (chan_a, chan_b)]
+        root = str((await stubs[0].StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="gate", arguments_json=json.dumps({"name": gate_name})),
+            metadata=ALICE)).run_id)
+
+        async def sibling(index: int, **arguments: Any) -> events_pb2.Result:
+            request = tool_service_pb2.ExecuteRequest(
+                tool_name="state_op", arguments_json=json.dumps({"scope": "tree", **arguments}),
+                parent_run_id=root)
+            events = [r.event async for r in stubs[index % 2].Execute(request, metadata=ALICE)]
+            return events[-1].result
+
+        claims = await asyncio.gather(*(sibling(i, op="cas", key="owner", expected=None,
+                                                value=f"sibling-{i}") for i in range(8)))
+        winners = [i for i, result in enumerate(claims) if value_of(result) is True]
+        assert len(winners) == 1
+        reads = await asyncio.gather(*(sibling(i, op="get", key="owner") for i in range(2)))
+        assert {value_of(result) for result in reads} == {f"sibling-{winners[0]}"}
+        counts = await asyncio.gather(*(sibling(i, op="increment", key="seen", repeat=5)
+                                        for i in range(6)))
+        assert max(value_of(result) for result in counts) == 30
+        # The siblings ran on both replicas, each in the root's tree.
+        listed = await _tree(stubs[0], root)
+        assert len(listed) == 1 + 8 + 2 + 6
+        assert {run.root_run_id for run in listed} == {root}
+        GATES.setdefault(gate_name, asyncio.Event()).set()
