@@ -12,9 +12,11 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Locator, Page, expect
 
+from stargrpc.registry import Registry
 from tests.conftest import AuthServer, AuthServerFactory
 from tests.gateway.conftest import CHROMIUM
 from tests.state_tools import state_registry
+from tests.tree_tools import tree_registry
 
 if not Path(CHROMIUM).exists():
     pytest.skip("chromium is not installed (scripts/test.sh installs it)",
@@ -30,15 +32,17 @@ def base_url(auth: AuthServer) -> str:
     return f"http://127.0.0.1:{auth.server.http.gateway_port}"
 
 
-async def run_with(auth: AuthServer, key: str) -> str:
-    """Runs ``state_run_and_tree`` (it keeps ``mine`` in its run state and ``root`` in its
-    tree's) with ``key`` over HTTP; its run id once it ended OK."""
+async def run_with(auth: AuthServer, key: str, tool: str = "state_run_and_tree",
+                   arguments: dict[str, object] | None = None) -> dict[str, object]:
+    """Runs ``tool`` (``state_run_and_tree`` keeps its run id as ``mine`` in its run state
+    and as ``root`` in its tree's) with ``key`` over HTTP; its answer once it ended OK."""
     async with httpx.AsyncClient(base_url=base_url(auth), timeout=60,
                                  headers={"Authorization": f"Bearer {key}"}) as http:
-        answer = await http.post("/v1/tools/state_run_and_tree:execute?wait=true", json={})
+        answer = await http.post(f"/v1/tools/{tool}:execute?wait=true",
+                                 json={"arguments": arguments or {}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["result"]["outcome"] == "OUTCOME_OK"
-    return str(answer.json()["run_id"])
+    return dict(answer.json())
 
 
 async def open_run(browser: Browser, auth: AuthServer, key: str, run_id: str,
@@ -62,7 +66,7 @@ def entry(page: Page, scope: str, key: str) -> Locator:
 async def test_an_admin_sees_the_runs_state_and_others_do_not(
         make_auth_server: AuthServerFactory, browser: Browser) -> None:
     auth = await make_auth_server(state_registry(), roles=("admin",), http_port=0)
-    run_id = await run_with(auth, auth.key)
+    run_id = str((await run_with(auth, auth.key))["run_id"])
     answers: list[int] = []
     page = await open_run(browser, auth, auth.key, run_id, answers)
 
@@ -90,7 +94,7 @@ async def test_a_viewer_without_the_admin_role_sees_no_state_section(
         make_auth_server: AuthServerFactory, browser: Browser) -> None:
     auth = await make_auth_server(state_registry(), roles=("admin",), http_port=0)
     viewer = auth.add_key("viewer", "tools")
-    run_id = await run_with(auth, viewer)
+    run_id = str((await run_with(auth, viewer))["run_id"])
     answers: list[int] = []
     page = await open_run(browser, auth, viewer, run_id, answers)
     errors: list[str] = []
@@ -109,4 +113,28 @@ async def test_a_viewer_without_the_admin_role_sees_no_state_section(
     await expect(page.locator("#state-box")).to_be_visible()
     assert answers[0] == 403 and set(answers[1:]) == {200}
     assert errors == []
+    await page.close()
+
+
+async def test_a_child_runs_tree_state_is_its_roots(make_auth_server: AuthServerFactory,
+                                                     browser: Browser) -> None:
+    registry = Registry([*tree_registry().values(), *state_registry().values()])
+    auth = await make_auth_server(registry, roles=("admin",), http_port=0)
+    parent = await run_with(auth, auth.key, "caller", {"tool": "state_run_and_tree"})
+    parent_id = str(parent["run_id"])
+    child_id = json.loads(parent["result"]["output"])["child_run_id"]
+    assert child_id != parent_id
+    answers: list[int] = []
+    page = await open_run(browser, auth, auth.key, child_id, answers)
+
+    # The child's own run state, and the tree's: kept under the root run, the parent.
+    await expect(entry(page, "run", "mine")).to_have_text(json.dumps(child_id))
+    await expect(page.locator("#state-tree-root")).to_have_text(parent_id)
+    await expect(entry(page, "tree", "root")).to_have_text(json.dumps(child_id))
+    # The parent kept nothing of its own.
+    async with page.expect_response(lambda r: "/v1/state/tree?" in r.url):
+        await page.goto(f"{base_url(auth)}/#run={parent_id}")
+    await expect(page.locator("#run-id")).to_have_text(parent_id)
+    await expect(page.locator("#state-run-entries")).to_have_text("nothing kept")
+    await expect(entry(page, "tree", "root")).to_have_text(json.dumps(child_id))
     await page.close()
