@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 
 from stargrpc import SyncToolContext, ToolContext, tool
 from stargrpc.registry import Registry, spec_of
-from stargrpc.v1 import events_pb2
+from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.helpers import key_channel
 from tests.runs_support import as_principal, collect, execute_request
 
 
@@ -98,3 +99,14 @@ def value_of(result: events_pb2.Result) -> Any:
     """The value a state test tool reports, once it ended OK."""
     assert result.outcome == events_pb2.OUTCOME_OK, result
     return json.loads(result.output)["value"]
+
+
+async def state_op_run_id(target: str, api_key: str, **arguments: Any) -> str:
+    """Runs ``state_op`` on the server at ``target`` with ``api_key`` (a server with
+    authentication on, as the client tests start one); the id of its run."""
+    async with key_channel(target, api_key) as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        events = await collect(stub.Execute(execute_request("state_op", arguments)))
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK, result
+    return str(json.loads(result.output)["run"])

@@ -12,6 +12,15 @@
 //
 //   node clients/node/cli.js session create python            open a session (prints its id)
 //   node clients/node/cli.js call python '{"code":"x=1"}' --session ID   run in it
+//
+//   node clients/node/cli.js state get --scope run --run RUN_ID KEY    run state (admin role)
+//   node clients/node/cli.js state set --scope global KEY '{"json": 1}' [--ttl SECONDS]
+//   node clients/node/cli.js state delete --scope principal --principal ID KEY
+//   node clients/node/cli.js state list --scope tree --run ROOT_ID [--prefix P] [--values]
+//                                       [--limit N] [--after KEY]
+//   (as `stargrpc state`: get prints the value's JSON, get and delete exit 3 when the key
+//   is absent, list prints a key a line (KEY<TAB>JSON with --values) and where the next
+//   page starts on stderr)
 // Options: --target HOST:PORT (env STARGRPC_TARGET, default localhost:50051), --api-key KEY
 // (env STARGRPC_API_KEY), --tls, --ca-file PEM, --json (one event per line, proto3 JSON).
 // `call` and `watch` exit 0 only when the outcome is OK, like `stargrpc call`; `watch` past
@@ -22,7 +31,7 @@
 const fs = require("node:fs");
 const { parseArgs } = require("node:util");
 const grpc = require("@grpc/grpc-js");
-const { connect } = require("./stargrpc");
+const { connect, STATE_SCOPES } = require("./stargrpc");
 
 // A reader that stops early (`| head`) closes the pipe: end quietly, as shell tools do,
 // instead of dying on an unhandled EPIPE (the stream is cancelled with the process).
@@ -207,6 +216,8 @@ const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] [--session ID] | watc
   "cancel RUN_ID [--reason TEXT]\n" +
   "steer RUN_ID MESSAGE | approve|deny RUN_ID --approval-id ID [--reason TEXT]\n" +
   "session create [python|shell] | session list | session close ID\n" +
+  "state get|delete --scope S [--run ID] [--principal ID] KEY | state set ... KEY JSON [--ttl SECONDS]\n" +
+  "state list --scope S [--run ID] [--principal ID] [--prefix P] [--values] [--limit N] [--after KEY]\n" +
   "options: --target HOST:PORT  --api-key KEY  --tls  --ca-file PEM  --json  --idempotency-key K  --parent-run-id RUN_ID  --session ID";
 
 class UsageError extends Error {}
@@ -230,6 +241,14 @@ async function main(argv) {
         reason: { type: "string", default: "" },
         "approval-id": { type: "string", default: "" },
         "arguments-digest": { type: "string", default: "" },
+        scope: { type: "string", default: "" },
+        run: { type: "string", default: "" },
+        principal: { type: "string", default: "" },
+        ttl: { type: "string" },
+        prefix: { type: "string", default: "" },
+        values: { type: "boolean", default: false },
+        limit: { type: "string", default: "100" },
+        after: { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
     });
@@ -295,6 +314,7 @@ async function main(argv) {
       console.error("closed");
       return 0;
     }
+    if (command === "state") return await stateCommand(client, rest, values);
     if (command === "watch" && rest.length === 1) {
       if (!/^\d+$/.test(values["after-seq"])) throw new UsageError("--after-seq must be a seq (a whole number >= 0)");
       return await follow(client.watch(rest[0], values["after-seq"]), values.json, newRun(),
@@ -323,6 +343,58 @@ async function main(argv) {
   } finally {
     client.close();
   }
+}
+
+/** Where a state command reads or writes: --scope, with --run or --principal as it needs. */
+function stateWhere(values) {
+  const { scope, run, principal } = values;
+  if (!STATE_SCOPES.includes(scope)) {
+    throw new UsageError(`--scope must be one of ${STATE_SCOPES.join(", ")}`);
+  }
+  if ((scope === "run" || scope === "tree") && !run) throw new UsageError(`--scope ${scope} needs --run RUN_ID`);
+  if (scope === "principal" && !principal) throw new UsageError("--scope principal needs --principal ID");
+  return { scope, options: { runId: run, principal } };
+}
+
+/** `state get|set|delete|list`, as `stargrpc state`; resolves to the exit status. */
+async function stateCommand(client, rest, values) {
+  const [action, ...params] = rest;
+  const arity = { get: 1, set: 2, delete: 1, list: 0 }[action];
+  if (arity === undefined || params.length !== arity) throw new UsageError(`state ${action || ""}: wrong arguments`);
+  const { scope, options } = stateWhere(values);
+  if (action === "get") {
+    const text = await client.getStateJson(scope, params[0], options);
+    if (text === null) {
+      console.error(`${params[0]}: absent`);
+      return 3;
+    }
+    console.log(text);
+    return 0;
+  }
+  if (action === "set") {
+    try {
+      JSON.parse(params[1]);
+    } catch (error) {
+      throw new UsageError(`VALUE is not JSON (${error.message}); quote a string as '"text"'`);
+    }
+    const ttlSeconds = values.ttl === undefined ? 0 : Number(values.ttl);
+    if (!(ttlSeconds > 0) && values.ttl !== undefined) throw new UsageError("--ttl must be a number of seconds > 0");
+    // The text goes as written, so a large integer keeps every digit.
+    await client.setState(scope, params[0], undefined, { ...options, ttlSeconds, valueJson: params[1] });
+    return 0;
+  }
+  if (action === "delete") {
+    if (await client.deleteState(scope, params[0], options)) return 0;
+    console.error(`${params[0]}: absent`);
+    return 3;
+  }
+  const pageSize = Number(values.limit);
+  if (!Number.isInteger(pageSize) || pageSize < 1 || pageSize > 1000) throw new UsageError("--limit must be 1..1000");
+  const page = await client.listState(scope, { ...options, prefix: values.prefix, pageSize,
+    afterKey: values.after, withValues: values.values });
+  for (const entry of page.entries) console.log(values.values ? `${entry.key}\t${entry.value_json}` : entry.key);
+  if (page.next_after_key) console.error(`more: --after ${page.next_after_key}`);
+  return 0;
 }
 
 /** A failed call as `stargrpc call` shows it: code, message, reason, bad fields. */

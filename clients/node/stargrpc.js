@@ -107,7 +107,7 @@ protobuf.wrappers[".google.protobuf.Value"] = {
 
 // -- the contract -------------------------------------------------------------------------
 
-const definition = protoLoader.loadSync("stargrpc/v1/tool_service.proto", {
+const definition = protoLoader.loadSync(["stargrpc/v1/tool_service.proto", "stargrpc/v1/state.proto"], {
   includeDirs: [PROTO_ROOT],
   keepCase: true, // proto field names, as the Python CLI prints them
   longs: String,
@@ -117,7 +117,26 @@ const definition = protoLoader.loadSync("stargrpc/v1/tool_service.proto", {
   oneofs: false,
   json: true,
 });
-const { ToolService } = grpc.loadPackageDefinition(definition).stargrpc.v1;
+const { ToolService, RunStateService } = grpc.loadPackageDefinition(definition).stargrpc.v1;
+
+/** The scopes of run state, by the names the Python client and CLI use. */
+const STATE_SCOPES = ["run", "tree", "principal", "global"];
+
+/**
+ * The StateScopeRef of a run state call.
+ * @param {string} scope "run", "tree", "principal" or "global"
+ * @param {object} [options] { runId (scope run, or the tree's root run), principal }
+ */
+function stateScope(scope, options = {}) {
+  if (!STATE_SCOPES.includes(scope)) {
+    throw new TypeError(`no state scope ${JSON.stringify(scope)}: ${STATE_SCOPES.join(", ")}`);
+  }
+  return {
+    scope: `STATE_SCOPE_${scope.toUpperCase()}`,
+    run_id: options.runId || "",
+    principal: options.principal || "",
+  };
+}
 
 // -- google.rpc status details ------------------------------------------------------------
 
@@ -208,9 +227,11 @@ class StargrpcClient {
     const credentials = options.tls || options.caPem
       ? grpc.credentials.createSsl(options.caPem || null)
       : grpc.credentials.createInsecure();
-    this.stub = new ToolService(target, credentials, {
-      "grpc.primary_user_agent": "stargrpc-node/0.1.0",
-    });
+    const channelOptions = { "grpc.primary_user_agent": "stargrpc-node/0.1.0" };
+    this.stub = new ToolService(target, credentials, channelOptions);
+    // RunStateService on the same channel (closed with it).
+    this.stateStub = new RunStateService(target, credentials,
+      { channelOverride: this.stub.getChannel() });
     this.apiKey = options.apiKey || "";
     this.maxAttempts = options.maxAttempts || 5;
   }
@@ -297,6 +318,76 @@ class StargrpcClient {
       this.stub.ListSessions({}, this.metadata(),
         (error, reply) => (error ? reject(withDetails(error)) : resolve(reply.sessions)));
     });
+  }
+
+  /** A unary call on `stub`, its refusal decoded (see `withDetails`). */
+  unary(stub, method, request) {
+    return new Promise((resolve, reject) => {
+      stub[method](request, this.metadata(),
+        (error, reply) => (error ? reject(withDetails(error)) : resolve(reply)));
+    });
+  }
+
+  /**
+   * The value of `key` in a scope of run state as its canonical JSON text, or null when
+   * absent (GetState; admin role). Text, not a parsed value, so large integers keep every
+   * digit; `getState` parses it.
+   * @param {string} scope "run", "tree", "principal" or "global"
+   * @param {string} key
+   * @param {object} [options] { runId (scope run, or the tree's root run), principal }
+   */
+  async getStateJson(scope, key, options = {}) {
+    const reply = await this.unary(this.stateStub, "GetState",
+      { scope: stateScope(scope, options), key });
+    return reply.found ? reply.value_json : null;
+  }
+
+  /**
+   * The value of `key` in a scope of run state (parsed JSON), or `options.default`
+   * (undefined) when absent; see `getStateJson`.
+   */
+  async getState(scope, key, options = {}) {
+    const text = await this.getStateJson(scope, key, options);
+    return text === null ? options.default : JSON.parse(text);
+  }
+
+  /**
+   * Sets `key` in a scope of run state (SetState; admin role) to `value`, encoded as JSON,
+   * or to the JSON text `options.valueJson` when given (sent as written, for exact numbers).
+   * @param {object} [options] { runId, principal, ttlSeconds (0: as long as the scope), valueJson }
+   */
+  async setState(scope, key, value, options = {}) {
+    const valueJson = options.valueJson !== undefined ? options.valueJson : JSON.stringify(value);
+    if (valueJson === undefined) throw new TypeError(`the value of ${key} is not JSON`);
+    await this.unary(this.stateStub, "SetState", {
+      scope: stateScope(scope, options), key, value_json: valueJson,
+      ttl_seconds: options.ttlSeconds || 0,
+    });
+  }
+
+  /** Removes `key` from a scope of run state (DeleteState; admin role); whether it was there. */
+  async deleteState(scope, key, options = {}) {
+    const reply = await this.unary(this.stateStub, "DeleteState",
+      { scope: stateScope(scope, options), key });
+    return Boolean(reply.deleted);
+  }
+
+  /**
+   * One page of the keys of a scope of run state, sorted (ListState; admin role); resolves
+   * to `{ entries: [{ key, value_json }], next_after_key }` ("" when no key is left).
+   * @param {object} [options] { runId, principal, prefix, pageSize (0: the server's
+   *   default), afterKey (the previous page's next_after_key), withValues }
+   */
+  async listState(scope, options = {}) {
+    const reply = await this.unary(this.stateStub, "ListState", {
+      scope: stateScope(scope, options), prefix: options.prefix || "",
+      page_size: options.pageSize || 0, after_key: options.afterKey || "",
+      with_values: Boolean(options.withValues),
+    });
+    return {
+      entries: (reply.entries || []).map((e) => ({ key: e.key, value_json: e.value_json || "" })),
+      next_after_key: reply.next_after_key || "",
+    };
   }
 
   /**
@@ -412,4 +503,4 @@ function connect(target, options) {
   return new StargrpcClient(target, options);
 }
 
-module.exports = { connect, StargrpcClient, withDetails };
+module.exports = { connect, StargrpcClient, withDetails, STATE_SCOPES };

@@ -55,6 +55,7 @@ type Client struct {
 	conn        *grpc.ClientConn
 	ownConn     bool
 	stub        pb.ToolServiceClient
+	state       pb.RunStateServiceClient
 	maxAttempts int
 	backoff     time.Duration
 }
@@ -95,7 +96,8 @@ func Dial(target string, opts Options) (*Client, error) {
 // New is a client on an existing connection (left open by Close). The connection must
 // carry the credentials itself (Options.APIKey is used by Dial only).
 func New(conn *grpc.ClientConn, opts Options) *Client {
-	c := &Client{conn: conn, stub: pb.NewToolServiceClient(conn), maxAttempts: opts.MaxAttempts,
+	c := &Client{conn: conn, stub: pb.NewToolServiceClient(conn),
+		state: pb.NewRunStateServiceClient(conn), maxAttempts: opts.MaxAttempts,
 		backoff: opts.Backoff}
 	if c.maxAttempts <= 0 {
 		c.maxAttempts = 5
@@ -209,6 +211,12 @@ type Call struct {
 	// MaxWaitSeconds refuses the call at once (RESOURCE_EXHAUSTED, LANE_BUSY) when its
 	// estimated wait in the lane's queue is longer; 0 waits.
 	MaxWaitSeconds float64
+	// SessionID runs the call in one of the caller's sessions (CreateSession), so what
+	// an earlier call there left (a python variable, a shell file) is still there.
+	SessionID string
+	// SessionNoWait refuses the call (FAILED_PRECONDITION, reason SESSION_BUSY) instead of
+	// waiting while the session runs another.
+	SessionNoWait bool
 }
 
 // EventHandler receives each event exactly once, in seq order; the last one carries the
@@ -238,7 +246,7 @@ func (c *Client) Execute(ctx context.Context, call Call, onEvent EventHandler) (
 	request := &pb.ExecuteRequest{ToolName: call.Tool, IdempotencyKey: call.IdempotencyKey,
 		CatalogHash: call.CatalogHash, Context: call.Context, CoalesceDeltas: call.CoalesceDeltas,
 		ParentRunId: call.ParentRunID, Lane: call.Lane, Priority: call.Priority,
-		MaxWaitSeconds: call.MaxWaitSeconds}
+		MaxWaitSeconds: call.MaxWaitSeconds, SessionId: call.SessionID, SessionNoWait: call.SessionNoWait}
 	if request.IdempotencyKey == "" {
 		request.IdempotencyKey = NewIdempotencyKey()
 	}

@@ -10,6 +10,7 @@
 //   result.js     its Result; messages.js the rich messages (markdown.js, tree.js)
 //   runs-list.js  the runs list, live, with its filters
 //   sessions.js   the session picker (python, shell) and the session's files
+//   run-state.js  the run and tree state of the run shown, for an admin viewer
 //   state.js      what the parts share: the catalog, the server's offers, the run shown
 // Events are read with fetch() rather than EventSource so that credentials can travel in
 // an Authorization header.
@@ -19,6 +20,7 @@ import { $ } from "./page/dom.js";
 import { hideError, showError } from "./page/errors.js";
 import { currentArguments, loadTools, setView, showTool } from "./page/form.js";
 import { cancelRun, steerRun, tick } from "./page/run-view.js";
+import { refreshRunState } from "./page/run-state.js";
 import { initRunsList, watchRuns } from "./page/runs-list.js";
 import { newSession, refreshSessions, showSessionsFor } from "./page/sessions.js";
 import { server, shown } from "./page/state.js";
@@ -63,6 +65,7 @@ $("credentials").open = !$("token").value;
 $("token").addEventListener("change", () => {
   saveToken($("token").value.trim());
   refreshTools();
+  refreshRunState();  // another key may read (or no longer read) the run's state
 });
 $("tool").addEventListener("change", () => {
   shown.runArgs = null;
@@ -73,6 +76,7 @@ $("session").addEventListener("change", refreshSessions);
 $("new-session").addEventListener("click", newSession);
 $("run-form").addEventListener("submit", submit);
 $("cancel-button").addEventListener("click", cancelRun);
+$("state-refresh").addEventListener("click", refreshRunState);
 $("steer-form").addEventListener("submit", steerRun);
 $("view-form").addEventListener("click", () => setView("form"));
 $("view-json").addEventListener("click", () => setView("json"));

@@ -1,22 +1,31 @@
 // Command stargrpc-go is a small command line on the Go client: list the tools, call one,
-// watch a run, steer, cancel, approve or deny a run.
+// watch a run, steer, cancel, approve or deny a run; open, list and close sessions; read
+// and change run state (admin role).
 //
 //	stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] tools
-//	stargrpc-go call TOOL [ARGS_JSON]
+//	stargrpc-go call [-session ID] TOOL [ARGS_JSON]
 //	stargrpc-go watch [-after-seq N] RUN_ID
 //	stargrpc-go cancel [-reason TEXT] RUN_ID
 //	stargrpc-go steer RUN_ID MESSAGE
 //	stargrpc-go approve|deny -approval-id ID [-reason TEXT] [-arguments-digest SHA256] RUN_ID
+//	stargrpc-go session create [python|shell] | session list | session close ID
+//	stargrpc-go state get|delete -scope S [-run ID] [-principal ID] KEY
+//	stargrpc-go state set -scope S [-run ID] [-principal ID] [-ttl SECONDS] KEY JSON
+//	stargrpc-go state list -scope S [-run ID] [-principal ID] [-prefix P] [-values] [-limit N] [-after KEY]
 //
 // The target and key default to $STARGRPC_TARGET (else localhost:50051) and
 // $STARGRPC_API_KEY. `call` prints "run <id>" on stderr and exits 0 only for OUTCOME_OK
 // (1 otherwise); Ctrl-C cancels the run and exits 130. `watch` past the end of a finished
 // run exits 0 with nothing to show. `cancel` exits 0 when the run was going, 2 when it had
-// ended. A refusal prints the status, its reason and each field violation, and exits 1.
+// ended. `session create` prints the new session's id. `state` works as `stargrpc state`:
+// get prints the value's JSON, get and delete exit 3 when the key is absent, list prints a
+// key a line (KEY<TAB>JSON with -values) and where the next page starts on stderr. A
+// refusal prints the status, its reason and each field violation, and exits 1.
 package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -24,8 +33,10 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/stargrpc/stargrpc/clients/go/stargrpc"
 	pb "github.com/stargrpc/stargrpc/clients/go/stargrpcv1"
@@ -33,12 +44,20 @@ import (
 
 const usage = `usage: stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] COMMAND
   tools                          the catalog
-  call TOOL [ARGS_JSON]          run a tool, print its events
+  call [-session ID] TOOL [ARGS_JSON]
+                                 run a tool (in a session), print its events
   watch [-after-seq N] RUN_ID    replay a run after a seq, then follow it
   cancel [-reason TEXT] RUN_ID   stop a run
   steer RUN_ID MESSAGE           send a running tool a message
   approve|deny -approval-id ID [-reason TEXT] [-arguments-digest SHA256] RUN_ID
                                  decide on a run that waits for approval
+  session create [python|shell]  open a session, print its id
+  session list                   the caller's open sessions
+  session close ID               close a session
+  state get|delete -scope S [-run ID] [-principal ID] KEY
+  state set -scope S [-run ID] [-principal ID] [-ttl SECONDS] KEY JSON
+  state list -scope S [-run ID] [-principal ID] [-prefix P] [-values] [-limit N] [-after KEY]
+                                 run state (admin role); S: run, tree, principal, global
 `
 
 func main() {
@@ -71,6 +90,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 	out := &printer{w: stdout, json: *asJSON}
 
 	command, params := rest[0], rest[1:]
+	action := "" // session and state: the word after the command, before its flags
+	if (command == "session" || command == "state") && len(params) > 0 {
+		action, params = params[0], params[1:]
+	}
 	sub := flag.NewFlagSet(command, flag.ContinueOnError)
 	sub.SetOutput(stderr)
 	afterSeq := sub.Uint64("after-seq", 0, "watch: replay the events after this seq")
@@ -78,6 +101,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 	approvalID := sub.String("approval-id", "", "approve, deny: the approval id of the request")
 	digest := sub.String("arguments-digest", "", "approve, deny: the arguments' sha256 shown")
 	parentRunID := sub.String("parent-run-id", "", "call: hang the run under this run of yours")
+	sessionID := sub.String("session", "", "call: run in this session of yours")
+	scope := sub.String("scope", "", "state: run, tree, principal or global")
+	runID := sub.String("run", "", "state: the run (scope run) or the tree's root run (scope tree)")
+	principal := sub.String("principal", "", "state: the principal's id (scope principal)")
+	ttl := sub.Float64("ttl", 0, "state set: seconds the entry lives (0: as long as the scope)")
+	prefix := sub.String("prefix", "", "state list: only keys starting with this")
+	withValues := sub.Bool("values", false, "state list: print each value too")
+	limit := sub.Int("limit", 100, "state list: keys per page (1..1000)")
+	afterKey := sub.String("after", "", "state list: go on after this key")
 	if err := sub.Parse(params); err != nil {
 		return exitUsage(err)
 	}
@@ -102,7 +134,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	case command == "call" && (len(params) == 1 || len(params) == 2):
-		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID}
+		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID, SessionID: *sessionID}
 		if len(params) == 2 {
 			call.ArgumentsJSON = params[1]
 		}
@@ -161,6 +193,22 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "%s run %s\n", verb, reply.GetRunId())
 		return 0
+	case command == "session":
+		return sessionCommand(ctx, client, action, params, *asJSON, stdout, stderr)
+	case command == "state":
+		ref, err := stargrpc.ParseStateScope(*scope, *runID, *principal)
+		if err != nil {
+			fmt.Fprintf(stderr, "state: %v\n", err)
+			return 2
+		}
+		page := stargrpc.StatePage{Prefix: *prefix, AfterKey: *afterKey, WithValues: *withValues}
+		if *limit < 1 || *limit > 1000 || *ttl < 0 {
+			fmt.Fprintln(stderr, "state: -limit is 1..1000, -ttl a number of seconds >= 0")
+			return 2
+		}
+		page.PageSize = int32(*limit)
+		return stateCommand(ctx, client, action, params, ref, page,
+			time.Duration(*ttl*float64(time.Second)), stdout, stderr)
 	case command == "steer" && len(params) == 2:
 		if err := client.Steer(ctx, params[0], params[1]); err != nil {
 			return fail(stderr, err)
@@ -170,6 +218,121 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprint(stderr, usage)
 	return 2
+}
+
+// sessionCommand runs `session create|list|close`; the exit status.
+func sessionCommand(ctx context.Context, client *stargrpc.Client, action string, params []string,
+	asJSON bool, stdout, stderr io.Writer) int {
+	switch {
+	case action == "create" && len(params) <= 1:
+		kind := "python"
+		if len(params) == 1 {
+			kind = params[0]
+		}
+		session, err := client.CreateSession(ctx, kind, stargrpc.SessionLimits{})
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if asJSON {
+			return printJSON(stdout, stderr, session)
+		}
+		fmt.Fprintln(stdout, session.GetSessionId())
+		return 0
+	case action == "list" && len(params) == 0:
+		sessions, err := client.ListSessions(ctx)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		for _, session := range sessions {
+			if asJSON {
+				if code := printJSON(stdout, stderr, session); code != 0 {
+					return code
+				}
+				continue
+			}
+			busy := "idle"
+			if session.GetBusy() {
+				busy = "busy"
+			}
+			fmt.Fprintf(stdout, "%s  %s  %s  %d calls\n", session.GetSessionId(),
+				session.GetKind(), busy, session.GetCalls())
+		}
+		return 0
+	case action == "close" && len(params) == 1:
+		if err := client.CloseSession(ctx, params[0]); err != nil {
+			return fail(stderr, err)
+		}
+		fmt.Fprintln(stderr, "closed")
+		return 0
+	}
+	fmt.Fprint(stderr, usage)
+	return 2
+}
+
+// stateCommand runs `state get|set|delete|list` on one scope; the exit status.
+func stateCommand(ctx context.Context, client *stargrpc.Client, action string, params []string,
+	ref *pb.StateScopeRef, page stargrpc.StatePage, ttl time.Duration, stdout, stderr io.Writer) int {
+	switch {
+	case action == "get" && len(params) == 1:
+		value, found, err := client.GetState(ctx, ref, params[0])
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if !found {
+			fmt.Fprintf(stderr, "%s: absent\n", params[0])
+			return 3
+		}
+		fmt.Fprintln(stdout, value)
+		return 0
+	case action == "set" && len(params) == 2:
+		if !json.Valid([]byte(params[1])) {
+			fmt.Fprintf(stderr, "state set: VALUE is not JSON; quote a string as '\"text\"'\n")
+			return 2
+		}
+		// The text goes as written, so a large integer keeps every digit.
+		if err := client.SetState(ctx, ref, params[0], params[1], ttl); err != nil {
+			return fail(stderr, err)
+		}
+		return 0
+	case action == "delete" && len(params) == 1:
+		deleted, err := client.DeleteState(ctx, ref, params[0])
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if !deleted {
+			fmt.Fprintf(stderr, "%s: absent\n", params[0])
+			return 3
+		}
+		return 0
+	case action == "list" && len(params) == 0:
+		reply, err := client.ListState(ctx, ref, page)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		for _, entry := range reply.GetEntries() {
+			if page.WithValues {
+				fmt.Fprintf(stdout, "%s\t%s\n", entry.GetKey(), entry.GetValueJson())
+			} else {
+				fmt.Fprintln(stdout, entry.GetKey())
+			}
+		}
+		if next := reply.GetNextAfterKey(); next != "" {
+			fmt.Fprintf(stderr, "more: -after %s\n", next)
+		}
+		return 0
+	}
+	fmt.Fprint(stderr, usage)
+	return 2
+}
+
+// printJSON prints a message as one proto3 JSON line (proto field names); the exit status.
+func printJSON(stdout, stderr io.Writer, message proto.Message) int {
+	text, err := jsonLine.Marshal(message)
+	if err != nil {
+		return fail(stderr, err)
+	}
+	fmt.Fprintln(stdout, string(text))
+	return 0
 }
 
 func envOr(name, fallback string) string {

@@ -8,6 +8,7 @@ import { hideError, showRefusal } from "./errors.js";
 import { base64Bytes, outcomeName, phaseName, statusName } from "./format.js";
 import { showTool } from "./form.js";
 import { renderResult } from "./result.js";
+import { refreshRunState, resetRunStateView } from "./run-state.js";
 import { refreshSessions } from "./sessions.js";
 import { catalog, server, shown } from "./state.js";
 
@@ -30,6 +31,7 @@ export function resetRunView() {
   $("result").hidden = true;
   $("cancel-button").disabled = false;
   $("steer-form").hidden = !server.canSteer;
+  resetRunStateView();
   setRunState("RUNNING");
 }
 
@@ -170,6 +172,7 @@ export function onResult(result) {
   announce(`Run finished: ${outcome.toLowerCase()}`);
   renderResult(result, shown);
   refreshSessions();  // a run in a session may have changed its files
+  refreshRunState();  // what the run kept, as it ended
 }
 
 // -- the critic's countdown -------------------------------------------------------------------

@@ -7,6 +7,7 @@ import { authHeaders, errorMessage, saveRunArgs, savedRunArgs } from "./api.js";
 import { $ } from "./dom.js";
 import { showError, showRefusal } from "./errors.js";
 import { seconds } from "./format.js";
+import { noteRootRun } from "./run-state.js";
 import { markCurrent } from "./runs-list.js";
 import {
   onFileChunk, onHeartbeat, onNotice, onResult, onStep, resetRunView, setRunState,
@@ -127,6 +128,7 @@ function dispatch(kind, data) {
     shown.deadline = stamped + seconds(payload.critic_time_left) * 1000;
     if (shown.softTimeout === null) shown.softTimeout = Math.round(seconds(payload.critic_time_left));
   }
+  noteRootRun(payload.root_run_id);  // on the run's first event: its state can be read
   if (payload.step) onStep(payload.step, payload.child_run_id || "");
   else if (payload.heartbeat) onHeartbeat(payload.heartbeat);
   else if (payload.notice) onNotice(payload.notice);
