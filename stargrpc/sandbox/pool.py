@@ -3,8 +3,10 @@
 A server with sandboxed tools keeps ``sandbox_warm_pool`` sandboxes of each warm kind it
 needs ready (``python`` for the python tool, ``exec`` for the shell tool; see
 :mod:`stargrpc.sandbox.warm`), per process: under ``serve --workers N`` each worker keeps
-its own. A run whose command, environment, limits and isolation match a ready one takes it
-(the oldest first); it is never given to another run, and is destroyed when its run ends.
+its own. A run whose command, environment, limits, isolation and folders shown match a
+ready one takes it (the oldest first), and with it is handed its state socket, the one
+descriptor a pooled sandbox can be given (see :class:`~stargrpc.sandbox.warm.WarmKind`);
+it is never given to another run, and is destroyed when its run ends.
 The refill starts replacements in the background, one at a time, once the run that took
 one has ended its command (or a second after the hand-out at the latest), so that starting
 the next sandbox does not take CPU from the run it would serve.
