@@ -541,13 +541,24 @@ class WarmSandbox:
                 and with it whatever of the command it may have begun (in its own folder,
                 which is removed; the run then starts a sandbox of its own).
         """
+        if bool(fds) != self.kind.takes_state:
+            raise ValueError(f"a {self.kind.name} sandbox takes "
+                             f"{'one' if self.kind.takes_state else 'no'} state socket")
+        try:
+            await self._hand_out(arguments, files, limits, fds)
+        except Unfit:
+            self._control.close()  # its launcher, if it still listens, gets nothing more
+            raise
+        assert self._stdout is not None
+        self._handed = True
+        return WarmStart(self.workdir, self._leader, self._stdout)
+
+    async def _hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
+                        limits: Limits, fds: Sequence[int]) -> None:
         reason = self.unfit()
         if reason is not None:
             raise Unfit(reason)
         assert self._stdout is not None
-        if bool(fds) != self.kind.takes_state:
-            raise ValueError(f"a {self.kind.name} sandbox takes "
-                             f"{'one' if self.kind.takes_state else 'no'} state socket")
         nonce = secrets.token_hex(16).encode()
         try:
             write_inputs(self.workdir, files, limits)
@@ -571,8 +582,6 @@ class WarmSandbox:
             except OSError as exc:
                 raise Unfit(f"its state socket could not be handed over: {exc}") from exc
         self._control.close()
-        self._handed = True
-        return WarmStart(self.workdir, self._leader, self._stdout)
 
     async def aclose(self) -> None:
         """Destroys it (not once handed out: the run it went to ends it); safe to call more

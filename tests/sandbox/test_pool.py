@@ -8,6 +8,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ from stargrpc.sandbox import Limits, Sandbox
 from stargrpc.sandbox.pool import WarmPool
 from stargrpc.sandbox.runner import SandboxResult, _live_processes, sandbox_root
 from stargrpc.sandbox.state_socket import StateSocket, client_dir
-from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS, STATE_FD, WarmSandbox, _tree
+from stargrpc.sandbox.warm import (
+    PYTHON_ENV,
+    PYTHON_FLAGS,
+    STATE_FD,
+    Unfit,
+    WarmSandbox,
+    _tree,
+    kinds_for,
+)
 from stargrpc.settings import MiB, Settings
 from stargrpc.stores.memory import MemoryStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
@@ -389,6 +398,40 @@ async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
     assert other.stdout == "[] []\n"
     assert pool.waiting("python") == [] or second not in pool.waiting("python")
     assert await sandbox.store.get("run:run-a", "mine") == '"A"'
+
+
+#: A launcher that takes whatever the hand-out sends, answers the nonce wrongly, then
+#: takes whatever else comes until the channel closes and says how many descriptors it got.
+ROGUE_LAUNCHER = """import os, socket, time
+os.write(1, b"ready\\n")
+control, taken = socket.socket(fileno=0), 0
+chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
+taken += len(fds)
+os.write(1, b"fresh not-the-nonce\\n")
+while chunk:
+    chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
+    taken += len(fds)
+os.write(1, b"took %d\\n" % taken)
+time.sleep(60)
+"""
+
+
+async def test_a_sandbox_that_answers_the_nonce_wrongly_never_gets_the_state_socket(
+        tmp_path) -> None:
+    sandbox = box(tmp_path)
+    state_socket = sandbox.state_socket("run-a")
+    [kind] = [kind for kind in kinds_for(sandbox.settings).values() if kind.name == "exec"]
+    rogue = replace(kind, launcher=(sandbox_python(), "-I", "-c", ROGUE_LAUNCHER))
+    warm = await WarmSandbox.start(sandbox.sandbox, rogue)
+    try:
+        with pytest.raises(Unfit, match="answered the hand-out wrongly"):
+            await warm.hand_out(["true"], {}, sandbox.sandbox.limits, state_socket.pass_fds)
+        assert warm._stdout is not None
+        assert await warm._stdout.readline() == b"took 0\n"  # the channel closed on it
+    finally:
+        await warm.aclose()
+        await state_socket.aclose()
+    assert gone(warm)
 
 
 async def test_the_python_tool_takes_a_warm_sandbox_end_to_end(make_server) -> None:
