@@ -3,8 +3,11 @@
 Two ``stargrpc serve`` processes side by side on 127.0.0.1, authentication off, the
 isolation the machine gives (bubblewrap where it works): one with the warm pool
 (``STARGRPC_SANDBOX_WARM_POOL``, 2 per core unless set), one without (``0``: every call
-starts its sandbox). The Python SDK (``stargrpc.client.AsyncClient``) makes sequential calls,
-the two servers taking turns 10 calls at a time:
+starts its sandbox). Both with the default settings otherwise, the state socket included
+(``sandbox_state_scopes`` run,tree, whatever the environment says): each call inherits its
+run's state socket, which the warm server hands to the pooled sandbox at hand-out. The
+Python SDK (``stargrpc.client.AsyncClient``) makes sequential calls, the two servers taking
+turns 10 calls at a time:
 
 - ``python`` with ``print(1)`` and ``shell`` with ``echo 1``, on each server;
 - ``echo`` (no sandbox), on the warm server: what the call costs without a sandbox.
@@ -117,6 +120,7 @@ def servers(pool: str | None) -> Iterator[dict[str, Server]]:
                 env = {**os.environ, "STARGRPC_STATE_DIR": f"{tmp}/{name}",
                        "STARGRPC_LOG_LEVEL": "error"}
                 env.pop("STARGRPC_SANDBOX_WARM_POOL", None)
+                env.pop("STARGRPC_SANDBOX_STATE_SCOPES", None)  # the default: run, tree
                 if size is not None:
                     env["STARGRPC_SANDBOX_WARM_POOL"] = size
                 port, metrics_port = _free_port(), _free_port()

@@ -3,8 +3,10 @@
 A server with sandboxed tools keeps ``sandbox_warm_pool`` sandboxes of each warm kind it
 needs ready (``python`` for the python tool, ``exec`` for the shell tool; see
 :mod:`stargrpc.sandbox.warm`), per process: under ``serve --workers N`` each worker keeps
-its own. A run whose command, environment, limits and isolation match a ready one takes it
-(the oldest first); it is never given to another run, and is destroyed when its run ends.
+its own. A run whose command, environment, limits, isolation and folders shown match a
+ready one takes it (the oldest first), and with it is handed its state socket, the one
+descriptor a pooled sandbox can be given (see :class:`~stargrpc.sandbox.warm.WarmKind`);
+it is never given to another run, and is destroyed when its run ends.
 The refill starts replacements in the background, one at a time, once the run that took
 one has ended its command (or a second after the hand-out at the latest), so that starting
 the next sandbox does not take CPU from the run it would serve.
@@ -26,6 +28,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import structlog
 
@@ -124,20 +127,23 @@ class WarmPool:
                 await lane.filled.wait()
 
     async def take(self, sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
-                   files: Mapping[str, str | bytes]) -> WarmStart | None:
-        """A ready sandbox, handed to the run of ``argv``, when one fits it exactly; None
-        when none does (the run starts its own)."""
+                   files: Mapping[str, str | bytes], pass_fds: tuple[int, ...] = (),
+                   read_only_paths: tuple[Path, ...] = ()) -> WarmStart | None:
+        """A ready sandbox, handed to the run of ``argv`` (and handed its state socket,
+        when ``pass_fds`` is that), when one fits it exactly; None when none does (the run
+        starts its own)."""
         if self._closing or sandbox.start_key() != self._key:
             return None
         for lane in self._lanes.values():
-            arguments = lane.kind.arguments_for(argv, env, files)
-            if arguments is None:
+            matched = lane.kind.match(argv, env, files, pass_fds, read_only_paths)
+            if matched is None:
                 continue
+            arguments, fds = matched
             while lane.ready:
                 warm = lane.ready.popleft()
                 self._changed(lane, refill=False)
                 try:
-                    handed = await warm.hand_out(arguments, files, sandbox.limits)
+                    handed = await warm.hand_out(arguments, files, sandbox.limits, fds)
                 except Unfit as exc:
                     self._discard(warm, "tampered", str(exc))
                     self._changed(lane)

@@ -194,17 +194,21 @@ class WarmStart:
 
 
 #: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
-#: sandbox, the command, its extra environment and its input files.
-WarmSource = Callable[["Sandbox", list[str], Mapping[str, str], Mapping[str, str | bytes]],
+#: sandbox, the command, its extra environment, its input files, the descriptors it
+#: inherits and the host folders it is shown (a source that cannot hand over each of
+#: those exactly as a started sandbox would have them gives None).
+WarmSource = Callable[["Sandbox", list[str], Mapping[str, str], Mapping[str, str | bytes],
+                       tuple[int, ...], tuple[Path, ...]],
                       Awaitable[WarmStart | None]]
 #: The warm pools of this process (:mod:`stargrpc.sandbox.pool` adds and removes them).
 warm_sources: list[WarmSource] = []
 
 
 async def _take_warm(sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
-                     files: Mapping[str, str | bytes]) -> WarmStart | None:
+                     files: Mapping[str, str | bytes], pass_fds: tuple[int, ...],
+                     read_only_paths: tuple[Path, ...]) -> WarmStart | None:
     for source in list(warm_sources):
-        warm = await source(sandbox, argv, env, files)
+        warm = await source(sandbox, argv, env, files, pass_fds, read_only_paths)
         if warm is not None:
             return warm
     return None
@@ -392,10 +396,11 @@ class Sandbox:
         check_input_names(files)
         # A pre-started sandbox of the warm pool when one fits this run exactly, else one
         # started now: the same folder, user, limits and isolation either way.
-        # A pooled sandbox inherited no descriptor of this run and shows no folder it was
-        # not started with: a run that needs either starts its own.
-        warm = (await _take_warm(self, argv, env, files)
-                if not pass_fds and not read_only_paths else None)
+        # A pooled sandbox shows the folders it was started with, and is handed at most
+        # the run's state socket: a run that needs another folder or descriptor starts
+        # its own (the pool decides, see stargrpc.sandbox.warm.WarmKind.match).
+        warm = await _take_warm(self, argv, env, files, tuple(pass_fds),
+                                tuple(read_only_paths))
         workdir = warm.workdir if warm is not None else self._make_workdir(files)
         try:
             started = time.monotonic()

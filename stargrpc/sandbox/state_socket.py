@@ -173,9 +173,7 @@ class StateSocket:
         fd = self._child.fileno()
         self.pass_fds = (fd,)
         self.read_only_paths = (client_dir,)
-        self.env = {state_client.FD_VARIABLE: str(fd),
-                    "PATH": f"{client_dir / 'bin'}:{SANDBOX_PATH}",
-                    "PYTHONPATH": str(client_dir)}
+        self.env = state_env(client_dir, fd)
         self._read_broker()
 
     @property
@@ -376,6 +374,14 @@ class StateSocket:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def state_env(client: Path, fd: int) -> dict[str, str]:
+    """The environment of a command whose state descriptor is ``fd``: its number in
+    ``$STARGRPC_STATE_FD``, and the client of ``client`` (:func:`client_dir`) on ``PATH``
+    and ``PYTHONPATH``."""
+    return {state_client.FD_VARIABLE: str(fd), "PATH": f"{client / 'bin'}:{SANDBOX_PATH}",
+            "PYTHONPATH": str(client)}
 
 
 def open_state_socket(ctx: ToolContext, root: Path) -> StateSocket | None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +16,22 @@ import grpc
 import pytest
 
 from stargrpc.metrics import REGISTRY
+from stargrpc.runs.state import RunState
 from stargrpc.sandbox import Limits, Sandbox
 from stargrpc.sandbox.pool import WarmPool
-from stargrpc.sandbox.runner import _live_processes
-from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS, WarmSandbox
+from stargrpc.sandbox.runner import SandboxResult, _live_processes, sandbox_root
+from stargrpc.sandbox.state_socket import StateSocket, client_dir
+from stargrpc.sandbox.warm import (
+    PYTHON_ENV,
+    PYTHON_FLAGS,
+    STATE_FD,
+    Unfit,
+    WarmSandbox,
+    _tree,
+    kinds_for,
+)
 from stargrpc.settings import MiB, Settings
+from stargrpc.stores.memory import MemoryStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import as_dict, run_tool
 
@@ -48,11 +62,13 @@ def metric(name: str, **labels: str) -> float:
 
 @pytest.fixture
 async def make_pool(tmp_path) -> AsyncIterator[PoolFactory]:
-    """``await make_pool(kinds, size)``: a started pool, filled; closed at the end."""
+    """``await make_pool(kinds, size, **settings)``: a started pool, filled; closed at the
+    end."""
     pools: list[WarmPool] = []
 
-    async def factory(kinds: tuple[str, ...] = ("python", "exec"), size: int = 1) -> WarmPool:
-        pool = WarmPool(settings(tmp_path), kinds, size)
+    async def factory(kinds: tuple[str, ...] = ("python", "exec"), size: int = 1,
+                      **overrides: Any) -> WarmPool:
+        pool = WarmPool(settings(tmp_path, **overrides), kinds, size)
         pools.append(pool)
         pool.start()
         await pool.filled()
@@ -63,17 +79,70 @@ async def make_pool(tmp_path) -> AsyncIterator[PoolFactory]:
         await pool.aclose()
 
 
-def box(tmp_path: Path, limits: Limits | None = None) -> Sandbox:
-    return Sandbox(settings(tmp_path), limits)
+class Box:
+    """A sandbox whose runs each get a state socket of their own, as the sandboxed tools'
+    runs do (none when ``sandbox_state_scopes`` is empty, or with ``state=False``).
+
+    Attributes:
+        store: The state the runs reach.
+        sockets: The state socket of each run made, in order.
+    """
+
+    def __init__(self, tmp_path: Path, limits: Limits | None = None, **overrides: Any) -> None:
+        self.settings = settings(tmp_path, **overrides)
+        self.sandbox = Sandbox(self.settings, limits)
+        self.store = MemoryStateStore()
+        self.sockets: list[StateSocket] = []
+
+    def state_socket(self, run_id: str) -> StateSocket:
+        """A state socket serving the run ``run_id``'s state (its tree: its own)."""
+        settings = self.settings
+        state_socket = StateSocket(
+            lambda scope: RunState(self.store, scope, f"{scope}:{run_id}", settings,
+                                   writable=True),
+            scopes=settings.sandbox_state_scopes, requests_per_second=1000.0,
+            max_value_bytes=settings.state_max_value_bytes,
+            client_dir=client_dir(sandbox_root(settings), settings.sandbox_python))
+        self.sockets.append(state_socket)
+        return state_socket
+
+    async def run(self, argv: list[str], *, files: dict[str, str] | None = None,
+                  env: dict[str, str] | None = None, run_id: str = "run-a",
+                  state: bool = True, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
+        if not state or not self.settings.sandbox_state_scopes:
+            return await self.sandbox.run(argv, files=files, env=env, pass_fds=pass_fds)
+        state_socket = self.state_socket(run_id)
+        try:
+            return await self.sandbox.run(
+                argv, files=files, env={**(env or {}), **state_socket.env},
+                pass_fds=(*state_socket.pass_fds, *pass_fds),
+                read_only_paths=state_socket.read_only_paths)
+        finally:
+            await state_socket.aclose()
 
 
-async def run_python(sandbox: Sandbox, code: str) -> Any:
+def box(tmp_path: Path, limits: Limits | None = None, **overrides: Any) -> Box:
+    return Box(tmp_path, limits, **overrides)
+
+
+async def run_python(sandbox: Box, code: str, **options: Any) -> Any:
     python = [sandbox_python(), *PYTHON_FLAGS, "snippet.py"]
-    return await sandbox.run(python, files={"snippet.py": code}, env=dict(PYTHON_ENV))
+    return await sandbox.run(python, files={"snippet.py": code}, env=dict(PYTHON_ENV),
+                             **options)
 
 
 def sandbox_python() -> str:
     return Settings.load().sandbox_python
+
+
+def held(warm: WarmSandbox) -> dict[int, set[str]]:
+    """What each process of ``warm`` holds: its descriptors' numbers and targets."""
+    found: dict[int, set[str]] = {}
+    for pid in _tree(warm.pid):
+        with contextlib.suppress(OSError):
+            found[pid] = {f"{fd}={os.readlink(f'/proc/{pid}/fd/{fd}')}"
+                          for fd in os.listdir(f"/proc/{pid}/fd")}
+    return found
 
 
 def gone(warm: WarmSandbox) -> bool:
@@ -83,13 +152,16 @@ def gone(warm: WarmSandbox) -> bool:
             and not os.path.lexists(warm.workdir.path))
 
 
-async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool,
-                                                                   tmp_path) -> None:
-    pool = await make_pool(("exec",))
+@pytest.mark.parametrize("scopes", ["run,tree", ""])
+async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool, tmp_path,
+                                                                   scopes) -> None:
+    # With the state socket on (the default) and off: the launchers differ.
+    pool = await make_pool(("exec",), sandbox_state_scopes=scopes)
     [waiting] = pool.waiting("exec")
     handed = metric("handouts", kind="exec")
 
-    result = await box(tmp_path).run(["sh", "-c", "echo hi; ls -A; echo $HOME"])
+    result = await box(tmp_path, sandbox_state_scopes=scopes).run(
+        ["sh", "-c", "echo hi; ls -A; echo $HOME"])
 
     assert result.verdict.ok
     assert result.stdout == "hi\n.steer.jsonl\nout\ntmp\n/work\n" or result.isolation != "bwrap"
@@ -103,20 +175,48 @@ async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool,
         assert replacement.workdir.uid != waiting.workdir.uid
 
 
+@pytest.mark.parametrize("scopes", ["run,tree", ""])
 @pytest.mark.parametrize("code", [INTROSPECT, "x = (", "import sys\nsys.exit('bye')",
                                   "import os\nos.close(0)\nos.close(1)\nos.close(2)",
                                   "print('no newline at the end', end='')"])
-async def test_a_warm_python_run_sees_what_a_cold_one_sees(make_pool, tmp_path, code) -> None:
-    cold = await run_python(box(tmp_path), code)
-    await make_pool(("python",))
+async def test_a_warm_python_run_sees_what_a_cold_one_sees(make_pool, tmp_path, code,
+                                                           scopes) -> None:
+    cold = await run_python(box(tmp_path, sandbox_state_scopes=scopes), code)
+    await make_pool(("python",), sandbox_state_scopes=scopes)
     handed = metric("handouts", kind="python")
 
-    warm = await run_python(box(tmp_path), code)
+    warm = await run_python(box(tmp_path, sandbox_state_scopes=scopes), code)
 
     assert metric("handouts", kind="python") == handed + 1
     assert (warm.exit_status, warm.verdict) == (cold.exit_status, cold.verdict)
     assert warm.stdout == cold.stdout
     # A traceback names the snippet only, as the interpreter run on it prints it.
+    assert warm.stderr == cold.stderr
+
+
+#: What a shell command can see of its process and folder; equal warm or cold.
+SHELL_INTROSPECT = """echo "$0" "$#" "$HOME" "$(pwd)"; ls -A; cat
+env | cut -d= -f1 | sort | tr '\\n' ' '; echo
+grep -E '^(Sig(Ign|Blk|Cgt)|Groups|NoNewPrivs|Cap...)' /proc/self/status | tr -s '\\t ' ' '
+ulimit -a; umask; yes | head -n 2
+[ -n "$STARGRPC_STATE_FD" ] && stargrpc-state set k '"v"' && stargrpc-state get k
+not-a-command; echo "missing:$?"; exit 3
+"""
+
+
+@pytest.mark.parametrize("scopes", ["run,tree", ""])
+async def test_a_warm_shell_run_sees_what_a_cold_one_sees(make_pool, tmp_path,
+                                                          scopes) -> None:
+    cold = await box(tmp_path, sandbox_state_scopes=scopes).run(["sh", "-c", SHELL_INTROSPECT])
+    await make_pool(("exec",), sandbox_state_scopes=scopes)
+    handed = metric("handouts", kind="exec")
+
+    warm = await box(tmp_path, sandbox_state_scopes=scopes).run(["sh", "-c", SHELL_INTROSPECT])
+
+    assert metric("handouts", kind="exec") == handed + 1
+    assert (warm.exit_status, warm.verdict) == (cold.exit_status, cold.verdict) != (0, None)
+    assert warm.stdout == cold.stdout
+    assert ("\n\"v\"\n" in warm.stdout) == bool(scopes)  # its own state, when offered
     assert warm.stderr == cold.stderr
 
 
@@ -141,8 +241,20 @@ async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_p
     with_env = await box(tmp_path).run(["sh", "-c", "echo $EXTRA"], env={"EXTRA": "mine"})
     other_limits = await box(tmp_path, SMALL).run(["sh", "-c", "ulimit -t"])
 
+    # No state socket, or a descriptor besides it: the pooled one was handed neither.
+    without_state = await box(tmp_path).run(["sh", "-c", "echo none"], state=False)
+    read_end, write_end = os.pipe()
+    try:
+        other_fd = await box(tmp_path).run(
+            ["sh", "-c", f"test -e /proc/self/fd/{write_end} && echo inherited"],
+            pass_fds=(write_end,))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
     assert with_env.stdout == "mine\n"
     assert other_limits.stdout == "2\n"  # the soft CPU limit of SMALL
+    assert (without_state.stdout, other_fd.stdout) == ("none\n", "inherited\n")
     assert metric("handouts", kind="exec") == handed
     assert metric("misses", kind="exec") == missed  # not a miss: nothing could serve them
     assert pool.waiting("exec") == [waiting]
@@ -246,10 +358,85 @@ def test_the_pool_size_defaults_to_two_per_core(monkeypatch, tmp_path) -> None:
         settings(tmp_path)
 
 
+async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
+        make_pool, tmp_path) -> None:
+    pool = await make_pool(("python",), size=2)
+    first, second = pool.waiting("python")
+    sandbox = box(tmp_path)
+    mine = sandbox.state_socket("run-a")
+    socket_name = os.readlink(f"/proc/self/fd/{mine.pass_fds[0]}")  # socket:[inode]
+    before = {**held(first), **held(second)}
+    code = ("import json, os, stargrpc_state as s\n"
+            "s.state('run').set('mine', 'A')\n"
+            "fd = int(os.environ['STARGRPC_STATE_FD'])\n"
+            "print(json.dumps([fd, os.fstat(fd).st_ino, s.state('run').keys()]))\n")
+
+    try:
+        result = await sandbox.sandbox.run(
+            [sandbox_python(), *PYTHON_FLAGS, "snippet.py"], files={"snippet.py": code},
+            env={**PYTHON_ENV, **mine.env}, pass_fds=mine.pass_fds,
+            read_only_paths=mine.read_only_paths)
+    finally:
+        await mine.aclose()
+    # The next run, handed the other pooled sandbox: its own state only.
+    other = await run_python(sandbox, "import stargrpc_state as s\n"
+                                      "print(s.state('run').keys(), s.state('tree').keys())",
+                             run_id="run-b")
+
+    # Before hand-out neither held a descriptor of the run, nor anything at STATE_FD: only
+    # stdin (the control channel), stdout and stderr (and bubblewrap's own).
+    entries = [entry for fds in before.values() for entry in fds]
+    assert entries and not any(entry.endswith(f"={socket_name}") for entry in entries)
+    # Its only socket is its control channel, at 0; the rest are its stdout and stderr
+    # pipes and bubblewrap's own (a signalfd, an eventfd).
+    assert all(entry.startswith("0=socket:") or "socket:" not in entry
+               for entry in entries), before
+    assert result.verdict.ok, result.stderr
+    fd, inode, keys = json.loads(result.stdout)
+    assert (fd, keys) == (STATE_FD, ["mine"])
+    assert f"socket:[{inode}]" == socket_name  # the very socket of its run
+    assert other.stdout == "[] []\n"
+    assert pool.waiting("python") == [] or second not in pool.waiting("python")
+    assert await sandbox.store.get("run:run-a", "mine") == '"A"'
+
+
+#: A launcher that takes whatever the hand-out sends, answers the nonce wrongly, then
+#: takes whatever else comes until the channel closes and says how many descriptors it got.
+ROGUE_LAUNCHER = """import os, socket, time
+os.write(1, b"ready\\n")
+control, taken = socket.socket(fileno=0), 0
+chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
+taken += len(fds)
+os.write(1, b"fresh not-the-nonce\\n")
+while chunk:
+    chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
+    taken += len(fds)
+os.write(1, b"took %d\\n" % taken)
+time.sleep(60)
+"""
+
+
+async def test_a_sandbox_that_answers_the_nonce_wrongly_never_gets_the_state_socket(
+        tmp_path) -> None:
+    sandbox = box(tmp_path)
+    state_socket = sandbox.state_socket("run-a")
+    [kind] = [kind for kind in kinds_for(sandbox.settings).values() if kind.name == "exec"]
+    rogue = replace(kind, launcher=(sandbox_python(), "-I", "-c", ROGUE_LAUNCHER))
+    warm = await WarmSandbox.start(sandbox.sandbox, rogue)
+    try:
+        with pytest.raises(Unfit, match="answered the hand-out wrongly"):
+            await warm.hand_out(["true"], {}, sandbox.sandbox.limits, state_socket.pass_fds)
+        assert warm._stdout is not None
+        assert await warm._stdout.readline() == b"took 0\n"  # the channel closed on it
+    finally:
+        await warm.aclose()
+        await state_socket.aclose()
+    assert gone(warm)
+
+
 async def test_the_python_tool_takes_a_warm_sandbox_end_to_end(make_server) -> None:
-    # No state socket: a pooled sandbox cannot inherit a run's descriptor (yet), so a run
-    # given one starts its own sandbox.
-    server = await make_server(sandbox_warm_pool=1, sandbox_state_scopes="")
+    # With the default state scopes: the pooled sandbox is handed the run's state socket.
+    server = await make_server(sandbox_warm_pool=1)
     await server.warm_pool.filled()
     handed = metric("handouts", kind="python")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -268,3 +455,32 @@ async def test_the_python_tool_takes_a_warm_sandbox_end_to_end(make_server) -> N
     assert as_dict(result)["structured_output"]["exit_status"] == 0
     assert metric("handouts", kind="python") >= handed + 1
     assert again[-1].result.output.startswith("still\n")
+
+
+async def test_warm_tool_runs_reach_their_own_state_and_not_each_others(make_server) -> None:
+    server = await make_server(sandbox_warm_pool=2)
+    await server.warm_pool.filled()
+    python, shell = metric("handouts", kind="python"), metric("handouts", kind="exec")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        first = await run_tool(stub, "python", {"code": (
+            "import os, stargrpc_state as s\n"
+            "s.state('run').set('secret', 'A'); s.state('tree').set('secret', 'A')\n"
+            "print(os.environ['STARGRPC_STATE_FD'], s.state('run').keys())")})
+        second = await run_tool(stub, "python", {"code": (
+            "import os, stargrpc_state as s\n"
+            "print(os.environ['STARGRPC_STATE_FD'], s.state('run').keys(), "
+            "s.state('tree').keys())")})
+        shell_run = await run_tool(stub, "shell", {"command": (
+            "echo $STARGRPC_STATE_FD; stargrpc-state get secret; echo absent:$?; "
+            "stargrpc-state set k '[1]' && stargrpc-state get k && stargrpc-state keys")})
+
+    assert first[-1].result.output.startswith(f"{STATE_FD} ['secret']\n")
+    assert second[-1].result.output.startswith(f"{STATE_FD} [] []\n")
+    assert shell_run[-1].result.outcome == events_pb2.OUTCOME_OK, shell_run[-1].result.output
+    assert shell_run[-1].result.output.startswith(f"{STATE_FD}\nabsent:3\n[1]\nk\n")
+    # Every run was handed a pooled sandbox (the fd number says so too).
+    assert metric("handouts", kind="python") == python + 2
+    assert metric("handouts", kind="exec") == shell + 1
+    store = server.runtime.state_store
+    assert await store.get(f"run:{first[0].run_id}", "secret") == '"A"'
