@@ -16,7 +16,12 @@ The servers, each its own process on 127.0.0.1, authentication off:
   a base commit unpacked in ``DIR``): an A/B of the endpoint in the same run.
 
 The clients: the official SDK's ``Client`` over ``streamable_http_client``, and FastMCP's
-``Client``; each holds one connection to every MCP server. The machine is shared, so the
+``Client``; each holds one connection to every MCP server. FastMCP's client sends a
+progress token with every call, and stargrpc reports a run's steps as progress
+notifications (for ``echo``: its step starting and ending), which turns the answer into an
+SSE stream: so the plain FastMCP server also has ``echo_with_progress``, the same echo
+reporting two progress notifications, measured beside it (the price of the notifications
+themselves, in the SDKs of both ends). The machine is shared, so the
 servers take turns ``--block`` calls at a time (after a warm-up), round after round; each
 ``--repeats`` pass gives every path a median, and the figure printed is the median of those
 medians (p99 over all the calls). The ratios that judge the endpoint are stargrpc-MCP / plain
@@ -57,6 +62,9 @@ from urllib.parse import urlsplit
 
 import httpx2
 import uvicorn
+from fastmcp import Client as FastMcpClient
+from fastmcp import Context as FastMcpContext
+from fastmcp import FastMCP
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context, MCPServer
@@ -99,16 +107,22 @@ def peer_server() -> MCPServer:
     return server
 
 
-def fastmcp_server() -> Any:
+def fastmcp_server() -> FastMCP:
     """The plain FastMCP server: the same ``echo``, written as FastMCP's documentation writes
     a tool."""
-    from fastmcp import FastMCP  # the dev extra's; only this peer needs it
-
     server = FastMCP("bench-fastmcp")
 
     @server.tool
     async def echo(text: str) -> str:
         """Say the text back."""
+        return text
+
+    @server.tool
+    async def echo_with_progress(text: str, ctx: FastMcpContext) -> str:
+        """Say the text back after two progress notifications, as stargrpc's ``echo``
+        reports its run's step starting and ending to a call that asks for progress."""
+        await ctx.report_progress(1, None, "echo")
+        await ctx.report_progress(2, None, "echo: ok")
         return text
 
     return server
@@ -191,27 +205,26 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
 Call = Callable[[], Awaitable[None]]
 
 
-async def _sdk_client(stack: contextlib.AsyncExitStack, url: str) -> Call:
-    """The official SDK's client, one connection to ``url``, calling ``echo``."""
+async def _sdk_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo") -> Call:
+    """The official SDK's client, one connection to ``url``, calling ``tool``."""
     http = await stack.enter_async_context(httpx2.AsyncClient(timeout=30))
     client = await stack.enter_async_context(
         Client(streamable_http_client(url, http_client=http)))
 
     async def call() -> None:
-        result = await client.call_tool("echo", {"text": "hi"})
+        result = await client.call_tool(tool, {"text": "hi"})
         assert not result.is_error, result
 
     return call
 
 
-async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str) -> Call:
-    """FastMCP's client, one connection to ``url``, calling ``echo``."""
-    from fastmcp import Client as FastMcpClient
-
+async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo"
+                          ) -> Call:
+    """FastMCP's client, one connection to ``url``, calling ``tool``."""
     client = await stack.enter_async_context(FastMcpClient(url))
 
     async def call() -> None:
-        result = await client.call_tool("echo", {"text": "hi"})
+        result = await client.call_tool(tool, {"text": "hi"})
         assert not result.is_error, result
 
     return call
@@ -258,6 +271,8 @@ async def _measure_all(servers: dict[str, str], grpc_target: str, calls: int, re
         for client_name, open_client in _CLIENTS.items():
             for server_name, url in servers.items():
                 paths[f"{server_name}, {client_name}"] = await open_client(stack, url)
+            paths[f"{PLAIN_FASTMCP_PROGRESS}, {client_name}"] = await open_client(
+                stack, servers[PLAIN_FASTMCP], "echo_with_progress")
         return await _interleaved(paths, calls, repeats, block)
 
 
@@ -288,13 +303,16 @@ def report(took: dict[str, list[list[float]]], servers: list[str]) -> str:
         for endpoint in (s for s in servers if s.startswith("stargrpc")):
             mine = _p50(took[f"{endpoint}, {client}"])
             ratios = ", ".join(f"{mine / _p50(took[f'{plain}, {client}']):.2f}x {plain}"
-                               for plain in (PLAIN_FASTMCP, PLAIN_SDK))
+                               for plain in (PLAIN_FASTMCP, PLAIN_SDK, PLAIN_FASTMCP_PROGRESS))
             lines.append(f"- {endpoint}, {client}: {ratios}")
     return "\n".join(lines)
 
 
 PLAIN_FASTMCP = "plain FastMCP server"
 PLAIN_SDK = "plain MCP server (official SDK)"
+#: The FastMCP server's echo reporting two progress notifications when asked for progress,
+#: as stargrpc's does (its run's step start and end); FastMCP's client asks on every call.
+PLAIN_FASTMCP_PROGRESS = "plain FastMCP server, echo_with_progress"
 STARGRPC_MCP = "stargrpc MCP endpoint"
 
 

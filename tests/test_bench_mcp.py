@@ -23,9 +23,9 @@ def test_bench_mcp_smoke_prints_every_path() -> None:
                "plain MCP server (official SDK)"]
     assert paths == ["stargrpc, gRPC Execute (Python SDK)",
                      *(f"{server}, {client}" for client in ("mcp SDK client", "FastMCP client")
-                       for server in servers)]
+                       for server in [*servers, "plain FastMCP server, echo_with_progress"])]
     assert all(row.count("x |") == 1 for row in rows[2:])
     ratios = [line for line in done.stdout.splitlines() if line.startswith("- stargrpc")]
     assert [line.split(":")[0] for line in ratios] == [
         "- stargrpc MCP endpoint, mcp SDK client", "- stargrpc MCP endpoint, FastMCP client"]
-    assert all(line.count("x plain") == 2 for line in ratios)
+    assert all(line.count("x plain") == 3 for line in ratios)
