@@ -10,7 +10,9 @@ the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request
 - ``tools/call``: Execute; step events, heartbeats and notices become
   ``notifications/progress`` when the request carried a progress token, log notifications
   otherwise; the Result becomes the ``CallToolResult`` (:func:`~stargrpc.mcp.mapping.call_result`);
-  a cancelled request is CancelRun.
+  a cancelled request is CancelRun. A 2026-07-28 call's ``Mcp-Param-*`` headers are checked
+  against the tool's schema kept from an earlier listing (:mod:`stargrpc.mcp.catalog`),
+  not by a listing before every call.
 - ``resources/read`` of ``stargrpc://runs/<run>/output``: WatchRun with the caller's
   credentials, so a run's whole output is readable by whoever may watch the run (its
   owner, or a watcher role), for as long as it is kept; the template is listed by
