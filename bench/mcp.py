@@ -1,21 +1,38 @@
-"""``python -m bench.mcp``: one tool call three ways, measured in the same run; and the MCP
-peer of ``python -m bench``.
+"""``python -m bench.mcp``: one ``echo`` call through stargrpc's MCP endpoint beside plain MCP
+servers, each driven by two MCP clients, measured in the same run; and the MCP peer of
+``python -m bench``.
 
-- **gRPC**: stargrpc's Execute of ``echo``, the Python SDK (``stargrpc.client``);
-- **stargrpc over MCP**: the same call through stargrpc's MCP endpoint (``--mcp-port``),
-  the official MCP SDK's client over streamable HTTP — the bridge is a client of the gRPC
-  service, so this is the gRPC call plus the MCP hop;
-- **a plain MCP server**: an ``echo`` tool written with the official SDK (no auth, no audit,
-  no critic), the same client.
+The servers, each its own process on 127.0.0.1, authentication off:
 
-Each server runs in its own process on 127.0.0.1, all with authentication off; the client
-warms up, then makes ``--calls`` sequential calls (bounded) and prints p50/p99 and each
-ratio to the gRPC call. Performance is judged from these printed ratios, never by tests.
+- **stargrpc**: ``stargrpc serve --mcp-port``; its gRPC Execute of ``echo`` (the Python SDK,
+  ``stargrpc.client``) and the same call through its MCP endpoint — the bridge is a client
+  of the gRPC service, so this is the gRPC call plus the MCP hop, every interceptor (auth,
+  audit, critic) applied;
+- **plain FastMCP**: an ``echo`` tool on a FastMCP server (``python -m bench.mcp --serve
+  --fastmcp``), served as its documentation serves one over HTTP (no auth, no audit, no
+  critic);
+- **plain SDK**: the same tool on the official SDK's ``MCPServer`` (:func:`peer_server`);
+- with ``--base DIR``, a second stargrpc run from another source tree (``git archive`` of
+  a base commit unpacked in ``DIR``): an A/B of the endpoint in the same run.
 
-    python -m bench.mcp             # 300 calls each
-    python -m bench.mcp --smoke     # 20 calls each (the test that keeps this code alive)
+The clients: the official SDK's ``Client`` over ``streamable_http_client``, and FastMCP's
+``Client``; each holds one connection to every MCP server. FastMCP's client sends a
+progress token with every call, and stargrpc reports a run's steps as progress
+notifications (for ``echo``: its step starting and ending), which turns the answer into an
+SSE stream: so the plain FastMCP server also has ``echo_with_progress``, the same echo
+reporting two progress notifications, measured beside it (the price of the notifications
+themselves, in the SDKs of both ends). The machine is shared, so the
+servers take turns ``--block`` calls at a time (after a warm-up), round after round; each
+``--repeats`` pass gives every path a median, and the figure printed is the median of those
+medians (p99 over all the calls). The ratios that judge the endpoint are stargrpc-MCP / plain
+server **with the same client** (the issue's target: ≤ 1.3x plain FastMCP), printed,
+never asserted by tests.
 
-The plain server is :func:`peer_server` (``python -m bench.mcp --serve --port N``): an MCP
+    python -m bench.mcp                     # 5 repeats of 200 calls per path
+    python -m bench.mcp --base /tmp/base    # also the endpoint of another tree (A/B)
+    python -m bench.mcp --smoke             # 1 repeat of 20 calls (the test that keeps this alive)
+
+The plain SDK server is :func:`peer_server` (``python -m bench.mcp --serve --port N``): an MCP
 server of the official SDK over streamable HTTP, as its documentation starts one, with
 ``echo`` and the benchmark's tools — ``bench_trivial``, ``bench_wait`` (awaits ``ms``) and
 ``bench_stream`` (reports ``n`` progress notifications, each carrying one delta's text).
@@ -45,6 +62,9 @@ from urllib.parse import urlsplit
 
 import httpx2
 import uvicorn
+from fastmcp import Client as FastMcpClient
+from fastmcp import Context as FastMcpContext
+from fastmcp import FastMCP
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context, MCPServer
@@ -87,16 +107,38 @@ def peer_server() -> MCPServer:
     return server
 
 
-async def serve_peer(port: int) -> None:
-    """Serves :func:`peer_server` on 127.0.0.1 (``port`` 0: any free one) with uvicorn; prints
-    ``{"event": "serving", "address": "mcp:URL"}`` once it listens, and stops on SIGTERM."""
+def fastmcp_server() -> FastMCP:
+    """The plain FastMCP server: the same ``echo``, written as FastMCP's documentation writes
+    a tool."""
+    server = FastMCP("bench-fastmcp")
+
+    @server.tool
+    async def echo(text: str) -> str:
+        """Say the text back."""
+        return text
+
+    @server.tool
+    async def echo_with_progress(text: str, ctx: FastMcpContext) -> str:
+        """Say the text back after two progress notifications, as stargrpc's ``echo``
+        reports its run's step starting and ending to a call that asks for progress."""
+        await ctx.report_progress(1, None, "echo")
+        await ctx.report_progress(2, None, "echo: ok")
+        return text
+
+    return server
+
+
+async def serve_peer(port: int, *, fastmcp: bool = False) -> None:
+    """Serves :func:`peer_server` (or :func:`fastmcp_server`) on 127.0.0.1 (``port`` 0: any
+    free one) with uvicorn; prints ``{"event": "serving", "address": "mcp:URL"}`` once it
+    listens, and stops on SIGTERM."""
     # Said to be TCP, so that asyncio switches Nagle's algorithm off on every connection
     # accepted (a plain socket() leaves it on: 40 ms more per call, the delayed ACK).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    config = uvicorn.Config(peer_server().streamable_http_app(), log_level="warning",
-                            lifespan="on")
+    app = fastmcp_server().http_app() if fastmcp else peer_server().streamable_http_app()
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
     # Listening from here on: a connection made before uvicorn accepts waits in the backlog.
     sock.listen(2048)
     # The same collector settings as `stargrpc serve` and the bare baseline.
@@ -159,90 +201,191 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {_START_SECONDS:g} s")
 
 
-async def _measure(call: Callable[[], Awaitable[None]], calls: int) -> list[float]:
-    for _ in range(max(3, calls // 10)):  # warm up: connections, caches
-        await call()
-    took = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        await call()
-        took.append(time.perf_counter() - started)
+#: One measured call of one path (a path is a server and a client).
+Call = Callable[[], Awaitable[None]]
+
+
+async def _sdk_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo") -> Call:
+    """The official SDK's client, one connection to ``url``, calling ``tool``."""
+    http = await stack.enter_async_context(httpx2.AsyncClient(timeout=30))
+    client = await stack.enter_async_context(
+        Client(streamable_http_client(url, http_client=http)))
+
+    async def call() -> None:
+        result = await client.call_tool(tool, {"text": "hi"})
+        assert not result.is_error, result
+
+    return call
+
+
+async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo"
+                          ) -> Call:
+    """FastMCP's client, one connection to ``url``, calling ``tool``."""
+    client = await stack.enter_async_context(FastMcpClient(url))
+
+    async def call() -> None:
+        result = await client.call_tool(tool, {"text": "hi"})
+        assert not result.is_error, result
+
+    return call
+
+
+async def _grpc_client(stack: contextlib.AsyncExitStack, target: str) -> Call:
+    client = await stack.enter_async_context(AsyncClient.connect(target))
+
+    async def call() -> None:
+        result = await client.call("echo", {"text": "hi"})
+        assert result.output == "hi"
+
+    return call
+
+
+_CLIENTS = {"mcp SDK client": _sdk_client, "FastMCP client": _fastmcp_client}
+
+
+async def _interleaved(paths: dict[str, Call], calls: int, repeats: int, block: int
+                       ) -> dict[str, list[list[float]]]:
+    """Every path's call times (seconds), one list per repeat; the paths take turns
+    ``block`` calls at a time, so the machine's noise falls on all alike."""
+    for call in paths.values():  # warm up: connections, caches, the catalog
+        for _ in range(max(3, calls // 10)):
+            await call()
+    took: dict[str, list[list[float]]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        lap: dict[str, list[float]] = {name: [] for name in paths}
+        while len(next(iter(lap.values()))) < calls:
+            for name, call in paths.items():
+                for _ in range(min(block, calls - len(lap[name]))):
+                    started = time.perf_counter()
+                    await call()
+                    lap[name].append(time.perf_counter() - started)
+        for name, times in lap.items():
+            took[name].append(times)
     return took
 
 
-async def _over_mcp(url: str, calls: int) -> list[float]:
-    async with (httpx2.AsyncClient(timeout=30) as http,
-                Client(streamable_http_client(url, http_client=http)) as client):  # type: ignore[arg-type]
-
-        async def call() -> None:
-            result = await client.call_tool("echo", {"text": "hi"})
-            assert not result.is_error
-
-        return await _measure(call, calls)
-
-
-async def _over_grpc(target: str, calls: int) -> list[float]:
-    async with AsyncClient.connect(target) as client:
-
-        async def call() -> None:
-            result = await client.call("echo", {"text": "hi"})
-            assert result.output == "hi"
-
-        return await _measure(call, calls)
+async def _measure_all(servers: dict[str, str], grpc_target: str, calls: int, repeats: int,
+                       block: int) -> dict[str, list[list[float]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        paths = {"stargrpc, gRPC Execute (Python SDK)": await _grpc_client(stack, grpc_target)}
+        for client_name, open_client in _CLIENTS.items():
+            for server_name, url in servers.items():
+                paths[f"{server_name}, {client_name}"] = await open_client(stack, url)
+            paths[f"{PLAIN_FASTMCP_PROGRESS}, {client_name}"] = await open_client(
+                stack, servers[PLAIN_FASTMCP], "echo_with_progress")
+        return await _interleaved(paths, calls, repeats, block)
 
 
-def _row(name: str, took: list[float], base: list[float]) -> str:
-    p50, p99 = (statistics.quantiles(took, n=100)[i] * 1000 for i in (49, 98))
-    b50, b99 = (statistics.quantiles(base, n=100)[i] * 1000 for i in (49, 98))
-    return f"| {name} | {p50:.2f} | {p99:.2f} | {p50 / b50:.2f}x | {p99 / b99:.2f}x |"
+def _p50(laps: list[list[float]]) -> float:
+    """The median of each repeat's median (ms)."""
+    return statistics.median(statistics.median(lap) for lap in laps) * 1000
+
+
+def _p99(laps: list[list[float]]) -> float:
+    return statistics.quantiles([t for lap in laps for t in lap], n=100)[98] * 1000
+
+
+def report(took: dict[str, list[list[float]]], servers: list[str]) -> str:
+    """The table of every path, and the endpoint's ratios to each plain server with the
+    same client."""
+    calls = sum(len(lap) for lap in next(iter(took.values())))
+    lines = [f"one echo call, {calls} calls per path ({len(next(iter(took.values())))} "
+             "repeats; p50 = median of the repeats' medians; ms)",
+             "| path | p50 | p99 | p50 / plain FastMCP, same client |", "|---|---|---|---|"]
+    for name, laps in took.items():
+        client = name.rsplit(", ", 1)[-1]
+        plain = took.get(f"{PLAIN_FASTMCP}, {client}")
+        ratio = f"{_p50(laps) / _p50(plain):.2f}x" if plain is not None else "-"
+        lines.append(f"| {name} | {_p50(laps):.2f} | {_p99(laps):.2f} | {ratio} |")
+    lines += ["", "stargrpc MCP / plain server, same client (p50; target <= 1.3x plain "
+              "FastMCP):"]
+    for client in _CLIENTS:
+        for endpoint in (s for s in servers if s.startswith("stargrpc")):
+            mine = _p50(took[f"{endpoint}, {client}"])
+            ratios = ", ".join(f"{mine / _p50(took[f'{plain}, {client}']):.2f}x {plain}"
+                               for plain in (PLAIN_FASTMCP, PLAIN_SDK, PLAIN_FASTMCP_PROGRESS))
+            lines.append(f"- {endpoint}, {client}: {ratios}")
+    return "\n".join(lines)
+
+
+PLAIN_FASTMCP = "plain FastMCP server"
+PLAIN_SDK = "plain MCP server (official SDK)"
+#: The FastMCP server's echo reporting two progress notifications when asked for progress,
+#: as stargrpc's does (its run's step start and end); FastMCP's client asks on every call.
+PLAIN_FASTMCP_PROGRESS = "plain FastMCP server, echo_with_progress"
+STARGRPC_MCP = "stargrpc MCP endpoint"
+
+
+def _stargrpc(tree: Path, grpc_port: int, mcp_port: int, env: dict[str, str]
+              ) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stargrpc.cli", "serve", "--port", str(grpc_port),
+         "--mcp-port", str(mcp_port), "--insecure-no-auth"],
+        env={**env, "PYTHONPATH": str(tree)}, cwd=tree,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _peer(port: int, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "bench.mcp", "--serve", "--port", str(port),
+                             *extra], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the three measurements and prints the table."""
-    parser = argparse.ArgumentParser(prog="python -m bench.mcp", description=__doc__)
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--smoke", action="store_true", help="20 calls each")
+    """Starts the servers, measures every path and prints the table."""
+    parser = argparse.ArgumentParser(prog="python -m bench.mcp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200, help="calls per path per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block", type=int, default=5,
+                        help="calls in a row on one path before the next takes its turn")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="another source tree whose stargrpc endpoint is measured too")
+    parser.add_argument("--smoke", action="store_true", help="1 repeat of 20 calls")
     parser.add_argument("--serve", action="store_true",
-                        help="Only serve the plain MCP server (on --port) until SIGTERM.")
+                        help="Only serve a plain MCP server (on --port) until SIGTERM.")
+    parser.add_argument("--fastmcp", action="store_true",
+                        help="With --serve: the FastMCP server, not the official SDK's.")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     if args.serve:
-        asyncio.run(serve_peer(args.port))
+        asyncio.run(serve_peer(args.port, fastmcp=args.fastmcp))
         return 0
     calls = 20 if args.smoke else min(max(args.calls, 10), 10_000)
-    grpc_port, mcp_port, plain_port = _free_port(), _free_port(), _free_port()
+    repeats = 1 if args.smoke else min(max(args.repeats, 1), 50)
+    block = min(max(args.block, 1), calls)
+    ports = {name: _free_port() for name in ("grpc", "mcp", "fastmcp", "sdk", "base-grpc",
+                                            "base-mcp")}
     with tempfile.TemporaryDirectory(prefix="bench-mcp-") as state:
         env = {**os.environ, "STARGRPC_STATE_DIR": state, "STARGRPC_LOG_LEVEL": "error"}
-        procs = [
-            subprocess.Popen([sys.executable, "-m", "stargrpc.cli", "serve", "--port",
-                              str(grpc_port), "--mcp-port", str(mcp_port),
-                              "--insecure-no-auth"], env=env, cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            subprocess.Popen([sys.executable, "-m", "bench.mcp", "--serve", "--port",
-                              str(plain_port)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        ]
+        servers = {STARGRPC_MCP: ports["mcp"], PLAIN_FASTMCP: ports["fastmcp"],
+                   PLAIN_SDK: ports["sdk"]}
+        procs = [(_stargrpc(ROOT, ports["grpc"], ports["mcp"], env), ports["mcp"]),
+                 (_peer(ports["fastmcp"], env, "--fastmcp"), ports["fastmcp"]),
+                 (_peer(ports["sdk"], env), ports["sdk"])]
+        if args.base is not None:
+            base_state = Path(state) / "base"
+            base_state.mkdir()
+            procs.append((_stargrpc(args.base.resolve(), ports["base-grpc"], ports["base-mcp"],
+                                    {**env, "STARGRPC_STATE_DIR": str(base_state)}),
+                          ports["base-mcp"]))
+            servers[f"{STARGRPC_MCP} (base {args.base.name})"] = ports["base-mcp"]
         try:
-            _wait_listening(grpc_port, procs[0])
-            _wait_listening(mcp_port, procs[0])
-            _wait_listening(plain_port, procs[1])
-            grpc_took = asyncio.run(_over_grpc(f"127.0.0.1:{grpc_port}", calls))
-            bridge_took = asyncio.run(_over_mcp(f"http://127.0.0.1:{mcp_port}/mcp", calls))
-            plain_took = asyncio.run(_over_mcp(f"http://127.0.0.1:{plain_port}/mcp", calls))
+            _wait_listening(ports["grpc"], procs[0][0])
+            for proc, port in procs:
+                _wait_listening(port, proc)
+            took = asyncio.run(_measure_all(
+                {name: f"http://127.0.0.1:{port}/mcp" for name, port in servers.items()},
+                f"127.0.0.1:{ports['grpc']}", calls, repeats, block))
         finally:
-            for proc in procs:
+            for proc, _ in procs:
                 proc.send_signal(signal.SIGTERM)
-            for proc in procs:
+            for proc, _ in procs:
                 try:
                     proc.wait(15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    print(f"one echo call, {calls} sequential calls each (ms; ratios to the gRPC call)")
-    print("| path | p50 | p99 | p50 ratio | p99 ratio |")
-    print("|---|---|---|---|---|")
-    print(_row("stargrpc, gRPC Execute", grpc_took, grpc_took))
-    print(_row("stargrpc, MCP endpoint", bridge_took, grpc_took))
-    print(_row("plain MCP server (official SDK)", plain_took, grpc_took))
+    print(report(took, list(servers)))
     return 0
 
 

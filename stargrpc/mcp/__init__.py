@@ -3,6 +3,8 @@ of MCP servers behind stargrpc.
 
 - :mod:`stargrpc.mcp.bridge`: MCP requests as ToolService calls (one pipeline for all).
 - :mod:`stargrpc.mcp.mapping`: proto tools, events and Results as MCP types.
+- :mod:`stargrpc.mcp.catalog`: the tools' schemas the bridge keeps between calls (so that a
+  call checks its ``Mcp-Param-*`` headers without listing the catalog first).
 - :mod:`stargrpc.mcp.server`: the streamable-HTTP endpoint of a server (``--mcp-port``).
 - :mod:`stargrpc.mcp.sessions`: its door: every request authenticated, each session its
   principal's, and how many each principal may hold.

@@ -10,7 +10,9 @@ the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request
 - ``tools/call``: Execute; step events, heartbeats and notices become
   ``notifications/progress`` when the request carried a progress token, log notifications
   otherwise; the Result becomes the ``CallToolResult`` (:func:`~stargrpc.mcp.mapping.call_result`);
-  a cancelled request is CancelRun.
+  a cancelled request is CancelRun. A 2026-07-28 call's ``Mcp-Param-*`` headers are checked
+  against the tool's schema kept from an earlier listing (:mod:`stargrpc.mcp.catalog`),
+  not by a listing before every call.
 - ``resources/read`` of ``stargrpc://runs/<run>/output``: WatchRun with the caller's
   credentials, so a run's whole output is readable by whoever may watch the run (its
   owner, or a watcher role), for as long as it is kept; the template is listed by
@@ -28,7 +30,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import grpc
@@ -39,17 +41,21 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
 from mcp.shared.exceptions import MCPError
+from mcp.shared.inbound import validate_mcp_param_headers
 from mcp.shared.subscriptions import (
     SUBSCRIPTION_ID_META_KEY,
     ToolsListChanged,
     event_to_notification,
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.requests import Request
 
 from stargrpc import __version__
 from stargrpc.client._files import StreamedFiles
 from stargrpc.client.errors import CallError
+from stargrpc.errors import reason_name
 from stargrpc.gateway.client import GatewayClient, Metadata, StartedRun
+from stargrpc.mcp.catalog import PARAM_HEADER_PREFIX, CatalogSchemas
 from stargrpc.mcp.mapping import (
     IDEMPOTENCY_META_KEY,
     OUTPUT_URI,
@@ -68,7 +74,7 @@ from stargrpc.mcp.run_events import capability as run_events_capability
 from stargrpc.mcp.task_requests import Credentials, TaskRequests
 from stargrpc.mcp.tasks import TASKS_EXTENSION
 from stargrpc.settings import Settings
-from stargrpc.v1 import events_pb2, tool_service_pb2
+from stargrpc.v1 import errors_pb2, events_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.mcp")
 
@@ -76,6 +82,11 @@ log = structlog.get_logger("stargrpc.mcp")
 CANCEL_TIMEOUT_SECONDS = 5.0
 
 _LOG_LEVELS = {events_pb2.NOTICE_LEVEL_WARNING: "warning"}
+
+#: The refusal of a run pinned to a catalog hash that is no longer current.
+CATALOG_STALE = reason_name(errors_pb2.CATALOG_STALE)
+
+_Started = TypeVar("_Started")
 
 
 #: ``run_retention_seconds`` and ``mcp_task_after_seconds`` of a bridge that is not told.
@@ -131,9 +142,9 @@ class Bridge:
     server: Server[Any]
     tasks: TaskRequests
     _credentials: Credentials
-    # Whether each tool lists an output schema over MCP, as of the latest ListTools (the
-    # same for every caller: only permissions differ between their catalogs).
-    _output_schemas: dict[str, bool]
+    # The tools' schemas as of the latest ListTools (the same for every caller: only
+    # permissions differ between their catalogs).
+    _catalog: CatalogSchemas
 
     def __init__(self, client: GatewayClient, credentials: Credentials, *,
                  retention_seconds: float = DEFAULT_RETENTION_SECONDS,
@@ -149,7 +160,7 @@ class Bridge:
         """
         self.client = client
         self._credentials = credentials
-        self._output_schemas = {}
+        self._catalog = CatalogSchemas()
         self.server = _Server(
             "stargrpc", version=__version__,
             instructions="stargrpc tools: every call is authenticated, audited and supervised.",
@@ -157,7 +168,11 @@ class Bridge:
             on_list_resources=self._list_resources,
             on_list_resource_templates=self._list_resource_templates,
             on_read_resource=self._read_resource,
-            on_subscriptions_listen=self._listen)
+            on_subscriptions_listen=self._listen,
+            # Never found: the SDK then skips its own Mcp-Param-* check, which would run
+            # the whole tools/list before every call; the bridge checks them itself
+            # (_param_headers), listing only when it has to.
+            get_tool_input_schema=_unknown_tool)
         self.server.add_notification_handler(
             "notifications/initialized", types.NotificationParams, self._initialized)
         self.tasks = TaskRequests(client, credentials, retention_seconds=retention_seconds,
@@ -174,46 +189,116 @@ class Bridge:
             reply = await self.client.list_tools(self._credentials(ctx))
         except grpc.aio.AioRpcError as error:
             raise protocol_error(CallError.from_rpc_error(error)) from None
+        return types.ListToolsResult(tools=self._advertised(reply))
+
+    def _advertised(self, reply: tool_service_pb2.ListToolsResponse) -> list[types.Tool]:
+        """The tools of a ListTools reply as its caller is advertised them (those it may
+        call); their schemas are kept for later calls."""
         tools = [mcp_tool(tool) for tool in reply.tools]
         for tool in tools:  # every run is a task (the field is of 2025-11-25 only)
             tool.execution = TASK_SUPPORT
-        self._output_schemas = {tool.name: tool.output_schema is not None for tool in tools}
-        return types.ListToolsResult(tools=[
-            tool for tool, listed in zip(tools, reply.tools, strict=True)
-            if listed.permissions.callable])
+        self._catalog.learn(reply, tools)
+        return [tool for tool, listed in zip(tools, reply.tools, strict=True)
+                if listed.permissions.callable]
 
     async def _declares_output_schema(self, tool_name: str, metadata: Metadata) -> bool:
         """Whether ``tool_name`` lists an output schema (a ListTools when it is not known
         yet: a client may call a tool without listing first)."""
-        known = self._output_schemas.get(tool_name)
+        known = self._catalog.declares_output_schema(tool_name)
         if known is None:
             try:
-                reply = await self.client.list_tools(metadata)
+                self._advertised(await self.client.list_tools(metadata))
             except grpc.aio.AioRpcError:
                 return False
-            self._output_schemas = {tool.name: mcp_tool(tool).output_schema is not None
-                                    for tool in reply.tools}
-            known = self._output_schemas.setdefault(tool_name, False)
-        return known
+            known = self._catalog.declares_output_schema(tool_name)
+        return bool(known)
+
+    async def _param_headers(self, ctx: ServerRequestContext[Any, Any],
+                             params: types.CallToolRequestParams, metadata: Metadata, *,
+                             exact: bool = False) -> str:
+        """Checks a 2026-07-28 ``tools/call``'s ``Mcp-Param-*`` headers against the tool's
+        ``x-mcp-header`` annotations as the SDK would (:mod:`stargrpc.mcp.catalog`).
+
+        Returns:
+            The catalog hash to pin the run to, when the check relied on the schemas kept
+            from an earlier listing ("" when it did not: nothing to check, or ``exact``).
+
+        Raises:
+            MCPError: A header does not match its argument (HEADER_MISMATCH).
+        """
+        request = ctx.request
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS or not isinstance(
+                request, Request):
+            return ""  # the check is the 2026-07-28 streamable-HTTP transport's
+        arguments = params.arguments or {}
+        if not arguments and not any(name.startswith(PARAM_HEADER_PREFIX)
+                                     for name in request.headers):
+            return ""  # no argument and no header: nothing can disagree
+        if not exact and self._catalog.without_param_headers(params.name):
+            return self._catalog.catalog_hash
+        try:  # the SDK's way: the tool as this caller's listing advertises it
+            listed = self._advertised(await self.client.list_tools(metadata))
+        except grpc.aio.AioRpcError:
+            return ""  # as the SDK: a failed listing skips the check, the call answers
+        schema = next((tool.input_schema for tool in listed if tool.name == params.name), None)
+        if schema is not None:
+            rejection = validate_mcp_param_headers(schema, arguments, request.headers)
+            if rejection is not None:
+                raise MCPError(rejection.code, rejection.message, rejection.data)
+        return ""
+
+    async def _start_pinned(self, ctx: ServerRequestContext[Any, Any],
+                            params: types.CallToolRequestParams, metadata: Metadata,
+                            pin: str, start: Callable[[str], Awaitable[_Started]]
+                            ) -> _Started:
+        """``start(pin)``; when the catalog changed since the pinned hash (CATALOG_STALE,
+        before any run started), the headers are checked again against this caller's
+        listing and the run started unpinned.
+
+        Raises:
+            grpc.aio.AioRpcError: The call was refused.
+            MCPError: A header does not match the changed tool's annotations.
+        """
+        try:
+            return await start(pin)
+        except grpc.aio.AioRpcError as error:
+            if not pin or CallError.from_rpc_error(error).reason != CATALOG_STALE:
+                raise
+        log.info("mcp_catalog_changed", tool=params.name)
+        await self._param_headers(ctx, params, metadata, exact=True)
+        return await start("")
 
     # -- tools/call ------------------------------------------------------------------------
 
     async def _call_tool(self, ctx: ServerRequestContext[Any, Any],
                          params: types.CallToolRequestParams) -> types.CallToolResult:
+        metadata = self._credentials(ctx)
+        pin = await self._param_headers(ctx, params, metadata)
         if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS and self.tasks.declares_tasks(ctx):
+
+            async def start_task() -> str:
+                return await self._start_pinned(
+                    ctx, params, metadata, pin,
+                    lambda pinned: self.tasks.start(params, metadata, catalog_hash=pinned))
+
             # A CreateTaskResult (resultType "task") is the extension's, past the SDK's sieve.
-            return await self.tasks.call_or_task(ctx, params)  # type: ignore[return-value]
+            return await self.tasks.call_or_task(  # type: ignore[return-value]
+                ctx, params, start=start_task)
         meta = params.meta or {}
         key = meta.get(IDEMPOTENCY_META_KEY, "")
         if not isinstance(key, str):
             raise MCPError(types.INVALID_PARAMS, f"_meta[{IDEMPOTENCY_META_KEY!r}] must be a "
                            "string")
-        request = tool_service_pb2.ExecuteRequest(
-            tool_name=params.name, arguments_json=json.dumps(params.arguments or {}),
-            idempotency_key=key)
-        metadata = self._credentials(ctx)
+        arguments_json = json.dumps(params.arguments or {})
+
+        async def execute(pinned: str) -> StartedRun:
+            request = tool_service_pb2.ExecuteRequest(
+                tool_name=params.name, arguments_json=arguments_json, idempotency_key=key,
+                catalog_hash=pinned)
+            return await self.client.start_run(request, metadata, listen=True)
+
         try:
-            started = await self.client.start_run(request, metadata, listen=True)
+            started = await self._start_pinned(ctx, params, metadata, pin, execute)
         except grpc.aio.AioRpcError as error:
             return refusal(CallError.from_rpc_error(error), params.name)
         try:
@@ -373,6 +458,11 @@ class Bridge:
             raise protocol_error(refused) from None
         finally:
             call.cancel()
+
+
+def _unknown_tool(tool_name: str) -> None:
+    """The SDK's ``get_tool_input_schema``: no schema, so it checks no header itself."""
+    return None
 
 
 def _progress_sender(ctx: ServerRequestContext[Any, Any]

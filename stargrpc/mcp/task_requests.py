@@ -131,7 +131,7 @@ class TaskRequests:
                            {"ttl": call.task.ttl})
         metadata = self._credentials(ctx)
         try:
-            run_id = await self._start(call, metadata)
+            run_id = await self.start(call, metadata)
         except grpc.aio.AioRpcError as error:
             raise _refused(CallError.from_rpc_error(error), call.name) from None
         log.info("mcp_task_created", run_id=run_id, tool=call.name,
@@ -141,9 +141,10 @@ class TaskRequests:
         self._follow(ctx, run_id, metadata)
         return {"task": self.runs.task(seed, legacy=True)}
 
-    async def _start(self, call: types.CallToolRequestParams, metadata: Metadata) -> str:
+    async def start(self, call: types.CallToolRequestParams, metadata: Metadata, *,
+                    catalog_hash: str = "") -> str:
         """StartRun for a task (with an idempotency key, so the run is in the shared store
-        before the answer).
+        before the answer), pinned to ``catalog_hash`` when given.
 
         Raises:
             MCPError: INVALID_PARAMS for an idempotency key that is not a string.
@@ -155,7 +156,7 @@ class TaskRequests:
                            "string")
         reply = await self._client.stub.StartRun(tool_service_pb2.StartRunRequest(
             tool_name=call.name, arguments_json=json.dumps(call.arguments or {}),
-            idempotency_key=key), metadata=metadata)
+            idempotency_key=key, catalog_hash=catalog_hash), metadata=metadata)
         return str(reply.run_id)
 
     def _follow(self, ctx: ServerRequestContext[Any, Any], run_id: str,
@@ -211,13 +212,15 @@ class TaskRequests:
                     and TASKS_EXTENSION in declared.extensions)
 
     async def call_or_task(self, ctx: ServerRequestContext[Any, Any],
-                           params: types.CallToolRequestParams
+                           params: types.CallToolRequestParams, *,
+                           start: Callable[[], Awaitable[str]] | None = None
                            ) -> types.CallToolResult | dict[str, Any]:
         """A 2026-07-28 ``tools/call`` of a client that takes tasks: the run's result when it
-        ends within ``mcp_task_after_seconds``, else the task (``resultType: "task"``)."""
+        ends within ``mcp_task_after_seconds``, else the task (``resultType: "task"``).
+        ``start`` starts its run (:meth:`start` when not given)."""
         metadata = self._credentials(ctx)
         try:
-            run_id = await self._start(params, metadata)
+            run_id = await (start() if start is not None else self.start(params, metadata))
         except grpc.aio.AioRpcError as error:
             return refusal(CallError.from_rpc_error(error), params.name)
         view = ProgressView()
