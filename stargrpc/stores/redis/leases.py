@@ -223,6 +223,11 @@ class Leases:
             log.warning("steer_not_handed_over", run_id=run_id, error=str(exc))
 
 
+#: How often :meth:`Sweep.stop` sends its cancellation, and how long it waits after each.
+STOP_ATTEMPTS = 20
+STOP_WAIT_SECONDS = 0.5
+
+
 class Sweep:
     """The sweep for lost runs: every replica looks at the runs of ``runs:running`` that
     are due, about every ``interval`` seconds (jittered), whether or not it runs anything.
@@ -273,14 +278,26 @@ class Sweep:
     async def stop(self) -> None:
         """Stops sweeping."""
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        # Some redis-py releases (8.0.x) swallow a cancellation that lands while they
+        # reconnect: the loop then sees the task gone from under it at its next turn, and
+        # the cancellation is sent again until the task has ended (bounded).
+        for _ in range(STOP_ATTEMPTS):
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait({task}, timeout=STOP_WAIT_SECONDS)
+            if task.done():
+                break
+        else:
+            log.warning("redis_sweep_not_stopped", attempts=STOP_ATTEMPTS)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: an error of the last sweep is not "never retrieved"
 
     async def _loop(self) -> None:
         # Jittered, so that replicas started together do not sweep in step; never past the
         # interval, which the bound on declaring a run lost counts with.
-        while True:
+        this = asyncio.current_task()
+        while self._task is this:
             await asyncio.sleep(self.interval * (0.5 + random.random() / 2))
             more = True
             while more:  # a full batch: more are due, taken batch by batch
