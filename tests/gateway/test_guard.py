@@ -69,7 +69,10 @@ async def test_cross_origin_simple_posts_are_refused_on_every_mutating_route(fro
     run_id = await start_staged(front, gate_name)
     mutating = {"/v1/tools/echo:execute?wait=true": '{"arguments": {"text": "pwned"}}',
                 f"/v1/runs/{run_id}:cancel": '{"reason": "pwned"}',
-                f"/v1/runs/{run_id}:steer": '{"message": "pwned"}'}
+                f"/v1/runs/{run_id}:steer": '{"message": "pwned"}',
+                f"/v1/runs/{run_id}:approve": '{"approval_id": "x", "decision": "approve"}',
+                "/v1/sessions": '{"kind": "python"}',
+                "/v1/sessions/ses_0:close": "{}"}
 
     cross_origin, no_origin = {}, {}
     for url, json_text in mutating.items():
@@ -98,6 +101,7 @@ async def test_cross_origin_simple_posts_are_refused_on_every_mutating_route(fro
     # cancel it (the body-less cancel of a plain client included).
     listed = (await front.http.get("/v1/runs")).json()["runs"]
     assert [(r["tool_name"], r["state"]) for r in listed] == [("staged", "RUN_STATE_RUNNING")]
+    assert (await front.http.get("/v1/sessions")).json()["sessions"] == []  # none opened
     steered = await front.http.post(f"/v1/runs/{run_id}:steer", json={"message": "go on"},
                                     headers={"Origin": front.origin})
     cancelled = await front.http.post(f"/v1/runs/{run_id}:cancel")
@@ -112,9 +116,9 @@ async def test_a_foreign_host_is_refused_on_every_route(front, gate) -> None:
     port = front.origin.rsplit(":", 1)[1]
     reads = ["/", "/static/progress.js", "/v1/tools", "/v1/capabilities", "/v1/runs",
              "/v1/runs?state=running", "/v1/runs/events", f"/v1/runs/{run_id}/events",
-             "/no-such-route"]
+             "/v1/sessions", "/v1/state/global", "/no-such-route"]
     writes = ["/v1/tools/echo:execute?wait=true", f"/v1/runs/{run_id}:steer",
-              f"/v1/runs/{run_id}:cancel"]
+              f"/v1/runs/{run_id}:cancel", f"/v1/runs/{run_id}:approve", "/v1/sessions"]
 
     for host in (f"attacker.example:{port}", "attacker.example", "localhost.attacker.example",
                  "127.0.0.1.nip.io", ""):
