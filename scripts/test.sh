@@ -57,4 +57,7 @@ done
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q -e '.[dev]'
 
-exec .venv/bin/python -m pytest "$@"
+# One worker per core (pytest-xdist); worksteal evens out the long modules (the browser,
+# the agent stacks, the Redis Cluster). `bash scripts/test.sh -n 0 tests/x.py` runs in one
+# process.
+exec .venv/bin/python -m pytest -n auto --dist worksteal "$@"

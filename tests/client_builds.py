@@ -5,7 +5,9 @@ their JSON lines read back as the contract's messages."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -48,10 +50,25 @@ def node_cli_command() -> list[str]:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.fail("the Node.js client test needs node and npm (apt-get install nodejs npm)")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=NODE_DIR, check=True, timeout=600)
+    npm_ci(NODE_DIR, NODE_DIR / "node_modules" / "@grpc" / "grpc-js")
     return [node, str(NODE_DIR / "cli.js")]
+
+
+def npm_ci(folder: Path, installed: Path, *, timeout: float = 600) -> None:
+    """``npm ci`` in ``folder`` (from its committed lock file) unless ``installed`` exists.
+    The folder is locked meanwhile (flock on its descriptor): pytest-xdist's workers may
+    ask at once, and two ``npm ci`` in one folder delete each other's files."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.fail(f"the tests of {folder.name} need npm (apt-get install nodejs npm)")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not installed.exists():
+            subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                           cwd=folder, check=True, timeout=timeout)
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 async def _run(command: Sequence[str], *args: str) -> tuple[int, str, str]:

@@ -30,29 +30,33 @@ ServerFactory = Callable[..., Awaitable[StargrpcServer]]
 _AUTH_SETTING_PREFIXES = ("insecure_no_auth", "keys_file", "auth_", "jwt_", "tls_", "mtls_")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def checkout_reachable_by_other_users() -> Iterator[None]:
+_TRAVERSE_BITS_ADDED: dict[Path, int] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
     """Several tests run code as other users (the image's uid 10001, a sandbox uid, the
     postgres user) from this checkout and its virtual environment. A checkout under a
     private folder (``mktemp -d`` makes them 0700) would be out of their reach: for the
-    session, each folder above the checkout and the interpreter gets the traverse bit for
-    others (never read: nothing is listed), then its mode back."""
-    if os.geteuid() != 0:
-        yield
+    run, each folder above the checkout and the interpreter gets the traverse bit for
+    others (never read: nothing is listed), then its mode back. Done once, by the
+    controlling process: with pytest-xdist, a worker that ended first must not take the
+    bit back from one still running tests."""
+    if os.geteuid() != 0 or hasattr(config, "workerinput"):
         return
     here = Path(__file__).resolve().parent.parent
-    changed: dict[Path, int] = {}
     for start in (here, Path(sys.executable).resolve().parent):
         for folder in (start, *start.parents):
             mode = folder.stat().st_mode & 0o7777
-            if folder not in changed and not mode & 0o001:
-                changed[folder] = mode
+            if folder not in _TRAVERSE_BITS_ADDED and not mode & 0o001:
+                _TRAVERSE_BITS_ADDED[folder] = mode
                 folder.chmod(mode | 0o001)
-    try:
-        yield
-    finally:
-        for folder, mode in changed.items():
-            folder.chmod(mode)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Gives back each folder's mode changed by :func:`pytest_configure`."""
+    while _TRAVERSE_BITS_ADDED:
+        folder, mode = _TRAVERSE_BITS_ADDED.popitem()
+        folder.chmod(mode)
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 from playwright.async_api import Browser, Page, expect
 
 from stargrpc.registry import load_registry
+from tests.client_builds import npm_ci
 from tests.conftest import AuthServerFactory
 from tests.gateway.conftest import GatewayUnderTest
 
@@ -27,12 +26,7 @@ BUNDLED = sorted(load_registry(bundled=True, entry_points=False))
 def axe_source() -> str:
     """axe-core's script, installed from the committed lock file when missing."""
     script = AXE_DIR / "node_modules" / "axe-core" / "axe.min.js"
-    if not script.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.fail("the accessibility scan needs npm (apt-get install npm)")
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=AXE_DIR, check=True, timeout=300)
+    npm_ci(AXE_DIR, script, timeout=300)
     return script.read_text()
 
 

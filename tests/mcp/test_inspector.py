@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.client_builds import npm_ci
 from tests.mcp.conftest import McpUnderTest
 
 INSPECTOR_DIR = Path(__file__).parent / "inspector"
@@ -21,12 +20,7 @@ TIMEOUT = 120
 def inspector() -> list[str]:
     """The Inspector's CLI, installed from the committed lock file when missing."""
     binary = INSPECTOR_DIR / "node_modules" / ".bin" / "mcp-inspector"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.fail("the MCP Inspector test needs npm (apt-get install npm)")
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                       cwd=INSPECTOR_DIR, check=True, timeout=600)
+    npm_ci(INSPECTOR_DIR, binary)
     return [str(binary), "--cli"]
 
 

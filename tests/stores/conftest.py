@@ -218,18 +218,19 @@ class LoopbackCluster(RedisProcesses):
         self.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def roles(self) -> dict[int, str]:
-        """Each live node's role, master or slave (from CLUSTER NODES of a live node)."""
-        for port in self.ports:
-            if self.procs[port].poll() is None:
-                nodes = redis_cli(port, "cluster", "nodes")
-                if nodes:
-                    break
+        """Each live node's role, master or slave, as the node says of itself (INFO
+        replication). Another node's CLUSTER NODES may lag just after a change: sending
+        CLUSTER SETSLOT to a node that view still calls a master fails with "use SETSLOT only
+        with masters"."""
         roles = {}
-        for line in nodes.splitlines():
-            fields = line.split()
-            node_port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
-            if "fail" not in fields[2]:
-                roles[node_port] = "master" if "master" in fields[2] else "slave"
+        for port in self.ports:
+            if self.procs[port].poll() is not None:
+                continue
+            lines = redis_cli(port, "info", "replication").splitlines()
+            if "role:master" in lines:
+                roles[port] = "master"
+            elif "role:slave" in lines:
+                roles[port] = "slave"
         return roles
 
     def primary_ports(self) -> list[int]:
