@@ -4,15 +4,21 @@ tool of known duration (``nap``), a server with lanes, and reading QUEUED notice
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 from pydantic import BaseModel, Field
+from redis.asyncio import Redis
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, spec_of
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.procs import ServerProcess, server_env
+from tests.runs_support import RUN_TOOLS_DIR
+from tests.stores.conftest import REDIS_URL
 
 
 class Holds:
@@ -130,3 +136,20 @@ async def events_until_result(call: Any) -> AsyncIterator[events_pb2.RunEvent]:
 
 def stub_for(channel: grpc.aio.Channel) -> tool_service_pb2_grpc.ToolServiceStub:
     return tool_service_pb2_grpc.ToolServiceStub(channel)
+
+
+def doomed_replica(folder: Path, prefix: str, lease: float, lanes: dict[str, Any],
+                   tool_lanes: dict[str, str]) -> ServerProcess:
+    """A replica in a process of its own (the run tools, no auth), for a test to SIGKILL."""
+    return ServerProcess(
+        ["--tools-dir", str(RUN_TOOLS_DIR), "--redis-url", REDIS_URL],
+        server_env(folder, STARGRPC_REDIS_KEY_PREFIX=prefix,
+                   STARGRPC_RUN_LEASE_SECONDS=str(lease), STARGRPC_LANES=json.dumps(lanes),
+                   STARGRPC_TOOL_LANES=json.dumps(tool_lanes)))
+
+
+async def no_slot_held(redis: Redis, slots: str) -> bool:
+    """No slot held: none whose lease still runs (a lapsed one is free, and dropped by the
+    lane's next script)."""
+    seconds, micros = await redis.time()
+    return await redis.zcount(slots, f"({seconds * 1000 + micros // 1000}", "+inf") == 0

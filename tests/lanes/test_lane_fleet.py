@@ -16,15 +16,15 @@ from tests.helpers import eventually
 from tests.lanes.conftest import REDIS_URL, LaneServer
 from tests.lanes.lane_helpers import (
     Holds,
+    doomed_replica,
     first_notice,
     hold_request,
     next_event,
+    no_slot_held,
     started,
     stub_for,
 )
-from tests.procs import ServerProcess, server_env
 from tests.runs_support import (
-    RUN_TOOLS_DIR,
     HeaderPrincipal,
     as_principal,
     collect,
@@ -86,11 +86,7 @@ async def test_a_killed_replica_frees_its_slot_and_its_queued_runs_end_run_lost(
         registry=run_registry(), interceptors=[HeaderPrincipal()], redis_url=REDIS_URL,
         redis_key_prefix=redis_prefix, run_lease_seconds=lease, run_sweep_interval_seconds=0.25,
         lanes=lanes, tool_lanes={"tally": "slow"})
-    doomed = ServerProcess(
-        ["--tools-dir", str(RUN_TOOLS_DIR), "--redis-url", REDIS_URL],
-        server_env(tmp_path / "doomed", STARGRPC_REDIS_KEY_PREFIX=redis_prefix,
-                   STARGRPC_RUN_LEASE_SECONDS=str(lease), STARGRPC_LANES=json.dumps(lanes),
-                   STARGRPC_TOOL_LANES=json.dumps({"tally": "slow"})))
+    doomed = doomed_replica(tmp_path / "doomed", redis_prefix, lease, lanes, {"tally": "slow"})
     redis = Redis.from_url(REDIS_URL)
     slots = f"{redis_prefix}lane:slow:slots"
     never = {"path": str(tmp_path / "tally"), "gate": str(tmp_path / "never")}
@@ -129,18 +125,11 @@ async def test_a_killed_replica_frees_its_slot_and_its_queued_runs_end_run_lost(
                     10 * lease)
                 assert lost[-1].result.error.code == "RUN_LOST", run_id
         # No slot leaked: the lane is empty again.
-        await eventually(lambda: _empty(redis, slots), within=10, interval=0.05,
+        await eventually(lambda: no_slot_held(redis, slots), within=10, interval=0.05,
                          what="the lane's slots all free")
     finally:
         doomed.stop()
         await redis.aclose()
-
-
-async def _empty(redis: Redis, slots: str) -> bool:
-    """No slot held: none whose lease still runs (a lapsed one is free, and dropped by the
-    lane's next script)."""
-    seconds, micros = await redis.time()
-    return await redis.zcount(slots, f"({seconds * 1000 + micros // 1000}", "+inf") == 0
 
 
 def start(tool: str, arguments: dict[str, str]) -> tool_service_pb2.StartRunRequest:

@@ -5,13 +5,15 @@ turns between principals, then arrival).
 Keys of one lane (under ``redis_key_prefix``; on a cluster ``{lane:NAME}`` is the hash tag,
 so a lane's keys share one slot and each script runs on them atomically)::
 
-    lane:NAME:slots      zset    run id → its slot's lease expiry (ms, Redis's clock)
+    lane:NAME:slots      zset    run id (or reserve slot "~replica:n") → its slot's lease
+                                 expiry (ms, Redis's clock)
     lane:NAME:starts     hash    run id → when it got its slot (ms)
     lane:NAME:queue      zset    "arrival|run id" → (1000 - priority) · 2**40 + turn
     lane:NAME:alive      zset    "arrival|run id" → the waiting replica's lease on it (ms)
     lane:NAME:queued     hash    run id → "arrival|run id" of each waiting run (ListRuns)
     lane:NAME:turns      hash    "v|P" → the virtual time of priority P; "p|P|principal" →
-                                 the principal's next turn; "n" → arrivals
+                                 the principal's next turn; "n" → arrivals; "r" → reserve
+                                 slots handed out
     lane:NAME:durations  list    the lane's last run durations (ms), newest first
 
 Runs take their slots and places in **leases**: the replica holding a slot or a queued run
@@ -24,6 +26,23 @@ they were runs of that replica, whose logs end ``RUN_LOST`` as any of its runs
 Slots are handed out by whichever script sees them free — entering, polling, releasing —
 to the head of the queue, whatever replica waits for it: the waiting replica learns at
 its next poll (or at once, when the slot was freed on it).
+
+**Reserves.** Taking a slot in Redis is a round trip before the run starts, where a run
+without an idempotency key otherwise has none on its call's path. So a run that gets a slot
+while nobody waits in the lane also takes up to :data:`RESERVE_MAX` more for its replica
+(while :data:`RESERVE_SHARE` times as many stay free: a lane of a few slots has no
+reserves). They are slots like any other in ``lane:NAME:slots`` ("~replica:n"), leased and
+renewed, so the lane's capacity stays exact and a dead replica's reserve lapses with its
+lease. The replica's next runs in the lane take an unused reserve slot with no round trip
+and put it back when they end. While it holds a reserve the replica looks at the lane every
+:data:`POLL_SECONDS` (renewing the reserve and adding its runs' durations and starts); when
+runs wait in the lane, on any replica, it stops using the reserve, gives the unused slots
+back at once (to the head of the queue) and each used one as its run ends, until a run of
+its own enters through Redis and finds the queue empty again. A run that queues behind
+another replica's unused reserve so waits one look (at most :data:`POLL_SECONDS` and a
+round trip), and a run that enters on the reserve's replica within that look starts before
+it. A reserve unused for a lease goes back too. Unused reserve slots have no start in
+``lane:NAME:starts``, so the estimate counts them as free.
 """
 
 from __future__ import annotations
@@ -32,6 +51,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -58,6 +78,38 @@ log = structlog.get_logger("stargrpc.stores.redis")
 POLL_SECONDS = 0.05
 #: How long a lane's keys outlive its last use.
 LANE_TTL_MS = 24 * 3600 * 1000
+#: Slots of one lane a replica holds ahead of its runs at most (its reserve).
+RESERVE_MAX = 8
+#: A reserve is taken only while this many times its size stay free in the lane: a lane of
+#: few slots has none, and others' calls seldom find a lane full of unused reserves.
+RESERVE_SHARE = 4
+
+
+@dataclass
+class _Reserve:
+    """The slots of one lane this replica holds ahead of its runs: a run that enters while
+    one is unused takes it with no round trip to Redis, and gives it back to the reserve
+    when it ends. They are leased and renewed like any slot, so the lane's capacity stays
+    exact and a dead replica's reserve lapses with its lease.
+
+    Attributes:
+        held: The reserve slots in Redis, as this replica last learned.
+        unused: Those no run of this replica uses now.
+        contended: Runs wait in the lane (on any replica): the reserve is not used, and each
+            slot goes back to Redis as soon as it is unused, until an entry through Redis
+            finds the queue empty again.
+        usable_until: ``time.monotonic()`` before which the leases are surely still held
+            (half a lease after the last renewal was sent).
+        used_at: When a run last took one.
+        durations: Durations of runs that ended on one (ms), not yet in Redis.
+    """
+
+    held: set[str] = field(default_factory=set)
+    unused: list[str] = field(default_factory=list)
+    contended: bool = False
+    usable_until: float = 0.0
+    used_at: float = 0.0
+    durations: list[str] = field(default_factory=list)
 
 # KEYS = slots, starts, queue, alive, turns, durations, queued. Every script first drops lapsed
 # slots and lapsed queued runs, and hands free slots to the head of the queue (fill):
@@ -114,8 +166,12 @@ end
 """
 
 # A run enters its lane: a slot when one is free and nobody waits, else a place at the end
-# of its turn. ARGV: max_concurrent, lease_ms, ttl_ms, run id, principal, priority,
-# max_queued. Returns {1} granted, {-1, waiting, looks} the queue is full, or
+# of its turn. A replica's run that gets a slot may also take up to ``wanted`` slots ahead
+# (a reserve), while at least ``share`` times as many stay free: they are named
+# "~replica:n", leased like any slot, and have no start until a run uses them (a reserve
+# slot left unused is free as the estimate sees it). ARGV: max_concurrent, lease_ms, ttl_ms,
+# run id, principal, priority, max_queued[, wanted, the reserve's name prefix, share].
+# Returns {1, {reserve slots}} granted, {-1, waiting, looks} the queue is full, or
 # {0, member, position, looks} queued.
 ENTER = _COMMON + """
 tidy()
@@ -124,7 +180,20 @@ local run, principal, priority = ARGV[4], ARGV[5], tonumber(ARGV[6])
 touch()
 if redis.call('ZCARD', KEYS[1]) < max_concurrent and redis.call('ZCARD', KEYS[3]) == 0 then
   grant(run)
-  return {1}
+  local reserve = {}
+  local wanted = tonumber(ARGV[8]) or 0
+  if wanted > 0 then
+    local free = max_concurrent - redis.call('ZCARD', KEYS[1])
+    local block = math.min(wanted, math.floor(free / tonumber(ARGV[10])))
+    if block > 0 then
+      local last = redis.call('HINCRBY', KEYS[5], 'r', block)
+      for n = last - block + 1, last do
+        reserve[#reserve + 1] = ARGV[9] .. n
+        redis.call('ZADD', KEYS[1], now + lease_ms, reserve[#reserve])
+      end
+    end
+  end
+  return {1, reserve}
 end
 local waiting = redis.call('ZCARD', KEYS[3])
 if waiting >= tonumber(ARGV[7]) then return {-1, waiting, looks()} end
@@ -194,6 +263,54 @@ touch()
 return 1
 """
 
+# A replica's look at its reserve in one lane: renews the lease of every reserve slot it
+# holds, notes when a run started on each used one (for the estimates of runs that queue)
+# and adds the lane's durations its runs took on them; returns how many runs wait in the
+# lane (any: the replica gives its unused reserve slots back and stops using them) and the
+# slots it no longer holds (their lease lapsed while Redis stalled). ARGV: max_concurrent,
+# lease_ms, ttl_ms, history, n_used, n_unused, then each used slot and ms since its run
+# started, each unused slot, then durations (ms, oldest first).
+HOLD = _COMMON + """
+tidy()
+local n_used, n_unused = tonumber(ARGV[5]), tonumber(ARGV[6])
+local lost = {}
+local at = 7
+for i = 1, n_used + n_unused do
+  local slot = ARGV[at]
+  if redis.call('ZSCORE', KEYS[1], slot) then
+    redis.call('ZADD', KEYS[1], now + lease_ms, slot)
+    if i <= n_used then
+      redis.call('HSET', KEYS[2], slot, now - tonumber(ARGV[at + 1]))
+    else
+      redis.call('HDEL', KEYS[2], slot)
+    end
+  else
+    lost[#lost + 1] = slot
+  end
+  at = at + (i <= n_used and 2 or 1)
+end
+if at <= #ARGV then
+  for i = at, #ARGV do redis.call('LPUSH', KEYS[6], ARGV[i]) end
+  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[4]) - 1)
+end
+fill()
+touch()
+return {redis.call('ZCARD', KEYS[3]), lost}
+"""
+
+# A replica gives reserve slots back (unused; or used, their runs ended, while runs wait):
+# free slots go to the head of the queue. ARGV: max_concurrent, lease_ms, ttl_ms, then slots.
+GIVE_BACK = _COMMON + """
+tidy()
+for i = 4, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[2], ARGV[i])
+end
+fill()
+touch()
+return 1
+"""
+
 # Where runs wait, whatever replica admitted them (ListRuns). ARGV: run ids. Returns per run
 # {position, priority}, or {0, 0} when it does not wait in this lane.
 WHERE = """
@@ -227,8 +344,12 @@ class RedisLanes:
     _renew: Any
     _leave: Any
     _where: Any
+    _hold: Any
+    _give_back: Any
     _waiting: dict[str, dict[str, LanePlace]]
     _running: dict[str, LanePlace]
+    _reserves: dict[str, _Reserve]
+    _on_reserve: dict[str, tuple[LanePlace, str]]
     _members: dict[str, str]
     _task: asyncio.Task[None] | None
     _nudge: asyncio.Event | None
@@ -243,8 +364,12 @@ class RedisLanes:
         self._renew = redis.register_script(RENEW)
         self._leave = redis.register_script(LEAVE)
         self._where = redis.register_script(WHERE)
+        self._hold = redis.register_script(HOLD)
+        self._give_back = redis.register_script(GIVE_BACK)
         self._waiting = {name: {} for name in self.configs}
         self._running = {}
+        self._reserves = {}
+        self._on_reserve = {}
         self._members = {}
         self._task = None
         self._nudge = None
@@ -263,21 +388,37 @@ class RedisLanes:
     # -- LaneBoard ---------------------------------------------------------------------------
 
     async def enter(self, ticket: LaneTicket) -> LanePlace:
+        reserve = self._reserves.get(ticket.lane)
+        if reserve is not None and reserve.unused and not reserve.contended:
+            now = time.monotonic()
+            if now < reserve.usable_until:
+                place = LanePlace(ticket, granted=True, entered=now, started=now)
+                self._on_reserve[ticket.run_id] = (place, reserve.unused.pop())
+                reserve.used_at = now
+                return place
         config = self.configs[ticket.lane]
         releasing = [task for task in self._leaving if task.get_name() == ticket.lane]
         if releasing:
             # A slot this replica is giving back (a run that just ended, its caller's next
             # call coming right after its Result) is free before this run asks for one.
             await asyncio.wait(releasing)
+        wanted = RESERVE_MAX - (len(reserve.held) if reserve is not None else 0)
+        sent = time.monotonic()
         with reachable("entering the run's lane"):
             reply = await self._shared.scripts.call(
                 self._enter, self.keys(ticket.lane),
                 [*self._args(ticket.lane), ticket.run_id, ticket.principal, ticket.priority,
-                 config.max_queued])
+                 config.max_queued, wanted, f"~{self._shared.replica}:", RESERVE_SHARE])
         place = LanePlace(ticket)
-        if reply[0] == 1:
+        if reply[0] == 1:  # nobody waits in the lane now
             self._granted(place)
+            if reply[1]:
+                self._reserve(ticket.lane, [slot.decode() for slot in reply[1]], sent)
+            elif reserve is not None:
+                reserve.contended = False
             return place
+        if reserve is not None:  # runs wait: the reserve's slots go to them as they free
+            reserve.contended = True
         if reply[0] == -1:
             raise lane_full(ticket.lane, config.max_queued,
                             self._estimate(ticket.lane, int(reply[1]) + 1, reply[2]))
@@ -302,14 +443,39 @@ class RedisLanes:
             return
         place.released = True
         ticket = place.ticket
+        on_reserve = self._on_reserve.pop(ticket.run_id, None)
+        if on_reserve is not None:
+            self._leave_reserve(place, on_reserve[1], ran=ran)
+            return
         self._waiting.get(ticket.lane, {}).pop(ticket.run_id, None)
         self._running.pop(ticket.run_id, None)
         member = self._members.pop(ticket.run_id, "")
         duration = ""
         if place.granted and ran:
             duration = str(int((time.monotonic() - place.started) * 1000))
-        task = asyncio.get_running_loop().create_task(self._release(ticket, member, duration),
-                                                      name=ticket.lane)
+        self._send_release(ticket.lane, ticket.run_id, member, duration)
+
+    def _leave_reserve(self, place: LanePlace, slot: str, *, ran: bool) -> None:
+        """A run that ran on a reserve slot ended: the slot goes back to the reserve, or to
+        Redis while runs wait in the lane."""
+        lane = place.ticket.lane
+        duration = str(int((time.monotonic() - place.started) * 1000)) if ran else ""
+        reserve = self._reserves.get(lane)
+        if reserve is None or slot not in reserve.held:
+            return  # its lease lapsed (Redis stalled): nothing to give back
+        if not reserve.contended:
+            reserve.unused.append(slot)
+            if duration:
+                reserve.durations.append(duration)
+            return
+        reserve.held.discard(slot)
+        if not reserve.held:
+            del self._reserves[lane]
+        self._send_release(lane, slot, "", duration)
+
+    def _send_release(self, lane: str, slot: str, member: str, duration: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._release(lane, slot, member, duration), name=lane)
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)
 
@@ -317,7 +483,8 @@ class RedisLanes:
         for waiting in self._waiting.values():
             if run_id in waiting:
                 return waiting[run_id]
-        return self._running.get(run_id)
+        on_reserve = self._on_reserve.get(run_id)
+        return on_reserve[0] if on_reserve is not None else self._running.get(run_id)
 
     async def waiting(self, run_ids: list[str]) -> dict[str, tuple[str, int, int]]:
         """Which of ``run_ids`` wait in a lane, on any replica: run id → (lane, priority,
@@ -341,6 +508,11 @@ class RedisLanes:
                     found[run_id] = (lane, int(priority), int(position))
         return found
 
+    def reserve(self, lane: str) -> frozenset[str]:
+        """The slots of ``lane`` this replica holds ahead of its runs (used or not)."""
+        reserve = self._reserves.get(lane)
+        return frozenset(reserve.held) if reserve is not None else frozenset()
+
     # -- what the scripts answer ------------------------------------------------------------
 
     def _estimate(self, lane: str, position: int, looks: list[Any]) -> float:
@@ -358,20 +530,30 @@ class RedisLanes:
         place.changed.set()
         self._start()
 
+    def _reserve(self, lane: str, slots: list[str], sent: float) -> None:
+        """Keeps ``slots`` Redis granted ahead as this replica's reserve in ``lane``: the
+        lane's queue was empty when they were taken (``sent``: when the script was sent)."""
+        reserve = self._reserves.setdefault(lane, _Reserve())
+        reserve.held.update(slots)
+        reserve.unused.extend(slots)
+        reserve.contended = False
+        reserve.usable_until = sent + self._shared.lease_ms / 2000
+        reserve.used_at = time.monotonic()
+        self._start()
+
     async def _give_up(self, ticket: LaneTicket, member: str) -> None:
         with contextlib.suppress(RequestError), reachable("leaving the lane"):
             await self._shared.scripts.call(self._leave, self.keys(ticket.lane), [
                 *self._args(ticket.lane), ticket.run_id, member, "", DURATION_HISTORY])
 
-    async def _release(self, ticket: LaneTicket, member: str, duration: str) -> None:
+    async def _release(self, lane: str, slot: str, member: str, duration: str) -> None:
+        """Frees ``slot`` (a run id, or a reserve slot) or gives up the queue's ``member``."""
         try:
             with reachable("leaving the lane"):
-                await self._shared.scripts.call(self._leave, self.keys(ticket.lane), [
-                    *self._args(ticket.lane), ticket.run_id, member, duration,
-                    DURATION_HISTORY])
+                await self._shared.scripts.call(self._leave, self.keys(lane), [
+                    *self._args(lane), slot, member, duration, DURATION_HISTORY])
         except RequestError as exc:  # its lease frees it
-            log.warning("lane_release_failed", run_id=ticket.run_id, lane=ticket.lane,
-                        error=exc.message)
+            log.warning("lane_release_failed", slot=slot, lane=lane, error=exc.message)
         if self._nudge is not None:
             self._nudge.set()  # a slot freed here may be a waiting run's here
 
@@ -386,9 +568,10 @@ class RedisLanes:
     async def _loop(self) -> None:
         renew_every = max(POLL_SECONDS, self._shared.lease_ms / 3000)
         renewed = time.monotonic()
-        while any(self._waiting.values()) or self._running:
+        while any(self._waiting.values()) or self._running or self._reserves:
             try:
                 await self._poll_once()
+                await self._hold_once()
                 if time.monotonic() - renewed >= renew_every:
                     renewed = time.monotonic()
                     await self._renew_once()
@@ -445,6 +628,48 @@ class RedisLanes:
         else:
             self._members[ticket.run_id] = reply[1].decode()
 
+    async def _hold_once(self) -> None:
+        """Renews every reserve; gives a lane's unused reserve slots back when runs wait in
+        it (on any replica), or when this replica has not used them for a lease."""
+        if not self._reserves:
+            return
+        now = time.monotonic()
+        lanes, calls = [], []
+        for lane, reserve in self._reserves.items():
+            used = [(slot, int((now - place.started) * 1000))
+                    for place, slot in self._on_reserve.values() if place.ticket.lane == lane]
+            durations, reserve.durations = reserve.durations, []
+            lanes.append((lane, reserve, durations))
+            calls.append((self.keys(lane), [
+                *self._args(lane), DURATION_HISTORY, len(used), len(reserve.unused),
+                *(part for pair in used for part in pair), *reserve.unused, *durations]))
+        replies = await self._shared.scripts.call_all(self._hold, calls)
+        giving: list[tuple[str, list[str]]] = []
+        for (lane, reserve, durations), reply in zip(lanes, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.warning("redis_lanes_hold_failed", lane=lane, error=str(reply))
+                reserve.durations[:0] = durations
+                continue
+            depth, lost = int(reply[0]), {slot.decode() for slot in reply[1]}
+            metrics.LANE_QUEUE_DEPTH.labels(lane).set(depth)
+            reserve.usable_until = now + self._shared.lease_ms / 2000
+            if lost:
+                reserve.held -= lost
+                reserve.unused = [slot for slot in reserve.unused if slot not in lost]
+            if depth:
+                reserve.contended = True
+            idle = (len(reserve.unused) == len(reserve.held)
+                    and now - reserve.used_at > self._shared.lease_ms / 1000)
+            if (depth or idle) and reserve.unused:
+                unused, reserve.unused = reserve.unused, []
+                reserve.held.difference_update(unused)
+                giving.append((lane, unused))
+            if not reserve.held:
+                del self._reserves[lane]
+        if giving:
+            await self._shared.scripts.call_all(self._give_back, [
+                (self.keys(lane), [*self._args(lane), *slots]) for lane, slots in giving])
+
     async def _renew_once(self) -> None:
         by_lane: dict[str, list[str]] = {}
         for run_id, place in self._running.items():
@@ -460,5 +685,13 @@ class RedisLanes:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        reserves, self._reserves = self._reserves, {}
+        giving = [(lane, reserve.unused) for lane, reserve in reserves.items() if reserve.unused]
+        if giving:  # best effort: what is not given back lapses with its lease
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._shared.timeout):
+                    await self._shared.scripts.call_all(self._give_back, [
+                        (self.keys(lane), [*self._args(lane), *slots])
+                        for lane, slots in giving])
         if self._leaving:
             await asyncio.gather(*self._leaving, return_exceptions=True)
