@@ -163,3 +163,25 @@ async def test_a_killed_replica_frees_its_reserve_within_its_lease(
 
 async def _count_is(redis: Redis, slots: str, count: int) -> bool:
     return bool(await redis.zcard(slots) == count)
+
+
+async def test_a_reserve_slot_whose_lease_lapsed_is_dropped(lane_server: LaneServer,
+                                                            redis_prefix: str) -> None:
+    server, channel = await lane_server(
+        {"slow": {"max_concurrent": WIDE}}, tool_lanes={"quick": "slow"},
+        redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+    stub = stub_for(channel)
+    assert (await collect(stub.Execute(_quick(), metadata=ALICE)))[-1].result.outcome == \
+        events_pb2.OUTCOME_OK
+    lanes = _lanes(server)
+    lapsed = sorted(lanes.reserve("slow"))[0]
+    # As after a stall longer than a lease: the slot's lease ran out (another replica may
+    # hold it by now), so the replica must not hand it out any more.
+    await _shared(server).redis.zadd(lanes.keys("slow")[0], {lapsed: 0}, xx=True)
+    await eventually(lambda: lapsed not in lanes.reserve("slow"), within=20,
+                     what="the lapsed slot dropped from the reserve")
+    assert len(lanes.reserve("slow")) == RESERVE_MAX - 1
+    for _ in range(RESERVE_MAX):
+        events = await collect(stub.Execute(_quick(), metadata=ALICE))
+        assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert lapsed not in await _slots(server)

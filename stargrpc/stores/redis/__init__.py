@@ -101,7 +101,8 @@ The package's rooms, each owning one thing and talking to the others through met
                    how a decision reaches the replica whose run waits; the store's
                    ``approvals``
     lanes.py       RedisLanes: the fleet's lanes (slots and queues in sorted sets, held by
-                   leases), one script per step; the store's ``lanes_for``
+                   leases; slots a replica leases ahead while nobody waits), one script
+                   per step; the store's ``lanes_for``
 """
 
 from __future__ import annotations
