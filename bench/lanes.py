@@ -4,7 +4,8 @@ the same run.
 1. **Admission through an empty lane.** Four ``stargrpc serve`` processes (the bench tools,
    no auth): embedded without lanes, embedded with ``bench_trivial`` in a lane of ample
    capacity (every call takes a slot and gives it back, nobody waits), and the same two as a
-   fleet (a redis-server of the run's own). The same client (``bench/client.py``, one
+   fleet (a redis-server of the run's own; there the calls take their slots from the
+   replica's reserve, leased ahead from Redis). The same client (``bench/client.py``, one
    process) drives them in turns; the figure is each lane set-up's trivial p50 over its twin's
    without lanes (issue 26: ≤ 1.03x, embedded and fleet).
 2. **Two principals, one flooding.** One embedded server with ``bench_wait`` in a lane of 4

@@ -534,10 +534,13 @@ class RedisLanes:
         """Keeps ``slots`` Redis granted ahead as this replica's reserve in ``lane``: the
         lane's queue was empty when they were taken (``sent``: when the script was sent)."""
         reserve = self._reserves.setdefault(lane, _Reserve())
+        if not reserve.held:
+            # Slots held before are as sure as their last renewal (the next look renews
+            # them, or finds them lapsed): only a new reserve is sure from this script on.
+            reserve.usable_until = sent + self._shared.lease_ms / 2000
         reserve.held.update(slots)
         reserve.unused.extend(slots)
         reserve.contended = False
-        reserve.usable_until = sent + self._shared.lease_ms / 2000
         reserve.used_at = time.monotonic()
         self._start()
 
@@ -664,7 +667,7 @@ class RedisLanes:
                 unused, reserve.unused = reserve.unused, []
                 reserve.held.difference_update(unused)
                 giving.append((lane, unused))
-            if not reserve.held:
+            if not reserve.held and self._reserves.get(lane) is reserve:
                 del self._reserves[lane]
         if giving:
             await self._shared.scripts.call_all(self._give_back, [
