@@ -94,22 +94,28 @@ async def test_a_reserve_keeps_the_lane_exact_and_goes_to_runs_queued_on_another
     calls = [b.Execute(hold_request(f"h{i}"), metadata=BOB) for i in range(WIDE)]
     await asyncio.wait_for(started(holds, WIDE), 60)
     assert len(await _slots(server_b)) == WIDE
-    # The lane is full: a call on either replica queues (a's reserve is not used meanwhile).
+    # The lane is full: a call on either replica queues (a's reserve is not used meanwhile),
+    # in priority and turn order across replicas.
     late_a = a.Execute(_quick(), metadata=ALICE)
     assert (await first_notice(late_a)).queued.position == 1
     late_b = b.Execute(hold_request("late"), metadata=BOB)
     assert (await first_notice(late_b)).queued.position == 2
+    urgent = a.Execute(hold_request("urgent", priority=3), metadata=ALICE)
+    assert (await first_notice(urgent)).queued.position == 1
     assert len(holds.started) == WIDE
     assert len(await _slots(server_b)) == WIDE
 
     # A slot freed goes to the head of the queue, whatever replica it waits on.
     holds.release("h0")
     assert (await collect(calls[0]))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert (await started(holds, WIDE + 1))[-1] == "urgent"
+    holds.release("h1")
     assert (await collect(late_a))[-1].result.outcome == events_pb2.OUTCOME_OK
-    holds.release(*(f"h{i}" for i in range(1, WIDE)), "late")
-    for done in [*calls[1:], late_b]:
+    holds.release(*(f"h{i}" for i in range(2, WIDE)), "late", "urgent")
+    assert (await started(holds, WIDE + 2))[-1] == "late"
+    for done in [*calls[1:], late_b, urgent]:
         assert (await collect(done))[-1].result.outcome == events_pb2.OUTCOME_OK
-    assert len(holds.started) == WIDE + 1
+    assert len(holds.started) == WIDE + 2
     assert len(await _slots(server_a)) <= WIDE
 
 
