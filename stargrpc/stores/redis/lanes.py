@@ -30,8 +30,8 @@ its next poll (or at once, when the slot was freed on it).
 **Reserves.** Taking a slot in Redis is a round trip before the run starts, where a run
 without an idempotency key otherwise has none on its call's path. So a run that gets a slot
 while nobody waits in the lane also takes up to :data:`RESERVE_MAX` more for its replica
-(while :data:`RESERVE_SHARE` times as many stay free: a lane of a few slots has no
-reserves). They are slots like any other in ``lane:NAME:slots`` ("~replica:n"), leased and
+(at most a :data:`RESERVE_SHARE`-th of the slots then free: a lane of a few slots has
+no reserves). They are slots like any other in ``lane:NAME:slots`` ("~replica:n"), leased and
 renewed, so the lane's capacity stays exact and a dead replica's reserve lapses with its
 lease. The replica's next runs in the lane take an unused reserve slot with no round trip
 and put it back when they end. While it holds a reserve the replica looks at the lane every
@@ -80,8 +80,8 @@ POLL_SECONDS = 0.05
 LANE_TTL_MS = 24 * 3600 * 1000
 #: Slots of one lane a replica holds ahead of its runs at most (its reserve).
 RESERVE_MAX = 8
-#: A reserve is taken only while this many times its size stay free in the lane: a lane of
-#: few slots has none, and others' calls seldom find a lane full of unused reserves.
+#: A reserve is at most this share (1/N) of the lane's slots free when it is taken: a lane
+#: of few slots has none, and others' calls seldom find a lane full of unused reserves.
 RESERVE_SHARE = 4
 
 
@@ -167,7 +167,7 @@ end
 
 # A run enters its lane: a slot when one is free and nobody waits, else a place at the end
 # of its turn. A replica's run that gets a slot may also take up to ``wanted`` slots ahead
-# (a reserve), while at least ``share`` times as many stay free: they are named
+# (a reserve), at most a ``share``-th of the slots then free: they are named
 # "~replica:n", leased like any slot, and have no start until a run uses them (a reserve
 # slot left unused is free as the estimate sees it). ARGV: max_concurrent, lease_ms, ttl_ms,
 # run id, principal, priority, max_queued[, wanted, the reserve's name prefix, share].
@@ -646,7 +646,12 @@ class RedisLanes:
             calls.append((self.keys(lane), [
                 *self._args(lane), DURATION_HISTORY, len(used), len(reserve.unused),
                 *(part for pair in used for part in pair), *reserve.unused, *durations]))
-        replies = await self._shared.scripts.call_all(self._hold, calls)
+        try:
+            replies = await self._shared.scripts.call_all(self._hold, calls)
+        except BaseException:
+            for _, reserve, durations in lanes:  # added with the next look
+                reserve.durations[:0] = durations
+            raise
         giving: list[tuple[str, list[str]]] = []
         for (lane, reserve, durations), reply in zip(lanes, replies, strict=True):
             if isinstance(reply, Exception):
