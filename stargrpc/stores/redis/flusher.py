@@ -13,6 +13,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from stargrpc.stores.redis.background import stop_background
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.stores.redis.index import RunIndex
@@ -90,9 +91,7 @@ class Flusher:
     async def stop(self) -> None:
         """Stops writing (what is pending stays pending)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_background(task, "flush")
         if self._linger is not None:
             self._linger.cancel()
 

@@ -28,6 +28,7 @@ from stargrpc.stores.base import (
 from stargrpc.stores.connect import connect
 from stargrpc.stores.keys import KeyLayout
 from stargrpc.stores.redis.approvals import RedisApprovalStore
+from stargrpc.stores.redis.background import stop_background
 from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
 from stargrpc.stores.redis.flusher import Flusher
@@ -408,9 +409,7 @@ class RedisRunStore:
     async def stop_renewing(self) -> None:
         """Stops renewing the leases of this replica's runs (and undoing abandoned claims)."""
         task, self._renewer = self._renewer, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_background(task, "lease-renewal")
 
     async def _renew_loop(self) -> None:
         interval = min(1.0, self.shared.lease_ms / 3000)
