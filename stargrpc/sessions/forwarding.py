@@ -48,6 +48,7 @@ from stargrpc.auth.fleet import FORWARDED_HEADER, FleetAssertions
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.errors import FailedPrecondition, NotFound, reason_name
 from stargrpc.principal import Principal
+from stargrpc.runs.call_record import current_call
 from stargrpc.settings import Settings
 from stargrpc.v1 import errors_pb2, tool_service_pb2
 
@@ -261,10 +262,14 @@ class SessionForwarder:
                                      metadata={"setting": "fleet_secret"})
         # Deterministic, so the owner computes the same digest from the message it decodes.
         data = request.SerializeToString(deterministic=True)
+        # The caller as this replica's audit records it (the HTTP client behind a call of
+        # the gateway, vouched for), else the gRPC peer.
+        record = current_call.get()
+        peer = (record.peer if record is not None and record.peer else context.peer()) or ""
         try:
             assertion = self.assertions.make(
                 method=method, session_id=getattr(request, "session_id", ""),
-                principal=principal, peer=context.peer() or "", to=replica,
+                principal=principal, peer=peer, to=replica,
                 digest=hashlib.sha256(data).hexdigest())
         except ValueError as exc:
             raise FailedPrecondition(f"{exc}: call the replica that holds the session"

@@ -135,6 +135,7 @@ async def test_the_owner_receives_an_assertion_and_never_the_callers_token(fleet
     sent = [r for r in await records_of(other) if r.method == EXECUTE]
     assert f"forwarded to replica {target(owner)}" in sent[-1].detail
     assert sent[-1].principal == "alice"
+    assert record.peer == sent[-1].peer  # the caller, as the replica it called saw it
 
 
 async def test_without_the_fleet_secret_forwarding_is_refused_precisely(fleet) -> None:
