@@ -218,8 +218,7 @@ class ToolService:
                 assert self.forwarder is not None
                 try:
                     async for forwarded in self.forwarder.execute(
-                            replica, request, context.invocation_metadata() or (),
-                            context.time_remaining()):
+                            replica, request, current_principal.get(), context):
                         yield forwarded
                 except grpc.aio.AioRpcError as error:  # the owner refused: its status
                     await context.abort(error.code(), error.details() or "",
@@ -295,13 +294,17 @@ class ToolService:
                 or len(session_id) > 64):
             return None
         try:
-            return await self.forwarder.route(session_id, current_principal.get().id,
-                                              context.invocation_metadata() or ())
+            replica = await self.forwarder.route(session_id, current_principal.get().id,
+                                                 context.invocation_metadata() or ())
         except RequestError:
             raise
         except Exception as exc:  # the fleet's Redis
             raise Unavailable("the fleet's store cannot be reached to find the session",
                               retry_after=1.0) from exc
+        record = current_call.get()
+        if replica is not None and record is not None:
+            record.extra["forwarded_to"] = replica  # the audit says where the call went
+        return replica
 
     async def _forward_unary(self, replica: str, method: str, request: Any,
                              reply_type: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -309,8 +312,7 @@ class ToolService:
         assert self.forwarder is not None
         try:
             return await self.forwarder.unary(replica, method, request, reply_type,
-                                              context.invocation_metadata() or (),
-                                              context.time_remaining())
+                                              current_principal.get(), context)
         except grpc.aio.AioRpcError as error:  # the owner refused: its status, as it gave it
             await context.abort(error.code(), error.details() or "",
                                 error.trailing_metadata())

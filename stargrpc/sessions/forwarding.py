@@ -4,23 +4,37 @@ A session lives on the replica that created it (its sandbox is a process there).
 fleet (``redis_url``) and ``session_advertise_address`` set, that replica records it in
 Redis — ``<prefix>session:<id>`` holds the replica's address and the session's owner for
 the session's TTL, and ``<prefix>session-lease:<id>`` lives ``LEASE_SECONDS`` and is renewed
-while the replica holds the session. A call naming a session another replica holds is
-forwarded there over gRPC (:class:`SessionForwarder`), with the caller's own credentials
-(its ``authorization`` metadata): the owner authenticates the caller itself, exactly as
-if it had been called directly, so identity never travels as a claim one replica makes to
-another. A caller authenticated by an mTLS client certificate cannot be relayed so; its
-calls are answered as for a session this replica does not know.
+while the replica holds the session.
+
+A call naming a session another replica holds is forwarded there over gRPC
+(:class:`SessionForwarder`): Execute, StartRun and CloseSession. The caller's credentials
+never leave the replica they were presented to — neither its bearer token nor anything
+derived from it. This replica has authenticated the caller already (whichever way: an API
+key, a JWT, an mTLS certificate); it sends the owner, in ``stargrpc-session-forwarded``, an
+assertion signed with ``fleet_secret`` naming that principal and binding it to this one
+request (method, session, a digest of the request message, the owner's address, a time and
+a nonce: :mod:`stargrpc.auth.fleet`). The owner accepts it only on those methods, only with
+its own ``fleet_secret``, once, within 30 seconds, and runs the call as that principal; its
+audit record names the replica that forwarded it. A replica the fleet's Redis was made to
+name instead of the owner learns nothing it could use: no token, and an assertion no
+replica accepts for any other request, nor for this one (it names another address). Without
+``fleet_secret`` a call for a session held elsewhere is refused FAILED_PRECONDITION, reason
+SESSION_FORWARDING_UNCONFIGURED; the caller's token is never relayed instead.
+
+Without TLS the forwarded request (its arguments, the output streamed back) crosses the
+network in plaintext, as any call to a plaintext replica does; with TLS the replicas reach
+each other through :func:`replica_credentials`.
 
 When the record is there but its lease is not (the owner died, or lost Redis for longer
 than the lease), or the owner cannot be reached, the call is refused FAILED_PRECONDITION,
-reason SESSION_LOST. A forwarded call carries ``stargrpc-session-forwarded``: the replica
-receiving it never forwards it again (no loops).
+reason SESSION_LOST. A forwarded call is never forwarded again (no loops).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -28,19 +42,22 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
+from stargrpc.auth.fleet import FORWARDED_HEADER, FleetAssertions
 from stargrpc.contract import SERVICE_NAME
-from stargrpc.errors import FailedPrecondition, NotFound
-from stargrpc.v1 import tool_service_pb2
+from stargrpc.errors import FailedPrecondition, NotFound, reason_name
+from stargrpc.principal import Principal
+from stargrpc.runs.call_record import current_call
+from stargrpc.settings import Settings
+from stargrpc.v1 import errors_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.sessions")
 
 #: How long a replica's hold on a session outlives its last renewal.
 LEASE_SECONDS = 10.0
-#: Metadata marking a call one replica forwarded to another.
-FORWARDED_HEADER = "stargrpc-session-forwarded"
-#: The caller's metadata relayed to the owner: its credentials and its trace.
-RELAYED_HEADERS = ("authorization", "traceparent", "tracestate")
+#: The caller's metadata relayed to the owner: its trace context, never its credentials.
+RELAYED_HEADERS = ("traceparent", "tracestate")
 
 
 @dataclass(frozen=True)
@@ -140,7 +157,8 @@ class SessionDirectory:
             await self.release(session_id)
 
 
-_LOST = "SESSION_LOST"
+_LOST = reason_name(errors_pb2.SESSION_LOST)
+_UNCONFIGURED = reason_name(errors_pb2.SESSION_FORWARDING_UNCONFIGURED)
 
 
 def _unreachable(error: grpc.aio.AioRpcError) -> Exception:
@@ -152,16 +170,40 @@ def _unreachable(error: grpc.aio.AioRpcError) -> Exception:
     return error
 
 
+def replica_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+    """How a replica reaches another that serves TLS (None: plaintext, as they serve).
+
+    It trusts ``session_forward_ca_file`` (default ``http_grpc_ca_file``, else the
+    replica's own ``tls_cert_file``) and presents ``session_forward_cert_file`` when given.
+
+    Raises:
+        OSError: A certificate or key file cannot be read.
+    """
+    if settings.tls_cert_file is None:
+        return None
+    roots = (settings.session_forward_ca_file or settings.http_grpc_ca_file
+             or settings.tls_cert_file).read_bytes()
+    cert, key = settings.session_forward_cert_file, settings.session_forward_key_file
+    return grpc.ssl_channel_credentials(
+        root_certificates=roots,
+        private_key=key.read_bytes() if key is not None else None,
+        certificate_chain=cert.read_bytes() if cert is not None else None)
+
+
 class SessionForwarder:
-    """Sends calls for a session to the replica that holds it."""
+    """Sends calls for a session to the replica that holds it, vouched for by this one."""
 
     directory: SessionDirectory
+    #: Makes the assertion of each forwarded call (None: no ``fleet_secret``, no forwarding).
+    assertions: FleetAssertions | None
     _channels: dict[str, grpc.aio.Channel]
     _credentials: grpc.ChannelCredentials | None
 
     def __init__(self, directory: SessionDirectory,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 assertions: FleetAssertions | None = None) -> None:
         self.directory = directory
+        self.assertions = assertions
         self._channels = {}
         self._credentials = credentials
 
@@ -172,7 +214,8 @@ class SessionForwarder:
 
         Raises:
             NotFound: Another principal's session (SESSION_NOT_FOUND).
-            FailedPrecondition: The holder is gone (SESSION_LOST).
+            FailedPrecondition: The holder is gone (SESSION_LOST), or this replica has no
+                ``fleet_secret`` to forward with (SESSION_FORWARDING_UNCONFIGURED).
         """
         if any(key == FORWARDED_HEADER for key, _ in metadata):
             return None  # forwarded here already: never again
@@ -186,6 +229,14 @@ class SessionForwarder:
             raise FailedPrecondition("the replica that held the session is gone; the "
                                      "session is lost", reason=_LOST,
                                      metadata={"session_id": session_id})
+        if self.assertions is None:
+            # Never the caller's own token instead: see the module's docstring.
+            raise FailedPrecondition(
+                "another replica of the fleet holds this session, and this replica cannot "
+                "forward the call to it: fleet_secret is not set here (set the same "
+                "fleet_secret on every replica, or call the replica that holds the session)",
+                reason=_UNCONFIGURED, metadata={"session_id": session_id,
+                                                "setting": "fleet_secret"})
         return owner.replica
 
     def _stub(self, replica: str) -> Any:
@@ -197,27 +248,58 @@ class SessionForwarder:
             self._channels[replica] = channel
         return channel
 
-    @staticmethod
-    def relayed(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
-        """The caller's metadata that goes with a forwarded call."""
-        kept = [(key, value) for key, value in metadata if key in RELAYED_HEADERS]
-        return [*kept, (FORWARDED_HEADER, "1")]
+    def _outgoing(self, replica: str, method: str, request: Message, principal: Principal,
+                  context: grpc.aio.ServicerContext) -> tuple[bytes, list[tuple[str, str]]]:
+        """The bytes of ``request`` and the metadata that goes with it to ``replica``: the
+        caller's trace context and this replica's assertion, never its credentials.
+
+        Raises:
+            FailedPrecondition: No ``fleet_secret``, or a principal too large to vouch for.
+        """
+        if self.assertions is None:
+            raise FailedPrecondition("this replica cannot forward calls: fleet_secret is "
+                                     "not set here", reason=_UNCONFIGURED,
+                                     metadata={"setting": "fleet_secret"})
+        # Deterministic, so the owner computes the same digest from the message it decodes.
+        data = request.SerializeToString(deterministic=True)
+        # The caller as this replica's audit records it (the HTTP client behind a call of
+        # the gateway, vouched for), else the gRPC peer.
+        record = current_call.get()
+        peer = (record.peer if record is not None and record.peer else context.peer()) or ""
+        try:
+            assertion = self.assertions.make(
+                method=method, session_id=getattr(request, "session_id", ""),
+                principal=principal, peer=peer, to=replica,
+                digest=hashlib.sha256(data).hexdigest())
+        except ValueError as exc:
+            raise FailedPrecondition(f"{exc}: call the replica that holds the session"
+                                     ) from exc
+        kept = [(key, value) for key, value in context.invocation_metadata() or ()
+                if key in RELAYED_HEADERS and isinstance(value, str)]
+        return data, [*kept, (FORWARDED_HEADER, assertion)]
 
     async def execute(self, replica: str, request: tool_service_pb2.ExecuteRequest,
-                      metadata: Sequence[tuple[str, Any]],
-                      timeout: float | None  # noqa: ASYNC109 (the call's gRPC deadline)
+                      principal: Principal, context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[tool_service_pb2.ExecuteResponse]:
         """The owner's Execute stream, response by response.
 
+        Args:
+            replica: The owner's address.
+            request: The caller's request, sent as it is.
+            principal: The caller, authenticated here: the one the owner is told of.
+            context: The caller's call (its peer, trace context and deadline).
+
         Raises:
             grpc.aio.AioRpcError: The owner refused the call (its status, as it gave it).
-            FailedPrecondition: The owner cannot be reached (SESSION_LOST).
+            FailedPrecondition: The owner cannot be reached (SESSION_LOST), or this replica
+                cannot vouch for the caller (SESSION_FORWARDING_UNCONFIGURED).
         """
+        name = f"/{SERVICE_NAME}/Execute"
+        data, metadata = self._outgoing(replica, name, request, principal, context)
         method = self._stub(replica).unary_stream(
-            f"/{SERVICE_NAME}/Execute",
-            request_serializer=tool_service_pb2.ExecuteRequest.SerializeToString,
+            name, request_serializer=_as_is,
             response_deserializer=tool_service_pb2.ExecuteResponse.FromString)
-        call = method(request, metadata=self.relayed(metadata), timeout=timeout)
+        call = method(data, metadata=metadata, timeout=context.time_remaining())
         try:
             async for response in call:
                 yield response
@@ -226,22 +308,22 @@ class SessionForwarder:
         finally:
             call.cancel()
 
-    async def unary(self, replica: str, method_name: str, request: Any, reply_type: Any,
-                    metadata: Sequence[tuple[str, Any]],
-                    timeout: float | None  # noqa: ASYNC109 (the call's gRPC deadline)
-                    ) -> Any:
-        """A unary call (StartRun, CloseSession) on the owner.
+    async def unary(self, replica: str, method_name: str, request: Message, reply_type: Any,
+                    principal: Principal, context: grpc.aio.ServicerContext) -> Any:
+        """A unary call (StartRun, CloseSession) on the owner; arguments as for
+        :meth:`execute`.
 
         Raises:
             grpc.aio.AioRpcError: The owner refused the call.
-            FailedPrecondition: The owner cannot be reached (SESSION_LOST).
+            FailedPrecondition: The owner cannot be reached (SESSION_LOST), or this replica
+                cannot vouch for the caller (SESSION_FORWARDING_UNCONFIGURED).
         """
+        name = f"/{SERVICE_NAME}/{method_name}"
+        data, metadata = self._outgoing(replica, name, request, principal, context)
         method = self._stub(replica).unary_unary(
-            f"/{SERVICE_NAME}/{method_name}",
-            request_serializer=type(request).SerializeToString,
-            response_deserializer=reply_type.FromString)
+            name, request_serializer=_as_is, response_deserializer=reply_type.FromString)
         try:
-            return await method(request, metadata=self.relayed(metadata), timeout=timeout)
+            return await method(data, metadata=metadata, timeout=context.time_remaining())
         except grpc.aio.AioRpcError as error:
             raise _unreachable(error) from error
 
@@ -250,3 +332,7 @@ class SessionForwarder:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+def _as_is(data: bytes) -> bytes:
+    return data

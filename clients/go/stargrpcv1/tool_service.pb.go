@@ -498,7 +498,9 @@ type ExecuteRequest struct {
 	// reverse) FAILED_PRECONDITION, reason SESSION_KIND_MISMATCH. Calls in one session run
 	// one at a time: a second waits for the first (within its own deadline). A session held
 	// by another replica of a fleet (`session_advertise_address`) is reached by forwarding
-	// the call there; that replica gone: FAILED_PRECONDITION, reason SESSION_LOST.
+	// the call there, vouched for with `fleet_secret` (never with the caller's credentials);
+	// that replica gone: FAILED_PRECONDITION, reason SESSION_LOST; no `fleet_secret` on the
+	// replica called: FAILED_PRECONDITION, reason SESSION_FORWARDING_UNCONFIGURED.
 	SessionId string `protobuf:"bytes,13,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	// With `session_id`: refuse rather than wait when the session is running another call:
 	// FAILED_PRECONDITION, reason SESSION_BUSY (or, when it became busy in between, the run
