@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -178,3 +180,14 @@ async def records_of(server: Any) -> list[AuditRecord]:
         return [record async for record in store.scan()]
     finally:
         await store.aclose()
+
+
+async def stargrpc_cli(*args: str) -> tuple[int, str, str]:
+    """Runs ``stargrpc ARGS`` as a user would (a child process, this environment): its exit
+    code, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=dict(os.environ))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()

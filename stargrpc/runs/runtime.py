@@ -508,6 +508,7 @@ class Runtime:
         if request.session is not None:
             run.session = request.session
         run.lane, run.priority = choice.lane, choice.priority
+        run_log.lane, run_log.priority = choice.lane, choice.priority
         if record is not None and choice.capped:
             record.extra["priority"] = (f"asked {choice.asked_priority}, capped to "
                                         f"{choice.priority} (priority_max_per_principal)")
