@@ -12,8 +12,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 from google.protobuf import json_format
 from google.rpc import error_details_pb2, status_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import default_store_url, open_store
@@ -191,3 +193,18 @@ async def stargrpc_cli(*args: str) -> tuple[int, str, str]:
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+#: A scrape of ``/metrics``: each sample's value by (name, sorted labels).
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(http: httpx.AsyncClient) -> Samples:
+    """The samples the metrics endpoint ``http`` is a client of serves now."""
+    reply = await http.get("/metrics")
+    assert reply.status_code == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
