@@ -23,7 +23,8 @@ the digest it was shown. The store compares and sets in one step, so a decision 
 once. Approved: an ``APPROVAL_GRANTED`` notice, then the START. Denied: ``Result{DENIED,
 APPROVAL_DENIED}`` with the approver and reason. Nobody within ``approval_timeout_seconds``:
 ``Result{DENIED, APPROVAL_TIMEOUT}``. A run that ends while it waits withdraws its request,
-so a late approval is APPROVAL_NOT_PENDING. The tool never runs unless approved.
+so a late approval is APPROVAL_NOT_PENDING; so does a call ``Runtime.admit`` refuses after
+the request was written (:meth:`ApprovalGate.withdraw`). The tool never runs unless approved.
 
 Every request, timeout and withdrawal is an audit record (:attr:`Approvals.on_audit`,
 method :data:`APPROVAL_METHOD`); a decision is the audit record of its ApproveRun call.
@@ -426,11 +427,13 @@ class ApprovalGate:
         return settled  # a decision that came first stands
 
     def _withdraw_later(self, reason: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._withdraw(reason))
+        task = asyncio.get_running_loop().create_task(self.withdraw(reason))
         _WITHDRAWALS.add(task)
         task.add_done_callback(_WITHDRAWALS.discard)
 
-    async def _withdraw(self, reason: str) -> None:
+    async def withdraw(self, reason: str) -> None:
+        """Withdraws the request while it is pending (its run will not start): audited and
+        counted; a store that fails is left to the request's own deadline (never raises)."""
         record = self._record
         with contextlib.suppress(Exception):
             settled = await self._approvals.store.settle(record.run_id, WITHDRAWN, reason)
