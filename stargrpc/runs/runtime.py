@@ -508,6 +508,7 @@ class Runtime:
         if request.session is not None:
             run.session = request.session
         run.lane, run.priority = choice.lane, choice.priority
+        run_log.lane, run_log.priority = choice.lane, choice.priority
         if record is not None and choice.capped:
             record.extra["priority"] = (f"asked {choice.asked_priority}, capped to "
                                         f"{choice.priority} (priority_max_per_principal)")
@@ -556,6 +557,7 @@ class Runtime:
             raise
         place: LanePlace | None = None
         ticket: LaneTicket | None = None
+        gate: ApprovalGate | None = None
         try:
             await self.store.publish(run.log)
             if key:
@@ -576,7 +578,6 @@ class Runtime:
                     if link is not None:
                         await self._give_back(link)
                     return Admission(log=held, run=None)
-            gate: ApprovalGate | None = None
             if self.approvals.required(run.spec, run.principal):
                 # Written before the call is answered: an approver finds it at once.
                 gate = await self.approvals.request(run, request.arguments)
@@ -590,6 +591,8 @@ class Runtime:
         except BaseException:
             if place is not None:
                 self.lanes.leave(place, ran=False)
+            if gate is not None:  # refused after its request was written: nobody may decide
+                await gate.withdraw("the call was refused before the run started")
             permit.release()
             if link is not None:
                 await self._give_back(link)

@@ -486,6 +486,9 @@ class ToolService:
             if len(getattr(request, name)) > MAX_RUN_ID_CHARS:
                 raise InvalidArgument(f"{name} is too long", [FieldViolation(
                     name, f"a run id: at most {MAX_RUN_ID_CHARS} characters")])
+        if len(request.lane) > MAX_LANE_FILTER_CHARS:
+            raise InvalidArgument("lane is too long", [FieldViolation(
+                "lane", f"a lane name: at most {MAX_LANE_FILTER_CHARS} characters")])
         key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
@@ -495,7 +498,7 @@ class ToolService:
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
             outcome=request.outcome, root_run_id=request.root_run_id,
-            parent_run_id=request.parent_run_id)
+            parent_run_id=request.parent_run_id, lane=request.lane)
         page = await self.runtime.store.list_runs(query)
         # Which of the page's unfinished runs wait for approval (one look for them all).
         records = await approvals.store.get_many(
@@ -652,6 +655,9 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
 #: Files of one session ListSessions lists at most.
 MAX_SESSION_FILES = 200
 
+#: Longest ListRuns ``lane`` filter: a lane's name is at most this long (LANE_NAME_PATTERN).
+MAX_LANE_FILTER_CHARS = 64
+
 #: ListRuns page size when the request leaves it 0, and the largest allowed.
 DEFAULT_RUNS_PAGE = 50
 MAX_RUNS_PAGE = 200
@@ -671,7 +677,7 @@ def run_summary_message(run: RunSummary, *, with_principal: bool,
         state=state,
         outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
         current_step=run.current_step, parent_run_id=run.parent_run_id,
-        root_run_id=run.tree_root, depth=run.depth)
+        root_run_id=run.tree_root, depth=run.depth, lane=run.lane, priority=run.priority)
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)

@@ -239,6 +239,8 @@ class Flusher:
         if run_log.parent_run_id:  # a run below a root (ListRuns, a child's parent lookup)
             summary.update(parent=run_log.parent_run_id, root=run_log.root_run_id,
                            depth=run_log.depth)
+        if run_log.lane:  # ListRuns shows (and filters on) every run's lane
+            summary.update(lane=run_log.lane, priority=run_log.priority)
         args.extend((json.dumps(summary), batch[0][0]))
         args.extend(data for _, data, _ in batch)
         return shared.with_claim(shared.run_keys(run_log.run_id), run_log.claim_key), args
