@@ -4,7 +4,6 @@ method, session or request, or not one at all, is refused with a cause of its ow
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
@@ -25,6 +24,8 @@ from stargrpc.errors import CredentialsRejected
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 from stargrpc.v1 import tool_service_pb2
+from tests.auth.fleet_helpers import b64 as _b64
+from tests.auth.fleet_helpers import edited, payload_of
 
 SECRET = "a-fleet-secret-long-enough-to-be-a-real-one"
 OWNER, SENDER = "10.0.0.1:50051", "10.0.0.2:50051"
@@ -49,28 +50,11 @@ def made(request: tool_service_pb2.ExecuteRequest = REQUEST, *, method: str = EX
                                  digest=request_digest(request))
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
 def signed(payload: bytes, secret: str = SECRET) -> str:
     """An assertion of ``payload`` (any bytes) signed as a replica with ``secret`` would."""
     key = hmac.new(secret.encode(), b"stargrpc session forwarding v1", hashlib.sha256).digest()
     text = f"v1.{_b64(payload)}"
     return f"{text}.{_b64(hmac.new(key, text.encode(), hashlib.sha256).digest())}"
-
-
-def payload_of(assertion: str) -> dict[str, Any]:
-    encoded = assertion.split(".")[1]
-    return dict(json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))))
-
-
-def edited(assertion: str, **changes: Any) -> str:
-    """``assertion`` with its payload changed and its signature kept."""
-    version, _, signature = assertion.split(".")
-    payload = {**payload_of(assertion), **changes}
-    encoded = _b64(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())
-    return f"{version}.{encoded}.{signature}"
 
 
 def cause(values: list[Any], request: Any = REQUEST, method: str = EXECUTE,

@@ -24,7 +24,7 @@ from stargrpc.server.interceptors import build_chain
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
-from tests.auth.test_fleet import edited
+from tests.auth.fleet_helpers import edited
 from tests.helpers import as_dict, key_channel, records_of, run_tool
 from tests.sessions.conftest import REDIS_URL
 from tests.sessions.session_helpers import create, python, reason
