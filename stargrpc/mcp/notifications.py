@@ -20,7 +20,6 @@ threshold spares only the notifications themselves.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -47,17 +46,22 @@ class EventNotifications:
     so no notification follows the result.
     """
 
+    _loop: asyncio.AbstractEventLoop
     _send: Send | None
     _levels: Collection[str] | None
     _deadline: float
     _released: bool
     _held: tuple[events_pb2.RunEvent, str, str] | None
-    _timer: asyncio.Task[None] | None
+    # A timer handle until the deadline, then the task that releases: most calls end
+    # before it, and a handle is cheaper to make and cancel than a task.
+    _timer: asyncio.TimerHandle | None
+    _releasing: asyncio.Task[None] | None
     _lock: asyncio.Lock
 
     def __init__(self, send: Send | None, after: float, *,
                  levels: Collection[str] | None = None) -> None:
-        """Notifications sent by ``send`` once ``after`` seconds have passed.
+        """Notifications sent by ``send`` once ``after`` seconds have passed (made in the
+        event loop that runs the request).
 
         Args:
             send: Sends one notification; None when the request may receive none.
@@ -66,10 +70,12 @@ class EventNotifications:
         """
         self._send = send
         self._levels = levels
-        self._deadline = time.monotonic() + after
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + after
         self._released = after <= 0
         self._held = None
         self._timer = None
+        self._releasing = None
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> EventNotifications:
@@ -84,11 +90,10 @@ class EventNotifications:
         if self._send is None or (self._levels is not None and level not in self._levels):
             return
         if not self._released:
-            if time.monotonic() < self._deadline:
+            if self._loop.time() < self._deadline:
                 self._held = (event, text, level)
                 if self._timer is None:
-                    self._timer = asyncio.create_task(self._release_at_deadline(),
-                                                      name="mcp-held-notifications")
+                    self._timer = self._loop.call_at(self._deadline, self._due)
                 return
             self._released = True
         async with self._lock:
@@ -105,19 +110,25 @@ class EventNotifications:
     async def close(self) -> None:
         """Drops what is held and stops the timer (idempotent)."""
         self._held = None
-        timer, self._timer = self._timer, None
-        if timer is not None and not timer.done():
-            timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        releasing, self._releasing = self._releasing, None
+        if releasing is not None and not releasing.done():
+            releasing.cancel()
             with anyio.CancelScope(shield=True):
-                await asyncio.wait({timer})
+                await asyncio.wait({releasing})
 
     async def _flush(self) -> None:
         held, self._held = self._held, None
         if held is not None and self._send is not None:
             await self._send(*held)
 
-    async def _release_at_deadline(self) -> None:
-        await asyncio.sleep(max(0.0, self._deadline - time.monotonic()))
+    def _due(self) -> None:
+        if self._held is not None:
+            self._releasing = self._loop.create_task(self._release_now(),
+                                                     name="mcp-held-notifications")
+
+    async def _release_now(self) -> None:
         try:
             await self.release()
         except Exception as exc:  # the session or its stream went away: the call ends too
