@@ -575,6 +575,12 @@ class Settings(BaseSettings):
         "declares the tasks extension (io.modelcontextprotocol/tasks) is answered with its "
         "result when its run ends within this, else with a task the client polls (tasks/get); "
         "0 makes every such call a task.")
+    mcp_progress_after_seconds: float = Field(
+        0.5, ge=0, le=3600, description="A tools/call's run events reach its MCP client "
+        "(progress notifications, or log messages when it asked for no progress) once the "
+        "call has run this long: then the latest at once, the rest as they come. A call that "
+        "ends sooner is answered with its result alone (2026-07-28: one JSON body, no SSE "
+        "stream); 0 shows every event from the start.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
         "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md. Needs the "

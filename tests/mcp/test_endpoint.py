@@ -46,13 +46,14 @@ async def test_tools_list_carries_schemas_and_annotations(mcp_server: McpUnderTe
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_call_reports_steps_and_deltas_as_monotonic_progress(
-        mcp_server: McpUnderTest, mode: str) -> None:
+        eager_mcp_server: McpUnderTest, mode: str) -> None:
+    # Every event of a short call, from its start: mcp_progress_after_seconds = 0.
     seen: list[tuple[float, str | None]] = []
 
     async def progress(value: float, total: float | None, message: str | None) -> None:
         seen.append((value, message))
 
-    async with mcp_server.client(mode=mode) as client:
+    async with eager_mcp_server.client(mode=mode) as client:
         result = await client.call_tool("count", {"to": 3}, progress_callback=progress)
 
     assert not result.is_error
@@ -66,13 +67,13 @@ async def test_call_reports_steps_and_deltas_as_monotonic_progress(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_without_a_progress_token_events_arrive_as_log_messages(
-        mcp_server: McpUnderTest, mode: str) -> None:
+        eager_mcp_server: McpUnderTest, mode: str) -> None:
     logged: list[types.LoggingMessageNotificationParams] = []
 
     async def on_log(params: types.LoggingMessageNotificationParams) -> None:
         logged.append(params)
 
-    async with mcp_server.client(mode=mode, logging_callback=on_log,
+    async with eager_mcp_server.client(mode=mode, logging_callback=on_log,
                                  log_level="info") as client:
         result = await client.call_tool("count", {"to": 2})
 

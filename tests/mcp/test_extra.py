@@ -12,14 +12,17 @@ import json
 import os
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from packaging.requirements import Requirement
 
+import stargrpc.mcp
 from stargrpc.cli import main
 from stargrpc.errors import MissingExtra
-from stargrpc.mcp import require_mcp
+from stargrpc.mcp import MCP_REQUIREMENT, require_mcp
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from tests.mcp.conftest import McpUnderTest
@@ -96,6 +99,35 @@ def test_each_mcp_feature_names_the_extra_when_it_is_missing(
     assert "pip install 'stargrpc[mcp]'" in result.output
 
 
+def _pyproject_mcp_extra() -> list[str]:
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["mcp"])
+
+
+def test_the_requirement_named_is_the_mcp_extra_s() -> None:
+    # From the installed distribution's metadata: pyproject.toml says it once.
+    assert Requirement(MCP_REQUIREMENT) in [Requirement(line) for line in _pyproject_mcp_extra()]
+    assert importlib.metadata.requires("stargrpc") is not None
+
+
+def test_the_requirement_is_read_from_the_mcp_extra_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pick = stargrpc.mcp._extra_requirement
+    lines = ["grpcio>=1.60", "mcp>=2.0; extra == 'dev'", "not a requirement ;;",
+             "MCP>=2.9; python_version >= '3.8' and extra == 'mcp'", "mcp>=3; extra == 'mcp'"]
+    found = pick(lines)
+    assert found is not None and str(found.specifier) == ">=2.9"
+    assert pick(["mcp>=2.0", "mcp>=2.0; extra == 'test'", "httpx; extra == 'mcp'"]) is None
+    # Run from a source tree that is not installed: its pyproject.toml says.
+
+    def not_installed(name: str) -> list[str]:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    declared = stargrpc.mcp._declared_requirement()
+    assert declared in [Requirement(line) for line in _pyproject_mcp_extra()]
+
+
 SDK_CALL = textwrap.dedent('''
     import importlib.metadata, subprocess, sys
     from stargrpc.client import Client
@@ -160,8 +192,9 @@ LANGCHAIN_CALLS = textwrap.dedent('''
 
 @pytest.mark.timeout(900)  # a fresh venv and an install (from the pip cache): about a minute
 async def test_the_sdk_and_langchain_mcp_adapters_beside_mcp_1(
-        mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
+        eager_mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
         tmp_path: Path) -> None:
+    mcp_server = eager_mcp_server  # every step of the short count (progress threshold 0)
     # Runs wherever the suite runs, CI included: it is the promise an agent app relies on.
     name, _, cancelled = gate
     venv = tmp_path / "agent-app"
