@@ -34,6 +34,10 @@ async def test_tools_list_carries_schemas_and_annotations(mcp_server: McpUnderTe
     measure = tools["measure"]
     assert measure.description and measure.description.startswith("Measure something")
     assert measure.input_schema["properties"]["size"]["maximum"] == 100
+    # Whole numbers stay integers on the way through the catalog's protobuf Struct: a
+    # strictly typed client reads "maximum": 100, not 100.0.
+    bound = tools["count"].input_schema["properties"]["to"]
+    assert (type(bound["minimum"]), type(bound["maximum"])) == (int, int)
     assert measure.output_schema is not None
     assert set(measure.output_schema["properties"]) == {"x", "y"}
     assert measure.annotations == types.ToolAnnotations(
