@@ -20,7 +20,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import BaseModel
@@ -84,6 +84,9 @@ from stargrpc.stores.base import RunLog, RunStore, StateStore
 from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
 from stargrpc.v1 import errors_pb2, events_pb2
 
+if TYPE_CHECKING:
+    from stargrpc.sessions.session import SessionHandle
+
 log = structlog.get_logger("stargrpc.runtime")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
@@ -114,10 +117,9 @@ class RunRequest:
     priority: int = 0
     #: The run of this process that asks for the run (``ctx.call``); never from a request.
     parent: Run | None = None
-    #: The session the run runs in (``ctx.session``: a
-    #: :class:`stargrpc.sessions.session.SessionHandle`, found for the caller by the entry
-    #: point), or None.
-    session: Any = None
+    #: The session the run runs in (``ctx.session``), found for the caller by the entry
+    #: point (:meth:`stargrpc.sessions.Sessions.for_call`), or None.
+    session: SessionHandle | None = None
     #: The lane to run in instead of the tool's (needs ``lane_override_role``).
     lane: str = ""
     #: Refuse (LANE_BUSY) when the estimated wait in the lane is longer; 0: wait.

@@ -22,7 +22,6 @@ from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
-    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -49,7 +48,7 @@ from stargrpc.server.streaming import (
     event_responses,
     serialize_response,
 )
-from stargrpc.sessions import Session, SessionHandle, Sessions
+from stargrpc.sessions import Session, Sessions
 from stargrpc.sessions.forwarding import SessionForwarder
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import ApprovalRecord
@@ -68,8 +67,6 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
-_SESSION_BUSY = reason_name(errors_pb2.SESSION_BUSY)
-_SESSION_KIND_MISMATCH = reason_name(errors_pb2.SESSION_KIND_MISMATCH)
 
 
 class MalformedRequest:
@@ -373,32 +370,12 @@ class ToolService:
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
                            policy=policy, parent_run_id=request.parent_run_id,
-                           session=self._session_of(request), lane=request.lane,
+                           session=self.sessions.for_call(
+                               current_principal.get().id, request.session_id,
+                               request.tool_name, no_wait=request.session_no_wait),
+                           lane=request.lane,
                            priority=request.priority,
                            max_wait_seconds=request.max_wait_seconds)
-
-    def _session_of(self, request: tool_service_pb2.ExecuteRequest
-                    | tool_service_pb2.StartRunRequest) -> SessionHandle | None:
-        """The caller's session the request names (None when it names none).
-
-        Raises:
-            NotFound: Not one of the caller's open sessions (SESSION_NOT_FOUND).
-            FailedPrecondition: ``python`` in a shell session or the reverse
-                (SESSION_KIND_MISMATCH); busy while the caller would not wait (SESSION_BUSY).
-        """
-        if not request.session_id:
-            return None
-        session = self.sessions.get(current_principal.get().id, request.session_id)
-        tool = request.tool_name
-        if tool in ("python", "shell") and tool != session.kind:
-            raise FailedPrecondition(
-                f"the session runs {session.kind}, not {tool}",
-                reason=_SESSION_KIND_MISMATCH, metadata={"session_kind": session.kind})
-        if request.session_no_wait and session.busy:
-            raise FailedPrecondition("the session is running another call",
-                                     reason=_SESSION_BUSY,
-                                     metadata={"session_id": session.session_id})
-        return SessionHandle.of(session, no_wait=request.session_no_wait)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
