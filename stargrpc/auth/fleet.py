@@ -8,7 +8,8 @@ call — signed with a key derived from ``fleet_secret``, which every replica sh
 
     v1.<base64url(payload)>.<base64url(HMAC-SHA256(key, "v1." + base64url(payload)))>
 
-The payload is compact JSON with sorted keys: the version, the RPC method, the session id,
+The payload is compact JSON with sorted keys: the version, the RPC method, the session id
+(empty for ListSessions, which names none: the caller's sessions the owner holds are asked for),
 the principal (id, roles, how it authenticated), the caller's peer, the replica that
 forwarded it (``from``) and the one it is for (``to``), when it was made (ms), a random
 nonce, and the SHA-256 of the request message (deterministic serialisation). The owner
@@ -20,7 +21,11 @@ So an assertion is worth one call: seen by anyone else — a replica the fleet's
 made to name, an observer of a plaintext network — it cannot run any other request, on any
 other replica or session, nor the same one twice or later. The nonces are remembered in the
 process that accepted them: only the process holding the session can run a call for it, so
-a replay that reaches another process (``--workers``) runs nothing either.
+a replay that reaches another process (``--workers``) runs nothing either. A forwarded
+ListSessions replayed to another process of the same replica within the window would list
+that process's sessions of the caller: their ids and state, never a way in (an id alone
+runs nothing; a call in a session needs its principal's credentials, or an assertion bound
+to that session). TLS between replicas closes that too.
 """
 
 from __future__ import annotations
@@ -45,7 +50,11 @@ from stargrpc.principal import Principal
 FORWARDED_HEADER = "stargrpc-session-forwarded"
 #: The methods a replica forwards, and so the only ones an assertion is accepted for.
 FORWARDED_METHODS = frozenset(f"/{SERVICE_NAME}/{name}"
-                              for name in ("Execute", "StartRun", "CloseSession"))
+                              for name in ("Execute", "StartRun", "CloseSession",
+                                           "ListSessions"))
+#: The forwarded methods whose request names no session: their assertion binds the empty
+#: session id (ListSessions asks the replicas holding the caller's sessions for them).
+UNBOUND_METHODS = frozenset({f"/{SERVICE_NAME}/ListSessions"})
 #: How long an assertion is accepted after it was made.
 WINDOW_SECONDS = 30.0
 #: How far ahead of the receiving replica's clock an assertion's time may be.
@@ -195,7 +204,8 @@ class FleetAssertions:
             raise CredentialsRejected("forwarded_other_method")
         if not isinstance(request, Message):
             raise CredentialsRejected("forwarded_other_request")
-        if payload["session"] != getattr(request, "session_id", None):
+        # A request that names no session (ListSessions) binds the empty one.
+        if payload["session"] != getattr(request, "session_id", ""):
             raise CredentialsRejected("forwarded_other_session")
         if not hmac.compare_digest(payload["digest"], request_digest(request)):
             raise CredentialsRejected("forwarded_other_request")
@@ -242,7 +252,8 @@ def _payload(encoded: str) -> dict[str, Any]:
              "digest")
     roles = payload["roles"]
     if (not all(isinstance(payload[name], str) for name in texts)
-            or not payload["principal"] or not payload["session"]
+            or not payload["principal"]
+            or (not payload["session"] and payload["method"] not in UNBOUND_METHODS)
             or type(payload["iat"]) is not int or not 0 <= payload["iat"] < 10**15
             or not isinstance(roles, list) or len(roles) > _MAX_ROLES
             or not all(isinstance(role, str) for role in roles)):

@@ -49,7 +49,8 @@ from stargrpc.server.streaming import (
     serialize_response,
 )
 from stargrpc.sessions import Session, Sessions
-from stargrpc.sessions.forwarding import SessionForwarder
+from stargrpc.sessions.forwarding import SessionForwarder, is_forwarded
+from stargrpc.sessions.listing import fleet_sessions
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import ApprovalRecord
 from stargrpc.stores.base import (
@@ -580,7 +581,8 @@ class ToolService:
     @_statuses
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> tool_service_pb2.ListSessionsResponse:
-        sessions = self.sessions.owned_by(current_principal.get().id)
+        principal = current_principal.get()
+        sessions = self.sessions.owned_by(principal.id)
         messages = [session_message(s) for s in sessions]
         if request.with_files:
             for session, message in zip(sessions, messages, strict=True):
@@ -588,6 +590,13 @@ class ToolService:
                 files = await asyncio.to_thread(session.files, MAX_SESSION_FILES)
                 message.files.extend(tool_service_pb2.SessionFile(name=name, size=size)
                                      for name, size in files)
+        if self.forwarder is not None and not is_forwarded(
+                context.invocation_metadata() or ()):
+            here = {m.session_id for m in messages}
+            elsewhere = await fleet_sessions(self.forwarder, request, principal, context,
+                                             redis_timeout=self.settings.redis_timeout_seconds)
+            messages.extend(m for m in elsewhere if m.session_id not in here)
+            messages.sort(key=lambda m: (m.created_at.ToMilliseconds(), m.session_id))
         return tool_service_pb2.ListSessionsResponse(sessions=messages)
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]

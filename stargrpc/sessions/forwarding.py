@@ -4,10 +4,16 @@ A session lives on the replica that created it (its sandbox is a process there).
 fleet (``redis_url``) and ``session_advertise_address`` set, that replica records it in
 Redis — ``<prefix>session:<id>`` holds the replica's address and the session's owner for
 the session's TTL, and ``<prefix>session-lease:<id>`` lives ``LEASE_SECONDS`` and is renewed
-while the replica holds the session.
+while the replica holds the session. ``<prefix>session-index:<digest of the principal>`` is
+a sorted set of the principal's session ids, each scored with its session's end (ms), the
+set itself kept until its last session's end: what ListSessions reads to answer for the
+whole fleet (:mod:`stargrpc.sessions.listing`). A closed session leaves it at once, an
+expired one when it is next read, and so does an id whose record is gone or whose lease
+lapsed; a replica that regains a lapsed lease puts its session back.
 
 A call naming a session another replica holds is forwarded there over gRPC
-(:class:`SessionForwarder`): Execute, StartRun and CloseSession. The caller's credentials
+(:class:`SessionForwarder`): Execute, StartRun and CloseSession; and ListSessions asks
+each replica holding one of the caller's sessions for its own. The caller's credentials
 never leave the replica they were presented to — neither its bearer token nor anything
 derived from it. This replica has authenticated the caller already (whichever way: an API
 key, a JWT, an mTLS certificate); it sends the owner, in ``stargrpc-session-forwarded``, an
@@ -36,6 +42,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +65,33 @@ log = structlog.get_logger("stargrpc.sessions")
 LEASE_SECONDS = 10.0
 #: The caller's metadata relayed to the owner: its trace context, never its credentials.
 RELAYED_HEADERS = ("traceparent", "tracestate")
+
+
+#: Adds a session to its principal's index and keeps the index until its last session's
+#: end. KEYS: the index; ARGV: the session id, its end (ms), the slack after it (ms).
+INDEX_ADD = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('PEXPIREAT', KEYS[1], math.floor(tonumber(last[2])) + tonumber(ARGV[3]))
+return 1
+"""
+#: The longest id an index may list (ours are 36 characters).
+MAX_LISTED_ID = 64
+#: How long a record (and an index) outlives its session's TTL.
+RECORD_SLACK_MS = 60_000
+
+
+def is_forwarded(metadata: Sequence[tuple[str, Any]]) -> bool:
+    """Whether a call's metadata marks it as forwarded by another replica."""
+    return any(key == FORWARDED_HEADER for key, _ in metadata)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A session this replica holds, as its directory needs to renew and release it."""
+
+    principal: str
+    ends_ms: int
 
 
 @dataclass(frozen=True)
@@ -85,7 +119,7 @@ class SessionDirectory:
     address: str
     _redis: Any
     _prefix: str
-    _held: dict[str, float]
+    _held: dict[str, _Held]
     _renewer: asyncio.Task[None] | None
 
     def __init__(self, redis: Any, prefix: str, address: str) -> None:
@@ -94,6 +128,7 @@ class SessionDirectory:
         self.address = address
         self._held = {}
         self._renewer = None
+        self._index_add = redis.register_script(INDEX_ADD)
 
     def _record_key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
@@ -101,46 +136,100 @@ class SessionDirectory:
     def _lease_key(self, session_id: str) -> str:
         return f"{self._prefix}session-lease:{session_id}"
 
+    def _index_key(self, principal: str) -> str:
+        # A digest: a principal id is any text, of any length.
+        digest = hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{self._prefix}session-index:{digest[:32]}"
+
     async def claim(self, session_id: str, principal: str, ttl_seconds: float) -> None:
-        """Records this replica as the session's holder, for its TTL."""
+        """Records this replica as the session's holder, for its TTL, and the session in
+        its principal's index."""
+        ends_ms = int((time.time() + ttl_seconds) * 1000)
         record = json.dumps({"replica": self.address, "principal": principal})
-        await self._redis.set(self._record_key(session_id), record,
-                              px=int(ttl_seconds * 1000) + 60_000)
+        # The lease first, the index last: a reader of the index finds a record and a lease
+        # behind every id it lists (else it would drop the id as lost).
         await self._redis.set(self._lease_key(session_id), self.address,
                               px=int(LEASE_SECONDS * 1000))
-        self._held[session_id] = ttl_seconds
+        await self._redis.set(self._record_key(session_id), record,
+                              px=int(ttl_seconds * 1000) + RECORD_SLACK_MS)
+        held = _Held(principal, ends_ms)
+        self._held[session_id] = held
+        await self._index(session_id, held)
         if self._renewer is None:
             self._renewer = asyncio.create_task(self._renew(), name="session-leases")
 
+    async def _index(self, session_id: str, held: _Held) -> None:
+        await self._index_add(keys=[self._index_key(held.principal)],
+                              args=[session_id, held.ends_ms, RECORD_SLACK_MS])
+
     async def release(self, session_id: str) -> None:
         """Forgets the session (it was closed here); best effort."""
-        self._held.pop(session_id, None)
+        held = self._held.pop(session_id, None)
         try:
+            if held is not None:
+                await self._redis.zrem(self._index_key(held.principal), session_id)
             await self._redis.delete(self._record_key(session_id))
             await self._redis.delete(self._lease_key(session_id))
         except Exception:  # the record ends with its TTL anyway, the lease sooner
             log.warning("session_record_not_removed", session_id=session_id, exc_info=True)
 
+    async def listed(self, principal: str, limit: int) -> list[tuple[str, SessionOwner]]:
+        """The live sessions the fleet records for ``principal``: each id with its holder,
+        at most ``limit``, the soonest to end first. Ids of the index that are not live —
+        ended, no record, another principal's record, no lease — are dropped from it.
+
+        Raises:
+            Exception: Redis failed (redis-py's errors, as they come).
+        """
+        key = self._index_key(principal)
+        await self._redis.zremrangebyscore(key, "-inf", int(time.time() * 1000))
+        members = await self._redis.zrange(key, 0, max(limit, 1) - 1)
+        ids: list[str] = []
+        stale: list[Any] = []
+        for member in members:
+            text = member.decode("utf-8", "replace") if isinstance(member, bytes) else member
+            # Ours are 36 characters: anything longer was not put there by a replica.
+            if isinstance(text, str) and 0 < len(text) <= MAX_LISTED_ID:
+                ids.append(text)
+            else:
+                stale.append(member)
+        # One round trip for them all (per node, on a cluster), not two per id.
+        pipe = self._redis.pipeline(transaction=False)
+        for session_id in ids:
+            pipe.get(self._record_key(session_id))
+            pipe.exists(self._lease_key(session_id))
+        replies = await pipe.execute() if ids else []
+        owners = [_owner(raw, bool(alive)) for raw, alive in zip(replies[::2], replies[1::2],
+                                                                  strict=True)]
+        live = []
+        for session_id, owner in zip(ids, owners, strict=True):
+            if owner is None or owner.principal != principal or not owner.alive:
+                stale.append(session_id)
+            else:
+                live.append((session_id, owner))
+        if stale:
+            await self._redis.zrem(key, *stale)
+        return live
+
     async def owner(self, session_id: str) -> SessionOwner | None:
         """Who holds ``session_id`` (None: no replica records it)."""
         raw = await self._redis.get(self._record_key(session_id))
-        if raw is None:
-            return None
-        try:
-            record = json.loads(raw)
-            replica, principal = str(record["replica"]), str(record["principal"])
-        except (ValueError, KeyError, TypeError):
+        if raw is None or _owner(raw, False) is None:
             return None
         alive = await self._redis.exists(self._lease_key(session_id))
-        return SessionOwner(replica, principal, bool(alive))
+        return _owner(raw, bool(alive))
 
     async def _renew(self) -> None:
         while True:
             await asyncio.sleep(LEASE_SECONDS / 3)
-            for session_id in list(self._held):
+            for session_id, held in list(self._held.items()):
                 try:
-                    await self._redis.set(self._lease_key(session_id), self.address,
-                                          px=int(LEASE_SECONDS * 1000))
+                    before = await self._redis.set(self._lease_key(session_id), self.address,
+                                                   px=int(LEASE_SECONDS * 1000), get=True)
+                    if before is None and session_id in self._held:
+                        # The lease had lapsed (Redis was away): a reader of the index may
+                        # have dropped the session as lost; it is held here still.
+                        await self._index(session_id, held)
                 except Exception:  # Redis away: the next round tries again
                     log.warning("session_lease_not_renewed", session_id=session_id,
                                 exc_info=True)
@@ -155,6 +244,17 @@ class SessionDirectory:
             self._renewer = None
         for session_id in list(self._held):
             await self.release(session_id)
+
+
+def _owner(raw: Any, alive: bool) -> SessionOwner | None:
+    """The holder a session's record names (None: no record, or not one a replica wrote)."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+        return SessionOwner(str(record["replica"]), str(record["principal"]), alive)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 _LOST = reason_name(errors_pb2.SESSION_LOST)
@@ -217,7 +317,7 @@ class SessionForwarder:
             FailedPrecondition: The holder is gone (SESSION_LOST), or this replica has no
                 ``fleet_secret`` to forward with (SESSION_FORWARDING_UNCONFIGURED).
         """
-        if any(key == FORWARDED_HEADER for key, _ in metadata):
+        if is_forwarded(metadata):
             return None  # forwarded here already: never again
         owner = await self.directory.owner(session_id)
         if owner is None or owner.replica == self.directory.address:
@@ -309,9 +409,11 @@ class SessionForwarder:
             call.cancel()
 
     async def unary(self, replica: str, method_name: str, request: Message, reply_type: Any,
-                    principal: Principal, context: grpc.aio.ServicerContext) -> Any:
-        """A unary call (StartRun, CloseSession) on the owner; arguments as for
-        :meth:`execute`.
+                    principal: Principal, context: grpc.aio.ServicerContext, *,
+                    within: float | None = None) -> Any:
+        """A unary call (StartRun, CloseSession, ListSessions) on the owner; arguments as
+        for :meth:`execute`, and ``within``: seconds it may take at most (besides the
+        caller's deadline).
 
         Raises:
             grpc.aio.AioRpcError: The owner refused the call.
@@ -322,8 +424,11 @@ class SessionForwarder:
         data, metadata = self._outgoing(replica, name, request, principal, context)
         method = self._stub(replica).unary_unary(
             name, request_serializer=_as_is, response_deserializer=reply_type.FromString)
+        remaining = context.time_remaining()
+        if within is not None:
+            remaining = within if remaining is None else min(remaining, within)
         try:
-            return await method(data, metadata=metadata, timeout=context.time_remaining())
+            return await method(data, metadata=metadata, timeout=remaining)
         except grpc.aio.AioRpcError as error:
             raise _unreachable(error) from error
 

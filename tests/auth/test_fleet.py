@@ -43,9 +43,10 @@ def owner() -> FleetAssertions:
     return FleetAssertions(SECRET, lambda: OWNER)
 
 
-def made(request: tool_service_pb2.ExecuteRequest = REQUEST, *, method: str = EXECUTE,
+def made(request: Any = REQUEST, *, method: str = EXECUTE,
          to: str = OWNER, principal: Principal = ALICE, **kwargs: Any) -> str:
-    return sender(**kwargs).make(method=method, session_id=request.session_id,
+    return sender(**kwargs).make(method=method,
+                                 session_id=getattr(request, "session_id", ""),
                                  principal=principal, peer="ipv4:192.0.2.7:40000", to=to,
                                  digest=request_digest(request))
 
@@ -92,8 +93,8 @@ def test_an_assertion_is_bound_to_its_request_session_method_and_replica() -> No
                                                     arguments_json='{"code": "x = 1"}')
     assert cause([made()], request=other_session) == "forwarded_other_session"
     assert cause([made(method=f"/{SERVICE_NAME}/CloseSession")]) == "forwarded_other_method"
-    listing = f"/{SERVICE_NAME}/ListSessions"
-    assert cause([made(method=listing)], method=listing) == "forwarded_other_method"
+    creating = f"/{SERVICE_NAME}/CreateSession"
+    assert cause([made(method=creating)], method=creating) == "forwarded_other_method"
     assert cause([made(to="10.0.0.9:50051")]) == "forwarded_other_replica"
     assert cause([made()], request=object()) == "forwarded_other_request"
 
@@ -212,3 +213,24 @@ def test_fleet_secret_is_read_from_the_environment(monkeypatch) -> None:
     from stargrpc.secret_env import secret_variables
 
     assert "STARGRPC_FLEET_SECRET" in secret_variables({"STARGRPC_FLEET_SECRET": SECRET})
+
+
+LISTING = f"/{SERVICE_NAME}/ListSessions"
+
+
+def test_a_listing_assertion_binds_no_session_and_nothing_else() -> None:
+    listing = tool_service_pb2.ListSessionsRequest(with_files=True)
+    # ListSessions names no session: its assertion binds the empty one, and is accepted.
+    checker = owner()
+    verified = checker.verify([made(listing, method=LISTING)], method=LISTING,
+                              request=listing)
+    assert verified.principal == ALICE
+    # Not for another request, nor another method; nor a listing bound to a session.
+    assert cause([made(listing, method=LISTING)], method=LISTING,
+                 request=tool_service_pb2.ListSessionsRequest()) == "forwarded_other_request"
+    assert cause([made(listing, method=LISTING)], request=listing) == "forwarded_other_method"
+    assert cause([made(method=LISTING)], method=LISTING,
+                 request=listing) == "forwarded_other_session"
+    # Only a listing may bind the empty session: an Execute naming none is malformed.
+    empty = tool_service_pb2.ExecuteRequest(tool_name="python", arguments_json="{}")
+    assert cause([made(empty)], request=empty) == "forwarded_malformed"

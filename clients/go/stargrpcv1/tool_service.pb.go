@@ -2238,7 +2238,8 @@ type ListSessionsRequest struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// Also list each session's files (`Session.files`).
+	// Also list each session's files (`Session.files`), as the replica holding the session
+	// lists them.
 	WithFiles bool `protobuf:"varint,1,opt,name=with_files,json=withFiles,proto3" json:"with_files,omitempty"`
 }
 
@@ -2286,7 +2287,8 @@ type ListSessionsResponse struct {
 	sizeCache     protoimpl.SizeCache
 	unknownFields protoimpl.UnknownFields
 
-	// The caller's open sessions on the replica that answers, oldest first.
+	// The caller's open sessions, oldest first: in a fleet, on every replica (at most 1000
+	// read from the fleet's index).
 	Sessions []*Session `protobuf:"bytes,1,rep,name=sessions,proto3" json:"sessions,omitempty"`
 }
 
