@@ -20,13 +20,13 @@ from stargrpc.sessions.listing import MAX_LISTED
 from stargrpc.v1 import events_pb2, tool_service_pb2
 from tests.helpers import eventually, key_channel
 from tests.sessions.conftest import REDIS_URL
-from tests.sessions.session_helpers import create, python
-from tests.sessions.test_session_forwarding_trust import (
+from tests.sessions.fleet_helpers import (
     Fleet,
     MetadataRecorder,
     stub_of,
     target,
 )
+from tests.sessions.session_helpers import create, python
 
 
 @pytest.fixture
