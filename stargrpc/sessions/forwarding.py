@@ -39,7 +39,6 @@ reason SESSION_LOST. A forwarded call is never forwarded again (no loops).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import time
@@ -57,6 +56,7 @@ from stargrpc.errors import FailedPrecondition, NotFound, reason_name
 from stargrpc.principal import Principal
 from stargrpc.runs.call_record import current_call
 from stargrpc.settings import Settings
+from stargrpc.stores.background import stop_background
 from stargrpc.v1 import errors_pb2, tool_service_pb2
 
 log = structlog.get_logger("stargrpc.sessions")
@@ -237,11 +237,8 @@ class SessionDirectory:
 
     async def aclose(self) -> None:
         """Stops renewing and removes this replica's records."""
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
-            self._renewer = None
+        task, self._renewer = self._renewer, None
+        await stop_background(task, "session-leases")
         for session_id in list(self._held):
             await self.release(session_id)
 

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from stargrpc.stores.approvals import ApprovalRecord, now_ms
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis import RedisRunStore
-from stargrpc.stores.redis.background import stop_background
 from stargrpc.v1 import events_pb2
 from tests.helpers import eventually
 from tests.stores.helpers import OwnRedis, free_port

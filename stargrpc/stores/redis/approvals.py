@@ -31,7 +31,7 @@ from stargrpc.stores.approvals import (
     id_hash,
     wait_set,
 )
-from stargrpc.stores.redis.background import stop_background
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.errors import reachable
 from stargrpc.stores.redis.scripts import NOW_MS
 

@@ -13,7 +13,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from stargrpc.stores.redis.background import stop_background
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.stores.redis.index import RunIndex

@@ -19,7 +19,7 @@ from redis.exceptions import ClusterError, RedisError, ResponseError
 
 from stargrpc import metrics
 from stargrpc.errors import RequestError
-from stargrpc.stores.redis.background import stop_background
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.errors import as_redis_error
 from stargrpc.stores.redis.logs import RedisRunLog
 from stargrpc.stores.redis.shared import Shared

@@ -16,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from stargrpc.errors import ResourceExhausted, reason_name
 from stargrpc.ids import minted_ms
 from stargrpc.settings import LaneConfig, Settings
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.base import (
     CancelHandler,
     Claim,
@@ -28,7 +29,6 @@ from stargrpc.stores.base import (
 from stargrpc.stores.connect import connect
 from stargrpc.stores.keys import KeyLayout
 from stargrpc.stores.redis.approvals import RedisApprovalStore
-from stargrpc.stores.redis.background import stop_background
 from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
 from stargrpc.stores.redis.flusher import Flusher

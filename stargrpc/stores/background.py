@@ -13,7 +13,7 @@ import asyncio
 
 import structlog
 
-log = structlog.get_logger("stargrpc.stores.redis")
+log = structlog.get_logger("stargrpc.stores")
 
 #: Cancellations sent before a loop is given up on (logged, left to the event loop's end).
 STOP_ATTEMPTS = 20
