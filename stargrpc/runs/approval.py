@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -73,6 +74,7 @@ from stargrpc.stores.approvals import (
     WITHDRAWN,
     ApprovalRecord,
     ApprovalStore,
+    id_hash,
     now_ms,
 )
 from stargrpc.v1 import errors_pb2, events_pb2
@@ -281,6 +283,11 @@ class Approvals:
             record = await self.store.settle(run_id, WITHDRAWN, "the run ended while it waited")
             if record is not None and record.state == WITHDRAWN:
                 self.audit("withdrawn", record)
+        if record is not None and _same_decision_again(record, principal, approval_id,
+                                                       VERDICT_STATES[verdict]):
+            # A retry of a decision that was taken (its answer lost: a stalled store, a
+            # dropped connection) gets the same answer, not "not pending".
+            return record
         if record is None or not record.pending:
             raise not_pending(run_id, record)
         if owner == principal.id and not rules.allow_self:
@@ -300,6 +307,14 @@ class Approvals:
                 reason=APPROVAL_DIGEST_MISMATCH,
                 metadata={"run_id": run_id, "arguments_digest": found.digest})
         raise not_pending(run_id, None if answer == MISSING else found)
+
+
+def _same_decision_again(record: ApprovalRecord, principal: Principal, approval_id: str,
+                         state: str) -> bool:
+    """Whether ``record`` holds the decision ``principal`` now asks for, taken by it with
+    this approval id (compared by hash, in constant time)."""
+    return (not record.pending and record.state == state and record.approver == principal.id
+            and hmac.compare_digest(id_hash(approval_id), id_hash(record.approval_id)))
 
 
 def not_pending(run_id: str, record: ApprovalRecord | None) -> FailedPrecondition:
