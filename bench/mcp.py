@@ -13,15 +13,20 @@ The servers, each its own process on 127.0.0.1, authentication off:
   critic);
 - **plain SDK**: the same tool on the official SDK's ``MCPServer`` (:func:`peer_server`);
 - with ``--base DIR``, a second stargrpc run from another source tree (``git archive`` of
-  a base commit unpacked in ``DIR``): an A/B of the endpoint in the same run.
+  a base commit unpacked in ``DIR``): an A/B of the endpoint in the same run;
+- with ``--stdio``, the same over stdio: ``stargrpc mcp-stdio`` against the stargrpc server
+  (and the base tree's), and the plain FastMCP server over stdio (``python -m bench.mcp
+  --serve-stdio``), each a process its client launches.
 
 The clients: the official SDK's ``Client`` over ``streamable_http_client``, and FastMCP's
 ``Client``; each holds one connection to every MCP server. FastMCP's client sends a
-progress token with every call, and stargrpc reports a run's steps as progress
-notifications (for ``echo``: its step starting and ending), which turns the answer into an
-SSE stream: so the plain FastMCP server also has ``echo_with_progress``, the same echo
-reporting two progress notifications, measured beside it (the price of the notifications
-themselves, in the SDKs of both ends). The machine is shared, so the
+progress token with every call. stargrpc shows a run's steps as progress notifications
+(for ``echo``: its step starting and ending) only once the call has run for
+``mcp_progress_after_seconds``, so an ``echo`` is answered with its result alone; before
+that threshold they turned the answer into an SSE stream. The plain FastMCP server also
+has ``echo_with_progress``, the same echo reporting two progress notifications, measured
+beside it (the price of the notifications themselves, in the SDKs of both ends; what a
+base tree without the threshold pays). The machine is shared, so the
 servers take turns ``--block`` calls at a time (after a warm-up), round after round; each
 ``--repeats`` pass gives every path a median, and the figure printed is the median of those
 medians (p99 over all the calls). The ratios that judge the endpoint are stargrpc-MCP / plain
@@ -30,6 +35,7 @@ never asserted by tests.
 
     python -m bench.mcp                     # 5 repeats of 200 calls per path
     python -m bench.mcp --base /tmp/base    # also the endpoint of another tree (A/B)
+    python -m bench.mcp --stdio             # also over stdio (mcp-stdio, FastMCP's stdio)
     python -m bench.mcp --smoke             # 1 repeat of 20 calls (the test that keeps this alive)
 
 The plain SDK server is :func:`peer_server` (``python -m bench.mcp --serve --port N``): an MCP
@@ -65,7 +71,8 @@ import uvicorn
 from fastmcp import Client as FastMcpClient
 from fastmcp import Context as FastMcpContext
 from fastmcp import FastMCP
-from mcp import Client
+from fastmcp.client.transports import StdioTransport
+from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context, MCPServer
 
@@ -149,6 +156,14 @@ async def serve_peer(port: int, *, fastmcp: bool = False) -> None:
                       "address": f"mcp:http://127.0.0.1:{sock.getsockname()[1]}/mcp"}),
           flush=True)
     await uvicorn.Server(config).serve(sockets=[sock])  # it handles SIGTERM and SIGINT
+
+
+async def serve_stdio() -> None:
+    """Serves :func:`fastmcp_server` over stdio until stdin closes."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5_000, 20, 20)
+    await fastmcp_server().run_stdio_async(show_banner=False, log_level="WARNING")
 
 
 class McpPeerClient:
@@ -243,6 +258,42 @@ async def _grpc_client(stack: contextlib.AsyncExitStack, target: str) -> Call:
 _CLIENTS = {"mcp SDK client": _sdk_client, "FastMCP client": _fastmcp_client}
 
 
+#: A command that serves MCP over stdio: the program, its arguments, its environment and
+#: its folder (``python -m`` imports from there first).
+Command = tuple[str, list[str], dict[str, str], Path]
+
+
+async def _sdk_stdio_client(stack: contextlib.AsyncExitStack, command: Command) -> Call:
+    """The official SDK's client, launching ``command`` and calling ``echo``."""
+    program, args, env, cwd = command
+    client = await stack.enter_async_context(
+        Client(StdioServerParameters(command=program, args=args, env=env, cwd=cwd),
+               read_timeout_seconds=30))
+
+    async def call() -> None:
+        result = await client.call_tool("echo", {"text": "hi"})
+        assert not result.is_error, result
+
+    return call
+
+
+async def _fastmcp_stdio_client(stack: contextlib.AsyncExitStack, command: Command) -> Call:
+    """FastMCP's client, launching ``command`` and calling ``echo``."""
+    program, args, env, cwd = command
+    client = await stack.enter_async_context(
+        FastMcpClient(StdioTransport(program, args, env=env, cwd=str(cwd)), timeout=30))
+
+    async def call() -> None:
+        result = await client.call_tool("echo", {"text": "hi"})
+        assert not result.is_error, result
+
+    return call
+
+
+_STDIO_CLIENTS = {"mcp SDK client": _sdk_stdio_client,
+                  "FastMCP client": _fastmcp_stdio_client}
+
+
 async def _interleaved(paths: dict[str, Call], calls: int, repeats: int, block: int
                        ) -> dict[str, list[list[float]]]:
     """Every path's call times (seconds), one list per repeat; the paths take turns
@@ -265,7 +316,8 @@ async def _interleaved(paths: dict[str, Call], calls: int, repeats: int, block: 
 
 
 async def _measure_all(servers: dict[str, str], grpc_target: str, calls: int, repeats: int,
-                       block: int) -> dict[str, list[list[float]]]:
+                       block: int, stdio: dict[str, Command] | None = None
+                       ) -> dict[str, list[list[float]]]:
     async with contextlib.AsyncExitStack() as stack:
         paths = {"stargrpc, gRPC Execute (Python SDK)": await _grpc_client(stack, grpc_target)}
         for client_name, open_client in _CLIENTS.items():
@@ -273,6 +325,9 @@ async def _measure_all(servers: dict[str, str], grpc_target: str, calls: int, re
                 paths[f"{server_name}, {client_name}"] = await open_client(stack, url)
             paths[f"{PLAIN_FASTMCP_PROGRESS}, {client_name}"] = await open_client(
                 stack, servers[PLAIN_FASTMCP], "echo_with_progress")
+            for server_name, command in (stdio or {}).items():
+                paths[f"{server_name}, {client_name}"] = await _STDIO_CLIENTS[client_name](
+                    stack, command)
         return await _interleaved(paths, calls, repeats, block)
 
 
@@ -285,9 +340,11 @@ def _p99(laps: list[list[float]]) -> float:
     return statistics.quantiles([t for lap in laps for t in lap], n=100)[98] * 1000
 
 
-def report(took: dict[str, list[list[float]]], servers: list[str]) -> str:
+def report(took: dict[str, list[list[float]]], servers: list[str],
+           stdio: list[str] | None = None) -> str:
     """The table of every path, and the endpoint's ratios to each plain server with the
     same client."""
+    stdio = stdio or []
     calls = sum(len(lap) for lap in next(iter(took.values())))
     lines = [f"one echo call, {calls} calls per path ({len(next(iter(took.values())))} "
              "repeats; p50 = median of the repeats' medians; ms)",
@@ -305,6 +362,12 @@ def report(took: dict[str, list[list[float]]], servers: list[str]) -> str:
             ratios = ", ".join(f"{mine / _p50(took[f'{plain}, {client}']):.2f}x {plain}"
                                for plain in (PLAIN_FASTMCP, PLAIN_SDK, PLAIN_FASTMCP_PROGRESS))
             lines.append(f"- {endpoint}, {client}: {ratios}")
+        plain_stdio = took.get(f"{PLAIN_FASTMCP_STDIO}, {client}")
+        for bridge in (s for s in stdio if s.startswith("stargrpc")):
+            assert plain_stdio is not None
+            mine = _p50(took[f"{bridge}, {client}"])
+            lines.append(f"- {bridge}, {client}: {mine / _p50(plain_stdio):.2f}x "
+                         f"{PLAIN_FASTMCP_STDIO}")
     return "\n".join(lines)
 
 
@@ -314,6 +377,8 @@ PLAIN_SDK = "plain MCP server (official SDK)"
 #: as stargrpc's does (its run's step start and end); FastMCP's client asks on every call.
 PLAIN_FASTMCP_PROGRESS = "plain FastMCP server, echo_with_progress"
 STARGRPC_MCP = "stargrpc MCP endpoint"
+STARGRPC_STDIO = "stargrpc mcp-stdio"
+PLAIN_FASTMCP_STDIO = "plain FastMCP server over stdio"
 
 
 def _stargrpc(tree: Path, grpc_port: int, mcp_port: int, env: dict[str, str]
@@ -323,6 +388,14 @@ def _stargrpc(tree: Path, grpc_port: int, mcp_port: int, env: dict[str, str]
          "--mcp-port", str(mcp_port), "--insecure-no-auth"],
         env={**env, "PYTHONPATH": str(tree)}, cwd=tree,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stdio_commands(tree: Path, grpc_port: int, env: dict[str, str], name: str
+                    ) -> dict[str, Command]:
+    """``stargrpc mcp-stdio`` of ``tree`` against ``grpc_port`` (as ``name``)."""
+    return {name: (sys.executable, ["-m", "stargrpc.cli", "mcp-stdio", "--target",
+                                    f"127.0.0.1:{grpc_port}", "--log-level", "error"],
+                   {**env, "PYTHONPATH": str(tree)}, tree)}
 
 
 def _peer(port: int, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
@@ -346,10 +419,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="Only serve a plain MCP server (on --port) until SIGTERM.")
     parser.add_argument("--fastmcp", action="store_true",
                         help="With --serve: the FastMCP server, not the official SDK's.")
+    parser.add_argument("--serve-stdio", action="store_true",
+                        help="Only serve the plain FastMCP server over stdio.")
+    parser.add_argument("--stdio", action="store_true",
+                        help="Also measure over stdio: stargrpc mcp-stdio beside the plain "
+                        "FastMCP server over stdio.")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     if args.serve:
         asyncio.run(serve_peer(args.port, fastmcp=args.fastmcp))
+        return 0
+    if args.serve_stdio:
+        asyncio.run(serve_stdio())
         return 0
     calls = 20 if args.smoke else min(max(args.calls, 10), 10_000)
     repeats = 1 if args.smoke else min(max(args.repeats, 1), 50)
@@ -370,13 +451,21 @@ def main(argv: list[str] | None = None) -> int:
                                     {**env, "STARGRPC_STATE_DIR": str(base_state)}),
                           ports["base-mcp"]))
             servers[f"{STARGRPC_MCP} (base {args.base.name})"] = ports["base-mcp"]
+        stdio: dict[str, Command] = {}
+        if args.stdio:
+            stdio.update(_stdio_commands(ROOT, ports["grpc"], env, STARGRPC_STDIO))
+            if args.base is not None:
+                stdio.update(_stdio_commands(args.base.resolve(), ports["base-grpc"], env,
+                                             f"{STARGRPC_STDIO} (base {args.base.name})"))
+            stdio[PLAIN_FASTMCP_STDIO] = (sys.executable, ["-m", "bench.mcp", "--serve-stdio"],
+                                          {**env, "PYTHONPATH": str(ROOT)}, ROOT)
         try:
             _wait_listening(ports["grpc"], procs[0][0])
             for proc, port in procs:
                 _wait_listening(port, proc)
             took = asyncio.run(_measure_all(
                 {name: f"http://127.0.0.1:{port}/mcp" for name, port in servers.items()},
-                f"127.0.0.1:{ports['grpc']}", calls, repeats, block))
+                f"127.0.0.1:{ports['grpc']}", calls, repeats, block, stdio))
         finally:
             for proc, _ in procs:
                 proc.send_signal(signal.SIGTERM)
@@ -385,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait(15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    print(report(took, list(servers)))
+    print(report(took, list(servers), list(stdio)))
     return 0
 
 

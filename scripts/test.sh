@@ -60,4 +60,4 @@ done
 # One worker per core (pytest-xdist); worksteal evens out the long modules (the browser,
 # the agent stacks, the Redis Cluster). `bash scripts/test.sh -n 0 tests/x.py` runs in one
 # process.
-exec .venv/bin/python -m pytest -n auto --dist worksteal "$@"
+exec .venv/bin/python -m pytest -n auto --dist worksteal --durations=20 "$@"

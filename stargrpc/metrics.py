@@ -102,6 +102,22 @@ LANE_WAIT_SECONDS = Histogram(
 LANE_REFUSALS = Counter(
     "stargrpc_lane_refusals_total", "Calls a lane refused before their run started, by lane "
     "and reason (lane_full, lane_busy).", ["lane", "reason"], registry=REGISTRY)
+#: Human approval (stargrpc/runs/approval.py), counted by the process holding the run.
+APPROVAL_REQUESTS = Counter(
+    "stargrpc_approval_requests_total", "Runs that asked a person's approval before they "
+    "started, by tool.", ["tool"], registry=REGISTRY)
+APPROVAL_DECISIONS = Counter(
+    "stargrpc_approval_decisions_total", "Approval requests that ended, by how (approved, "
+    "denied, timeout; withdrawn: the run ended, or its call was refused, while it waited).",
+    ["decision"], registry=REGISTRY)
+APPROVAL_WAIT_SECONDS = Histogram(
+    "stargrpc_approval_wait_seconds", "Time from an approval request to its end, by how it "
+    "ended (as for stargrpc_approval_decisions_total).", ["decision"],
+    buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+    registry=REGISTRY)
+APPROVALS_PENDING = Gauge(
+    "stargrpc_approvals_pending", "Runs of this process waiting for a person's approval.",
+    registry=REGISTRY, multiprocess_mode="livesum")
 RUNS_LOST = Counter(
     "tool_executor_runs_lost", "Runs of replicas that stopped responding that this replica "
     "ended RUN_LOST, by what noticed (sweep: the background sweep; call: a watch, a retry "

@@ -517,6 +517,27 @@ class Settings(BaseSettings):
         "replicas reach it (host:port). Set, the replica records the sessions it holds in "
         "Redis and forwards a call for a session another replica holds to it; empty, a "
         "session is known to its own replica only. A port of 0 means the port bound.")
+    fleet_secret: SecretStr | None = Field(
+        None, description="A secret every replica of the fleet shares (32 characters or "
+        "more; prefer fleet_secret_file). A replica forwarding a call for a session another "
+        "replica holds vouches for the caller with it (a signed assertion bound to that one "
+        "request; the caller's credentials never leave the replica they were presented "
+        "to), and a replica accepts forwarded calls only with it. Unset, a call for a "
+        "session another replica holds is refused SESSION_FORWARDING_UNCONFIGURED.")
+    fleet_secret_file: Path | None = Field(
+        None, description="A file holding fleet_secret, read once at start-up (a final "
+        "newline is ignored); instead of fleet_secret.")
+    session_forward_ca_file: Path | None = Field(
+        None, description="With TLS on: the CA bundle a replica trusts for the certificate "
+        "of the replica it forwards a session's call to; default http_grpc_ca_file, else "
+        "tls_cert_file (right when every replica serves the same self-signed certificate).")
+    session_forward_cert_file: Path | None = Field(
+        None, description="With TLS on: a client certificate (PEM) a replica presents when it "
+        "forwards a session's call; needed when the replicas require client certificates "
+        "(tls_client_ca_file). It opens the connection only: the call's principal is the "
+        "one the signed assertion names.")
+    session_forward_key_file: Path | None = Field(
+        None, description="The private key of session_forward_cert_file.")
     http_fetch_allowlist: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Hosts http_fetch may reach (comma-separated; "
         "'*.example.com' for subdomains); empty refuses every host.")
@@ -554,6 +575,12 @@ class Settings(BaseSettings):
         "declares the tasks extension (io.modelcontextprotocol/tasks) is answered with its "
         "result when its run ends within this, else with a task the client polls (tasks/get); "
         "0 makes every such call a task.")
+    mcp_progress_after_seconds: float = Field(
+        0.5, ge=0, le=3600, description="A tools/call's run events reach its MCP client "
+        "(progress notifications, or log messages when it asked for no progress) once the "
+        "call has run this long: then the latest at once, the rest as they come. A call that "
+        "ends sooner is answered with its result alone (2026-07-28: one JSON body, no SSE "
+        "stream); 0 shows every event from the start.")
     mcp_servers: list[McpServerEntry] = Field(
         default_factory=list, description="MCP servers whose tools join the catalog (TOML "
         "[[mcp_servers]] tables, or JSON in the environment); see docs/use/mcp.md. Needs the "
@@ -733,10 +760,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_auth(self) -> Settings:
-        if self.jwt_secret_file is not None:
-            if self.jwt_secret is not None:
-                raise ValueError("give jwt_secret or jwt_secret_file, not both")
-            self.jwt_secret = SecretStr(_read_secret_file(self.jwt_secret_file))
+        self.jwt_secret = _secret_or_file(self.jwt_secret, self.jwt_secret_file, "jwt_secret")
         jwt_keys = [self.jwt_secret, self.jwt_public_key_file, self.jwt_jwks_file]
         if sum(k is not None for k in jwt_keys) > 1:
             raise ValueError("give one of jwt_secret, jwt_public_key_file, jwt_jwks_file")
@@ -746,6 +770,20 @@ class Settings(BaseSettings):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
+
+    @model_validator(mode="after")
+    def _check_fleet_secret(self) -> Settings:
+        self.fleet_secret = _secret_or_file(self.fleet_secret, self.fleet_secret_file,
+                                            "fleet_secret")
+        if self.fleet_secret is not None and len(self.fleet_secret.get_secret_value()) < 32:
+            # A short shared secret can be guessed offline from one assertion seen.
+            raise ValueError("fleet_secret must be 32 characters or more (e.g. "
+                             "`openssl rand -hex 32`)")
+        if ((self.session_forward_cert_file is None)
+                != (self.session_forward_key_file is None)):
+            raise ValueError("give session_forward_cert_file and session_forward_key_file "
+                             "together")
         return self
 
     @field_validator("tools_dir", mode="before")
@@ -812,6 +850,20 @@ class Settings(BaseSettings):
             else:
                 shown[name] = value
         return shown
+
+
+def _secret_or_file(secret: SecretStr | None, path: Path | None, name: str
+                    ) -> SecretStr | None:
+    """The secret setting ``name``: given as it is, or read from its ``<name>_file``.
+
+    Raises:
+        ValueError: Both are given, or the file cannot be read or is empty.
+    """
+    if path is None:
+        return secret
+    if secret is not None:
+        raise ValueError(f"give {name} or {name}_file, not both")
+    return SecretStr(_read_secret_file(path))
 
 
 def _read_secret_file(path: Path) -> str:

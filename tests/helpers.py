@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import httpx
 from google.protobuf import json_format
 from google.rpc import error_details_pb2, status_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from stargrpc.audit.record import AuditRecord
 from stargrpc.audit.store import default_store_url, open_store
@@ -178,3 +182,29 @@ async def records_of(server: Any) -> list[AuditRecord]:
         return [record async for record in store.scan()]
     finally:
         await store.aclose()
+
+
+async def stargrpc_cli(*args: str) -> tuple[int, str, str]:
+    """Runs ``stargrpc ARGS`` as a user would (a child process, this environment): its exit
+    code, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=dict(os.environ))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+#: A scrape of ``/metrics``: each sample's value by (name, sorted labels).
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(http: httpx.AsyncClient) -> Samples:
+    """The samples the metrics endpoint ``http`` is a client of serves now."""
+    reply = await http.get("/metrics")
+    assert reply.status_code == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples

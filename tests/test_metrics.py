@@ -10,16 +10,13 @@ from collections.abc import AsyncIterator
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import phases, run_tool
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.helpers import Samples, phases, run_tool, scrape
 
 RELEASE = asyncio.Event()
 
@@ -53,16 +50,6 @@ def registry() -> Registry:
     bundled = load_registry(bundled=True, entry_points=False)
     extra = [spec_of(fn) for fn in (broken, stuck, held)]
     return Registry([*bundled.values(), *(s for s in extra if s is not None)])
-
-
-async def scrape(http: httpx.AsyncClient) -> Samples:
-    reply = await http.get("/metrics")
-    assert reply.status_code == 200
-    samples: Samples = {}
-    for family in text_string_to_metric_families(reply.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -266,6 +266,66 @@ async def test_two_workers_share_runs_keys_audit_and_metrics(tmp_path: Path) -> 
     assert checked is not None and int(checked.group(1)) >= runs + 2  # + the replay, sleep
 
 
+async def test_two_workers_share_a_lanes_one_slot(tmp_path: Path) -> None:
+    """Lane ``one`` of one slot under ``--workers 2``: a call on each worker at once, one
+    runs and the other queues (its QUEUED notice first); every ListRuns on either worker
+    shows at most one of the lane's runs running; the queued one starts only after the
+    first's Result is in its log (its START stamped after that Result)."""
+    lanes = {"one": {"max_concurrent": 1, "max_queued": 10}}
+    with workers(tmp_path, STARGRPC_LANES=json.dumps(lanes),
+                 STARGRPC_TOOL_LANES=json.dumps({"sleep": "one"})) as server:
+        channels, _ = await one_channel_per_worker(server.target)
+        try:
+            stubs = [tool_service_pb2_grpc.ToolServiceStub(c) for c in channels.values()]
+            calls = [stub.Execute(tool_service_pb2.ExecuteRequest(
+                tool_name="sleep", arguments_json='{"seconds": 60, "heartbeat_every": 0.2}',
+                idempotency_key=f"lane-{i}"), timeout=90) for i, stub in enumerate(stubs)]
+            firsts = await asyncio.gather(*(call.read() for call in calls))
+            kinds = [response.event.WhichOneof("kind") for response in firsts]
+            assert sorted(kinds) == ["notice", "step"], firsts
+            running_at = kinds.index("step")
+            ahead, behind = calls[running_at], calls[1 - running_at]
+            notice = firsts[1 - running_at].event.notice
+            assert (notice.code, notice.queued.lane, notice.queued.position) == ("QUEUED",
+                                                                                 "one", 1)
+            ahead_id = firsts[running_at].event.run_id
+            behind_id = firsts[1 - running_at].event.run_id
+            listings: list[list[tuple[str, int]]] = []
+
+            async def lane_listed(stub: tool_service_pb2_grpc.ToolServiceStub) -> bool:
+                page = await stub.ListRuns(tool_service_pb2.ListRunsRequest(lane="one"),
+                                           timeout=30)
+                listings.append(sorted((run.run_id, run.state) for run in page.runs))
+                return listings[-1] == sorted([(ahead_id, tool_service_pb2.RUN_STATE_RUNNING),
+                                               (behind_id, tool_service_pb2.RUN_STATE_QUEUED)])
+
+            for stub in stubs:  # each worker sees the lane as it is: one running, one queued
+                await eventually(lambda stub=stub: lane_listed(stub), within=20,
+                                 what=lambda: f"the lane's runs: {listings[-1]}")
+            await stubs[1 - running_at].CancelRun(tool_service_pb2.CancelRunRequest(
+                run_id=ahead_id), timeout=30)
+            ended = await last_event(ahead)
+            assert ended.result.outcome == events_pb2.OUTCOME_CANCELLED
+            started = (await behind.read()).event
+            while not started.HasField("step"):  # (a moved place would come as a notice)
+                started = (await behind.read()).event
+            assert started.step.phase == events_pb2.STEP_PHASE_START
+            assert started.time.ToNanoseconds() >= ended.time.ToNanoseconds()
+            for stub in stubs:
+                page = await stub.ListRuns(tool_service_pb2.ListRunsRequest(
+                    lane="one", state=tool_service_pb2.RUN_STATE_RUNNING), timeout=30)
+                assert [run.run_id for run in page.runs] == [behind_id]
+            await stubs[running_at].CancelRun(tool_service_pb2.CancelRunRequest(
+                run_id=behind_id), timeout=30)
+            assert (await last_event(behind)).result.outcome == events_pb2.OUTCOME_CANCELLED
+            # No listing ever showed both running.
+            assert all(sum(state == tool_service_pb2.RUN_STATE_RUNNING for _, state in listed)
+                       <= 1 for listed in listings)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+
+
 async def test_a_killed_worker_is_restarted_sighup_reloads_all_sigterm_drains_all(
         tmp_path: Path) -> None:
     with workers(tmp_path) as server:

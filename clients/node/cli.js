@@ -212,7 +212,8 @@ async function callCancellingOnInterrupt(client, streamed, run) {
   return EXIT_INTERRUPTED;
 }
 
-const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] [--session ID] | watch RUN_ID [--after-seq N] | " +
+const USAGE = "usage: cli.js tools | call TOOL [ARGS_JSON] [--session ID] [--lane NAME] [--priority N] [--max-wait SECONDS] | " +
+  "watch RUN_ID [--after-seq N] | " +
   "cancel RUN_ID [--reason TEXT]\n" +
   "steer RUN_ID MESSAGE | approve|deny RUN_ID --approval-id ID [--reason TEXT]\n" +
   "session create [python|shell] | session list | session close ID\n" +
@@ -238,6 +239,9 @@ async function main(argv) {
         "idempotency-key": { type: "string" },
         "parent-run-id": { type: "string" },
         session: { type: "string", default: "" },
+        lane: { type: "string", default: "" },
+        priority: { type: "string", default: "0" },
+        "max-wait": { type: "string", default: "0" },
         reason: { type: "string", default: "" },
         "approval-id": { type: "string", default: "" },
         "arguments-digest": { type: "string", default: "" },
@@ -290,10 +294,18 @@ async function main(argv) {
       } catch (error) {
         throw new UsageError(`ARGS_JSON is not valid JSON: ${error.message}`);
       }
+      const priority = Number(values.priority);
+      if (!/^-?\d{1,10}$/.test(values.priority) || Math.abs(priority) > 2 ** 31 - 1) {
+        throw new UsageError("--priority must be a whole number (0: the default)");
+      }
+      const maxWaitSeconds = Number(values["max-wait"]);
+      if (values["max-wait"].trim() === "" || !Number.isFinite(maxWaitSeconds)) {
+        throw new UsageError("--max-wait must be a number of seconds (0 waits)");
+      }
       const run = newRun();
       const streamed = follow(client.execute(rest[0], args,
         { idempotencyKey: values["idempotency-key"], parentRunId: values["parent-run-id"],
-          sessionId: values.session }),
+          sessionId: values.session, lane: values.lane, priority, maxWaitSeconds }),
         values.json, run);
       return await callCancellingOnInterrupt(client, streamed, run);
     }
@@ -404,6 +416,10 @@ function describeError(error) {
   const lines = [`error: ${name}: ${error.details || error.message}${error.reason ? ` [${error.reason}]` : ""}`];
   for (const violation of error.violations || []) {
     lines.push(`  ${violation.field}: ${violation.description}`);
+  }
+  // A LANE_BUSY refusal's is the estimated wait in the lane's queue.
+  if (error.retryDelay !== null && error.retryDelay !== undefined) {
+    lines.push(`  retry after ${error.retryDelay}s`);
   }
   return lines.join("\n");
 }

@@ -105,8 +105,10 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
 @click.command()
 @connection_options
 @click.argument("tool_name")
-@click.option("--args", "arguments", default="{}", show_default=True,
-              help="Arguments as a JSON object.")
+@click.argument("positional_arguments", metavar="[ARGUMENTS]", required=False)
+@click.option("--args", "arguments", default=None,
+              help="Arguments as a JSON object (or give them after the tool's name; - reads "
+                   "them from standard input). Default: {}.")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
 @click.option("--idempotency-key", default="",
               help="Repeat a key to attach to or replay a run; one is generated when empty.")
@@ -124,19 +126,30 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
 @click.option("--max-wait", "max_wait", type=float, default=0.0, show_default=True,
               help="Refuse at once (LANE_BUSY) rather than wait longer than this many "
               "seconds in the lane's queue; 0 waits.")
-def call(client_options: dict[str, Any], tool_name: str, arguments: str, as_json: bool,
-         idempotency_key: str, timeout: float | None, session_id: str,
-         session_no_wait: bool, lane: str, priority: int, max_wait: float) -> None:
+def call(client_options: dict[str, Any], tool_name: str, positional_arguments: str | None,
+         arguments: str | None, as_json: bool, idempotency_key: str, timeout: float | None,
+         session_id: str, session_no_wait: bool, lane: str, priority: int,
+         max_wait: float) -> None:
     """Run a tool and show its steps and output live. Exits 0 only when the outcome is OK.
 
-    A broken connection is resumed where it left off; Ctrl-C cancels the run.
+    ARGUMENTS is a JSON object (as --args): stargrpc call echo '{"text": "hi"}'; - reads it
+    from standard input. A broken connection is resumed where it left off; Ctrl-C cancels
+    the run.
     """
+    if positional_arguments is not None and arguments is not None:
+        raise click.UsageError("give the arguments once: after the tool's name or with --args")
+    hint = "ARGUMENTS" if positional_arguments is not None else "--args"
+    arguments = positional_arguments if positional_arguments is not None else arguments
+    if arguments is None:
+        arguments = "{}"
+    elif arguments == "-":
+        arguments = sys.stdin.read()
     try:
         parsed = json.loads(arguments)
     except ValueError as exc:
-        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--args") from exc
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint=hint) from exc
     if not isinstance(parsed, dict):
-        raise click.BadParameter("must be a JSON object", param_hint="--args")
+        raise click.BadParameter("must be a JSON object", param_hint=hint)
     with Client(**client_options) as client:
         _follow(client, client.execute(tool_name, arguments,
                                        idempotency_key=idempotency_key or None,

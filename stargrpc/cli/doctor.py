@@ -66,7 +66,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     environment = []
     for name in sorted(secret_variables(os.environ)):
         field = name.removeprefix("STARGRPC_").lower()
-        fix = ("use jwt_secret_file" if field == "jwt_secret"
+        fix = (f"use {field}_file" if field in ("jwt_secret", "fleet_secret")
                else "put it in the settings file (readable by the server's user only)")
         environment.append({"variable": name, "fix": fix,
                             "note": "stargrpc serve removes it from /proc/<server>/environ at "

@@ -14,6 +14,9 @@ from stargrpc.cli.client_commands import connection_options
 from stargrpc.errors import MissingExtra
 from stargrpc.logs import configure_logging
 from stargrpc.mcp import require_mcp
+from stargrpc.settings import Settings
+
+_PROGRESS_AFTER = Settings.model_fields["mcp_progress_after_seconds"]
 
 
 @click.command("mcp-stdio")
@@ -21,7 +24,13 @@ from stargrpc.mcp import require_mcp
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="warning", show_default=True,
               help="Log lines (JSON, on stderr: stdout carries the MCP messages).")
-def mcp_stdio(client_options: dict[str, Any], log_level: str) -> None:
+@click.option("--progress-after-seconds", type=click.FloatRange(0, 3600),
+              default=_PROGRESS_AFTER.default, show_default=True,
+              envvar="STARGRPC_MCP_PROGRESS_AFTER_SECONDS",
+              help="How long a call runs before its events reach the MCP client "
+              "(mcp_progress_after_seconds; 0: from the start).")
+def mcp_stdio(client_options: dict[str, Any], log_level: str,
+              progress_after_seconds: float) -> None:
     """Serve a stargrpc server's tools as an MCP server over stdio (needs the mcp extra:
     pip install 'stargrpc[mcp]')."""
     try:
@@ -35,4 +44,4 @@ def mcp_stdio(client_options: dict[str, Any], log_level: str) -> None:
     asyncio.run(serve_stdio(
         client_options["target"], api_key=client_options["api_key"],
         tls=client_options["tls"], ca_file=ca_file, cert_file=client_options["cert_file"],
-        key_file=client_options["key_file"]))
+        key_file=client_options["key_file"], progress_after_seconds=progress_after_seconds))

@@ -27,6 +27,8 @@ _OUTCOMES = [name.removeprefix("OUTCOME_").lower() for name in events_pb2.Outcom
               "approver role, everyone's).")
 @click.option("--outcome", type=click.Choice(_OUTCOMES), default=None,
               help="Only runs that ended with this outcome.")
+@click.option("--lane", default="", metavar="NAME",
+              help="Only runs of this lane (queued, running or finished).")
 @click.option("--limit", type=click.IntRange(1, 200), default=50, show_default=True,
               help="Runs per page.")
 @click.option("--page-token", default="", help="Go on from a previous page.")
@@ -35,7 +37,7 @@ _OUTCOMES = [name.removeprefix("OUTCOME_").lower() for name in events_pb2.Outcom
               "under the run that started it (every page read).")
 @click.option("--json", "as_json", is_flag=True, help="Print the page as JSON.")
 def runs(client_options: dict[str, Any], tool: str, state: str | None, outcome: str | None,
-         limit: int, page_token: str, tree_root: str, as_json: bool) -> None:
+         lane: str, limit: int, page_token: str, tree_root: str, as_json: bool) -> None:
     """List runs in flight and recently finished, newest first: your own, or everyone's
     with an operator role. The token of the next page goes to stderr."""
     if tree_root:
@@ -44,7 +46,7 @@ def runs(client_options: dict[str, Any], tool: str, state: str | None, outcome: 
     with Client(**client_options) as client:
         try:
             page = client.list_runs(tool=tool, state=state or "", outcome=outcome or "",
-                                    page_size=limit, page_token=page_token, timeout=30)
+                                    lane=lane, page_size=limit, page_token=page_token, timeout=30)
         except ClientError as exc:
             _fail(exc)
     if as_json:

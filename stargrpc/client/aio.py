@@ -505,7 +505,7 @@ class AsyncClient:
         return list(reply.sessions)
 
     async def list_runs(self, *, tool: str = "", state: str = "", outcome: str = "",
-                        root_run_id: str = "", parent_run_id: str = "",
+                        root_run_id: str = "", parent_run_id: str = "", lane: str = "",
                         page_size: int = 0, page_token: str = "",
                         timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
                         metadata: Metadata | None = None) -> tool_service_pb2.ListRunsResponse:
@@ -518,6 +518,7 @@ class AsyncClient:
             outcome: Only runs that ended so, by Outcome name (``"OK"``, ``"FAILED"``, …).
             root_run_id: Only the runs of this call tree (its root included).
             parent_run_id: Only the runs this run started.
+            lane: Only the runs of this lane (queued, running or finished).
             page_size: Most runs in the page (0: the server's default).
             page_token: ``next_page_token`` of the previous page.
 
@@ -530,7 +531,7 @@ class AsyncClient:
         """
         request = tool_service_pb2.ListRunsRequest(
             tool_name=tool, page_size=page_size, page_token=page_token,
-            root_run_id=root_run_id, parent_run_id=parent_run_id,
+            root_run_id=root_run_id, parent_run_id=parent_run_id, lane=lane,
             state=f"RUN_STATE_{state.upper()}" if state else None,
             outcome=f"OUTCOME_{outcome.upper()}" if outcome else None)
         reply: tool_service_pb2.ListRunsResponse = await self._unary(

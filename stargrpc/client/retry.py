@@ -13,6 +13,9 @@ from stargrpc.client.errors import CallError
 #: RESOURCE_EXHAUSTED only counts when the server said when to come back (RetryInfo).
 RETRYABLE_BEFORE_RUN = frozenset({grpc.StatusCode.UNAVAILABLE})
 
+#: The refusal with RetryInfo that is never retried: LANE_BUSY, the caller's own limit.
+NOT_RETRIED_REASON = "LANE_BUSY"
+
 #: Codes that end a stream the client was reading without ending the run: the client
 #: resumes with WatchRun. DEADLINE_EXCEEDED is missing on purpose: it is the caller's own
 #: deadline, which always wins.
@@ -70,10 +73,12 @@ class RetryPolicy:
         return self.backoff(attempt)
 
     def should_retry_call(self, error: CallError) -> bool:
-        """Whether a call refused before any run started may be sent again."""
+        """Whether a call refused before any run started may be sent again (not LANE_BUSY:
+        the caller's own ``max_wait_seconds`` refused the wait its RetryInfo estimates)."""
         if error.code in RETRYABLE_BEFORE_RUN:
             return True
-        return error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_delay is not None
+        return (error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_delay is not None
+                and error.reason != NOT_RETRIED_REASON)
 
 
 #: Never retries; for callers that handle failures themselves.

@@ -9,8 +9,8 @@ Routes:
   200 with the Result; ``Accept: text/event-stream``: the run's events as SSE
 - ``GET  /v1/capabilities``               what this server offers the page (steering, …)
 - ``GET  /v1/runs``                       ListRuns: ``?tool=&state=&outcome=&page_size=
-  &page_token=&root_run_id=&parent_run_id=`` (each run with its ``parent_run_id``,
-  ``root_run_id`` and ``depth``)
+  &page_token=&root_run_id=&parent_run_id=&lane=`` (each run with its ``parent_run_id``,
+  ``root_run_id``, ``depth`` and ``lane``)
 - ``GET  /v1/runs/events``                the first page of ListRuns as SSE (``runs``
   events), sent again whenever it changes
 - ``GET  /v1/runs/{run_id}/events``       the run's events as SSE, replayed after
@@ -603,7 +603,7 @@ _CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True, "approve": Tr
 
 def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
     """The ListRuns request of ``GET /v1/runs?tool=&state=&outcome=&page_size=&page_token=
-    &root_run_id=&parent_run_id=``.
+    &root_run_id=&parent_run_id=&lane=``.
 
     Raises:
         _BadRequest: A parameter is not valid.
@@ -613,7 +613,8 @@ def _list_runs_request(request: Request) -> tool_service_pb2.ListRunsRequest:
     message = tool_service_pb2.ListRunsRequest(tool_name=params.get("tool", ""),
                                                page_token=params.get("page_token", ""),
                                                root_run_id=params.get("root_run_id", ""),
-                                               parent_run_id=params.get("parent_run_id", ""))
+                                               parent_run_id=params.get("parent_run_id", ""),
+                                               lane=params.get("lane", ""))
     state = params.get("state", "").upper().removeprefix("RUN_STATE_")
     if state:
         try:

@@ -9,10 +9,12 @@ the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request
 - ``tools/list``: ListTools, the tools the caller may run.
 - ``tools/call``: Execute; step events, heartbeats and notices become
   ``notifications/progress`` when the request carried a progress token, log notifications
-  otherwise; the Result becomes the ``CallToolResult`` (:func:`~stargrpc.mcp.mapping.call_result`);
-  a cancelled request is CancelRun. A 2026-07-28 call's ``Mcp-Param-*`` headers are checked
-  against the tool's schema kept from an earlier listing (:mod:`stargrpc.mcp.catalog`),
-  not by a listing before every call.
+  otherwise, once the call has run for ``mcp_progress_after_seconds``
+  (:mod:`stargrpc.mcp.notifications`); the Result becomes the ``CallToolResult``
+  (:func:`~stargrpc.mcp.mapping.call_result`); a cancelled request is CancelRun. A
+  2026-07-28 call's ``Mcp-Param-*`` headers are checked against the tool's schema kept
+  from an earlier listing (:mod:`stargrpc.mcp.catalog`), not by a listing before every
+  call.
 - ``resources/read`` of ``stargrpc://runs/<run>/output``: WatchRun with the caller's
   credentials, so a run's whole output is readable by whoever may watch the run (its
   owner, or a watcher role), for as long as it is kept; the template is listed by
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,7 +39,6 @@ import anyio
 import grpc
 import mcp_types as types
 import structlog
-from mcp.server.connection import allowed_log_levels
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
@@ -69,6 +71,7 @@ from stargrpc.mcp.mapping import (
     refusal,
     run_of_output_uri,
 )
+from stargrpc.mcp.notifications import EventNotifications, event_notifications
 from stargrpc.mcp.run_events import RUN_EVENTS_EXTENSION
 from stargrpc.mcp.run_events import capability as run_events_capability
 from stargrpc.mcp.task_requests import Credentials, TaskRequests
@@ -89,9 +92,12 @@ CATALOG_STALE = reason_name(errors_pb2.CATALOG_STALE)
 _Started = TypeVar("_Started")
 
 
-#: ``run_retention_seconds`` and ``mcp_task_after_seconds`` of a bridge that is not told.
+#: ``run_retention_seconds``, ``mcp_task_after_seconds`` and ``mcp_progress_after_seconds``
+#: of a bridge that is not told.
 DEFAULT_RETENTION_SECONDS = float(Settings.model_fields["run_retention_seconds"].default)
 DEFAULT_TASK_AFTER_SECONDS = float(Settings.model_fields["mcp_task_after_seconds"].default)
+DEFAULT_PROGRESS_AFTER_SECONDS = float(
+    Settings.model_fields["mcp_progress_after_seconds"].default)
 
 
 class _Server(Server[Any]):
@@ -145,10 +151,13 @@ class Bridge:
     # The tools' schemas as of the latest ListTools (the same for every caller: only
     # permissions differ between their catalogs).
     _catalog: CatalogSchemas
+    # How a request shows its run's events (held for mcp_progress_after_seconds).
+    _notifications: Callable[[ServerRequestContext[Any, Any]], EventNotifications]
 
     def __init__(self, client: GatewayClient, credentials: Credentials, *,
                  retention_seconds: float = DEFAULT_RETENTION_SECONDS,
-                 task_after_seconds: float = DEFAULT_TASK_AFTER_SECONDS) -> None:
+                 task_after_seconds: float = DEFAULT_TASK_AFTER_SECONDS,
+                 progress_after_seconds: float = DEFAULT_PROGRESS_AFTER_SECONDS) -> None:
         """A bridge to the server ``client`` calls.
 
         Args:
@@ -157,10 +166,14 @@ class Bridge:
             retention_seconds: The server's ``run_retention_seconds`` (tasks' TTL).
             task_after_seconds: ``mcp_task_after_seconds``: how long a 2026-07-28 call of a
                 client that takes tasks may run before it is answered with a task.
+            progress_after_seconds: ``mcp_progress_after_seconds``: how long a call runs
+                before its events are shown (progress or log notifications).
         """
         self.client = client
         self._credentials = credentials
         self._catalog = CatalogSchemas()
+        self._notifications = functools.partial(event_notifications,
+                                                after=progress_after_seconds)
         self.server = _Server(
             "stargrpc", version=__version__,
             instructions="stargrpc tools: every call is authenticated, audited and supervised.",
@@ -178,7 +191,7 @@ class Bridge:
         self.tasks = TaskRequests(client, credentials, retention_seconds=retention_seconds,
                                   task_after_seconds=task_after_seconds,
                                   declares_output_schema=self._declares_output_schema,
-                                  events_sender=_progress_sender)
+                                  notifications=self._notifications)
         self.tasks.install(self.server)
 
     # -- tools/list ------------------------------------------------------------------------
@@ -320,17 +333,17 @@ class Bridge:
         """Shows the run's events as they come; its final event and what it streamed."""
         assert started.events is not None
         view = ProgressView()
-        show = _progress_sender(ctx)
         event: events_pb2.RunEvent | None = started.first
-        while event is not None:
-            if event.HasField("result"):
-                return event, view
-            text = view.message(event)
-            if text is not None:
-                level = (_LOG_LEVELS.get(event.notice.level, "info")
-                         if event.HasField("notice") else "info")
-                await show(event, text, level)
-            event = await started.events.get()
+        async with self._notifications(ctx) as notifications:
+            while event is not None:
+                if event.HasField("result"):
+                    return event, view
+                text = view.message(event)
+                if text is not None:
+                    level = (_LOG_LEVELS.get(event.notice.level, "info")
+                             if event.HasField("notice") else "info")
+                    await notifications.show(event, text, level)
+                event = await started.events.get()
         try:
             final = await started.result
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
@@ -463,27 +476,3 @@ class Bridge:
 def _unknown_tool(tool_name: str) -> None:
     """The SDK's ``get_tool_input_schema``: no schema, so it checks no header itself."""
     return None
-
-
-def _progress_sender(ctx: ServerRequestContext[Any, Any]
-                     ) -> Callable[[events_pb2.RunEvent, str, str], Awaitable[None]]:
-    """How one ``tools/call`` shows its run's events: progress notifications when the
-    request asked for them, log notifications (when the client may receive them) if not."""
-    token = (ctx.meta or {}).get("progress_token", (ctx.meta or {}).get("progressToken"))
-    if token is not None:
-        async def progress(event: events_pb2.RunEvent, text: str, level: str) -> None:
-            await ctx.session.report_progress(float(event.seq), None, text)
-        return progress
-
-    allowed = allowed_log_levels(ctx.protocol_version, ctx.meta)
-
-    async def log_message(event: events_pb2.RunEvent, text: str, level: str) -> None:
-        if level not in allowed:
-            return
-        await ctx.session.send_notification(
-            types.LoggingMessageNotification(params=types.LoggingMessageNotificationParams(
-                level=level,
-                logger="stargrpc",
-                data={"run_id": event.run_id, "seq": event.seq, "message": text})),
-            related_request_id=ctx.request_id)
-    return log_message

@@ -86,7 +86,9 @@ _OUTCOMES = {value: name.removeprefix("OUTCOME_")
 def mcp_tool(tool: catalog_pb2.Tool) -> types.Tool:
     """A catalog tool as MCP lists it (schemas, annotations from the tool's declaration)."""
     notes = tool.annotations
-    output_schema = (json_format.MessageToDict(tool.output_schema)
+    # Whole numbers as integers: a Struct holds every number as a double, and a schema's
+    # "minimum": 1.0 on an integer is what a strictly typed client may refuse.
+    output_schema = (_whole_numbers(json_format.MessageToDict(tool.output_schema))
                      if tool.HasField("output_schema") else None)
     if output_schema is not None and output_schema.get("type") != "object":
         output_schema = None  # MCP only takes object schemas; the text output still says it
@@ -96,7 +98,8 @@ def mcp_tool(tool: catalog_pb2.Tool) -> types.Tool:
     return types.Tool(
         name=tool.name,
         description=tool.description,
-        input_schema=json_format.MessageToDict(tool.input_schema) or {"type": "object"},
+        input_schema=_whole_numbers(json_format.MessageToDict(tool.input_schema))
+        or {"type": "object"},
         output_schema=output_schema,
         annotations=types.ToolAnnotations(
             read_only_hint=notes.read_only, destructive_hint=notes.destructive,

@@ -95,7 +95,8 @@ class McpEndpoint:
         self._bridge = Bridge(self._client,
                               functools.partial(request_credentials, forwarded=forwarded),
                               retention_seconds=settings.run_retention_seconds,
-                              task_after_seconds=settings.mcp_task_after_seconds)
+                              task_after_seconds=settings.mcp_task_after_seconds,
+                              progress_after_seconds=settings.mcp_progress_after_seconds)
         self._http = None
         self._manager_task = None
         self._manager_stop = asyncio.Event()

@@ -15,14 +15,15 @@ from mcp.server.stdio import stdio_server
 
 from stargrpc.client.channel import bearer_metadata, channel_credentials
 from stargrpc.gateway.client import GatewayClient
-from stargrpc.mcp.bridge import Bridge
+from stargrpc.mcp.bridge import DEFAULT_PROGRESS_AFTER_SECONDS, Bridge
 
 log = structlog.get_logger("stargrpc.mcp")
 
 
 async def serve_stdio(target: str, *, api_key: str | None = None, tls: bool = False,
                       ca_file: Path | None = None, cert_file: Path | None = None,
-                      key_file: Path | None = None) -> None:
+                      key_file: Path | None = None,
+                      progress_after_seconds: float = DEFAULT_PROGRESS_AFTER_SECONDS) -> None:
     """Serves MCP on stdin/stdout until stdin closes.
 
     Args:
@@ -32,6 +33,8 @@ async def serve_stdio(target: str, *, api_key: str | None = None, tls: bool = Fa
         ca_file: PEM roots that verify the server.
         cert_file: A client certificate (mTLS), with ``key_file``.
         key_file: The client certificate's private key.
+        progress_after_seconds: How long a call runs before its events are shown
+            (``mcp_progress_after_seconds``).
     """
     credentials: grpc.ChannelCredentials | None = None
     if tls or ca_file or cert_file:
@@ -39,7 +42,7 @@ async def serve_stdio(target: str, *, api_key: str | None = None, tls: bool = Fa
                                           key_file=key_file)
     client = GatewayClient(target, credentials=credentials)
     metadata = list(bearer_metadata(api_key))
-    bridge = Bridge(client, lambda ctx: metadata)
+    bridge = Bridge(client, lambda ctx: metadata, progress_after_seconds=progress_after_seconds)
     await client.start()
     log.info("mcp_stdio_serving", target=target)
     try:

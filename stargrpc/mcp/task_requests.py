@@ -47,6 +47,7 @@ from stargrpc.mcp.mapping import (
     call_result,
     refusal,
 )
+from stargrpc.mcp.notifications import EventNotifications
 from stargrpc.mcp.run_events import RUN_EVENTS_METHOD, RunEventsParams, read_events
 from stargrpc.mcp.tasks import (
     LEGACY_TASKS_VERSION,
@@ -66,9 +67,8 @@ log = structlog.get_logger("stargrpc.mcp")
 Credentials = Callable[[ServerRequestContext[Any, Any]], Metadata]
 #: Whether a tool lists an output schema (by name, with the caller's credentials).
 DeclaresOutputSchema = Callable[[str, Metadata], Awaitable[bool]]
-#: How one request shows a run's events (progress, or log messages).
-EventSender = Callable[[ServerRequestContext[Any, Any]],
-                       Callable[[events_pb2.RunEvent, str, str], Awaitable[None]]]
+#: How one request shows a run's events (progress, or log messages; held at first).
+Notifications = Callable[[ServerRequestContext[Any, Any]], EventNotifications]
 
 #: How long ``tasks/cancel`` (2025-11-25) waits for the run to end cancelled.
 CANCEL_WAIT_SECONDS = 5.0
@@ -86,19 +86,19 @@ class TaskRequests:
     _client: GatewayClient
     _credentials: Credentials
     _declares_output_schema: DeclaresOutputSchema
-    _events_sender: EventSender
+    _notifications: Notifications
     _task_after_seconds: float
     _followers: set[asyncio.Task[None]]
 
     def __init__(self, client: GatewayClient, credentials: Credentials, *,
                  retention_seconds: float, task_after_seconds: float,
                  declares_output_schema: DeclaresOutputSchema,
-                 events_sender: EventSender) -> None:
+                 notifications: Notifications) -> None:
         self.runs = TaskRuns(client, retention_seconds)
         self._client = client
         self._credentials = credentials
         self._declares_output_schema = declares_output_schema
-        self._events_sender = events_sender
+        self._notifications = notifications
         self._task_after_seconds = task_after_seconds
         self._followers = set()
 
@@ -224,7 +224,7 @@ class TaskRequests:
         except grpc.aio.AioRpcError as error:
             return refusal(CallError.from_rpc_error(error), params.name)
         view = ProgressView()
-        show = self._events_sender(ctx)
+        notifications = self._notifications(ctx)
         deadline = time.monotonic() + self._task_after_seconds
         call = self._client.watch(run_id, 0, metadata)
         try:
@@ -242,7 +242,7 @@ class TaskRequests:
                     return call_result(event, view, declares_output_schema=declared)
                 text = view.message(event)
                 if text is not None:
-                    await show(event, text, "info")
+                    await notifications.show(event, text)
         except grpc.aio.AioRpcError as error:
             log.info("mcp_task_watch_failed", run_id=run_id, error=str(error))
         except anyio.get_cancelled_exc_class():
@@ -254,6 +254,7 @@ class TaskRequests:
             raise
         finally:
             call.cancel()
+            await notifications.close()
         snapshot = await self.runs.snapshot(run_id, metadata)
         if snapshot.finished:  # ended just now: its result, as for a quick run
             return await self._inline_result(run_id, metadata, params.name)

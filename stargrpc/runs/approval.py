@@ -23,7 +23,8 @@ the digest it was shown. The store compares and sets in one step, so a decision 
 once. Approved: an ``APPROVAL_GRANTED`` notice, then the START. Denied: ``Result{DENIED,
 APPROVAL_DENIED}`` with the approver and reason. Nobody within ``approval_timeout_seconds``:
 ``Result{DENIED, APPROVAL_TIMEOUT}``. A run that ends while it waits withdraws its request,
-so a late approval is APPROVAL_NOT_PENDING. The tool never runs unless approved.
+so a late approval is APPROVAL_NOT_PENDING; so does a call ``Runtime.admit`` refuses after
+the request was written (:meth:`ApprovalGate.withdraw`). The tool never runs unless approved.
 
 Every request, timeout and withdrawal is an audit record (:attr:`Approvals.on_audit`,
 method :data:`APPROVAL_METHOD`); a decision is the audit record of its ApproveRun call.
@@ -35,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -46,6 +48,7 @@ from typing import Any
 
 import structlog
 
+from stargrpc import metrics
 from stargrpc.audit.redact import RedactionLimits, redacted_json
 from stargrpc.errors import (
     FailedPrecondition,
@@ -71,6 +74,7 @@ from stargrpc.stores.approvals import (
     WITHDRAWN,
     ApprovalRecord,
     ApprovalStore,
+    id_hash,
     now_ms,
 )
 from stargrpc.v1 import errors_pb2, events_pb2
@@ -106,6 +110,10 @@ STORE_RETRY_SECONDS = 1.0
 
 #: What an approver decides, by the contract's ApprovalVerdict value.
 VERDICT_STATES = {1: APPROVED, 2: DENIED}
+
+#: The ``decision`` label of the approval metrics, by the state a request ended in.
+DECISION_LABELS = {APPROVED: "approved", DENIED: "denied", TIMED_OUT: "timeout",
+                   WITHDRAWN: "withdrawn"}
 
 
 def canonical_arguments(arguments: Mapping[str, Any]) -> bytes:
@@ -202,6 +210,14 @@ class Approvals:
         """Whether a run of ``spec`` by ``principal`` waits for approval."""
         return self.rules.required(spec, principal)
 
+    def count_end(self, record: ApprovalRecord, state: str) -> None:
+        """Counts the end of ``record``'s request in ``state`` and how long it waited
+        (from its request, by this process's clock: the one that wrote ``requested_ms``)."""
+        decision = DECISION_LABELS.get(state, "timeout")
+        metrics.APPROVAL_DECISIONS.labels(decision).inc()
+        metrics.APPROVAL_WAIT_SECONDS.labels(decision).observe(
+            max(0, now_ms() - record.requested_ms) / 1000)
+
     def audit(self, event: str, record: ApprovalRecord) -> None:
         """Hands a step of ``record`` to the audit (never fails the run)."""
         if self.on_audit is None:
@@ -231,6 +247,7 @@ class Approvals:
             deadline_ms=requested + math.ceil(self.rules.timeout * 1000))
         ttl_ms = math.ceil((self.rules.timeout + RECORD_RETENTION_SECONDS) * 1000)
         await self.store.put(record, ttl_ms)
+        metrics.APPROVAL_REQUESTS.labels(record.tool).inc()
         self.audit("requested", record)
         run.phase = PHASE_AWAITING_APPROVAL
         return ApprovalGate(self, record)
@@ -266,6 +283,11 @@ class Approvals:
             record = await self.store.settle(run_id, WITHDRAWN, "the run ended while it waited")
             if record is not None and record.state == WITHDRAWN:
                 self.audit("withdrawn", record)
+        if record is not None and _same_decision_again(record, principal, approval_id,
+                                                       VERDICT_STATES[verdict]):
+            # A retry of a decision that was taken (its answer lost: a stalled store, a
+            # dropped connection) gets the same answer, not "not pending".
+            return record
         if record is None or not record.pending:
             raise not_pending(run_id, record)
         if owner == principal.id and not rules.allow_self:
@@ -285,6 +307,14 @@ class Approvals:
                 reason=APPROVAL_DIGEST_MISMATCH,
                 metadata={"run_id": run_id, "arguments_digest": found.digest})
         raise not_pending(run_id, None if answer == MISSING else found)
+
+
+def _same_decision_again(record: ApprovalRecord, principal: Principal, approval_id: str,
+                         state: str) -> bool:
+    """Whether ``record`` holds the decision ``principal`` now asks for, taken by it with
+    this approval id (compared by hash, in constant time)."""
+    return (not record.pending and record.state == state and record.approver == principal.id
+            and hmac.compare_digest(id_hash(approval_id), id_hash(record.approval_id)))
 
 
 def not_pending(run_id: str, record: ApprovalRecord | None) -> FailedPrecondition:
@@ -344,17 +374,22 @@ class ApprovalGate:
     async def __call__(self, run: Run) -> None:
         record = self._record
         run.phase = PHASE_AWAITING_APPROVAL
-        await run.emit_notice(
-            APPROVAL_REQUIRED, f"waiting for approval of {record.tool} (approval id "
-            f"{record.approval_id}, arguments sha256 {record.digest})", warning=False,
-            detail=lambda notice: fill_request(notice.approval, record))
+        # Counted before the notice goes out: whoever sees the notice sees the gauge count it.
+        metrics.APPROVALS_PENDING.inc()
         try:
+            await run.emit_notice(
+                APPROVAL_REQUIRED, f"waiting for approval of {record.tool} (approval id "
+                f"{record.approval_id}, arguments sha256 {record.digest})", warning=False,
+                detail=lambda notice: fill_request(notice.approval, record))
             decided = await self._wait(run)
         except asyncio.CancelledError:
             # The run ends while it waits (cancelled, its caller's deadline, shutdown): the
             # request is withdrawn, in the background (this task is being cancelled).
             self._withdraw_later("the run ended while it waited")
             raise
+        finally:
+            metrics.APPROVALS_PENDING.dec()
+        self._approvals.count_end(record, decided.state)
         if decided.state == APPROVED:
             def fill(notice: events_pb2.Notice) -> None:
                 decision = notice.approval_decision
@@ -407,15 +442,18 @@ class ApprovalGate:
         return settled  # a decision that came first stands
 
     def _withdraw_later(self, reason: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._withdraw(reason))
+        task = asyncio.get_running_loop().create_task(self.withdraw(reason))
         _WITHDRAWALS.add(task)
         task.add_done_callback(_WITHDRAWALS.discard)
 
-    async def _withdraw(self, reason: str) -> None:
+    async def withdraw(self, reason: str) -> None:
+        """Withdraws the request while it is pending (its run will not start): audited and
+        counted; a store that fails is left to the request's own deadline (never raises)."""
         record = self._record
         with contextlib.suppress(Exception):
             settled = await self._approvals.store.settle(record.run_id, WITHDRAWN, reason)
             if settled is not None and settled.state == WITHDRAWN:
+                self._approvals.count_end(record, WITHDRAWN)
                 self._approvals.audit("withdrawn", settled)
 
 

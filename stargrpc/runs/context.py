@@ -31,6 +31,7 @@ from stargrpc.stores.memory import MemoryStateStore
 
 if TYPE_CHECKING:
     from stargrpc.registry import ToolSpec
+    from stargrpc.sessions.session import SessionHandle
 
 
 @dataclass(frozen=True)
@@ -259,11 +260,12 @@ class ToolContext:
         self._logger = None
 
     @property
-    def session(self) -> Any:
+    def session(self) -> SessionHandle | None:
         """The session the run was called in (``ExecuteRequest.session_id``): its
         ``session_id``, ``kind`` and ``folder`` (the session's folder on the server's host,
         where its files persist between calls); None for a run outside a session."""
-        return getattr(self._run, "session", None)
+        session: SessionHandle | None = getattr(self._run, "session", None)
+        return session
 
     @property
     def logger(self) -> Any:

@@ -17,7 +17,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import BaseModel
@@ -53,6 +53,9 @@ from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, StateStore, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
+
+if TYPE_CHECKING:
+    from stargrpc.sessions.session import SessionHandle
 
 log = structlog.get_logger("stargrpc.run")
 
@@ -255,7 +258,7 @@ class Run:
     _tree: CallTree | None = None
     _children: list[Run] | None = None
     #: The session the run runs in (``ctx.session``; the sessions seam), or None.
-    session: Any = None
+    session: SessionHandle | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0

@@ -20,7 +20,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from pydantic import BaseModel
@@ -84,6 +84,9 @@ from stargrpc.stores.base import RunLog, RunStore, StateStore
 from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
 from stargrpc.v1 import errors_pb2, events_pb2
 
+if TYPE_CHECKING:
+    from stargrpc.sessions.session import SessionHandle
+
 log = structlog.get_logger("stargrpc.runtime")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
@@ -114,10 +117,9 @@ class RunRequest:
     priority: int = 0
     #: The run of this process that asks for the run (``ctx.call``); never from a request.
     parent: Run | None = None
-    #: The session the run runs in (``ctx.session``: a
-    #: :class:`stargrpc.sessions.session.SessionHandle`, found for the caller by the entry
-    #: point), or None.
-    session: Any = None
+    #: The session the run runs in (``ctx.session``), found for the caller by the entry
+    #: point (:meth:`stargrpc.sessions.Sessions.for_call`), or None.
+    session: SessionHandle | None = None
     #: The lane to run in instead of the tool's (needs ``lane_override_role``).
     lane: str = ""
     #: Refuse (LANE_BUSY) when the estimated wait in the lane is longer; 0: wait.
@@ -508,6 +510,7 @@ class Runtime:
         if request.session is not None:
             run.session = request.session
         run.lane, run.priority = choice.lane, choice.priority
+        run_log.lane, run_log.priority = choice.lane, choice.priority
         if record is not None and choice.capped:
             record.extra["priority"] = (f"asked {choice.asked_priority}, capped to "
                                         f"{choice.priority} (priority_max_per_principal)")
@@ -539,65 +542,66 @@ class Runtime:
         # Most runs hang under nothing: no coroutine for them.
         link = (await self._tree_link(request, principal)
                 if request.parent is not None or request.parent_run_id else None)
+        # The place in the tree is given back whatever refuses the call, and when it attaches
+        # to another run; kept once this run starts.
+        link_kept = False
         try:
             run = self._prepare(request, principal, link)
-        except BaseException:
-            if link is not None:
-                await self._give_back(link)
-            raise
-        # Reserve a place first so that a refused request leaves no claim behind; a request that
-        # turns out to attach gives its place back at once.
-        try:
-            permit = self.concurrency.acquire(principal.id, run.spec.name)
-        except ResourceExhausted:
-            if link is not None:
-                await self._give_back(link)
-            await self.store.discard(run.log)
-            raise
-        place: LanePlace | None = None
-        ticket: LaneTicket | None = None
-        try:
-            await self.store.publish(run.log)
-            if key:
-                wanted = fingerprint(run.spec.name, request.arguments)
-                claim = await self.store.claim(principal.id, key, wanted, run.log)
-                if not claim.won:
-                    await self.store.discard(run.log)
-                    check_reuse(key, claim.fingerprint, wanted, claim.run_id)
-                    held = await self.store.open(claim.run_id)
-                    if held is None:  # expired between the claim and now
-                        raise Unavailable("the run holding this idempotency key just expired; "
-                                          "retry", reason="IDEMPOTENT_RUN_EXPIRED")
-                    record = current_call.get()
-                    if record is not None:
-                        record.run_id = claim.run_id
-                        record.extra["idempotent"] = "replayed" if held.finished else "attached"
-                    permit.release()
-                    if link is not None:
-                        await self._give_back(link)
-                    return Admission(log=held, run=None)
-            gate: ApprovalGate | None = None
-            if self.approvals.required(run.spec, run.principal):
-                # Written before the call is answered: an approver finds it at once.
-                gate = await self.approvals.request(run, request.arguments)
-            ticket = self._lane_ticket(run, request)
-            # A run that waits at an earlier gate (approval) enters its lane when it gets
-            # there: a lane's slot is not held while a person decides.
-            if ticket is not None and not run.gates and gate is None:
-                place = await self._enter_lane(ticket)
-            if before_start is not None:
-                await before_start(run)
-        except BaseException:
-            if place is not None:
-                self.lanes.leave(place, ran=False)
-            permit.release()
-            if link is not None:
-                await self._give_back(link)
-            # The run never started: forget its log too (best effort — the store may be
-            # the very thing that failed), so a refused request leaves nothing behind.
-            with contextlib.suppress(Exception):
+            # Reserve a place first so that a refused request leaves no claim behind; a
+            # request that turns out to attach gives its place back at once.
+            try:
+                permit = self.concurrency.acquire(principal.id, run.spec.name)
+            except ResourceExhausted:
                 await self.store.discard(run.log)
-            raise
+                raise
+            place: LanePlace | None = None
+            ticket: LaneTicket | None = None
+            gate: ApprovalGate | None = None
+            try:
+                await self.store.publish(run.log)
+                if key:
+                    wanted = fingerprint(run.spec.name, request.arguments)
+                    claim = await self.store.claim(principal.id, key, wanted, run.log)
+                    if not claim.won:
+                        await self.store.discard(run.log)
+                        check_reuse(key, claim.fingerprint, wanted, claim.run_id)
+                        held = await self.store.open(claim.run_id)
+                        if held is None:  # expired between the claim and now
+                            raise Unavailable("the run holding this idempotency key just "
+                                              "expired; retry",
+                                              reason="IDEMPOTENT_RUN_EXPIRED")
+                        record = current_call.get()
+                        if record is not None:
+                            record.run_id = claim.run_id
+                            record.extra["idempotent"] = ("replayed" if held.finished
+                                                          else "attached")
+                        permit.release()
+                        return Admission(log=held, run=None)
+                if self.approvals.required(run.spec, run.principal):
+                    # Written before the call is answered: an approver finds it at once.
+                    gate = await self.approvals.request(run, request.arguments)
+                ticket = self._lane_ticket(run, request)
+                # A run that waits at an earlier gate (approval) enters its lane when it
+                # gets there: a lane's slot is not held while a person decides.
+                if ticket is not None and not run.gates and gate is None:
+                    place = await self._enter_lane(ticket)
+                if before_start is not None:
+                    await before_start(run)
+            except BaseException:
+                if place is not None:
+                    self.lanes.leave(place, ran=False)
+                if gate is not None:  # refused after its request was written
+                    await gate.withdraw("the call was refused before the run started")
+                permit.release()
+                # The run never started: forget its log too (best effort — the store may
+                # be the very thing that failed), so a refused request leaves nothing.
+                with contextlib.suppress(Exception):
+                    await self.store.discard(run.log)
+                raise
+            link_kept = True
+        finally:
+            if link is not None and not link_kept:
+                await self._give_back(link)
         run.finish_hooks.append(lambda _: permit.release())
         if gate is not None:  # approval first: a lane's slot is not held while a person decides
             run.gates = [gate, *(run.gates or [])]

@@ -7,8 +7,9 @@ run away from the server's secrets:
 - commands would run as the server's own user without bubblewrap's private file system
   and PID namespace (``rlimits`` with a non-root server): they could read its state
   folder and ``/proc/<server>/environ``;
-- a secret file (state folder, keys file, audit database, TLS key, ``jwt_secret_file``) is
-  visible in the mode's view of the file system and readable by the sandbox user.
+- a secret file (state folder, keys file, audit database, TLS key, ``jwt_secret_file``,
+  ``fleet_secret_file``) is visible in the mode's view of the file system and readable
+  by the sandbox user.
 
 Running them anyway is an explicit choice: ``sandbox_isolation`` set to a mode, or
 ``sandbox_allow_weak_isolation=true``; both are logged at warning on every start.
@@ -104,6 +105,10 @@ def secret_files(settings: Settings) -> list[tuple[str, Path, str]]:
         found.append(("TLS private key", settings.tls_key_file, keep_private))
     if settings.jwt_secret_file is not None:
         found.append(("JWT secret file", settings.jwt_secret_file, keep_private))
+    if settings.fleet_secret_file is not None:
+        found.append(("fleet secret file", settings.fleet_secret_file, keep_private))
+    if settings.session_forward_key_file is not None:
+        found.append(("replica client key", settings.session_forward_key_file, keep_private))
     return found
 
 

@@ -23,7 +23,7 @@ from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
-from stargrpc.http_server import HttpEndpoints, gateway_tls
+from stargrpc.http_server import HttpEndpoints
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp import require_mcp_for
 from stargrpc.registry import Registry, load_registry
@@ -197,12 +197,34 @@ class StargrpcServer:
         address = self.settings.session_advertise_address
         if shared is None or not address:
             return
-        from stargrpc.sessions.forwarding import SessionDirectory, SessionForwarder
+        from stargrpc.auth.fleet import FleetAssertions
+        from stargrpc.sessions.forwarding import (
+            SessionDirectory,
+            SessionForwarder,
+            replica_credentials,
+        )
 
         directory = SessionDirectory(shared.redis, self.settings.redis_key_prefix, address)
         self.service.sessions.directory = directory
-        credentials, _ = gateway_tls(self.settings)
-        self.service.forwarder = SessionForwarder(directory, credentials)
+        secret = self.settings.fleet_secret
+        assertions = (FleetAssertions(secret.get_secret_value(), lambda: directory.address)
+                      if secret is not None else None)
+        self.service.forwarder = SessionForwarder(
+            directory, replica_credentials(self.settings), assertions)
+        # The same assertions check the calls other replicas forward here: only with the
+        # secret are they accepted at all.
+        for interceptor in self.interceptors:
+            if isinstance(interceptor, AuthInterceptor):
+                interceptor.fleet = assertions
+        if assertions is None:
+            log.warning("session_forwarding_off", reason="fleet_secret is not set: a call "
+                        "for a session another replica holds is refused "
+                        "SESSION_FORWARDING_UNCONFIGURED, and no forwarded call is accepted")
+        elif self.settings.tls_cert_file is None:
+            log.warning("session_forwarding_plaintext", reason="without TLS, a call forwarded "
+                        "to the replica holding its session (its arguments, its output) "
+                        "crosses the network in plaintext; the caller's credentials never "
+                        "do")
 
     def _channel_options(self) -> list[tuple[str, int]]:
         s = self.settings

@@ -22,7 +22,6 @@ from stargrpc.critic.supervision import SupervisedRequest, SupervisionPolicy
 from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
-    FailedPrecondition,
     FieldViolation,
     InvalidArgument,
     NotFound,
@@ -49,8 +48,9 @@ from stargrpc.server.streaming import (
     event_responses,
     serialize_response,
 )
-from stargrpc.sessions import Session, SessionHandle, Sessions
-from stargrpc.sessions.forwarding import SessionForwarder
+from stargrpc.sessions import Session, Sessions
+from stargrpc.sessions.forwarding import SessionForwarder, is_forwarded
+from stargrpc.sessions.listing import fleet_sessions
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import ApprovalRecord
 from stargrpc.stores.base import (
@@ -68,8 +68,6 @@ _WATCH_EVENTS = metrics.EVENTS_STREAMED.labels("WatchRun")
 
 _RUN_NOT_FOUND = reason_name(errors_pb2.RUN_NOT_FOUND)
 _STEER_NOT_ALLOWED = reason_name(errors_pb2.STEER_NOT_ALLOWED)
-_SESSION_BUSY = reason_name(errors_pb2.SESSION_BUSY)
-_SESSION_KIND_MISMATCH = reason_name(errors_pb2.SESSION_KIND_MISMATCH)
 
 
 class MalformedRequest:
@@ -218,8 +216,7 @@ class ToolService:
                 assert self.forwarder is not None
                 try:
                     async for forwarded in self.forwarder.execute(
-                            replica, request, context.invocation_metadata() or (),
-                            context.time_remaining()):
+                            replica, request, current_principal.get(), context):
                         yield forwarded
                 except grpc.aio.AioRpcError as error:  # the owner refused: its status
                     await context.abort(error.code(), error.details() or "",
@@ -295,13 +292,17 @@ class ToolService:
                 or len(session_id) > 64):
             return None
         try:
-            return await self.forwarder.route(session_id, current_principal.get().id,
-                                              context.invocation_metadata() or ())
+            replica = await self.forwarder.route(session_id, current_principal.get().id,
+                                                 context.invocation_metadata() or ())
         except RequestError:
             raise
         except Exception as exc:  # the fleet's Redis
             raise Unavailable("the fleet's store cannot be reached to find the session",
                               retry_after=1.0) from exc
+        record = current_call.get()
+        if replica is not None and record is not None:
+            record.extra["forwarded_to"] = replica  # the audit says where the call went
+        return replica
 
     async def _forward_unary(self, replica: str, method: str, request: Any,
                              reply_type: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -309,8 +310,7 @@ class ToolService:
         assert self.forwarder is not None
         try:
             return await self.forwarder.unary(replica, method, request, reply_type,
-                                              context.invocation_metadata() or (),
-                                              context.time_remaining())
+                                              current_principal.get(), context)
         except grpc.aio.AioRpcError as error:  # the owner refused: its status, as it gave it
             await context.abort(error.code(), error.details() or "",
                                 error.trailing_metadata())
@@ -371,32 +371,12 @@ class ToolService:
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
                            policy=policy, parent_run_id=request.parent_run_id,
-                           session=self._session_of(request), lane=request.lane,
+                           session=self.sessions.for_call(
+                               current_principal.get().id, request.session_id,
+                               request.tool_name, no_wait=request.session_no_wait),
+                           lane=request.lane,
                            priority=request.priority,
                            max_wait_seconds=request.max_wait_seconds)
-
-    def _session_of(self, request: tool_service_pb2.ExecuteRequest
-                    | tool_service_pb2.StartRunRequest) -> SessionHandle | None:
-        """The caller's session the request names (None when it names none).
-
-        Raises:
-            NotFound: Not one of the caller's open sessions (SESSION_NOT_FOUND).
-            FailedPrecondition: ``python`` in a shell session or the reverse
-                (SESSION_KIND_MISMATCH); busy while the caller would not wait (SESSION_BUSY).
-        """
-        if not request.session_id:
-            return None
-        session = self.sessions.get(current_principal.get().id, request.session_id)
-        tool = request.tool_name
-        if tool in ("python", "shell") and tool != session.kind:
-            raise FailedPrecondition(
-                f"the session runs {session.kind}, not {tool}",
-                reason=_SESSION_KIND_MISMATCH, metadata={"session_kind": session.kind})
-        if request.session_no_wait and session.busy:
-            raise FailedPrecondition("the session is running another call",
-                                     reason=_SESSION_BUSY,
-                                     metadata={"session_id": session.session_id})
-        return SessionHandle.of(session, no_wait=request.session_no_wait)
 
     async def WatchRun(self, request: Any, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[StreamedResponse]:
@@ -484,6 +464,9 @@ class ToolService:
             if len(getattr(request, name)) > MAX_RUN_ID_CHARS:
                 raise InvalidArgument(f"{name} is too long", [FieldViolation(
                     name, f"a run id: at most {MAX_RUN_ID_CHARS} characters")])
+        if len(request.lane) > MAX_LANE_FILTER_CHARS:
+            raise InvalidArgument("lane is too long", [FieldViolation(
+                "lane", f"a lane name: at most {MAX_LANE_FILTER_CHARS} characters")])
         key = await self.runtime.store.page_token_key()
         query = RunQuery(
             owner=None if sees_all else principal.id,
@@ -493,7 +476,7 @@ class ToolService:
             finished=None if state == tool_service_pb2.RUN_STATE_UNSPECIFIED
             else state == tool_service_pb2.RUN_STATE_FINISHED,
             outcome=request.outcome, root_run_id=request.root_run_id,
-            parent_run_id=request.parent_run_id)
+            parent_run_id=request.parent_run_id, lane=request.lane)
         page = await self.runtime.store.list_runs(query)
         # Which of the page's unfinished runs wait for approval (one look for them all).
         records = await approvals.store.get_many(
@@ -598,7 +581,8 @@ class ToolService:
     @_statuses
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> tool_service_pb2.ListSessionsResponse:
-        sessions = self.sessions.owned_by(current_principal.get().id)
+        principal = current_principal.get()
+        sessions = self.sessions.owned_by(principal.id)
         messages = [session_message(s) for s in sessions]
         if request.with_files:
             for session, message in zip(sessions, messages, strict=True):
@@ -606,6 +590,13 @@ class ToolService:
                 files = await asyncio.to_thread(session.files, MAX_SESSION_FILES)
                 message.files.extend(tool_service_pb2.SessionFile(name=name, size=size)
                                      for name, size in files)
+        if self.forwarder is not None and not is_forwarded(
+                context.invocation_metadata() or ()):
+            here = {m.session_id for m in messages}
+            elsewhere = await fleet_sessions(self.forwarder, request, principal, context,
+                                             redis_timeout=self.settings.redis_timeout_seconds)
+            messages.extend(m for m in elsewhere if m.session_id not in here)
+            messages.sort(key=lambda m: (m.created_at.ToMilliseconds(), m.session_id))
         return tool_service_pb2.ListSessionsResponse(sessions=messages)
 
     async def _visible_run(self, run_id: str, allowed: Callable[[Principal, str], bool]
@@ -650,6 +641,9 @@ def tool_message(spec: ToolSpec) -> catalog_pb2.Tool:
 #: Files of one session ListSessions lists at most.
 MAX_SESSION_FILES = 200
 
+#: Longest ListRuns ``lane`` filter: a lane's name is at most this long (LANE_NAME_PATTERN).
+MAX_LANE_FILTER_CHARS = 64
+
 #: ListRuns page size when the request leaves it 0, and the largest allowed.
 DEFAULT_RUNS_PAGE = 50
 MAX_RUNS_PAGE = 200
@@ -669,7 +663,7 @@ def run_summary_message(run: RunSummary, *, with_principal: bool,
         state=state,
         outcome=events_pb2.Outcome.Name(run.outcome), last_seq=run.last_seq,
         current_step=run.current_step, parent_run_id=run.parent_run_id,
-        root_run_id=run.tree_root, depth=run.depth)
+        root_run_id=run.tree_root, depth=run.depth, lane=run.lane, priority=run.priority)
     message.started_at.FromMilliseconds(run.started_ms)
     if run.ended_ms:
         message.ended_at.FromMilliseconds(run.ended_ms)

@@ -24,6 +24,7 @@ from stargrpc.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    reason_name,
 )
 from stargrpc.sandbox.policy import decide
 from stargrpc.sandbox.runner import Sandbox
@@ -32,15 +33,20 @@ from stargrpc.sessions.session import (
     KINDS,
     Session,
     SessionClosed,
+    SessionHandle,
     SessionLimits,
     SessionLost,
 )
 from stargrpc.settings import Settings
+from stargrpc.v1 import errors_pb2
 
 log = structlog.get_logger("stargrpc.sessions")
 
 #: Longest session id accepted in a request (ours are 36 characters).
 MAX_ID_LENGTH = 64
+
+_BUSY = reason_name(errors_pb2.SESSION_BUSY)
+_KIND_MISMATCH = reason_name(errors_pb2.SESSION_KIND_MISMATCH)
 
 
 class Sessions:
@@ -185,6 +191,34 @@ class Sessions:
             raise NotFound("unknown session (or closed, or expired, or not yours)",
                            reason="SESSION_NOT_FOUND")
         return session
+
+    def for_call(self, owner: str, session_id: str, tool_name: str, *,
+                 no_wait: bool = False) -> SessionHandle | None:
+        """The handle a run of ``tool_name`` by ``owner`` gets for the session its call
+        names (None when it names none: ``session_id`` empty).
+
+        Args:
+            owner: The caller's principal id.
+            session_id: ``ExecuteRequest.session_id`` / ``StartRunRequest.session_id``.
+            tool_name: The tool called: ``python`` and ``shell`` must match the kind.
+            no_wait: The caller asked not to wait for a busy session.
+
+        Raises:
+            NotFound: Not one of the caller's open sessions (SESSION_NOT_FOUND).
+            FailedPrecondition: ``python`` in a shell session or the reverse
+                (SESSION_KIND_MISMATCH); busy while the caller would not wait (SESSION_BUSY).
+        """
+        if not session_id:
+            return None
+        session = self.get(owner, session_id)
+        if tool_name in KINDS and tool_name != session.kind:
+            raise FailedPrecondition(
+                f"the session runs {session.kind}, not {tool_name}",
+                reason=_KIND_MISMATCH, metadata={"session_kind": session.kind})
+        if no_wait and session.busy:
+            raise FailedPrecondition("the session is running another call", reason=_BUSY,
+                                     metadata={"session_id": session.session_id})
+        return SessionHandle.of(session, no_wait=no_wait)
 
     def owned_by(self, owner: str) -> list[Session]:
         """``owner``'s open sessions, oldest first."""

@@ -61,6 +61,8 @@ class RunLog(Protocol):
         parent_run_id: The run it hangs under; empty for a top-level run.
         root_run_id: The root of its call tree; empty for a top-level run (its own id).
         depth: Its depth below the root (0 at the top).
+        lane: The lane the run runs in, and ``priority`` its priority there (set by the
+            runtime when it admits the run; empty on a log read from another replica).
     """
 
     run_id: str
@@ -69,6 +71,8 @@ class RunLog(Protocol):
     parent_run_id: str
     root_run_id: str
     depth: int
+    lane: str
+    priority: int
 
     @property
     def finished(self) -> bool:
@@ -160,6 +164,9 @@ class RunSummary:
         parent_run_id: The run it hangs under; empty for a top-level run.
         root_run_id: The root of its call tree; empty for a top-level run.
         depth: Its depth below the root.
+        lane: The lane it runs (or ran, or waits) in; empty when the store does not know
+            it yet.
+        priority: Its priority in that lane.
     """
 
     run_id: str
@@ -174,6 +181,8 @@ class RunSummary:
     parent_run_id: str = ""
     root_run_id: str = ""
     depth: int = 0
+    lane: str = ""
+    priority: int = 0
 
     @property
     def tree_root(self) -> str:
@@ -200,6 +209,7 @@ class RunQuery:
         outcome: Only runs that ended with this outcome; 0 for any.
         root_run_id: Only the runs of this call tree (its root included); empty for any.
         parent_run_id: Only the children of this run; empty for any.
+        lane: Only the runs of this lane; empty for any.
     """
 
     owner: str | None
@@ -210,6 +220,7 @@ class RunQuery:
     outcome: int = 0
     root_run_id: str = ""
     parent_run_id: str = ""
+    lane: str = ""
 
     def admits(self, run: RunSummary) -> bool:
         """Whether ``run`` passes the filters (not the cursor)."""
@@ -218,7 +229,8 @@ class RunQuery:
                 and (self.finished is None or run.finished == self.finished)
                 and (not self.outcome or run.outcome == self.outcome)
                 and (not self.root_run_id or run.tree_root == self.root_run_id)
-                and (not self.parent_run_id or run.parent_run_id == self.parent_run_id))
+                and (not self.parent_run_id or run.parent_run_id == self.parent_run_id)
+                and (not self.lane or run.lane == self.lane))
 
     def is_after_cursor(self, position: tuple[int, str]) -> bool:
         """Whether a run at ``position`` comes after the cursor (newest first)."""

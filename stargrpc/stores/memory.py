@@ -57,6 +57,9 @@ class MemoryRunLog:
     parent_run_id = ""
     root_run_id = ""
     depth = 0
+    # The lane the run runs in and its priority there (set when it is admitted).
+    lane = ""
+    priority = 0
 
     def __init__(self, run_id: str,
                  on_finish: Callable[[MemoryRunLog], None] | None = None, *,
@@ -93,7 +96,8 @@ class MemoryRunLog:
                           finished=self._finished, outcome=self.outcome,
                           ended_ms=self.ended_ms, last_seq=len(self._events),
                           current_step=self.current_step, parent_run_id=self.parent_run_id,
-                          root_run_id=self.root_run_id, depth=self.depth)
+                          root_run_id=self.root_run_id, depth=self.depth, lane=self.lane,
+                          priority=self.priority)
 
     @property
     def last_seq(self) -> int:

@@ -122,6 +122,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_CLOSED: _ClassVar[ErrorReason]
     PYTHON_EXCEPTION: _ClassVar[ErrorReason]
     SESSION_FILES_SKIPPED: _ClassVar[ErrorReason]
+    SESSION_FORWARDING_UNCONFIGURED: _ClassVar[ErrorReason]
     LANE_FULL: _ClassVar[ErrorReason]
     LANE_BUSY: _ClassVar[ErrorReason]
     LANE_UNKNOWN: _ClassVar[ErrorReason]
@@ -243,6 +244,7 @@ SESSION_KIND_MISMATCH: ErrorReason
 SESSION_CLOSED: ErrorReason
 PYTHON_EXCEPTION: ErrorReason
 SESSION_FILES_SKIPPED: ErrorReason
+SESSION_FORWARDING_UNCONFIGURED: ErrorReason
 LANE_FULL: ErrorReason
 LANE_BUSY: ErrorReason
 LANE_UNKNOWN: ErrorReason

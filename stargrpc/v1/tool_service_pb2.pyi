@@ -227,7 +227,7 @@ class StartRunResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., attached: _Optional[bool] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token", "tool_name", "state", "outcome", "root_run_id", "parent_run_id")
+    __slots__ = ("page_size", "page_token", "tool_name", "state", "outcome", "root_run_id", "parent_run_id", "lane")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class ListRunsRequest(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ROOT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
     tool_name: str
@@ -242,7 +243,8 @@ class ListRunsRequest(_message.Message):
     outcome: _events_pb2.Outcome
     root_run_id: str
     parent_run_id: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., root_run_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ...) -> None: ...
+    lane: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tool_name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outcome: _Optional[_Union[_events_pb2.Outcome, str]] = ..., root_run_id: _Optional[str] = ..., parent_run_id: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class RunSummary(_message.Message):
     __slots__ = ("run_id", "tool_name", "principal", "state", "outcome", "started_at", "ended_at", "last_seq", "current_step", "lane", "priority", "queue_position", "approval", "parent_run_id", "root_run_id", "depth")

@@ -220,6 +220,10 @@ class ToolServiceServicer:
 
     def ListSessions(self, request, context):
         """The caller's open sessions, oldest first, with the running totals of what each used.
+        In a fleet, every replica's: the one reached asks the others holding the caller's
+        sessions for them (a replica that cannot be reached leaves its sessions out: calls in
+        them would be refused SESSION_LOST). The fleet's Redis not answering in time is
+        UNAVAILABLE with RetryInfo, never a partial list.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -215,3 +215,44 @@ async def test_the_callers_deadline_ends_a_waiting_run_and_a_retry_attaches(peop
     assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_TIMEOUT,
                                                    "CLIENT_DEADLINE")
     assert head[0].run_id not in BODIES_RUN
+
+
+async def test_a_call_refused_after_its_request_was_written_withdraws_it(
+        make_auth_server, tmp_path) -> None:
+    """StartRun with a delivery: the request is written in admission, then making the
+    delivery durable fails (the state folder cannot keep it) and the call is refused. The
+    request is withdrawn at once — not left pending until its timeout — and audited so."""
+    secret = tmp_path / "delivery.key"
+    secret.write_bytes(b"a delivery key for tests\n")
+    auth = await make_auth_server(approval_registry(), approval_timeout_seconds=600,
+                                  delivery_allowlist=["127.0.0.1"],
+                                  delivery_allowed_networks=["127.0.0.1/32"],
+                                  delivery_webhook_secret_file=secret)
+    server = auth.server
+    refused_runs: list[str] = []
+
+    def full_disk(run_id: str, tool: str, target: object) -> None:
+        refused_runs.append(run_id)
+        raise OSError("no space left on device")
+
+    # The journal write is what fails (as a full disk would); the rest is the real server.
+    server.service.deliveries._journal.add = full_disk
+    request = tool_service_pb2.StartRunRequest(tool_name="deploy",
+                                               arguments_json='{"service": "web"}')
+    request.delivery.webhook.url = "https://127.0.0.1:9/hook"
+    async with people_of(auth) as people:
+        try:
+            await people.alice.StartRun(request)
+            raise AssertionError("the call was answered")
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        [run_id] = refused_runs
+        record = await server.runtime.approvals.store.get(run_id)
+        assert record is not None and not record.pending and record.state == "withdrawn"
+        listed = await people.bob.ListRuns(tool_service_pb2.ListRunsRequest(
+            state=tool_service_pb2.RUN_STATE_AWAITING_APPROVAL))
+        assert run_id not in [run.run_id for run in listed.runs]
+    assert run_id not in BODIES_RUN
+    records = await records_of(server)
+    assert [r.outcome for r in records
+            if r.method == APPROVAL_METHOD and r.run_id == run_id] == ["ok", "cancelled"]

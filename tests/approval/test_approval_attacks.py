@@ -161,3 +161,29 @@ async def test_a_request_left_pending_by_an_ended_run_cannot_be_approved(auth, p
         ended.run_id, "left-behind"))) == (
         grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_NOT_PENDING",
         {"run_id": ended.run_id, "state": "withdrawn"}, [])
+
+
+async def test_a_decision_sent_again_gets_the_same_answer_and_nothing_else_does(
+        auth, people) -> None:
+    # The answer to a decision can be lost (a stalled store, a dropped connection) after the
+    # decision was taken: the approver sends it again and must hear what was decided, once.
+    call = people.alice.Execute(execute_request("deploy", {"service": "api"}))
+    head, approval = await read_until_approval(call)
+    run_id = head[0].run_id
+    first = await people.bob.ApproveRun(approve_request(
+        run_id, approval.approval_id, digest=approval.arguments_digest))
+    again = await people.bob.ApproveRun(approve_request(
+        run_id, approval.approval_id, digest=approval.arguments_digest))
+    assert (again.run_id, again.decision, again.arguments_digest) == (
+        first.run_id, first.decision, first.arguments_digest)
+    events = await rest_of(call)
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert BODIES_RUN.count(run_id) == 1
+    # Not the same decision: another approver, the other verdict, a guessed id.
+    for stub, request in (
+            (people.carol, approve_request(run_id, approval.approval_id)),
+            (people.bob, approve_request(run_id, approval.approval_id, deny=True)),
+            (people.bob, approve_request(run_id, secrets.token_urlsafe(24)))):
+        assert await refusal(stub.ApproveRun(request)) == (
+            grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_NOT_PENDING",
+            {"run_id": run_id, "state": "approved"}, [])

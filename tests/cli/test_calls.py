@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from google.protobuf import json_format
+
 from stargrpc.client import AsyncClient
 from stargrpc.errors import Unavailable
 from stargrpc.server.grpc_server import StargrpcServer
@@ -135,3 +137,33 @@ async def test_call_sends_lane_priority_and_max_wait(recorded_server: StargrpcSe
     assert sent == {(3, 2.5, ""), (0, 0.0, "no-such-lane")}
     assert bad_code == 1
     assert "LANE_UNKNOWN" in err and "lane:" in err
+
+
+async def test_call_takes_the_arguments_after_the_tools_name_or_from_standard_input(
+        recorded_server: StargrpcServer, recorder: Recorder) -> None:
+    # What a newcomer types first: the JSON right after the tool, as with grpcurl's -d.
+    target = f"127.0.0.1:{recorded_server.port}"
+    positional = await _stargrpc("call", "--target", target, "echo", '{"text": "hi there"}',
+                                 "--json")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", "call", "--target", target, "echo", "-", "--json",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    piped, _ = await asyncio.wait_for(proc.communicate(b'{"text": "from a pipe"}'), TIMEOUT)
+    twice, not_object, not_json = await asyncio.gather(
+        _stargrpc("call", "--target", target, "echo", '{"text": "a"}', "--args", '{"text": "b"}'),
+        _stargrpc("call", "--target", target, "echo", '["text"]'),
+        _stargrpc("call", "--target", target, "echo", "{text: hi}"))
+
+    assert positional[0] == 0 and proc.returncode == 0
+    assert [json.loads(out.splitlines()[-1])["result"]["outcome"]
+            for out in (positional[1], piped.decode())] == ["OUTCOME_OK"] * 2
+    sent = [json.loads(seen.request.arguments_json) if seen.request.arguments_json
+            else json_format.MessageToDict(seen.request.arguments)
+            for seen in recorder.seen("Execute")]
+    assert {"text": "hi there"} in sent and {"text": "from a pipe"} in sent
+    assert twice[0] == 2 and "give the arguments once" in twice[2]
+    assert not_object[0] == 2 and "must be a JSON object" in not_object[2]
+    assert "ARGUMENTS" in not_object[2]
+    assert not_json[0] == 2 and "not valid JSON" in not_json[2]
+    assert len(recorder.seen("Execute")) == 2  # the refused ones never reached the server

@@ -159,8 +159,11 @@ async def test_each_delivery_s_final_state_is_an_audit_record(
                                delivery_allowed_networks=["127.0.0.1/32"],
                                delivery_webhook_secret_file=secret,
                                delivery_ca_file=tls["tls_client_ca_file"],
+                               # A window that holds the flaky receiver's three attempts
+                               # however slow a loaded machine makes each TLS handshake.
                                delivery_retry_initial_seconds=0.05,
-                               delivery_retry_seconds=0.3)
+                               delivery_retry_max_interval_seconds=0.2,
+                               delivery_retry_seconds=3.0)
     good = f"https://127.0.0.1:{flaky_receiver.server_address[1]}/hook?token=s3cret"
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = tool_service_pb2_grpc.ToolServiceStub(channel)

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -44,11 +45,14 @@ class McpUnderTest:
 
     @asynccontextmanager
     async def client(self, key: str | None = "", mode: str = "legacy",
+                     event_hooks: dict[str, list[Any]] | None = None,
                      **options: Any) -> AsyncIterator[Client]:
-        """An MCP client sending ``key`` (default: the admin key; None: no credentials)."""
+        """An MCP client sending ``key`` (default: the admin key; None: no credentials);
+        ``event_hooks`` are its HTTP client's."""
         secret = self.auth.key if key == "" else key
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+        async with httpx2.AsyncClient(headers=headers, timeout=30,
+                                      event_hooks=event_hooks) as http:
             transport = streamable_http_client(self.url, http_client=http)
             async with Client(transport, mode=mode, **options) as client:  # type: ignore[arg-type]
                 yield client
@@ -61,6 +65,35 @@ async def mcp_server(make_auth_server: AuthServerFactory, tmp_path: Any) -> McpU
     tools.mkdir()
     auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools])
     return McpUnderTest(auth)
+
+
+async def mcp_endpoint(make_auth_server: AuthServerFactory, folder: Path,
+                       **settings: Any) -> McpUnderTest:
+    """A server with the MCP endpoint, API keys and ``settings`` on, its tools folder and
+    keys file in ``folder`` (made)."""
+    tools = folder / "tools"
+    tools.mkdir(parents=True)
+    auth = await make_auth_server(mcp_registry(), mcp_port=0, tools_dir=[tools],
+                                  keys_file=folder / "keys.json", **settings)
+    return McpUnderTest(auth)
+
+
+@pytest.fixture
+async def eager_mcp_server(make_auth_server: AuthServerFactory, tmp_path: Path
+                           ) -> McpUnderTest:
+    """An MCP endpoint that shows a call's events from its start
+    (``mcp_progress_after_seconds`` 0), for the tests of every step of a short call."""
+    return await mcp_endpoint(make_auth_server, tmp_path / "eager",
+                              mcp_progress_after_seconds=0)
+
+
+@pytest.fixture
+async def patient_mcp_server(make_auth_server: AuthServerFactory, tmp_path: Path
+                             ) -> McpUnderTest:
+    """An MCP endpoint that holds a call's events for an hour: every call of a test is
+    short."""
+    return await mcp_endpoint(make_auth_server, tmp_path / "patient",
+                              mcp_progress_after_seconds=3600)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Tools for the MCP tests: steps with deltas, a wait at a gate the test opens, structured
-output, files, a failure."""
+"""Tools for the MCP tests: steps with deltas, waits at a gate the test opens (heartbeating,
+or silent), structured output, files, a failure."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ async def wait_at_gate(ctx: ToolContext, args: GateArgs) -> str:
     except asyncio.CancelledError:
         CANCELLED[args.gate].set()
         raise
+    return "through the gate"
+
+
+@tool(kind="test")
+async def pause_at_gate(ctx: ToolContext, args: GateArgs) -> str:
+    """A step with a delta, a silent wait until the test opens the gate (no event at all),
+    then another step."""
+    async with ctx.step("Preparing") as step:
+        await step.delta("ready")
+    await GATES[args.gate].wait()
+    async with ctx.step("Finishing") as step:
+        await step.delta("done")
     return "through the gate"
 
 
@@ -121,6 +133,6 @@ async def data(ctx: ToolContext) -> dict[str, object]:
 def mcp_registry() -> Registry:
     """The bundled tools, the tools above, and whoami and ops_only (roles: ops)."""
     bundled = load_registry(bundled=True, entry_points=False)
-    extra = [spec_of(fn) for fn in (wait_at_gate, measure, breaks, big_file, tally, whoami,
-                                    ops_only, long_text_tool, facts, data)]
+    extra = [spec_of(fn) for fn in (wait_at_gate, pause_at_gate, measure, breaks, big_file,
+                                    tally, whoami, ops_only, long_text_tool, facts, data)]
     return Registry([*bundled.values(), *(spec for spec in extra if spec is not None)])

@@ -34,6 +34,10 @@ async def test_tools_list_carries_schemas_and_annotations(mcp_server: McpUnderTe
     measure = tools["measure"]
     assert measure.description and measure.description.startswith("Measure something")
     assert measure.input_schema["properties"]["size"]["maximum"] == 100
+    # Whole numbers stay integers on the way through the catalog's protobuf Struct: a
+    # strictly typed client reads "maximum": 100, not 100.0.
+    bound = tools["count"].input_schema["properties"]["to"]
+    assert (type(bound["minimum"]), type(bound["maximum"])) == (int, int)
     assert measure.output_schema is not None
     assert set(measure.output_schema["properties"]) == {"x", "y"}
     assert measure.annotations == types.ToolAnnotations(
@@ -46,13 +50,14 @@ async def test_tools_list_carries_schemas_and_annotations(mcp_server: McpUnderTe
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_call_reports_steps_and_deltas_as_monotonic_progress(
-        mcp_server: McpUnderTest, mode: str) -> None:
+        eager_mcp_server: McpUnderTest, mode: str) -> None:
+    # Every event of a short call, from its start: mcp_progress_after_seconds = 0.
     seen: list[tuple[float, str | None]] = []
 
     async def progress(value: float, total: float | None, message: str | None) -> None:
         seen.append((value, message))
 
-    async with mcp_server.client(mode=mode) as client:
+    async with eager_mcp_server.client(mode=mode) as client:
         result = await client.call_tool("count", {"to": 3}, progress_callback=progress)
 
     assert not result.is_error
@@ -66,13 +71,13 @@ async def test_call_reports_steps_and_deltas_as_monotonic_progress(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_without_a_progress_token_events_arrive_as_log_messages(
-        mcp_server: McpUnderTest, mode: str) -> None:
+        eager_mcp_server: McpUnderTest, mode: str) -> None:
     logged: list[types.LoggingMessageNotificationParams] = []
 
     async def on_log(params: types.LoggingMessageNotificationParams) -> None:
         logged.append(params)
 
-    async with mcp_server.client(mode=mode, logging_callback=on_log,
+    async with eager_mcp_server.client(mode=mode, logging_callback=on_log,
                                  log_level="info") as client:
         result = await client.call_tool("count", {"to": 2})
 

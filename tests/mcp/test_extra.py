@@ -9,20 +9,23 @@ import ast
 import asyncio
 import importlib.metadata
 import json
-import os
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from packaging.requirements import Requirement
 
+import stargrpc.mcp
 from stargrpc.cli import main
 from stargrpc.errors import MissingExtra
-from stargrpc.mcp import require_mcp
+from stargrpc.mcp import MCP_REQUIREMENT, require_mcp
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from tests.mcp.conftest import McpUnderTest
+from tests.mcp.venvs import run_command
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "stargrpc"
@@ -96,6 +99,35 @@ def test_each_mcp_feature_names_the_extra_when_it_is_missing(
     assert "pip install 'stargrpc[mcp]'" in result.output
 
 
+def _pyproject_mcp_extra() -> list[str]:
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["mcp"])
+
+
+def test_the_requirement_named_is_the_mcp_extra_s() -> None:
+    # From the installed distribution's metadata: pyproject.toml says it once.
+    assert Requirement(MCP_REQUIREMENT) in [Requirement(line) for line in _pyproject_mcp_extra()]
+    assert importlib.metadata.requires("stargrpc") is not None
+
+
+def test_the_requirement_is_read_from_the_mcp_extra_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pick = stargrpc.mcp._extra_requirement
+    lines = ["grpcio>=1.60", "mcp>=2.0; extra == 'dev'", "not a requirement ;;",
+             "MCP>=2.9; python_version >= '3.8' and extra == 'mcp'", "mcp>=3; extra == 'mcp'"]
+    found = pick(lines)
+    assert found is not None and str(found.specifier) == ">=2.9"
+    assert pick(["mcp>=2.0", "mcp>=2.0; extra == 'test'", "httpx; extra == 'mcp'"]) is None
+    # Run from a source tree that is not installed: its pyproject.toml says.
+
+    def not_installed(name: str) -> list[str]:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    declared = stargrpc.mcp._declared_requirement()
+    assert declared in [Requirement(line) for line in _pyproject_mcp_extra()]
+
+
 SDK_CALL = textwrap.dedent('''
     import importlib.metadata, subprocess, sys
     from stargrpc.client import Client
@@ -160,24 +192,25 @@ LANGCHAIN_CALLS = textwrap.dedent('''
 
 @pytest.mark.timeout(900)  # a fresh venv and an install (from the pip cache): about a minute
 async def test_the_sdk_and_langchain_mcp_adapters_beside_mcp_1(
-        mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
+        eager_mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
         tmp_path: Path) -> None:
+    mcp_server = eager_mcp_server  # every step of the short count (progress threshold 0)
     # Runs wherever the suite runs, CI included: it is the promise an agent app relies on.
     name, _, cancelled = gate
     venv = tmp_path / "agent-app"
-    await _run(tmp_path, sys.executable, "-m", "venv", str(venv))
+    await run_command(tmp_path, sys.executable, "-m", "venv", str(venv))
     python, command = venv / "bin" / "python", venv / "bin" / "stargrpc"
     # No extra: what an agent app that also uses langchain-mcp-adapters 0.3 installs.
     # (--no-compile: the modules the app imports compile as they are imported.)
-    await _run(tmp_path, str(python), "-m", "pip", "install", "-q", "--no-compile", str(REPO),
-               "mcp<2", f"langchain-mcp-adapters=={LANGCHAIN_MCP_ADAPTERS}")
-    out = await _run(tmp_path, str(python), "-c", SDK_CALL, mcp_server.auth.target,
-                     str(command), mcp_server.auth.key)
+    await run_command(tmp_path, str(python), "-m", "pip", "install", "-q", "--no-compile",
+                      str(REPO), "mcp<2", f"langchain-mcp-adapters=={LANGCHAIN_MCP_ADAPTERS}")
+    out = await run_command(tmp_path, str(python), "-c", SDK_CALL, mcp_server.auth.target,
+                            str(command), mcp_server.auth.key)
     assert "OUTPUT:beside mcp 1" in out
     assert "STDIO:1:" in out and "pip install 'stargrpc[mcp]'" in out, out
     # The same app's LangChain agent reaches the same server's MCP endpoint.
-    out = await _run(tmp_path, str(python), "-c", LANGCHAIN_CALLS, mcp_server.url,
-                     mcp_server.auth.key, name)
+    out = await run_command(tmp_path, str(python), "-c", LANGCHAIN_CALLS, mcp_server.url,
+                            mcp_server.auth.key, name)
     seen = json.loads(out.split("LANGCHAIN:", 1)[1])
     assert {"echo", "count", "wait_at_gate"} <= set(seen["tools"])
     assert "counted to 3" in json.dumps(seen["count"])
@@ -186,16 +219,3 @@ async def test_the_sdk_and_langchain_mcp_adapters_beside_mcp_1(
     assert seen["cancelled"] == "cancelled"
     await asyncio.wait_for(cancelled.wait(), 10)  # the run stopped with the call
     assert "401" in seen["bad_key"] or "nauthorized" in seen["bad_key"], seen["bad_key"]
-
-
-async def _run(cwd: Path, *argv: str) -> str:
-    """Runs ``argv`` in ``cwd`` (not the repository: there ``import stargrpc`` would find
-    the source instead of what the venv installed)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-        cwd=cwd)
-    out, _ = await process.communicate()
-    text = out.decode(errors="replace")
-    assert process.returncode == 0, f"{argv[:4]} failed ({process.returncode}):\n{text[-4000:]}"
-    return text

@@ -36,6 +36,23 @@ def test_the_commands_offer_the_flags() -> None:
     assert "--target" in stdio and "--api-key" in stdio
 
 
+def test_the_progress_threshold_is_bounded_from_the_environment_and_the_flag(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings.load().mcp_progress_after_seconds == 0.5
+    monkeypatch.setenv("STARGRPC_MCP_PROGRESS_AFTER_SECONDS", "0")
+    assert Settings.load().mcp_progress_after_seconds == 0
+    for bad in ("-0.1", "3600.5", "soon", "nan", "1e400"):
+        monkeypatch.setenv("STARGRPC_MCP_PROGRESS_AFTER_SECONDS", bad)
+        with pytest.raises(ValidationError, match="mcp_progress_after_seconds"):
+            Settings.load()
+    monkeypatch.delenv("STARGRPC_MCP_PROGRESS_AFTER_SECONDS")
+    runner = CliRunner()
+    for bad in ("-1", "3601", "soon", ""):
+        refused = runner.invoke(main, ["mcp-stdio", "--target", "127.0.0.1:9",
+                                       "--progress-after-seconds", bad])
+        assert refused.exit_code == 2 and "--progress-after-seconds" in refused.output
+
+
 async def test_a_taken_mcp_port_fails_start_up_and_leaves_nothing_running(
         make_server: ServerFactory) -> None:
     server = await make_server()

@@ -31,14 +31,16 @@ def fastmcp_client(server: McpUnderTest, key: str | None = "", mode: str = "auto
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_list_call_progress_and_tool_errors(mcp_server: McpUnderTest,
+async def test_list_call_progress_and_tool_errors(eager_mcp_server: McpUnderTest,
                                                   mode: str) -> None:
     seen: list[tuple[float, str | None]] = []
 
     async def progress(value: float, total: float | None, message: str | None) -> None:
         seen.append((value, message))
 
-    async with fastmcp_client(mcp_server, mode=mode, progress_handler=progress) as client:
+    # Every step of the short count: progress from a call's start (threshold 0).
+    async with fastmcp_client(eager_mcp_server, mode=mode,
+                              progress_handler=progress) as client:
         names = {tool.name for tool in await client.list_tools()}
         assert {"echo", "count", "wait_at_gate", "measure"} <= names
         counted = await client.call_tool("count", {"to": 3})

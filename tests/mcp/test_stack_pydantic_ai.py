@@ -61,7 +61,8 @@ async def run(server: McpUnderTest, script: Script, **options: Any) -> str:
 
 
 async def test_the_model_is_offered_the_tools_and_shown_their_output(
-        mcp_server: McpUnderTest) -> None:
+        eager_mcp_server: McpUnderTest) -> None:
+    mcp_server = eager_mcp_server  # every step of the short count (progress threshold 0)
     progress: list[str | None] = []
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:

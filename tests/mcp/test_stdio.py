@@ -19,11 +19,14 @@ from tests.mcp.mcp_tools import long_text
 from tests.mcp.task_helpers import legacy_task, send, until_status
 
 
-def bridge_command(mcp_server: McpUnderTest, key: str | None) -> StdioServerParameters:
-    """``python -m stargrpc.cli mcp-stdio --target …`` with the key in STARGRPC_API_KEY."""
+def bridge_command(mcp_server: McpUnderTest, key: str | None, **settings: str
+                   ) -> StdioServerParameters:
+    """``python -m stargrpc.cli mcp-stdio --target …`` with the key in STARGRPC_API_KEY
+    (and ``settings`` as STARGRPC_ variables)."""
     env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
     if key:
         env["STARGRPC_API_KEY"] = key
+    env.update({f"STARGRPC_{name.upper()}": value for name, value in settings.items()})
     return StdioServerParameters(
         command=sys.executable,
         args=["-m", "stargrpc.cli", "mcp-stdio", "--target", mcp_server.auth.target],
@@ -37,7 +40,9 @@ async def test_list_call_with_progress_and_denial_over_stdio(mcp_server: McpUnde
         seen.append((value, message))
 
     viewer = mcp_server.auth.add_key("viewer")
-    async with Client(bridge_command(mcp_server, viewer), read_timeout_seconds=30) as client:
+    # Every step of the short count: progress from a call's start.
+    async with Client(bridge_command(mcp_server, viewer, mcp_progress_after_seconds="0"),
+                      read_timeout_seconds=30) as client:
         names = {tool.name for tool in (await client.list_tools()).tools}
         counted = await client.call_tool("count", {"to": 2}, progress_callback=progress)
         refused = await client.call_tool("ops_only", {})

@@ -1,6 +1,6 @@
 """Sessions in a fleet: two replicas on the real Redis; a call reaching the replica that
-does not hold its session is forwarded to the one that does, with the caller's own
-credentials; the holder gone, SESSION_LOST."""
+does not hold its session is forwarded to the one that does, vouched for with the fleet's
+secret; the holder gone, SESSION_LOST."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from tests.helpers import as_dict, key_channel, run_tool
 from tests.sessions.conftest import REDIS_URL
 from tests.sessions.session_helpers import create, python, reason
 
+FLEET_SECRET = "f" * 16 + "the fleet's test secret"
+
 
 @pytest.fixture
 async def fleet(make_server, redis_prefix, tmp_path):
@@ -24,7 +26,7 @@ async def fleet(make_server, redis_prefix, tmp_path):
         return await make_server(insecure_no_auth=False, keys_file=keys_file,
                                  redis_url=REDIS_URL, redis_key_prefix=redis_prefix,
                                  session_advertise_address="127.0.0.1:0",
-                                 sandbox_max_processes=32)
+                                 fleet_secret=FLEET_SECRET, sandbox_max_processes=32)
 
     return await replica(), await replica(), keys
 

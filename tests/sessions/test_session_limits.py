@@ -174,7 +174,10 @@ async def test_a_cancelled_call_that_will_not_stop_is_cancelled_and_closes_its_s
             if response.event.step.delta == "started\n":
                 await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=started.run_id))
         assert seen[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
-        await eventually(lambda: _gone(stub, session_id))
+        # The interpreter is interrupted, given its grace, then killed and its sandbox taken
+        # down: seconds on a busy machine.
+        await eventually(lambda: _gone(stub, session_id), within=30, interval=0.05,
+                         what="the stubborn session closed")
         # A call that does stop when cancelled leaves its session alive.
         kept = await create(stub)
         started = await stub.StartRun(tool_service_pb2.StartRunRequest(

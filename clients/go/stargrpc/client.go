@@ -463,13 +463,15 @@ func resumable(err error) bool {
 	return false
 }
 
-// retryable: refusals before a run starts that say to try again.
+// retryable: refusals before a run starts that say to try again. LANE_BUSY is not one:
+// the caller's own MaxWaitSeconds refused the wait its RetryInfo estimates.
 func retryable(err error) bool {
 	e, ok := err.(*Error)
 	if !ok {
 		return false
 	}
-	return e.Code == codes.Unavailable || (e.Code == codes.ResourceExhausted && e.HasRetryDelay)
+	return e.Code == codes.Unavailable || (e.Code == codes.ResourceExhausted && e.HasRetryDelay &&
+		e.Reason != pb.ErrorReason_LANE_BUSY)
 }
 
 // retry runs a unary call with the retry policy.

@@ -133,3 +133,18 @@ func TestResumableLeavesTheCallersOwnEndsAlone(t *testing.T) {
 		t.Error("the caller's cancellation is not a cut")
 	}
 }
+
+func TestLaneBusyIsNotRetriedButLaneFullIs(t *testing.T) {
+	refusal := func(reason string) error {
+		st, _ := status.New(codes.ResourceExhausted, "lane").WithDetails(
+			&errdetails.ErrorInfo{Reason: reason},
+			&errdetails.RetryInfo{RetryDelay: &duration.Duration{Seconds: 2}})
+		return FromError(st.Err())
+	}
+	if retryable(refusal("LANE_BUSY")) {
+		t.Errorf("LANE_BUSY retried: the caller's max wait refused that wait")
+	}
+	if !retryable(refusal("LANE_FULL")) {
+		t.Errorf("LANE_FULL with RetryInfo not retried")
+	}
+}

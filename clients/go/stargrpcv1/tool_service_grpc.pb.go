@@ -80,6 +80,10 @@ type ToolServiceClient interface {
 	// caller's: NOT_FOUND, reason SESSION_NOT_FOUND.
 	CloseSession(ctx context.Context, in *CloseSessionRequest, opts ...grpc.CallOption) (*CloseSessionResponse, error)
 	// The caller's open sessions, oldest first, with the running totals of what each used.
+	// In a fleet, every replica's: the one reached asks the others holding the caller's
+	// sessions for them (a replica that cannot be reached leaves its sessions out: calls in
+	// them would be refused SESSION_LOST). The fleet's Redis not answering in time is
+	// UNAVAILABLE with RetryInfo, never a partial list.
 	ListSessions(ctx context.Context, in *ListSessionsRequest, opts ...grpc.CallOption) (*ListSessionsResponse, error)
 }
 
@@ -335,6 +339,10 @@ type ToolServiceServer interface {
 	// caller's: NOT_FOUND, reason SESSION_NOT_FOUND.
 	CloseSession(context.Context, *CloseSessionRequest) (*CloseSessionResponse, error)
 	// The caller's open sessions, oldest first, with the running totals of what each used.
+	// In a fleet, every replica's: the one reached asks the others holding the caller's
+	// sessions for them (a replica that cannot be reached leaves its sessions out: calls in
+	// them would be refused SESSION_LOST). The fleet's Redis not answering in time is
+	// UNAVAILABLE with RetryInfo, never a partial list.
 	ListSessions(context.Context, *ListSessionsRequest) (*ListSessionsResponse, error)
 	mustEmbedUnimplementedToolServiceServer()
 }

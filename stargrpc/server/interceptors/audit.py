@@ -249,6 +249,14 @@ class AuditInterceptor(ComposedInterceptor):
             # The idempotency key was already held: this call attached to (or replayed) the
             # run that holds it instead of running the tool again.
             record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
+        # A call for a session another replica holds: which replica sent it here, or which
+        # one this replica forwarded it to.
+        forwarded_from, forwarded_to = (record.extra.get("forwarded_from"),
+                                        record.extra.get("forwarded_to"))
+        if forwarded_from or forwarded_to:
+            record.detail = "; ".join(filter(None, (
+                record.detail, forwarded_from and f"forwarded from replica {forwarded_from}",
+                forwarded_to and f"forwarded to replica {forwarded_to}")))
         return self._write(call)
 
     def _write_unwritten(self, call: _AuditedCall) -> None:

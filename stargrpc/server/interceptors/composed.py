@@ -66,8 +66,10 @@ class AuthStage(Protocol):
     def is_open(self, method: str) -> bool:
         """Whether calls of ``method`` need no credentials."""
 
-    def authenticate_now(self, context: grpc.aio.ServicerContext, method: str) -> Any:
-        """Sets the call's principal, or raises a RequestError (UNAUTHENTICATED)."""
+    def authenticate_now(self, context: grpc.aio.ServicerContext, method: str,
+                         request: Any = None) -> Any:
+        """Sets the call's principal, or raises a RequestError (UNAUTHENTICATED); ``request``
+        is the call's request message (a forwarded call's assertion is bound to it)."""
 
 
 class CriticStage(Protocol):
@@ -157,7 +159,7 @@ class ComposedInterceptor(grpc.aio.ServerInterceptor):
 
             def authenticated_and_supervised(request: Any,
                                              context: grpc.aio.ServicerContext) -> Any:
-                authenticate_now(context, method)
+                authenticate_now(context, method, request)
                 return supervised(request, context)
 
             return authenticated_and_supervised
@@ -165,7 +167,7 @@ class ComposedInterceptor(grpc.aio.ServerInterceptor):
             authenticate_only = auth.authenticate_now
 
             def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                authenticate_only(context, method)
+                authenticate_only(context, method, request)
                 return request
 
             return authenticated

@@ -18,7 +18,6 @@ seconds while at least one waits (a decision taken on this replica wakes its run
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import structlog
@@ -32,6 +31,7 @@ from stargrpc.stores.approvals import (
     id_hash,
     wait_set,
 )
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.errors import reachable
 from stargrpc.stores.redis.scripts import NOW_MS
 
@@ -173,10 +173,7 @@ class RedisApprovalStore:
 
     async def aclose(self) -> None:
         task, self._poller = self._poller, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_background(task, "approval-poller")
 
 
 def _text(value: bytes | str) -> str:

@@ -13,6 +13,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import SLOT_MOVING
 from stargrpc.stores.redis.index import RunIndex
@@ -90,9 +91,7 @@ class Flusher:
     async def stop(self) -> None:
         """Stops writing (what is pending stays pending)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_background(task, "flush")
         if self._linger is not None:
             self._linger.cancel()
 
@@ -240,6 +239,8 @@ class Flusher:
         if run_log.parent_run_id:  # a run below a root (ListRuns, a child's parent lookup)
             summary.update(parent=run_log.parent_run_id, root=run_log.root_run_id,
                            depth=run_log.depth)
+        if run_log.lane:  # ListRuns shows (and filters on) every run's lane
+            summary.update(lane=run_log.lane, priority=run_log.priority)
         args.extend((json.dumps(summary), batch[0][0]))
         args.extend(data for _, data, _ in batch)
         return shared.with_claim(shared.run_keys(run_log.run_id), run_log.claim_key), args

@@ -199,7 +199,9 @@ class RunIndex:
                           current_step="" if finished else str(written.get("step", "")),
                           parent_run_id=str(written.get("parent", "")),
                           root_run_id=str(written.get("root", "")),
-                          depth=int(written.get("depth", 0)))
+                          depth=int(written.get("depth", 0)),
+                          lane=str(written.get("lane", "")),
+                          priority=int(written.get("priority", 0)))
 
 
 def tree_of(meta: dict[bytes, bytes]) -> tuple[str, str, int] | None:

@@ -19,6 +19,7 @@ from redis.exceptions import ClusterError, RedisError, ResponseError
 
 from stargrpc import metrics
 from stargrpc.errors import RequestError
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.errors import as_redis_error
 from stargrpc.stores.redis.logs import RedisRunLog
 from stargrpc.stores.redis.shared import Shared
@@ -223,11 +224,6 @@ class Leases:
             log.warning("steer_not_handed_over", run_id=run_id, error=str(exc))
 
 
-#: How often :meth:`Sweep.stop` sends its cancellation, and how long it waits after each.
-STOP_ATTEMPTS = 20
-STOP_WAIT_SECONDS = 0.5
-
-
 class Sweep:
     """The sweep for lost runs: every replica looks at the runs of ``runs:running`` that
     are due, about every ``interval`` seconds (jittered), whether or not it runs anything.
@@ -278,20 +274,7 @@ class Sweep:
     async def stop(self) -> None:
         """Stops sweeping."""
         task, self._task = self._task, None
-        if task is None:
-            return
-        # Some redis-py releases (8.0.x) swallow a cancellation that lands while they
-        # reconnect: the loop then sees the task gone from under it at its next turn, and
-        # the cancellation is sent again until the task has ended (bounded).
-        for _ in range(STOP_ATTEMPTS):
-            task.cancel()
-            await asyncio.wait({task}, timeout=STOP_WAIT_SECONDS)
-            if task.done():
-                break
-        else:
-            log.warning("redis_sweep_not_stopped", attempts=STOP_ATTEMPTS)
-        if task.done() and not task.cancelled():
-            task.exception()  # retrieved: an error of the last sweep is not "never retrieved"
+        await stop_background(task, "sweep")
 
     async def _loop(self) -> None:
         # Jittered, so that replicas started together do not sweep in step; never past the

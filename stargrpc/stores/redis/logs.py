@@ -188,6 +188,8 @@ class RemoteRunLog:
     parent_run_id = ""
     root_run_id = ""
     depth = 0
+    lane = ""
+    priority = 0
 
     def __init__(self, lookup: RunLookup, run_id: str, owner: str, tool: str,
                  finished: bool, last_seq: int) -> None:

@@ -16,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from stargrpc.errors import ResourceExhausted, reason_name
 from stargrpc.ids import minted_ms
 from stargrpc.settings import LaneConfig, Settings
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.base import (
     CancelHandler,
     Claim,
@@ -408,9 +409,7 @@ class RedisRunStore:
     async def stop_renewing(self) -> None:
         """Stops renewing the leases of this replica's runs (and undoing abandoned claims)."""
         task, self._renewer = self._renewer, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_background(task, "lease-renewal")
 
     async def _renew_loop(self) -> None:
         interval = min(1.0, self.shared.lease_ms / 3000)

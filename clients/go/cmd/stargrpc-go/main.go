@@ -3,7 +3,7 @@
 // and change run state (admin role).
 //
 //	stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] tools
-//	stargrpc-go call [-session ID] TOOL [ARGS_JSON]
+//	stargrpc-go call [-session ID] [-lane NAME] [-priority N] [-max-wait SECONDS] TOOL [ARGS_JSON]
 //	stargrpc-go watch [-after-seq N] RUN_ID
 //	stargrpc-go cancel [-reason TEXT] RUN_ID
 //	stargrpc-go steer RUN_ID MESSAGE
@@ -20,7 +20,8 @@
 // ended. `session create` prints the new session's id. `state` works as `stargrpc state`:
 // get prints the value's JSON, get and delete exit 3 when the key is absent, list prints a
 // key a line (KEY<TAB>JSON with -values) and where the next page starts on stderr. A
-// refusal prints the status, its reason and each field violation, and exits 1.
+// refusal prints the status, its reason, each field violation and the server's retry
+// delay (a LANE_BUSY refusal's estimated wait), and exits 1.
 package main
 
 import (
@@ -30,6 +31,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"strings"
@@ -44,8 +46,9 @@ import (
 
 const usage = `usage: stargrpc-go [-target HOST:PORT] [-api-key KEY] [-json] COMMAND
   tools                          the catalog
-  call [-session ID] TOOL [ARGS_JSON]
-                                 run a tool (in a session), print its events
+  call [-session ID] [-lane NAME] [-priority N] [-max-wait SECONDS] TOOL [ARGS_JSON]
+                                 run a tool (in a session), print its events; a call
+                                 that waits in its lane's queue shows a QUEUED notice
   watch [-after-seq N] RUN_ID    replay a run after a seq, then follow it
   cancel [-reason TEXT] RUN_ID   stop a run
   steer RUN_ID MESSAGE           send a running tool a message
@@ -102,6 +105,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	digest := sub.String("arguments-digest", "", "approve, deny: the arguments' sha256 shown")
 	parentRunID := sub.String("parent-run-id", "", "call: hang the run under this run of yours")
 	sessionID := sub.String("session", "", "call: run in this session of yours")
+	lane := sub.String("lane", "", "call: run in this lane (needs the server's lane_override_role)")
+	priority := sub.Int("priority", 0, "call: priority in the lane's queue (0: the default)")
+	maxWait := sub.Float64("max-wait", 0, "call: refuse (LANE_BUSY) rather than wait longer (seconds; 0 waits)")
 	scope := sub.String("scope", "", "state: run, tree, principal or global")
 	runID := sub.String("run", "", "state: the run (scope run) or the tree's root run (scope tree)")
 	principal := sub.String("principal", "", "state: the principal's id (scope principal)")
@@ -134,7 +140,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	case command == "call" && (len(params) == 1 || len(params) == 2):
-		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID, SessionID: *sessionID}
+		if *priority < math.MinInt32 || *priority > math.MaxInt32 {
+			fmt.Fprintln(stderr, "call: -priority is out of range")
+			return 2
+		}
+		call := stargrpc.Call{Tool: params[0], ParentRunID: *parentRunID, SessionID: *sessionID,
+			Lane: *lane, Priority: int32(*priority), MaxWaitSeconds: *maxWait}
 		if len(params) == 2 {
 			call.ArgumentsJSON = params[1]
 		}
@@ -351,6 +362,10 @@ func exitUsage(err error) int {
 
 func fail(stderr io.Writer, err error) int {
 	fmt.Fprintln(stderr, err)
+	var refusal *stargrpc.Error
+	if errors.As(err, &refusal) && refusal.HasRetryDelay {
+		fmt.Fprintf(stderr, "  retry after %gs\n", refusal.RetryDelay.Seconds())
+	}
 	return 1
 }
 
