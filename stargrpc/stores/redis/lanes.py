@@ -68,6 +68,7 @@ from stargrpc.runs.lanes import (
     lane_full,
 )
 from stargrpc.settings import LaneConfig
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis.errors import reachable
 from stargrpc.stores.redis.scripts import NOW_MS
 from stargrpc.stores.redis.shared import Shared
@@ -690,9 +691,7 @@ class RedisLanes:
     async def aclose(self) -> None:
         """Stops looking (the leases of what this replica held then lapse)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_background(task, "lanes")
         reserves, self._reserves = self._reserves, {}
         giving = [(lane, reserve.unused) for lane, reserve in reserves.items() if reserve.unused]
         if giving:  # best effort: what is not given back lapses with its lease
