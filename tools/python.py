@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
 from stargrpc.sandbox.warm import PYTHON_ENV, PYTHON_FLAGS
-from stargrpc.sessions import run_in_session
+from stargrpc.sessions.tooling import run_in_session
 
 
 class PythonArgs(BaseModel):

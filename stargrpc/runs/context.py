@@ -31,7 +31,7 @@ from stargrpc.stores.memory import MemoryStateStore
 
 if TYPE_CHECKING:
     from stargrpc.registry import ToolSpec
-    from stargrpc.sessions.session import SessionHandle
+    from stargrpc.runs.session_handle import RunSession
 
 
 @dataclass(frozen=True)
@@ -260,11 +260,11 @@ class ToolContext:
         self._logger = None
 
     @property
-    def session(self) -> SessionHandle | None:
+    def session(self) -> RunSession | None:
         """The session the run was called in (``ExecuteRequest.session_id``): its
         ``session_id``, ``kind`` and ``folder`` (the session's folder on the server's host,
         where its files persist between calls); None for a run outside a session."""
-        session: SessionHandle | None = getattr(self._run, "session", None)
+        session: RunSession | None = getattr(self._run, "session", None)
         return session
 
     @property

@@ -55,7 +55,7 @@ from stargrpc.stores.base import RunLog, StateStore, run_finished_error
 from stargrpc.v1 import errors_pb2, events_pb2
 
 if TYPE_CHECKING:
-    from stargrpc.sessions.session import SessionHandle
+    from stargrpc.runs.session_handle import RunSession
 
 log = structlog.get_logger("stargrpc.run")
 
@@ -258,7 +258,7 @@ class Run:
     _tree: CallTree | None = None
     _children: list[Run] | None = None
     #: The session the run runs in (``ctx.session``; the sessions seam), or None.
-    session: SessionHandle | None = None
+    session: RunSession | None = None
     _step_counter = 0
     _emitted = 0
     _output_tail_size = 0

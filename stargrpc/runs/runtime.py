@@ -85,7 +85,7 @@ from stargrpc.stores.memory import MemoryRunStore, MemoryStateStore
 from stargrpc.v1 import errors_pb2, events_pb2
 
 if TYPE_CHECKING:
-    from stargrpc.sessions.session import SessionHandle
+    from stargrpc.runs.session_handle import RunSession
 
 log = structlog.get_logger("stargrpc.runtime")
 
@@ -119,7 +119,7 @@ class RunRequest:
     parent: Run | None = None
     #: The session the run runs in (``ctx.session``), found for the caller by the entry
     #: point (:meth:`stargrpc.sessions.Sessions.for_call`), or None.
-    session: SessionHandle | None = None
+    session: RunSession | None = None
     #: The lane to run in instead of the tool's (needs ``lane_override_role``).
     lane: str = ""
     #: Refuse (LANE_BUSY) when the estimated wait in the lane is longer; 0: wait.

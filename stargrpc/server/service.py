@@ -48,9 +48,10 @@ from stargrpc.server.streaming import (
     event_responses,
     serialize_response,
 )
-from stargrpc.sessions import Session, Sessions
 from stargrpc.sessions.forwarding import SessionForwarder, is_forwarded
 from stargrpc.sessions.listing import fleet_sessions
+from stargrpc.sessions.registry import Sessions
+from stargrpc.sessions.session import Session
 from stargrpc.settings import Settings
 from stargrpc.stores.approvals import ApprovalRecord
 from stargrpc.stores.base import (

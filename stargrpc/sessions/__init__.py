@@ -12,12 +12,8 @@
 - :mod:`stargrpc.sessions.forwarding` — in a fleet: which replica holds a session (Redis),
   and calls for it forwarded there.
 - :mod:`stargrpc.sessions.listing` — ListSessions answered for the whole fleet.
+
+The package itself imports none of them: a run names its session's type (``stargrpc.runs``
+imports :mod:`.session`), and the registry reaches back into ``stargrpc.runs`` (a forwarded
+call's record), so a package that gathered both would close an import loop.
 """
-
-from __future__ import annotations
-
-from stargrpc.sessions.registry import Sessions
-from stargrpc.sessions.session import Session, SessionHandle
-from stargrpc.sessions.tooling import run_in_session
-
-__all__ = ["Session", "SessionHandle", "Sessions", "run_in_session"]

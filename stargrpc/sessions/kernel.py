@@ -47,6 +47,8 @@ import traceback
 MAX_FRAME = 1 << 20
 #: Bytes of output read per frame.
 CHUNK = 16 * 1024
+#: Calls remembered as interrupted before they started.
+MAX_EARLY_INTERRUPTS = 64
 #: Longest JSON (or repr) of a final expression's value sent back.
 MAX_VALUE = 64 * 1024
 #: Output drained at a call's end at most, per stream (a writer that never stops).
@@ -70,6 +72,11 @@ class Kernel:
         self.calls: queue.Queue[dict] = queue.Queue()
         self.current = None  # the id of the call running now
         self.shell = None  # the shell of a shell call running now
+        # Calls interrupted before they started (their frame still queued: the interrupt
+        # came right behind it), never to run; and the lock that makes "started" and
+        # "interrupted before starting" exclusive.
+        self.interrupted = set()
+        self.interrupt_lock = threading.Lock()
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sweeps = os.environ.get("STARGRPC_SESSION_SWEEP") == "1"
         os.register_at_fork(after_in_child=self._forked)
@@ -121,8 +128,15 @@ class Kernel:
         os._exit(0)
 
     def _interrupt(self, call):
-        if call is None or call != self.current:
+        if call is None:
             return
+        with self.interrupt_lock:
+            if call != self.current:
+                # Not started yet (or ended): a queued call is skipped when its turn comes.
+                # Bounded: an interrupt for a call that ended is never looked up again.
+                if len(self.interrupted) < MAX_EARLY_INTERRUPTS:
+                    self.interrupted.add(call)
+                return
         shell = self.shell
         if shell is not None:
             _kill_group(shell.pid)
@@ -178,8 +192,13 @@ class Kernel:
         while True:
             frame = self.calls.get()
             call = frame.get("call")
-            self.current = call
+            with self.interrupt_lock:
+                self.current = call
+                early = call in self.interrupted
+                self.interrupted.discard(call)
             try:
+                if early:
+                    raise KeyboardInterrupt
                 if frame.get("t") == "python":
                     done = self.run_python(str(frame.get("code", "")))
                 else:

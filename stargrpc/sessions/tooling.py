@@ -29,6 +29,7 @@ import asyncio
 from typing import Any
 
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
+from stargrpc.runs.session_handle import RunSession
 from stargrpc.sessions.session import CallEnd, SessionError, SessionHandle
 
 
@@ -36,7 +37,7 @@ class _CallFailed(Exception):
     """Raised inside the step so it ends with status ERROR; never leaves this module."""
 
 
-async def run_in_session(ctx: ToolContext, handle: SessionHandle, frame: dict[str, Any], *,
+async def run_in_session(ctx: ToolContext, handle: RunSession, frame: dict[str, Any], *,
                          title: str) -> ToolResult:
     """Runs one call (``frame``) in the session of ``handle`` and reports it.
 
@@ -48,7 +49,10 @@ async def run_in_session(ctx: ToolContext, handle: SessionHandle, frame: dict[st
 
     Raises:
         ToolFailed: The session was closed or lost during the call.
+        TypeError: ``handle`` is not a session's handle (:class:`SessionHandle`).
     """
+    if not isinstance(handle, SessionHandle):
+        raise TypeError(f"not a session's handle: {type(handle).__name__}")
     session = handle.session
     kept: dict[str, list[str]] = {"stdout": [], "stderr": []}
     end: CallEnd | None = None

@@ -162,8 +162,10 @@ async def test_a_cancelled_call_that_will_not_stop_is_cancelled_and_closes_its_s
     channel, stub = await serve(make_server)
     async with channel:
         session_id = await create(stub)
-        stubborn = ("import time\nprint('started', flush=True)\nwhile True:\n    try:\n"
-                    "        time.sleep(60)\n    except KeyboardInterrupt:\n        pass")
+        # Deaf to the interrupt from its first line on (a try around the sleep alone leaves
+        # the loop's own lines between two sleeps open to it).
+        stubborn = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                    "print('started', flush=True)\nwhile True:\n    time.sleep(60)")
         started = await stub.StartRun(tool_service_pb2.StartRunRequest(
             tool_name="python", arguments_json=json.dumps({"code": stubborn}),
             session_id=session_id))

@@ -376,3 +376,22 @@ async def test_files_left_in_the_output_folder_come_back_once(stub) -> None:
     assert "sneaky: not a plain file" in notices[0].message
     kept = await python(stub, session_id, "open('kept.txt').read()")
     assert as_dict(kept)["structured_output"] == "stays"
+
+
+async def test_a_call_cancelled_as_soon_as_it_is_sent_leaves_its_session_serving(stub) -> None:
+    # The interrupt can reach the kernel right behind the call's frame, before the kernel
+    # has taken the call up: the call must then never run, and the session live on (an
+    # interrupt dropped for a call "not yet current" let it run on, past the grace, and the
+    # session was closed as one whose interpreter will not stop).
+    session_id = await create(stub)
+    for round_ in range(5):
+        started = await stub.StartRun(tool_service_pb2.StartRunRequest(
+            tool_name="python", session_id=session_id,
+            arguments_json=json.dumps({"code": f"import time\nround_ = {round_}\n"
+                                               "time.sleep(30)"})))
+        await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=started.run_id))
+        events = [r.event async for r in stub.WatchRun(
+            tool_service_pb2.WatchRunRequest(run_id=started.run_id))]
+        assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED, events[-1].result
+        result = await python(stub, session_id, "'free'")
+        assert as_dict(result).get("structured_output") == "free", result
