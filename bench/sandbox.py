@@ -128,8 +128,11 @@ def servers(pool: str | None, base: Path | None = None) -> Iterator[dict[str, Se
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as tmp:
         try:
             for name, size, tree in plan:
+                # The server's tree first on the path (the caller's may name this one).
+                path = os.pathsep.join(filter(None, [str(tree),
+                                                     os.environ.get("PYTHONPATH", "")]))
                 env = {**os.environ, "STARGRPC_STATE_DIR": f"{tmp}/{name}",
-                       "STARGRPC_LOG_LEVEL": "error", "PYTHONPATH": str(tree)}
+                       "STARGRPC_LOG_LEVEL": "error", "PYTHONPATH": path}
                 env.pop("STARGRPC_SANDBOX_WARM_POOL", None)
                 env.pop("STARGRPC_SANDBOX_STATE_SCOPES", None)  # the default: run, tree
                 if size is not None:
