@@ -39,7 +39,7 @@ from stargrpc.sandbox.warm import (
 from stargrpc.settings import MiB, Settings
 from stargrpc.stores.memory import MemoryStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.helpers import as_dict, run_tool
+from tests.helpers import as_dict, eventually, run_tool
 
 SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
                max_processes=32, wall_clock_seconds=20, output_bytes=64 * 1024)
@@ -151,6 +151,12 @@ def held(warm: WarmSandbox) -> dict[int, set[str]]:
             found[pid] = {f"{fd}={os.readlink(f'/proc/{pid}/fd/{fd}')}"
                           for fd in os.listdir(f"/proc/{pid}/fd")}
     return found
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process ``pid`` is stopped now (its state in /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()[0] == b"T"
 
 
 def present(path: Path) -> bool:
@@ -312,6 +318,9 @@ async def test_a_pooled_sandbox_touched_while_waiting_is_never_handed_out(
         folder.chmod(0o777)
     else:
         os.kill(touched.pid, signal.SIGSTOP)
+        # The stop lands once the process is next scheduled (later on a busy machine):
+        # what the test asks is a sandbox stopped while it waited, before a run came.
+        await eventually(lambda: stopped(touched.pid), what="the pooled sandbox stopped")
 
     result = await box(tmp_path).run(
         ["sh", "-c", "ls -A; ls -A out; cat .steer.jsonl; stat -c %a ."])
