@@ -26,6 +26,13 @@ leaderboard, April 2026); both with VM isolation.
 
     python -m bench.sandbox            # 60 calls per figure
     python -m bench.sandbox --smoke    # 6 calls per figure (the test that keeps it alive)
+    python -m bench.sandbox --base /tmp/main --turn 1   # A/B against another checkout
+
+``--base PATH`` starts a third server, with the warm pool, from another checkout of the
+project (``git worktree add --detach /tmp/main main``, or ``git archive main | tar -x``)
+with the same interpreter: its ``python`` and ``shell`` rows take their turns with this
+tree's, each call made once both warm pools are full, so a change to the hand-out is
+judged against its base in one run on one machine's load (``base`` rows).
 
 ``python -m bench`` runs :func:`measure` and puts its two targets in its table.
 Performance is judged from the printed figures, never by tests.
@@ -111,14 +118,21 @@ def _wait_listening(server: Server) -> None:
 
 
 @contextlib.contextmanager
-def servers(pool: str | None) -> Iterator[dict[str, Server]]:
-    """The warm and the cold server, stopped (SIGTERM, then SIGKILL) at the end."""
+def servers(pool: str | None, base: Path | None = None) -> Iterator[dict[str, Server]]:
+    """The warm and the cold server (and, given ``base``, a warm server run from that
+    checkout), stopped (SIGTERM, then SIGKILL) at the end."""
     started: dict[str, Server] = {}
+    plan = [("warm", pool, ROOT), ("cold", "0", ROOT)]
+    if base is not None:
+        plan.append(("base", pool, base))
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as tmp:
         try:
-            for name, size in (("warm", pool), ("cold", "0")):
+            for name, size, tree in plan:
+                # The server's tree first on the path (the caller's may name this one).
+                path = os.pathsep.join(filter(None, [str(tree),
+                                                     os.environ.get("PYTHONPATH", "")]))
                 env = {**os.environ, "STARGRPC_STATE_DIR": f"{tmp}/{name}",
-                       "STARGRPC_LOG_LEVEL": "error"}
+                       "STARGRPC_LOG_LEVEL": "error", "PYTHONPATH": path}
                 env.pop("STARGRPC_SANDBOX_WARM_POOL", None)
                 env.pop("STARGRPC_SANDBOX_STATE_SCOPES", None)  # the default: run, tree
                 if size is not None:
@@ -127,7 +141,7 @@ def servers(pool: str | None) -> Iterator[dict[str, Server]]:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "stargrpc.cli", "serve", "--port", str(port),
                      "--metrics-port", str(metrics_port), "--insecure-no-auth"],
-                    env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 started[name] = Server(name, process, port, metrics_port)
             for server in started.values():
                 _wait_listening(server)
@@ -157,9 +171,10 @@ async def _pool_full(server: Server, size: int) -> None:
 
 
 async def _turns(clients: dict[str, AsyncClient], lanes: list[tuple[str, str]], calls: int,
-                 think: float, before: Any) -> dict[tuple[str, str], list[float]]:
-    """Each lane (server, call) ``calls`` times, the lanes taking turns 10 calls at a time;
-    a few warm-up calls first. ``before()`` is awaited before each call."""
+                 think: float, before: Any, turn: int = 10
+                 ) -> dict[tuple[str, str], list[float]]:
+    """Each lane (server, call) ``calls`` times, the lanes taking turns ``turn`` calls at a
+    time; a few warm-up calls first. ``before()`` is awaited before each call."""
     took: dict[tuple[str, str], list[float]] = {lane: [] for lane in lanes}
 
     async def one(server: str, name: str) -> float:
@@ -178,19 +193,24 @@ async def _turns(clients: dict[str, AsyncClient], lanes: list[tuple[str, str]], 
             await asyncio.sleep(think)
     while any(len(values) < calls for values in took.values()):
         for lane in lanes:
-            for _ in range(min(10, calls - len(took[lane]))):
+            for _ in range(min(turn, calls - len(took[lane]))):
                 await asyncio.sleep(think)
                 took[lane].append(await one(*lane))
     return took
 
 
-def measure(calls: int = 60, think: float = THINK_SECONDS, pool: str | None = None
-            ) -> dict[str, Any]:
+def measure(calls: int = 60, think: float = THINK_SECONDS, pool: str | None = None,
+            base: Path | None = None, turn: int = 10) -> dict[str, Any]:
     """The figures: p50/p99 in ms per (server, call), and the warm server's hand-outs and
-    misses over the measured calls."""
+    misses over the measured calls (given ``base``, also the rows of a warm server run
+    from that checkout: see the module docstring)."""
     lanes = [("warm", "python"), ("cold", "python"), ("warm", "shell"), ("cold", "shell"),
              ("warm", "echo")]
-    with servers(pool) as running:
+    if base is not None:
+        lanes[1:1] = [("base", "python")]
+        lanes[4:4] = [("base", "shell")]
+        lanes.append(("base", "echo"))
+    with servers(pool, base) as running:
 
         async def run() -> dict[tuple[str, str], list[float]]:
             clients = {name: AsyncClient.connect(f"127.0.0.1:{server.port}")
@@ -199,10 +219,12 @@ def measure(calls: int = 60, think: float = THINK_SECONDS, pool: str | None = No
 
             async def before() -> None:
                 if size and not think:
-                    await _pool_full(running["warm"], size)
+                    for name in ("warm", "base"):
+                        if name in running:
+                            await _pool_full(running[name], size)
 
             try:
-                return await _turns(clients, lanes, calls, think, before)
+                return await _turns(clients, lanes, calls, think, before, turn)
             finally:
                 for client in clients.values():
                     await client.close()
@@ -223,7 +245,8 @@ def measure(calls: int = 60, think: float = THINK_SECONDS, pool: str | None = No
         figures[f"{server} {name}"] = {"p50_ms": statistics.median(values) * 1000,
                                        "p99_ms": cuts[98] * 1000, "calls": len(values)}
     return {"figures": figures, "pool": pooled, "think_seconds": think,
-            "targets_ms": TARGETS_MS, "peers_ms": PEERS_MS}
+            "targets_ms": TARGETS_MS, "peers_ms": PEERS_MS,
+            "base": str(base) if base is not None else None}
 
 
 def render(measured: dict[str, Any]) -> list[str]:
@@ -233,10 +256,15 @@ def render(measured: dict[str, Any]) -> list[str]:
     lines = ["| call (Python SDK, end to end) | p50, ms | p99, ms | p50 vs `echo` | target |",
              "|---|---:|---:|---:|---|"]
     for key, label in (("warm python", "`python` `print(1)`, warm pool"),
+                       ("base python", "`python` `print(1)`, warm pool, base"),
                        ("cold python", "`python` `print(1)`, cold (no pool)"),
                        ("warm shell", "`shell` `echo 1`, warm pool"),
+                       ("base shell", "`shell` `echo 1`, warm pool, base"),
                        ("cold shell", "`shell` `echo 1`, cold (no pool)"),
-                       ("warm echo", "`echo` (no sandbox)")):
+                       ("warm echo", "`echo` (no sandbox)"),
+                       ("base echo", "`echo` (no sandbox), base")):
+        if key not in figures:
+            continue
         figure = figures[key]
         target = ""
         tool = key.split()[1]
@@ -269,10 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", default=None,
                         help="The warm server's sandbox_warm_pool [default: 2 per core].")
     parser.add_argument("--smoke", action="store_true", help="6 calls per figure")
+    parser.add_argument("--turn", type=int, default=10,
+                        help="Calls a lane makes before the next takes its turn (1: the "
+                             "lanes alternate call by call, for an A/B on a noisy machine).")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="Another checkout of the project: its warm server's rows too.")
     args = parser.parse_args(argv)
+    if args.base is not None and not (args.base / "stargrpc" / "__init__.py").is_file():
+        parser.error(f"--base {args.base}: not a checkout of the project")
     calls = 6 if args.smoke else min(max(args.calls, 10), 5_000)
-    measured = measure(calls, max(args.think, 0.0), args.pool)
-    print(f"a sandboxed call, {calls} sequential calls per row")
+    base = args.base.resolve() if args.base is not None else None
+    measured = measure(calls, max(args.think, 0.0), args.pool, base, max(args.turn, 1))
+    print(f"a sandboxed call, {calls} sequential calls per row, {max(args.turn, 1)} at a "
+          "time"
+          + (f"; base: {base}" if base is not None else ""))
     print("\n".join(render(measured)))
     return 0
 

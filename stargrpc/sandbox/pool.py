@@ -8,8 +8,9 @@ ready one takes it (the oldest first), and with it is handed its state socket, t
 descriptor a pooled sandbox can be given (see :class:`~stargrpc.sandbox.warm.WarmKind`);
 it is never given to another run, and is destroyed when its run ends.
 The refill starts replacements in the background, one at a time, once the run that took
-one has ended its command (or a second after the hand-out at the latest), so that starting
-the next sandbox does not take CPU from the run it would serve.
+one has ended (its processes gone, its output read, its folder removed: its Result on its
+way) and a moment more, or a second after the hand-out at the latest, so that starting the
+next sandbox does not take CPU from the run it would serve.
 When none is ready (a burst emptied the pool, or it is still filling) the run starts its
 own sandbox on demand, as it would with no pool.
 
@@ -42,7 +43,7 @@ log = structlog.get_logger("stargrpc.sandbox")
 
 #: Longest wait between two attempts at starting a warm sandbox after failures.
 MAX_BACKOFF_SECONDS = 30.0
-#: After a hand-out, the refill waits for the run's command to end, then this long ...
+#: After a hand-out, the refill waits for the run to end, then this long ...
 REFILL_SETTLE_SECONDS = 0.02
 #: ... or this long at most, whichever comes first.
 REFILL_AFTER_SECONDS = 1.0
@@ -191,11 +192,11 @@ class WarmPool:
             lane.wake.set()
 
     def _refill_after(self, lane: _Lane, handed: WarmStart) -> None:
-        """Wakes the refill once the run just handed a sandbox has ended its command (and
-        a moment more, for its Result to go out), or after :data:`REFILL_AFTER_SECONDS`
-        at the latest: starting a sandbox costs CPU that the run itself would otherwise
-        share, on a machine with few cores (a burst that empties the pool meanwhile
-        starts its sandboxes on demand, as always)."""
+        """Wakes the refill once the run just handed a sandbox has ended (its folder read
+        and removed; and a moment more, for its Result to go out), or after
+        :data:`REFILL_AFTER_SECONDS` at the latest: starting a sandbox costs CPU that the
+        run itself would otherwise share, on a machine with few cores (a burst that
+        empties the pool meanwhile starts its sandboxes on demand, as always)."""
         loop = asyncio.get_running_loop()
         latest = loop.call_later(REFILL_AFTER_SECONDS, lane.wake.set)
 
@@ -203,7 +204,7 @@ class WarmPool:
             latest.cancel()
             loop.call_later(REFILL_SETTLE_SECONDS, lane.wake.set)
 
-        handed.leader.exited.add_done_callback(ended)
+        handed.ended.add_done_callback(ended)
 
     def _discard(self, warm: WarmSandbox, reason: str | None, detail: str) -> None:
         """Destroys ``warm`` in the background (counted and logged under ``reason``)."""

@@ -102,6 +102,12 @@ TICK_SECONDS = 5.0
 DISK_POLL_SECONDS = 0.5
 #: Most entries of the output folder looked at, and how deep.
 _MAX_COLLECT_ENTRIES = 10_000
+#: A folder left with at most this many entries in all (its own and below), once nothing
+#: of its run is left to change it, is read and removed right on the event loop: a few
+#: dozen system calls on a folder no process writes cost less than the hop to a thread
+#: and back (two process switches, each a wait for a core on a busy machine). A larger
+#: folder, or one whose run may have left a process, goes to a thread.
+_INLINE_ENTRIES = 16
 _MAX_COLLECT_DEPTH = 64
 #: Skipped output files listed one by one at most (the rest are counted).
 _MAX_SKIPPED = 64
@@ -186,11 +192,14 @@ class WarmStart:
         workdir: Its working directory.
         leader: Its leader.
         stdout: Its stdout, already connected (the hand-out was answered on it).
+        ended: Done once the run is over: its processes gone, its output read and its
+            folder removed (its Result about to go out), however it ended.
     """
 
     workdir: _Workdir
     leader: _Leader
     stdout: asyncio.StreamReader
+    ended: asyncio.Future[None]
 
 
 #: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
@@ -223,8 +232,11 @@ def sandbox_root(settings: Settings) -> Path:
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise RuntimeError(f"sandbox root {root} is not a directory owned by the server's "
                            "user; remove it or set sandbox_root")
-    # The sandbox user must be able to traverse it, but not list it.
-    root.chmod(0o711)
+    # The sandbox user must be able to traverse it, but not list it (changed only when it
+    # differs: this runs for every sandboxed call, and a chmod is a write to the disk's
+    # journal even when it changes nothing).
+    if stat.S_IMODE(info.st_mode) != 0o711:
+        root.chmod(0o711)
     return root
 
 
@@ -424,6 +436,8 @@ class Sandbox:
             if workdir.finishing is None:
                 workdir.finishing = asyncio.ensure_future(
                     asyncio.to_thread(_finish, workdir, self._keep))
+            if warm is not None:
+                workdir.finishing.add_done_callback(lambda _: _set_done(warm.ended))
             await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
@@ -477,7 +491,8 @@ class Sandbox:
         """Streams, supervises and ends the started ``leader`` (``stdout``: its stdout
         already connected, for a warm sandbox that answered on it); once it has ended,
         stops ``steering`` (which writes into the folder) and reads ``out/`` and removes
-        the folder in one thread."""
+        the folder: in one thread, or right here when nothing of the run is left and the
+        folder holds at most :data:`_INLINE_ENTRIES` entries."""
         output = _Output(self.limits.output_bytes, on_output, keep=True)
         sampler = _TreeSampler(leader.proc.pid)
         pumps: list[asyncio.Task[None]] = []
@@ -504,9 +519,18 @@ class Sandbox:
         # The exit, the wall clock or the disk cap: the whole group goes down.
         status, usage = await leader.end(workdir, pumps, drain=True)
         await _stop_steering(steering)  # its last write lands before the folder's fds close
-        workdir.finishing = asyncio.ensure_future(
-            asyncio.to_thread(self._collect_and_finish, workdir))
-        final = await asyncio.shield(workdir.finishing)
+        if leader.tree_gone and _few_entries(workdir.fd):
+            workdir.finishing = asyncio.get_running_loop().create_future()
+            try:
+                final = self._collect_and_finish(workdir)
+            except BaseException as exc:
+                workdir.finishing.set_exception(exc)
+                raise
+            workdir.finishing.set_result(final)
+        else:
+            workdir.finishing = asyncio.ensure_future(
+                asyncio.to_thread(self._collect_and_finish, workdir))
+            final = await asyncio.shield(workdir.finishing)
         result = self._result(status, usage, sampler, stopped, output, started, final,
                               workdir.input_bytes)
         if on_usage is not None:
@@ -799,6 +823,9 @@ class _Leader:
     exited: asyncio.Future[None]
     #: A pidfd of the init of its PID namespace, when the starter found it (-1: unknown).
     namespace_init: int
+    #: Set by :meth:`end`: none of the run's processes is left (its PID namespace's init
+    #: exited, or a pass over /proc found nothing of its group and its own uid).
+    tree_gone: bool
     _pidfd: int
     _loose: list[IO[bytes]]
 
@@ -815,6 +842,7 @@ class _Leader:
                        if pipe is not None]
         self._pidfd = -1
         self.namespace_init = -1
+        self.tree_gone = False
         try:
             loop = asyncio.get_running_loop()
             self._pidfd = os.pidfd_open(self.proc.pid)
@@ -886,8 +914,12 @@ class _Leader:
             _, still_open = await asyncio.wait(tasks, timeout=_DRAIN_SECONDS)
             for task in still_open:
                 task.cancel()
-        if not await self._namespace_gone():
-            await _wait_group_gone(pid, workdir.uid if workdir.own_uid else None)
+        if await self._namespace_gone():
+            self.tree_gone = True
+        else:
+            own_uid = workdir.uid if workdir.own_uid else None
+            # Without a uid of its own, a process that left the group would go unseen.
+            self.tree_gone = await _wait_group_gone(pid, own_uid) and own_uid is not None
         return status, usage
 
     async def _namespace_gone(self) -> bool:
@@ -1070,20 +1102,52 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-async def _wait_group_gone(pgid: int, uid: int | None) -> None:
+async def _wait_group_gone(pgid: int, uid: int | None) -> bool:
     """Kills what is left of the process group (and, with a uid of the run's own, every
     process of that uid: one that left the group too) until nothing but zombies waiting
-    for init is; bounded, so a process that escaped cannot stall us."""
+    for init is; bounded, so a process that escaped cannot stall us. Returns whether
+    nothing was left in the end."""
     deadline = time.monotonic() + _DRAIN_SECONDS
     while time.monotonic() < deadline:
         left = _live_processes(pgid=pgid, uid=uid)
         if not left:
-            return
+            return True
         _kill_group(pgid)
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         await asyncio.sleep(0.05)
+    return False
+
+
+def _few_entries(dir_fd: int) -> bool:
+    """Whether the folder ``dir_fd`` holds at most :data:`_INLINE_ENTRIES` entries in all
+    (False when it cannot be listed)."""
+    try:
+        return _entries_within(dir_fd, _INLINE_ENTRIES) >= 0
+    except OSError:
+        return False
+
+
+def _entries_within(dir_fd: int, budget: int) -> int:
+    """What is left of ``budget`` once the entries below ``dir_fd`` are counted (reading at
+    most one more than it: negative when there are more, or a folder cannot be opened).
+    Reads names and types only (no ``stat``), never through a symlink."""
+    with os.scandir(dir_fd) as listing:
+        for entry in listing:
+            budget -= 1
+            if budget < 0:
+                return budget
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    below = fsops.open_dir(dir_fd, entry.name)
+                except OSError:
+                    return -1
+                try:
+                    budget = _entries_within(below, budget)
+                finally:
+                    os.close(below)
+    return budget
 
 
 def _live_processes(*, pgid: int | None = None, uid: int | None = None) -> list[int]:

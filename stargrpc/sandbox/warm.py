@@ -32,8 +32,10 @@ The hand-out, over the control channel and the sandbox's stdout (one line each):
                          STATE_FD; runs the command (``exec``, or the Python snippet in the
                          interpreter already started)
 
-The server writes the run's input files first, and starts streaming the command's output
-only once the answer is right; a sandbox that answers wrongly or not within
+The server writes the run's input files before the launcher can run anything: before the
+nonce when no state socket is handed over, else while the launcher answers (it runs
+nothing before it has the state socket). It starts streaming the command's output only
+once the answer is right; a sandbox that answers wrongly or not within
 :data:`HANDSHAKE_SECONDS` is destroyed with whatever it began, and the run starts its own.
 The run's state socket is never in a sandbox before it proved itself fresh: one that does
 not answer right never receives it (its launcher exits when the channel closes).
@@ -112,18 +114,23 @@ exec "$@" </dev/null
 #: How the Python launchers take their command (``_STATE_FD`` is set before it): the
 #: hand-out's lines from the control channel on fd 0, then, when ``_STATE_FD`` is not None,
 #: the run's state socket, moved to that number (inheritable, as a cold run's is). Every
-#: read takes descriptors too (``recv_fds``): a plain ``recv`` would drop one that came
-#: early. The control channel closed before the end (the hand-out given up): exit 0.
-_PY_TAKE = r"""import os, socket, sys
+#: read takes descriptors too (``recvmsg`` with room for one): a plain ``recv`` would drop
+#: one that came early. The control channel closed before the end (the hand-out given up):
+#: exit 0. Only the built-in ``_socket`` is imported, not ``socket`` (which brings
+#: ``enum``, ``selectors`` and their classes): the interpreter a run is handed holds the
+#: modules a cold one would, and its exit has no more of them to tear down.
+_PY_TAKE = r"""import os, sys, _socket
 def _take():
     os.write(1, b"ready\n")
-    control = socket.socket(fileno=0)
+    control = _socket.socket(fileno=0)
     pending = b""
     fds = []
     def receive():
         nonlocal pending
-        chunk, got, _, _ = socket.recv_fds(control, 65536, 1)
-        fds.extend(got)
+        chunk, ancillary, _, _ = control.recvmsg(65536, _socket.CMSG_LEN(4))
+        for level, kind, data in ancillary:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
         if not chunk:
             os._exit(0)
         pending += chunk
@@ -159,9 +166,8 @@ def _take():
 #: ``python3 -I -u SCRIPT`` would (``__file__`` absolute, ``sys.argv`` the arguments, no
 #: launcher frame in a traceback, exit status 1 on an uncaught exception and 2 when the
 #: script cannot be opened). What differs: ``sys.orig_argv`` and ``/proc/self/cmdline``
-#: show the launcher, a frame of it sits under the script's on the stack, ``socket`` is
-#: imported already, and a source the compiler refuses before parsing (a NUL byte) is
-#: reported without its line.
+#: show the launcher, a frame of it sits under the script's on the stack, and a source the
+#: compiler refuses before parsing (a NUL byte) is reported without its line.
 PY_LAUNCHER = _PY_TAKE + r"""def _run(args):
     path = os.path.abspath(args[0])
     try:
@@ -531,10 +537,11 @@ class WarmSandbox:
 
     async def hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
                        limits: Limits, fds: Sequence[int] = ()) -> WarmStart:
-        """Checks it (:meth:`unfit`), writes the run's input files into its folder, gives
-        it a nonce and the arguments, reads its answer to the nonce and, once the answer
-        is right, hands it ``fds`` (the run's state socket, when its kind takes one): from
-        then on it runs the run's command and belongs to that run.
+        """Checks it (:meth:`unfit`), writes the run's input files into its folder and
+        gives it a nonce and the arguments (the files first when its kind takes no state
+        socket), reads its answer to the nonce and, once the answer is right, hands it
+        ``fds`` (the run's state socket, when its kind takes one): from then on it runs the
+        run's command and belongs to that run.
 
         Raises:
             Unfit: It must not be handed out; the caller destroys it (:meth:`aclose`),
@@ -551,7 +558,8 @@ class WarmSandbox:
             raise
         assert self._stdout is not None
         self._handed = True
-        return WarmStart(self.workdir, self._leader, self._stdout)
+        return WarmStart(self.workdir, self._leader, self._stdout,
+                         asyncio.get_running_loop().create_future())
 
     async def _hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
                         limits: Limits, fds: Sequence[int]) -> None:
@@ -561,13 +569,18 @@ class WarmSandbox:
         assert self._stdout is not None
         nonce = secrets.token_hex(16).encode()
         try:
-            write_inputs(self.workdir, files, limits)
+            if not fds:  # its launcher runs the command as soon as it has the arguments
+                write_inputs(self.workdir, files, limits)
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 # The nonce and the arguments in one write: the launcher answers and goes
                 # on at once, rather than sleeping until a second write wakes it (two
                 # process switches fewer per call on a busy machine).
                 await asyncio.get_running_loop().sock_sendall(
                     self._control, nonce + b"\n" + encode_arguments(arguments))
+                if fds:
+                    # Its launcher runs nothing before it has the state socket, which goes
+                    # only after the answer: the files are written while it answers.
+                    write_inputs(self.workdir, files, limits)
                 answer = await self._stdout.readline()
         except (TimeoutError, OSError, ConnectionError) as exc:
             raise Unfit(f"it did not answer the hand-out ({type(exc).__name__})") from exc

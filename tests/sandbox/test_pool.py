@@ -17,9 +17,15 @@ import pytest
 
 from stargrpc.metrics import REGISTRY
 from stargrpc.runs.state import RunState
-from stargrpc.sandbox import Limits, Sandbox
+from stargrpc.sandbox import Limits, Sandbox, runner
 from stargrpc.sandbox.pool import WarmPool
-from stargrpc.sandbox.runner import SandboxResult, _live_processes, sandbox_root
+from stargrpc.sandbox.runner import (
+    OutputCallback,
+    SandboxResult,
+    WarmStart,
+    _live_processes,
+    sandbox_root,
+)
 from stargrpc.sandbox.state_socket import StateSocket, client_dir
 from stargrpc.sandbox.warm import (
     PYTHON_ENV,
@@ -33,7 +39,7 @@ from stargrpc.sandbox.warm import (
 from stargrpc.settings import MiB, Settings
 from stargrpc.stores.memory import MemoryStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.helpers import as_dict, run_tool
+from tests.helpers import as_dict, eventually, run_tool
 
 SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
                max_processes=32, wall_clock_seconds=20, output_bytes=64 * 1024)
@@ -108,15 +114,17 @@ class Box:
 
     async def run(self, argv: list[str], *, files: dict[str, str] | None = None,
                   env: dict[str, str] | None = None, run_id: str = "run-a",
-                  state: bool = True, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
+                  state: bool = True, pass_fds: tuple[int, ...] = (),
+                  on_output: OutputCallback | None = None) -> SandboxResult:
         if not state or not self.settings.sandbox_state_scopes:
-            return await self.sandbox.run(argv, files=files, env=env, pass_fds=pass_fds)
+            return await self.sandbox.run(argv, files=files, env=env, pass_fds=pass_fds,
+                                          on_output=on_output)
         state_socket = self.state_socket(run_id)
         try:
             return await self.sandbox.run(
                 argv, files=files, env={**(env or {}), **state_socket.env},
                 pass_fds=(*state_socket.pass_fds, *pass_fds),
-                read_only_paths=state_socket.read_only_paths)
+                read_only_paths=state_socket.read_only_paths, on_output=on_output)
         finally:
             await state_socket.aclose()
 
@@ -143,6 +151,17 @@ def held(warm: WarmSandbox) -> dict[int, set[str]]:
             found[pid] = {f"{fd}={os.readlink(f'/proc/{pid}/fd/{fd}')}"
                           for fd in os.listdir(f"/proc/{pid}/fd")}
     return found
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process ``pid`` is stopped now (its state in /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()[0] == b"T"
+
+
+def present(path: Path) -> bool:
+    """Whether ``path`` exists (a quick stat)."""
+    return os.path.lexists(path)
 
 
 def gone(warm: WarmSandbox) -> bool:
@@ -299,6 +318,9 @@ async def test_a_pooled_sandbox_touched_while_waiting_is_never_handed_out(
         folder.chmod(0o777)
     else:
         os.kill(touched.pid, signal.SIGSTOP)
+        # The stop lands once the process is next scheduled (later on a busy machine):
+        # what the test asks is a sandbox stopped while it waited, before a run came.
+        await eventually(lambda: stopped(touched.pid), what="the pooled sandbox stopped")
 
     result = await box(tmp_path).run(
         ["sh", "-c", "ls -A; ls -A out; cat .steer.jsonl; stat -c %a ."])
@@ -328,6 +350,45 @@ async def test_a_burst_beyond_the_pool_starts_the_rest_on_demand(make_pool, tmp_
     seen = [result.stdout for result in results]
     if os.geteuid() == 0 and Settings.load().sandbox_uids is not None:
         assert len(set(seen)) == 4
+    await pool.filled()
+
+
+@pytest.mark.parametrize("scopes", ["run,tree", ""])
+async def test_a_handed_sandbox_is_over_for_the_refill_once_its_run_has_ended(
+        make_pool, tmp_path, monkeypatch, scopes) -> None:
+    # The refill waits for the run to end (its folder read and removed), not for its
+    # command alone; with the state socket on, the input files are written while the
+    # launcher answers the nonce, and are there when the command starts.
+    pool = await make_pool(("exec",), sandbox_state_scopes=scopes)
+    handed: list[WarmStart] = []
+
+    async def spy(*args: Any, **kwargs: Any) -> WarmStart | None:
+        start = await pool.take(*args, **kwargs)
+        if start is not None:
+            handed.append(start)
+        return start
+
+    monkeypatch.setattr(runner, "warm_sources", [spy])
+    running = asyncio.Event()
+
+    async def on_output(channel: str, text: str) -> None:
+        running.set()
+
+    sandbox = box(tmp_path, sandbox_state_scopes=scopes)
+    command = "cat given.txt; while [ ! -e go ]; do sleep 0.01; done; echo done"
+    run = asyncio.create_task(sandbox.run(["sh", "-c", command],
+                                          files={"given.txt": "given\n"}, state=bool(scopes),
+                                          on_output=on_output))
+    await running.wait()
+    [start] = handed
+    assert not start.ended.done()  # its command runs: the run is not over
+    (start.workdir.path / "go").touch()
+    result = await run
+
+    assert result.verdict.ok, result.stderr_tail
+    assert result.stdout == "given\ndone\n"
+    assert start.ended.done()
+    assert not present(start.workdir.path)
     await pool.filled()
 
 

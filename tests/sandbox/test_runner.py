@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from stargrpc.sandbox import Limits, Sandbox, isolation_for
-from stargrpc.sandbox.runner import _live_processes
+from stargrpc.sandbox.runner import _INLINE_ENTRIES, _entries_within, _live_processes
 from stargrpc.settings import MiB, Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
@@ -181,6 +181,51 @@ async def test_symlinks_in_the_output_folder_are_not_followed(tmp_path) -> None:
 
     assert [f.name for f in result.files] == ["ok.txt"]
     assert result.skipped_files == ["link.txt: not a plain file"]
+
+
+@pytest.mark.parametrize("files", [2, _INLINE_ENTRIES + 8])
+async def test_a_few_output_files_or_many_come_back_and_the_folder_goes(tmp_path,
+                                                                         files) -> None:
+    # A folder left with a few entries is read and removed on the event loop, one with
+    # more in a thread: the same files come back, and nothing is left either way.
+    seen: list[str] = []
+    command = (f"i=0; while [ $i -lt {files} ]; do echo $i > $OUTPUT_DIR/f$i.txt; "
+               "i=$((i+1)); done; mkdir $OUTPUT_DIR/sub; echo deep > $OUTPUT_DIR/sub/d.txt; "
+               "pwd >&2")
+
+    async def on_output(channel: str, text: str) -> None:
+        seen.append(text)
+
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")
+    result = await box.run(["sh", "-c", command], on_output=on_output)
+
+    assert result.verdict.ok, result.stderr_tail
+    assert sorted(f.name for f in result.files) == sorted(
+        [f"f{i}.txt" for i in range(files)] + ["sub/d.txt"])
+    assert result.bytes_written is not None and result.bytes_written > 0
+    assert not exists("".join(seen).strip())
+
+
+def test_counting_a_folder_stops_past_its_budget_and_follows_no_link(tmp_path) -> None:
+    folder = tmp_path / "run"
+    (folder / "out" / "deep").mkdir(parents=True)
+    (folder / "out" / "deep" / "a.txt").write_text("a")
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(50):
+        (big / str(i)).write_text("x")
+    (folder / "out" / "link").symlink_to(big)  # counted as one entry, never entered
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert _entries_within(fd, 10) == 10 - 4  # out, deep, a.txt, link
+        assert _entries_within(fd, 4) == 0
+        assert _entries_within(fd, 3) < 0
+        (folder / "out" / "deep").chmod(0)
+        if os.geteuid() != 0:  # a folder it cannot list: not a few entries
+            assert _entries_within(fd, 10) < 0
+    finally:
+        (folder / "out" / "deep").chmod(0o755)
+        os.close(fd)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a sandbox user to fail the probe")
