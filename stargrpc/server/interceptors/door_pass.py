@@ -6,35 +6,34 @@ with the same ``authorization``, so the auth interceptor would verify the same c
 again — for a JWT, a second signature check (RS256 about 80 µs, ES256 about 200 µs). A door
 pass spares that second check, and only that:
 
-- the door mints it with :meth:`DoorPasses.mint` for the principal it just authenticated: an
-  HMAC, under a key made at random in this process for one
-  :class:`~stargrpc.auth.authenticator.Authenticator` (never written anywhere, never sent),
-  of that principal, an expiry a few seconds ahead, and a digest of the credential
-  (the ``authorization`` value) it was minted for;
+- the door mints it with :meth:`DoorPasses.mint` for the principal it just authenticated: a
+  random name (128 bits) for an entry kept in this process's memory, for one
+  :class:`~stargrpc.auth.authenticator.Authenticator`, holding that principal, the very
+  credential (the ``authorization`` value) it was minted for, and an expiry a few seconds
+  ahead; nothing of it is written anywhere or sent anywhere but in the loopback call;
 - the auth interceptor (:meth:`DoorPasses.principal`) takes the principal from a pass only
-  when the pass verifies under the key of its own authenticator, has not expired, came
-  from a loopback peer, and the call carries the very credential the pass was minted for.
+  when the pass names an entry of its own authenticator that has not expired, the call
+  came from a loopback peer, and it carries that same credential.
 
 So a pass is worth nothing without the credential it names, which on its own already
 authenticates as the same principal: copying one, forging one, or sending one from another
 host never changes who a call is. A pass that does not check out is ignored, and the call's
 credentials are authenticated as ever (a call that carries none ends UNAUTHENTICATED). That
-is also what happens to a pass that reaches a sibling worker of ``--workers`` (each worker's
-key is its own): the worker simply authenticates the credential itself. Everything after
+is also what happens to a pass that reaches a sibling worker of ``--workers`` (each worker
+knows only its own): the worker simply authenticates the credential itself. Everything after
 authentication — the audit record, permissions, the critic, lanes, approval — is the same
 for a call that came with a pass.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import hmac
-import json
 import secrets
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from stargrpc.auth.authenticator import Authenticator
 from stargrpc.principal import Principal
@@ -46,44 +45,59 @@ DOOR_PASS_METADATA = "stargrpc-door-pass"
 #: one (a CancelRun long after its call began) authenticates its credentials itself.
 PASS_SECONDS = 10.0
 
-#: The longest pass accepted (a principal's roles are few): anything longer is ignored.
-MAX_PASS_CHARS = 4096
+#: The most passes kept at once per authenticator (a pass lives PASS_SECONDS): past it the
+#: oldest is forgotten, and its calls authenticate their credentials themselves.
+MAX_PASSES = 100_000
 
 _LOOPBACK_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D")
 
-_keys: weakref.WeakKeyDictionary[Authenticator, bytes] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True)
+class _Pass:
+    principal: Principal
+    authorization: str
+    expires: float
 
 
-def _credential_digest(authorization: str) -> bytes:
-    return hashlib.sha256(authorization.encode()).digest()
+@dataclass
+class _Kept:
+    """The passes of one authenticator, and their names in the order they were minted
+    (hence of expiry)."""
+
+    passes: dict[str, _Pass] = field(default_factory=dict)
+    order: deque[str] = field(default_factory=deque)
+
+
+_kept: weakref.WeakKeyDictionary[Authenticator, _Kept] = weakref.WeakKeyDictionary()
 
 
 class DoorPasses:
     """Mints and checks the door passes of one authenticator (of the front ends and the
     gRPC server that share it, in this process)."""
 
-    _key: bytes
+    _kept: _Kept
     _clock: Callable[[], float]
 
     def __init__(self, authenticator: Authenticator, *,
-                 clock: Callable[[], float] = time.time) -> None:
-        key = _keys.get(authenticator)
-        if key is None:
-            key = _keys[authenticator] = secrets.token_bytes(32)
-        self._key = key
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        kept = _kept.get(authenticator)
+        if kept is None:
+            kept = _kept[authenticator] = _Kept()
+        self._kept = kept
         self._clock = clock
-
-    def _mac(self, body: str, authorization: str) -> str:
-        message = body.encode() + b"\0" + _credential_digest(authorization)
-        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
     def mint(self, principal: Principal, authorization: str) -> str:
         """A pass for ``principal``, whom the credential ``authorization`` (the header's
         whole value) authenticated just now."""
-        body = base64.urlsafe_b64encode(json.dumps(
-            [principal.id, sorted(principal.roles), principal.method, principal.acting_for,
-             round(self._clock() + PASS_SECONDS, 3)], separators=(",", ":")).encode()).decode()
-        return f"{body}.{self._mac(body, authorization)}"
+        now = self._clock()
+        kept = self._kept
+        order, passes = kept.order, kept.passes
+        while order and (len(order) >= MAX_PASSES or passes[order[0]].expires < now):
+            del passes[order.popleft()]
+        name = secrets.token_urlsafe(16)
+        passes[name] = _Pass(principal, authorization, now + PASS_SECONDS)
+        order.append(name)
+        return name
 
     def principal(self, metadata: Iterable[tuple[str, str | bytes]], peer: str
                   ) -> Principal | None:
@@ -96,19 +110,12 @@ class DoorPasses:
                 passes.append(value)
             elif name == "authorization":
                 authorizations.append(value)
-        if (len(passes) != 1 or len(authorizations) != 1 or not peer.startswith(_LOOPBACK_PEERS)
-                or not isinstance(passes[0], str) or not isinstance(authorizations[0], str)
-                or len(passes[0]) > MAX_PASS_CHARS):
+        if len(passes) != 1 or len(authorizations) != 1 or not isinstance(passes[0], str) \
+                or not isinstance(authorizations[0], str) \
+                or not peer.startswith(_LOOPBACK_PEERS):
             return None
-        body, _, mac = passes[0].partition(".")
-        if not hmac.compare_digest(mac, self._mac(body, authorizations[0])):
+        kept = self._kept.passes.get(passes[0])
+        if kept is None or kept.expires < self._clock() or not hmac.compare_digest(
+                kept.authorization.encode(), authorizations[0].encode()):
             return None
-        try:
-            ident, roles, method, acting_for, expires = json.loads(
-                base64.urlsafe_b64decode(body.encode()))
-        except (ValueError, TypeError):  # only this process mints: not expected
-            return None
-        if not isinstance(expires, int | float) or expires < self._clock():
-            return None
-        return Principal(id=ident, roles=frozenset(roles), method=method,
-                         acting_for=acting_for)
+        return kept.principal

@@ -5,6 +5,7 @@ anyone but who its own credentials say (or lets it in without any)."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import grpc
@@ -12,10 +13,10 @@ import pytest
 
 from stargrpc.auth import Authenticator
 from stargrpc.principal import Principal
+from stargrpc.server.interceptors import door_pass
 from stargrpc.server.interceptors.auth import AuthInterceptor
 from stargrpc.server.interceptors.door_pass import (
     DOOR_PASS_METADATA,
-    MAX_PASS_CHARS,
     PASS_SECONDS,
     DoorPasses,
 )
@@ -127,15 +128,14 @@ async def test_hostile_passes_are_ignored_and_never_let_anyone_in(
     passes = DoorPasses(_interceptor(auth).authenticator)
     genuine = passes.mint(Principal(id="bob", roles=frozenset({"reader"}), method="api_key"),
                           bearer)
-    body, _, mac = genuine.partition(".")
-    admin_body = passes.mint(TESTER, bearer).partition(".")[0]
+    admins = passes.mint(TESTER, f"Bearer {auth.key}")
     hostile = {
         "empty": "",
-        "no mac": body,
-        "only a mac": f".{mac}",
-        "another body, bob's mac": f"{admin_body}.{mac}",
-        "not base64": f"!!!.{mac}",
-        "oversized": "A" * (MAX_PASS_CHARS + 1) + f".{mac}",
+        "made up": secrets.token_urlsafe(16),
+        "a genuine one, cut": genuine[:-1],
+        "a genuine one, lengthened": genuine + "A",
+        "two genuine ones": f"{genuine},{admins}",
+        "oversized": "A" * 8192,
     }
     checked = count_authentications(auth.server, monkeypatch)
 
@@ -156,3 +156,22 @@ async def test_without_authentication_a_pass_changes_nothing(make_server: Any) -
     door_pass = DoorPasses(_interceptor(auth).authenticator).mint(TESTER, "Bearer x")
 
     assert await _whoami(auth, [(DOOR_PASS_METADATA, door_pass)]) == "local none *"
+
+
+def test_a_pass_counts_only_from_a_loopback_peer_and_only_while_kept(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setattr(door_pass, "MAX_PASSES", 3)
+    passes = DoorPasses(Authenticator(Settings(insecure_no_auth=False,
+                                               keys_file=tmp_path / "keys.json")))
+    bearer = "Bearer sgk_anything"
+    first, *later = [passes.mint(TESTER, bearer) for _ in range(4)]
+
+    def named(value: str, peer: str = "ipv4:127.0.0.1:40000") -> Principal | None:
+        return passes.principal([("authorization", bearer), (DOOR_PASS_METADATA, value)], peer)
+
+    assert [named(value) for value in later] == [TESTER] * 3
+    assert named(first) is None  # the oldest, forgotten to keep at most MAX_PASSES
+    assert named(later[0], "ipv6:[::1]:40000") == TESTER
+    assert named(later[0], "ipv4:10.1.2.3:40000") is None
+    assert named(later[0], "ipv6:[fe80::1]:40000") is None
+    assert named(later[0], "unix:/tmp/socket") is None
