@@ -2,7 +2,9 @@
 servers, each driven by two MCP clients, measured in the same run; and the MCP peer of
 ``python -m bench``.
 
-The servers, each its own process on 127.0.0.1, authentication off:
+The servers, each its own process on 127.0.0.1, authentication off (``--auth key``:
+stargrpc's servers check an API key, ``--auth jwt`` an ES256 JWT, which every client sends
+to every server, as a deployment does):
 
 - **stargrpc**: ``stargrpc serve --mcp-port``; its gRPC Execute of ``echo`` (the Python SDK,
   ``stargrpc.client``) and the same call through its MCP endpoint — the bridge is a client
@@ -36,7 +38,13 @@ never asserted by tests.
     python -m bench.mcp                     # 5 repeats of 200 calls per path
     python -m bench.mcp --base /tmp/base    # also the endpoint of another tree (A/B)
     python -m bench.mcp --stdio             # also over stdio (mcp-stdio, FastMCP's stdio)
+    python -m bench.mcp --auth jwt          # stargrpc checks a JWT (or: --auth key)
+    python -m bench.mcp --profile out.txt   # py-spy samples the stargrpc server meanwhile
     python -m bench.mcp --smoke             # 1 repeat of 20 calls (the test that keeps this alive)
+
+``--profile`` writes py-spy's raw stacks of the stargrpc server (not the base tree's) to the
+file and prints where its busy CPU went (:mod:`bench.profiling`); py-spy must be installed
+(``bench/requirements.txt``).
 
 The plain SDK server is :func:`peer_server` (``python -m bench.mcp --serve --port N``): an MCP
 server of the official SDK over streamable HTTP, as its documentation starts one, with
@@ -67,7 +75,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
+import jwt
 import uvicorn
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from fastmcp import Client as FastMcpClient
 from fastmcp import Context as FastMcpContext
 from fastmcp import FastMCP
@@ -76,6 +87,8 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import Context, MCPServer
 
+from bench import profiling
+from stargrpc.auth.keys import KeyStore
 from stargrpc.client import AsyncClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,9 +233,12 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
 Call = Callable[[], Awaitable[None]]
 
 
-async def _sdk_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo") -> Call:
-    """The official SDK's client, one connection to ``url``, calling ``tool``."""
-    http = await stack.enter_async_context(httpx2.AsyncClient(timeout=30))
+async def _sdk_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo",
+                      key: str | None = None) -> Call:
+    """The official SDK's client, one connection to ``url``, calling ``tool`` (sending
+    ``key`` as its bearer credential, when given)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    http = await stack.enter_async_context(httpx2.AsyncClient(timeout=30, headers=headers))
     client = await stack.enter_async_context(
         Client(streamable_http_client(url, http_client=http)))
 
@@ -233,10 +249,11 @@ async def _sdk_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "e
     return call
 
 
-async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo"
-                          ) -> Call:
-    """FastMCP's client, one connection to ``url``, calling ``tool``."""
-    client = await stack.enter_async_context(FastMcpClient(url))
+async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str, tool: str = "echo",
+                          key: str | None = None) -> Call:
+    """FastMCP's client, one connection to ``url``, calling ``tool`` (sending ``key`` as its
+    bearer credential, when given)."""
+    client = await stack.enter_async_context(FastMcpClient(url, auth=key or None))
 
     async def call() -> None:
         result = await client.call_tool(tool, {"text": "hi"})
@@ -245,8 +262,9 @@ async def _fastmcp_client(stack: contextlib.AsyncExitStack, url: str, tool: str 
     return call
 
 
-async def _grpc_client(stack: contextlib.AsyncExitStack, target: str) -> Call:
-    client = await stack.enter_async_context(AsyncClient.connect(target))
+async def _grpc_client(stack: contextlib.AsyncExitStack, target: str, key: str | None = None
+                       ) -> Call:
+    client = await stack.enter_async_context(AsyncClient.connect(target, api_key=key))
 
     async def call() -> None:
         result = await client.call("echo", {"text": "hi"})
@@ -316,15 +334,16 @@ async def _interleaved(paths: dict[str, Call], calls: int, repeats: int, block: 
 
 
 async def _measure_all(servers: dict[str, str], grpc_target: str, calls: int, repeats: int,
-                       block: int, stdio: dict[str, Command] | None = None
-                       ) -> dict[str, list[list[float]]]:
+                       block: int, stdio: dict[str, Command] | None = None,
+                       key: str | None = None) -> dict[str, list[list[float]]]:
     async with contextlib.AsyncExitStack() as stack:
-        paths = {"stargrpc, gRPC Execute (Python SDK)": await _grpc_client(stack, grpc_target)}
+        paths = {"stargrpc, gRPC Execute (Python SDK)": await _grpc_client(stack, grpc_target,
+                                                                           key)}
         for client_name, open_client in _CLIENTS.items():
             for server_name, url in servers.items():
-                paths[f"{server_name}, {client_name}"] = await open_client(stack, url)
+                paths[f"{server_name}, {client_name}"] = await open_client(stack, url, key=key)
             paths[f"{PLAIN_FASTMCP_PROGRESS}, {client_name}"] = await open_client(
-                stack, servers[PLAIN_FASTMCP], "echo_with_progress")
+                stack, servers[PLAIN_FASTMCP], "echo_with_progress", key=key)
             for server_name, command in (stdio or {}).items():
                 paths[f"{server_name}, {client_name}"] = await _STDIO_CLIENTS[client_name](
                     stack, command)
@@ -381,21 +400,42 @@ STARGRPC_STDIO = "stargrpc mcp-stdio"
 PLAIN_FASTMCP_STDIO = "plain FastMCP server over stdio"
 
 
-def _stargrpc(tree: Path, grpc_port: int, mcp_port: int, env: dict[str, str]
-              ) -> subprocess.Popen[bytes]:
+def _stargrpc(tree: Path, grpc_port: int, mcp_port: int, env: dict[str, str], *,
+              auth: bool = False) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "stargrpc.cli", "serve", "--port", str(grpc_port),
-         "--mcp-port", str(mcp_port), "--insecure-no-auth"],
+         "--mcp-port", str(mcp_port), *(() if auth else ("--insecure-no-auth",))],
         env={**env, "PYTHONPATH": str(tree)}, cwd=tree,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _stdio_commands(tree: Path, grpc_port: int, env: dict[str, str], name: str
-                    ) -> dict[str, Command]:
-    """``stargrpc mcp-stdio`` of ``tree`` against ``grpc_port`` (as ``name``)."""
+def _credential(kind: str, folder: Path, env: dict[str, str]) -> str:
+    """A credential every client sends: an API key (``kind`` "key") in a keys file, or an
+    ES256 JWT (``kind`` "jwt") whose public key is the servers'; ``env`` (both trees'
+    servers') is told where they are."""
+    keys_file = folder / "bench-keys.json"
+    env["STARGRPC_KEYS_FILE"] = str(keys_file)
+    if kind == "key":
+        return KeyStore(keys_file).create("bench", ["admin"])[1]
+    private = ec.generate_private_key(ec.SECP256R1())
+    public = folder / "bench-jwt.pem"
+    public.write_bytes(private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    env.update(STARGRPC_JWT_PUBLIC_KEY_FILE=str(public), STARGRPC_JWT_ISSUER="bench",
+               STARGRPC_JWT_AUDIENCE="stargrpc")
+    now = int(time.time())
+    return jwt.encode({"sub": "bench", "iss": "bench", "aud": "stargrpc", "iat": now,
+                       "exp": now + 24 * 3600, "roles": ["admin"]}, private, algorithm="ES256")
+
+
+def _stdio_commands(tree: Path, grpc_port: int, env: dict[str, str], name: str,
+                    key: str | None = None) -> dict[str, Command]:
+    """``stargrpc mcp-stdio`` of ``tree`` against ``grpc_port`` (as ``name``), sending
+    ``key`` when given."""
+    with_key = {"STARGRPC_API_KEY": key} if key else {}
     return {name: (sys.executable, ["-m", "stargrpc.cli", "mcp-stdio", "--target",
                                     f"127.0.0.1:{grpc_port}", "--log-level", "error"],
-                   {**env, "PYTHONPATH": str(tree)}, tree)}
+                   {**env, **with_key, "PYTHONPATH": str(tree)}, tree)}
 
 
 def _peer(port: int, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
@@ -424,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stdio", action="store_true",
                         help="Also measure over stdio: stargrpc mcp-stdio beside the plain "
                         "FastMCP server over stdio.")
+    parser.add_argument("--auth", choices=("key", "jwt"), default=None,
+                        help="stargrpc's servers check an API key or an ES256 JWT (every "
+                        "client sends it)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="py-spy's raw profile of the stargrpc server, written here")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     if args.serve:
@@ -439,34 +484,42 @@ def main(argv: list[str] | None = None) -> int:
                                             "base-mcp")}
     with tempfile.TemporaryDirectory(prefix="bench-mcp-") as state:
         env = {**os.environ, "STARGRPC_STATE_DIR": state, "STARGRPC_LOG_LEVEL": "error"}
+        key = _credential(args.auth, Path(state), env) if args.auth else None
         servers = {STARGRPC_MCP: ports["mcp"], PLAIN_FASTMCP: ports["fastmcp"],
                    PLAIN_SDK: ports["sdk"]}
-        procs = [(_stargrpc(ROOT, ports["grpc"], ports["mcp"], env), ports["mcp"]),
+        procs = [(_stargrpc(ROOT, ports["grpc"], ports["mcp"], env, auth=bool(args.auth)),
+                  ports["mcp"]),
                  (_peer(ports["fastmcp"], env, "--fastmcp"), ports["fastmcp"]),
                  (_peer(ports["sdk"], env), ports["sdk"])]
         if args.base is not None:
             base_state = Path(state) / "base"
             base_state.mkdir()
             procs.append((_stargrpc(args.base.resolve(), ports["base-grpc"], ports["base-mcp"],
-                                    {**env, "STARGRPC_STATE_DIR": str(base_state)}),
+                                    {**env, "STARGRPC_STATE_DIR": str(base_state)},
+                                    auth=bool(args.auth)),
                           ports["base-mcp"]))
             servers[f"{STARGRPC_MCP} (base {args.base.name})"] = ports["base-mcp"]
         stdio: dict[str, Command] = {}
         if args.stdio:
-            stdio.update(_stdio_commands(ROOT, ports["grpc"], env, STARGRPC_STDIO))
+            stdio.update(_stdio_commands(ROOT, ports["grpc"], env, STARGRPC_STDIO, key))
             if args.base is not None:
                 stdio.update(_stdio_commands(args.base.resolve(), ports["base-grpc"], env,
-                                             f"{STARGRPC_STDIO} (base {args.base.name})"))
+                                             f"{STARGRPC_STDIO} (base {args.base.name})",
+                                             key))
             stdio[PLAIN_FASTMCP_STDIO] = (sys.executable, ["-m", "bench.mcp", "--serve-stdio"],
                                           {**env, "PYTHONPATH": str(ROOT)}, ROOT)
+        recorder: profiling.Recorder | None = None
         try:
             _wait_listening(ports["grpc"], procs[0][0])
             for proc, port in procs:
                 _wait_listening(port, proc)
+            if args.profile is not None:
+                recorder = profiling.Recorder(procs[0][0].pid, args.profile)
             took = asyncio.run(_measure_all(
                 {name: f"http://127.0.0.1:{port}/mcp" for name, port in servers.items()},
-                f"127.0.0.1:{ports['grpc']}", calls, repeats, block, stdio))
+                f"127.0.0.1:{ports['grpc']}", calls, repeats, block, stdio, key))
         finally:
+            profile = recorder.stop() if recorder is not None else None
             for proc, _ in procs:
                 proc.send_signal(signal.SIGTERM)
             for proc, _ in procs:
@@ -475,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     print(report(took, list(servers), list(stdio)))
+    if args.profile is not None:
+        print("\nthe stargrpc server's busy CPU (py-spy, every path's calls):")
+        print(profiling.summarize(profile).render(40) if profile is not None
+              else "py-spy wrote no profile")
     return 0
 
 
