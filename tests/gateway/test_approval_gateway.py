@@ -79,8 +79,12 @@ async def test_approve_over_http_and_its_refusals(front: Front) -> None:
         assert approved.status_code == 200
         assert approved.json() == {"run_id": run_id, "decision": "approve",
                                    "arguments_digest": request["arguments_digest"]}
+        # Sent again (its answer lost), the same decision gets the same answer; another
+        # decision on the decided run is refused.
         again = await bob.post(url, json=body)
-        assert (again.status_code, reason_of(again)) == (400, "APPROVAL_NOT_PENDING")
+        assert (again.status_code, again.json()) == (200, approved.json())
+        changed = await bob.post(url, json={**body, "decision": "deny"})
+        assert (changed.status_code, reason_of(changed)) == (400, "APPROVAL_NOT_PENDING")
 
         denied_id, denied_request = await waiting_run(alice, "db")
         denied = await bob.post(f"/v1/runs/{denied_id}:approve", json={
