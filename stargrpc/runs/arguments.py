@@ -37,6 +37,10 @@ class ArgumentLimits:
     max_depth: int = 64
 
 
+#: NaN and Infinity are parsed so that validate() can name where they are.
+_DECODER = json.JSONDecoder(parse_constant=float)
+
+
 def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str, Any]:
     """A Struct as a plain dict, after the size and depth checks.
 
@@ -56,8 +60,10 @@ def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
     if size > limits.max_bytes:
         raise _too_large("arguments_json", size, limits)
     try:
-        # NaN and Infinity are parsed so that validate() can name where they are.
-        value = json.loads(text, parse_constant=float)
+        # The decoder made once (json.loads with an option makes one per call); a leading
+        # BOM still gets json.loads's own refusal.
+        value = (_DECODER.decode(text) if not text.startswith("\ufeff")
+                 else json.loads(text, parse_constant=float))
     except RecursionError:
         raise InvalidArgument(
             "arguments_json is nested too deeply",
