@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from stargrpc import ToolContext, testing, tool
 from stargrpc.errors import InvalidArgument
+from stargrpc.runs.arguments import validate
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
@@ -250,6 +251,25 @@ async def test_non_finite_numbers_through_the_test_harness() -> None:
 
     assert [v.field for v in caught.value.violations] == ["arguments.weights[1]",
                                                           "arguments.weights[2]"]
+
+
+class Loose(BaseModel, extra="allow"):
+    name: str = ""
+
+
+def test_non_finite_numbers_deep_inside_are_named_and_unknown_names_follow_extra() -> None:
+    hidden = {"name": "x", "deep": {"rows": [{"v": 1.5}, (2, -math.inf)], "ok": [True, None]}}
+    with pytest.raises(InvalidArgument) as caught:
+        validate(Loose, hidden)
+    assert [v.field for v in caught.value.violations] == ["arguments.deep.rows[1][1]"]
+
+    # Checked twice, as a second call of the same tool checks it (its names worked out once).
+    for _ in range(2):
+        assert validate(Loose, {"name": "x", "extra": [1, 2.5]}).model_extra == {
+            "extra": [1, 2.5]}
+        with pytest.raises(InvalidArgument) as caught:
+            validate(Weights, {"weights": [1.0], "wieghts": []})
+        assert [v.field for v in caught.value.violations] == ["arguments.wieghts"]
 
 
 async def test_garbage_bytes_are_invalid_argument(channel, stub) -> None:

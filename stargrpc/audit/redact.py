@@ -193,6 +193,9 @@ def redacted_json(value: Any, limits: RedactionLimits | None = None) -> str:
     if type(value) is dict and not value:  # a call without arguments
         return "{}"
     limits = limits or RedactionLimits()
-    text = json.dumps(redact(value, limits), ensure_ascii=False, separators=(",", ":"),
-                      default=str)
-    return cut(text, limits.max_total_chars)
+    return cut(_COMPACT.encode(redact(value, limits)), limits.max_total_chars)
+
+
+#: What json.dumps(..., ensure_ascii=False, separators=(",", ":"), default=str) writes,
+#: with the encoder made once rather than for every call's audit record.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)

@@ -16,6 +16,7 @@ record nor a tool's own JSON output could. Each is named by its path, e.g.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable
@@ -34,6 +35,10 @@ class ArgumentLimits:
 
     max_bytes: int = 1024 * 1024
     max_depth: int = 64
+
+
+#: NaN and Infinity are parsed so that validate() can name where they are.
+_DECODER = json.JSONDecoder(parse_constant=float)
 
 
 def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str, Any]:
@@ -55,8 +60,10 @@ def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
     if size > limits.max_bytes:
         raise _too_large("arguments_json", size, limits)
     try:
-        # NaN and Infinity are parsed so that validate() can name where they are.
-        value = json.loads(text, parse_constant=float)
+        # The decoder made once (json.loads with an option makes one per call); a leading
+        # BOM still gets json.loads's own refusal.
+        value = (_DECODER.decode(text) if not text.startswith("\ufeff")
+                 else json.loads(text, parse_constant=float))
     except RecursionError:
         raise InvalidArgument(
             "arguments_json is nested too deeply",
@@ -84,16 +91,16 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
     Raises:
         InvalidArgument: With a ``google.rpc.BadRequest`` listing each bad field.
     """
-    violations = _non_finite_numbers(raw, field_prefix) if raw else []
-    if raw and model.model_config.get("extra") is None:
-        known = set()
-        for name, info in model.model_fields.items():
-            known.add(name)
-            if info.alias:
-                known.add(info.alias)
-        for key in raw:
-            if key not in known:
-                violations.append(FieldViolation(f"{field_prefix}.{key}", "unknown field"))
+    # Paths are spelt out only when a number is not finite: most arguments have none.
+    violations = (_non_finite_numbers(raw, field_prefix)
+                  if raw and _has_non_finite(raw) else [])
+    if raw:
+        known = _known_names(model)
+        if known is not None:
+            for key in raw:
+                if key not in known:
+                    violations.append(FieldViolation(f"{field_prefix}.{key}",
+                                                     "unknown field"))
     try:
         value = model.model_validate(raw)
     except ValidationError as exc:
@@ -108,6 +115,39 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
         raise InvalidArgument(f"invalid arguments: {names}", violations)
     assert value is not None
     return value
+
+
+@functools.lru_cache(maxsize=1024)  # per tool model: its fields are fixed once it is made
+def _known_names(model: type[BaseModel]) -> frozenset[str] | None:
+    """The argument names ``model`` takes (fields and their aliases), or None when it
+    takes unknown names too (``extra`` set)."""
+    if model.model_config.get("extra") is not None:
+        return None
+    known = set()
+    for name, info in model.model_fields.items():
+        known.add(name)
+        if info.alias:
+            known.add(info.alias)
+    return frozenset(known)
+
+
+def _has_non_finite(node: Any) -> bool:
+    """Whether a NaN or ±Infinity is anywhere in ``node`` (:func:`_non_finite_numbers`
+    without making a path for every value on the way)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is str or kind is int or kind is bool or node is None:
+            continue
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return False
 
 
 def field_path(prefix: str, parts: Iterable[str | int]) -> str:

@@ -498,6 +498,10 @@ class LanePolicy:
                 ``max_wait_seconds``, an unknown lane.
             PermissionDenied: A lane named without ``lane_override_role``.
         """
+        if not lane and not priority and not max_wait:
+            # What most requests ask: nothing. The tool's lane and priority, no checks.
+            name = self.tool_lanes.get(spec.name) or spec.lane or DEFAULT_LANE
+            return LaneChoice(name, spec.default_priority or self.lanes[name].default_priority)
         violations = []
         if priority < 0 or priority > MAX_PRIORITY:
             violations.append(FieldViolation("priority", f"must be 0 to {MAX_PRIORITY} "

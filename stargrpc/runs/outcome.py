@@ -96,4 +96,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def _json_text(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)
+    return _ENCODER.encode(value)
+
+
+#: json.dumps(value, ensure_ascii=False, default=str), the encoder made once.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, default=str)

@@ -368,13 +368,16 @@ class ToolService:
         invocation = (json_format.MessageToDict(request.context,
                                                 preserving_proto_field_name=True)
                       if request.HasField("context") else {})
+        session_id = request.session_id
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,
                            idempotency_key=request.idempotency_key, invocation=invocation,
                            policy=policy, parent_run_id=request.parent_run_id,
+                           # Most calls name no session: no lookup for them.
                            session=self.sessions.for_call(
-                               current_principal.get().id, request.session_id,
-                               request.tool_name, no_wait=request.session_no_wait),
+                               current_principal.get().id, session_id,
+                               request.tool_name, no_wait=request.session_no_wait)
+                           if session_id else None,
                            lane=request.lane,
                            priority=request.priority,
                            max_wait_seconds=request.max_wait_seconds)
