@@ -119,3 +119,34 @@ async def test_two_racing_decisions_one_wins(redis_prefix: str) -> None:
         for store in stores:
             await store.aclose()
         await client.aclose()
+
+
+async def test_a_decision_acknowledged_survives_the_approvers_replica_killed_at_once(
+        make_server, redis_prefix: str, tmp_path) -> None:
+    # The replica that answered ApproveRun is SIGKILLed the instant after its answer: the
+    # decision it acknowledged was already in Redis, so the run on the other replica runs.
+    import signal
+
+    from tests.procs import ServerProcess, server_env
+
+    holder = await make_server(registry=approval_registry(), interceptors=[HeaderPrincipal()],
+                               redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+    approver = ServerProcess(["--redis-url", REDIS_URL],
+                             server_env(tmp_path / "approver",
+                                        STARGRPC_REDIS_KEY_PREFIX=redis_prefix))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{holder.port}") as channel, \
+                grpc.aio.insecure_channel(approver.target) as other:
+            call = tool_service_pb2_grpc.ToolServiceStub(channel).Execute(
+                execute_request("deploy", {"service": "api"}), metadata=ALICE)
+            head, approval = await read_until_approval(call)
+            await tool_service_pb2_grpc.ToolServiceStub(other).ApproveRun(approve_request(
+                head[0].run_id, approval.approval_id, digest=approval.arguments_digest),
+                timeout=30)
+            approver.signal(signal.SIGKILL)
+            events = await rest_of(call)
+    finally:
+        approver.stop()
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK, events[-1].result
+    assert events[-1].result.output == "deployed api to staging"
+    assert BODIES_RUN.count(head[0].run_id) == 1
