@@ -4,12 +4,16 @@ secret; the holder gone, SESSION_LOST."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import grpc
 import pytest
 
 from stargrpc.auth.keys import KeyStore
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import as_dict, key_channel, run_tool
+from tests.procs import ServerProcess, server_env
 from tests.sessions.conftest import REDIS_URL
 from tests.sessions.session_helpers import create, python, reason
 
@@ -89,3 +93,33 @@ async def test_the_owner_gone_makes_the_session_lost(fleet) -> None:
             await python(stub_of(on_b), session_id, "1")
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert reason(caught.value) == "SESSION_LOST"
+
+
+async def test_an_owner_killed_the_instant_after_creating_a_session_makes_it_lost(
+        make_server, redis_prefix, tmp_path) -> None:
+    # A real process, SIGKILLed right after it acknowledged CreateSession: its record and
+    # lease are still in Redis, its address answers nothing. A call through another replica
+    # is refused SESSION_LOST within a bound — it neither hangs nor runs anywhere else.
+
+    keys_file = tmp_path / "keys.json"
+    key = KeyStore(keys_file).create("alice", ("admin",))[1]
+    owner = ServerProcess([], server_env(
+        tmp_path / "owner", STARGRPC_INSECURE_NO_AUTH="false", STARGRPC_KEYS_FILE=str(keys_file),
+        STARGRPC_REDIS_URL=REDIS_URL, STARGRPC_REDIS_KEY_PREFIX=redis_prefix,
+        STARGRPC_SESSION_ADVERTISE_ADDRESS="127.0.0.1:0", STARGRPC_FLEET_SECRET=FLEET_SECRET))
+    forwarder = await make_server(insecure_no_auth=False, keys_file=keys_file,
+                                  redis_url=REDIS_URL, redis_key_prefix=redis_prefix,
+                                  session_advertise_address="127.0.0.1:0",
+                                  fleet_secret=FLEET_SECRET)
+    try:
+        async with key_channel(owner.target, key) as on_owner:
+            session_id = await create(stub_of(on_owner))
+        owner.signal(signal.SIGKILL)
+        owner.proc.wait(10)
+        async with key_channel(f"127.0.0.1:{forwarder.port}", key) as on_forwarder:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await asyncio.wait_for(python(stub_of(on_forwarder), session_id, "1"), 60)
+    finally:
+        owner.stop()
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value
+    assert reason(caught.value) == "SESSION_LOST"

@@ -5,6 +5,7 @@ the store's compare-and-set takes one decision of two racing ones."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import grpc
@@ -30,6 +31,7 @@ from tests.approval.approval_helpers import (
     read_until_approval,
     rest_of,
 )
+from tests.procs import ServerProcess, server_env
 from tests.runs_support import HeaderPrincipal, as_principal
 from tests.stores.conftest import REDIS_URL, LoopbackCluster
 
@@ -125,9 +127,6 @@ async def test_a_decision_acknowledged_survives_the_approvers_replica_killed_at_
         make_server, redis_prefix: str, tmp_path) -> None:
     # The replica that answered ApproveRun is SIGKILLed the instant after its answer: the
     # decision it acknowledged was already in Redis, so the run on the other replica runs.
-    import signal
-
-    from tests.procs import ServerProcess, server_env
 
     holder = await make_server(registry=approval_registry(), interceptors=[HeaderPrincipal()],
                                redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
