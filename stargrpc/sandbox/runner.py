@@ -108,6 +108,9 @@ _MAX_COLLECT_ENTRIES = 10_000
 #: and back (two process switches, each a wait for a core on a busy machine). A larger
 #: folder, or one whose run may have left a process, goes to a thread.
 _INLINE_ENTRIES = 16
+#: ... and whose files hold at most this many bytes in all (reading the output files and
+#: removing the folder must stay a matter of microseconds on the loop).
+_INLINE_BYTES = 256 * 1024
 _MAX_COLLECT_DEPTH = 64
 #: Skipped output files listed one by one at most (the rest are counted).
 _MAX_SKIPPED = 64
@@ -1121,32 +1124,39 @@ async def _wait_group_gone(pgid: int, uid: int | None) -> bool:
 
 
 def _few_entries(dir_fd: int) -> bool:
-    """Whether the folder ``dir_fd`` holds at most :data:`_INLINE_ENTRIES` entries in all
-    (False when it cannot be listed)."""
+    """Whether the folder ``dir_fd`` holds at most :data:`_INLINE_ENTRIES` entries and
+    :data:`_INLINE_BYTES` bytes of files in all (False when it cannot be listed)."""
     try:
-        return _entries_within(dir_fd, _INLINE_ENTRIES) >= 0
+        return _entries_within(dir_fd, _INLINE_ENTRIES, [_INLINE_BYTES]) >= 0
     except OSError:
         return False
 
 
-def _entries_within(dir_fd: int, budget: int) -> int:
+def _entries_within(dir_fd: int, budget: int, bytes_left: list[int] | None = None) -> int:
     """What is left of ``budget`` once the entries below ``dir_fd`` are counted (reading at
     most one more than it: negative when there are more, or a folder cannot be opened).
-    Reads names and types only (no ``stat``), never through a symlink."""
+    With ``bytes_left`` (one number, spent as regular files are met), negative too once
+    their sizes pass it. Never through a symlink; ``stat`` only for regular files."""
     with os.scandir(dir_fd) as listing:
         for entry in listing:
             budget -= 1
             if budget < 0:
                 return budget
-            if entry.is_dir(follow_symlinks=False):
+            if bytes_left is not None and entry.is_file(follow_symlinks=False):
+                bytes_left[0] -= entry.stat(follow_symlinks=False).st_size
+                if bytes_left[0] < 0:
+                    return -1
+            elif entry.is_dir(follow_symlinks=False):
                 try:
                     below = fsops.open_dir(dir_fd, entry.name)
                 except OSError:
                     return -1
                 try:
-                    budget = _entries_within(below, budget)
+                    budget = _entries_within(below, budget, bytes_left)
                 finally:
                     os.close(below)
+                if budget < 0:
+                    return budget
     return budget
 
 

@@ -50,7 +50,7 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from stargrpc.auth.fleet import FORWARDED_HEADER, FleetAssertions
+from stargrpc.auth.fleet import FORWARDED_HEADER, FleetAssertions, request_digest
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.errors import FailedPrecondition, NotFound, reason_name
 from stargrpc.principal import Principal
@@ -367,7 +367,7 @@ class SessionForwarder:
             assertion = self.assertions.make(
                 method=method, session_id=getattr(request, "session_id", ""),
                 principal=principal, peer=peer, to=replica,
-                digest=hashlib.sha256(data).hexdigest())
+                digest=request_digest(request))
         except ValueError as exc:
             raise FailedPrecondition(f"{exc}: call the replica that holds the session"
                                      ) from exc

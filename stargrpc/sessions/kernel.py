@@ -47,8 +47,6 @@ import traceback
 MAX_FRAME = 1 << 20
 #: Bytes of output read per frame.
 CHUNK = 16 * 1024
-#: Calls remembered as interrupted before they started.
-MAX_EARLY_INTERRUPTS = 64
 #: Longest JSON (or repr) of a final expression's value sent back.
 MAX_VALUE = 64 * 1024
 #: Output drained at a call's end at most, per stream (a writer that never stops).
@@ -133,9 +131,7 @@ class Kernel:
         with self.interrupt_lock:
             if call != self.current:
                 # Not started yet (or ended): a queued call is skipped when its turn comes.
-                # Bounded: an interrupt for a call that ended is never looked up again.
-                if len(self.interrupted) < MAX_EARLY_INTERRUPTS:
-                    self.interrupted.add(call)
+                self.interrupted.add(call)
                 return
         shell = self.shell
         if shell is not None:
@@ -195,7 +191,9 @@ class Kernel:
             with self.interrupt_lock:
                 self.current = call
                 early = call in self.interrupted
-                self.interrupted.discard(call)
+                # One call at a time: any other id is of a call that ended (its interrupt
+                # raced its done frame) and will never start.
+                self.interrupted.clear()
             try:
                 if early:
                     raise KeyboardInterrupt

@@ -12,7 +12,13 @@ import grpc
 import pytest
 
 from stargrpc.sandbox import Limits, Sandbox, isolation_for
-from stargrpc.sandbox.runner import _INLINE_ENTRIES, _entries_within, _live_processes
+from stargrpc.sandbox.runner import (
+    _INLINE_BYTES,
+    _INLINE_ENTRIES,
+    _entries_within,
+    _few_entries,
+    _live_processes,
+)
 from stargrpc.settings import MiB, Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
@@ -301,3 +307,21 @@ async def test_one_pass_over_proc_finds_a_group_and_a_user() -> None:
             proc.kill()
             await proc.wait()
     assert _live_processes(pgid=group.pid) == []
+
+
+def test_a_folder_of_few_but_large_files_is_not_counted_as_few(tmp_path) -> None:
+    # Reading a run's output files and removing its folder on the event loop is for small
+    # folders only: sixteen files of a few MiB each would stall every call meanwhile.
+    folder = tmp_path / "run"
+    (folder / "out").mkdir(parents=True)
+    (folder / "out" / "small.txt").write_bytes(b"x" * 1000)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert _entries_within(fd, 10, [2000]) == 10 - 2
+        assert _entries_within(fd, 10, [999]) < 0
+        (folder / "out" / "large.bin").write_bytes(b"x" * (_INLINE_BYTES + 1))
+        assert not _few_entries(fd)
+        (folder / "out" / "large.bin").unlink()
+        assert _few_entries(fd)
+    finally:
+        os.close(fd)
