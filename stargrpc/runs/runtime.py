@@ -792,8 +792,13 @@ class Runtime:
         return answer
 
     def _lane_ticket(self, run: Run, request: RunRequest) -> LaneTicket | None:
-        """What the run asks of its lane; None for a lane without a limit (no wait)."""
+        """What the run asks of its lane; None for a lane without a limit (no wait), and
+        for a child run of this process in its parent's lane: it runs within the slot its
+        parent holds while it waits for it (queued behind its own parent, a lane full of
+        parents waiting for their children would never move)."""
         if run.lane not in self.lane_policy.limited:
+            return None
+        if request.parent is not None and request.parent.lane == run.lane:
             return None
         return LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
                           request.max_wait_seconds)

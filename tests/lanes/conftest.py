@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
+from stargrpc.registry import Registry
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.lanes.lane_helpers import HOLDS, Holds, lane_registry, lane_settings
 from tests.runs_support import HeaderPrincipal
@@ -34,9 +35,10 @@ async def lane_server(make_server: Any, holds: Holds) -> AsyncIterator[LaneServe
     and ``timed`` of one slot, callers named by the x-test-principal header."""
     channels: list[grpc.aio.Channel] = []
 
-    async def start(lanes: dict[str, Any] | None = None, **settings: Any
-                    ) -> tuple[StargrpcServer, grpc.aio.Channel]:
-        server = await make_server(registry=lane_registry(), interceptors=[HeaderPrincipal()],
+    async def start(lanes: dict[str, Any] | None = None, registry: Registry | None = None,
+                    **settings: Any) -> tuple[StargrpcServer, grpc.aio.Channel]:
+        server = await make_server(registry=registry or lane_registry(),
+                                   interceptors=[HeaderPrincipal()],
                                    **{**lane_settings(**(lanes or {})), **settings})
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         channels.append(channel)

@@ -72,6 +72,19 @@ async def nap(ctx: ToolContext, args: NapArgs) -> str:
     return "slept"
 
 
+class FanArgs(BaseModel):
+    children: int = Field(ge=0, le=8)
+
+
+@tool(kind="test", lane="slow")
+async def fan(ctx: ToolContext, args: FanArgs) -> str:
+    """Calls itself (in its own lane) ``children`` times at once, one level deep."""
+    if args.children:
+        await asyncio.gather(*(ctx.call("fan", {"children": 0})
+                               for _ in range(args.children)))
+    return f"fanned {args.children}"
+
+
 @tool(kind="test")
 async def quick(ctx: ToolContext) -> str:
     """Return at once (the lane tool_lanes gives it)."""
@@ -82,6 +95,12 @@ def lane_registry() -> Registry:
     """The lane test tools."""
     return Registry([spec for fn in (hold, hold_urgent, nap, quick)
                      if (spec := spec_of(fn)) is not None])
+
+
+def fan_registry() -> Registry:
+    """The lane test tools and ``fan``, which calls itself in its own lane."""
+    tools = lane_registry()
+    return Registry([*(tools[name] for name in tools), spec_of(fan)])  # type: ignore[list-item]
 
 
 def lane_settings(**lanes: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from tests.helpers import eventually
 from tests.lanes.conftest import LaneServer
 from tests.lanes.lane_helpers import (
     Holds,
+    fan_registry,
     first_notice,
     hold_request,
     next_event,
@@ -213,3 +214,17 @@ async def test_list_runs_shows_queued_runs_with_lane_priority_and_position(
         await collect(call)
     done = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
     assert {run.state for run in done.runs} == {tool_service_pb2.RUN_STATE_FINISHED}
+
+
+async def test_children_in_their_parents_full_lane_run_within_its_slot(
+        lanes_at: LaneServer) -> None:
+    # A lane of one slot, held by a parent that waits for three children of the same lane:
+    # queued behind their own parent, they would wait for ever (the parent leaves its slot
+    # only when they are done). They run within the parent's slot instead.
+    _, channel = await lanes_at(registry=fan_registry())
+    request = tool_service_pb2.ExecuteRequest(tool_name="fan", arguments_json='{"children": 3}')
+    events = await collect(stub_for(channel).Execute(request, metadata=ALICE, timeout=30))
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK, events[-1].result
+    assert events[-1].result.output == "fanned 3"
+    assert events[-1].result.usage.child_runs == 3
+    assert not [e for e in events if e.HasField("notice") and e.notice.code == "QUEUED"]
