@@ -415,7 +415,8 @@ class AsyncClient:
         """Approves (or, with ``deny``, denies) a run that waits for approval (ApproveRun);
         the caller needs the server's approver role.
 
-        Sent once, never retried: a decision is taken once, and a repeat is refused
+        Sent once, never retried by the client: a decision is taken once. Sending the same
+        decision again (its answer lost) gets the same answer; another one is refused
         APPROVAL_NOT_PENDING.
 
         Args:
@@ -590,6 +591,8 @@ class AsyncClient:
                            timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline)
                            metadata: Metadata | None = None) -> bool:
         """Removes ``key`` from a scope of run state; whether it was there (admin role).
+        Sent once, never retried: a delete whose reply was lost would be retried into "it
+        was not there".
 
         Raises:
             CallError: As :meth:`get_state`.
@@ -598,7 +601,8 @@ class AsyncClient:
                                                key=key)
         reply = await self._unary(
             lambda left: self._state_stub.DeleteState(
-                request, metadata=self._call_metadata(metadata), timeout=left), timeout)
+                request, metadata=self._call_metadata(metadata), timeout=left), timeout,
+            retry=NO_RETRY)
         return bool(reply.deleted)
 
     async def list_state(self, scope: str, *, prefix: str = "", run_id: str = "",

@@ -429,7 +429,7 @@ def event_from_proto(event: events_pb2.RunEvent) -> Event:
         if notice.HasField("queued"):
             place = notice.queued
             queued = LaneQueued(lane=place.lane, position=place.position,
-                                estimated_wait=place.estimated_wait.ToNanoseconds() / 1e9,
+                                estimated_wait=_seconds(place.estimated_wait),
                                 priority=place.priority)
         return Notice(**common,
                       level=events_pb2.NoticeLevel.Name(notice.level).removeprefix("NOTICE_LEVEL_"),

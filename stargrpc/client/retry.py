@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import grpc
 
 from stargrpc.client.errors import CallError
+from stargrpc.contract import reason_name
+from stargrpc.v1 import errors_pb2
 
 #: Codes on which a call that has not started a run is sent again (same idempotency key).
 #: RESOURCE_EXHAUSTED only counts when the server said when to come back (RetryInfo).
 RETRYABLE_BEFORE_RUN = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 #: The refusal with RetryInfo that is never retried: LANE_BUSY, the caller's own limit.
-NOT_RETRIED_REASON = "LANE_BUSY"
+NOT_RETRIED_REASON = reason_name(errors_pb2.LANE_BUSY)
 
 #: Codes that end a stream the client was reading without ending the run: the client
 #: resumes with WatchRun. DEADLINE_EXCEEDED is missing on purpose: it is the caller's own

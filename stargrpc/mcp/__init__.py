@@ -26,13 +26,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import tomllib
-from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
+from packaging.requirements import Requirement
 
 from stargrpc.errors import MissingExtra
 
@@ -44,49 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["IDEMPOTENCY_META_KEY", "MCP_REQUIREMENT", "Bridge", "require_mcp",
            "require_mcp_for"]
 
-#: The extra the MCP features need, and the package of the SDK in it.
-_EXTRA = "mcp"
-_SDK = "mcp"
-
-
-def _extra_requirement(requires: Iterable[str], extra: str = _EXTRA, name: str = _SDK
-                      ) -> Requirement | None:
-    """The requirement of package ``name`` that ``extra`` adds, among a distribution's
-    ``Requires-Dist`` lines (``importlib.metadata.requires``); None if it adds none."""
-    for line in requires:
-        try:
-            requirement = Requirement(line)
-        except InvalidRequirement:
-            continue
-        if (canonicalize_name(requirement.name) == canonicalize_name(name)
-                and requirement.marker is not None
-                and requirement.marker.evaluate({"extra": extra})):
-            return requirement
-    return None
-
-
-def _declared_requirement() -> Requirement:
-    """The ``mcp`` extra's requirement of the SDK as the installed stargrpc declares it
-    (pyproject.toml's, read from the source tree when stargrpc runs uninstalled); any
-    ``mcp`` when neither says."""
-    try:
-        found = _extra_requirement(importlib.metadata.requires("stargrpc") or [])
-    except importlib.metadata.PackageNotFoundError:
-        found = None
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        if pyproject.is_file():
-            project = tomllib.loads(pyproject.read_text()).get("project", {})
-            extras = project.get("optional-dependencies", {})
-            found = next((requirement for requirement in map(Requirement,
-                                                             extras.get(_EXTRA, []))
-                          if canonicalize_name(requirement.name) == _SDK), None)
-    return Requirement(f"{found.name}{found.specifier}" if found is not None else _SDK)
-
-
-_REQUIRED = _declared_requirement()
-#: The SDK the MCP features are written against: the ``mcp`` extra's requirement, as the
-#: installed distribution's metadata declares it (``mcp>=2.3``).
-MCP_REQUIREMENT = str(_REQUIRED)
+#: The SDK the MCP features are written against: the ``mcp`` extra's requirement in
+#: pyproject.toml (tests/mcp/test_extra.py checks they say the same).
+MCP_REQUIREMENT = "mcp>=2.3"
+_REQUIRED = Requirement(MCP_REQUIREMENT)
 
 _LAZY = {"Bridge": "stargrpc.mcp.bridge", "IDEMPOTENCY_META_KEY": "stargrpc.mcp.mapping"}
 

@@ -296,7 +296,7 @@ class Bridge:
 
             # A CreateTaskResult (resultType "task") is the extension's, past the SDK's sieve.
             return await self.tasks.call_or_task(  # type: ignore[return-value]
-                ctx, params, start=start_task)
+                ctx, params, metadata, start=start_task)
         meta = params.meta or {}
         key = meta.get(IDEMPOTENCY_META_KEY, "")
         if not isinstance(key, str):

@@ -212,15 +212,15 @@ class TaskRequests:
                     and TASKS_EXTENSION in declared.extensions)
 
     async def call_or_task(self, ctx: ServerRequestContext[Any, Any],
-                           params: types.CallToolRequestParams, *,
-                           start: Callable[[], Awaitable[str]] | None = None
+                           params: types.CallToolRequestParams, metadata: Metadata, *,
+                           start: Callable[[], Awaitable[str]]
                            ) -> types.CallToolResult | dict[str, Any]:
         """A 2026-07-28 ``tools/call`` of a client that takes tasks: the run's result when it
         ends within ``mcp_task_after_seconds``, else the task (``resultType: "task"``).
-        ``start`` starts its run (:meth:`start` when not given)."""
-        metadata = self._credentials(ctx)
+        ``start`` starts its run; ``metadata``: the caller's credentials, made once by the
+        bridge for the whole call."""
         try:
-            run_id = await (start() if start is not None else self.start(params, metadata))
+            run_id = await start()
         except grpc.aio.AioRpcError as error:
             return refusal(CallError.from_rpc_error(error), params.name)
         view = ProgressView()

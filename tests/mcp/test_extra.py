@@ -18,7 +18,6 @@ import pytest
 from click.testing import CliRunner
 from packaging.requirements import Requirement
 
-import stargrpc.mcp
 from stargrpc.cli import main
 from stargrpc.errors import MissingExtra
 from stargrpc.mcp import MCP_REQUIREMENT, require_mcp
@@ -105,27 +104,9 @@ def _pyproject_mcp_extra() -> list[str]:
 
 
 def test_the_requirement_named_is_the_mcp_extra_s() -> None:
-    # From the installed distribution's metadata: pyproject.toml says it once.
+    # Said twice (the code names it when the SDK is missing): the two must agree.
     assert Requirement(MCP_REQUIREMENT) in [Requirement(line) for line in _pyproject_mcp_extra()]
     assert importlib.metadata.requires("stargrpc") is not None
-
-
-def test_the_requirement_is_read_from_the_mcp_extra_only(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    pick = stargrpc.mcp._extra_requirement
-    lines = ["grpcio>=1.60", "mcp>=2.0; extra == 'dev'", "not a requirement ;;",
-             "MCP>=2.9; python_version >= '3.8' and extra == 'mcp'", "mcp>=3; extra == 'mcp'"]
-    found = pick(lines)
-    assert found is not None and str(found.specifier) == ">=2.9"
-    assert pick(["mcp>=2.0", "mcp>=2.0; extra == 'test'", "httpx; extra == 'mcp'"]) is None
-    # Run from a source tree that is not installed: its pyproject.toml says.
-
-    def not_installed(name: str) -> list[str]:
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
-    declared = stargrpc.mcp._declared_requirement()
-    assert declared in [Requirement(line) for line in _pyproject_mcp_extra()]
 
 
 SDK_CALL = textwrap.dedent('''

@@ -90,14 +90,11 @@ func (c *Client) SetState(ctx context.Context, scope *pb.StateScopeRef, key, val
 }
 
 // DeleteState removes key from a scope of run state; whether it was there (admin role).
+// Not retried: a delete whose reply was lost would be retried into "it was not there".
 func (c *Client) DeleteState(ctx context.Context, scope *pb.StateScopeRef, key string) (bool, error) {
-	var reply *pb.DeleteStateResponse
-	err := c.retry(ctx, func() (err error) {
-		reply, err = c.state.DeleteState(ctx, &pb.DeleteStateRequest{Scope: scope, Key: key})
-		return err
-	})
+	reply, err := c.state.DeleteState(ctx, &pb.DeleteStateRequest{Scope: scope, Key: key})
 	if err != nil {
-		return false, err
+		return false, FromError(err)
 	}
 	return reply.GetDeleted(), nil
 }

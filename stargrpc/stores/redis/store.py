@@ -218,8 +218,11 @@ class RedisRunStore:
         self.shared.steer_handler = handler
 
     def lanes_for(self, configs: Mapping[str, LaneConfig]) -> RedisLanes:
-        """The lanes ``configs`` name, shared with every replica through this store."""
-        self.lanes = RedisLanes(self.shared, configs)
+        """The lanes ``configs`` name, shared with every replica through this store. Made
+        once: a second runtime on the same store shares them (a second set would run a loop
+        :meth:`aclose` never stops)."""
+        if self.lanes is None:
+            self.lanes = RedisLanes(self.shared, configs)
         return self.lanes
 
     # -- RunStore --------------------------------------------------------------------------
