@@ -208,21 +208,3 @@ async def scrape(http: httpx.AsyncClient) -> Samples:
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
-
-
-def count_authentications(server: Any, monkeypatch: Any) -> list[int]:
-    """A list that grows by one each time ``server`` (a StargrpcServer) verifies a credential
-    itself: its auth interceptor's authenticator, which the MCP endpoint's door shares."""
-    from stargrpc.server.interceptors.auth import AuthInterceptor
-
-    auth = next(i for i in server.interceptors if isinstance(i, AuthInterceptor))
-    authenticator = auth.authenticator
-    checked: list[int] = []
-    verify = authenticator.authenticate
-
-    def counting(metadata: Any, auth_context: Any) -> Any:
-        checked.append(1)
-        return verify(metadata, auth_context)
-
-    monkeypatch.setattr(authenticator, "authenticate", counting)
-    return checked

@@ -4,9 +4,7 @@ It is a :class:`~stargrpc.mcp.bridge.Bridge` on a loopback gRPC channel to the p
 own ToolService; each MCP request's ``Authorization`` header (with the trace context) is
 forwarded as the gRPC call's credentials. Before the SDK's session manager sees a request,
 :class:`~stargrpc.mcp.sessions.SessionGuard` authenticates it with the server's
-authenticator, so a session is only ever opened for, and used by, one principal; the door
-pass it leaves beside the credentials spares the gRPC server verifying them again
-(:mod:`stargrpc.server.interceptors.door_pass`).
+authenticator, so a session is only ever opened for, and used by, one principal.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from stargrpc.gateway.client import GatewayClient, Metadata
 from stargrpc.http_guard import RequestGuard
 from stargrpc.http_server import AsgiServer, gateway_tls, grpc_target
 from stargrpc.mcp.bridge import Bridge
-from stargrpc.mcp.sessions import DOOR_PASS_SCOPE, SessionGuard, Sessions
-from stargrpc.server.interceptors.door_pass import DOOR_PASS_METADATA
+from stargrpc.mcp.sessions import SessionGuard, Sessions
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.mcp")
@@ -41,14 +38,9 @@ MCP_PATH = "/mcp"
 
 def request_credentials(ctx: Any, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of the HTTP request behind an MCP request (none on other
-    transports): its credentials with the door pass the door left for them, and the trace
-    context; ``forwarded`` vouches for the HTTP client's address to the audit."""
+    transports); ``forwarded`` vouches for the HTTP client's address to the audit."""
     request = ctx.request
-    if not isinstance(request, Request):
-        return []
-    metadata = call_metadata(request, forwarded)
-    door_pass = request.scope.get(DOOR_PASS_SCOPE)
-    return [*metadata, (DOOR_PASS_METADATA, door_pass)] if door_pass else metadata
+    return call_metadata(request, forwarded) if isinstance(request, Request) else []
 
 
 class McpEndpoint:

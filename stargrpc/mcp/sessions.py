@@ -26,11 +26,6 @@ given too (the door sees a request end just after the manager does, so it never 
 session gone before the manager has ended it).
 
 2026-07-28 requests have no sessions; they are authenticated like the rest.
-
-The door authenticates a request once: it leaves a door pass for the principal in the
-request's scope (:data:`DOOR_PASS_SCOPE`), which the bridge's gRPC calls for the request carry
-beside its credentials, so the gRPC server does not verify them again
-(:mod:`stargrpc.server.interceptors.door_pass`).
 """
 
 from __future__ import annotations
@@ -60,7 +55,6 @@ from stargrpc.gateway.app import call_metadata
 from stargrpc.ids import new_id
 from stargrpc.mcp.mapping import TOO_MANY_SESSIONS, UNAUTHENTICATED
 from stargrpc.principal import Principal
-from stargrpc.server.interceptors.door_pass import DoorPasses
 
 log = structlog.get_logger("stargrpc.mcp")
 
@@ -69,9 +63,6 @@ log = structlog.get_logger("stargrpc.mcp")
 MCP_AUDIT_METHOD = "/stargrpc.mcp/Endpoint"
 
 _SESSION_HEADER = MCP_SESSION_ID_HEADER.lower().encode("latin-1")
-
-#: Where the door leaves a request's door pass in its ASGI scope.
-DOOR_PASS_SCOPE = "stargrpc.door_pass"
 
 
 @dataclass
@@ -176,7 +167,6 @@ class SessionGuard:
     app: ASGIApp
     sessions: Sessions
     _authenticator: Authenticator
-    _passes: DoorPasses
     _audit: AuditWriter | None
 
     def __init__(self, app: ASGIApp, authenticator: Authenticator, sessions: Sessions, *,
@@ -184,7 +174,6 @@ class SessionGuard:
         self.app = app
         self.sessions = sessions
         self._authenticator = authenticator
-        self._passes = DoorPasses(authenticator)
         self._audit = audit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,9 +191,6 @@ class SessionGuard:
             await _unauthenticated(send, missing=error.cause == "missing")
             return
         scope["user"] = _session_owner(principal)
-        authorization = request.headers.get("authorization")
-        if authorization and not self._authenticator.insecure:
-            scope[DOOR_PASS_SCOPE] = self._passes.mint(principal, authorization)
         version = request.headers.get(MCP_PROTOCOL_VERSION_HEADER)
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             await self.app(scope, receive, send)  # 2026-07-28 and later: no sessions

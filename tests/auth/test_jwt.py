@@ -171,3 +171,49 @@ def test_jwt_settings_are_checked_at_start() -> None:
         Settings(jwt_secret=SECRET)
     with pytest.raises(AuthConfigError, match="at least 32"):
         JwtVerifier(Settings(jwt_secret="short", jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
+
+
+def test_a_token_verified_is_taken_again_without_a_signature_check_until_it_expires(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The MCP endpoint's door and the gRPC call it makes present the same token: its
+    # signature is checked once. Never past the token's own exp, though.
+    checked = []
+    real_decode = jwt.decode
+
+    def counting_decode(*args: Any, **kwargs: Any) -> Any:
+        checked.append(1)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(jwt, "decode", counting_decode)
+    check = verifier()
+    token = hs256()
+    assert [check.verify(token).id for _ in range(3)] == ["user-1"] * 3
+    assert len(checked) == 1
+    expiry = int(time.time()) + 1
+    soon = hs256(exp=expiry)
+    check.verify(soon)
+    # Real time, not a timing assertion: wait until the token is past its exp.
+    time.sleep(max(0.0, expiry - time.time()) + 0.05)
+    with pytest.raises(CredentialsRejected) as refused:
+        check.verify(soon)
+    assert refused.value.cause == "token_expired"
+    # A forged token is never taken from the cache: another string, checked, refused.
+    with pytest.raises(CredentialsRejected):
+        check.verify(token[:-2] + ("AA" if not token.endswith("AA") else "BB"))
+
+
+def test_a_key_retired_from_the_jwks_file_refuses_its_tokens_at_once(tmp_path: Path) -> None:
+    # The same token, verified (and remembered) before the rotation, is refused at the
+    # first call after it.
+    first, second = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    jwks_file = tmp_path / "jwks.json"
+    jwks_file.write_text(jwks(("k1", first)))
+    check = JwtVerifier(Settings(jwt_jwks_file=jwks_file, jwt_issuer=ISSUER,
+                                 jwt_audience=AUDIENCE))
+    token = jwt.encode(claims(), first, algorithm="ES256", headers={"kid": "k1"})
+    assert check.verify(token).id == "user-1"
+    jwks_file.write_text(jwks(("k2", second)) + "\n")
+    with pytest.raises(CredentialsRejected) as refused:
+        check.verify(token)
+    assert refused.value.cause == "token_unknown_kid"

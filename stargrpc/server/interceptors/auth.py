@@ -17,12 +17,6 @@ one it may take: its principal is the one the signed assertion in that header na
 replica with ``fleet_secret`` (:attr:`AuthInterceptor.fleet`), only without credentials of
 its own. Anything else carrying the header is refused UNAUTHENTICATED like any bad
 credential. The call's audit record names the replica that forwarded it.
-
-A call the MCP endpoint of this process makes for an HTTP request its door has just
-authenticated carries a door pass beside the caller's credentials
-(:mod:`stargrpc.server.interceptors.door_pass`): when the pass checks out, its principal is
-taken without verifying the same credentials a second time; otherwise it is ignored and the
-credentials are authenticated as ever.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ from stargrpc.errors import CredentialsRejected
 from stargrpc.principal import Principal, current_principal
 from stargrpc.runs.call_record import CallRecord, current_call
 from stargrpc.server.interceptors.composed import ComposedInterceptor
-from stargrpc.server.interceptors.door_pass import DOOR_PASS_METADATA, DoorPasses
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.auth")
@@ -61,7 +54,6 @@ class AuthInterceptor(ComposedInterceptor):
     """
 
     fleet: FleetAssertions | None
-    door_passes: DoorPasses
 
     def __init__(self, settings: Settings, *, authenticator: Authenticator | None = None
                  ) -> None:
@@ -81,8 +73,6 @@ class AuthInterceptor(ComposedInterceptor):
             open_services |= _REFLECTION
         self._open_services = frozenset(open_services)
         self.fleet = None  # the server sets it when it joins a fleet with fleet_secret
-        # Minted by the front ends given this authenticator (the MCP endpoint's door).
-        self.door_passes = DoorPasses(self._authenticator)
         super().__init__(auth=self)
 
     @property
@@ -137,11 +127,6 @@ class AuthInterceptor(ComposedInterceptor):
             assertions = [value for key, value in metadata if key == FORWARDED_HEADER]
             if assertions:
                 principal = self._forwarded(assertions, metadata, method, request)
-            elif (not self._authenticator.insecure
-                  and any(key == DOOR_PASS_METADATA for key, _ in metadata)
-                  and (vouched := self.door_passes.principal(metadata, context.peer()))
-                  is not None):
-                principal = vouched  # the door of this process authenticated them just now
             else:
                 principal = self._authenticator.authenticate(
                     metadata, context.auth_context() if self._authenticator.certificates
