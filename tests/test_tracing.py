@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from stargrpc import ToolContext, tool
 from stargrpc.registry import Registry, load_registry, spec_of
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import phases
+from tests.helpers import eventually, phases
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -163,7 +163,10 @@ async def test_refused_calls_are_traced_without_a_run(stub, spans) -> None:
         await run_tool(stub, "no-such-tool", metadata=(("traceparent", TRACEPARENT),))
 
     assert refused.value.code() is grpc.StatusCode.NOT_FOUND
-    (call,) = spans.get_finished_spans()
+    # The refusal's status can reach the caller before the server's interceptor has ended
+    # the call's span (after its handler raised): wait for it, bounded.
+    (call,) = await eventually(spans.get_finished_spans, within=10, interval=0.01,
+                               what="the refused call's span ended")
     assert call.name == "stargrpc.v1.ToolService/Execute"
     assert call.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     # A refusal is the caller's problem, not a server fault.
@@ -175,7 +178,9 @@ async def test_list_tools_is_traced(stub, spans) -> None:
     await stub.ListTools(tool_service_pb2.ListToolsRequest(),
                          metadata=(("traceparent", TRACEPARENT),))
 
-    (call,) = spans.get_finished_spans()
+    # The reply can reach the caller before the server's interceptor ends the span.
+    (call,) = await eventually(spans.get_finished_spans, within=10, interval=0.01,
+                               what="the ListTools span ended")
     assert call.name == "stargrpc.v1.ToolService/ListTools"
     assert parent_of(call) == int(PARENT_SPAN_ID, 16)
 

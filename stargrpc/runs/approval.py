@@ -97,6 +97,9 @@ APPROVAL_METHOD = "/stargrpc.approval/Request"
 
 #: Random bytes of an approval id (its URL-safe text is 32 characters).
 APPROVAL_ID_BYTES = 24
+#: Every approval id starts so: never with a "-" (base64url has it), which a command line
+#: would take for an option (`--approval-id -x…`), and its kind shows, as ``ses_``/``sgk_`` do.
+APPROVAL_ID_PREFIX = "apv_"
 #: Longest approval id, run id and digest taken by ApproveRun; longer ones are refused.
 MAX_APPROVAL_ID_CHARS = 128
 MAX_RUN_ID_CHARS = 128
@@ -239,7 +242,8 @@ class Approvals:
         """
         requested = now_ms()
         record = ApprovalRecord(
-            run_id=run.run_id, approval_id=secrets.token_urlsafe(APPROVAL_ID_BYTES),
+            run_id=run.run_id,
+            approval_id=APPROVAL_ID_PREFIX + secrets.token_urlsafe(APPROVAL_ID_BYTES),
             tool=run.spec.name, owner=run.principal.id, principal=run.principal.describe(),
             digest=arguments_digest(arguments),
             arguments=redacted_json(dict(arguments), self._shown),

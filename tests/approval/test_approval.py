@@ -37,6 +37,8 @@ async def test_an_approved_run_starts_after_the_decision_and_both_are_audited(
     assert approval.arguments_digest == hashlib.sha256(canonical).hexdigest()
     assert approval.tool_name == "deploy" and approval.principal == "alice"
     assert len(approval.approval_id) >= 32 and run_id not in approval.approval_id
+    # Never "-" first (a command line would take it for an option): apv_ and random.
+    assert approval.approval_id.startswith("apv_")
     assert "billing" in approval.arguments and "s3cr3t" not in approval.arguments
     assert approval.deadline.ToSeconds() - approval.requested_at.ToSeconds() == 60
     assert run_id not in BODIES_RUN

@@ -112,9 +112,9 @@ async def _decide_with(command: Callable[..., Awaitable[tuple[int, str, str]]], 
 
     call = people.alice.Execute(execute_request("deploy", {"service": "other"}))
     head, approval = await read_until_approval(call)
-    code, _, _ = await command(*target, "deny", f"{flag}approval-id", approval.approval_id,
+    code, _, deny_err = await command(*target, "deny", f"{flag}approval-id", approval.approval_id,
                                f"{flag}reason", "from the client", head[0].run_id)
-    assert code == 0
+    assert code == 0, deny_err
     assert (await rest_of(call))[-1].result.error.message == \
         f"denied by {approver}: from the client"
 
