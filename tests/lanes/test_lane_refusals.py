@@ -85,6 +85,40 @@ async def test_a_wait_estimated_longer_than_max_wait_answers_lane_busy(
         assert (await collect(call))[-1].result.outcome == events_pb2.OUTCOME_OK
 
 
+async def test_a_run_refused_lane_busy_takes_no_turn(lanes_at: LaneServer,
+                                                     holds: Holds) -> None:
+    """Alice's refused entry gives its turn back: her next run keeps the turn it would have
+    had, ahead of Bob's second (in Redis the entry was made before its estimate refused it;
+    one process refuses before any turn is taken)."""
+    _, channel = await lanes_at()
+    stub = stub_for(channel)
+    bob = as_principal("bob")
+    running = stub.Execute(hold_request("a"), metadata=ALICE)
+    await started(holds, 1)
+    b1 = stub.Execute(hold_request("b1"), metadata=ALICE)
+    assert (await first_notice(b1)).queued.position == 1
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        # The running run's time so far is the estimate (no history): above 1 ms by now.
+        await collect(stub.Execute(hold_request("b2", max_wait_seconds=0.001),
+                                   metadata=ALICE))
+    assert detail(refused.value, error_details_pb2.ErrorInfo).reason == "LANE_BUSY"
+    b3 = stub.Execute(hold_request("b3"), metadata=ALICE)
+    assert (await first_notice(b3)).queued.position == 2
+    c1 = stub.Execute(hold_request("c1"), metadata=bob)
+    assert (await first_notice(c1)).queued.position == 2  # Bob's first turn: beside b1's
+    c2 = stub.Execute(hold_request("c2"), metadata=bob)
+    # Bob's second turn is b3's: b3 arrived first. Had b2 kept its turn, b3 would have had
+    # Alice's third and c2 would be third, not fourth.
+    assert (await first_notice(c2)).queued.position == 4
+    order = ["a", "b1", "c1", "b3", "c2"]
+    calls = dict(zip(order, [running, b1, c1, b3, c2], strict=True))
+    for i, name in enumerate(order):
+        assert (await started(holds, i + 1))[i] == name
+        holds.release(name)
+        assert (await collect(calls[name]))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert "b2" not in holds.started
+
+
 async def test_the_estimate_is_within_half_of_the_actual_wait(lanes_at: LaneServer) -> None:
     """A lane of one slot whose runs take 0.4 s: the third queued run's estimate at entry
     is within ±50 % of how long it then waits (its usage's queued_seconds)."""

@@ -173,7 +173,7 @@ end
 # slot left unused is free as the estimate sees it). ARGV: max_concurrent, lease_ms, ttl_ms,
 # run id, principal, priority, max_queued[, wanted, the reserve's name prefix, share].
 # Returns {1, {reserve slots}} granted, {-1, waiting, looks} the queue is full, or
-# {0, member, position, looks} queued.
+# {0, member, position, looks, turn} queued (``turn``: the one this entry took).
 ENTER = _COMMON + """
 tidy()
 fill()
@@ -207,7 +207,7 @@ local score = (1000 - priority) * TURN + turn
 redis.call('ZADD', KEYS[3], score, member)
 redis.call('ZADD', KEYS[4], now + lease_ms, member)
 redis.call('HSET', KEYS[7], run, member)
-return {0, member, redis.call('ZRANK', KEYS[3], member) + 1, looks()}
+return {0, member, redis.call('ZRANK', KEYS[3], member) + 1, looks(), turn}
 """
 
 # A replica's look at its waiting runs of one lane: renews their places, hands out free
@@ -244,7 +244,11 @@ return 1
 
 # A run leaves its lane: its slot freed (its duration noted when it ran) or its place in the
 # queue given up; free slots go to the head of the queue. ARGV: max_concurrent, lease_ms,
-# ttl_ms, run id, member (or ''), duration_ms (or ''), history.
+# ttl_ms, run id, member (or ''), duration_ms (or ''), history[, the principal's turn key,
+# the turn its entry took]. A run refused right after it entered (LANE_BUSY: its estimate
+# came with the entry) gives its turn back, as one process's lanes never take it: when the
+# principal's next turn is still the one after it (no entry of theirs came between), it is
+# set back — the later of it and the virtual time is then what it was before the entry.
 LEAVE = _COMMON + """
 tidy()
 if redis.call('ZREM', KEYS[1], ARGV[4]) == 1 then
@@ -258,6 +262,12 @@ if ARGV[5] ~= '' then
   redis.call('ZREM', KEYS[3], ARGV[5])
   redis.call('ZREM', KEYS[4], ARGV[5])
   redis.call('HDEL', KEYS[7], ARGV[4])
+end
+if ARGV[8] then
+  local turn = tonumber(ARGV[9])
+  if tonumber(redis.call('HGET', KEYS[5], ARGV[8])) == turn + 1 then
+    redis.call('HSET', KEYS[5], ARGV[8], turn)
+  end
 end
 fill()
 touch()
@@ -427,7 +437,7 @@ class RedisLanes:
         position = int(reply[2])
         estimate = self._estimate(ticket.lane, position, reply[3])
         if ticket.max_wait and estimate > ticket.max_wait:
-            await self._give_up(ticket, member)
+            await self._give_up(ticket, member, int(reply[4]))
             raise lane_busy(ticket.lane, estimate, ticket.max_wait)
         place.position, place.estimate = position, estimate
         self._members[ticket.run_id] = member
@@ -545,10 +555,12 @@ class RedisLanes:
         reserve.used_at = time.monotonic()
         self._start()
 
-    async def _give_up(self, ticket: LaneTicket, member: str) -> None:
+    async def _give_up(self, ticket: LaneTicket, member: str, turn: int) -> None:
+        """Takes back the entry of a run refused as soon as it entered, and its turn."""
         with contextlib.suppress(RequestError), reachable("leaving the lane"):
             await self._shared.scripts.call(self._leave, self.keys(ticket.lane), [
-                *self._args(ticket.lane), ticket.run_id, member, "", DURATION_HISTORY])
+                *self._args(ticket.lane), ticket.run_id, member, "", DURATION_HISTORY,
+                f"p|{ticket.priority}|{ticket.principal}", turn])
 
     async def _release(self, lane: str, slot: str, member: str, duration: str) -> None:
         """Frees ``slot`` (a run id, or a reserve slot) or gives up the queue's ``member``."""
