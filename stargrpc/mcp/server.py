@@ -14,6 +14,7 @@ import contextlib
 import functools
 from typing import Any
 
+import grpc
 import structlog
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
@@ -65,7 +66,8 @@ class McpEndpoint:
     def __init__(self, settings: Settings, grpc_port: int,
                  authenticator: Authenticator | None = None, *,
                  forwarded: ForwardedClient | None = None,
-                 audit: AuditWriter | None = None) -> None:
+                 audit: AuditWriter | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
         """The endpoint of the server whose gRPC port is ``grpc_port``.
 
         Args:
@@ -78,6 +80,8 @@ class McpEndpoint:
                 (:mod:`stargrpc.forwarded`).
             audit: The server's audit writer: a request refused for its credentials before
                 it reaches the gRPC server is recorded there.
+            channel: The server's in-process channel (:mod:`stargrpc.server.inprocess`):
+                the bridge's calls go through it instead of the loopback network.
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
@@ -91,7 +95,7 @@ class McpEndpoint:
                                  settings.mcp_session_idle_seconds)
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
-                                     server_name=server_name)
+                                     server_name=server_name, channel=channel)
         self._bridge = Bridge(self._client,
                               functools.partial(request_credentials, forwarded=forwarded),
                               retention_seconds=settings.run_retention_seconds,
