@@ -234,7 +234,7 @@ class Gateway:
     """The HTTP gateway of one server: a gRPC client of it plus the Starlette app.
 
     Attributes:
-        client: The loopback gRPC client.
+        client: The gRPC client of the server (in-process when given its channel).
         app: The ASGI app.
         runs_watch: The polls behind the live run lists (``GET /v1/runs/events``).
     """

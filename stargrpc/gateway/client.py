@@ -1,10 +1,12 @@
 """The gateway's side of gRPC: a client of this process's own ToolService.
 
-Every HTTP request becomes a gRPC call on a loopback channel, carrying the caller's
-credentials as metadata, so authentication, permissions, audit and supervision are exactly
-those of a gRPC caller. A run started over HTTP belongs to no HTTP connection: the gateway
-reads its Execute stream to the end in a task of its own (a closed browser tab must not
-cancel the run), and HTTP clients follow it through WatchRun, which replays from any seq.
+Every HTTP request becomes a gRPC call — on the server's in-process channel when the server
+runs in this process (:mod:`stargrpc.server.inprocess`), else on a channel to its address —
+carrying the caller's credentials as metadata, so authentication, permissions, audit and
+supervision are exactly those of a gRPC caller. A run started over HTTP belongs to no HTTP
+connection: the gateway reads its Execute stream to the end in a task of its own (a closed
+browser tab must not cancel the run), and HTTP clients follow it through WatchRun, which
+replays from any seq.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """The MCP endpoint of a server process: streamable HTTP at ``/mcp`` on ``mcp_port``.
 
-It is a :class:`~stargrpc.mcp.bridge.Bridge` on a loopback gRPC channel to the process's
-own ToolService; each MCP request's ``Authorization`` header (with the trace context) is
-forwarded as the gRPC call's credentials. Before the SDK's session manager sees a request,
-:class:`~stargrpc.mcp.sessions.SessionGuard` authenticates it with the server's
-authenticator, so a session is only ever opened for, and used by, one principal.
+It is a :class:`~stargrpc.mcp.bridge.Bridge` on the server's in-process channel to its own
+ToolService (:mod:`stargrpc.server.inprocess`: the same handlers behind the same
+interceptors, without a loopback connection); each MCP request's ``Authorization`` header
+(with the trace context) is forwarded as the gRPC call's credentials. Before the SDK's
+session manager sees a request, :class:`~stargrpc.mcp.sessions.SessionGuard` authenticates
+it with the server's authenticator, so a session is only ever opened for, and used by, one
+principal.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import collections
 import contextvars
 import inspect
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, NoReturn, cast
 
@@ -679,6 +680,12 @@ class _MultiCallable:
                  metadata: Metadata | None = None, credentials: Any = None,
                  wait_for_ready: bool | None = None, compression: Any = None) -> Any:
         channel = self._channel
+        if metadata and not _valid_metadata(metadata):
+            # As grpc's core refuses it before sending anything: handlers written for gRPC
+            # may rely on metadata being printable ASCII under lower-case keys.
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "Invalid metadata",
+                                       "INTERNAL:Invalid metadata")
         data = self._serialize(request) if self._serialize is not None else request
         call_metadata = (_USER_AGENT, *metadata) if metadata else (_USER_AGENT,)
         call = _Call(channel._server, self._method, bytes(data), call_metadata,
@@ -693,6 +700,24 @@ class _MultiCallable:
                            else InProcessUnaryUnaryCall(call, self._deserialize))
         channel._track(view)
         return view
+
+
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+\Z")
+_METADATA_VALUE = re.compile(r"[\x20-\x7e]*\Z")
+
+
+def _valid_metadata(metadata: Metadata) -> bool:
+    """Whether grpc's core would send ``metadata``: lower-case keys of its alphabet, and
+    printable ASCII values except under ``-bin`` keys (bytes)."""
+    for key, value in metadata:
+        if not _METADATA_KEY.match(key):
+            return False
+        if key.endswith("-bin"):
+            if not isinstance(value, bytes | str):
+                return False
+        elif not isinstance(value, str) or not _METADATA_VALUE.match(value):
+            return False
+    return True
 
 
 class InProcessChannel(grpc.aio.Channel):

@@ -246,6 +246,21 @@ async def test_the_callers_context_variables_do_not_reach_the_handler(both: Any)
     assert json.loads(answer) == {"caller_variable": "", "k": "v", "remaining": False}
 
 
+async def test_metadata_grpc_would_not_send_is_refused_before_any_interceptor(both: Any
+                                                                             ) -> None:
+    _, local, _, local_interceptor = both
+    for metadata in ((("x-request-id", "\xe9"),), (("Authorization", "Bearer k"),),
+                     (("x-request-id", "a\x01b"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await local.unary_unary("/test.S/Unary")(b"hello", metadata=metadata)
+        assert (caught.value.code(), caught.value.details()) == (
+            grpc.StatusCode.INTERNAL, "Invalid metadata")
+    assert local_interceptor.seen == []
+    answer = await local.unary_unary("/test.S/Unary")(
+        b"hello", metadata=(("x-request-id", " spaced "), ("x-blob-bin", b"\xff")))
+    assert answer == b"echo:hello"
+
+
 async def test_a_stopped_server_refuses_in_process_calls(both: Any) -> None:
     _, local, *_ = both
     await local._server.stop()
@@ -360,6 +375,18 @@ class _Peers(grpc.aio.ServerInterceptor):
 
         return grpc.unary_stream_rpc_method_handler(
             noted, handler.request_deserializer, handler.response_serializer)
+
+
+async def test_a_header_grpc_cannot_carry_is_the_gateways_internal_error_as_before(
+        make_server: ServerFactory) -> None:
+    server = await make_server(mcp_registry(), http_port=0)
+    async with httpx2.AsyncClient(
+            base_url=f"http://127.0.0.1:{server.http.gateway_port}", timeout=30) as http:
+        answer = await http.post("/v1/tools/echo:execute?wait=true",
+                                 json={"arguments": {"text": "x"}},
+                                 headers=[(b"x-request-id", b"\xe9")])
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "Invalid metadata"
 
 
 async def test_front_ends_call_in_process_through_every_interceptor_and_cancel_runs(
