@@ -351,7 +351,7 @@ class InProcessContext(grpc.aio.ServicerContext):
     def time_remaining(self) -> float | None:
         if self._deadline is None:
             return None
-        return max(self._deadline - asyncio.get_event_loop().time(), 0.0)
+        return max(self._deadline - self._call.loop.time(), 0.0)
 
     def cancelled(self) -> bool:
         return self._call.cancelled_by_caller
@@ -441,7 +441,7 @@ class _Call:
     def __init__(self, server: InProcessServer, method: str, request: bytes,
                  metadata: tuple[tuple[str, Any], ...], peer: str, timeout: float | None,
                  max_receive_message_bytes: int, window: int) -> None:
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         self.method = method
         self.request = request
         self.max_receive_message_bytes = max_receive_message_bytes

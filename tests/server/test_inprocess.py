@@ -306,11 +306,22 @@ async def test_refusals_are_the_same_as_over_the_servers_port(
         for name, (tool, arguments, metadata) in cases.items():
             expected = await _execute(real, tool, arguments, metadata)
             assert await _execute(local, tool, arguments, metadata) == expected, name
+        # A method that does not exist: UNIMPLEMENTED once authenticated, both ways.
+        for metadata in ([("authorization", f"Bearer {auth.key}")], []):
+            statuses = []
+            for chan in (channel, auth.server.inprocess.channel("test")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await chan.unary_unary("/stargrpc.v1.ToolService/Nope")(
+                        b"", metadata=metadata)
+                statuses.append((caught.value.code(), caught.value.details()))
+            assert statuses[0] == statuses[1]
+            assert statuses[0][0] is (grpc.StatusCode.UNIMPLEMENTED if metadata
+                                      else grpc.StatusCode.UNAUTHENTICATED)
     assert (await _execute(local, "echo", {"text": "x" * 5000}, []))[0] is (
         grpc.StatusCode.RESOURCE_EXHAUSTED)
     # Each case left the same record both ways (the channel's first, then the in-process).
     records = await records_of(auth.server)
-    assert len(records) == 2 * len(cases) + 1
+    assert len(records) == 2 * len(cases) + 4 + 1
     fields = [(r.method, r.principal, r.outcome, r.detail, r.tool) for r in records]
     assert fields[0::2][:len(cases)] == fields[1::2][:len(cases)]
     # The peer is the transport's (an oversized call is refused before its handler, when
