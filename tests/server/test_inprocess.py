@@ -18,6 +18,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from stargrpc.client.errors import CallError
+from stargrpc.errors import RequestError
 from stargrpc.gateway.client import GatewayClient
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.inprocess import InProcessChannel, InProcessServer
@@ -52,6 +53,11 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     if request == b"abort":
         await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing",
                             (("x-reason", "gone"), ("x-blob-bin", b"\x00\x01")))
+    if request == b"abort-with-status":
+        await context.abort_with_status(RequestError("bad", reason="WHY").to_status())
+    if request == b"initial-metadata":
+        await context.send_initial_metadata((("x-first", "1"),))
+        return b"after the initial metadata"
     if request == b"set-code":
         context.set_code(grpc.StatusCode.ALREADY_EXISTS)
         context.set_details("there already")
@@ -155,13 +161,32 @@ async def _unary_outcome(channel: grpc.aio.Channel, request: bytes, method: str 
 
 
 @pytest.mark.parametrize("request_bytes", [
-    b"hello", b"raise", b"abort", b"set-code", b"set-code-then-raise", b"big", b"x" * 1500])
+    b"hello", b"raise", b"abort", b"abort-with-status", b"set-code", b"set-code-then-raise",
+    b"big", b"x" * 1500])
 async def test_unary_answers_and_statuses_are_the_channels(both: Any, request_bytes: bytes
                                                            ) -> None:
     channel, local, real_interceptor, local_interceptor = both
     expected = await _unary_outcome(channel, request_bytes)
     assert await _unary_outcome(local, request_bytes) == expected
     assert real_interceptor.seen == local_interceptor.seen == ["/test.S/Unary"]
+
+
+async def test_rich_details_and_initial_metadata_arrive_as_over_a_channel(both: Any) -> None:
+    channel, local, *_ = both
+    refusals = []
+    for chan in (channel, local):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await chan.unary_unary("/test.S/Unary")(b"abort-with-status")
+        refusals.append(CallError.from_rpc_error(caught.value))
+    assert [(r.code, r.message, r.reason) for r in refusals] == [
+        (grpc.StatusCode.INVALID_ARGUMENT, "bad", "WHY")] * 2
+    initial = []
+    for chan in (channel, local):
+        call = chan.unary_unary("/test.S/Unary")(b"initial-metadata")
+        assert await call == b"after the initial metadata"
+        initial.append([item for item in await call.initial_metadata()
+                        if item[0].startswith("x-")])
+    assert initial == [[("x-first", "1")]] * 2
 
 
 async def test_an_unknown_method_and_a_sync_handler_answer_as_over_a_channel(both: Any) -> None:
