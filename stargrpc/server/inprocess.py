@@ -406,7 +406,8 @@ class InProcessContext(grpc.aio.ServicerContext):
         if self._initial is not None:
             raise grpc.aio.UsageError("Initial metadata has already been sent")
         self._initial = tuple(initial_metadata)
-        self._call.initial.set_result(self._initial)
+        if not self._call.initial.done():  # else the call has ended: nobody reads it
+            self._call.initial.set_result(self._initial)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -619,16 +620,14 @@ class InProcessUnaryUnaryCall(_CallView):
         call = self._call
         try:
             message = await call.responses.get()
-        except asyncio.CancelledError:
+            await call.ended  # the response counts only with an OK status after it
+        except asyncio.CancelledError:  # as grpc.aio: the awaiting task cancels the call
             self.cancel()
             raise
-        if message is _END or call.code is None:
+        if message is _END or call.code is not grpc.StatusCode.OK:
             self._raise_if_ended()
-        await call.ended
-        if call.code is not grpc.StatusCode.OK:
-            self._raise_if_ended()
-        assert isinstance(message, bytes)
-        return self._deserialize(message) if self._deserialize is not None else message
+        data = cast(bytes, message)
+        return self._deserialize(data) if self._deserialize is not None else data
 
 
 class InProcessUnaryStreamCall(_CallView):

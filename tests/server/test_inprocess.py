@@ -37,8 +37,9 @@ CALLER_VARIABLE: contextvars.ContextVar[str] = contextvars.ContextVar("caller", 
 #: What each streaming call's handler saw when it ended, by request.
 ENDED: dict[bytes, dict[str, Any]] = {}
 
-#: Set by a streaming call's done callback, by request (when a test is waiting for it).
-DONE: dict[bytes, asyncio.Event] = {}
+#: Set by a streaming call's done callback, by request, and by the hanging unary handler
+#: ("hang", "hang-cancelled"), when a test is waiting for it.
+DONE: dict[bytes | str, asyncio.Event] = {}
 
 
 def _done(request: bytes, seen: dict[str, Any]) -> None:
@@ -74,7 +75,14 @@ async def _unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
                            "k": metadata.get("k"),
                            "remaining": context.time_remaining() is not None}).encode()
     if request == b"hang":
-        await asyncio.Event().wait()
+        if "hang" in DONE:  # a test waits for the handler to start, then to be cancelled
+            DONE["hang"].set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if "hang-cancelled" in DONE:
+                DONE["hang-cancelled"].set()
+            raise
     return b"echo:" + request
 
 
@@ -250,6 +258,20 @@ async def test_cancelling_a_stream_cancels_its_handler(both: Any) -> None:
                                    "done_callback": True}
 
 
+
+
+async def test_cancelling_the_task_awaiting_a_unary_call_cancels_its_handler(both: Any
+                                                                           ) -> None:
+    _, local, *_ = both
+    DONE["hang"], DONE["hang-cancelled"] = asyncio.Event(), asyncio.Event()
+    call = local.unary_unary("/test.S/Unary")(b"hang")
+    waiting = asyncio.ensure_future(call)
+    await asyncio.wait_for(DONE["hang"].wait(), 10)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.wait_for(DONE["hang-cancelled"].wait(), 10)
+    assert call.cancelled() and await call.code() is grpc.StatusCode.CANCELLED
 
 
 async def test_closing_the_channel_cancels_its_calls_and_refuses_new_ones(both: Any) -> None:
