@@ -28,6 +28,9 @@ Metadata = Sequence[tuple[str, str]]
 #: The trace context of a request: passed on to the gRPC call, never part of its answer.
 TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
 
+#: The largest message the gateway's channel sends or receives, unless told.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
 FORWARDED_HEADERS = ("authorization", *TRACE_HEADERS)
 
@@ -62,7 +65,7 @@ class GatewayClient:
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
                  channel: grpc.aio.Channel | None = None) -> None:
         """A client of the server at ``target``.
 

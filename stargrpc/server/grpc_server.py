@@ -23,6 +23,7 @@ from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
+from stargrpc.gateway.client import MAX_MESSAGE_BYTES
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp import require_mcp_for
@@ -54,9 +55,6 @@ if TYPE_CHECKING:
     from stargrpc.mcp.upstream import Upstreams
 
 log = structlog.get_logger("stargrpc.server")
-
-#: The message limit of the front ends' own channel (GatewayClient's default).
-LOOPBACK_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # After the runs have drained, how long the transport gets to flush their last messages.
 _TRANSPORT_GRACE_SECONDS = 2.0
@@ -261,8 +259,8 @@ class StargrpcServer:
     def _inprocess_channel(self, name: str) -> InProcessChannel:
         """A channel to this server's services for its own front end ``name`` (its calls'
         peer is ``inproc:<name>``), with the limits of the loopback channel it replaces."""
-        return self.inprocess.channel(name, max_send_message_bytes=LOOPBACK_MESSAGE_BYTES,
-                                      max_receive_message_bytes=LOOPBACK_MESSAGE_BYTES)
+        return self.inprocess.channel(name, max_send_message_bytes=MAX_MESSAGE_BYTES,
+                                      max_receive_message_bytes=MAX_MESSAGE_BYTES)
 
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING.
