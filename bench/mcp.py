@@ -8,7 +8,8 @@ to every server, as a deployment does):
 
 - **stargrpc**: ``stargrpc serve --mcp-port``; its gRPC Execute of ``echo`` (the Python SDK,
   ``stargrpc.client``) and the same call through its MCP endpoint — the bridge is a client
-  of the gRPC service, so this is the gRPC call plus the MCP hop, every interceptor (auth,
+  of the gRPC service, called in-process (``stargrpc.server.inprocess``: no loopback
+  channel), so this is the service's call plus the MCP hop, every interceptor (auth,
   audit, critic) applied;
 - **plain FastMCP**: an ``echo`` tool on a FastMCP server (``python -m bench.mcp --serve
   --fastmcp``), served as its documentation serves one over HTTP (no auth, no audit, no

@@ -1,13 +1,14 @@
 """The HTTP client behind a call that the server's own HTTP front ends make.
 
 The HTTP gateway and the MCP endpoint turn each HTTP request into a gRPC call of the same
-server over a loopback channel, so gRPC names the gateway itself (``127.0.0.1``) as the
-call's peer. The front end therefore vouches for the HTTP client's address in the call's
-metadata, and the audit interceptor records that address instead — but only when the
-voucher checks out: it is an HMAC of the address under a key that only the server's
-processes hold (derived from the audit key, which every worker of one server reads; a
-random one when the audit store was handed over without a key). Metadata any other gRPC
-caller sends, ``x-forwarded-for`` included, never changes the recorded peer.
+server (in-process: :mod:`stargrpc.server.inprocess`), so the call's peer is the front end
+itself (``inproc:gateway``, ``inproc:mcp``; ``127.0.0.1`` over a loopback channel). The
+front end therefore vouches for the HTTP client's address in the call's metadata, and the
+audit interceptor records that address instead — but only when the voucher checks out: it is
+an HMAC of the address under a key that only the server's processes hold (derived from the
+audit key, which every worker of one server reads; a random one when the audit store was
+handed over without a key). Metadata any other gRPC caller sends, ``x-forwarded-for``
+included, never changes the recorded peer.
 """
 
 from __future__ import annotations

@@ -211,8 +211,9 @@ class HttpEndpoints:
         self.gateway_port = 0
         self.metrics_port = 0
 
-    async def start(self, grpc_port: int) -> None:
-        """Starts what is enabled; ``grpc_port`` is where the gateway's calls go.
+    async def start(self, grpc_port: int, *, channel: grpc.aio.Channel | None = None) -> None:
+        """Starts what is enabled; ``grpc_port`` is where the gateway's calls go, unless
+        ``channel`` (an in-process channel to the same server) is given.
 
         Raises:
             OSError: A port cannot be bound (whatever had started is stopped again).
@@ -231,7 +232,7 @@ class HttpEndpoints:
                                        max_body_bytes=s.max_receive_message_bytes,
                                        allowed_hosts=s.http_allowed_hosts,
                                        allowed_origins=s.http_allowed_origins,
-                                       forwarded=self._forwarded)
+                                       forwarded=self._forwarded, channel=channel)
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
                                  s.http_port, reuse_port=s.workers > 1,

@@ -304,11 +304,14 @@ class Settings(BaseSettings):
         "embeds the server installs its own tracer provider).")
     tracing_service_name: str = Field("stargrpc", description="service.name of the traces.")
     http_grpc_ca_file: Path | None = Field(
-        None, description="With TLS on: the CA the gateway trusts for its loopback calls to "
-        "this server; default tls_cert_file (right for a self-signed certificate).")
+        None, description="With TLS on: the CA trusted for the server's certificate by a "
+        "replica forwarding a session's call, unless session_forward_ca_file is set (the "
+        "gateway and the MCP endpoint call their own server in-process, without TLS); "
+        "default tls_cert_file (right for a self-signed certificate).")
     http_grpc_server_name: str | None = Field(
-        None, description="With TLS on: the name the gateway expects in the server "
-        "certificate; default its first DNS name (or common name).")
+        None, description="With TLS on: the name expected in the server certificate had the "
+        "gateway a channel to its server (it calls it in-process); default its first DNS "
+        "name (or common name).")
     http_allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Host names the HTTP gateway and the MCP endpoint "
         "answer to besides IP addresses and localhost (comma-separated: name, name:port, "

@@ -8,7 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -198,3 +201,22 @@ async def test_the_gateway_forwards_the_trace_context(make_server, spans) -> Non
     named = by_name(spans.get_finished_spans())
     assert parent_of(named["stargrpc.v1.ToolService/Execute"]) == int(PARENT_SPAN_ID, 16)
     assert named["run echo"].context.trace_id == int(TRACE_ID, 16)
+
+
+async def test_the_mcp_endpoint_forwards_the_trace_context(make_server, spans) -> None:
+    server = await make_server(registry=registry(), tracing=True, tracing_exporter="none",
+                               mcp_port=0)
+    async with httpx2.AsyncClient(headers={"traceparent": TRACEPARENT}, timeout=30) as http, \
+            Client(streamable_http_client(f"http://127.0.0.1:{server.mcp.port}/mcp",
+                                          http_client=http), mode="legacy") as client:
+        answer = await client.call_tool("echo", {"text": "traced"})
+
+    assert not answer.is_error
+    executes = [span for span in spans.get_finished_spans()
+                if span.name == "stargrpc.v1.ToolService/Execute"]
+    # The call's span is the gRPC server's, parented by the MCP request's trace context
+    # (not by whatever span the MCP SDK had open in the bridge's task).
+    assert [parent_of(span) for span in executes] == [int(PARENT_SPAN_ID, 16)]
+    assert executes[0].kind is SpanKind.SERVER
+    runs = [span for span in spans.get_finished_spans() if span.name == "run echo"]
+    assert [span.context.trace_id for span in runs] == [int(TRACE_ID, 16)]

@@ -234,7 +234,7 @@ class Gateway:
     """The HTTP gateway of one server: a gRPC client of it plus the Starlette app.
 
     Attributes:
-        client: The loopback gRPC client.
+        client: The gRPC client of the server (in-process when given its channel).
         app: The ASGI app.
         runs_watch: The polls behind the live run lists (``GET /v1/runs/events``).
     """
@@ -253,7 +253,8 @@ class Gateway:
                  max_body_bytes: int = 8 * 1024 * 1024,
                  allowed_hosts: Iterable[str] = (),
                  allowed_origins: Iterable[str] = (),
-                 forwarded: ForwardedClient | None = None) -> None:
+                 forwarded: ForwardedClient | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
         """A gateway whose calls go to ``grpc_target``.
 
         Args:
@@ -266,12 +267,14 @@ class Gateway:
             allowed_origins: Origins allowed to call besides the page's own.
             forwarded: The server's voucher for the HTTP client's address (the audit
                 interceptor's), so that the audit records that client as the peer.
+            channel: The in-process channel of the server, when it runs in this process
+                (its calls then skip the loopback network).
 
         Raises:
             ValueError: An allowed host or origin is malformed.
         """
         self.client = GatewayClient(grpc_target, credentials=credentials,
-                                    server_name=server_name)
+                                    server_name=server_name, channel=channel)
         self._closing = asyncio.Event()
         self.runs_watch = RunListWatch(self.client, self._closing)
         self._max_body_bytes = max_body_bytes

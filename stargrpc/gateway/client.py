@@ -1,10 +1,12 @@
 """The gateway's side of gRPC: a client of this process's own ToolService.
 
-Every HTTP request becomes a gRPC call on a loopback channel, carrying the caller's
-credentials as metadata, so authentication, permissions, audit and supervision are exactly
-those of a gRPC caller. A run started over HTTP belongs to no HTTP connection: the gateway
-reads its Execute stream to the end in a task of its own (a closed browser tab must not
-cancel the run), and HTTP clients follow it through WatchRun, which replays from any seq.
+Every HTTP request becomes a gRPC call — on the server's in-process channel when the server
+runs in this process (:mod:`stargrpc.server.inprocess`), else on a channel to its address —
+carrying the caller's credentials as metadata, so authentication, permissions, audit and
+supervision are exactly those of a gRPC caller. A run started over HTTP belongs to no HTTP
+connection: the gateway reads its Execute stream to the end in a task of its own (a closed
+browser tab must not cancel the run), and HTTP clients follow it through WatchRun, which
+replays from any seq.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ Metadata = Sequence[tuple[str, str]]
 
 #: The trace context of a request: passed on to the gRPC call, never part of its answer.
 TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
+
+#: The largest message the gateway's channel sends or receives, unless told.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
 FORWARDED_HEADERS = ("authorization", *TRACE_HEADERS)
@@ -53,14 +58,28 @@ class GatewayClient:
 
     target: str
     _channel: grpc.aio.Channel | None
+    _given: grpc.aio.Channel | None
     _stub: tool_service_pb2_grpc.ToolServiceStub | None
     _state_stub: state_pb2_grpc.RunStateServiceStub | None
     _pumps: set[asyncio.Task[None]]
 
     def __init__(self, target: str, *, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        """A client of the server at ``target``.
+
+        Args:
+            target: The server's gRPC address.
+            credentials: TLS roots for a server that serves TLS.
+            server_name: The name expected in the server's certificate.
+            max_message_bytes: Largest message sent or received on the channel.
+            channel: A channel to use instead of connecting to ``target``: the in-process
+                one of a server in this process (:mod:`stargrpc.server.inprocess`), whose
+                calls skip the loopback network; closed with the client.
+        """
         self.target = target
+        self._given = channel
         self._credentials = credentials
         self._server_name = server_name
         self._max_message_bytes = max_message_bytes
@@ -71,6 +90,11 @@ class GatewayClient:
 
     async def start(self) -> None:
         """Opens the channel (in the running event loop)."""
+        if self._given is not None:
+            self._channel = self._given
+            self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
+            self._state_stub = state_pb2_grpc.RunStateServiceStub(self._channel)
+            return
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),

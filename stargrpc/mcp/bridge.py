@@ -3,7 +3,8 @@
 Every MCP request becomes a gRPC call (through :class:`~stargrpc.gateway.client.GatewayClient`)
 that carries the MCP caller's credentials, so authentication, permissions, audit, the
 critic, limits and idempotency are exactly those of a gRPC caller. The same bridge serves
-the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request) and
+the in-process HTTP endpoint (``--mcp-port``, credentials from each HTTP request, calls
+on the server's in-process channel) and
 ``stargrpc mcp-stdio`` (credentials from its API key, against any stargrpc server).
 
 - ``tools/list``: ListTools, the tools the caller may run.

@@ -1,10 +1,12 @@
 """The MCP endpoint of a server process: streamable HTTP at ``/mcp`` on ``mcp_port``.
 
-It is a :class:`~stargrpc.mcp.bridge.Bridge` on a loopback gRPC channel to the process's
-own ToolService; each MCP request's ``Authorization`` header (with the trace context) is
-forwarded as the gRPC call's credentials. Before the SDK's session manager sees a request,
-:class:`~stargrpc.mcp.sessions.SessionGuard` authenticates it with the server's
-authenticator, so a session is only ever opened for, and used by, one principal.
+It is a :class:`~stargrpc.mcp.bridge.Bridge` on the server's in-process channel to its own
+ToolService (:mod:`stargrpc.server.inprocess`: the same handlers behind the same
+interceptors, without a loopback connection); each MCP request's ``Authorization`` header
+(with the trace context) is forwarded as the gRPC call's credentials. Before the SDK's
+session manager sees a request, :class:`~stargrpc.mcp.sessions.SessionGuard` authenticates
+it with the server's authenticator, so a session is only ever opened for, and used by, one
+principal.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import functools
 from typing import Any
 
+import grpc
 import structlog
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
@@ -65,7 +68,8 @@ class McpEndpoint:
     def __init__(self, settings: Settings, grpc_port: int,
                  authenticator: Authenticator | None = None, *,
                  forwarded: ForwardedClient | None = None,
-                 audit: AuditWriter | None = None) -> None:
+                 audit: AuditWriter | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
         """The endpoint of the server whose gRPC port is ``grpc_port``.
 
         Args:
@@ -78,6 +82,8 @@ class McpEndpoint:
                 (:mod:`stargrpc.forwarded`).
             audit: The server's audit writer: a request refused for its credentials before
                 it reaches the gRPC server is recorded there.
+            channel: The server's in-process channel (:mod:`stargrpc.server.inprocess`):
+                the bridge's calls go through it instead of the loopback network.
 
         Raises:
             OSError: With TLS on, a certificate file cannot be read.
@@ -91,7 +97,7 @@ class McpEndpoint:
                                  settings.mcp_session_idle_seconds)
         credentials, server_name = gateway_tls(settings)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
-                                     server_name=server_name)
+                                     server_name=server_name, channel=channel)
         self._bridge = Bridge(self._client,
                               functools.partial(request_credentials, forwarded=forwarded),
                               retention_seconds=settings.run_retention_seconds,

@@ -23,6 +23,7 @@ from stargrpc.contract import SERVICE_NAME
 from stargrpc.delivery.audit import delivery_auditor
 from stargrpc.errors import CriticConfigError, ToolDefinitionError
 from stargrpc.forwarded import ForwardedClient
+from stargrpc.gateway.client import MAX_MESSAGE_BYTES
 from stargrpc.http_server import HttpEndpoints
 from stargrpc.logs import configure_embedded_logging
 from stargrpc.mcp import require_mcp_for
@@ -33,6 +34,7 @@ from stargrpc.runs.permissions import RolePolicy
 from stargrpc.runs.runtime import Runtime
 from stargrpc.sandbox import log_isolation
 from stargrpc.sandbox.pool import WarmPool, start_pool
+from stargrpc.server.inprocess import InProcessChannel, InProcessServer
 from stargrpc.server.interceptors import build_chain
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.server.interceptors.auth import AuthInterceptor
@@ -124,12 +126,16 @@ class StargrpcServer:
         port: The bound port, once started.
         warm_pool: Sandboxes started ahead for the sandboxed tools, once started (None
             when it keeps none: see :func:`stargrpc.sandbox.pool.start_pool`).
+        inprocess: The services behind the same interceptors, called from this process
+            without a channel (the MCP endpoint and the gateway do:
+            :mod:`stargrpc.server.inprocess`).
     """
 
     settings: Settings
     runtime: Runtime
     port: int
     interceptors: list[grpc.aio.ServerInterceptor]
+    inprocess: InProcessServer
     http: HttpEndpoints
     mcp: McpEndpoint | None
     upstreams: Upstreams | None
@@ -169,12 +175,16 @@ class StargrpcServer:
         self.port = 0
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
-        self._server = grpc.aio.server(
-            # Neighbouring audit, auth and critic stages served as one wrapper per call
-            # (same order, same work); self.interceptors keeps each by name.
-            interceptors=compose(self.interceptors),
-            options=self._channel_options(),
-        )
+        # Neighbouring audit, auth and critic stages served as one wrapper per call (same
+        # order, same work); self.interceptors keeps each by name.
+        served = compose(self.interceptors)
+        self._server = grpc.aio.server(interceptors=served, options=self._channel_options())
+        # The same handlers behind the same interceptors, for the MCP endpoint and the
+        # gateway of this process: their calls skip the loopback channel.
+        self.inprocess = InProcessServer(
+            served, max_receive_message_bytes=settings.max_receive_message_bytes,
+            max_send_message_bytes=settings.max_send_message_bytes)
+        registrar = self.inprocess.registrar(self._server)
         self._health = health.aio.HealthServicer()
         self.service = ToolService(self.runtime)
         if audit is not None:  # each delivery's final state goes into the trail
@@ -184,11 +194,10 @@ class StargrpcServer:
             # So does each child run a tool starts (ctx.call): no gRPC call carries it.
             self.runtime.audit_child = audit.audit_child
         self._connect_sessions()
-        add_to_server(self.service, self._server)
-        add_state_service(RunStateService(self.runtime.state_store, settings), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        enable_reflection((SERVICE_NAME, STATE_SERVICE_NAME, health.SERVICE_NAME),
-                          self._server)
+        add_to_server(self.service, registrar)
+        add_state_service(RunStateService(self.runtime.state_store, settings), registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, registrar)
+        enable_reflection((SERVICE_NAME, STATE_SERVICE_NAME, health.SERVICE_NAME), registrar)
 
     def _connect_sessions(self) -> None:
         """With a fleet and ``session_advertise_address``: sessions recorded in Redis, and
@@ -247,6 +256,12 @@ class StargrpcServer:
     def _upstream_changed(self) -> None:
         self.runtime.replace_registry(self._catalog(self._local))
 
+    def _inprocess_channel(self, name: str) -> InProcessChannel:
+        """A channel to this server's services for its own front end ``name`` (its calls'
+        peer is ``inproc:<name>``), with the limits of the loopback channel it replaces."""
+        return self.inprocess.channel(name, max_send_message_bytes=MAX_MESSAGE_BYTES,
+                                      max_receive_message_bytes=MAX_MESSAGE_BYTES)
+
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING.
 
@@ -273,7 +288,7 @@ class StargrpcServer:
             await self.runtime.store.start()
         if self.upstreams is not None:  # in the background: a slow one never delays serving
             self.upstreams.start()
-        await self.http.start(self.port)
+        await self.http.start(self.port, channel=self._inprocess_channel("gateway"))
         if self.settings.mcp_port is not None:
             auth = next((i for i in self.interceptors if isinstance(i, AuthInterceptor)), None)
             audit = next((i for i in self.interceptors if isinstance(i, AuditInterceptor)),
@@ -283,7 +298,8 @@ class StargrpcServer:
             self.mcp = McpEndpoint(self.settings, self.port,
                                    auth.authenticator if auth is not None else None,
                                    forwarded=self._forwarded,
-                                   audit=audit.writer if audit is not None else None)
+                                   audit=audit.writer if audit is not None else None,
+                                   channel=self._inprocess_channel("mcp"))
             await self.mcp.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -321,6 +337,7 @@ class StargrpcServer:
         if self.mcp is not None:
             await self.mcp.stop()
         await self._server.stop(_TRANSPORT_GRACE_SECONDS)
+        await self.inprocess.stop()  # after the transport's grace, as its calls got it
         await self.service.deliveries.aclose(grace)
         await self.runtime.store.aclose()
         await self.runtime.aclose()

@@ -204,6 +204,30 @@ async def test_cancelling_the_request_cancels_the_run(
     assert again.content == [types.TextContent(text="next")]
 
 
+async def test_a_client_going_away_mid_call_cancels_the_run(
+        mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event]) -> None:
+    name, _, cancelled = gate
+    waiting = asyncio.Event()
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        if message and "waiting at the gate" in message:
+            waiting.set()
+
+    async def connected() -> None:  # the whole client: its session and HTTP connection
+        async with mcp_server.client() as client:
+            await client.call_tool("wait_at_gate", {"gate": name}, progress_callback=progress)
+
+    going = asyncio.create_task(connected())
+    await asyncio.wait_for(waiting.wait(), 20)
+    going.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await going
+    await asyncio.wait_for(cancelled.wait(), 10)  # the run's tool was cancelled
+    async with mcp_server.client() as client:  # and the endpoint keeps serving
+        result = await client.call_tool("echo", {"text": "after"})
+    assert result.content == [types.TextContent(text="after")]
+
+
 async def test_the_idempotency_meta_key_replays_instead_of_running_again(
         mcp_server: McpUnderTest) -> None:
     meta: Any = {IDEMPOTENCY_META_KEY: "order-42"}
