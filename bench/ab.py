@@ -14,6 +14,11 @@ no two audit trails share a SQLite file. The servers take turns under one client
 
 Prints one table: CPU per call, p50 and p99, each as a ratio to bare, and the framework's
 own CPU (the server's CPU less the floor's).
+
+``--concurrent N`` adds rounds of N simultaneous 10 ms runs (``--concurrent-rounds``, the
+servers taking turns round by round): calls/s (median and best round) and the server's CPU
+per call over those rounds. The CPU per call is the steadier figure on a shared machine:
+calls/s also moves with what else runs on the cores, the CPU a call costs much less.
 """
 
 from __future__ import annotations
@@ -71,6 +76,25 @@ def _more(running: list[Any], token: str) -> dict[str, tuple[float, float, float
                 strict=True)}
 
 
+def _concurrent(running: list[Any], token: str, concurrent: int, rounds: int
+                ) -> dict[str, dict[str, float]]:
+    """Rounds of ``concurrent`` simultaneous 10 ms runs: calls/s (median and best round),
+    the server's CPU per call over the rounds (warm-up excluded) and the calls that failed."""
+    figures = run_plan(running, [
+        {"measure": "concurrency", "concurrent": concurrent, "rounds": rounds,
+         "count_errors": True, "process_pids": [[s.pid] for s in running]},
+    ], token)["concurrency"]
+    calls = concurrent * rounds
+    return {server.name: {
+        "calls_per_s": f["calls_per_s"], "best_calls_per_s": f["best_calls_per_s"],
+        "cpu_us_per_call": sum(f["process_cpu_s"]) / calls * 1e6,
+        "client_cpu_us_per_call": f["client_cpu_s"] / calls * 1e6,
+        # Of the machine's cores, how many the server and the client kept busy together.
+        "cores_busy": (sum(f["process_cpu_s"]) + f["client_cpu_s"]) / sum(f["walls_s"]),
+        "errors": f["errors"]}
+        for server, f in zip(running, figures, strict=True)}
+
+
 def _profile(running: list[Any], name: str, token: str, concurrent: int = 0) -> None:
     server = next(s for s in running if s.name == name)
     raw = Path(tempfile.mkstemp(prefix=f"ab-{name}-", suffix=".txt")[1])
@@ -85,6 +109,11 @@ def _profile(running: list[Any], name: str, token: str, concurrent: int = 0) -> 
     if recorded is not None:
         print(profiling.summarize(recorded).render(top=60), file=sys.stderr)
         print(f"raw profile: {recorded}", file=sys.stderr)
+
+
+def _with_ratio(value: float, bare: float, spec: str = ",.0f") -> str:
+    """Two cells of a table: ``value``, and its ratio to bare's."""
+    return f"{value:{spec}} | {value / bare:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--more", action="store_true",
                         help="then, once: stream throughput (5,000 deltas), 200 concurrent "
                              "10 ms runs and memory per held stream (500 open)")
+    parser.add_argument("--concurrent", type=int, default=0, metavar="N",
+                        help="then rounds of N concurrent 10 ms runs: calls/s and server CPU "
+                             "per call")
+    parser.add_argument("--concurrent-rounds", type=int, default=10)
     parser.add_argument("--profile", metavar="NAME",
                         help="then py-spy this server under 2,000 sequential calls and print "
                              "its summary (the raw profile is kept in /tmp)")
@@ -149,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
                     file=sys.stderr, flush=True)
             if args.more:
                 more = _more(running, stack.token)
+            if args.concurrent:
+                concurrent = _concurrent(running, stack.token, args.concurrent,
+                                         args.concurrent_rounds)
             if args.profile:
                 _profile(running, args.profile, stack.token, args.profile_concurrent)
     bare_cpu, bare_p50, bare_p99 = min(cpu["bare"]), min(p50["bare"]), min(p99["bare"])
@@ -172,10 +208,22 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|")
         bare = more["bare"]
         for name, figures in more.items():
-            print(f"| {name} | {figures[0]:,.0f} | {figures[0] / bare[0]:.2f}x | "
-                  f"{figures[1]:,.0f} | {figures[1] / bare[1]:.2f}x | {figures[2]:.1f} | "
-                  f"{figures[2] / bare[2]:.2f}x |")
+            print(f"| {name} | {_with_ratio(figures[0], bare[0])} | "
+                  f"{_with_ratio(figures[1], bare[1])} | "
+                  f"{_with_ratio(figures[2], bare[2], '.1f')} |")
             result[name]["more"] = figures
+    if args.concurrent:
+        print(f"| server | {args.concurrent} concurrent 10 ms runs, calls/s (median of "
+              f"{args.concurrent_rounds} rounds) | ratio | best round | ratio | server CPU "
+              "µs/call | ratio | client CPU µs/call | cores busy | failed |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        bare_c = concurrent["bare"]
+        for name, c in concurrent.items():
+            cells = " | ".join(_with_ratio(c[figure], bare_c[figure]) for figure in
+                               ("calls_per_s", "best_calls_per_s", "cpu_us_per_call"))
+            print(f"| {name} | {cells} | {c['client_cpu_us_per_call']:.0f} | "
+                  f"{c['cores_busy']:.2f} | {c['errors']:.0f} |")
+            result[name]["concurrent"] = c
     print(json.dumps(result))
 
 

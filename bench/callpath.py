@@ -13,6 +13,12 @@ measured without the noise of the transport (``bench/ab.py`` measures the whole 
     python -m bench.callpath --profile       # and a cProfile of the rounds, by own time
     python -m bench.callpath --separate      # also the chain unfused, rounds in turns
     python -m bench.callpath --layers-only   # the interceptors alone: Execute runs no tool
+    python -m bench.callpath --concurrent 200  # calls of bench_wait (10 ms), 200 at once
+
+``--concurrent N`` measures the concurrent path of ``python -m bench``'s concurrency figure
+in-process: ``bench_wait`` calls (``{"ms": 10}``) started N at a time, each in its task,
+the next N once they have all ended; the CPU per call is what the loop spent on them, timers
+and waiting included (``--concurrent 1``: the same calls one at a time).
 
 Bounded: a fixed number of calls; everything in a temporary directory.
 """
@@ -144,7 +150,9 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
         chains["separate"] = list(server.interceptors)
     execute = _layers_only_handler() if args.layers_only else _execute_handler(server)
     metadata = (("authorization", f"Bearer {token}"),)
-    request = tool_service_pb2.ExecuteRequest(tool_name="bench_trivial", arguments_json="{}")
+    request = (tool_service_pb2.ExecuteRequest(tool_name="bench_wait", arguments_json='{"ms": 10}')
+               if args.concurrent else
+               tool_service_pb2.ExecuteRequest(tool_name="bench_trivial", arguments_json="{}"))
     data = request.SerializeToString()
     details = _Details(EXECUTE, metadata)
 
@@ -166,6 +174,13 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
 
     async def rounds(calls: int, interceptors: Sequence[grpc.aio.ServerInterceptor]) -> float:
         started = time.process_time()
+        if args.concurrent:
+            for _ in range(max(1, calls // args.concurrent)):
+                sent_all = await asyncio.gather(*(loop.create_task(one_call(interceptors))
+                                                  for _ in range(args.concurrent)))
+                assert set(sent_all) == {3}, sent_all
+            calls = max(1, calls // args.concurrent) * args.concurrent
+            return (time.process_time() - started) / calls * 1e6
         for _ in range(calls):
             # Each call in a task of its own, as grpc.aio serves it.
             sent = await loop.create_task(one_call(interceptors))
@@ -188,7 +203,9 @@ async def _measure(args: argparse.Namespace, folder: Path) -> None:
             if profile is not None:
                 profile.disable()
     for name, measured in figures.items():
-        print(f"stargrpc's own CPU per trivial call ({'Redis' if args.redis else 'in-memory'} "
+        kind = (f"bench_wait call, {args.concurrent} at once" if args.concurrent
+                else "trivial call")
+        print(f"stargrpc's own CPU per {kind} ({'Redis' if args.redis else 'in-memory'} "
               f"run log{', ' + name if len(figures) > 1 else ''}): best {min(measured):.1f} "
               f"µs, median {sorted(measured)[len(measured) // 2]:.1f} µs over {args.rounds} "
               f"rounds of {args.calls} calls")
@@ -246,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also measure the chain unfused (each interceptor on its own)")
     parser.add_argument("--without", action="append", default=[],
                         help="leave this layer (audit, auth, critic) out of the chain")
+    parser.add_argument("--concurrent", type=int, default=0, metavar="N",
+                        help="bench_wait calls (10 ms), N at once (the concurrent path)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
     os.environ.pop("STARGRPC_CONFIG", None)

@@ -441,9 +441,12 @@ async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: f
     before = [[server_cpu_seconds(pid) for pid in group] for group in pids]
     walls: list[list[float]] = [[] for _ in clients]
     errors = [0 for _ in clients]
+    client_cpu = [0.0 for _ in clients]  # this process's own CPU in each server's rounds
     for r in range(rounds):
         for k in _turns(r, len(clients)):
+            cpu_before = time.process_time()
             wall, failed = await one_round(clients[k])
+            client_cpu[k] += time.process_time() - cpu_before
             walls[k].append(wall)
             errors[k] += failed
     used = [[server_cpu_seconds(pid) - b for pid, b in zip(group, start, strict=True)]
@@ -452,8 +455,8 @@ async def concurrency(clients: list[Target], concurrent: int, rounds: int, ms: f
              "median_wall_s": statistics.median(w),
              "calls_per_s": (concurrent - e / rounds) / statistics.median(w),
              "best_calls_per_s": concurrent / min(w), "errors": e,
-             "walls_s": w, "process_cpu_s": u}
-            for w, u, e in zip(walls, used, errors, strict=True)]
+             "walls_s": w, "process_cpu_s": u, "client_cpu_s": c}
+            for w, u, e, c in zip(walls, used, errors, client_cpu, strict=True)]
 
 
 async def held(clients: list[Client], streams: int, seconds: float, server_pids: list[int],

@@ -1,6 +1,13 @@
 """The batched audit writer: calls hand records over and go on; whatever has queued up by
 the time the event loop comes round is written in one transaction (group commit).
 
+When more records are likely to follow soon (a busy server: :meth:`AuditWriter.submit`
+with ``more_coming``), a record waits up to ``group_wait`` for them to join its
+transaction: under many concurrent calls their records reach the writer about a loop turn
+apart, and one transaction each would cost a commit per call (measured in
+``bench/README.md``). A record submitted with nothing more to come, or a full batch, is
+written on the next turn as before.
+
 A store that can append at once without waiting (SQLite's fast path,
 :meth:`~stargrpc.audit.sqlite.SqliteAuditStore.append_now`) is written to from a plain
 callback: no task and no thread hop per batch. Otherwise, or when that fast path declines, a
@@ -46,34 +53,41 @@ class AuditWriter:
         max_batch: Most records per transaction.
         close_timeout: How long :meth:`aclose` keeps trying to write what is queued.
         commit_wait: How long a submitted record's future may stay pending (0: no bound).
+        group_wait: Longest a record submitted with ``more_coming`` waits for others to
+            share its transaction (0: none; the next turn of the loop).
     """
 
     store: AuditStore
     max_batch: int
     close_timeout: float
     commit_wait: float
+    group_wait: float
     _queue: deque[_Entry]
     _pending: int
     _idle: asyncio.Event
     _append_now: _AppendNow | None
     _scheduled: bool
+    _group_timer: asyncio.TimerHandle | None
     _task: asyncio.Task[None] | None
     _release_timer: asyncio.TimerHandle | None
     _started: bool
     _closed: bool
 
     def __init__(self, store: AuditStore, *, max_batch: int = 500,
-                 close_timeout: float = 30.0, commit_wait: float = 0.0) -> None:
+                 close_timeout: float = 30.0, commit_wait: float = 0.0,
+                 group_wait: float = 0.0) -> None:
         self.store = store
         self.max_batch = max_batch
         self.close_timeout = close_timeout
         self.commit_wait = commit_wait
+        self.group_wait = group_wait
         self._queue = deque()
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._append_now = getattr(store, "append_now", None)
         self._scheduled = False
+        self._group_timer = None
         self._task = None
         self._release_timer = None
         self._started = False
@@ -90,15 +104,21 @@ class AuditWriter:
         """Records submitted and not yet written."""
         return self._pending
 
-    def submit(self, record: AuditRecord) -> asyncio.Future[AuditRecord]:
+    def submit(self, record: AuditRecord, *, more_coming: bool = False
+               ) -> asyncio.Future[AuditRecord]:
         """Queues ``record``; the future resolves to the stored record once committed.
+
+        Args:
+            record: The record.
+            more_coming: Other records are likely to follow soon (many calls are open):
+                the transaction waits up to :attr:`group_wait` for them.
 
         Raises:
             RuntimeError: The writer is closed.
         """
         if self._closed:
             raise RuntimeError("the audit writer is closed")
-        return self._enqueue(record, declined=False)
+        return self._enqueue(record, declined=False, more_coming=more_coming)
 
     def submit_alone(self, record: AuditRecord
                      ) -> AuditRecord | asyncio.Future[AuditRecord]:
@@ -122,7 +142,8 @@ class AuditWriter:
             return stored[0]
         return self._enqueue(record, declined=True)
 
-    def _enqueue(self, record: AuditRecord, *, declined: bool) -> asyncio.Future[AuditRecord]:
+    def _enqueue(self, record: AuditRecord, *, declined: bool, more_coming: bool = False
+                 ) -> asyncio.Future[AuditRecord]:
         future: asyncio.Future[AuditRecord] = asyncio.get_running_loop().create_future()
         self._queue.append((record, future))
         self._pending += 1
@@ -133,7 +154,7 @@ class AuditWriter:
             # straight to the task that waits for it, not another try on the next turn.
             self._write_in_task(self._take_batch())
         else:
-            self._schedule()
+            self._schedule(more_coming=more_coming)
         return future
 
     async def flush(self) -> None:
@@ -144,6 +165,7 @@ class AuditWriter:
         """Writes what is queued (for up to ``close_timeout`` seconds), then closes."""
         self._closed = True
         if self._started:
+            self._schedule()  # what waits for others to join its transaction: now
             try:
                 await asyncio.wait_for(self.flush(), self.close_timeout)
             except TimeoutError:
@@ -161,12 +183,26 @@ class AuditWriter:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _schedule(self) -> None:
-        # One callback per loop iteration: every record submitted until it runs joins the
-        # same transaction.
-        if self._started and not self._scheduled and self._task is None and self._queue:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._write_queued)
+    def _schedule(self, *, more_coming: bool = False) -> None:
+        # One write at a time: every record submitted until it runs joins the same
+        # transaction. It runs on the next turn of the loop, or up to group_wait later when
+        # more records are coming and the batch has room.
+        if not self._started or self._task is not None or not self._queue:
+            return
+        wait = more_coming and self.group_wait > 0 and len(self._queue) < self.max_batch
+        if self._scheduled:
+            if not wait and self._group_timer is not None:
+                # Nothing more is coming (or the batch is full): the waiting write goes now.
+                self._group_timer.cancel()
+                self._group_timer = None
+                asyncio.get_running_loop().call_soon(self._write_queued)
+            return
+        self._scheduled = True
+        loop = asyncio.get_running_loop()
+        if wait:
+            self._group_timer = loop.call_later(self.group_wait, self._write_queued)
+        else:
+            loop.call_soon(self._write_queued)
 
     def _take_batch(self) -> list[_Entry]:
         count = min(self.max_batch, len(self._queue))
@@ -174,6 +210,7 @@ class AuditWriter:
 
     def _write_queued(self) -> None:
         self._scheduled = False
+        self._group_timer = None
         if self._task is not None or not self._queue:
             return
         batch = self._take_batch()

@@ -14,6 +14,8 @@ from stargrpc.audit.store import AuditStore, open_store
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
 from tests.audit.records import make_record
 
+WAIT = 30.0  # a bound on waits, never a claim about speed
+
 
 class CountingStore:
     """A real store that counts transactions and can refuse the first few."""
@@ -191,3 +193,93 @@ async def test_a_record_committed_at_once_is_not_appended_again_when_bookkeeping
     await writer.aclose()
 
     assert [r.id for r in records] == [stored.id]
+
+
+class CountingFastStore(CountingStore):
+    """A CountingStore with the SQLite store's fast path (the writer's first choice), each
+    transaction through it counted too."""
+
+    def append_now(self, records: Sequence[AuditRecord]) -> list[AuditRecord] | None:
+        stored = self.inner.append_now(records)  # type: ignore[attr-defined]
+        if stored is not None:
+            self.transactions += 1
+        return stored
+
+
+@pytest.mark.parametrize("alone", ["queued", "alone"])
+async def test_a_record_waits_for_the_records_coming_next_to_share_its_transaction(
+        sqlite_url: str, alone: str) -> None:
+    store = CountingFastStore(open_store(sqlite_url))
+    writer = AuditWriter(store, group_wait=WAIT)  # only "nothing more is coming" ends it
+    await writer.start()
+
+    first = writer.submit(make_record(), more_coming=True)
+    for _ in range(3):  # the other calls end some turns of the loop later
+        await asyncio.sleep(0)
+    assert not first.done() and store.transactions == 0
+    second = writer.submit(make_record(), more_coming=True)
+    # Nothing more is coming (the server is no longer busy, or no other call is open): the
+    # waiting write goes on the next turn, with this record in it.
+    last = (writer.submit(make_record()) if alone == "queued"
+            else writer.submit_alone(make_record()))
+    assert isinstance(last, asyncio.Future)
+    stored = await asyncio.wait_for(asyncio.gather(first, second, last), WAIT)
+
+    assert store.transactions == 1
+    assert [record.seq for record in stored] == [1, 2, 3]
+    await writer.aclose()
+
+
+async def test_the_wait_for_the_records_coming_next_is_bounded(sqlite_url: str) -> None:
+    store = CountingFastStore(open_store(sqlite_url))
+    writer = AuditWriter(store, group_wait=0.05)
+    await writer.start()
+
+    stored = await asyncio.wait_for(writer.submit(make_record(), more_coming=True), WAIT)
+
+    assert stored.seq == 1 and store.transactions == 1
+    await writer.aclose()
+
+
+async def test_without_a_group_wait_each_turn_commits_its_own(sqlite_url: str) -> None:
+    store = CountingFastStore(open_store(sqlite_url))
+    writer = AuditWriter(store)  # group_wait 0: the next turn of the loop, as always
+    await writer.start()
+
+    first = writer.submit(make_record(), more_coming=True)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert first.done() and store.transactions == 1
+    await asyncio.wait_for(writer.submit(make_record(), more_coming=True), WAIT)
+
+    assert store.transactions == 2
+    await writer.aclose()
+
+
+async def test_a_full_batch_does_not_wait(sqlite_url: str) -> None:
+    store = CountingStore(open_store(sqlite_url))  # the task's path this time
+    writer = AuditWriter(store, max_batch=3, group_wait=WAIT)
+    await writer.start()
+
+    futures = [writer.submit(make_record(), more_coming=True) for _ in range(3)]
+    await asyncio.wait_for(asyncio.gather(*futures), WAIT)
+
+    assert store.transactions == 1
+    await writer.aclose()
+
+
+async def test_close_writes_a_waiting_record_at_once(sqlite_url: str) -> None:
+    writer = AuditWriter(open_store(sqlite_url), group_wait=WAIT)
+    await writer.start()
+    record = make_record()
+    future = writer.submit(record, more_coming=True)
+    await asyncio.sleep(0)
+    assert not future.done()  # waiting for the records coming next
+
+    await asyncio.wait_for(writer.aclose(), WAIT)
+
+    assert future.done() and future.result().id == record.id
+    reopened = open_store(sqlite_url)
+    await reopened.open()
+    assert [r.id async for r in reopened.scan()] == [record.id]
+    await reopened.aclose()

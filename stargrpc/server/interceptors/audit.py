@@ -43,6 +43,7 @@ from stargrpc.audit.redact import cut
 from stargrpc.audit.store import AuditStore, audit_store_url, open_store
 from stargrpc.audit.view import AuditLimits
 from stargrpc.audit.writer import AuditCommitPending, AuditWriter
+from stargrpc.contract import SERVICE_NAME
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.ids import new_id
 from stargrpc.principal import current_principal
@@ -74,6 +75,15 @@ class _AuditedCall:
 #: future of its commit when it was queued, None when it was not written (the writer closed).
 _Written = AuditRecord | asyncio.Future[AuditRecord] | None
 
+#: Other Execute calls open from which a record waits (``audit_group_commit_ms``, bounded)
+#: for theirs to share its transaction: a server this busy ends calls about a loop turn
+#: apart, and a commit each is most of what the audit costs a call there (``bench/README.md``).
+#: Below it a record is committed on the next turn, so that a few callers — or one caller
+#: while other clients hold streams open — pay no wait.
+BUSY_EXECUTES = 8
+
+_EXECUTE = f"/{SERVICE_NAME}/Execute"
+
 #: The call being audited: set by open_call, read by the wrapped handler, which grpc.aio
 #: runs in the same task (so a wrapped handler can be built once per method).
 _current = ContextVar[_AuditedCall]("stargrpc_audited_call")
@@ -101,6 +111,7 @@ class AuditInterceptor(ComposedInterceptor):
     log_lines: str
     forwarded: ForwardedClient
     _open_calls: int
+    _open_executes: int
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
@@ -113,11 +124,13 @@ class AuditInterceptor(ComposedInterceptor):
             self.forwarded = ForwardedClient.of_this_process()
         self.writer = AuditWriter(store, max_batch=settings.audit_max_batch,
                                   close_timeout=settings.audit_close_timeout_seconds,
-                                  commit_wait=settings.audit_commit_timeout_seconds)
+                                  commit_wait=settings.audit_commit_timeout_seconds,
+                                  group_wait=settings.audit_group_commit_ms / 1000)
         self.view = AuditLimits.from_settings(settings)
         self.commit_timeout = settings.audit_commit_timeout_seconds
         self.log_lines = settings.audit_log_lines
         self._open_calls = 0
+        self._open_executes = 0
         super().__init__(audit=self)
 
     @property
@@ -150,6 +163,8 @@ class AuditInterceptor(ComposedInterceptor):
         current_call.set(call.record)
         _current.set(call)
         self._open_calls += 1  # until its record is handed to the writer
+        if method == _EXECUTE:
+            self._open_executes += 1
         task = asyncio.current_task()
         if task is not None:
             # grpc.aio does not run the handler of a call cancelled before its request
@@ -271,6 +286,8 @@ class AuditInterceptor(ComposedInterceptor):
     def _write(self, call: _AuditedCall) -> _Written:
         call.written = True
         self._open_calls -= 1
+        if call.record.method == _EXECUTE:
+            self._open_executes -= 1
         record = self._audit_record(call)
         # The call's record lives on in the context of the run's task, which the run
         # holds: a reference back to the run (or its Result) would keep both alive until
@@ -285,7 +302,10 @@ class AuditInterceptor(ComposedInterceptor):
             # commit it at once rather than on the next turn of the loop.
             if self._open_calls == 0:
                 return self.writer.submit_alone(record)
-            return self.writer.submit(record)
+            # A busy server: the records of the calls ending next may share this one's
+            # transaction.
+            return self.writer.submit(record,
+                                      more_coming=self._open_executes >= BUSY_EXECUTES)
         except RuntimeError:
             log.error("audit_record_not_stored", reason="the audit writer is closed",
                       record=record.as_dict())

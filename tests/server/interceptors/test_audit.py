@@ -25,9 +25,9 @@ from stargrpc.audit.store import Query, default_store_url, open_store
 from stargrpc.ids import minted_ms
 from stargrpc.registry import Registry, spec_of
 from stargrpc.server.grpc_server import StargrpcServer
-from stargrpc.server.interceptors.audit import AuditInterceptor
+from stargrpc.server.interceptors.audit import BUSY_EXECUTES, AuditInterceptor
 from stargrpc.settings import Settings
-from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.audit.helpers import pg_schema
 from tests.conftest import ServerFactory
 from tests.helpers import eventually, run_tool
@@ -227,6 +227,49 @@ async def test_a_cancelled_call_and_an_expired_deadline(server, stub) -> None:
     records = await _records(server)
     assert sorted(r.outcome for r in records) == ["cancelled", "timeout"]
     assert all(r.tool == "waits" and r.run_id for r in records)
+
+
+async def test_a_record_waits_to_share_its_commit_only_on_a_busy_server(
+        server, stub, monkeypatch: pytest.MonkeyPatch) -> None:
+    # How each record reaches the writer: alone (no other call open: committed at once),
+    # queued (the next turn of the loop), or told that more are coming (a busy server: it
+    # waits, bounded, for the records of the calls ending next).
+    audit = next(i for i in server.interceptors if isinstance(i, AuditInterceptor))
+    writer, handed = audit.writer, []
+    submit, submit_alone = writer.submit, writer.submit_alone
+
+    def spied_submit(record: AuditRecord, *, more_coming: bool = False) -> Any:
+        handed.append((record.tool, "more coming" if more_coming else "queued"))
+        return submit(record, more_coming=more_coming)
+
+    def spied_submit_alone(record: AuditRecord) -> Any:
+        handed.append((record.tool, "alone"))
+        return submit_alone(record)
+
+    monkeypatch.setattr(writer, "submit", spied_submit)
+    monkeypatch.setattr(writer, "submit_alone", spied_submit_alone)
+
+    async def held() -> grpc.aio.UnaryStreamCall:
+        call = stub.Execute(tool_service_pb2.ExecuteRequest(tool_name="waits"))
+        async for _ in call:  # the run has started once the first event arrives
+            break
+        return call
+
+    login = {"user": "ann", "password": "pw"}
+    results = [await run_tool(stub, "login", login)]
+    calls = [await held()]
+    results.append(await run_tool(stub, "login", login))  # one other call open
+    calls += [await held() for _ in range(BUSY_EXECUTES - 1)]
+    # Its Result comes once its record is committed, after the wait.
+    results.append(await run_tool(stub, "login", login))  # a busy server
+    for call in calls:
+        call.cancel()
+    records = await _records(server)
+
+    assert all(events[-1].result.outcome == events_pb2.OUTCOME_OK for events in results)
+    assert [how for tool, how in handed if tool == "login"] == ["alone", "queued",
+                                                                 "more coming"]
+    assert sorted(r.outcome for r in records) == ["cancelled"] * BUSY_EXECUTES + ["ok"] * 3
 
 
 async def test_watch_and_cancel_name_their_run(server, stub) -> None:
