@@ -441,7 +441,11 @@ class Sandbox:
                     asyncio.to_thread(_finish, workdir, self._keep))
             if warm is not None:
                 workdir.finishing.add_done_callback(lambda _: _set_done(warm.ended))
-            await asyncio.shield(workdir.finishing)
+            if workdir.in_background:
+                _removing.add(workdir.finishing)
+                workdir.finishing.add_done_callback(_removed)
+            else:
+                await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
                     read_only_paths: Sequence[Path] = (),
@@ -523,13 +527,13 @@ class Sandbox:
         status, usage = await leader.end(workdir, pumps, drain=True)
         await _stop_steering(steering)  # its last write lands before the folder's fds close
         if leader.tree_gone and _few_entries(workdir.fd):
-            workdir.finishing = asyncio.get_running_loop().create_future()
-            try:
-                final = self._collect_and_finish(workdir)
-            except BaseException as exc:
-                workdir.finishing.set_exception(exc)
-                raise
-            workdir.finishing.set_result(final)
+            # Nothing of the run is left to change the folder: out/ is read here, and the
+            # folder removed in a thread while the Result goes out (:meth:`run` does not
+            # wait for it: the rmdirs were a good part of the end of a short run).
+            final = self._collect(os.dup(workdir.fd), workdir.owner)
+            workdir.finishing = asyncio.ensure_future(
+                asyncio.to_thread(_finish, workdir, self._keep))
+            workdir.in_background = True
         else:
             workdir.finishing = asyncio.ensure_future(
                 asyncio.to_thread(self._collect_and_finish, workdir))
@@ -964,6 +968,7 @@ class _Workdir:
         steer_fd: The steering file, open for appending (-1 until made).
         input_bytes: The disk use of the folder once the server filled it, before the run.
         finishing: Reading its output and removing it, once begun (in a thread).
+        in_background: ``finishing`` only removes it, and the run does not wait for it.
     """
 
     path: Path
@@ -977,6 +982,7 @@ class _Workdir:
     steer_fd: int
     input_bytes: int = 0
     finishing: asyncio.Future[Any] | None = None
+    in_background: bool = False
 
 
 @dataclass
@@ -1093,6 +1099,25 @@ async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024) -> asyncio.
     await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), pipe)
     return reader
+
+
+#: The removals of folders that runs of this process have not waited for (see
+#: :func:`removals`).
+_removing: set[asyncio.Future[Any]] = set()
+
+
+def _removed(removal: asyncio.Future[Any]) -> None:
+    _removing.discard(removal)
+    if not removal.cancelled() and removal.exception() is not None:
+        log.error("sandbox_workdir_removal_failed", error=str(removal.exception()))
+
+
+async def removals() -> None:
+    """Returns once the folders of the runs that have returned are removed (a run whose
+    processes are all gone and whose folder is small returns once its ``out/`` is read,
+    and its folder is removed right after, in a thread)."""
+    while _removing:
+        await asyncio.wait(list(_removing))
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

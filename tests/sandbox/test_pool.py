@@ -189,6 +189,8 @@ async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool, tm
     assert result.verdict.ok
     assert result.stdout == "hi\n.steer.jsonl\nout\ntmp\n/work\n" or result.isolation != "bwrap"
     assert metric("handouts", kind="exec") == handed + 1
+    assert not _live_processes(pgid=waiting.pid)  # nothing of it outlived the run
+    await runner.removals()  # its folder goes as the Result goes out
     assert gone(waiting)  # used for exactly one run, destroyed with it
     await pool.filled()  # and replaced in the background by a new one
     [replacement] = pool.waiting("exec")
@@ -286,6 +288,8 @@ EXITS = {
     "sys.exit with a status": "import sys\nprint('out')\nsys.exit(3)",
     "sys.exit with a large status": "import sys\nsys.exit(300)",
     "an uncaught exception": "import atexit\natexit.register(print, 'bye')\n1 / 0",
+    "killed by a signal": (
+        "import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"),
     "os._exit with a buffer unflushed": (
         "import os\nleft = open(os.environ['OUTPUT_DIR'] + '/lost.txt', 'w')\n"
         "left.write('never flushed')\nos._exit(4)"),
@@ -306,6 +310,79 @@ async def test_a_warm_python_run_ends_as_a_cold_one_does(make_pool, tmp_path, co
     assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
     assert [(sent.name, sent.data) for sent in warm.files] == [
         (sent.name, sent.data) for sent in cold.files]
+
+
+#: A snippet that leaves processes behind, writing to out/ for as long as they live: a
+#: forked child, and a daemon (double fork, a session of its own) with stdout closed.
+LINGERING = """import os, time
+started, wrote = os.pipe()
+def write_on(name):
+    global wrote
+    os.closerange(0, 3)
+    with open(os.path.join(os.environ["OUTPUT_DIR"], name), "a") as handle:
+        while True:
+            handle.write(f"{time.monotonic()}\\n")
+            handle.flush()
+            if wrote >= 0:
+                os.write(wrote, b"w")
+                os.close(wrote)
+                wrote = -1
+if not os.fork():
+    write_on("child.txt")
+if not os.fork():
+    os.setsid()
+    if not os.fork():
+        write_on("daemon.txt")
+    os._exit(0)
+os.wait()
+os.read(started, 1), os.read(started, 1)
+print("parent done")
+"""
+
+
+@pytest.mark.parametrize("code", [
+    LINGERING,
+    # Its own stdout closed early, it goes on and writes its file last.
+    "import os, sys, time\nprint('early', flush=True)\nos.close(1)\nsys.stdout = None\n"
+    "time.sleep(0.3)\nopen(os.environ['OUTPUT_DIR'] + '/late.txt', 'w').write('late')",
+])
+async def test_a_warm_run_returns_only_once_nothing_of_it_is_left(make_pool, tmp_path,
+                                                                 code) -> None:
+    pool = await make_pool(("python",))
+    [waiting] = pool.waiting("python")
+
+    result = await run_python(box(tmp_path), code)
+
+    # At once, not eventually: its Result waited for every process of its sandbox to end
+    # (the init of its PID namespace exited), so no write to out/ follows the files read.
+    assert not _live_processes(pgid=waiting.pid, uid=waiting.workdir.uid
+                               if waiting.workdir.own_uid else None)
+    assert result.verdict.ok, result.stderr
+    files = {sent.name: sent.data for sent in result.files}
+    if code == LINGERING:
+        assert result.stdout == "parent done\n"
+        assert files.keys() == {"child.txt", "daemon.txt"}  # both wrote before the end
+    else:
+        assert (result.stdout, files) == ("early\n", {"late.txt": b"late"})
+    await runner.removals()
+    assert gone(waiting)
+
+
+async def test_a_warm_run_past_its_wall_clock_is_killed_whole(make_pool, tmp_path) -> None:
+    pool = await make_pool(("python",), sandbox_wall_clock_seconds=1)
+    [waiting] = pool.waiting("python")
+    handed = metric("handouts", kind="python")
+    code = "import os, time\nos.fork()\nprint('running', flush=True)\ntime.sleep(60)"
+
+    result = await run_python(box(tmp_path, sandbox_wall_clock_seconds=1), code)
+
+    assert metric("handouts", kind="python") == handed + 1
+    assert result.verdict.code == "WALL_CLOCK_LIMIT"
+    assert "running" in result.stdout
+    assert not _live_processes(pgid=waiting.pid, uid=waiting.workdir.uid
+                               if waiting.workdir.own_uid else None)
+    await runner.removals()
+    assert gone(waiting)
 
 
 @pytest.mark.parametrize(("code", "at_once"), [
@@ -478,6 +555,7 @@ async def test_a_handed_sandbox_is_over_for_the_refill_once_its_run_has_ended(
 
     assert result.verdict.ok, result.stderr_tail
     assert result.stdout == "given\ndone\n"
+    await runner.removals()
     assert start.ended.done()
     assert not present(start.workdir.path)
     await pool.filled()
