@@ -7,7 +7,8 @@ in its own session with stdin closed and a scrubbed environment; stream stdout a
 line by line through a callback (cut with a marker past the output cap); wait for the exit
 (through a pidfd, so the rusage of the whole tree comes back from ``wait4``) under a
 wall clock and a disk cap (polled); kill the whole process group on timeout, disk cap or
-cancellation; collect the files left in ``out/``; remove the working directory.
+cancellation; collect the files left in ``out/``; remove the working directory (a small
+one, once nothing of its run is left, as the Result goes out).
 
 What a run used (:class:`SandboxResult`'s CPU time, peak memory and bytes written, which
 become its ``Result.usage``) is measured without cgroups: the server does not create them (it
@@ -400,7 +401,10 @@ class Sandbox:
             read_only_paths: Host folders shown read-only inside bubblewrap.
 
         Returns:
-            How it ended. Limits hit are a verdict, not an exception.
+            How it ended, once every process of the run is gone and ``out/`` is read.
+            Limits hit are a verdict, not an exception. The working directory is removed
+            before this returns, or, when it is small and nothing of the run is left,
+            right after, in a thread (:func:`removals` awaits those).
 
         Raises:
             asyncio.CancelledError: The run was cancelled; the process group is killed
@@ -442,8 +446,7 @@ class Sandbox:
             if warm is not None:
                 workdir.finishing.add_done_callback(lambda _: _set_done(warm.ended))
             if workdir.in_background:
-                _removing.add(workdir.finishing)
-                workdir.finishing.add_done_callback(_removed)
+                _remove_later(workdir.finishing)
             else:
                 await asyncio.shield(workdir.finishing)
 
@@ -1113,11 +1116,21 @@ def _removed(removal: asyncio.Future[Any]) -> None:
 
 
 async def removals() -> None:
-    """Returns once the folders of the runs that have returned are removed (a run whose
-    processes are all gone and whose folder is small returns once its ``out/`` is read,
-    and its folder is removed right after, in a thread)."""
-    while _removing:
-        await asyncio.wait(list(_removing))
+    """Returns once the folders of the runs of this event loop that have returned are
+    removed (a run whose processes are all gone and whose folder is small returns once its
+    ``out/`` is read, and its folder is removed right after, in a thread)."""
+    loop = asyncio.get_running_loop()
+    while pending := [removal for removal in _removing if removal.get_loop() is loop]:
+        await asyncio.wait(pending)
+
+
+def _remove_later(removal: asyncio.Future[Any]) -> None:
+    """Keeps ``removal`` (a folder's, not waited for by its run) until it is done."""
+    # One whose loop was closed first never completes here (its thread did finish).
+    _removing.difference_update([other for other in _removing
+                                 if other.get_loop().is_closed()])
+    _removing.add(removal)
+    removal.add_done_callback(_removed)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
