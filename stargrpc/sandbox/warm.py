@@ -213,6 +213,8 @@ def _kind(cls):
         return 4
     if issubclass(cls, _weakref.ref):
         return 3
+    if cls in (_weakref.ProxyType, _weakref.CallableProxyType):
+        return None  # its callback, if any, cannot be seen
     if cls in _FLUSHED:
         return 1
     if cls in _CLOSED_ONLY:

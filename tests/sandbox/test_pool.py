@@ -267,6 +267,9 @@ EXITS = {
     "a weak reference's callback": (
         "import weakref\nclass Thing:\n    pass\nthing = Thing()\n"
         "ref = weakref.ref(thing, lambda _: print('gone'))"),
+    "a weak proxy's callback": (
+        "import weakref\nclass Thing:\n    pass\nthing = Thing()\n"
+        "proxy = weakref.proxy(thing, lambda _: print('gone'))"),
     "a suspended generator's finally": (
         "def numbers():\n    try:\n        yield 1\n    finally:\n        print('finally')\n"
         "it = numbers()\nnext(it)"),
