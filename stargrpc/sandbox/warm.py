@@ -221,7 +221,14 @@ def _kind(cls):
         return 0
     if cls is _socket.socket:
         return 2
-    return None if hasattr(cls, "__del__") else 0
+    return None if _finaliser(cls) is not None else 0
+def _finaliser(cls):
+    # Its __del__, looked up without running any code of the snippet's (a metaclass's).
+    for base in type.__dict__["__mro__"].__get__(cls):
+        found = type.__dict__["__dict__"].__get__(base).get("__del__")
+        if found is not None:
+            return found
+    return None
 def _abc_callback(callback):
     return (type(callback) is type(len) and callback.__name__ == "_destroy"
             and isinstance(callback.__self__, _weakref.ref))
@@ -251,8 +258,8 @@ def _to_flush():
         elif kind == 3:
             if obj.__callback__ is not None and not _abc_callback(obj.__callback__):
                 return None
-        elif (not obj.__flags__ & (1 << 14)
-                and type(getattr(obj, "__del__", object.__init__)) is not _SLOT):
+        elif (not type.__dict__["__flags__"].__get__(obj) & (1 << 14)
+                and type(_finaliser(obj)) not in (type(None), _SLOT)):
             return None  # a class's own __del__, on instances the collector misses
     return files
 def _leave(code):
