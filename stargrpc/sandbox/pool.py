@@ -162,7 +162,8 @@ class WarmPool:
         return None
 
     async def aclose(self) -> None:
-        """Stops refilling and destroys every sandbox it holds; safe to call more than
+        """Stops refilling and destroys every sandbox it holds, then waits for the
+        folders of the runs that have returned to be removed; safe to call more than
         once. Sandboxes already handed out belong to their runs."""
         if self._closing:
             return
@@ -182,6 +183,8 @@ class WarmPool:
             POOL_READY.labels(lane.kind.name).set(0)
         while self._chores:
             await asyncio.gather(*list(self._chores), return_exceptions=True)
+        # The folders of the last runs, removed as their Results went out.
+        await runner.removals()
         log.info("sandbox_warm_pool_stopped")
 
     def _changed(self, lane: _Lane, *, refill: bool = True) -> None:

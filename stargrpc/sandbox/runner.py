@@ -7,7 +7,8 @@ in its own session with stdin closed and a scrubbed environment; stream stdout a
 line by line through a callback (cut with a marker past the output cap); wait for the exit
 (through a pidfd, so the rusage of the whole tree comes back from ``wait4``) under a
 wall clock and a disk cap (polled); kill the whole process group on timeout, disk cap or
-cancellation; collect the files left in ``out/``; remove the working directory.
+cancellation; collect the files left in ``out/``; remove the working directory (a small
+one, once nothing of its run is left, as the Result goes out).
 
 What a run used (:class:`SandboxResult`'s CPU time, peak memory and bytes written, which
 become its ``Result.usage``) is measured without cgroups: the server does not create them (it
@@ -400,7 +401,10 @@ class Sandbox:
             read_only_paths: Host folders shown read-only inside bubblewrap.
 
         Returns:
-            How it ended. Limits hit are a verdict, not an exception.
+            How it ended, once every process of the run is gone and ``out/`` is read.
+            Limits hit are a verdict, not an exception. The working directory is removed
+            before this returns, or, when it is small and nothing of the run is left,
+            right after, in a thread (:func:`removals` awaits those).
 
         Raises:
             asyncio.CancelledError: The run was cancelled; the process group is killed
@@ -441,7 +445,10 @@ class Sandbox:
                     asyncio.to_thread(_finish, workdir, self._keep))
             if warm is not None:
                 workdir.finishing.add_done_callback(lambda _: _set_done(warm.ended))
-            await asyncio.shield(workdir.finishing)
+            if workdir.in_background:
+                _remove_later(workdir.finishing)
+            else:
+                await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
                     read_only_paths: Sequence[Path] = (),
@@ -523,13 +530,13 @@ class Sandbox:
         status, usage = await leader.end(workdir, pumps, drain=True)
         await _stop_steering(steering)  # its last write lands before the folder's fds close
         if leader.tree_gone and _few_entries(workdir.fd):
-            workdir.finishing = asyncio.get_running_loop().create_future()
-            try:
-                final = self._collect_and_finish(workdir)
-            except BaseException as exc:
-                workdir.finishing.set_exception(exc)
-                raise
-            workdir.finishing.set_result(final)
+            # Nothing of the run is left to change the folder: out/ is read here, and the
+            # folder removed in a thread while the Result goes out (:meth:`run` does not
+            # wait for it: the rmdirs were a good part of the end of a short run).
+            final = self._collect(os.dup(workdir.fd), workdir.owner)
+            workdir.finishing = asyncio.ensure_future(
+                asyncio.to_thread(_finish, workdir, self._keep))
+            workdir.in_background = True
         else:
             workdir.finishing = asyncio.ensure_future(
                 asyncio.to_thread(self._collect_and_finish, workdir))
@@ -964,6 +971,7 @@ class _Workdir:
         steer_fd: The steering file, open for appending (-1 until made).
         input_bytes: The disk use of the folder once the server filled it, before the run.
         finishing: Reading its output and removing it, once begun (in a thread).
+        in_background: ``finishing`` only removes it, and the run does not wait for it.
     """
 
     path: Path
@@ -977,6 +985,7 @@ class _Workdir:
     steer_fd: int
     input_bytes: int = 0
     finishing: asyncio.Future[Any] | None = None
+    in_background: bool = False
 
 
 @dataclass
@@ -1093,6 +1102,35 @@ async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024) -> asyncio.
     await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(reader), pipe)
     return reader
+
+
+#: The removals of folders that runs of this process have not waited for (see
+#: :func:`removals`).
+_removing: set[asyncio.Future[Any]] = set()
+
+
+def _removed(removal: asyncio.Future[Any]) -> None:
+    _removing.discard(removal)
+    if not removal.cancelled() and removal.exception() is not None:
+        log.error("sandbox_workdir_removal_failed", error=str(removal.exception()))
+
+
+async def removals() -> None:
+    """Returns once the folders of the runs of this event loop that have returned are
+    removed (a run whose processes are all gone and whose folder is small returns once its
+    ``out/`` is read, and its folder is removed right after, in a thread)."""
+    loop = asyncio.get_running_loop()
+    while pending := [removal for removal in _removing if removal.get_loop() is loop]:
+        await asyncio.wait(pending)
+
+
+def _remove_later(removal: asyncio.Future[Any]) -> None:
+    """Keeps ``removal`` (a folder's, not waited for by its run) until it is done."""
+    # One whose loop was closed first never completes here (its thread did finish).
+    _removing.difference_update([other for other in _removing
+                                 if other.get_loop().is_closed()])
+    _removing.add(removal)
+    removal.add_done_callback(_removed)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

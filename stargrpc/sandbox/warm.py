@@ -161,6 +161,129 @@ def _take():
     return args
 """
 
+#: How the python tool's launcher ends once the snippet has (exit status ``code``): the
+#: ``threading`` module's non-daemon threads joined, as a normal exit begins; then, when
+#: nothing that the rest of a normal exit does could be seen, ``sys.stdout``, ``sys.stderr``
+#: and the files left open flushed and ``os._exit``; otherwise it returns and the
+#: interpreter exits normally (joining the threads again does nothing). The run's Result
+#: waits for this process to exit, and the interpreter's teardown (collections of every
+#: object, each module cleared, the heap freed) was most of the time from the snippet's
+#: end to its Result. What the rest of a normal exit does that can be seen: ``atexit``
+#: handlers (so: none registered; run by the exit itself, a failing one is reported as a
+#: cold run reports it) and finalisers. So ``os._exit`` only when every object the
+#: collector tracks (at most ``_LEAVE_OBJECTS``) has no finaliser, or is a file object of
+#: ``_io``'s own (its buffer flushed here as its finaliser would), a closed socket, a weak
+#: reference with no callback or the ``abc`` caches' own, or a class with no ``__del__`` of
+#: its own or whose instances the collector tracks; no thread is left; ``sys.stdout`` and
+#: ``sys.stderr`` are the interpreter's own; the warning filters are as at start-up (an
+#: unclosed file's ``ResourceWarning`` stays ignored); and every extension module loaded
+#: is one of the standard library's whose objects do nothing at teardown but what the
+#: kernel does at exit (``_PLAIN_EXTENSIONS``: not ``ctypes``, ``sqlite3``, ``dbm``,
+#: ``ssl``, ``curses``, ``readline``, ``multiprocessing``; none from elsewhere: C buffers,
+#: C exit handlers). Before the snippet it uses only modules a cold interpreter has loaded;
+#: ``gc`` and ``atexit`` (built in) after it.
+_PY_LEAVE = r"""import _imp, _io, _thread, _warnings, _weakref
+_STDOUT, _STDERR = sys.stdout, sys.stderr
+_FILTERS = list(_warnings.filters)
+_DYNLOAD = os.path.join(os.path.dirname(os.__file__), "lib-dynload")
+_LEAVE_OBJECTS = 100_000
+_PLAIN_EXTENSIONS = frozenset((
+    "_asyncio", "_bz2", "_codecs_cn", "_codecs_hk", "_codecs_iso2022", "_codecs_jp",
+    "_codecs_kr", "_codecs_tw", "_contextvars", "_crypt", "_decimal", "_hashlib", "_json",
+    "_lsprof", "_lzma", "_multibytecodec", "_queue", "_typing", "_uuid", "_zoneinfo",
+    "audioop", "mmap", "resource", "termios"))
+_FLUSHED = (_io.TextIOWrapper, _io.BufferedWriter, _io.BufferedRandom, _io.BufferedRWPair)
+_CLOSED_ONLY = (_io.FileIO, _io.BufferedReader, _io.BytesIO, _io.StringIO)
+_SLOT = type(object.__init__)  # a C type's own slot (its finaliser is of a plain module)
+def _plain_modules():
+    suffixes = tuple(_imp.extension_suffixes())
+    for module in list(sys.modules.values()):
+        if not isinstance(module, type(sys)):
+            continue  # (typing puts classes there)
+        path = module.__dict__.get("__file__")
+        if isinstance(path, str) and path.endswith(suffixes) and (
+                os.path.dirname(path) != _DYNLOAD
+                or os.path.basename(path).split(".")[0] not in _PLAIN_EXTENSIONS):
+            return False
+    return True
+def _kind(cls):
+    # 0: nothing at teardown; 1: a file whose buffer is flushed; 2: a socket, fine closed;
+    # 3: a weak reference; 4: a class; None: a finaliser that may do anything.
+    if issubclass(cls, type):
+        return 4
+    if issubclass(cls, _weakref.ref):
+        return 3
+    if cls in (_weakref.ProxyType, _weakref.CallableProxyType):
+        return None  # its callback, if any, cannot be seen
+    if cls in _FLUSHED:
+        return 1
+    if cls in _CLOSED_ONLY:
+        return 0
+    if cls is _socket.socket:
+        return 2
+    return None if _finaliser(cls) is not None else 0
+def _finaliser(cls):
+    # Its __del__, looked up without running any code of the snippet's (a metaclass's).
+    for base in type.__dict__["__mro__"].__get__(cls):
+        found = type.__dict__["__dict__"].__get__(base).get("__del__")
+        if found is not None:
+            return found
+    return None
+def _abc_callback(callback):
+    return (type(callback) is type(len) and callback.__name__ == "_destroy"
+            and isinstance(callback.__self__, _weakref.ref))
+def _to_flush():
+    import gc
+    objects = gc.get_objects()
+    if len(objects) > _LEAVE_OBJECTS:
+        return None
+    kinds = {}
+    for cls in set(map(type, objects)):
+        kind = _kind(cls)
+        if kind is None:
+            return None
+        if kind:
+            kinds[cls] = kind
+    files = []
+    for obj in objects:
+        kind = kinds.get(type(obj))
+        if kind is None:
+            continue
+        if kind == 1:
+            if not obj.closed and obj.writable():
+                files.append(obj)
+        elif kind == 2:
+            if obj.fileno() != -1:
+                return None
+        elif kind == 3:
+            if obj.__callback__ is not None and not _abc_callback(obj.__callback__):
+                return None
+        elif (not type.__dict__["__flags__"].__get__(obj) & (1 << 14)
+                and type(_finaliser(obj)) not in (type(None), _SLOT)):
+            return None  # a class's own __del__, on instances the collector misses
+    return files
+def _leave(code):
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
+        import atexit
+        if atexit._ncallbacks():
+            return  # run by the exit itself: from here a failing one's report would differ
+        if (sys.stdout is not _STDOUT or sys.stderr is not _STDERR or _thread._count()
+                or _warnings.filters != _FILTERS or not _plain_modules()):
+            return
+        files = _to_flush()
+        if files is None:
+            return
+        for stream in (_STDOUT, _STDERR, *files):
+            if not stream.closed:
+                stream.flush()
+    except BaseException:
+        return  # the normal exit does it all (again) and reports what fails
+    os._exit(code)
+"""
+
 #: The launcher of the python tool: the interpreter started with the tool's flags and
 #: environment, then given the script's arguments and running it as ``__main__`` as
 #: ``python3 -I -u SCRIPT`` would (``__file__`` absolute, ``sys.argv`` the arguments, no
@@ -199,7 +322,18 @@ PY_LAUNCHER = _PY_TAKE + r"""def _run(args):
         exc.__traceback__ = exc.__traceback__.tb_next
         sys.excepthook(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
-_run(_take())
+""" + _PY_LEAVE + r"""_code = 0
+try:
+    _run(_take())
+except SystemExit as _exit:
+    _code = _exit.code
+    if _code is None:
+        _code = 0
+    elif type(_code) is not int or not 0 <= _code <= 255:
+        raise  # printed and exit status 1, by the interpreter's own exit
+_leave(_code)
+if _code:
+    raise SystemExit(_code)
 """
 
 #: The launcher of commands run with ``exec`` when a state socket is handed over (``sh``
@@ -360,6 +494,25 @@ class _Process:
     tracer: bytes
 
 
+def _read(path: str) -> bytes:
+    """A small file of /proc, read with one system call (no file object: the hand-out's
+    checks read a few per process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 16384)
+    finally:
+        os.close(fd)
+
+
+def _status_field(status: bytes, name: bytes) -> bytes:
+    """The value of the line ``name:`` of a /proc status file, stripped (b"" if absent)."""
+    at = status.find(b"\n" + name + b":")
+    if at < 0:
+        return b""
+    at += len(name) + 2
+    return status[at:status.find(b"\n", at)].strip()
+
+
 def _tree(root: int) -> dict[int, _Process]:
     """The live processes of ``root``'s tree, from /proc (a process gone meanwhile is
     left out)."""
@@ -370,22 +523,19 @@ def _tree(root: int) -> dict[int, _Process]:
         if pid in found:
             continue
         try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-            with open(f"/proc/{pid}/status", "rb") as handle:
-                status = dict(line.split(b":", 1) for line in handle.read().splitlines()
-                              if b":" in line)
+            fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+            status = _read(f"/proc/{pid}/status")
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         # After the ")" of the command name: the state is the 1st field, the start time
         # (clock ticks since boot) the 20th.
-        found[pid] = _Process(pid, int(fields[19]), status.get(b"Uid", b"").strip(),
-                              fields[0], status.get(b"TracerPid", b"").strip())
+        found[pid] = _Process(pid, int(fields[19]), _status_field(status, b"Uid"),
+                              fields[0], _status_field(status, b"TracerPid"))
         for task in tasks:
-            with contextlib.suppress(OSError), \
-                    open(f"/proc/{pid}/task/{task}/children", "rb") as handle:
-                pending.extend(int(child) for child in handle.read().split())
+            with contextlib.suppress(OSError):
+                pending.extend(int(child) for child in
+                               _read(f"/proc/{pid}/task/{task}/children").split())
     return found
 
 

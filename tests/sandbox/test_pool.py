@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 from stargrpc.metrics import REGISTRY
 from stargrpc.runs.state import RunState
 from stargrpc.sandbox import Limits, Sandbox, runner
+from stargrpc.sandbox.isolation import SANDBOX_PATH
 from stargrpc.sandbox.pool import WarmPool
 from stargrpc.sandbox.runner import (
     OutputCallback,
@@ -28,6 +31,7 @@ from stargrpc.sandbox.runner import (
 )
 from stargrpc.sandbox.state_socket import StateSocket, client_dir
 from stargrpc.sandbox.warm import (
+    _PY_LEAVE,
     PYTHON_ENV,
     PYTHON_FLAGS,
     STATE_FD,
@@ -185,6 +189,8 @@ async def test_a_run_takes_a_started_sandbox_which_serves_it_alone(make_pool, tm
     assert result.verdict.ok
     assert result.stdout == "hi\n.steer.jsonl\nout\ntmp\n/work\n" or result.isolation != "bwrap"
     assert metric("handouts", kind="exec") == handed + 1
+    assert not _live_processes(pgid=waiting.pid)  # nothing of it outlived the run
+    await runner.removals()  # its folder goes as the Result goes out
     assert gone(waiting)  # used for exactly one run, destroyed with it
     await pool.filled()  # and replaced in the background by a new one
     [replacement] = pool.waiting("exec")
@@ -237,6 +243,171 @@ async def test_a_warm_shell_run_sees_what_a_cold_one_sees(make_pool, tmp_path,
     assert warm.stdout == cold.stdout
     assert ("\n\"v\"\n" in warm.stdout) == bool(scopes)  # its own state, when offered
     assert warm.stderr == cold.stderr
+
+
+#: Snippets whose interpreter's exit does something anyone can see (the launcher ends a
+#: warm one with os._exit only when its teardown could show nothing): each must end warm
+#: exactly as it ends cold, its output and its files in out/ included.
+EXITS = {
+    "a file left open, its buffer unflushed": (
+        "import os\nleft = open(os.environ['OUTPUT_DIR'] + '/left.txt', 'w')\n"
+        "left.write('kept\\n' * 1000)\nraw = open(os.environ['OUTPUT_DIR'] + '/raw', 'wb')\n"
+        "raw.write(b'x' * 100)\nprint('done')"),
+    "an atexit handler that prints and writes": (
+        "import atexit, os\ndef bye():\n    print('bye')\n"
+        "    open(os.environ['OUTPUT_DIR'] + '/bye.txt', 'w').write('at exit')\n"
+        "atexit.register(bye)\nprint('first')"),
+    "an atexit handler that fails": (
+        "import atexit\natexit.register(int, 'x')\nprint('first')"),
+    "an object with __del__": (
+        "class Noisy:\n    def __del__(self):\n        print('deleted')\nkept = Noisy()"),
+    "a class of untracked objects with __del__": (
+        "class Noisy(int):\n    __slots__ = ()\n    def __del__(self):\n"
+        "        print('deleted', int(self))\nkept = Noisy(7)"),
+    "a weak reference's callback": (
+        "import weakref\nclass Thing:\n    pass\nthing = Thing()\n"
+        "ref = weakref.ref(thing, lambda _: print('gone'))"),
+    "a weak proxy's callback": (
+        "import weakref\nclass Thing:\n    pass\nthing = Thing()\n"
+        "proxy = weakref.proxy(thing, lambda _: print('gone'))"),
+    "a suspended generator's finally": (
+        "def numbers():\n    try:\n        yield 1\n    finally:\n        print('finally')\n"
+        "it = numbers()\nnext(it)"),
+    "a gzip file left open": (
+        "import gzip, os\nzipped = gzip.GzipFile(os.environ['OUTPUT_DIR'] + '/a.gz', 'wb', "
+        "mtime=0)\nzipped.write(b'data' * 100)"),
+    "a thread still running": (
+        "import threading, time\ndef later():\n    time.sleep(0.2)\n    print('thread')\n"
+        "threading.Thread(target=later).start()\nprint('main')"),
+    "a daemon thread waiting forever": (
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True)"
+        ".start()\nprint('main')"),
+    "sys.stdout replaced by a buffered one": (
+        "import sys\nsys.stdout = open(1, 'w', closefd=False, buffering=4096)\n"
+        "print('buffered')"),
+    "warnings shown, a file left open": (
+        "import os, warnings\nwarnings.simplefilter('always')\n"
+        "left = open(os.environ['OUTPUT_DIR'] + '/w.txt', 'w')\nleft.write('x')"),
+    "sys.exit with a status": "import sys\nprint('out')\nsys.exit(3)",
+    "sys.exit with a large status": "import sys\nsys.exit(300)",
+    "an uncaught exception": "import atexit\natexit.register(print, 'bye')\n1 / 0",
+    "killed by a signal": (
+        "import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"),
+    "os._exit with a buffer unflushed": (
+        "import os\nleft = open(os.environ['OUTPUT_DIR'] + '/lost.txt', 'w')\n"
+        "left.write('never flushed')\nos._exit(4)"),
+}
+
+
+@pytest.mark.parametrize("code", list(EXITS.values()), ids=list(EXITS))
+async def test_a_warm_python_run_ends_as_a_cold_one_does(make_pool, tmp_path, code) -> None:
+    cold = await run_python(box(tmp_path), code)
+    await make_pool(("python",))
+    handed = metric("handouts", kind="python")
+
+    warm = await run_python(box(tmp_path), code)
+
+    assert metric("handouts", kind="python") == handed + 1
+    assert (warm.exit_status, warm.exit_signal, warm.verdict) == (
+        cold.exit_status, cold.exit_signal, cold.verdict)
+    assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
+    assert [(sent.name, sent.data) for sent in warm.files] == [
+        (sent.name, sent.data) for sent in cold.files]
+
+
+#: A snippet that leaves processes behind, writing to out/ for as long as they live: a
+#: forked child, and a daemon (double fork, a session of its own) with stdout closed.
+LINGERING = """import os, time
+started, wrote = os.pipe()
+def write_on(name):
+    global wrote
+    os.closerange(0, 3)
+    with open(os.path.join(os.environ["OUTPUT_DIR"], name), "a") as handle:
+        while True:
+            handle.write(f"{time.monotonic()}\\n")
+            handle.flush()
+            if wrote >= 0:
+                os.write(wrote, b"w")
+                os.close(wrote)
+                wrote = -1
+if not os.fork():
+    write_on("child.txt")
+if not os.fork():
+    os.setsid()
+    if not os.fork():
+        write_on("daemon.txt")
+    os._exit(0)
+os.wait()
+os.read(started, 1), os.read(started, 1)
+print("parent done")
+"""
+
+
+@pytest.mark.parametrize("code", [
+    LINGERING,
+    # Its own stdout closed early, it goes on and writes its file last.
+    "import os, sys, time\nprint('early', flush=True)\nos.close(1)\nsys.stdout = None\n"
+    "time.sleep(0.3)\nopen(os.environ['OUTPUT_DIR'] + '/late.txt', 'w').write('late')",
+])
+async def test_a_warm_run_returns_only_once_nothing_of_it_is_left(make_pool, tmp_path,
+                                                                 code) -> None:
+    pool = await make_pool(("python",))
+    [waiting] = pool.waiting("python")
+
+    result = await run_python(box(tmp_path), code)
+
+    # At once, not eventually: its Result waited for every process of its sandbox to end
+    # (the init of its PID namespace exited), so no write to out/ follows the files read.
+    assert not _live_processes(pgid=waiting.pid, uid=waiting.workdir.uid
+                               if waiting.workdir.own_uid else None)
+    assert result.verdict.ok, result.stderr
+    files = {sent.name: sent.data for sent in result.files}
+    if code == LINGERING:
+        assert result.stdout == "parent done\n"
+        assert files.keys() == {"child.txt", "daemon.txt"}  # both wrote before the end
+    else:
+        assert (result.stdout, files) == ("early\n", {"late.txt": b"late"})
+    await runner.removals()
+    assert gone(waiting)
+
+
+async def test_a_warm_run_past_its_wall_clock_is_killed_whole(make_pool, tmp_path) -> None:
+    pool = await make_pool(("python",), sandbox_wall_clock_seconds=1)
+    [waiting] = pool.waiting("python")
+    handed = metric("handouts", kind="python")
+    code = "import os, time\nos.fork()\nprint('running', flush=True)\ntime.sleep(60)"
+
+    result = await run_python(box(tmp_path, sandbox_wall_clock_seconds=1), code)
+
+    assert metric("handouts", kind="python") == handed + 1
+    assert result.verdict.code == "WALL_CLOCK_LIMIT"
+    assert "running" in result.stdout
+    assert not _live_processes(pgid=waiting.pid, uid=waiting.workdir.uid
+                               if waiting.workdir.own_uid else None)
+    await runner.removals()
+    assert gone(waiting)
+
+
+@pytest.mark.parametrize(("code", "at_once"), [
+    ("print(1)", True),
+    ("import collections, datetime, decimal, json, re, typing\nprint(1)", True),
+    ("import os\nleft = open(os.devnull, 'w')\nleft.write('x')", True),
+    ("class Noisy:\n    def __del__(self):\n        pass\nkept = Noisy()", False),
+    ("import sqlite3", False),
+    ("import atexit\natexit.register(int)", False),
+])
+def test_the_launcher_skips_the_teardown_only_when_it_could_show_nothing(code,
+                                                                        at_once) -> None:
+    # What the launcher checks after a snippet, run in the sandbox's interpreter: a plain
+    # snippet ends at once (the bench's case), anything with a finaliser exits normally.
+    python = shutil.which(sandbox_python(), path=SANDBOX_PATH)
+    assert python is not None
+    check = "import os, sys, _socket\n" + _PY_LEAVE + code + (
+        "\nimport atexit\nprint(not atexit._ncallbacks() and _plain_modules()"
+        " and _to_flush() is not None)")
+    done = subprocess.run([python, *PYTHON_FLAGS, "-c", check], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.splitlines()[-1] == str(at_once)
 
 
 async def test_a_snippet_with_a_nul_byte_runs_as_it_would_cold(make_pool, tmp_path) -> None:
@@ -387,6 +558,7 @@ async def test_a_handed_sandbox_is_over_for_the_refill_once_its_run_has_ended(
 
     assert result.verdict.ok, result.stderr_tail
     assert result.stdout == "given\ndone\n"
+    await runner.removals()
     assert start.ended.done()
     assert not present(start.workdir.path)
     await pool.filled()
