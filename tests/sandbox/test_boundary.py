@@ -301,6 +301,7 @@ async def test_concurrent_runs_get_users_of_their_own(tmp_path: Path) -> None:
 AS_SERVER = """
 import asyncio, json, os, sys
 from stargrpc.sandbox import Sandbox
+from stargrpc.sandbox.runner import removals
 from stargrpc.settings import Settings
 
 async def main():
@@ -312,6 +313,7 @@ async def main():
         runs.append({"verdict": result.verdict.code, "stderr": result.stderr_tail,
                      "files": [(f.name, f.data.decode(errors="replace")) for f in result.files],
                      "skipped": result.skipped_files})
+    await removals()  # a small run's folder goes right after its result
     print(json.dumps({"mode": box.isolation.mode, "runs": runs,
                       "left": os.listdir(base + "/box")}))
 
