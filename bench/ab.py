@@ -112,8 +112,13 @@ def _profile(running: list[Any], name: str, token: str, concurrent: int = 0) -> 
 
 
 def _with_ratio(value: float, bare: float, spec: str = ",.0f") -> str:
-    """Two cells of a table: ``value``, and its ratio to bare's."""
-    return f"{value:{spec}} | {value / bare:.2f}x"
+    """Two cells of a table: ``value``, and its ratio to bare's ("—" when bare's is 0: a
+    figure read in clock ticks over a short pass can be)."""
+    return f"{value:{spec}} | {_ratio(value, bare)}"
+
+
+def _ratio(value: float, bare: float) -> str:
+    return f"{value / bare:.2f}x" if bare else "—"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in cpu:
         c, l50, l99 = min(cpu[name]), min(p50[name]), min(p99[name])
         over = f"{c - floor_cpu:.0f}" if floor_cpu is not None else "—"
-        print(f"| {name} | {c:.0f} | {c / bare_cpu:.2f}x | {over} | {l50:.3f} | "
-              f"{l50 / bare_p50:.2f}x | {l99:.3f} | {l99 / bare_p99:.2f}x |")
+        print(f"| {name} | {c:.0f} | {_ratio(c, bare_cpu)} | {over} | {l50:.3f} | "
+              f"{_ratio(l50, bare_p50)} | {l99:.3f} | {_ratio(l99, bare_p99)} |")
         result[name] = {"cpu_us_per_call": c, "p50_ms": l50, "p99_ms": l99,
                         "samples": {"cpu": cpu[name], "p50": p50[name], "p99": p99[name]}}
     if args.more:
