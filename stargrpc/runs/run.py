@@ -252,6 +252,8 @@ class Run:
     lane: str = "default"
     priority: int = 0
     _gated = False
+    #: Whether the run has passed its gates (approval, its lane's queue) and runs its tool.
+    past_gates = False
     runtime: ChildStarter | None = None
     # The tree's shared count (made when the run first has a child, or handed down) and
     # the children running in this process.
@@ -495,6 +497,7 @@ class Run:
                     await self._finish(stopped, time.monotonic() - started)
                     return
                 started = time.monotonic()
+            self.past_gates = True
             await self.start_step(self.root_step)
             outcome = await self._run_tool(settings)
         except Exception:  # the run's own machinery broke; still end the run

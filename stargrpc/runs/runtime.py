@@ -580,7 +580,7 @@ class Runtime:
                 if self.approvals.required(run.spec, run.principal):
                     # Written before the call is answered: an approver finds it at once.
                     gate = await self.approvals.request(run, request.arguments)
-                ticket = self._lane_ticket(run, request)
+                ticket = self._lane_ticket(run, request, link)
                 # A run that waits at an earlier gate (approval) enters its lane when it
                 # gets there: a lane's slot is not held while a person decides.
                 if ticket is not None and not run.gates and gate is None:
@@ -791,14 +791,21 @@ class Runtime:
             raise ChildRunError.of(answer)
         return answer
 
-    def _lane_ticket(self, run: Run, request: RunRequest) -> LaneTicket | None:
+    def _lane_ticket(self, run: Run, request: RunRequest, link: TreeLink | None
+                     ) -> LaneTicket | None:
         """What the run asks of its lane; None for a lane without a limit (no wait), and
-        for a child run of this process in its parent's lane: it runs within the slot its
-        parent holds while it waits for it (queued behind its own parent, a lane full of
-        parents waiting for their children would never move)."""
+        for a child of a run of this process that holds a slot of the same lane — called by
+        its tool (``ctx.call``), or named by ``parent_run_id`` once past its own gates: it
+        runs within the slot its parent holds while it waits for it (queued behind its own
+        parent, a lane full of parents waiting for their children would never move). A
+        parent on another replica is not known to hold a slot here: its child queues."""
         if run.lane not in self.lane_policy.limited:
             return None
         if request.parent is not None and request.parent.lane == run.lane:
+            return None
+        parent = link.parent if link is not None else None
+        if (isinstance(parent, Run) and parent.lane == run.lane and parent.past_gates
+                and not parent.finished):
             return None
         return LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
                           request.max_wait_seconds)

@@ -228,3 +228,53 @@ async def test_children_in_their_parents_full_lane_run_within_its_slot(
     assert events[-1].result.output == "fanned 3"
     assert events[-1].result.usage.child_runs == 3
     assert not [e for e in events if e.HasField("notice") and e.notice.code == "QUEUED"]
+
+
+async def test_a_child_named_by_parent_run_id_runs_within_its_running_parents_slot(
+        lanes_at: LaneServer, holds: Holds) -> None:
+    # The agent's pattern: its run (a parent) holds the lane's one slot and calls the
+    # service again for a child of the same lane, naming the parent. Queued behind its own
+    # parent, the child would wait for ever; it runs within the parent's slot instead,
+    # while an unrelated call queues.
+    _, channel = await lanes_at()
+    stub = stub_for(channel)
+    parent = stub.Execute(hold_request("parent"), metadata=ALICE)
+    parent_id = (await next_event(parent)).run_id
+    await started(holds, 1)
+    other = stub.Execute(hold_request("other"), metadata=BOB)
+    assert (await first_notice(other)).queued.position == 1
+    child = stub.Execute(hold_request("child", parent_run_id=parent_id), metadata=ALICE)
+    first = await next_event(child)
+    assert first.step.phase == events_pb2.STEP_PHASE_START, first
+    assert await started(holds, 2) == ["parent", "child"]
+    holds.release("child")
+    assert (await collect(child))[-1].result.outcome == events_pb2.OUTCOME_OK
+    holds.release("parent")
+    assert (await collect(parent))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert (await started(holds, 3))[2] == "other"
+    holds.release("other")
+    assert (await collect(other))[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def test_a_child_of_a_queued_parent_queues_too(lanes_at: LaneServer,
+                                                     holds: Holds) -> None:
+    # A parent still waiting for a slot holds none: its child has no slot to run in.
+    _, channel = await lanes_at()
+    stub = stub_for(channel)
+    running = stub.Execute(hold_request("running"), metadata=BOB)
+    await started(holds, 1)
+    parent = stub.Execute(hold_request("parent"), metadata=ALICE)
+    queued = await next_event(parent)
+    assert queued.notice.code == "QUEUED" and queued.notice.queued.position == 1, queued
+    parent_id = queued.run_id
+    child = stub.Execute(hold_request("child", parent_run_id=parent_id), metadata=ALICE)
+    assert (await first_notice(child)).queued.position == 2
+    holds.release("running")
+    assert (await collect(running))[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert await started(holds, 2) == ["running", "parent"]
+    holds.release("parent")  # the child still waits for the slot its parent holds
+    assert (await collect(parent))[-1].result.outcome == events_pb2.OUTCOME_OK
+    ended = (await collect(child))[-1].result
+    assert (ended.outcome, ended.error.code) == (events_pb2.OUTCOME_CANCELLED,
+                                                 "PARENT_RUN_ENDED")
+    assert "child" not in holds.started
