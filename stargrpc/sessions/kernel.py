@@ -52,6 +52,11 @@ MAX_VALUE = 64 * 1024
 #: Output drained at a call's end at most, per stream (a writer that never stops).
 MAX_DRAIN = 4 << 20
 
+#: How often, and how many times at most, an interrupt is signalled again while the call it
+#: is for has not taken it (2 s: the server's grace before it closes the session).
+INTERRUPT_EVERY = 0.05
+INTERRUPT_TIMES = 40
+
 _HEADER = struct.Struct(">I")
 
 
@@ -60,6 +65,9 @@ class Kernel:
 
     def __init__(self, ctrl_in, ctrl_out, out_r, err_r):
         self.pid = os.getpid()
+        # The thread that runs the calls (and Python's signal handlers): interrupts are
+        # aimed at it (see _interrupt).
+        self.main_thread = threading.get_ident()
         self.ctrl_in = ctrl_in
         self.ctrl_out = ctrl_out
         self.pipes = {out_r: "stdout", err_r: "stderr"}
@@ -75,6 +83,10 @@ class Kernel:
         # "interrupted before starting" exclusive.
         self.interrupted = set()
         self.interrupt_lock = threading.Lock()
+        # The running call asked to stop and not told yet (its KeyboardInterrupt not raised),
+        # and whether the running call has ended.
+        self.interrupting = None
+        self.call_over = threading.Event()
         self.namespace = {"__name__": "__main__", "__builtins__": builtins}
         self.sweeps = os.environ.get("STARGRPC_SESSION_SWEEP") == "1"
         os.register_at_fork(after_in_child=self._forked)
@@ -133,11 +145,24 @@ class Kernel:
                 # Not started yet (or ended): a queued call is skipped when its turn comes.
                 self.interrupted.add(call)
                 return
+            self.interrupting = call
         shell = self.shell
         if shell is not None:
             _kill_group(shell.pid)
-        else:
-            os.kill(self.pid, signal.SIGINT)
+            return
+        # SIGINT at the thread that runs the call (a process-directed signal may be taken
+        # by another thread, which interrupts none of the call's system calls), and again
+        # until the call has taken it: this thread gets to run when the call's thread lets
+        # go of the GIL — as it is about to block in a system call (a sleep, a read) — and a
+        # signal that lands before the system call starts is only noted by Python, which
+        # runs the handler once the call returns; the call slept on past the grace, and the
+        # session was closed as one that would not stop (seen: about 1 cancel in 100).
+        for _ in range(INTERRUPT_TIMES):
+            if self.interrupting != call:
+                return  # taken
+            signal.pthread_kill(self.main_thread, signal.SIGINT)
+            if self.call_over.wait(INTERRUPT_EVERY):
+                return
 
     # -- output ---------------------------------------------------------------------------
 
@@ -176,8 +201,12 @@ class Kernel:
     # -- calls ----------------------------------------------------------------------------
 
     def _on_interrupt(self, signum, frame):
-        # Only a call is ever interrupted; one that ended meanwhile is left alone.
-        if self.current is not None and self.shell is None:
+        # Only the call asked to stop is interrupted, once per request (the signal may be
+        # repeated until it is taken); one that ended meanwhile, and the next, are left
+        # alone.
+        if (self.current is not None and self.current == self.interrupting
+                and self.shell is None):
+            self.interrupting = None
             raise KeyboardInterrupt
 
     def serve(self):
@@ -189,7 +218,9 @@ class Kernel:
             frame = self.calls.get()
             call = frame.get("call")
             with self.interrupt_lock:
+                self.call_over.clear()
                 self.current = call
+                self.interrupting = None
                 early = call in self.interrupted
                 # One call at a time: any other id is of a call that ended (its interrupt
                 # raced its done frame) and will never start.
@@ -205,6 +236,7 @@ class Kernel:
                 done = {"ok": False, "error": "KeyboardInterrupt"}
             finally:
                 self.current = None
+                self.call_over.set()
                 self.shell = None
             self.sweep()
             done.update(t="done", call=call)

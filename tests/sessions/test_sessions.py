@@ -395,3 +395,32 @@ async def test_a_call_cancelled_as_soon_as_it_is_sent_leaves_its_session_serving
         assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED, events[-1].result
         result = await python(stub, session_id, "'free'")
         assert as_dict(result).get("structured_output") == "free", result
+
+
+async def test_a_call_that_handles_its_interrupt_gets_one_and_finishes_its_cleanup(
+        stub) -> None:
+    # The kernel signals an interrupt again until the call takes it (a signal landing just
+    # before the call blocks interrupts nothing): once taken, no more. A call that catches
+    # it and cleans up for a while is not interrupted again in its cleanup.
+    session_id = await create(stub)
+    code = ("import time\ntry:\n    print('up', flush=True)\n    time.sleep(30)\n"
+            "except KeyboardInterrupt:\n    time.sleep(0.3)\n"
+            "    open('cleaned', 'w').write('yes')\n")
+    for _ in range(3):
+        call = stub.Execute(tool_service_pb2.ExecuteRequest(
+            tool_name="python", session_id=session_id,
+            arguments_json=json.dumps({"code": code})))
+        run_id = ""
+        async for response in call:
+            run_id = response.event.run_id
+            if response.event.HasField("step") and "up" in response.event.step.delta:
+                break
+        await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+        events = [response.event async for response in call]
+        assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED, events[-1].result
+        # Its cleanup ran to the end before the session's next call.
+        result = await python(stub, session_id,
+                              "import os\nopen('cleaned').read() if os.path.exists('cleaned') "
+                              "else 'no'")
+        assert as_dict(result).get("structured_output") == "yes", result
+        await python(stub, session_id, "import os\nos.remove('cleaned')")
