@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from stargrpc import ToolContext, testing, tool
 from stargrpc.errors import InvalidArgument
-from stargrpc.runs.arguments import validate
+from stargrpc.runs.arguments import ArgumentLimits, decode_json, validate
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.server.interceptors.audit import AuditInterceptor
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
@@ -296,3 +296,29 @@ def _varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+def _nested_json(levels: int) -> str:
+    """An object ``levels`` objects deep around one number (which sits one level deeper)."""
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+def test_json_depth_limit_is_exact_at_its_boundary() -> None:
+    limits = ArgumentLimits()
+    # The number inside 63 objects is at depth 64, the limit; inside 64, one level over.
+    assert decode_json(_nested_json(limits.max_depth - 1), limits)
+    with pytest.raises(InvalidArgument) as caught:
+        decode_json(_nested_json(limits.max_depth), limits)
+    assert [v.field for v in caught.value.violations] == ["arguments_json"]
+    # Lists count as objects do; empty containers at the limit are within it.
+    assert decode_json('{"a": ' + "[" * (limits.max_depth - 1) + "]" * (limits.max_depth - 1)
+                       + "}", limits)
+    with pytest.raises(InvalidArgument):
+        decode_json('{"a": ' + "[" * (limits.max_depth - 1) + "0"
+                    + "]" * (limits.max_depth - 1) + "}", limits)
+
+
+def test_brackets_inside_strings_do_not_make_arguments_deep() -> None:
+    limits = ArgumentLimits()
+    text = json.dumps({"code": "{[" * 500, "more": {"x": "]}" * 100}})
+    assert decode_json(text, limits) == json.loads(text)
