@@ -340,13 +340,17 @@ if _code:
 #: cannot receive a descriptor): Python, without ``site`` (``-I -S``), that takes the
 #: command and the state socket and ``exec``s the command as the shell launcher would: on
 #: ``PATH``, with the environment it was started with (read back from
-#: ``/proc/self/environ``, so nothing the interpreter set at start-up leaks through), and
-#: the signals Python ignores (``SIGPIPE``, ``SIGXFSZ``) back to their default, as ``exec``
-#: from a shell leaves them. A command not found exits 127 (126 when it cannot be run).
+#: ``/proc/self/environ``, so nothing the interpreter set at start-up leaks through; the
+#: lookup's one import made before the hand-out), and the signals Python ignores
+#: (``SIGPIPE``, ``SIGXFSZ``) back to their default, as ``exec`` from a shell leaves them.
+#: A command not found exits 127 (126 when it cannot be run).
 EXEC_PY_LAUNCHER = _PY_TAKE + r"""import signal
 with open("/proc/self/environ", "rb") as _handle:
     _env = dict(entry.split(b"=", 1) for entry in _handle.read().split(b"\0")
                 if b"=" in entry)
+# os.execvpe finds the command through os.get_exec_path, whose first call imports
+# ``warnings`` (0.4-0.7 ms): made here, so that the import is over before the hand-out.
+os.get_exec_path(_env)
 _args = _take()
 for _name in ("SIGPIPE", "SIGXFSZ"):
     if hasattr(signal, _name):

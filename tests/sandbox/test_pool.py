@@ -633,37 +633,56 @@ async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
     assert await sandbox.store.get("run:run-a", "mine") == '"A"'
 
 
-#: A launcher that takes whatever the hand-out sends, answers the nonce wrongly, then
-#: takes whatever else comes until the channel closes and says how many descriptors it got.
-ROGUE_LAUNCHER = """import os, socket, time
+#: A launcher that takes whatever the hand-out sends, answers the nonce wrongly (and, with
+#: "stderr" as its argument, writes to its stderr as it starts, which a check sees), then
+#: takes whatever else comes until the channel closes and says what it got.
+ROGUE_LAUNCHER = """import json, os, socket, sys, time
+if sys.argv[1:] == ["stderr"]:
+    os.write(2, b"touched\\n")
 os.write(1, b"ready\\n")
-control, taken = socket.socket(fileno=0), 0
+control, taken, got = socket.socket(fileno=0), 0, b""
 chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
-taken += len(fds)
+taken, got = taken + len(fds), got + chunk
 os.write(1, b"fresh not-the-nonce\\n")
 while chunk:
     chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
-    taken += len(fds)
-os.write(1, b"took %d\\n" % taken)
+    taken, got = taken + len(fds), got + chunk
+os.write(1, json.dumps([taken, got.decode()]).encode() + b"\\n")
 time.sleep(60)
 """
 
 
-async def test_a_sandbox_that_answers_the_nonce_wrongly_never_gets_the_state_socket(
-        tmp_path) -> None:
+@pytest.mark.parametrize("rogue_is", ["answering wrongly", "touched"])
+async def test_a_sandbox_that_fails_the_hand_out_never_gets_the_state_socket(tmp_path,
+                                                                            rogue_is) -> None:
+    # One that answers the nonce wrongly never receives the state socket; one that failed
+    # a check (here: its stderr written to) receives nothing at all, nor are the run's
+    # files written into its folder.
     sandbox = box(tmp_path)
     state_socket = sandbox.state_socket("run-a")
     [kind] = [kind for kind in kinds_for(sandbox.settings).values() if kind.name == "exec"]
-    rogue = replace(kind, launcher=(sandbox_python(), "-I", "-c", ROGUE_LAUNCHER))
+    rogue = replace(kind, launcher=(sandbox_python(), "-I", "-c", ROGUE_LAUNCHER,
+                                    *(["stderr"] if rogue_is == "touched" else [])))
     warm = await WarmSandbox.start(sandbox.sandbox, rogue)
+    why = "answered the hand-out wrongly" if rogue_is == "answering wrongly" else "stderr"
     try:
-        with pytest.raises(Unfit, match="answered the hand-out wrongly"):
-            await warm.hand_out(["true"], {}, sandbox.sandbox.limits, state_socket.pass_fds)
+        with pytest.raises(Unfit, match=why):
+            await warm.hand_out(["sh", "-c", "echo the-secret-command"],
+                                {"input.txt": "the-secret-file"}, sandbox.sandbox.limits,
+                                state_socket.pass_fds)
         assert warm._stdout is not None
-        assert await warm._stdout.readline() == b"took 0\n"  # the channel closed on it
+        if rogue_is == "touched":  # given up before anything was sent: it got no nonce
+            assert not (warm.workdir.path / "input.txt").exists()
+            assert await warm._stdout.readline() == b"fresh not-the-nonce\n"
+        taken, got = json.loads(await warm._stdout.readline())  # the channel closed on it
     finally:
         await warm.aclose()
         await state_socket.aclose()
+    assert taken == 0
+    if rogue_is == "touched":
+        assert got == ""
+    else:
+        assert got.split("\n", 1)[1].startswith("3\nsh\n-c\n")  # the nonce came first
     assert gone(warm)
 
 
