@@ -90,25 +90,22 @@ class GatewayClient:
 
     async def start(self) -> None:
         """Opens the channel (in the running event loop)."""
-        if self._given is not None:
-            self._channel = self._given
-            self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
-            self._state_stub = state_pb2_grpc.RunStateServiceStub(self._channel)
-            return
+        self._channel = self._given if self._given is not None else self._open()
+        self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
+        self._state_stub = state_pb2_grpc.RunStateServiceStub(self._channel)
+
+    def _open(self) -> grpc.aio.Channel:
+        """A channel to :attr:`target`, with the message limit and credentials given."""
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes),
         ]
         if self._credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=options)
-        else:
-            if self._server_name:
-                # The loopback address is not the name in the server's certificate.
-                options.append(("grpc.ssl_target_name_override", self._server_name))
-            self._channel = grpc.aio.secure_channel(self.target, self._credentials,
-                                                    options=options)
-        self._stub = tool_service_pb2_grpc.ToolServiceStub(self._channel)
-        self._state_stub = state_pb2_grpc.RunStateServiceStub(self._channel)
+            return grpc.aio.insecure_channel(self.target, options=options)
+        if self._server_name:
+            # The loopback address is not the name in the server's certificate.
+            options.append(("grpc.ssl_target_name_override", self._server_name))
+        return grpc.aio.secure_channel(self.target, self._credentials, options=options)
 
     async def aclose(self) -> None:
         """Stops reading the streams still open and closes the channel."""

@@ -42,6 +42,7 @@ from typing import Any, NoReturn, cast
 import grpc
 
 from stargrpc import __version__
+from stargrpc.server.interceptors._shapes import call_behaviour, responses_of
 
 _LOGGER = logging.getLogger("stargrpc.server.inprocess")
 
@@ -238,10 +239,7 @@ class InProcessServer:
             request = _one(request)  # a handler of streamed requests: a stream of one
         if handler.unary_unary is not None or handler.stream_unary is not None:
             behaviour = handler.unary_unary or handler.stream_unary
-            if inspect.iscoroutinefunction(behaviour):
-                response = await behaviour(request, context)
-            else:
-                response = await asyncio.to_thread(behaviour, request, context)
+            response = await call_behaviour(behaviour, request, context)
             code = context.code()
             if code is None or code is grpc.StatusCode.OK:
                 await call.put(self._serialized(response, serialize))
@@ -252,17 +250,12 @@ class InProcessServer:
             context._writer = lambda message: call.put(self._serialized(message, serialize))
             await behaviour(request, context)
             return
-        if inspect.isasyncgenfunction(behaviour):
-            responses = behaviour(request, context)
-            try:
-                async for response in responses:
-                    await call.put(self._serialized(response, serialize))
-            finally:
-                await responses.aclose()
-            return
-        iterator = await asyncio.to_thread(behaviour, request, context)
-        while (response := await asyncio.to_thread(next, iterator, _END)) is not _END:
-            await call.put(self._serialized(response, serialize))
+        responses = responses_of(behaviour)(request, context)
+        try:
+            async for response in responses:
+                await call.put(self._serialized(response, serialize))
+        finally:
+            await responses.aclose()  # type: ignore[attr-defined]
 
     def _serialized(self, message: Any, serialize: Callable[[Any], bytes] | None) -> bytes:
         data = serialize(message) if serialize is not None else message
