@@ -492,6 +492,12 @@ class _Call:
         self.context._deadline = -1.0  # passed, whatever the loop's clock resolution says
         self.cancel(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
+    @property
+    def cancelled_by_its_caller(self) -> bool:
+        """Whether the call ended CANCELLED because its caller cancelled it (grpc.aio then
+        raises CancelledError rather than an AioRpcError)."""
+        return self.cancelled_by_caller and self.code is grpc.StatusCode.CANCELLED
+
     def error(self) -> grpc.aio.AioRpcError:
         assert self.code is not None
         initial = self.initial.result() if self.initial.done() else ()
@@ -546,15 +552,17 @@ def _wake(waiter: asyncio.Future[None] | None) -> None:
 class _CallView:
     """What a grpc.aio call object answers besides its messages."""
 
-    _call: _Call
-    _channel: InProcessChannel
+    def __init__(self, call: _Call, deserialize: Callable[[bytes], Any] | None) -> None:
+        self._call = call
+        call.owner = self
+        self._deserialize = deserialize
 
     def cancel(self) -> bool:
         """Cancels the call (its handler too); whether it was still going."""
         return self._call.cancel(grpc.StatusCode.CANCELLED, _LOCALLY_CANCELLED)
 
     def cancelled(self) -> bool:
-        return self._call.cancelled_by_caller and self._call.code is grpc.StatusCode.CANCELLED
+        return self._call.cancelled_by_its_caller
 
     def done(self) -> bool:
         return self._call.code is not None
@@ -593,18 +601,13 @@ class _CallView:
 
     def _raise_if_ended(self) -> NoReturn:
         call = self._call
-        if call.code is grpc.StatusCode.CANCELLED and call.cancelled_by_caller:
+        if call.cancelled_by_its_caller:
             raise asyncio.CancelledError()
         raise call.error()
 
 
 class InProcessUnaryUnaryCall(_CallView):
     """A unary call, awaitable for its response as ``grpc.aio.UnaryUnaryCall``."""
-
-    def __init__(self, call: _Call, deserialize: Callable[[bytes], Any] | None) -> None:
-        self._call = call
-        call.owner = self
-        self._deserialize = deserialize
 
     def __await__(self) -> Any:
         return self._response().__await__()
@@ -627,11 +630,6 @@ class InProcessUnaryStreamCall(_CallView):
     """A call streaming its responses, read as ``grpc.aio.UnaryStreamCall``: ``read()``
     (``grpc.aio.EOF`` at the end) or ``async for``."""
 
-    def __init__(self, call: _Call, deserialize: Callable[[bytes], Any] | None) -> None:
-        self._call = call
-        call.owner = self
-        self._deserialize = deserialize
-
     async def read(self) -> Any:
         """The next response, or ``grpc.aio.EOF``.
 
@@ -640,7 +638,7 @@ class InProcessUnaryStreamCall(_CallView):
             asyncio.CancelledError: The call was cancelled by its caller.
         """
         call = self._call
-        if call.cancelled_by_caller and call.code is grpc.StatusCode.CANCELLED:
+        if call.cancelled_by_its_caller:
             raise asyncio.CancelledError()
         message = await call.responses.get()
         if message is _END:
