@@ -209,8 +209,8 @@ def _plain_modules():
 def _kind(cls):
     # 0: nothing at teardown; 1: a file whose buffer is flushed; 2: a socket, fine closed;
     # 3: a weak reference; 4: a class; None: a finaliser that may do anything.
-    if issubclass(cls, type):
-        return 4
+    if issubclass(cls, type):  # a class; a metaclass's own __del__ runs at teardown
+        return 4 if _finaliser(cls) is None else None
     if issubclass(cls, _weakref.ref):
         return 3
     if cls in (_weakref.ProxyType, _weakref.CallableProxyType):

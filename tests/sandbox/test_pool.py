@@ -261,6 +261,9 @@ EXITS = {
         "import atexit\natexit.register(int, 'x')\nprint('first')"),
     "an object with __del__": (
         "class Noisy:\n    def __del__(self):\n        print('deleted')\nkept = Noisy()"),
+    "a metaclass with __del__": (
+        "class Meta(type):\n    def __del__(cls):\n        print('class gone')\n"
+        "class Kept(metaclass=Meta):\n    pass\n"),
     "a class of untracked objects with __del__": (
         "class Noisy(int):\n    __slots__ = ()\n    def __del__(self):\n"
         "        print('deleted', int(self))\nkept = Noisy(7)"),
@@ -393,6 +396,8 @@ async def test_a_warm_run_past_its_wall_clock_is_killed_whole(make_pool, tmp_pat
     ("import collections, datetime, decimal, json, re, typing\nprint(1)", True),
     ("import os\nleft = open(os.devnull, 'w')\nleft.write('x')", True),
     ("class Noisy:\n    def __del__(self):\n        pass\nkept = Noisy()", False),
+    ("class Meta(type):\n    def __del__(cls):\n        pass\n"
+     "class Kept(metaclass=Meta):\n    pass\n", False),
     ("import sqlite3", False),
     ("import atexit\natexit.register(int)", False),
 ])
