@@ -795,7 +795,8 @@ class Runtime:
                      ) -> LaneTicket | None:
         """What the run asks of its lane; None for a lane without a limit (no wait), and
         for a child of a run of this process that holds a slot of the same lane — called by
-        its tool (``ctx.call``), or named by ``parent_run_id`` once past its own gates: it
+        its tool (``ctx.call``), or named by ``parent_run_id`` once past its own gates, by the
+        parent's own principal (a watcher of another's run gets no slot from it): it
         runs within the slot its parent holds while it waits for it (queued behind its own
         parent, a lane full of parents waiting for their children would never move). A
         parent on another replica is not known to hold a slot here: its child queues."""
@@ -805,7 +806,7 @@ class Runtime:
             return None
         parent = link.parent if link is not None else None
         if (isinstance(parent, Run) and parent.lane == run.lane and parent.past_gates
-                and not parent.finished):
+                and not parent.finished and parent.principal.id == run.principal.id):
             return None
         return LaneTicket(run.run_id, run.lane, run.principal.id, run.priority,
                           request.max_wait_seconds)
