@@ -156,10 +156,15 @@ async def test_the_calls_own_deadline_in_a_stall_is_told_as_such(
         stallable_redis: StallableRedis) -> None:
     # No socket timeout: only the store's own deadlines (asyncio.timeout) end these calls,
     # and each says it ran out of time rather than that Redis is unreachable.
-    store = RedisRunStore(Redis.from_url(stallable_redis.url), timeout=0.3)
+    # The connection is made and Redis found healthy under a long deadline (on a loaded
+    # machine connecting alone can take longer than the short one); only the calls in
+    # the stall have 0.3 s.
+    store = RedisRunStore(Redis.from_url(stallable_redis.url), timeout=30)
     try:
+        await store.publish(store.create(uuid.uuid4().hex, owner="alice", tool="echo"))
+        store.shared.timeout = 0.3
         run_log = store.create(uuid.uuid4().hex, owner="alice", tool="echo")
-        await store.publish(run_log)
+        await store.publish(run_log)  # healthy: no round trip, its deadline 0.3 s from now
         stallable_redis.stall()
         with capture_logs() as logs, pytest.raises(Unavailable) as claim_refused:
             await store.claim("alice", "k", "fp", run_log)
