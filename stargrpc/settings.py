@@ -407,9 +407,10 @@ class Settings(BaseSettings):
                                  "written in one transaction.")
     audit_group_commit_ms: float = Field(
         2.0, ge=0, le=100, description="On a busy server (8 or more other Execute calls "
-        "open), how long (ms) an audit record may wait for the records of the calls ending "
-        "next to share its transaction: one commit for several calls instead of one each, at "
-        "up to this much later a Result (0: no wait, the next loop turn).")
+        "open, and the record before came within twice this), how long (ms) an audit "
+        "record may wait for the records of the calls ending next to share its "
+        "transaction: one commit for several calls instead of one each, at up to this much "
+        "later a Result (0: no wait, the next loop turn).")
     audit_commit_timeout_seconds: float = Field(
         10.0, ge=0, description="How long an Execute's Result waits for its audit record to "
         "be committed before it is sent anyway (the record stays queued).")

@@ -78,9 +78,13 @@ _Written = AuditRecord | asyncio.Future[AuditRecord] | None
 #: Other Execute calls open from which a record waits (``audit_group_commit_ms``, bounded)
 #: for theirs to share its transaction: a server this busy ends calls about a loop turn
 #: apart, and a commit each is most of what the audit costs a call there (``bench/README.md``).
-#: Below it a record is committed on the next turn, so that a few callers — or one caller
-#: while other clients hold streams open — pay no wait.
+#: Below it a record is committed on the next turn, so that a few callers pay no wait.
 BUSY_EXECUTES = 8
+
+#: A record waits only while records are arriving: the one before it came within this many
+#: group waits. Open calls alone do not say that others end soon (long runs, or clients
+#: holding streams open, would make every sparse call's record wait for nothing).
+ARRIVING_WITHIN_WAITS = 2
 
 _EXECUTE = f"/{SERVICE_NAME}/Execute"
 
@@ -131,6 +135,8 @@ class AuditInterceptor(ComposedInterceptor):
         self.log_lines = settings.audit_log_lines
         self._open_calls = 0
         self._open_executes = 0
+        self._last_record_at = -float("inf")
+        self._clock = time.monotonic
         super().__init__(audit=self)
 
     @property
@@ -297,15 +303,18 @@ class AuditInterceptor(ComposedInterceptor):
         notable = record.privileged or record.outcome != "ok"
         if (notable and self.log_lines != "off") or self.log_lines == "all":
             self._log(record, notable)
+        now = self._clock()
+        arriving = now - self._last_record_at < ARRIVING_WITHIN_WAITS * self.writer.group_wait
+        self._last_record_at = now
         try:
             # With no other call open, no record will come to share this one's transaction:
             # commit it at once rather than on the next turn of the loop.
             if self._open_calls == 0:
                 return self.writer.submit_alone(record)
-            # A busy server: the records of the calls ending next may share this one's
-            # transaction.
-            return self.writer.submit(record,
-                                      more_coming=self._open_executes >= BUSY_EXECUTES)
+            # A busy server, records arriving: the records of the calls ending next may
+            # share this one's transaction.
+            return self.writer.submit(
+                record, more_coming=arriving and self._open_executes >= BUSY_EXECUTES)
         except RuntimeError:
             log.error("audit_record_not_stored", reason="the audit writer is closed",
                       record=record.as_dict())

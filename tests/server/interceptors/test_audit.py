@@ -248,6 +248,8 @@ async def test_a_record_waits_to_share_its_commit_only_on_a_busy_server(
 
     monkeypatch.setattr(writer, "submit", spied_submit)
     monkeypatch.setattr(writer, "submit_alone", spied_submit_alone)
+    now = [0.0]  # the interceptor's clock: when each record reaches it
+    monkeypatch.setattr(audit, "_clock", lambda: now[0])
 
     async def held() -> grpc.aio.UnaryStreamCall:
         call = stub.Execute(tool_service_pb2.ExecuteRequest(tool_name="waits"))
@@ -260,16 +262,22 @@ async def test_a_record_waits_to_share_its_commit_only_on_a_busy_server(
     calls = [await held()]
     results.append(await run_tool(stub, "login", login))  # one other call open
     calls += [await held() for _ in range(BUSY_EXECUTES - 1)]
-    # Its Result comes once its record is committed, after the wait.
-    results.append(await run_tool(stub, "login", login))  # a busy server
+    # Many streams held open, but no record has come for a while: nothing says another
+    # call ends soon, so this one does not wait.
+    now[0] = 60.0
+    results.append(await run_tool(stub, "login", login))
+    # A busy server with records arriving (the one before came a moment ago): its Result
+    # comes once its record is committed, after the wait.
+    now[0] += writer.group_wait / 2
+    results.append(await run_tool(stub, "login", login))
     for call in calls:
         call.cancel()
     records = await _records(server)
 
     assert all(events[-1].result.outcome == events_pb2.OUTCOME_OK for events in results)
-    assert [how for tool, how in handed if tool == "login"] == ["alone", "queued",
-                                                                 "more coming"]
-    assert sorted(r.outcome for r in records) == ["cancelled"] * BUSY_EXECUTES + ["ok"] * 3
+    assert [how for tool, how in handed if tool == "login"] == [
+        "alone", "queued", "queued", "more coming"]
+    assert sorted(r.outcome for r in records) == ["cancelled"] * BUSY_EXECUTES + ["ok"] * 4
 
 
 async def test_watch_and_cancel_name_their_run(server, stub) -> None:
