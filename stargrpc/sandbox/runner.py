@@ -112,6 +112,12 @@ _INLINE_ENTRIES = 16
 #: ... and whose files hold at most this many bytes in all (reading the output files and
 #: removing the folder must stay a matter of microseconds on the loop).
 _INLINE_BYTES = 256 * 1024
+#: Such a small folder's removal (in a thread) begins this long after its run returned:
+#: begun at once, the thread took the interpreter's lock turn about turn with the event
+#: loop sending the run's last events and Result (1-2 ms later a Result, measured). Its
+#: user id is released, and a warm pool refills, once it is done; :func:`removals` begins
+#: any still waiting at once.
+_REMOVAL_DELAY_SECONDS = 0.01
 _MAX_COLLECT_DEPTH = 64
 #: Skipped output files listed one by one at most (the rest are counted).
 _MAX_SKIPPED = 64
@@ -196,6 +202,7 @@ class WarmStart:
         workdir: Its working directory.
         leader: Its leader.
         stdout: Its stdout, already connected (the hand-out was answered on it).
+        stderr: Its stderr, already connected.
         ended: Done once the run is over: its processes gone, its output read and its
             folder removed (its Result about to go out), however it ended.
     """
@@ -203,6 +210,7 @@ class WarmStart:
     workdir: _Workdir
     leader: _Leader
     stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
     ended: asyncio.Future[None]
 
 
@@ -371,12 +379,18 @@ class Sandbox:
 
     def __init__(self, settings: Settings, limits: Limits | None = None) -> None:
         self.limits = limits or Limits.from_settings(settings)
-        self.isolation = isolation_for(settings)
+        # As isolation_for does, with the root and ids looked up once (a call each run).
         self._root = sandbox_root(settings)
         self._uid, self._gid = sandbox_ids(settings)
+        self.isolation = detect(settings.sandbox_isolation, self._root, self._uid, self._gid)
         self._uid_range = settings.sandbox_uids if self._uid is not None else None
         self._keep = settings.sandbox_keep_workdir
         self._env_allowlist = list(settings.sandbox_env_allowlist)
+
+    @property
+    def root(self) -> Path:
+        """The folder its runs' working directories are made in (:func:`sandbox_root`)."""
+        return self._root
 
     async def run(self, argv: list[str], *, files: Mapping[str, str | bytes] | None = None,
                   env: Mapping[str, str] | None = None,
@@ -427,8 +441,8 @@ class Sandbox:
                     if steering is not None else None)
             try:
                 if warm is not None:
-                    return await self._run_in(workdir, warm.leader, warm.stdout, on_output,
-                                              on_tick, started, on_usage, pump)
+                    return await self._run_in(workdir, warm.leader, (warm.stdout, warm.stderr),
+                                              on_output, on_tick, started, on_usage, pump)
                 leader = _Leader(self._command(argv, workdir, read_only_paths), workdir,
                                  self._environment(workdir.path, env), stdin=subprocess.DEVNULL,
                                  pass_fds=pass_fds)
@@ -445,9 +459,7 @@ class Sandbox:
                     asyncio.to_thread(_finish, workdir, self._keep))
             if warm is not None:
                 workdir.finishing.add_done_callback(lambda _: _set_done(warm.ended))
-            if workdir.in_background:
-                _remove_later(workdir.finishing)
-            else:
+            if not workdir.in_background:
                 await asyncio.shield(workdir.finishing)
 
     async def spawn(self, argv: list[str], *, env: Mapping[str, str] | None = None,
@@ -494,12 +506,12 @@ class Sandbox:
                                       read_only_paths=read_only_paths)
 
     async def _run_in(self, workdir: _Workdir, leader: _Leader,
-                      stdout: asyncio.StreamReader | None,
+                      connected: tuple[asyncio.StreamReader, asyncio.StreamReader] | None,
                       on_output: OutputCallback | None, on_tick: TickCallback | None,
                       started: float, on_usage: UsageCallback | None,
                       steering: asyncio.Task[None] | None = None) -> SandboxResult:
-        """Streams, supervises and ends the started ``leader`` (``stdout``: its stdout
-        already connected, for a warm sandbox that answered on it); once it has ended,
+        """Streams, supervises and ends the started ``leader`` (``connected``: its stdout
+        and stderr already connected, for a warm sandbox); once it has ended,
         stops ``steering`` (which writes into the folder) and reads ``out/`` and removes
         the folder: in one thread, or right here when nothing of the run is left and the
         folder holds at most :data:`_INLINE_ENTRIES` entries."""
@@ -510,14 +522,14 @@ class Sandbox:
         try:
             # Inside the try: connecting a pipe takes loop turns, and a cancellation landing
             # there must still bring the group down before the folder and uid are given back.
-            if stdout is not None:
-                pumps.append(asyncio.create_task(output.pump(stdout, "stdout")))
-            for pipe, channel in ((leader.proc.stdout, "stdout"),
-                                  (leader.proc.stderr, "stderr")):
-                if channel == "stdout" and stdout is not None:
-                    continue
-                reader = await leader.read_pipe(pipe)
-                pumps.append(asyncio.create_task(output.pump(reader, channel)))
+            if connected is not None:
+                pumps += [asyncio.create_task(output.pump(connected[0], "stdout")),
+                          asyncio.create_task(output.pump(connected[1], "stderr"))]
+            else:
+                for pipe, channel in ((leader.proc.stdout, "stdout"),
+                                      (leader.proc.stderr, "stderr")):
+                    reader = await leader.read_pipe(pipe)
+                    pumps.append(asyncio.create_task(output.pump(reader, channel)))
             stopped = await self._wait(leader.exited, started, on_tick, workdir, sampler)
         except BaseException:
             # Cancellation or an error: the whole group goes down, and what it used up to
@@ -534,8 +546,7 @@ class Sandbox:
             # folder removed in a thread while the Result goes out (:meth:`run` does not
             # wait for it: the rmdirs were a good part of the end of a short run).
             final = self._collect(os.dup(workdir.fd), workdir.owner)
-            workdir.finishing = asyncio.ensure_future(
-                asyncio.to_thread(_finish, workdir, self._keep))
+            workdir.finishing = _Removal(workdir, self._keep).done
             workdir.in_background = True
         else:
             workdir.finishing = asyncio.ensure_future(
@@ -1104,13 +1115,50 @@ async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024) -> asyncio.
     return reader
 
 
-#: The removals of folders that runs of this process have not waited for (see
-#: :func:`removals`).
-_removing: set[asyncio.Future[Any]] = set()
+class _Removal:
+    """The removal of a small folder whose run has returned: begun in a thread
+    :data:`_REMOVAL_DELAY_SECONDS` later (or at once, by :meth:`begin`); ``done`` is done
+    once the folder is gone (or its removal failed)."""
+
+    def __init__(self, workdir: _Workdir, keep: bool) -> None:
+        loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self._workdir = workdir
+        self._keep = keep
+        self._timer: asyncio.TimerHandle | None = loop.call_later(_REMOVAL_DELAY_SECONDS,
+                                                                  self.begin)
+        # One whose loop was closed before it was done never completes (nor begins).
+        for other in [done for done in _removing if done.get_loop().is_closed()]:
+            del _removing[other]
+        _removing[self.done] = self
+        self.done.add_done_callback(_removed)
+
+    def begin(self) -> None:
+        """Begins the removal now (once)."""
+        if self._timer is None:
+            return
+        self._timer.cancel()
+        self._timer = None
+        thread = asyncio.ensure_future(asyncio.to_thread(_finish, self._workdir, self._keep))
+        thread.add_done_callback(self._settle)
+
+    def _settle(self, thread: asyncio.Future[None]) -> None:
+        if self.done.done():
+            return
+        error = None if thread.cancelled() else thread.exception()
+        if error is not None:
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(None)
+
+
+#: The removals of folders that runs of this process have not waited for, by their
+#: ``done`` future (see :func:`removals`).
+_removing: dict[asyncio.Future[Any], _Removal] = {}
 
 
 def _removed(removal: asyncio.Future[Any]) -> None:
-    _removing.discard(removal)
+    _removing.pop(removal, None)
     if not removal.cancelled() and removal.exception() is not None:
         log.error("sandbox_workdir_removal_failed", error=str(removal.exception()))
 
@@ -1118,19 +1166,13 @@ def _removed(removal: asyncio.Future[Any]) -> None:
 async def removals() -> None:
     """Returns once the folders of the runs of this event loop that have returned are
     removed (a run whose processes are all gone and whose folder is small returns once its
-    ``out/`` is read, and its folder is removed right after, in a thread)."""
+    ``out/`` is read, and its folder is removed a moment after, in a thread): removals
+    still waiting to begin begin now."""
     loop = asyncio.get_running_loop()
-    while pending := [removal for removal in _removing if removal.get_loop() is loop]:
+    while pending := [done for done in _removing if done.get_loop() is loop]:
+        for done in pending:
+            _removing[done].begin()
         await asyncio.wait(pending)
-
-
-def _remove_later(removal: asyncio.Future[Any]) -> None:
-    """Keeps ``removal`` (a folder's, not waited for by its run) until it is done."""
-    # One whose loop was closed first never completes here (its thread did finish).
-    _removing.difference_update([other for other in _removing
-                                 if other.get_loop().is_closed()])
-    _removing.add(removal)
-    removal.add_done_callback(_removed)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import Policy, decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage, sandbox_root
+from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage
 from stargrpc.sandbox.state_socket import open_state_socket
 from stargrpc.settings import Settings
 
@@ -101,7 +101,7 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
 
     result: SandboxResult | None = None
     # The run's own state, reached by the command through an inherited socket.
-    state_socket = open_state_socket(ctx, sandbox_root(ctx.settings))
+    state_socket = open_state_socket(ctx, sandbox.root)
     try:
         async with ctx.step(title, kind="sandbox",
                             detail={"isolation": sandbox.isolation.mode}) as step:

@@ -577,6 +577,7 @@ class WarmSandbox:
     workdir: _Workdir
     _leader: _Leader
     _stdout: asyncio.StreamReader | None
+    _stderr: asyncio.StreamReader | None
     _control: socket.socket
     _folder: tuple[object, ...]
     _processes: dict[int, _Process]
@@ -590,6 +591,7 @@ class WarmSandbox:
         self.pid = leader.proc.pid
         self._leader = leader
         self._stdout = None
+        self._stderr = None
         self._control = control
         self._folder = ()
         self._processes = {}
@@ -644,6 +646,8 @@ class WarmSandbox:
             if said != b"ready\n":
                 raise RuntimeError(f"a warm {kind.name} sandbox did not start: it said "
                                    f"{said[:200]!r}{warm._stderr_now()}")
+            # Connected now, not on the hand-out's path (a turn of the loop fewer there).
+            warm._stderr = await leader.read_pipe(leader.proc.stderr)
             warm._folder = _folder_state(workdir)
             warm._processes = _tree(warm.pid)
             if sandbox.isolation.mode != "rlimits":
@@ -710,9 +714,9 @@ class WarmSandbox:
         except Unfit:
             self._control.close()  # its launcher, if it still listens, gets nothing more
             raise
-        assert self._stdout is not None
+        assert self._stdout is not None and self._stderr is not None
         self._handed = True
-        return WarmStart(self.workdir, self._leader, self._stdout,
+        return WarmStart(self.workdir, self._leader, self._stdout, self._stderr,
                          asyncio.get_running_loop().create_future())
 
     async def _hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],

@@ -34,6 +34,7 @@ from stargrpc.runs.permissions import RolePolicy
 from stargrpc.runs.runtime import Runtime
 from stargrpc.sandbox import log_isolation
 from stargrpc.sandbox.pool import WarmPool, start_pool
+from stargrpc.sandbox.runner import removals
 from stargrpc.server.inprocess import InProcessChannel, InProcessServer
 from stargrpc.server.interceptors import build_chain
 from stargrpc.server.interceptors.audit import AuditInterceptor
@@ -329,6 +330,7 @@ class StargrpcServer:
             await self.service.forwarder.aclose()
         if self.warm_pool is not None:  # no run is left to take from it
             await self.warm_pool.aclose()
+        await removals()  # the folders of the last runs, removed as their Results went out
         if self.upstreams is not None:
             await self.upstreams.aclose()
         # After the drain, so HTTP followers saw every run's Result; before the transport

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from stargrpc.sandbox import Limits, Sandbox, isolation_for
+from stargrpc.sandbox import Limits, Sandbox, isolation_for, runner
 from stargrpc.sandbox.runner import (
     _INLINE_BYTES,
     _INLINE_ENTRIES,
@@ -212,6 +212,38 @@ async def test_a_few_output_files_or_many_come_back_and_the_folder_goes(tmp_path
     assert result.bytes_written is not None and result.bytes_written > 0
     await removals()  # a small folder goes as the Result goes out, a large one before
     assert not exists("".join(seen).strip())
+
+
+async def test_a_small_folders_removal_waits_a_moment_and_removals_begins_it_at_once(
+        tmp_path, monkeypatch) -> None:
+    # The removal waits for the run's last events and Result to go out first; a server
+    # stopping (or anyone awaiting removals()) does not wait for that moment.
+    monkeypatch.setattr(runner, "_REMOVAL_DELAY_SECONDS", 3600.0)
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")
+    result = await box.run(["sh", "-c", "pwd; echo kept > $OUTPUT_DIR/a.txt"])
+    folder = result.stdout.strip()
+
+    assert [f.name for f in result.files] == ["a.txt"]
+    assert exists(folder)  # returned, its folder still there for a moment
+    await asyncio.wait_for(removals(), 30)
+    assert not exists(folder)
+
+
+async def test_a_server_stopping_removes_its_last_runs_folder_at_once(
+        make_server, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(runner, "_REMOVAL_DELAY_SECONDS", 3600.0)
+    server = await make_server(sandbox_isolation="rlimits")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), "shell",
+                                {"command": "pwd"})
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK, result
+    folder = result.output.splitlines()[0]
+    assert exists(folder)
+
+    await asyncio.wait_for(server.stop(), 30)
+
+    assert not exists(folder)
 
 
 def test_counting_a_folder_stops_past_its_budget_and_follows_no_link(tmp_path) -> None:
