@@ -322,7 +322,10 @@ PY_LAUNCHER = _PY_TAKE + r"""def _run(args):
         exc.__traceback__ = exc.__traceback__.tb_next
         sys.excepthook(type(exc), exc, exc.__traceback__)
         raise SystemExit(1) from None
-""" + _PY_LEAVE + r"""_code = 0
+""" + _PY_LEAVE + r"""# The first compile pays for the parser's set-up (1-1.5 ms measured; the next
+# one of a small script 0.03 ms): paid here, before the hand-out. It imports nothing.
+compile("", "<warm>", "exec", dont_inherit=True)
+_code = 0
 try:
     _run(_take())
 except SystemExit as _exit:
