@@ -157,9 +157,13 @@ class Kernel:
         # signal that lands before the system call starts is only noted by Python, which
         # runs the handler once the call returns; the call slept on past the grace, and the
         # session was closed as one that would not stop (seen: about 1 cancel in 100).
-        for _ in range(INTERRUPT_TIMES):
+        # Only the kernel's own handler is signalled again: a handler the call's code
+        # installed gets the interrupt once and decides what it means.
+        for attempt in range(INTERRUPT_TIMES):
             if self.interrupting != call:
                 return  # taken
+            if attempt and signal.getsignal(signal.SIGINT) != self._on_interrupt:
+                return
             signal.pthread_kill(self.main_thread, signal.SIGINT)
             if self.call_over.wait(INTERRUPT_EVERY):
                 return

@@ -397,6 +397,35 @@ async def test_a_call_cancelled_as_soon_as_it_is_sent_leaves_its_session_serving
         assert as_dict(result).get("structured_output") == "free", result
 
 
+async def _cancelled_once_up(stub, session_id: str, code: str) -> list[events_pb2.RunEvent]:
+    """Runs ``code`` in the session, cancels it once it has printed 'up', and returns all
+    its events."""
+    call = stub.Execute(tool_service_pb2.ExecuteRequest(
+        tool_name="python", session_id=session_id, arguments_json=json.dumps({"code": code})))
+    run_id = ""
+    async for response in call:
+        run_id = response.event.run_id
+        if response.event.HasField("step") and "up" in response.event.step.delta:
+            break
+    await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
+    return [response.event async for response in call]
+
+
+async def test_a_handler_of_the_codes_own_is_signalled_once_per_interrupt(stub) -> None:
+    # The kernel signals again only its own handler (which stops the call): a SIGINT
+    # handler the code installed is called once, and the call goes on as it decides.
+    session_id = await create(stub)
+    code = ("import signal, time\ncalls = 0\ndef mine(signum, frame):\n"
+            "    global calls\n    calls += 1\nsignal.signal(signal.SIGINT, mine)\n"
+            "print('up', flush=True)\nuntil = time.monotonic() + 1.0\n"
+            "while time.monotonic() < until:\n    time.sleep(0.01)\n")
+    events = await _cancelled_once_up(stub, session_id, code)
+    assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED, events[-1].result
+
+    result = await python(stub, session_id, "calls")
+    assert as_dict(result).get("structured_output") == 1, result
+
+
 async def test_a_call_that_handles_its_interrupt_gets_one_and_finishes_its_cleanup(
         stub) -> None:
     # The kernel signals an interrupt again until the call takes it (a signal landing just
@@ -407,16 +436,7 @@ async def test_a_call_that_handles_its_interrupt_gets_one_and_finishes_its_clean
             "except KeyboardInterrupt:\n    time.sleep(0.3)\n"
             "    open('cleaned', 'w').write('yes')\n")
     for _ in range(3):
-        call = stub.Execute(tool_service_pb2.ExecuteRequest(
-            tool_name="python", session_id=session_id,
-            arguments_json=json.dumps({"code": code})))
-        run_id = ""
-        async for response in call:
-            run_id = response.event.run_id
-            if response.event.HasField("step") and "up" in response.event.step.delta:
-                break
-        await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=run_id))
-        events = [response.event async for response in call]
+        events = await _cancelled_once_up(stub, session_id, code)
         assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED, events[-1].result
         # Its cleanup ran to the end before the session's next call.
         result = await python(stub, session_id,
