@@ -892,10 +892,12 @@ class _Leader:
                 pipe.close()
         self._loose = []
 
-    async def read_pipe(self, pipe: IO[bytes] | None,
-                        limit: int = 64 * 1024) -> asyncio.StreamReader:
-        """A stream reader on one of its pipes (its transport owns the pipe from then on)."""
-        reader = await _read_pipe(pipe, limit)
+    async def read_pipe(self, pipe: IO[bytes] | None, limit: int = 64 * 1024, *,
+                        protocol: _ReaderProtocol = asyncio.StreamReaderProtocol
+                        ) -> asyncio.StreamReader:
+        """A stream reader on one of its pipes (its transport owns the pipe from then on),
+        fed through the protocol ``protocol(reader)`` makes."""
+        reader = await _read_pipe(pipe, limit, protocol)
         self._loose.remove(pipe)  # type: ignore[arg-type]
         return reader
 
@@ -1107,11 +1109,16 @@ def _disk_used_over(run_fd: int, cap: int) -> bool:
         os.close(run_fd)
 
 
-async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024) -> asyncio.StreamReader:
+#: Makes the protocol that feeds a pipe's stream reader.
+_ReaderProtocol = Callable[[asyncio.StreamReader], asyncio.StreamReaderProtocol]
+
+
+async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024,
+                     protocol: _ReaderProtocol = asyncio.StreamReaderProtocol
+                     ) -> asyncio.StreamReader:
     """A stream reader on one of the leader's pipes."""
     reader = asyncio.StreamReader(limit=limit)
-    await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    await asyncio.get_running_loop().connect_read_pipe(lambda: protocol(reader), pipe)
     return reader
 
 

@@ -469,6 +469,34 @@ def encode_arguments(args: list[str]) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
+class _Noted:
+    """Whether anything came on a pipe (data, or its end) since its reader was connected
+    through :meth:`feed`."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    def feed(self, reader: asyncio.StreamReader) -> asyncio.StreamReaderProtocol:
+        """The protocol feeding ``reader``, noting here what comes."""
+        return _Noting(reader, self)
+
+
+class _Noting(asyncio.StreamReaderProtocol):
+    """Feeds a stream reader, and notes in a :class:`_Noted` that something came."""
+
+    def __init__(self, reader: asyncio.StreamReader, noted: _Noted) -> None:
+        super().__init__(reader)
+        self._noted = noted
+
+    def data_received(self, data: bytes) -> None:
+        self._noted.came = True
+        super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        self._noted.came = True
+        return super().eof_received()
+
+
 class Unfit(Exception):
     """A warm sandbox that must not be handed out; the message says why."""
 
@@ -581,6 +609,7 @@ class WarmSandbox:
     _leader: _Leader
     _stdout: asyncio.StreamReader | None
     _stderr: asyncio.StreamReader | None
+    _stderr_noted: _Noted
     _control: socket.socket
     _folder: tuple[object, ...]
     _processes: dict[int, _Process]
@@ -595,6 +624,7 @@ class WarmSandbox:
         self._leader = leader
         self._stdout = None
         self._stderr = None
+        self._stderr_noted = _Noted()
         self._control = control
         self._folder = ()
         self._processes = {}
@@ -649,8 +679,10 @@ class WarmSandbox:
             if said != b"ready\n":
                 raise RuntimeError(f"a warm {kind.name} sandbox did not start: it said "
                                    f"{said[:200]!r}{warm._stderr_now()}")
-            # Connected now, not on the hand-out's path (a turn of the loop fewer there).
-            warm._stderr = await leader.read_pipe(leader.proc.stderr)
+            # Connected now, not on the hand-out's path (a turn of the loop fewer there);
+            # what comes on it while it waits is noted (see unfit).
+            warm._stderr = await leader.read_pipe(leader.proc.stderr,
+                                                  protocol=warm._stderr_noted.feed)
             warm._folder = _folder_state(workdir)
             warm._processes = _tree(warm.pid)
             if sandbox.isolation.mode != "rlimits":
@@ -678,7 +710,9 @@ class WarmSandbox:
             return "its process exited while it waited"
         stderr = self._leader.proc.stderr
         try:
-            if stderr is None or select.select([stderr], [], [], 0)[0]:
+            # What its reader took off the pipe, or what waits there for the reader.
+            if (stderr is None or self._stderr_noted.came
+                    or select.select([stderr], [], [], 0)[0]):
                 return "its stderr was written to or closed while it waited"
             folder = _folder_state(self.workdir)
         except (OSError, ValueError) as exc:

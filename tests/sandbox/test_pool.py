@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -474,7 +475,7 @@ async def test_a_pooled_sandbox_that_dies_is_replaced_never_handed_out(make_pool
 
 
 @pytest.mark.parametrize("touch", ["file in its folder", "file in out", "steering file",
-                                   "folder mode", "process stopped"])
+                                   "folder mode", "stderr written", "process stopped"])
 async def test_a_pooled_sandbox_touched_while_waiting_is_never_handed_out(
         make_pool, tmp_path, touch) -> None:
     pool = await make_pool(("exec",))
@@ -492,6 +493,15 @@ async def test_a_pooled_sandbox_touched_while_waiting_is_never_handed_out(
         steer.write_text(steer.read_text() + '{"message": "planted"}\n')
     elif touch == "folder mode":
         folder.chmod(0o777)
+    elif touch == "stderr written":
+        # Long after it was pooled, when the server reads its stderr already: noted all
+        # the same (the server's reader takes the bytes off the pipe as they come).
+        stderr = os.open(f"/proc/{touched.pid}/fd/2", os.O_WRONLY)
+        os.write(stderr, b"from someone else\n")
+        os.close(stderr)
+        pipe = touched._leader.proc.stderr
+        await eventually(lambda: not select.select([pipe], [], [], 0)[0],
+                         what="the bytes taken off the pipe by the server's reader")
     else:
         os.kill(touched.pid, signal.SIGSTOP)
         # The stop lands once the process is next scheduled (later on a busy machine):
