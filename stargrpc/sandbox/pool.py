@@ -8,9 +8,9 @@ ready one takes it (the oldest first), and with it is handed its state socket, t
 descriptor a pooled sandbox can be given (see :class:`~stargrpc.sandbox.warm.WarmKind`);
 it is never given to another run, and is destroyed when its run ends.
 The refill starts replacements in the background, one at a time, once the run that took
-one has ended (its processes gone, its output read, its folder removed: its Result on its
-way) and a moment more, or a second after the hand-out at the latest, so that starting the
-next sandbox does not take CPU from the run it would serve.
+one has ended (its processes gone, its output read, its folder removed: its Result gone
+out a moment before) and a moment more, or a second after the hand-out at the latest, so
+that starting the next sandbox does not take CPU from the run it would serve.
 When none is ready (a burst emptied the pool, or it is still filling) the run starts its
 own sandbox on demand, as it would with no pool.
 

@@ -62,6 +62,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,11 +113,11 @@ _INLINE_ENTRIES = 16
 #: ... and whose files hold at most this many bytes in all (reading the output files and
 #: removing the folder must stay a matter of microseconds on the loop).
 _INLINE_BYTES = 256 * 1024
-#: Such a small folder's removal (in a thread) begins this long after its run returned:
+#: Such a small folder's removal waits this long in its thread after its run returned:
 #: begun at once, the thread took the interpreter's lock turn about turn with the event
 #: loop sending the run's last events and Result (1-2 ms later a Result, measured). Its
-#: user id is released, and a warm pool refills, once it is done; :func:`removals` begins
-#: any still waiting at once.
+#: user id is released, and a warm pool refills, once it is done; :func:`removals` cuts
+#: the wait short.
 _REMOVAL_DELAY_SECONDS = 0.01
 _MAX_COLLECT_DEPTH = 64
 #: Skipped output files listed one by one at most (the rest are counted).
@@ -204,7 +205,7 @@ class WarmStart:
         stdout: Its stdout, already connected (the hand-out was answered on it).
         stderr: Its stderr, already connected.
         ended: Done once the run is over: its processes gone, its output read and its
-            folder removed (its Result about to go out), however it ended.
+            folder removed (its Result gone out a moment before), however it ended.
     """
 
     workdir: _Workdir
@@ -417,8 +418,8 @@ class Sandbox:
         Returns:
             How it ended, once every process of the run is gone and ``out/`` is read.
             Limits hit are a verdict, not an exception. The working directory is removed
-            before this returns, or, when it is small and nothing of the run is left,
-            right after, in a thread (:func:`removals` awaits those).
+            before this returns, or, when it is small and nothing of the run is left, a
+            moment after, in a thread (:func:`removals` awaits those).
 
         Raises:
             asyncio.CancelledError: The run was cancelled; the process group is killed
@@ -983,7 +984,7 @@ class _Workdir:
         own_uid: The uid was taken for this run alone.
         steer_fd: The steering file, open for appending (-1 until made).
         input_bytes: The disk use of the folder once the server filled it, before the run.
-        finishing: Reading its output and removing it, once begun (in a thread).
+        finishing: Reading its output and removing it (in a thread), once under way.
         in_background: ``finishing`` only removes it, and the run does not wait for it.
     """
 
@@ -1123,40 +1124,29 @@ async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024,
 
 
 class _Removal:
-    """The removal of a small folder whose run has returned: begun in a thread
-    :data:`_REMOVAL_DELAY_SECONDS` later (or at once, by :meth:`begin`); ``done`` is done
-    once the folder is gone (or its removal failed)."""
+    """The removal of a small folder whose run has returned, in a thread of the loop's
+    executor that waits :data:`_REMOVAL_DELAY_SECONDS` first (or less: :meth:`begin`);
+    ``done`` is done once the folder is gone. Waiting in the thread rather than on a loop
+    timer, the removal is never left behind: ``asyncio.run`` waits for the executor's
+    threads before it returns."""
 
     def __init__(self, workdir: _Workdir, keep: bool) -> None:
-        loop = asyncio.get_running_loop()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self._workdir = workdir
-        self._keep = keep
-        self._timer: asyncio.TimerHandle | None = loop.call_later(_REMOVAL_DELAY_SECONDS,
-                                                                  self.begin)
-        # One whose loop was closed before it was done never completes (nor begins).
+        self._now = threading.Event()
+        self.done: asyncio.Future[None] = asyncio.ensure_future(
+            asyncio.to_thread(self._remove, workdir, keep))
+        # One whose loop was closed first never completes here (its thread did finish).
         for other in [done for done in _removing if done.get_loop().is_closed()]:
             del _removing[other]
         _removing[self.done] = self
         self.done.add_done_callback(_removed)
 
-    def begin(self) -> None:
-        """Begins the removal now (once)."""
-        if self._timer is None:
-            return
-        self._timer.cancel()
-        self._timer = None
-        thread = asyncio.ensure_future(asyncio.to_thread(_finish, self._workdir, self._keep))
-        thread.add_done_callback(self._settle)
+    def _remove(self, workdir: _Workdir, keep: bool) -> None:
+        self._now.wait(_REMOVAL_DELAY_SECONDS)
+        _finish(workdir, keep)
 
-    def _settle(self, thread: asyncio.Future[None]) -> None:
-        if self.done.done():
-            return
-        error = None if thread.cancelled() else thread.exception()
-        if error is not None:
-            self.done.set_exception(error)
-        else:
-            self.done.set_result(None)
+    def begin(self) -> None:
+        """Removes the folder now, without waiting out the delay."""
+        self._now.set()
 
 
 #: The removals of folders that runs of this process have not waited for, by their
@@ -1173,8 +1163,8 @@ def _removed(removal: asyncio.Future[Any]) -> None:
 async def removals() -> None:
     """Returns once the folders of the runs of this event loop that have returned are
     removed (a run whose processes are all gone and whose folder is small returns once its
-    ``out/`` is read, and its folder is removed a moment after, in a thread): removals
-    still waiting to begin begin now."""
+    ``out/`` is read, and its folder is removed a moment after, in a thread): those still
+    waiting out their delay are removed now."""
     loop = asyncio.get_running_loop()
     while pending := [done for done in _removing if done.get_loop() is loop]:
         for done in pending:

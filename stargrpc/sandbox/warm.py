@@ -679,14 +679,15 @@ class WarmSandbox:
             if said != b"ready\n":
                 raise RuntimeError(f"a warm {kind.name} sandbox did not start: it said "
                                    f"{said[:200]!r}{warm._stderr_now()}")
-            # Connected now, not on the hand-out's path (a turn of the loop fewer there);
-            # what comes on it while it waits is noted (see unfit).
-            warm._stderr = await leader.read_pipe(leader.proc.stderr,
-                                                  protocol=warm._stderr_noted.feed)
+            # What it looks like as it says ready, with no turn of the loop in between.
             warm._folder = _folder_state(workdir)
             warm._processes = _tree(warm.pid)
+            # Its stderr connected now, not on the hand-out's path (a turn of the loop
+            # fewer there); what comes on it from its ready on is noted (see unfit).
             if sandbox.isolation.mode != "rlimits":
                 leader.namespace_init = _namespace_init(warm.pid, warm._processes)
+            warm._stderr = await leader.read_pipe(leader.proc.stderr,
+                                                  protocol=warm._stderr_noted.feed)
         except BaseException:
             await warm.aclose()
             raise

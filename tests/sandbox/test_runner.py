@@ -229,6 +229,18 @@ async def test_a_small_folders_removal_waits_a_moment_and_removals_begins_it_at_
     assert not exists(folder)
 
 
+def test_a_run_in_an_event_loop_of_its_own_leaves_no_folder_once_the_loop_is_done(
+        tmp_path) -> None:
+    # An embedder's asyncio.run: its small folder's removal, still waiting out its delay
+    # as the run returns, is over before asyncio.run returns (it waits in an executor
+    # thread, which asyncio.run waits for).
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")
+    result = asyncio.run(box.run(["sh", "-c", "pwd"]))
+
+    assert result.verdict.ok, result.stderr_tail
+    assert not exists(result.stdout.strip())
+
+
 async def test_a_server_stopping_removes_its_last_runs_folder_at_once(
         make_server, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(runner, "_REMOVAL_DELAY_SECONDS", 3600.0)

@@ -81,7 +81,7 @@ _Written = AuditRecord | asyncio.Future[AuditRecord] | None
 #: Below it a record is committed on the next turn, so that a few callers pay no wait.
 BUSY_EXECUTES = 8
 
-#: A record waits only while records are arriving: the one before it came within this many
+#: A record waits only while records are arriving: the last Execute's came within this many
 #: group waits. Open calls alone do not say that others end soon (long runs, or clients
 #: holding streams open, would make every sparse call's record wait for nothing).
 ARRIVING_WITHIN_WAITS = 2
@@ -305,7 +305,8 @@ class AuditInterceptor(ComposedInterceptor):
             self._log(record, notable)
         now = self._clock()
         arriving = now - self._last_record_at < ARRIVING_WITHIN_WAITS * self.writer.group_wait
-        self._last_record_at = now
+        if call.record.method == _EXECUTE:  # other calls' records say nothing of Executes'
+            self._last_record_at = now
         try:
             # With no other call open, no record will come to share this one's transaction:
             # commit it at once rather than on the next turn of the loop.
