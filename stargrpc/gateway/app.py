@@ -282,24 +282,27 @@ class Gateway:
         self._open_streams = 0
         self._no_open_streams = asyncio.Event()
         self._no_open_streams.set()
+        api = [
+            Route("/v1/tools", self.list_tools, methods=["GET"]),
+            Route("/v1/tools/{name}:execute", self.execute, methods=["POST"]),
+            Route("/v1/capabilities", self.capabilities, methods=["GET"]),
+            Route("/v1/runs", self.list_runs, methods=["GET"]),
+            Route("/v1/runs/events", self.watch_runs, methods=["GET"]),
+            Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
+            Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
+            Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
+            Route("/v1/runs/{run_id}:approve", self.approve, methods=["POST"]),
+            *StateApi(self.client, self._metadata, self._state_body).routes,
+            Route("/v1/sessions", self.create_session, methods=["POST"]),
+            Route("/v1/sessions", self.list_sessions, methods=["GET"]),
+            Route("/v1/sessions/{session_id}:close", self.close_session, methods=["POST"]),
+        ]
         self.app = Starlette(
             routes=[
                 Route("/", self.page, methods=["GET"]),
                 Mount("/static", app=PageFiles(directory=STATIC_DIR), name="static"),
-                Route("/v1/tools", self.list_tools, methods=["GET"]),
-                Route("/v1/tools/{name}:execute", self.execute, methods=["POST"]),
-                Route("/v1/capabilities", self.capabilities, methods=["GET"]),
-                Route("/v1/runs", self.list_runs, methods=["GET"]),
-                Route("/v1/runs/events", self.watch_runs, methods=["GET"]),
-                Route("/v1/runs/{run_id}/events", self.events, methods=["GET"]),
-                Route("/v1/runs/{run_id}:cancel", self.cancel, methods=["POST"]),
-                Route("/v1/runs/{run_id}:steer", self.steer, methods=["POST"]),
-                Route("/v1/runs/{run_id}:approve", self.approve, methods=["POST"]),
-                *StateApi(self.client, self._metadata, self._state_body).routes,
-                Route("/v1/sessions", self.create_session, methods=["POST"]),
-                Route("/v1/sessions", self.list_sessions, methods=["GET"]),
-                Route("/v1/sessions/{session_id}:close", self.close_session,
-                      methods=["POST"]),
+                *(Route(route.path, self._credentials_first(route.endpoint),
+                        methods=list(route.methods or ())) for route in api),
             ],
             # Outermost first: refusals of the guard carry the security headers too.
             middleware=[Middleware(SecurityHeaders),
@@ -342,6 +345,27 @@ class Gateway:
 
         return StreamingResponse(counted(), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
+
+    def _credentials_first(self, endpoint: Callable[[Request], Awaitable[Response]]
+                           ) -> Callable[[Request], Awaitable[Response]]:
+        """``endpoint``, except that its refusal of a malformed request (400, 413) gives way
+        to the server's 401 when the request's credentials are refused: a caller who may
+        not call learns nothing of how its request would have been read. The credentials
+        are checked only then (a ListTools of the caller's), so a well-formed request pays
+        nothing for it."""
+
+        async def checked(request: Request) -> Response:
+            response = await endpoint(request)
+            if response.status_code not in _MALFORMED:
+                return response
+            try:
+                await self.client.list_tools(self._metadata(request))
+            except grpc.aio.AioRpcError as error:
+                if error.code() is grpc.StatusCode.UNAUTHENTICATED:
+                    return rpc_error_response(error)
+            return response
+
+        return checked
 
     def _metadata(self, request: Request) -> Metadata:
         return call_metadata(request, self._forwarded)
@@ -599,6 +623,9 @@ def _after_seq(request: Request) -> int:
                           [("Last-Event-ID", f"not a seq: {given[:40]!r}")])
     return after_seq
 
+
+#: The statuses of a request refused for its form (see Gateway._credentials_first).
+_MALFORMED = frozenset((400, 413))
 
 #: What this gateway offers the page: its routes are fixed, so this is too.
 _CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True, "approve": True}

@@ -370,6 +370,46 @@ async def test_stopping_the_server_ends_open_streams(make_server, gate) -> None:
     assert shape(seen)[-1] == "RESULT CANCELLED"
 
 
+async def test_a_malformed_request_without_credentials_is_refused_for_its_credentials(
+        make_server, tmp_path) -> None:
+    # Whoever may not call learns nothing of how a request would have been read: a bad
+    # body, a bad query, an oversized body are a 401 without (or with wrong) credentials,
+    # and the 400 / 413 that says what is wrong with them only to a caller who may call.
+    # (The guard's own refusals, a wrong host, origin or content type, come first.)
+    from stargrpc.auth.keys import KeyStore
+    from tests.gateway.conftest import gateway_registry
+
+    keys = KeyStore(tmp_path / "keys.json")
+    admin = keys.create("web-admin", ["admin"])[1]
+    server = await make_server(registry=gateway_registry(), http_port=0,
+                               insecure_no_auth=False, keys_file=tmp_path / "keys.json",
+                               max_receive_message_bytes=64 * 1024)
+    base = f"http://127.0.0.1:{server.http.gateway_port}"
+    malformed = [("POST", "/v1/tools/echo:execute", {"content": b"{not json"}),
+                 ("POST", "/v1/tools/echo:execute", {"json": {"text": "arguments not"}}),
+                 ("POST", "/v1/tools/echo:execute", {"content": b"x" * 100_000}),
+                 ("GET", "/v1/runs?page_size=-3", {}),
+                 ("GET", "/v1/runs/r1/events?after_seq=minus", {}),
+                 ("POST", "/v1/runs/r1:steer", {"content": b"[]"}),
+                 ("PUT", "/v1/state/global/k", {"content": b"{"})]
+    seen: dict[str, list[int]] = {"none": [], "wrong": [], "admin": []}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        for who, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
+                             ("admin", {"Authorization": f"Bearer {admin}"})):
+            for method, path, body in malformed:
+                reply = await http.request(
+                    method, path, headers={**headers, "Content-Type": "application/json"},
+                    **body)
+                seen[who].append(reply.status_code)
+                if who != "admin":
+                    assert reply.headers["www-authenticate"].startswith("Bearer"), path
+        still = await http.get("/v1/tools", headers={"Authorization": f"Bearer {admin}"})
+
+    assert seen["none"] == seen["wrong"] == [401] * len(malformed)
+    assert seen["admin"] == [400, 400, 413, 400, 400, 400, 400]
+    assert still.status_code == 200
+
+
 async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
     from stargrpc.audit.store import default_store_url, open_store
     from stargrpc.auth.keys import KeyStore
