@@ -226,7 +226,9 @@ class HttpEndpoints:
                 self._servers.append(metrics)
                 self.metrics_port = await metrics.start()
             if s.http_port is not None:
-                credentials, server_name = gateway_tls(s)
+                # In-process, the channel has no transport to secure: no certificate read.
+                credentials, server_name = (gateway_tls(s) if channel is None
+                                            else (None, None))
                 self.gateway = Gateway(grpc_target(s, grpc_port), credentials=credentials,
                                        server_name=server_name,
                                        max_body_bytes=s.max_receive_message_bytes,

@@ -86,7 +86,7 @@ class McpEndpoint:
                 the bridge's calls go through it instead of the loopback network.
 
         Raises:
-            OSError: With TLS on, a certificate file cannot be read.
+            OSError: With TLS on and no ``channel``, a certificate file cannot be read.
             AuthConfigError: A JWT key is unusable.
         """
         self._settings = settings
@@ -95,7 +95,8 @@ class McpEndpoint:
                                else Authenticator(settings))
         self.sessions = Sessions(settings.mcp_max_sessions_per_principal,
                                  settings.mcp_session_idle_seconds)
-        credentials, server_name = gateway_tls(settings)
+        # In-process, the channel has no transport to secure: no certificate is read.
+        credentials, server_name = gateway_tls(settings) if channel is None else (None, None)
         self._client = GatewayClient(grpc_target(settings, grpc_port), credentials=credentials,
                                      server_name=server_name, channel=channel)
         self._bridge = Bridge(self._client,

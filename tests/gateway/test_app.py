@@ -460,13 +460,17 @@ async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
     assert watches == [("", "unauthenticated"), ("web-admin", "ok")]
 
 
-async def test_gateway_reaches_a_server_that_serves_tls(make_server, tmp_path) -> None:
+@pytest.mark.parametrize("ca", ["the server's CA", "a stale path"])
+async def test_gateway_reaches_a_server_that_serves_tls(make_server, tmp_path, ca) -> None:
+    # It calls its server in-process: the CA it would have trusted over the network is
+    # not read, so a stale path there does not stop the server serving HTTP either.
     from tests.auth.certs import TestCA
     from tests.gateway.conftest import gateway_registry
 
-    ca = TestCA()
-    files = ca.server_files(tmp_path)
+    files = TestCA().server_files(tmp_path)
     ca_file = files.pop("tls_client_ca_file")  # TLS without client certificates
+    if ca == "a stale path":
+        ca_file = tmp_path / "gone.pem"
     server = await make_server(registry=gateway_registry(), http_port=0, insecure_no_auth=True,
                                http_grpc_ca_file=ca_file, **files)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http.gateway_port}",
