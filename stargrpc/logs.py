@@ -37,10 +37,14 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: Any = None
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
+    # Tracebacks never show the frames' local variables: they hold what a call carried
+    # (its metadata: an API key, a bearer token; its arguments), which must not reach a log.
     if console:
-        renderer = structlog.dev.ConsoleRenderer()
+        renderer = structlog.dev.ConsoleRenderer(
+            exception_formatter=structlog.dev.plain_traceback)
     else:
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)))
         renderer = structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[*shared, renderer],

@@ -35,3 +35,32 @@ def test_two_unbuffered_writers_never_interleave_within_a_line() -> None:
     parsed = [json.loads(line) for line in lines]  # a torn line fails here
     assert sorted((p["writer"], p["i"]) for p in parsed) == sorted(
         (name, i) for name in ("a", "b") for i in range(1500))
+
+
+_FAIL = """
+import logging, sys
+from stargrpc.logs import configure_logging
+import structlog
+configure_logging("info", sys.argv[1])
+
+def handler(metadata):
+    token = "Bearer sgk_" + "s3cr3t" * 4
+    raise ValueError("out of range")
+
+for log in (structlog.get_logger("t"), logging.getLogger("uvicorn.error")):
+    try:
+        handler((("authorization", "Bearer sgk_" + "s3cr3t" * 4),))
+    except ValueError:
+        log.exception("failed")
+"""
+
+
+def test_a_logged_traceback_shows_no_local_variable() -> None:
+    # A frame's locals hold what its call carried (metadata with an API key): a traceback
+    # in the log, from structlog or from a library through the standard logging, names
+    # the frames and the error only.
+    for fmt in ("json", "console"):
+        out = subprocess.run([sys.executable, "-c", _FAIL, fmt], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        assert out.count("out of range") >= 2, out
+        assert "s3cr3t" not in out, out
