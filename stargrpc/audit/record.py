@@ -159,6 +159,12 @@ class AuditRecord:
     prev_hash: str = ""
     hash: str = ""
 
+    def __post_init__(self) -> None:
+        # As record_of does (see _storable): every text of the record has a UTF-8 form.
+        for name, value in list(self.__dict__.items()):
+            if type(value) is str and not value.isascii():
+                object.__setattr__(self, name, _storable(value))
+
     def as_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready."""
         return dataclasses.asdict(self)
@@ -188,6 +194,20 @@ def record_of(values: dict[str, Any]) -> AuditRecord:
     without the frozen dataclass's ``__init__``, which sets each field through a guarded
     ``object.__setattr__`` — dearer than filling the instance's dict at once, and a record
     is made for every call (measured in ``bench/README.md``)."""
+    for name, value in values.items():
+        if type(value) is str and not value.isascii():
+            values[name] = _storable(value)
     record: AuditRecord = object.__new__(AuditRecord)
     record.__dict__.update(values)
     return record
+
+
+def _storable(text: str) -> str:
+    """``text``, with any lone surrogate (``"\\ud800"`` in a caller's JSON decodes to one)
+    written as its escape: such a string has no UTF-8 form, so no store could take the
+    record, nor its hash be made — and every record queued behind it would wait."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode(errors="backslashreplace").decode()
+    return text

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class ArgumentLimits:
 
 #: NaN and Infinity are parsed so that validate() can name where they are.
 _DECODER = json.JSONDecoder(parse_constant=float)
+_ENCODER = json.JSONEncoder(ensure_ascii=False, default=str)
 
 
 def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str, Any]:
@@ -81,7 +83,25 @@ def decode_json(text: str, limits: ArgumentLimits) -> dict[str, Any]:
                             f"expected a JSON object, got {type(value).__name__}")],
         )
     _check_depth_json(value, limits.max_depth, "arguments_json")
+    if _SURROGATE_ESCAPE.search(text) and not _has_utf8_form(value):
+        raise InvalidArgument(
+            "arguments_json holds a lone surrogate",
+            [FieldViolation("arguments_json", "an escape such as \\ud800 that is not half "
+                            "of a pair stands for no Unicode character")])
     return value
+
+
+#: A JSON escape of a UTF-16 surrogate (a pair is one character; one alone is none).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_utf8_form(value: Any) -> bool:
+    """Whether every string of the decoded JSON ``value`` (keys too) is Unicode text."""
+    try:
+        _ENCODER.encode(value).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str = "arguments"

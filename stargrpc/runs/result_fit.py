@@ -128,6 +128,8 @@ def fit_result(result: events_pb2.Result, outcome: ToolResult, writeback: WriteB
     # What is left for the output: the listing of the files it may move into is small.
     room = sizes.result_bytes - result.ByteSize() - inline_bytes - _MOVED_LISTING_BYTES
     output = outcome.output
+    if not output.isascii():
+        output = output.encode(errors="backslashreplace").decode()  # lone surrogates
     if len(output) * 4 > room and len(encoded := output.encode()) > room:
         fit = fit or ResultFit()
         record = _moved_to_file(run_id, OUTPUT_FILE_NAME, "text/plain; charset=utf-8",
@@ -235,7 +237,10 @@ def _structured_over(result: events_pb2.Result, structured: Any, room: int) -> b
     if size <= room:
         return None
     result.ClearField("structured_output")
-    return json.dumps(structured, ensure_ascii=False, default=str).encode()
+    # A lone surrogate (a file name read with surrogateescape, say) has no UTF-8 form: it
+    # goes as its escape rather than failing the run's end.
+    return json.dumps(structured, ensure_ascii=False, default=str).encode(
+        errors="backslashreplace")
 
 
 def moved_file_id(run_id: str, name: str) -> str:

@@ -97,9 +97,15 @@ async def waits(ctx: ToolContext) -> str:
     return "never"
 
 
+@tool()
+async def odd_name(ctx: ToolContext) -> str:
+    """A file name as os.listdir gives one that is not UTF-8 (surrogateescape)."""
+    return "report-\udcff.txt"
+
+
 def _registry() -> Registry:
     specs = (spec_of(fn) for fn in (login, paste, run_command, ops_only, fails, crashes,
-                                    waits))
+                                    waits, odd_name))
     return Registry(spec for spec in specs if spec is not None)
 
 
@@ -283,6 +289,36 @@ async def test_a_record_waits_to_share_its_commit_only_on_a_busy_server(
     assert [how for tool, how in handed if tool == "login"] == [
         "alone", "queued", "queued", "more coming", "queued"]
     assert sorted(r.outcome for r in records) == ["cancelled"] * BUSY_EXECUTES + ["ok"] * 6
+
+
+async def test_a_lone_surrogate_is_refused_in_arguments_and_kept_escaped_elsewhere(
+        server, stub) -> None:
+    # "\ud800" in a caller's JSON decodes to a string with no UTF-8 form: the arguments are
+    # refused. A tool's output can still hold one (a file name read with surrogateescape):
+    # it goes out, and into the audit, as its escape — such a record had made the store
+    # refuse its batch, retried forever, with every record queued behind it.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in stub.Execute(tool_service_pb2.ExecuteRequest(
+                tool_name="login", arguments_json='{"user": "\\ud800", "password": "pw"}')):
+            pass
+    listed = await run_tool(stub, "odd_name", {})
+    after = await run_tool(stub, "login", {"user": "plain", "password": "pw"})
+    records = await _records(server)
+
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lone surrogate" in (refused.value.details() or "")
+    assert listed[-1].result.output == "report-\\udcff.txt"
+    assert after[-1].result.outcome == events_pb2.OUTCOME_OK
+    assert [r.outcome for r in records] == ["invalid", "ok", "ok"]
+    assert "\\udcff" in records[1].result
+    report = await verify(_aiter(records), [load_key(default_key_path(
+        server.settings.state_dir))])
+    assert report.intact, report
+
+
+async def _aiter(records: list[AuditRecord]) -> AsyncIterator[AuditRecord]:
+    for record in records:
+        yield record
 
 
 async def test_watch_and_cancel_name_their_run(server, stub) -> None:
