@@ -217,12 +217,27 @@ class PageFiles(StaticFiles):
         return response
 
 
+#: What an Authorization header that is not printable ASCII is forwarded as: a bearer
+#: token that no key or token can be.
+_UNPRINTABLE_CREDENTIALS = "Bearer (not-printable-ascii)"
+
+
 def call_metadata(request: Request, forwarded: ForwardedClient | None = None) -> Metadata:
     """The gRPC metadata of a call made for ``request``: its credentials and trace context,
     and the HTTP client's address — vouched for with ``forwarded`` (the server's own, which
     its audit checks), so that the audit records that address as the call's peer."""
-    metadata = [(name, value) for name in FORWARDED_HEADERS
-                if (value := request.headers.get(name))]
+    metadata = []
+    for name in FORWARDED_HEADERS:
+        value = request.headers.get(name)
+        if not value:
+            continue
+        if not (value.isascii() and value.isprintable()):
+            # Not a metadata value gRPC sends: credentials of that kind are refused as any
+            # wrong ones are (a 401, not the channel's error); trace context is dropped.
+            if name == "authorization":
+                metadata.append((name, _UNPRINTABLE_CREDENTIALS))
+            continue
+        metadata.append((name, value))
     if request.client is not None:
         metadata.append(("x-forwarded-for", request.client.host))  # informative only
         if forwarded is not None:
@@ -580,6 +595,9 @@ class Gateway:
             return {}
         try:
             return json.loads(raw)
+        except RecursionError:
+            raise _BadRequest("the body is nested too deeply",
+                              [("body", "nested deeper than the JSON reader goes")]) from None
         except ValueError as exc:
             raise _BadRequest("the body is not valid JSON",
                               [("body", str(exc))]) from exc
@@ -618,11 +636,14 @@ def _after_seq(request: Request) -> int:
         after_seq = int(given)
     except ValueError:
         after_seq = -1
-    if after_seq < 0:
+    if not 0 <= after_seq <= _MAX_SEQ:
         raise _BadRequest("Last-Event-ID / after_seq must be a seq (a whole number >= 0)",
                           [("Last-Event-ID", f"not a seq: {given[:40]!r}")])
     return after_seq
 
+
+#: The largest seq (a uint64).
+_MAX_SEQ = 2**64 - 1
 
 #: The statuses of a request refused for its form (see Gateway._credentials_first).
 _MALFORMED = frozenset((400, 413))

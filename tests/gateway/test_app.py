@@ -391,11 +391,16 @@ async def test_a_malformed_request_without_credentials_is_refused_for_its_creden
                  ("GET", "/v1/runs?page_size=-3", {}),
                  ("GET", "/v1/runs/r1/events?after_seq=minus", {}),
                  ("POST", "/v1/runs/r1:steer", {"content": b"[]"}),
-                 ("PUT", "/v1/state/global/k", {"content": b"{"})]
-    seen: dict[str, list[int]] = {"none": [], "wrong": [], "admin": []}
+                 ("PUT", "/v1/state/global/k", {"content": b"{"}),
+                 ("POST", "/v1/sessions", {"content": b"[" * 10_000 + b"]" * 10_000}),
+                 ("GET", "/v1/runs/r1/events?after_seq=" + "9" * 40, {})]
+    callers: dict[str, dict[str, Any]] = {
+        "none": {}, "wrong": {"Authorization": "Bearer nope"},
+        "unprintable": {"Authorization": "Bearer sgk_é☃\x01".encode()},
+        "admin": {"Authorization": f"Bearer {admin}"}}
+    seen: dict[str, list[int]] = {who: [] for who in callers}
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        for who, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
-                             ("admin", {"Authorization": f"Bearer {admin}"})):
+        for who, headers in callers.items():
             for method, path, body in malformed:
                 reply = await http.request(
                     method, path, headers={**headers, "Content-Type": "application/json"},
@@ -403,10 +408,12 @@ async def test_a_malformed_request_without_credentials_is_refused_for_its_creden
                 seen[who].append(reply.status_code)
                 if who != "admin":
                     assert reply.headers["www-authenticate"].startswith("Bearer"), path
-        still = await http.get("/v1/tools", headers={"Authorization": f"Bearer {admin}"})
+        unprintable = await http.get("/v1/tools", headers=callers["unprintable"])
+        still = await http.get("/v1/tools", headers=callers["admin"])
 
-    assert seen["none"] == seen["wrong"] == [401] * len(malformed)
-    assert seen["admin"] == [400, 400, 413, 400, 400, 400, 400]
+    assert seen["none"] == seen["wrong"] == seen["unprintable"] == [401] * len(malformed)
+    assert seen["admin"] == [400, 400, 413, 400, 400, 400, 400, 400, 400]
+    assert unprintable.status_code == 401
     assert still.status_code == 200
 
 
