@@ -162,7 +162,7 @@ class AuditRecord:
     def __post_init__(self) -> None:
         # As record_of does (see _storable): every text of the record has a UTF-8 form.
         for name, value in list(self.__dict__.items()):
-            if type(value) is str and not value.isascii():
+            if type(value) is str and (not value.isascii() or "\x00" in value):
                 object.__setattr__(self, name, _storable(value))
 
     def as_dict(self) -> dict[str, Any]:
@@ -195,7 +195,7 @@ def record_of(values: dict[str, Any]) -> AuditRecord:
     ``object.__setattr__`` — dearer than filling the instance's dict at once, and a record
     is made for every call (measured in ``bench/README.md``)."""
     for name, value in values.items():
-        if type(value) is str and not value.isascii():
+        if type(value) is str and (not value.isascii() or "\x00" in value):
             values[name] = _storable(value)
     record: AuditRecord = object.__new__(AuditRecord)
     record.__dict__.update(values)
@@ -204,8 +204,13 @@ def record_of(values: dict[str, Any]) -> AuditRecord:
 
 def _storable(text: str) -> str:
     """``text``, with any lone surrogate (``"\\ud800"`` in a caller's JSON decodes to one)
-    written as its escape: such a string has no UTF-8 form, so no store could take the
-    record, nor its hash be made — and every record queued behind it would wait."""
+    and any NUL written as its escape: the first has no UTF-8 form (no store takes it, nor
+    can its hash be made), PostgreSQL's text takes no NUL — and a record a store refuses
+    keeps every record queued behind it waiting."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if text.isascii():
+        return text
     try:
         text.encode()
     except UnicodeEncodeError:

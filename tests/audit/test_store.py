@@ -91,18 +91,19 @@ async def test_a_writer_whose_head_moved_chains_after_the_other_writer(store_url
     assert report.intact and report.checked == 5
 
 
-async def test_a_text_with_a_lone_surrogate_is_stored_with_its_escape(store: AuditStore) -> None:
-    # A string with no UTF-8 form (a name read with surrogateescape, a decoded "\ud800")
-    # would make every store refuse the batch, and the writer retry it forever: a record
-    # keeps such a text with the escape written out, made either way a record is made.
+async def test_a_lone_surrogate_or_a_nul_is_stored_as_its_escape(store: AuditStore) -> None:
+    # A string with no UTF-8 form (a name read with surrogateescape, a decoded "\ud800"),
+    # or with a NUL (PostgreSQL's text takes none), would make the store refuse the batch,
+    # and the writer retry it forever: a record keeps such a text with the escape written
+    # out, made either way a record is made.
     from stargrpc.audit.record import FIELDS, record_of
 
-    made = make_record(detail="bad \udcff name")
+    made = make_record(detail="bad \udcff name", result="nul \x00 here")
     fast = record_of({**make_record().as_dict(), "result": "x\ud800y"})
     assert set(fast.as_dict()) == set(FIELDS)
     stored = await store.append([made, fast])
 
-    assert stored[0].detail == "bad \\udcff name"
+    assert (stored[0].detail, stored[0].result) == ("bad \\udcff name", "nul \\x00 here")
     assert stored[1].result == "x\\ud800y"
     report = await verify(store.scan())
     assert report.intact, report
