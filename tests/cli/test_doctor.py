@@ -26,6 +26,7 @@ def doctor(*args: str, env: dict[str, str], prefix: Sequence[str] = ()
 
 
 def report(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert done.stdout, f"no report; exit status {done.returncode}; stderr: {done.stderr}"
     data: dict[str, Any] = json.loads(done.stdout)
     assert data["exit_status"] == done.returncode, done.stderr
     return data
