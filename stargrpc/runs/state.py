@@ -190,12 +190,18 @@ def encode(value: Any, max_bytes: int) -> str:
     return text
 
 
+#: The longest ttl a state value may have (ten years): past it a ttl means "no ttl", and
+#: its milliseconds would overflow what the stores take (1e308 s was an OverflowError).
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600
+
+
 def _ttl_ms(ttl: float | None) -> int:
     if ttl is None:
         return 0
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
-            or ttl <= 0:
-        raise StateBadScope(f"a state ttl is a positive number of seconds, not {ttl!r}")
+            or not 0 < ttl <= MAX_TTL_SECONDS:
+        raise StateBadScope(f"a state ttl is a positive number of seconds up to "
+                            f"{MAX_TTL_SECONDS} (ten years; none for no expiry), not {ttl!r}")
     return max(1, int(ttl * 1000))
 
 
