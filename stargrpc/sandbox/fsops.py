@@ -292,6 +292,26 @@ def read_own_file(dir_fd: int, name: str, owner: Owner, budget: int) -> bytes | 
 _REMOVE_PASSES = 5
 
 
+def is_text(name: str) -> bool:
+    """Whether the file name ``name`` (as listed: bytes that are not UTF-8 decoded with
+    ``surrogateescape``) is UTF-8 text."""
+    if name.isascii():
+        return True
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_name(name: str) -> str:
+    """``name`` as text that can go anywhere (a message, a log, a protobuf string): a name
+    that is not UTF-8 with its undecodable bytes written as ``\\xNN``."""
+    if is_text(name):
+        return name
+    return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
+
+
 def remove_tree(parent_fd: int, name: str) -> bool:
     """Removes the folder ``name`` of ``parent_fd`` and everything in it.
 

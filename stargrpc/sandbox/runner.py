@@ -707,6 +707,12 @@ class Sandbox:
                     final.skip(f"more than {_MAX_COLLECT_ENTRIES} entries in out/; the "
                                "rest not looked at")
                     return
+                if not fsops.is_text(name):
+                    # A sent file's name is text: such a name (and a folder's) is told, escaped.
+                    if stat.S_ISDIR(info.st_mode):
+                        tree.skip()
+                    final.skip(f"{fsops.shown_name(name)}: the name is not UTF-8")
+                    continue
                 if stat.S_ISDIR(info.st_mode):
                     if not owner.is_own(info):
                         tree.skip()

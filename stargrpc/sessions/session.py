@@ -589,6 +589,11 @@ class Session:
                         if seen >= 20 * most:
                             skipped.append("out: too many entries; the rest not looked at")
                             break
+                        if not fsops.is_text(name):  # a sent file's name is text
+                            if stat.S_ISDIR(info.st_mode):
+                                tree.skip()
+                            skipped.append(f"{fsops.shown_name(name)}: the name is not UTF-8")
+                            continue
                         if stat.S_ISDIR(info.st_mode):
                             continue
                         if len(files) >= most:
@@ -629,7 +634,8 @@ class Session:
                         break
                     if (owner.is_own(info) and stat.S_ISREG(info.st_mode)
                             and name != STEER_FILE_NAME):
-                        found.append((name, info.st_size))
+                        # A name that is not UTF-8 is listed with its bytes escaped.
+                        found.append((fsops.shown_name(name), info.st_size))
         except (fsops.Moved, OSError):
             pass
         finally:

@@ -258,6 +258,19 @@ async def test_a_server_stopping_removes_its_last_runs_folder_at_once(
     assert not exists(folder)
 
 
+async def test_an_output_file_whose_name_is_not_utf8_is_skipped_and_told(tmp_path) -> None:
+    # A sent file's name is text: one made of bytes that are not UTF-8 (a folder's too) is
+    # told skipped, escaped, instead of failing the run's end.
+    result = await sandbox(tmp_path, sandbox_isolation="rlimits").run(
+        ["sh", "-c", "cd $OUTPUT_DIR; echo a > \"$(printf 'bad\\377.txt')\"; "
+                     "mkdir \"$(printf 'dir\\376')\"; echo b > good.txt"])
+
+    assert result.verdict.ok, result.stderr_tail
+    assert [f.name for f in result.files] == ["good.txt"]
+    assert sorted(result.skipped_files) == ["bad\\xff.txt: the name is not UTF-8",
+                                            "dir\\xfe: the name is not UTF-8"]
+
+
 def test_counting_a_folder_stops_past_its_budget_and_follows_no_link(tmp_path) -> None:
     folder = tmp_path / "run"
     (folder / "out" / "deep").mkdir(parents=True)

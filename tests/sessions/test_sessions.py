@@ -358,6 +358,23 @@ async def test_a_flood_of_closes_closes_once_and_the_server_serves_on(stub) -> N
     assert as_dict(await python(stub, fresh, "'ok'"))["structured_output"] == "ok"
 
 
+async def test_a_file_whose_name_is_not_utf8_is_listed_escaped_and_not_sent(stub) -> None:
+    # Its name cannot be text as it is: the session's listing shows its bytes escaped (the
+    # listing had failed as UNKNOWN for as long as the file was there), and out/ tells it
+    # skipped rather than failing the call's end.
+    session_id = await create(stub)
+    code = ("import os\nopen(b'bad\\xff.txt', 'wb').write(b'x')\n"
+            "open(os.environ['OUTPUT_DIR'].encode() + b'/out\\xfe.txt', 'wb').write(b'y')\n"
+            "open(os.path.join(os.environ['OUTPUT_DIR'], 'good.txt'), 'w').write('z')")
+    result = await python(stub, session_id, code)
+    listed = await stub.ListSessions(tool_service_pb2.ListSessionsRequest(with_files=True))
+
+    assert result.outcome == events_pb2.OUTCOME_OK, result
+    assert [f.name for f in result.writeback.sent_files] == ["good.txt"]
+    [session] = listed.sessions
+    assert ("bad\\xff.txt", 1) in [(f.name, f.size) for f in session.files]
+
+
 async def test_files_left_in_the_output_folder_come_back_once(stub) -> None:
     session_id = await create(stub)
     code = ("import os\nout = os.environ['OUTPUT_DIR']\n"
