@@ -480,6 +480,12 @@ class Session:
         self.calls += 1
         # Measured in a thread: a folder of many small files must not stall the loop.
         disk = await asyncio.to_thread(self._disk_used)
+        if disk is not None and disk > self.limits.disk_mb * MiB:
+            # Written faster than the folder's watch looks (a call that fills it and ends
+            # at once): the call that went over the cap is the one that loses the session.
+            await self.close(SessionLost(f"stopped: disk limit of {self.limits.disk_mb} MB "
+                                         "exceeded; the session is closed"))
+            raise self.closed or SessionLost("over its disk limit")
         return self._ended(done, call, started, before, timed_out, disk)
 
     async def _wait(self, call: _Call, started: float, wall_clock: float,

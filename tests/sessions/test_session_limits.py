@@ -44,6 +44,20 @@ async def test_the_cpu_limit_kills_the_interpreter_and_the_call_is_session_lost(
         assert as_dict(await python(stub, fresh, "'ok'"))["structured_output"] == "ok"
 
 
+async def test_a_call_that_fills_the_disk_and_ends_at_once_loses_the_session(
+        make_server) -> None:
+    # Faster than the folder's watch looks: the call that went over the cap is the one that
+    # ends SESSION_LOST (it had ended OK, and the next call too).
+    channel, stub = await serve(make_server, session_disk_mb=8)
+    async with channel:
+        session_id = await create(stub)
+        result = await python(stub, session_id, "open('big', 'wb').write(b'x' * 12 * 2**20)")
+        assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED,
+                                                       "SESSION_LOST"), result
+        assert "disk limit of 8 MB exceeded" in result.error.message
+        assert await open_sessions(stub) == []
+
+
 async def test_a_session_over_its_disk_cap_is_closed(make_server) -> None:
     channel, stub = await serve(make_server, session_disk_mb=8)
     async with channel:
