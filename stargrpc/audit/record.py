@@ -159,12 +159,6 @@ class AuditRecord:
     prev_hash: str = ""
     hash: str = ""
 
-    def __post_init__(self) -> None:
-        # As record_of does (see _storable): every text of the record has a UTF-8 form.
-        for name, value in list(self.__dict__.items()):
-            if type(value) is str and (not value.isascii() or "\x00" in value):
-                object.__setattr__(self, name, _storable(value))
-
     def as_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready."""
         return dataclasses.asdict(self)
@@ -194,12 +188,20 @@ def record_of(values: dict[str, Any]) -> AuditRecord:
     without the frozen dataclass's ``__init__``, which sets each field through a guarded
     ``object.__setattr__`` — dearer than filling the instance's dict at once, and a record
     is made for every call (measured in ``bench/README.md``)."""
-    for name, value in values.items():
-        if type(value) is str and (not value.isascii() or "\x00" in value):
-            values[name] = _storable(value)
     record: AuditRecord = object.__new__(AuditRecord)
     record.__dict__.update(values)
     return record
+
+
+def storable(record: AuditRecord) -> AuditRecord:
+    """``record``, or a copy of it whose texts every store takes (see :func:`_storable`):
+    what the audit writer hands the store. A record read back from a store is left as it
+    is — its hash was made over its texts as stored."""
+    fixed = {name: _storable(value) for name, value in record.__dict__.items()
+             if type(value) is str and (not value.isascii() or "\x00" in value)}
+    if not fixed or all(fixed[name] == record.__dict__[name] for name in fixed):
+        return record
+    return record_of({**record.__dict__, **fixed})
 
 
 def _storable(text: str) -> str:

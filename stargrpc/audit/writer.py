@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from stargrpc import metrics
-from stargrpc.audit.record import AuditRecord
+from stargrpc.audit.record import AuditRecord, storable
 from stargrpc.audit.store import AuditStore
 
 log = structlog.get_logger("stargrpc.audit")
@@ -118,7 +118,7 @@ class AuditWriter:
         """
         if self._closed:
             raise RuntimeError("the audit writer is closed")
-        return self._enqueue(record, declined=False, more_coming=more_coming)
+        return self._enqueue(storable(record), declined=False, more_coming=more_coming)
 
     def submit_alone(self, record: AuditRecord
                      ) -> AuditRecord | asyncio.Future[AuditRecord]:
@@ -133,6 +133,7 @@ class AuditWriter:
         """
         if self._closed:
             raise RuntimeError("the audit writer is closed")
+        record = storable(record)
         if self._queue or self._scheduled or self._task is not None or not self._started \
                 or self._append_now is None:
             return self._enqueue(record, declined=False)
