@@ -55,6 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stargrpc.forwarded import ForwardedClient, peer_of
 from stargrpc.gateway.client import FORWARDED_HEADERS, GatewayClient, Metadata
 from stargrpc.gateway.http_errors import (
+    MalformedRequest,
     error_body,
     http_error,
     is_run_finished,
@@ -180,8 +181,8 @@ class _BadRequest(Exception):
                 for f, d in self.violations]))
             details.append(json_format.MessageToDict(packed))
         code = "INVALID_ARGUMENT" if self.status == 400 else "RESOURCE_EXHAUSTED"
-        return JSONResponse(error_body(self.status, code, self.message, details),
-                            status_code=self.status)
+        return MalformedRequest(error_body(self.status, code, self.message, details),
+                                status_code=self.status)
 
 
 class SecurityHeaders:
@@ -363,21 +364,26 @@ class Gateway:
 
     def _credentials_first(self, endpoint: Callable[[Request], Awaitable[Response]]
                            ) -> Callable[[Request], Awaitable[Response]]:
-        """``endpoint``, except that its refusal of a malformed request (400, 413) gives way
-        to the server's 401 when the request's credentials are refused: a caller who may
-        not call learns nothing of how its request would have been read. The credentials
-        are checked only then (a ListTools of the caller's), so a well-formed request pays
-        nothing for it."""
+        """``endpoint``, except that its own refusal of a malformed request (a
+        :class:`MalformedRequest`: 400, 413) gives way to the server's 401 when the
+        request's credentials are refused: a caller who may not call learns nothing of how
+        its request would have been read. The credentials are checked only then (a
+        ListTools of the caller's, within :data:`_CREDENTIALS_CHECK_SECONDS`), so a
+        well-formed request — and a refusal of the server's, made after its own check of
+        the credentials — pays nothing for it."""
 
         async def checked(request: Request) -> Response:
             response = await endpoint(request)
-            if response.status_code not in _MALFORMED:
+            if not isinstance(response, MalformedRequest):
                 return response
             try:
-                await self.client.list_tools(self._metadata(request))
+                async with asyncio.timeout(_CREDENTIALS_CHECK_SECONDS):
+                    await self.client.list_tools(self._metadata(request))
             except grpc.aio.AioRpcError as error:
                 if error.code() is grpc.StatusCode.UNAUTHENTICATED:
                     return rpc_error_response(error)
+            except TimeoutError:
+                pass  # the refusal stands: the server did not say in time
             return response
 
         return checked
@@ -645,8 +651,9 @@ def _after_seq(request: Request) -> int:
 #: The largest seq (a uint64).
 _MAX_SEQ = 2**64 - 1
 
-#: The statuses of a request refused for its form (see Gateway._credentials_first).
-_MALFORMED = frozenset((400, 413))
+#: How long the credentials of a malformed request are checked for (see
+#: Gateway._credentials_first).
+_CREDENTIALS_CHECK_SECONDS = 5.0
 
 #: What this gateway offers the page: its routes are fixed, so this is too.
 _CAPABILITIES = {"steer": True, "cancel": True, "list_runs": True, "approve": True}

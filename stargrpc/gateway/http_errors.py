@@ -45,6 +45,12 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 
 
+class MalformedRequest(JSONResponse):
+    """The gateway's own refusal of a request for its form (a body or query it cannot
+    read), before any call to the server: told only to a caller whose credentials pass
+    (see ``Gateway._credentials_first``)."""
+
+
 def error_body(status: int, code_name: str, message: str,
                details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON body of an error answer."""

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stargrpc.gateway.client import GatewayClient
-from stargrpc.gateway.http_errors import error_body, rpc_error_response
+from stargrpc.gateway.http_errors import MalformedRequest, error_body, rpc_error_response
 from stargrpc.v1 import state_pb2
 
 Metadata = tuple[tuple[str, str], ...]
@@ -60,8 +60,8 @@ class _Refused(Exception):
     def response(self) -> JSONResponse:
         detail = {"@type": "type.googleapis.com/google.rpc.BadRequest",
                   "fieldViolations": [{"field": self.field, "description": self.message}]}
-        return JSONResponse(error_body(400, "INVALID_ARGUMENT", self.message, [detail]),
-                            status_code=400)
+        return MalformedRequest(error_body(400, "INVALID_ARGUMENT", self.message, [detail]),
+                                status_code=400)
 
 
 class StateApi:

@@ -417,6 +417,38 @@ async def test_a_malformed_request_without_credentials_is_refused_for_its_creden
     assert still.status_code == 200
 
 
+async def test_the_servers_own_refusal_costs_no_credentials_check(make_server,
+                                                                  tmp_path) -> None:
+    # Only the gateway's own refusals (a body or query it cannot read) wait for the
+    # credentials check: a refusal of the server's came after its own check.
+    from stargrpc.audit.store import default_store_url, open_store
+    from stargrpc.auth.keys import KeyStore
+    from tests.gateway.conftest import gateway_registry
+
+    keys = KeyStore(tmp_path / "keys.json")
+    admin = keys.create("web-admin", ["admin"])[1]
+    server = await make_server(registry=gateway_registry(), http_port=0,
+                               insecure_no_auth=False, keys_file=tmp_path / "keys.json")
+    as_admin = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http.gateway_port}",
+                                 timeout=30) as http:
+        by_server = await http.post("/v1/tools/echo:execute", headers=as_admin,
+                                    json={"arguments": {"text": 5}})
+        by_gateway = await http.post("/v1/tools/echo:execute", headers=as_admin,
+                                     json={"text": "arguments not"})
+    await server.stop(grace=5)
+    store = open_store(default_store_url(server.settings.state_dir))
+    await store.open()
+    try:
+        methods = [r.method.rsplit("/", 1)[-1] async for r in store.scan()]
+    finally:
+        await store.aclose()
+
+    assert (by_server.status_code, by_gateway.status_code) == (400, 400)
+    assert by_server.json()["error"]["status"] == "INVALID_ARGUMENT"
+    assert methods == ["Execute", "ListTools"]  # the one check: for the gateway's refusal
+
+
 async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
     from stargrpc.audit.store import default_store_url, open_store
     from stargrpc.auth.keys import KeyStore
