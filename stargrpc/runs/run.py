@@ -39,7 +39,7 @@ from stargrpc.runs.context import (
     WriteBack,
     forget_callers_step,
 )
-from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
+from stargrpc.runs.event_sizes import EventSizes, as_text, cut_text, size_with, split_utf8
 from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.runs.result_fit import fit_result, set_duration
 from stargrpc.runs.trees import (
@@ -807,9 +807,9 @@ class Run:
     async def emit_delta(self, step: ToolStep, text: str, channel: str) -> None:
         """Emits partial output of ``step``: one DELTA, or several in order when ``text`` is
         larger than one event may carry."""
-        if len(channel) > self._sizes.label_chars:
+        if len(channel) > self._sizes.label_chars or not channel.isascii():
             channel = cut_text(channel, self._sizes.label_chars)
-        for piece in split_utf8(text, self._sizes.delta_bytes):
+        for piece in split_utf8(as_text(text), self._sizes.delta_bytes):
             event = events_pb2.RunEvent()
             message = event.step
             message.phase = events_pb2.STEP_PHASE_DELTA
@@ -917,8 +917,10 @@ def _fill_step(message: events_pb2.Step, step: ToolStep, status: int, sizes: Eve
     # An empty string is a proto3 field's default: writing it would change nothing.
     if step.parent_id:
         message.parent_id = step.parent_id
-    message.kind = step.kind if len(step.kind) <= label else cut_text(step.kind, label)
-    message.title = step.title if len(step.title) <= label else cut_text(step.title, label)
+    message.kind = (step.kind if len(step.kind) <= label and step.kind.isascii()
+                    else cut_text(step.kind, label))
+    message.title = (step.title if len(step.title) <= label and step.title.isascii()
+                     else cut_text(step.title, label))
     if step.summary:
         message.summary = cut_text(step.summary, label)
     message.status = status  # type: ignore[assignment]

@@ -101,6 +101,8 @@ async def waits(ctx: ToolContext) -> str:
 async def odd_name(ctx: ToolContext) -> str:
     """A file name as os.listdir gives one that is not UTF-8 (surrogateescape)."""
     ctx.send_file("sent-\udcff.txt", b"x")
+    async with ctx.step("listing \udcff") as step:
+        await step.delta("found \udcff\n")
     return "report-\udcff.txt"
 
 
@@ -310,6 +312,7 @@ async def test_a_lone_surrogate_is_refused_in_arguments_and_kept_escaped_elsewhe
     assert "lone surrogate" in (refused.value.details() or "")
     assert listed[-1].result.output == "report-\\udcff.txt"
     assert [f.name for f in listed[-1].result.writeback.sent_files] == ["sent-\\xff.txt"]
+    assert "found \\udcff\n" in [e.step.delta for e in listed if e.HasField("step")]
     assert after[-1].result.outcome == events_pb2.OUTCOME_OK
     assert [r.outcome for r in records] == ["invalid", "ok", "ok"]
     assert "\\udcff" in records[1].result
