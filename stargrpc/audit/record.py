@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from stargrpc.text import as_text
 from stargrpc.v1 import events_pb2
 
 #: Every outcome an audit record can have.
@@ -211,10 +212,4 @@ def _storable(text: str) -> str:
     keeps every record queued behind it waiting."""
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
-    if text.isascii():
-        return text
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return text.encode(errors="backslashreplace").decode()
-    return text
+    return as_text(text)

@@ -28,6 +28,7 @@ from stargrpc.runs.usage import RunUsage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import StateStore
 from stargrpc.stores.memory import MemoryStateStore
+from stargrpc.text import as_name
 
 if TYPE_CHECKING:
     from stargrpc.registry import ToolSpec
@@ -322,7 +323,7 @@ class ToolContext:
             data: The content.
             mime_type: Defaults to a guess from the name.
         """
-        name = _text(name)
+        name = as_name(name)
         record = SentFileRecord(
             file_id=f"{self.run_id}-f{len(self._run.writeback.sent_files) + 1}",
             name=name,
@@ -632,19 +633,3 @@ def _arguments_of(args: Mapping[str, Any] | BaseModel | None) -> dict[str, Any]:
     if isinstance(args, BaseModel):
         return args.model_dump(mode="json")
     return dict(args)
-
-
-def _text(name: str) -> str:
-    """``name`` as text a Result can carry: a name that is not (a file name's bytes that
-    are not UTF-8, kept by ``surrogateescape``; a lone surrogate) with those written as
-    escapes (the run's end had failed on it)."""
-    if name.isascii():
-        return name
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        try:
-            return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
-        except UnicodeEncodeError:
-            return name.encode(errors="backslashreplace").decode()
-    return name

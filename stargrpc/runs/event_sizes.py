@@ -27,6 +27,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 
+from stargrpc.text import as_text
 from stargrpc.v1 import events_pb2
 
 #: Room left in a message for what surrounds the Result or an event (response and RunEvent
@@ -112,25 +113,14 @@ class EventSizes:
 
 
 def cut_text(text: str, limit: int) -> str:
-    """``text`` (:func:`as_text`) cut to ``limit`` characters, the last one ``…`` when it
-    was cut."""
+    """``text`` (:func:`~stargrpc.text.as_text`) cut to ``limit`` characters, the last one
+    ``…`` when it was cut."""
     text = as_text(text)
     if len(text) <= limit:
         return text
     return text[:limit - 1] + "…"
 
 
-def as_text(text: str) -> str:
-    """``text`` as an event can carry it: a lone surrogate (no UTF-8 form; a name read
-    with ``surrogateescape``, say) written as its escape, where setting it on a protobuf
-    string would raise."""
-    if text.isascii():
-        return text
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return text.encode(errors="backslashreplace").decode()
-    return text
 
 
 def size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]

@@ -37,6 +37,7 @@ from stargrpc.runs.event_sizes import (
     utf8_head,
 )
 from stargrpc.runs.outcome import Outcome, ToolResult
+from stargrpc.text import as_text
 from stargrpc.v1 import events_pb2
 
 #: Room the output text leaves for the listing of the sent file it may move into.
@@ -128,8 +129,7 @@ def fit_result(result: events_pb2.Result, outcome: ToolResult, writeback: WriteB
     # What is left for the output: the listing of the files it may move into is small.
     room = sizes.result_bytes - result.ByteSize() - inline_bytes - _MOVED_LISTING_BYTES
     output = outcome.output
-    if not output.isascii():
-        output = output.encode(errors="backslashreplace").decode()  # lone surrogates
+    output = as_text(output)
     if len(output) * 4 > room and len(encoded := output.encode()) > room:
         fit = fit or ResultFit()
         record = _moved_to_file(run_id, OUTPUT_FILE_NAME, "text/plain; charset=utf-8",

@@ -39,7 +39,7 @@ from stargrpc.runs.context import (
     WriteBack,
     forget_callers_step,
 )
-from stargrpc.runs.event_sizes import EventSizes, as_text, cut_text, size_with, split_utf8
+from stargrpc.runs.event_sizes import EventSizes, cut_text, size_with, split_utf8
 from stargrpc.runs.outcome import Outcome, ToolResult, classify_exception, classify_return
 from stargrpc.runs.result_fit import fit_result, set_duration
 from stargrpc.runs.trees import (
@@ -52,6 +52,7 @@ from stargrpc.runs.trees import (
 from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, StateStore, run_finished_error
+from stargrpc.text import as_text
 from stargrpc.v1 import errors_pb2, events_pb2
 
 if TYPE_CHECKING:

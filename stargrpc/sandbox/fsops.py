@@ -304,14 +304,6 @@ def is_text(name: str) -> bool:
     return True
 
 
-def shown_name(name: str) -> str:
-    """``name`` as text that can go anywhere (a message, a log, a protobuf string): a name
-    that is not UTF-8 with its undecodable bytes written as ``\\xNN``."""
-    if is_text(name):
-        return name
-    return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
-
-
 def remove_tree(parent_fd: int, name: str) -> bool:
     """Removes the folder ``name`` of ``parent_fd`` and everything in it.
 

@@ -75,6 +75,7 @@ from stargrpc.sandbox import fsops
 from stargrpc.sandbox.isolation import SANDBOX_PATH, Isolation, detect
 from stargrpc.sandbox.rlimits import Limits, Verdict, classify, disk_limit
 from stargrpc.settings import Settings
+from stargrpc.text import as_name
 
 log = structlog.get_logger("stargrpc.sandbox")
 
@@ -711,7 +712,7 @@ class Sandbox:
                     # A sent file's name is text: such a name (and a folder's) is told, escaped.
                     if stat.S_ISDIR(info.st_mode):
                         tree.skip()
-                    final.skip(f"{fsops.shown_name(name)}: the name is not UTF-8")
+                    final.skip(f"{as_name(name)}: the name is not UTF-8")
                     continue
                 if stat.S_ISDIR(info.st_mode):
                     if not owner.is_own(info):

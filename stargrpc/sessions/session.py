@@ -51,6 +51,7 @@ from stargrpc.sandbox.runner import (
 from stargrpc.sessions import protocol
 from stargrpc.sessions.protocol import ProtocolError
 from stargrpc.settings import MiB, Settings
+from stargrpc.text import as_name
 
 log = structlog.get_logger("stargrpc.sessions")
 
@@ -598,7 +599,7 @@ class Session:
                         if not fsops.is_text(name):  # a sent file's name is text
                             if stat.S_ISDIR(info.st_mode):
                                 tree.skip()
-                            skipped.append(f"{fsops.shown_name(name)}: the name is not UTF-8")
+                            skipped.append(f"{as_name(name)}: the name is not UTF-8")
                             continue
                         if stat.S_ISDIR(info.st_mode):
                             continue
@@ -641,7 +642,7 @@ class Session:
                     if (owner.is_own(info) and stat.S_ISREG(info.st_mode)
                             and name != STEER_FILE_NAME):
                         # A name that is not UTF-8 is listed with its bytes escaped.
-                        found.append((fsops.shown_name(name), info.st_size))
+                        found.append((as_name(name), info.st_size))
         except (fsops.Moved, OSError):
             pass
         finally:
