@@ -86,6 +86,7 @@ async def test_workdir_is_fresh_and_removed_afterwards(tmp_path) -> None:
     box = sandbox(tmp_path, sandbox_isolation="rlimits")  # shows the real path
     first = await box.run(["sh", "-c", "touch left-behind; pwd"])
     second = await box.run(["sh", "-c", "ls -A"])
+    await removals()  # a small folder goes a moment after its run returned
 
     workdir = Path(first.stdout_tail.strip())
     assert workdir.name.startswith("run-")
