@@ -6,27 +6,28 @@ the escape spelt out instead."""
 from __future__ import annotations
 
 
-def as_text(text: str) -> str:
-    """``text``, with any lone surrogate written as its escape (``\\udcff``)."""
+def is_text(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (no lone surrogate in it)."""
     if text.isascii():
-        return text
+        return True
     try:
         text.encode()
     except UnicodeEncodeError:
-        return text.encode(errors="backslashreplace").decode()
-    return text
+        return False
+    return True
+
+
+def as_text(text: str) -> str:
+    """``text``, with any lone surrogate written as its escape (``\\udcff``)."""
+    return text if is_text(text) else text.encode(errors="backslashreplace").decode()
 
 
 def as_name(name: str) -> str:
     """A file name as text: the bytes ``surrogateescape`` kept written as ``\\xNN``, and any
     other lone surrogate as its escape."""
-    if name.isascii():
+    if is_text(name):
         return name
     try:
-        name.encode()
-    except UnicodeEncodeError:
-        try:
-            return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
-        except UnicodeEncodeError:
-            return name.encode(errors="backslashreplace").decode()
-    return name
+        return name.encode(errors="surrogateescape").decode(errors="backslashreplace")
+    except UnicodeEncodeError:  # a surrogate surrogateescape never makes
+        return as_text(name)

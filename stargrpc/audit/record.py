@@ -198,11 +198,10 @@ def storable(record: AuditRecord) -> AuditRecord:
     """``record``, or a copy of it whose texts every store takes (see :func:`_storable`):
     what the audit writer hands the store. A record read back from a store is left as it
     is — its hash was made over its texts as stored."""
-    fixed = {name: _storable(value) for name, value in record.__dict__.items()
-             if type(value) is str and (not value.isascii() or "\x00" in value)}
-    if not fixed or all(fixed[name] == record.__dict__[name] for name in fixed):
-        return record
-    return record_of({**record.__dict__, **fixed})
+    fixed = {name: stored for name, value in record.__dict__.items()
+             if type(value) is str and (not value.isascii() or "\x00" in value)
+             and (stored := _storable(value)) != value}
+    return record_of({**record.__dict__, **fixed}) if fixed else record
 
 
 def _storable(text: str) -> str:

@@ -40,7 +40,8 @@ class ArgumentLimits:
 
 #: NaN and Infinity are parsed so that validate() can name where they are.
 _DECODER = json.JSONDecoder(parse_constant=float)
-_ENCODER = json.JSONEncoder(ensure_ascii=False, default=str)
+#: What tells whether a decoded value has a UTF-8 form (_has_utf8_form).
+_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
 def decode_struct(struct: struct_pb2.Struct, limits: ArgumentLimits) -> dict[str, Any]:

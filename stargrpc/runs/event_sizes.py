@@ -121,8 +121,6 @@ def cut_text(text: str, limit: int) -> str:
     return text[:limit - 1] + "…"
 
 
-
-
 def size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]
               ) -> int | None:
     """The size of ``message`` once ``struct`` (a field of it) is filled from ``value``, or

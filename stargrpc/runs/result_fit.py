@@ -128,8 +128,7 @@ def fit_result(result: events_pb2.Result, outcome: ToolResult, writeback: WriteB
                                                   f"({record.file_id})"))
     # What is left for the output: the listing of the files it may move into is small.
     room = sizes.result_bytes - result.ByteSize() - inline_bytes - _MOVED_LISTING_BYTES
-    output = outcome.output
-    output = as_text(output)
+    output = as_text(outcome.output)
     if len(output) * 4 > room and len(encoded := output.encode()) > room:
         fit = fit or ResultFit()
         record = _moved_to_file(run_id, OUTPUT_FILE_NAME, "text/plain; charset=utf-8",

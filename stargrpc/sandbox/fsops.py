@@ -292,18 +292,6 @@ def read_own_file(dir_fd: int, name: str, owner: Owner, budget: int) -> bytes | 
 _REMOVE_PASSES = 5
 
 
-def is_text(name: str) -> bool:
-    """Whether the file name ``name`` (as listed: bytes that are not UTF-8 decoded with
-    ``surrogateescape``) is UTF-8 text."""
-    if name.isascii():
-        return True
-    try:
-        name.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def remove_tree(parent_fd: int, name: str) -> bool:
     """Removes the folder ``name`` of ``parent_fd`` and everything in it.
 

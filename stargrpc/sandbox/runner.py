@@ -75,7 +75,7 @@ from stargrpc.sandbox import fsops
 from stargrpc.sandbox.isolation import SANDBOX_PATH, Isolation, detect
 from stargrpc.sandbox.rlimits import Limits, Verdict, classify, disk_limit
 from stargrpc.settings import Settings
-from stargrpc.text import as_name
+from stargrpc.text import as_name, is_text
 
 log = structlog.get_logger("stargrpc.sandbox")
 
@@ -708,7 +708,7 @@ class Sandbox:
                     final.skip(f"more than {_MAX_COLLECT_ENTRIES} entries in out/; the "
                                "rest not looked at")
                     return
-                if not fsops.is_text(name):
+                if not is_text(name):
                     # A sent file's name is text: such a name (and a folder's) is told, escaped.
                     if stat.S_ISDIR(info.st_mode):
                         tree.skip()

@@ -51,7 +51,7 @@ from stargrpc.sandbox.runner import (
 from stargrpc.sessions import protocol
 from stargrpc.sessions.protocol import ProtocolError
 from stargrpc.settings import MiB, Settings
-from stargrpc.text import as_name
+from stargrpc.text import as_name, is_text
 
 log = structlog.get_logger("stargrpc.sessions")
 
@@ -596,7 +596,7 @@ class Session:
                         if seen >= 20 * most:
                             skipped.append("out: too many entries; the rest not looked at")
                             break
-                        if not fsops.is_text(name):  # a sent file's name is text
+                        if not is_text(name):  # a sent file's name is text
                             if stat.S_ISDIR(info.st_mode):
                                 tree.skip()
                             skipped.append(f"{as_name(name)}: the name is not UTF-8")
