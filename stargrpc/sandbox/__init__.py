@@ -2,6 +2,7 @@
 
 - :mod:`stargrpc.sandbox.runner` — :class:`Sandbox`, one run from working directory to
   collected output files.
+- :mod:`stargrpc.sandbox.outfolder` — the output folder read back as sent files.
 - :mod:`stargrpc.sandbox.rlimits` — the rlimits and how a run that hit one is recognised.
 - :mod:`stargrpc.sandbox.isolation` — bubblewrap / unshare / rlimits-only, and detection.
 - :mod:`stargrpc.sandbox.policy` — whether sandboxed tools may run with the mode that works
@@ -16,10 +17,10 @@
 from __future__ import annotations
 
 from stargrpc.sandbox.isolation import Isolation
+from stargrpc.sandbox.outfolder import OutputFile
 from stargrpc.sandbox.policy import Policy, decide, log_isolation
 from stargrpc.sandbox.rlimits import Limits, Verdict
 from stargrpc.sandbox.runner import (
-    OutputFile,
     Sandbox,
     SandboxProcess,
     SandboxResult,

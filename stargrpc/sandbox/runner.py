@@ -52,7 +52,6 @@ import asyncio
 import codecs
 import contextlib
 import json
-import mimetypes
 import os
 import pwd
 import resource
@@ -73,9 +72,9 @@ import structlog
 
 from stargrpc.sandbox import fsops
 from stargrpc.sandbox.isolation import SANDBOX_PATH, Isolation, detect
+from stargrpc.sandbox.outfolder import OutputFile, SentFiles, read_out
 from stargrpc.sandbox.rlimits import Limits, Verdict, classify, disk_limit
 from stargrpc.settings import Settings
-from stargrpc.text import as_name, is_text
 
 log = structlog.get_logger("stargrpc.sandbox")
 
@@ -93,8 +92,6 @@ STEER_FILE_NAME = ".steer.jsonl"
 TAIL_CHARS = 16 * 1024
 #: Emit a line-less run of output once it is this long.
 _PARTIAL_LINE_CHARS = 8 * 1024
-#: Output-folder files returned at most.
-MAX_SENT_FILES = 32
 #: After the command has exited, how long its pipes may stay open (held by a stray child).
 _DRAIN_SECONDS = 2.0
 #: How long the end of a run waits for the init of its PID namespace to exit.
@@ -103,8 +100,6 @@ _NAMESPACE_EXIT_SECONDS = 1.0
 TICK_SECONDS = 5.0
 #: Seconds between two measures of the working directory's disk use while a run runs.
 DISK_POLL_SECONDS = 0.5
-#: Most entries of the output folder looked at, and how deep.
-_MAX_COLLECT_ENTRIES = 10_000
 #: A folder left with at most this many entries in all (its own and below), once nothing
 #: of its run is left to change it, is read and removed right on the event loop: a few
 #: dozen system calls on a folder no process writes cost less than the hop to a thread
@@ -120,18 +115,6 @@ _INLINE_BYTES = 256 * 1024
 #: user id is released, and a warm pool refills, once it is done; :func:`removals` cuts
 #: the wait short.
 _REMOVAL_DELAY_SECONDS = 0.01
-_MAX_COLLECT_DEPTH = 64
-#: Skipped output files listed one by one at most (the rest are counted).
-_MAX_SKIPPED = 64
-
-
-@dataclass(frozen=True)
-class OutputFile:
-    """A file the command left in its output folder."""
-
-    name: str
-    data: bytes
-    mime_type: str
 
 
 @dataclass(frozen=True)
@@ -691,7 +674,7 @@ class Sandbox:
                 final.skip("out: not a plain folder of the run; no file returned")
                 return final
             try:
-                self._read_out(out_fd, owner, final)
+                read_out(out_fd, owner, final, budget=self.limits.sent_file_bytes)
             except (fsops.Moved, OSError):
                 final.skip("out: changed while it was read; the rest not returned")
             finally:
@@ -699,41 +682,6 @@ class Sandbox:
         finally:
             os.close(run_fd)
         return final
-
-    def _read_out(self, out_fd: int, owner: fsops.Owner, final: _Final) -> None:
-        budget = self.limits.sent_file_bytes
-        with fsops.walk(out_fd, max_depth=_MAX_COLLECT_DEPTH) as tree:
-            for seen, (name, entry, info) in enumerate(tree.entries(), 1):
-                if seen > _MAX_COLLECT_ENTRIES:
-                    final.skip(f"more than {_MAX_COLLECT_ENTRIES} entries in out/; the "
-                               "rest not looked at")
-                    return
-                if not is_text(name):
-                    # A sent file's name is text: such a name (and a folder's) is told, escaped.
-                    if stat.S_ISDIR(info.st_mode):
-                        tree.skip()
-                    final.skip(f"{as_name(name)}: the name is not UTF-8")
-                    continue
-                if stat.S_ISDIR(info.st_mode):
-                    if not owner.is_own(info):
-                        tree.skip()
-                        final.skip(f"{name}: not a plain folder")
-                    continue
-                if len(final.files) >= MAX_SENT_FILES:
-                    final.skip(f"{name}: more than {MAX_SENT_FILES} files")
-                    continue
-                try:
-                    data = fsops.read_own_file(tree.fd, entry, owner, budget)
-                except fsops.TooLarge:
-                    final.skip(f"{name}: over the {self.limits.sent_file_bytes} byte cap of "
-                               "sent files")
-                    continue
-                if data is None:
-                    final.skip(f"{name}: not a plain file")
-                    continue
-                budget -= len(data)
-                mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
-                final.files.append(OutputFile(name, data, mime))
 
 
 class SandboxProcess:
@@ -1010,21 +958,11 @@ class _Workdir:
 
 
 @dataclass
-class _Final:
+class _Final(SentFiles):
     """What is found in the working directory once the run is over."""
 
     usage: fsops.Usage = field(default_factory=lambda: fsops.Usage(0, 0))
     measured: bool = False
-    files: list[OutputFile] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    _unlisted: int = 0
-
-    def skip(self, reason: str) -> None:
-        if len(self.skipped) < _MAX_SKIPPED:
-            self.skipped.append(reason)
-            return
-        self._unlisted += 1
-        self.skipped[-1] = f"{self._unlisted + 1} more entries not returned"
 
 
 def check_input_names(files: Mapping[str, str | bytes]) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mimetypes
 import os
 import secrets
 import stat
@@ -38,12 +37,11 @@ import structlog
 
 from stargrpc.errors import ToolFailed
 from stargrpc.sandbox import fsops
+from stargrpc.sandbox.outfolder import OutputFile, SentFiles, read_out
 from stargrpc.sandbox.rlimits import Limits
 from stargrpc.sandbox.runner import (
-    MAX_SENT_FILES,
     STEER_FILE_NAME,
     TICK_SECONDS,
-    OutputFile,
     Sandbox,
     SandboxProcess,
     TreeSampler,
@@ -51,7 +49,7 @@ from stargrpc.sandbox.runner import (
 from stargrpc.sessions import protocol
 from stargrpc.sessions.protocol import ProtocolError
 from stargrpc.settings import MiB, Settings
-from stargrpc.text import as_name, is_text
+from stargrpc.text import as_name
 
 log = structlog.get_logger("stargrpc.sessions")
 
@@ -573,59 +571,31 @@ class Session:
         assert self._process is not None
         return self._process.open_folder()
 
-    def take_output(self, budget: int, most: int = MAX_SENT_FILES
-                    ) -> tuple[list[OutputFile], list[str]]:
+    def take_output(self, budget: int) -> tuple[list[OutputFile], list[str]]:
         """The files a call left in the session's output folder (``$OUTPUT_DIR``, ``out/``),
         read and removed from it (so the next call does not return them again): at most
-        ``most`` files and ``budget`` bytes, walked safely from the folder's descriptor.
+        ``budget`` bytes, walked safely from the folder's descriptor
+        (:func:`~stargrpc.sandbox.outfolder.read_out`).
 
         Returns:
             The files read, and why others were not (left in place).
         """
         folder_fd, owner = self.open_folder()
-        files: list[OutputFile] = []
-        skipped: list[str] = []
+        sent = SentFiles()
         try:
             try:
                 out_fd = fsops.open_dir(folder_fd, "out", owner)
             except OSError:
-                return files, ["out: not a plain folder of the session"]
+                return [], ["out: not a plain folder of the session"]
             try:
-                with fsops.walk(out_fd, max_depth=8) as tree:
-                    for seen, (name, entry, info) in enumerate(tree.entries()):
-                        if seen >= 20 * most:
-                            skipped.append("out: too many entries; the rest not looked at")
-                            break
-                        if not is_text(name):  # a sent file's name is text
-                            if stat.S_ISDIR(info.st_mode):
-                                tree.skip()
-                            skipped.append(f"{as_name(name)}: the name is not UTF-8")
-                            continue
-                        if stat.S_ISDIR(info.st_mode):
-                            continue
-                        if len(files) >= most:
-                            skipped.append(f"{name}: more than {most} files")
-                            continue
-                        try:
-                            data = fsops.read_own_file(tree.fd, entry, owner, budget)
-                        except fsops.TooLarge:
-                            skipped.append(f"{name}: over the sent files' byte cap")
-                            continue
-                        if data is None:
-                            skipped.append(f"{name}: not a plain file")
-                            continue
-                        budget -= len(data)
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry, dir_fd=tree.fd)
-                        mime = mimetypes.guess_type(name)[0] or "application/octet-stream"
-                        files.append(OutputFile(name, data, mime))
+                read_out(out_fd, owner, sent, budget=budget, take=True)
             except (fsops.Moved, OSError):
-                skipped.append("out: changed while it was read; the rest not returned")
+                sent.skip("out: changed while it was read; the rest not returned")
             finally:
                 os.close(out_fd)
         finally:
             os.close(folder_fd)
-        return files, skipped
+        return sent.files, sent.skipped
 
     def files(self, limit: int = 1000) -> list[tuple[str, int]]:
         """The regular files in its folder (relative name, size), at most ``limit`` (and
