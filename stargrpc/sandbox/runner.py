@@ -849,11 +849,10 @@ class _Leader:
         self._loose = []
 
     async def read_pipe(self, pipe: IO[bytes] | None, limit: int = 64 * 1024, *,
-                        protocol: _ReaderProtocol = asyncio.StreamReaderProtocol
-                        ) -> asyncio.StreamReader:
-        """A stream reader on one of its pipes (its transport owns the pipe from then on),
-        fed through the protocol ``protocol(reader)`` makes."""
-        reader = await _read_pipe(pipe, limit, protocol)
+                        reader: asyncio.StreamReader | None = None) -> asyncio.StreamReader:
+        """A stream reader on one of its pipes (its transport owns the pipe from then on):
+        ``reader`` when given, else a new one of ``limit`` bytes."""
+        reader = await _read_pipe(pipe, limit, reader)
         self._loose.remove(pipe)  # type: ignore[arg-type]
         return reader
 
@@ -1056,15 +1055,14 @@ def _disk_used_over(run_fd: int, cap: int) -> bool:
 
 
 #: Makes the protocol that feeds a pipe's stream reader.
-_ReaderProtocol = Callable[[asyncio.StreamReader], asyncio.StreamReaderProtocol]
-
-
 async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024,
-                     protocol: _ReaderProtocol = asyncio.StreamReaderProtocol
-                     ) -> asyncio.StreamReader:
-    """A stream reader on one of the leader's pipes."""
-    reader = asyncio.StreamReader(limit=limit)
-    await asyncio.get_running_loop().connect_read_pipe(lambda: protocol(reader), pipe)
+                     reader: asyncio.StreamReader | None = None) -> asyncio.StreamReader:
+    """A stream reader on one of the leader's pipes (``reader``, or a new one)."""
+    if reader is None:
+        reader = asyncio.StreamReader(limit=limit)
+    feeding = reader
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(feeding), pipe)
     return reader
 
 

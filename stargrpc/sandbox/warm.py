@@ -58,9 +58,10 @@ import os
 import secrets
 import select
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import SupportsIndex
 
 from stargrpc.sandbox.rlimits import Limits
 from stargrpc.sandbox.runner import (
@@ -469,32 +470,19 @@ def encode_arguments(args: list[str]) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
-class _Noted:
-    """Whether anything came on a pipe (data, or its end) since its reader was connected
-    through :meth:`feed`."""
+class _NotingReader(asyncio.StreamReader):
+    """A stream reader that notes in ``came`` whether anything came on its pipe (data, or
+    the pipe's end) since it was connected."""
 
-    def __init__(self) -> None:
-        self.came = False
+    came = False
 
-    def feed(self, reader: asyncio.StreamReader) -> asyncio.StreamReaderProtocol:
-        """The protocol feeding ``reader``, noting here what comes."""
-        return _Noting(reader, self)
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.came = True
+        super().feed_data(data)
 
-
-class _Noting(asyncio.StreamReaderProtocol):
-    """Feeds a stream reader, and notes in a :class:`_Noted` that something came."""
-
-    def __init__(self, reader: asyncio.StreamReader, noted: _Noted) -> None:
-        super().__init__(reader)
-        self._noted = noted
-
-    def data_received(self, data: bytes) -> None:
-        self._noted.came = True
-        super().data_received(data)
-
-    def eof_received(self) -> bool | None:
-        self._noted.came = True
-        return super().eof_received()
+    def feed_eof(self) -> None:
+        self.came = True
+        super().feed_eof()
 
 
 class Unfit(Exception):
@@ -608,8 +596,7 @@ class WarmSandbox:
     workdir: _Workdir
     _leader: _Leader
     _stdout: asyncio.StreamReader | None
-    _stderr: asyncio.StreamReader | None
-    _stderr_noted: _Noted
+    _stderr: _NotingReader | None
     _control: socket.socket
     _folder: tuple[object, ...]
     _processes: dict[int, _Process]
@@ -624,7 +611,6 @@ class WarmSandbox:
         self._leader = leader
         self._stdout = None
         self._stderr = None
-        self._stderr_noted = _Noted()
         self._control = control
         self._folder = ()
         self._processes = {}
@@ -686,8 +672,8 @@ class WarmSandbox:
             # fewer there); what comes on it from its ready on is noted (see unfit).
             if sandbox.isolation.mode != "rlimits":
                 leader.namespace_init = _namespace_init(warm.pid, warm._processes)
-            warm._stderr = await leader.read_pipe(leader.proc.stderr,
-                                                  protocol=warm._stderr_noted.feed)
+            warm._stderr = _NotingReader()
+            await leader.read_pipe(leader.proc.stderr, reader=warm._stderr)
         except BaseException:
             await warm.aclose()
             raise
@@ -712,7 +698,7 @@ class WarmSandbox:
         stderr = self._leader.proc.stderr
         try:
             # What its reader took off the pipe, or what waits there for the reader.
-            if (stderr is None or self._stderr_noted.came
+            if (stderr is None or self._stderr is None or self._stderr.came
                     or select.select([stderr], [], [], 0)[0]):
                 return "its stderr was written to or closed while it waited"
             folder = _folder_state(self.workdir)
