@@ -1,5 +1,6 @@
 """The cuts a call's record names, read from the notices before a Result, however the
-events were split into batches on their way to the call."""
+events were split into batches on their way to the call; a delta's text split into pieces
+an event may carry."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from stargrpc.runs.event_sizes import (
     OUTPUT_TRUNCATED,
     RESULT_TOO_LARGE,
     cuts_before_result,
+    split_utf8,
     trailing_notices,
 )
 from stargrpc.v1 import events_pb2
@@ -45,3 +47,13 @@ def test_the_cuts_before_a_result_are_found_wherever_the_batches_split() -> None
             for batch in batches[:-1]:
                 notices = trailing_notices(notices, batch)
             assert cuts_before_result([*notices, *batches[-1]]) == expected, bounds
+
+
+def test_a_delta_is_split_on_characters_with_its_lone_surrogates_escaped() -> None:
+    # Short, between the quick bound and the cap, and past the cap: every piece is text a
+    # protobuf string takes, within the cap, and together they are the escaped text.
+    for text in ("é\udcff", "é" * 20 + "\udcff", "€\ud800" * 40):
+        pieces = split_utf8(text, 64)
+        assert all(len(piece.encode()) <= 64 for piece in pieces)
+        assert "".join(pieces) == text.encode(errors="backslashreplace").decode()
+    assert split_utf8("€" * 100, 64) == ["€" * 21, "€" * 21, "€" * 21, "€" * 21, "€" * 16]

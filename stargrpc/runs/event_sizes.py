@@ -138,12 +138,14 @@ def utf8_head(data: bytes, limit: int) -> str:
 
 
 def split_utf8(text: str, limit: int) -> list[str]:
-    """``text`` in pieces of at most ``limit`` UTF-8 bytes, never splitting a character."""
+    """``text`` in pieces of at most ``limit`` UTF-8 bytes, never splitting a character; a
+    lone surrogate is written as its escape (:func:`~stargrpc.text.as_text`)."""
     if len(text) * 4 <= limit:  # no character takes more than 4 bytes
-        return [text]
-    data = text.encode()
+        return [as_text(text)]
+    # Encoded once, escaping as it goes (as_text would encode it a first time).
+    data = text.encode(errors="backslashreplace")
     if len(data) <= limit:
-        return [text]
+        return [data.decode()]
     pieces = []
     start = 0
     while start < len(data):

@@ -52,7 +52,6 @@ from stargrpc.runs.trees import (
 from stargrpc.runs.usage import RunUsage, fill_usage
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, StateStore, run_finished_error
-from stargrpc.text import as_text
 from stargrpc.v1 import errors_pb2, events_pb2
 
 if TYPE_CHECKING:
@@ -810,7 +809,7 @@ class Run:
         larger than one event may carry."""
         if len(channel) > self._sizes.label_chars or not channel.isascii():
             channel = cut_text(channel, self._sizes.label_chars)
-        for piece in split_utf8(as_text(text), self._sizes.delta_bytes):
+        for piece in split_utf8(text, self._sizes.delta_bytes):
             event = events_pb2.RunEvent()
             message = event.step
             message.phase = events_pb2.STEP_PHASE_DELTA
