@@ -112,3 +112,32 @@ async def test_hostile_parents_are_refused_precisely_and_audited(agents: Any) ->
         grpc.StatusCode.RESOURCE_EXHAUSTED, "RUN_TREE_FULL")
     listed = await alice.ListRuns(tool_service_pb2.ListRunsRequest(root_run_id=alices))
     assert len(listed.runs) == 4
+
+
+async def test_a_watcher_of_every_run_may_not_hang_runs_under_another_principals(
+        make_auth_server: Any) -> None:
+    # Watching is not acting: a child would read and write its tree's state and spend the
+    # tree's budget of runs. The watcher sees the run and is refused as for any unknown
+    # parent; an admin may hang a run under it.
+    auth = await make_auth_server(registry=tree_registry(), roles=("user",))
+    watcher, admin = auth.add_key("walt", "watch"), auth.add_key("ada", "admin")
+    async with key_channel(auth.target, auth.key) as alice_channel, \
+            key_channel(auth.target, watcher) as walt_channel, \
+            key_channel(auth.target, admin) as ada_channel:
+        alice, walt, ada = (tool_service_pb2_grpc.ToolServiceStub(c)
+                            for c in (alice_channel, walt_channel, ada_channel))
+        alices = await _start_holding(alice)
+        seen = await walt.ListRuns(tool_service_pb2.ListRunsRequest(root_run_id=alices))
+        assert [run.run_id for run in seen.runs] == [alices]
+        echo = {"text": "x"}
+        assert await _refusal(walt, _execute("echo", echo, alices)) == (
+            grpc.StatusCode.NOT_FOUND, "RUN_NOT_FOUND")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await walt.StartRun(tool_service_pb2.StartRunRequest(
+                tool_name="echo", arguments_json=json.dumps(echo), parent_run_id=alices))
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        done = [r.event async for r in ada.Execute(_execute("echo", echo, alices))]
+        assert done[-1].result.outcome == events_pb2.OUTCOME_OK
+        assert done[0].root_run_id == alices
+        listed = await ada.ListRuns(tool_service_pb2.ListRunsRequest(parent_run_id=alices))
+        assert [run.run_id for run in listed.runs] == [done[0].run_id]

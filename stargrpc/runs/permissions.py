@@ -218,6 +218,12 @@ class RunAccess:
         """Whether ``principal`` may cancel a run of ``owner``."""
         return self._owns_or_holds(principal, owner, ())
 
+    def may_hang_under(self, principal: Principal, owner: str) -> bool:
+        """Whether ``principal`` may start a run under a run of ``owner`` (its child, in its
+        tree: it would share the tree's state and spend the tree's budget) — acting on
+        the run, which a watcher may not."""
+        return self._owns_or_holds(principal, owner, ())
+
     def may_see_to_steer(self, principal: Principal, owner: str) -> bool:
         """Whether a steer of ``principal`` finds a run of ``owner`` (rather than NOT_FOUND):
         a watcher finds it and is then refused, which tells it nothing it could not read."""

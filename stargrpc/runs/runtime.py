@@ -682,18 +682,20 @@ class Runtime:
 
     async def _link_to(self, parent_run_id: str, principal: Principal) -> TreeLink:
         """The link under the run ``parent_run_id`` names (ExecuteRequest.parent_run_id):
-        one the caller may see and that is still going, here or on another replica.
+        one of the caller's own (or any, for an admin) still going, here or on another
+        replica.
 
         Raises:
             InvalidArgument: The id is over-long.
-            NotFound: Unknown, expired, or not the caller's to see (as for any run).
+            NotFound: Unknown, expired, or not the caller's (a watcher of every run is no
+                owner: a child would read and write the tree's state and spend its budget).
             FailedPrecondition: The parent has ended (``PARENT_RUN_ENDED``).
             Unavailable: The shared run store cannot be reached.
         """
         check_parent_id(parent_run_id)
         local = self.runs.get(parent_run_id)
         parent_log = local.log if local is not None else await self.store.open(parent_run_id)
-        if parent_log is None or not self.run_access.may_watch(principal, parent_log.owner):
+        if parent_log is None or not self.run_access.may_hang_under(principal, parent_log.owner):
             raise NotFound("unknown parent run (or expired, or not yours)",
                            reason=_RUN_NOT_FOUND)
         if parent_log.finished or (local is not None and local.stop_requested):
