@@ -185,6 +185,9 @@ class RequestGuard:
             return False
         if given in self.origins:
             return True
+        # The scheme is the origin's own: behind a proxy ending TLS the page is https and
+        # this server plain http on the same Host; and no other page can be served from
+        # this host and port under the other scheme while this server holds the port.
         scheme = given.partition("://")[0]
         try:
             own = normal_origin(f"{scheme}://{authority}")
