@@ -293,7 +293,11 @@ class AuditWriter:
 
     def _fail_queued(self) -> None:
         while self._queue:
-            _, future = self._queue.popleft()
+            record, future = self._queue.popleft()
+            # The log is the last place this record is kept: in full, as the operator may
+            # need to put it in the trail by hand.
+            log.error("audit_record_not_stored", reason="the writer closed before the store "
+                      "accepted it", record=record.as_dict())
             if not future.done():
                 future.set_exception(RuntimeError("the audit writer closed first"))
                 future.exception()  # mark retrieved: nobody may be waiting

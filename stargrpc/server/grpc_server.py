@@ -8,8 +8,10 @@ ending with their Result), and the transport stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -322,8 +324,16 @@ class StargrpcServer:
         self._stopping.set()
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
+        deadline = time.monotonic() + grace
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
+        # Runs that have ended may still hold their Result for the audit's commit (a slow
+        # store): within the grace, those Results go out before the transport stops.
+        for component in self.interceptors:
+            if isinstance(component, AuditInterceptor):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await component.held_results_sent()
         # After the drain: its runs' calls in sessions have ended (or been cancelled).
         await self.service.sessions.aclose()
         if self.service.forwarder is not None:

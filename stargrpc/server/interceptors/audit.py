@@ -116,6 +116,8 @@ class AuditInterceptor(ComposedInterceptor):
     forwarded: ForwardedClient
     _open_calls: int
     _open_executes: int
+    _held_results: int
+    _none_held: asyncio.Event
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
@@ -135,6 +137,9 @@ class AuditInterceptor(ComposedInterceptor):
         self.log_lines = settings.audit_log_lines
         self._open_calls = 0
         self._open_executes = 0
+        self._held_results = 0
+        self._none_held = asyncio.Event()
+        self._none_held.set()
         self._last_record_at = -float("inf")
         self._clock = time.monotonic
         super().__init__(audit=self)
@@ -145,6 +150,12 @@ class AuditInterceptor(ComposedInterceptor):
         its status before the record of its call is handed over (the record is written as
         the handler unwinds): wait for this to reach 0, then flush the writer."""
         return self._open_calls
+
+    async def held_results_sent(self) -> None:
+        """Waits until no Result is held back waiting for its record's commit (each waits
+        at most ``audit_commit_timeout_seconds``): a draining server's runs have ended, and
+        their callers are owed those Results before the transport stops."""
+        await self._none_held.wait()
 
     # -- lifecycle (the server calls these) ------------------------------------------------
 
@@ -232,6 +243,8 @@ class AuditInterceptor(ComposedInterceptor):
         future = self.conclude(call, None, None)
         if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
             return  # committed already (the stored record), not written, or not waited for
+        self._held_results += 1
+        self._none_held.clear()
         try:
             # The future is this call's alone. The writer bounds the wait itself (one timer
             # per batch that has to wait for the store, none for a commit done at once).
@@ -241,6 +254,10 @@ class AuditInterceptor(ComposedInterceptor):
                         waited_seconds=self.commit_timeout)
         except RuntimeError:
             pass  # the writer closed; _write logged it
+        finally:
+            self._held_results -= 1
+            if not self._held_results:
+                self._none_held.set()
 
     def conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
                  exc: BaseException | None) -> _Written:
