@@ -41,7 +41,7 @@ from typing import Any, Literal, TypeVar
 import grpc
 from google.protobuf import any_pb2, json_format
 from google.rpc import error_details_pb2
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -71,6 +71,7 @@ from stargrpc.gateway.sse import (
 )
 from stargrpc.gateway.state_api import BodyRefused, StateApi
 from stargrpc.http_guard import RequestGuard
+from stargrpc.text import is_text
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -97,10 +98,28 @@ SECURITY_HEADERS = {
 }
 
 
-class ExecuteBody(BaseModel):
-    """The JSON body of ``POST /v1/tools/{name}:execute`` (ExecuteRequest without the name)."""
+class JsonBody(BaseModel):
+    """A JSON body the gateway turns into a request: no unknown field, and no string with a
+    lone surrogate in it."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _has_utf8_form(cls, value: Any) -> Any:
+        # JSON may spell a lone surrogate ("\ud800") and json.loads keeps it, but a
+        # protobuf string has no room for it: refused here as bad input, as gRPC refuses it
+        # in arguments_json, not left to fail as the request is built (a 500). The dicts
+        # are not looked into: arguments travel escaped (json.dumps) for the server to
+        # refuse, and ParseDict refuses such a string in context.
+        if isinstance(value, str) and not is_text(value):
+            raise ValueError("a lone surrogate (an escape such as \\ud800 that is not half "
+                             "of a pair) stands for no Unicode character")
+        return value
+
+
+class ExecuteBody(JsonBody):
+    """The JSON body of ``POST /v1/tools/{name}:execute`` (ExecuteRequest without the name)."""
 
     arguments: dict[str, Any] = Field(default_factory=dict)
     idempotency_key: str = ""
@@ -115,10 +134,8 @@ class ExecuteBody(BaseModel):
     max_wait_seconds: float = 0.0
 
 
-class SessionBody(BaseModel):
+class SessionBody(JsonBody):
     """The JSON body of ``POST /v1/sessions`` (CreateSessionRequest)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     kind: str = "python"
     ttl_seconds: int = Field(0, ge=0, le=2**32 - 1)
@@ -128,32 +145,24 @@ class SessionBody(BaseModel):
     disk_mb: int = Field(0, ge=0, le=2**32 - 1)
 
 
-class NoBody(BaseModel):
+class NoBody(JsonBody):
     """An empty JSON body (or none)."""
 
-    model_config = ConfigDict(extra="forbid")
 
-
-class CancelBody(BaseModel):
+class CancelBody(JsonBody):
     """The JSON body of ``POST /v1/runs/{run_id}:cancel`` (optional)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     reason: str = ""
 
 
-class SteerBody(BaseModel):
+class SteerBody(JsonBody):
     """The JSON body of ``POST /v1/runs/{run_id}:steer``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     message: str
 
 
-class ApproveBody(BaseModel):
+class ApproveBody(JsonBody):
     """The JSON body of ``POST /v1/runs/{run_id}:approve``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     approval_id: str
     decision: Literal["approve", "deny"]
@@ -707,4 +716,6 @@ def _validation_response(exc: ValidationError) -> JSONResponse:
     hint = ""
     if any(error["type"] == "extra_forbidden" for error in exc.errors()):
         hint = ' (the tool\'s arguments go under "arguments")'
-    return _BadRequest("the body is not a valid request" + hint, violations).response()
+    names = ", ".join(field for field, _ in violations[:5])
+    return _BadRequest(f"the body is not a valid request: {names}{hint}",
+                       violations).response()

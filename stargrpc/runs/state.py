@@ -183,7 +183,11 @@ def encode(value: Any, max_bytes: int) -> str:
         text = _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:
         raise StateValueNotJson(f"a state value is JSON: {exc}") from None
-    size = len(text.encode())
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" decoded): no JSON text holds it
+        raise StateValueNotJson("a state value is JSON: a string in it holds a lone "
+                                "surrogate") from None
     if max_bytes and size > max_bytes:
         raise StateValueTooLarge(f"a state value is at most {max_bytes} bytes of JSON "
                                  f"(state_max_value_bytes), not {size}")

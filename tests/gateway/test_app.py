@@ -280,6 +280,67 @@ async def test_malformed_http_requests_get_clear_400s(gateway) -> None:
     assert too_big.status_code == 413
 
 
+#: A lone surrogate as JSON spells it: json.loads keeps it, a protobuf string cannot.
+LONE = "\ud800"
+
+#: (method, path, body, the field named in the 400) for each string of a JSON body that
+#: becomes a protobuf string, and for arguments and a state value, which the server refuses.
+LONE_SURROGATE_BODIES = [
+    *(("POST", "/v1/tools/echo:execute", {"arguments": {"text": "x"}, field: LONE}, field)
+      for field in ("idempotency_key", "catalog_hash", "parent_run_id", "session_id",
+                    "lane")),
+    ("POST", "/v1/tools/echo:execute", {"arguments": {"text": LONE}}, "arguments_json"),
+    ("POST", "/v1/tools/echo:execute", {"arguments": {LONE: "x"}}, "arguments_json"),
+    ("POST", "/v1/tools/echo:execute", {"arguments": {}, "context": {"end_user": LONE}},
+     "context"),
+    ("POST", "/v1/runs/r1:cancel", {"reason": LONE}, "reason"),
+    ("POST", "/v1/runs/r1:steer", {"message": LONE}, "message"),
+    ("POST", "/v1/runs/r1:approve", {"approval_id": LONE, "decision": "deny"}, "approval_id"),
+    ("POST", "/v1/runs/r1:approve", {"approval_id": "a", "decision": "deny", "reason": LONE},
+     "reason"),
+    ("POST", "/v1/runs/r1:approve", {"approval_id": "a", "decision": "deny",
+                                     "arguments_digest": LONE}, "arguments_digest"),
+    ("POST", "/v1/sessions", {"kind": LONE}, "kind"),
+    ("PUT", "/v1/state/global/k", {"value": {"note": [LONE]}}, "value_json"),
+]
+
+
+async def test_a_lone_surrogate_in_a_body_is_a_400_naming_its_field(gateway) -> None:
+    http = gateway.http
+    for method, path, body, field in LONE_SURROGATE_BODIES:
+        # Sent as JSON spells it (json.dumps escapes it; it has no UTF-8 form to send).
+        reply = await http.request(method, path, content=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})
+
+        assert reply.status_code == 400, (path, body, reply.text)
+        error = reply.json()["error"]
+        assert error["status"] == "INVALID_ARGUMENT"
+        assert [v["field"] for v in detail(reply.json(), "BadRequest")["fieldViolations"]
+                ] == [field], (path, body)
+        if field not in ("arguments_json", "context", "value_json"):  # the gateway's own
+            assert field in error["message"]
+        still = await http.post("/v1/tools/echo:execute?wait=true",
+                                json={"arguments": {"text": "still here"}})
+        assert still.json()["result"]["output"] == "still here"
+
+
+async def test_a_lone_surrogate_spelt_in_a_path_is_not_one(gateway) -> None:
+    # A URL decodes percent escapes as UTF-8, an unpaired half as U+FFFD: the name or id
+    # is one no tool, run, session or key has, never a string the request cannot hold.
+    http = gateway.http
+    tool = await http.post("/v1/tools/ech%ED%A0%80:execute", json={"arguments": {}})
+    run = await http.post("/v1/runs/r%ED%A0%80:cancel")
+    session = await http.post("/v1/sessions/s%ED%A0%80:close")
+    key = await http.put("/v1/state/global/k%ED%A0%80", json={"value": 1})
+    runs = await http.get("/v1/runs?lane=%ED%A0%80&tool=%ED%A0%80")
+
+    assert (tool.status_code, run.status_code, session.status_code) == (404, 404, 404)
+    assert detail(tool.json(), "ErrorInfo")["metadata"]["tool_name"] == "ech\ufffd\ufffd\ufffd"
+    assert key.status_code == 400
+    assert detail(key.json(), "BadRequest")["fieldViolations"][0]["field"] == "key"
+    assert (runs.status_code, runs.json()["runs"]) == (200, [])
+
+
 async def test_unknown_routes_and_methods_answer_json_errors(gateway) -> None:
     missing = await gateway.http.get("/v1/nothing-here")
     wrong_method = await gateway.http.get("/v1/tools/echo:execute")
@@ -447,6 +508,32 @@ async def test_the_servers_own_refusal_costs_no_credentials_check(make_server,
     assert (by_server.status_code, by_gateway.status_code) == (400, 400)
     assert by_server.json()["error"]["status"] == "INVALID_ARGUMENT"
     assert methods == ["Execute", "ListTools"]  # the one check: for the gateway's refusal
+
+
+async def test_a_lone_surrogate_is_audited_as_other_bad_input_is(make_server) -> None:
+    # In arguments the server refuses it (an Execute record, as for any bad argument); in
+    # a field of the body the gateway does (no Execute, as for a body it cannot read).
+    from stargrpc.audit.store import default_store_url, open_store
+    from tests.gateway.conftest import gateway_registry
+
+    server = await make_server(registry=gateway_registry(), http_port=0)
+    headers = {"Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http.gateway_port}",
+                                 timeout=30) as http:
+        in_arguments = await http.post("/v1/tools/echo:execute", headers=headers, content=(
+            b'{"arguments": {"text": "\\ud800"}}'))
+        in_key = await http.post("/v1/tools/echo:execute", headers=headers, content=(
+            b'{"arguments": {"text": "x"}, "idempotency_key": "\\ud800"}'))
+    await server.stop(grace=5)
+    store = open_store(default_store_url(server.settings.state_dir))
+    await store.open()
+    try:
+        records = [(r.method.rsplit("/", 1)[-1], r.outcome) async for r in store.scan()]
+    finally:
+        await store.aclose()
+
+    assert (in_arguments.status_code, in_key.status_code) == (400, 400)
+    assert [r for r in records if r[0] == "Execute"] == [("Execute", "invalid")]
 
 
 async def test_gateway_authenticates_like_grpc(make_server, tmp_path) -> None:
