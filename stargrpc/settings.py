@@ -411,6 +411,11 @@ class Settings(BaseSettings):
         "record may wait for the records of the calls ending next to share its "
         "transaction: one commit for several calls instead of one each, at up to this much "
         "later a Result (0: no wait, the next loop turn).")
+    audit_sqlite_append_on_loop: bool = Field(
+        True, description="A SQLite trail tries each append right on the event loop (no "
+        "thread hop: the cheapest commit). A disk that stalls (a frozen file system, a hung "
+        "network mount) then stalls every call of the server with it; off, every append "
+        "is made on the store's thread and only Results wait (audit_commit_timeout_seconds).")
     audit_commit_timeout_seconds: float = Field(
         10.0, ge=0, description="How long an Execute's Result waits for its audit record to "
         "be committed before it is sent anyway (the record stays queued).")

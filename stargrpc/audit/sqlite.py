@@ -9,8 +9,10 @@ An append (BEGIN IMMEDIATE, read the chain's head, seal, INSERT, COMMIT) is trie
 right on the event loop, on a connection that never waits: its busy timeout is zero and it
 never checkpoints, so all it does is append a few pages to the WAL in the page cache —
 less than the thread switches of handing it to a thread (``bench/README.md`` has the
-figures). When another writer holds the lock, or the
-fast attempt fails for any reason, the append goes to the store's own thread, whose
+figures). A disk that stalls stalls such an append, and the loop with it: with ``on_loop``
+off (``audit_sqlite_append_on_loop``) every append is made on the thread. When another
+writer holds the lock, or the fast attempt fails for any reason, the append goes to the
+store's own thread, whose
 connection waits for the lock (``busy_timeout``) and reports real errors. That thread also
 checkpoints the WAL every :data:`CHECKPOINT_EVERY` fast commits, off the event loop and
 without blocking appends, so the WAL file stays small.
@@ -123,6 +125,7 @@ class SqliteAuditStore:
     url: str
     key: ChainKey | None
     read_only: bool
+    on_loop: bool
     _reader: _ReadOnlyTrail | None
     _db: sqlite3.Connection | None
     _fast: sqlite3.Connection | None
@@ -132,7 +135,7 @@ class SqliteAuditStore:
     _restarting: bool
 
     def __init__(self, url: str, key: ChainKey | None = None, *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, on_loop: bool = True) -> None:
         """A store on the file ``url`` names (opened by :meth:`open`).
 
         Args:
@@ -140,10 +143,13 @@ class SqliteAuditStore:
             key: The audit key appended records are keyed with (None: unkeyed).
             read_only: Only read: the file must exist, and neither it nor its folder is
                 changed (for the ``stargrpc audit`` commands).
+            on_loop: Try each append on the event loop first (:meth:`append_now`); off,
+                every append is made on the store's thread.
         """
         self.url = url
         self.key = key
         self.read_only = read_only
+        self.on_loop = on_loop
         self._reader = None
         self._db = None
         self._fast = None
@@ -168,7 +174,8 @@ class SqliteAuditStore:
         self._thread = _StoreThread()
         try:
             self._db = await self._run(_connect, str(path))
-            self._fast = _connect_fast(str(path))
+            if self.on_loop:
+                self._fast = _connect_fast(str(path))
         except BaseException:
             if self._db is not None:
                 await self._run(self._db.close)

@@ -64,7 +64,8 @@ def audit_store_url(settings: Settings) -> str:
     return settings.audit_store or default_store_url(settings.state_dir)
 
 
-def open_store(url: str, key: ChainKey | None = None) -> AuditStore:
+def open_store(url: str, key: ChainKey | None = None, *,
+               sqlite_on_loop: bool = True) -> AuditStore:
     """The store a URL names (not yet opened).
 
     Args:
@@ -72,6 +73,8 @@ def open_store(url: str, key: ChainKey | None = None) -> AuditStore:
             (``postgres://`` too; extra query parameters such as ``search_path`` are passed
             to the server as settings).
         key: The audit key the records it appends are keyed with (None: unkeyed).
+        sqlite_on_loop: A SQLite trail tries each append on the event loop first
+            (``audit_sqlite_append_on_loop``).
 
     Raises:
         ValueError: The URL names no supported store.
@@ -80,7 +83,7 @@ def open_store(url: str, key: ChainKey | None = None) -> AuditStore:
     if scheme == "sqlite":
         from stargrpc.audit.sqlite import SqliteAuditStore
 
-        return SqliteAuditStore(url, key)
+        return SqliteAuditStore(url, key, on_loop=sqlite_on_loop)
     if scheme in ("postgresql", "postgres"):
         from stargrpc.audit.postgres import PostgresAuditStore
 

@@ -122,7 +122,8 @@ class AuditInterceptor(ComposedInterceptor):
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
             key = load_or_create_key(audit_key_path(settings))
-            store = open_store(audit_store_url(settings), key)
+            store = open_store(audit_store_url(settings), key,
+                               sqlite_on_loop=settings.audit_sqlite_append_on_loop)
             # Every worker of the server reads this key: a front end of one vouches for
             # calls that land on another.
             self.forwarded = ForwardedClient.from_secret(key.secret)
