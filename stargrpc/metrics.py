@@ -56,7 +56,8 @@ POOL_MISSES = Counter(
 POOL_DISCARDED = Counter(
     "stargrpc_sandbox_pool_discarded", "Warm sandboxes destroyed without serving a run, by "
     "kind and reason (died: exited while waiting; tampered: touched while waiting or did "
-    "not answer the hand-out; abandoned: the run was cancelled at hand-out).",
+    "not answer the hand-out; setup_failed: the run's input files could not be written, "
+    "a full disk say; abandoned: the run was cancelled at hand-out).",
     ["kind", "reason"], registry=REGISTRY)
 RUNS_IN_FLIGHT = Gauge(
     "tool_executor_runs_in_flight", "Runs started and not yet ended.", registry=REGISTRY,

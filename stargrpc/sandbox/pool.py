@@ -16,8 +16,9 @@ own sandbox on demand, as it would with no pool.
 
 A ready sandbox whose process exits while it waits is destroyed and replaced at once. One
 that was touched while it waited (see :meth:`WarmSandbox.unfit`) or does not answer the
-hand-out's nonce is destroyed when a run asks for it: the run takes the next one, or starts
-its own. Nothing waits on a sandbox that cannot start: the refill backs off (doubling up to
+hand-out's nonce is destroyed when a run asks for it, as is one whose folder the run's input
+files could not be written into (a full disk): the run takes the next one, or starts its
+own. Nothing waits on a sandbox that cannot start: the refill backs off (doubling up to
 :data:`MAX_BACKOFF_SECONDS`) and runs start on demand meanwhile.
 """
 
@@ -146,7 +147,7 @@ class WarmPool:
                 try:
                     handed = await warm.hand_out(arguments, files, sandbox.limits, fds)
                 except Unfit as exc:
-                    self._discard(warm, "tampered", str(exc))
+                    self._discard(warm, exc.reason, str(exc))
                     self._changed(lane)
                     continue
                 except BaseException:

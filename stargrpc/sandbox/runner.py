@@ -345,6 +345,13 @@ class _Output:
             await self.emit(channel, pending + decoder.decode(b"", final=True))
 
 
+class WorkdirUnavailable(OSError):
+    """A run's working directory could not be made under ``sandbox_root``, or its input
+    files not written (the file system is full, say): the run never started. It keeps the
+    errno (ENOSPC, EDQUOT, …) but not the path, and is an OSError, as it was before it had
+    a name of its own."""
+
+
 class Sandbox:
     """Runs commands under the configured isolation and limits.
 
@@ -408,6 +415,8 @@ class Sandbox:
         Raises:
             asyncio.CancelledError: The run was cancelled; the process group is killed
                 before this propagates.
+            WorkdirUnavailable: Its working directory could not be set up (a full disk,
+                say); nothing was started.
         """
         files = files or {}
         env = env or {}
@@ -614,7 +623,18 @@ class Sandbox:
                 tuple((name, os.environ.get(name)) for name in self._env_allowlist))
 
     def _make_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
+        """A fresh working directory for one run, with ``files`` written into it.
+
+        Raises:
+            WorkdirUnavailable: The folder could not be made or filled (a full disk, say).
+        """
         check_input_names(files)
+        try:
+            return self._new_workdir(files)
+        except OSError as exc:
+            raise WorkdirUnavailable(exc.errno, exc.strerror) from exc
+
+    def _new_workdir(self, files: Mapping[str, str | bytes]) -> _Workdir:
         uid, gid = self._uid, self._gid
         own_uid = self._uid_range is not None
         if self._uid_range is not None:

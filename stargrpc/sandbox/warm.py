@@ -486,7 +486,20 @@ class _NotingReader(asyncio.StreamReader):
 
 
 class Unfit(Exception):
-    """A warm sandbox that must not be handed out; the message says why."""
+    """A warm sandbox that must not be handed out; the message says why.
+
+    Attributes:
+        reason: Why in a word, the label the pool discards it under: ``tampered`` (touched
+            while it waited, or a wrong or no answer to the hand-out), or ``setup_failed``
+            (the run's input files could not be written into its folder: a full disk, say
+            — not a sign that anything touched it).
+    """
+
+    reason: str
+
+    def __init__(self, message: str, reason: str = "tampered") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 #: A file's identity and every attribute a change to it (or below it) moves.
@@ -752,7 +765,7 @@ class WarmSandbox:
         nonce = secrets.token_hex(16).encode()
         try:
             if not fds:  # its launcher runs the command as soon as it has the arguments
-                write_inputs(self.workdir, files, limits)
+                self._write_inputs(files, limits)
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 # The nonce and the arguments in one write: the launcher answers and goes
                 # on at once, rather than sleeping until a second write wakes it (two
@@ -762,7 +775,7 @@ class WarmSandbox:
                 if fds:
                     # Its launcher runs nothing before it has the state socket, which goes
                     # only after the answer: the files are written while it answers.
-                    write_inputs(self.workdir, files, limits)
+                    self._write_inputs(files, limits)
                 answer = await self._stdout.readline()
         except (TimeoutError, OSError, ConnectionError) as exc:
             raise Unfit(f"it did not answer the hand-out ({type(exc).__name__})") from exc
@@ -777,6 +790,19 @@ class WarmSandbox:
             except OSError as exc:
                 raise Unfit(f"its state socket could not be handed over: {exc}") from exc
         self._control.close()
+
+    def _write_inputs(self, files: Mapping[str, str | bytes], limits: Limits) -> None:
+        """Writes the run's input files into its folder.
+
+        Raises:
+            Unfit: They could not be written (reason ``setup_failed``): the server's
+                trouble, not the sandbox's, so it is not counted as tampered with.
+        """
+        try:
+            write_inputs(self.workdir, files, limits)
+        except OSError as exc:
+            raise Unfit(f"the run's input files could not be written: {exc.strerror}",
+                        reason="setup_failed") from exc
 
     async def aclose(self) -> None:
         """Destroys it (not once handed out: the run it went to ends it); safe to call more
