@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import errno
 import json
 import os
 import pwd
@@ -350,6 +351,16 @@ class WorkdirUnavailable(OSError):
     files not written (the file system is full, say): the run never started. It keeps the
     errno (ENOSPC, EDQUOT, …) but not the path, and is an OSError, as it was before it had
     a name of its own."""
+
+
+def setup_failed_message(exc: OSError) -> str:
+    """What the caller is told when the run's files under ``sandbox_root`` could not be
+    written: a full disk (or quota) by name, since it passes once space is freed; the OS's
+    words otherwise (never the server's path)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ("the sandbox is unavailable: no space left on the server's sandbox disk "
+                "(the run's folder could not be set up); try again once space is freed")
+    return f"the sandbox is unavailable: the run's folder could not be set up ({exc.strerror})"
 
 
 class Sandbox:

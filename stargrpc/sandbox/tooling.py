@@ -25,7 +25,6 @@ What the Result says, on every face (gRPC, the HTTP gateway, MCP):
 from __future__ import annotations
 
 import asyncio
-import errno
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +33,13 @@ from typing import Any
 # The public tool API, as any tool author's helper would use it.
 from stargrpc import Outcome, ToolContext, ToolFailed, ToolResult
 from stargrpc.sandbox.policy import Policy, decide
-from stargrpc.sandbox.runner import Sandbox, SandboxResult, TreeUsage, WorkdirUnavailable
+from stargrpc.sandbox.runner import (
+    Sandbox,
+    SandboxResult,
+    TreeUsage,
+    WorkdirUnavailable,
+    setup_failed_message,
+)
 from stargrpc.sandbox.state_socket import open_state_socket
 from stargrpc.settings import Settings
 
@@ -105,7 +110,7 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
     try:
         state_socket = open_state_socket(ctx, sandbox.root)
     except OSError as exc:  # its client is written under sandbox_root on the first call
-        raise ToolFailed(_setup_failed_message(exc), code="SANDBOX_UNAVAILABLE") from exc
+        raise ToolFailed(setup_failed_message(exc), code="SANDBOX_UNAVAILABLE") from exc
     try:
         async with ctx.step(title, kind="sandbox",
                             detail={"isolation": sandbox.isolation.mode}) as step:
@@ -130,7 +135,7 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
         pass
     except WorkdirUnavailable as exc:
         # The server's trouble, not the command's: said as such, never an internal error.
-        raise ToolFailed(_setup_failed_message(exc), code="SANDBOX_UNAVAILABLE") from exc
+        raise ToolFailed(setup_failed_message(exc), code="SANDBOX_UNAVAILABLE") from exc
     finally:
         if state_socket is not None:
             await state_socket.aclose()
@@ -138,16 +143,6 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
     for sent in result.files:
         ctx.send_file(sent.name, sent.data, sent.mime_type)
     return _tool_result(result)
-
-
-def _setup_failed_message(exc: OSError) -> str:
-    """What the caller is told when the run's files under ``sandbox_root`` could not be
-    written: a full disk (or quota) by name, since it passes once space is freed; the OS's
-    words otherwise (never the server's path)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ("the sandbox is unavailable: no space left on the server's sandbox disk "
-                "(the run's folder could not be set up); try again once space is freed")
-    return f"the sandbox is unavailable: the run's folder could not be set up ({exc.strerror})"
 
 
 def _tool_result(result: SandboxResult) -> ToolResult:

@@ -27,7 +27,7 @@ from stargrpc.errors import (
     reason_name,
 )
 from stargrpc.sandbox.policy import decide
-from stargrpc.sandbox.runner import Sandbox
+from stargrpc.sandbox.runner import Sandbox, WorkdirUnavailable, setup_failed_message
 from stargrpc.sessions.forwarding import SessionDirectory
 from stargrpc.sessions.session import (
     KINDS,
@@ -136,6 +136,9 @@ class Sessions:
                 await session.start(sandbox, self.settings.sandbox_python)
             except SessionLost as exc:
                 raise FailedPrecondition(exc.message, reason="SANDBOX_UNAVAILABLE") from exc
+            except WorkdirUnavailable as exc:  # its folder could not be made: a full disk
+                raise FailedPrecondition(setup_failed_message(exc),
+                                         reason="SANDBOX_UNAVAILABLE") from exc
         finally:
             self._release(owner)
         self._sessions[session.session_id] = session

@@ -24,7 +24,7 @@ import pytest
 
 from stargrpc.metrics import REGISTRY
 from stargrpc.sandbox import runner, warm
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import run_tool
 
 CALLS = {"python": {"code": "print(6 * 7)"}, "shell": {"command": "echo 42"}}
@@ -146,3 +146,20 @@ async def test_a_really_full_tmpfs_sandbox_root_fails_clearly_until_space_is_fre
     assert freed.outcome == events_pb2.OUTCOME_OK, freed.error.message
     assert freed.output.startswith("42\n")
     assert discarded("python", "tampered") == tampered
+
+
+async def test_a_session_on_a_full_sandbox_disk_is_refused_clearly(
+        make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = await make_server()
+    fail_writes(monkeypatch, errno.ENOSPC)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateSession(tool_service_pb2.CreateSessionRequest(kind="python"))
+        monkeypatch.undo()  # space is freed
+        created = await stub.CreateSession(tool_service_pb2.CreateSessionRequest(kind="python"))
+        await stub.CloseSession(tool_service_pb2.CloseSessionRequest(
+            session_id=created.session.session_id))
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert FULL_DISK in (refused.value.details() or "")
+    assert created.session.session_id
