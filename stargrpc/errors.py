@@ -255,6 +255,14 @@ class WatcherTooSlow(Aborted):
         self.resume_after = resume_after
 
 
+class Internal(RequestError):
+    """A fault of the server's own while serving a request (the log has it; the caller is
+    told no more than that, never the exception's text)."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = reason_name(errors_pb2.INTERNAL)
+
+
 class OutOfRange(RequestError):
     """The request asks for something past the end of what exists."""
 

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 import grpc
+import structlog
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
@@ -23,6 +24,7 @@ from stargrpc.delivery import Deliveries, DeliveryTarget
 from stargrpc.delivery.target import checked_target
 from stargrpc.errors import (
     FieldViolation,
+    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -105,6 +107,8 @@ def _well_formed(request: Any) -> None:
         raise request.to_error()
 
 
+log = structlog.get_logger("stargrpc.server")
+
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
 
 
@@ -120,6 +124,15 @@ def _statuses(handler: _Handler) -> _Handler:
             return await handler(self, request, context)
         except RequestError as error:
             await error.abort(context)
+            raise  # abort never returns
+        except grpc.aio.AbortError:
+            raise  # the handler ended the call itself
+        except Exception:
+            # grpc.aio would answer UNKNOWN with the exception's text (a path, say): the
+            # traceback goes to the log, the caller learns only that it was the server's.
+            log.exception("rpc_failed", method=handler.__name__)
+            await Internal("the server failed to serve this request (an internal error; "
+                           "its log has the details)").abort(context)
             raise  # abort never returns
 
     return mapped  # type: ignore[return-value]
