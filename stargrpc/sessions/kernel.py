@@ -34,6 +34,7 @@ import io
 import json
 import os
 import queue
+import re
 import select
 import signal
 import struct
@@ -42,6 +43,15 @@ import sys
 import threading
 import time
 import traceback
+
+#: A surrogate code point: in a str, always a lone one (a pair is one character).
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _spelt_out(match):
+    """A lone surrogate as the JSON text of its escape, backslash included."""
+    return f"\\\\u{ord(match.group()):04x}"
+
 
 #: Largest frame either way (the server enforces the same bound).
 MAX_FRAME = 1 << 20
@@ -101,7 +111,14 @@ class Kernel:
     # -- frames ---------------------------------------------------------------------------
 
     def send(self, frame):
-        data = json.dumps(frame, ensure_ascii=False).encode("utf-8", "replace")
+        text = json.dumps(frame, ensure_ascii=False)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            # A str holding a lone surrogate (a name read with surrogateescape, say) has no
+            # UTF-8 form: its escape goes spelt out as text (a JSON "\\udcff"), as the
+            # server writes such text everywhere — not "?", which merged keys that differ.
+            data = _LONE_SURROGATE.sub(_spelt_out, text).encode("utf-8")
         if len(data) > MAX_FRAME:
             data = json.dumps({"t": "error", "error": "frame too large"}).encode()
         with self.send_lock:

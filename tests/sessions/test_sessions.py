@@ -464,3 +464,16 @@ async def test_a_call_that_handles_its_interrupt_gets_one_and_finishes_its_clean
                               "else 'no'")
         assert as_dict(result).get("structured_output") == "yes", result
         await python(stub, session_id, "import os\nos.remove('cleaned')")
+
+
+async def test_lone_surrogates_in_a_value_come_back_escaped_never_merged(stub) -> None:
+    # A str holding a lone surrogate (a file name read with surrogateescape, say) has no
+    # UTF-8 form: it comes back with the escape spelt out, and two keys that differ only
+    # there stay two keys.
+    session_id = await create(stub)
+    ran = await python(stub, session_id, "{'\\udcff': 1, '\\udcfe': 2, '?': 3, 'v': 'a\\ud800'}")
+    assert ran.outcome == events_pb2.OUTCOME_OK, ran
+    assert as_dict(ran)["structured_output"] == {"\\udcff": 1, "\\udcfe": 2, "?": 3,
+                                                 "v": "a\\ud800"}
+    printed = await python(stub, session_id, "print('b\\udcff')")
+    assert printed.output == "b\\udcff"
