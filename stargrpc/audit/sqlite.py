@@ -3,7 +3,8 @@
 WAL lets readers (``stargrpc audit tail``) run while the server writes; ``BEGIN IMMEDIATE``
 makes each append exclusive among writers, so two processes sharing the file still build
 one chain. ``synchronous=NORMAL`` in WAL mode keeps every committed record across a crash
-of the process (only a power loss can take the last commits).
+of the process (a power loss, or a disk that fails to write back what the page cache held,
+can take the last commits).
 
 An append (BEGIN IMMEDIATE, read the chain's head, seal, INSERT, COMMIT) is tried first
 right on the event loop, on a connection that never waits: its busy timeout is zero and it

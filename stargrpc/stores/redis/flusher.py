@@ -102,16 +102,20 @@ class Flusher:
             await self.line.aclose()
 
     def fence(self, run_log: RedisRunLog) -> None:
-        """Fences a run that another replica declared lost: this replica writes nothing more
-        of it and stops it with the same ``Result{ERROR, RUN_LOST}`` every watcher got, so
-        that a retry with its key (which now runs the tool again) never runs beside it."""
+        """Fences a run whose lease this replica no longer holds (another replica declared
+        it lost, or the store lost its keys): this replica writes nothing more of it and
+        stops it with ``Result{ERROR, RUN_LOST}``, so that a retry with its key (which now
+        runs the tool again) never runs beside it."""
         log.error("run_lease_lost", run_id=run_log.run_id,
-                  detail="another replica declared this run lost; stopping it here")
+                  detail="the run store no longer holds this replica's lease on the run: "
+                  "another replica declared it lost, or the store lost its data (restarted "
+                  "without persistence, flushed, or evicted the keys); stopping it here")
         self._stop_writing(run_log)
         cancel = self._shared.cancel_handler
         if cancel is not None:
-            cancel(run_log.run_id, "the run store declared this run lost (its lease lapsed); "
-                   "retry with the same idempotency key", "RUN_LOST")
+            cancel(run_log.run_id, "the run store no longer holds this run's lease (declared "
+                   "lost, or the store lost its data); retry with the same idempotency key",
+                   "RUN_LOST")
 
     def _stop_writing(self, run_log: RedisRunLog) -> None:
         run_log.stop_writing()
