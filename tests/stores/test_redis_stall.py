@@ -403,3 +403,26 @@ async def test_a_conflicting_event_in_redis_fails_the_run_closed(
                for entry in logs)
     assert not gate.exists()
 
+
+
+async def test_a_shutdown_in_a_stall_names_the_runs_redis_did_not_take(
+        stallable_redis: StallableRedis, make_server, tmp_path: Path) -> None:
+    # Redis holds the run cut short (no Result; its key held until a sweep declares it
+    # lost): the operator is told which runs, not left to find them.
+    server = await _serve(make_server, stallable_redis.url)
+    request = execute_request("tally", {"path": str(tmp_path / "tally"),
+                                        "gate": str(tmp_path / "gate")}, idempotency_key=key())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        call = stub.Execute(request, timeout=60)
+        first = (await call.read()).event
+        stallable_redis.stall()
+        try:
+            with capture_logs() as logs:
+                await asyncio.wait_for(server.stop(grace=0.2), 60)
+        finally:
+            stallable_redis.resume()
+        rest = await asyncio.wait_for(collect(call), 30)
+    assert rest[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
+    unflushed = [line for line in logs if line["event"] == "redis_runs_not_flushed"]
+    assert [line["run_ids"] for line in unflushed] == [[first.run_id]]

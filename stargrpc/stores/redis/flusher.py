@@ -96,8 +96,15 @@ class Flusher:
             self._linger.cancel()
 
     async def aclose(self) -> None:
-        """Stops writing and closes the flusher's connection."""
+        """Stops writing and closes the flusher's connection; the runs whose events did not
+        all reach the store are logged (it holds them cut short: no Result, and their
+        idempotency keys held until the store's sweep declares them lost)."""
         await self.stop()
+        cut_short = sorted(run_id for run_id, run_log in self._dirty.items()
+                           if run_log.has_pending and not run_log.lease_lost)
+        if cut_short:
+            log.error("redis_runs_not_flushed", run_ids=cut_short[:100], runs=len(cut_short),
+                      detail="the run store did not take their last events before shutdown")
         if self.line is not None:
             await self.line.aclose()
 
@@ -145,6 +152,11 @@ class Flusher:
             self._slot_moving = False
             try:
                 flushed = await self._flush(list(logs.values()))
+            except asyncio.CancelledError:
+                # Stopped mid-round trip: what it carried is still to write (and to tell).
+                for run_log in logs.values():
+                    self._dirty.setdefault(run_log.run_id, run_log)
+                raise
             except Exception:  # the flusher writes every run's events: it must go on
                 log.exception("redis_flush_error")
                 for run_log in logs.values():
