@@ -1106,6 +1106,12 @@ class _Removal:
 
     def __init__(self, workdir: _Workdir, keep: bool) -> None:
         self._now = threading.Event()
+        loop = asyncio.get_running_loop()
+        if any(done.get_loop() is loop for done in _removing):
+            # A burst: removals waiting out their delay would each hold one of the few
+            # executor threads every to_thread call of the server shares. The delay is for
+            # the lone call whose last events the loop is sending; one waiting is enough.
+            self._now.set()
         self.done: asyncio.Future[None] = asyncio.ensure_future(
             asyncio.to_thread(self._remove, workdir, keep))
         # One whose loop was closed first never completes here (its thread did finish).

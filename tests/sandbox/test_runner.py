@@ -22,7 +22,7 @@ from stargrpc.sandbox.runner import (
 )
 from stargrpc.settings import MiB, Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.helpers import run_tool
+from tests.helpers import eventually, run_tool
 from tests.sandbox.proctable import marker, wait_until_gone, wait_until_running
 
 SMALL = Limits(cpu_seconds=2, memory_bytes=256 * MiB, file_size_bytes=16 * MiB,
@@ -228,6 +228,21 @@ async def test_a_small_folders_removal_waits_a_moment_and_removals_begins_it_at_
     assert exists(folder)  # returned, its folder still there for a moment
     await asyncio.wait_for(removals(), 30)
     assert not exists(folder)
+
+
+async def test_in_a_burst_only_one_removal_waits_its_moment(tmp_path, monkeypatch) -> None:
+    # Each waiting removal holds an executor thread that every to_thread call of the server
+    # shares: while one waits, the folders of the runs ending after it go at once.
+    monkeypatch.setattr(runner, "_REMOVAL_DELAY_SECONDS", 3600.0)
+    box = sandbox(tmp_path, sandbox_isolation="rlimits")
+    first, second, third = [await box.run(["sh", "-c", "pwd"]) for _ in range(3)]
+    folders = [result.stdout.strip() for result in (first, second, third)]
+
+    await eventually(lambda: not exists(folders[1]) and not exists(folders[2]),
+                     what="the burst's later folders removed")
+    assert exists(folders[0])  # the first still waits its moment
+    await asyncio.wait_for(removals(), 30)
+    assert not exists(folders[0])
 
 
 def test_a_run_in_an_event_loop_of_its_own_leaves_no_folder_once_the_loop_is_done(
