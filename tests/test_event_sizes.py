@@ -52,7 +52,7 @@ def test_the_cuts_before_a_result_are_found_wherever_the_batches_split() -> None
 def test_a_delta_is_split_on_characters_with_its_lone_surrogates_escaped() -> None:
     # Short, between the quick bound and the cap, and past the cap: every piece is text a
     # protobuf string takes, within the cap, and together they are the escaped text.
-    for text in ("é\udcff", "é" * 20 + "\udcff", "€\ud800" * 40):
+    for text in ("é\udcff", "é" * 20 + "\udcff", "€\ud800" * 40, "\ud800" * 16):
         pieces = split_utf8(text, 64)
         assert all(len(piece.encode()) <= 64 for piece in pieces)
         assert "".join(pieces) == text.encode(errors="backslashreplace").decode()

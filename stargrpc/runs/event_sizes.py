@@ -27,7 +27,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 from google.protobuf.message import Message
 
-from stargrpc.text import as_text
+from stargrpc.text import as_text, is_text
 from stargrpc.v1 import events_pb2
 
 #: Room left in a message for what surrounds the Result or an event (response and RunEvent
@@ -140,8 +140,8 @@ def utf8_head(data: bytes, limit: int) -> str:
 def split_utf8(text: str, limit: int) -> list[str]:
     """``text`` in pieces of at most ``limit`` UTF-8 bytes, never splitting a character; a
     lone surrogate is written as its escape (:func:`~stargrpc.text.as_text`)."""
-    if len(text) * 4 <= limit:  # no character takes more than 4 bytes
-        return [as_text(text)]
+    if len(text) * 4 <= limit and is_text(text):  # no character takes more than 4 bytes
+        return [text]
     # Encoded once, escaping as it goes (as_text would encode it a first time).
     data = text.encode(errors="backslashreplace")
     if len(data) <= limit:

@@ -327,13 +327,14 @@ class StargrpcServer:
         deadline = time.monotonic() + grace
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
-        # Runs that have ended may still hold their Result for the audit's commit (a slow
-        # store): within the grace, those Results go out before the transport stops.
+        # The runs have ended, but their calls may still be on the way to the Result (a
+        # slow reader, a Result held for the audit's commit): within the grace, those
+        # Results go out before the transport stops.
         for component in self.interceptors:
             if isinstance(component, AuditInterceptor):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        await component.held_results_sent()
+                        await component.executes_ended()
         # After the drain: its runs' calls in sessions have ended (or been cancelled).
         await self.service.sessions.aclose()
         if self.service.forwarder is not None:

@@ -117,7 +117,7 @@ class AuditInterceptor(ComposedInterceptor):
     _open_calls: int
     _open_executes: int
     _held_results: int
-    _none_held: asyncio.Event
+    _executes_settled: asyncio.Event
 
     def __init__(self, settings: Settings, *, store: AuditStore | None = None) -> None:
         if store is None:
@@ -139,8 +139,8 @@ class AuditInterceptor(ComposedInterceptor):
         self._open_calls = 0
         self._open_executes = 0
         self._held_results = 0
-        self._none_held = asyncio.Event()
-        self._none_held.set()
+        self._executes_settled = asyncio.Event()
+        self._executes_settled.set()
         self._last_record_at = -float("inf")
         self._clock = time.monotonic
         super().__init__(audit=self)
@@ -152,11 +152,18 @@ class AuditInterceptor(ComposedInterceptor):
         the handler unwinds): wait for this to reach 0, then flush the writer."""
         return self._open_calls
 
-    async def held_results_sent(self) -> None:
-        """Waits until no Result is held back waiting for its record's commit (each waits
-        at most ``audit_commit_timeout_seconds``): a draining server's runs have ended, and
-        their callers are owed those Results before the transport stops."""
-        await self._none_held.wait()
+    async def executes_ended(self) -> None:
+        """Waits until no Execute call is open: each has sent its Result, a Result held
+        back for its record's commit included (each waits at most
+        ``audit_commit_timeout_seconds``). A draining server's runs have ended, but their
+        calls may still be on their way to the Result (a slow reader, a held Result): their
+        callers are owed it before the transport stops."""
+        while self._open_executes or self._held_results:
+            await self._executes_settled.wait()
+
+    def _settle(self) -> None:
+        if not self._open_executes and not self._held_results:
+            self._executes_settled.set()
 
     # -- lifecycle (the server calls these) ------------------------------------------------
 
@@ -183,6 +190,7 @@ class AuditInterceptor(ComposedInterceptor):
         self._open_calls += 1  # until its record is handed to the writer
         if method == _EXECUTE:
             self._open_executes += 1
+            self._executes_settled.clear()
         task = asyncio.current_task()
         if task is not None:
             # grpc.aio does not run the handler of a call cancelled before its request
@@ -241,24 +249,26 @@ class AuditInterceptor(ComposedInterceptor):
         # Read from what this call streams, so a call that attached to (or replays) the
         # run holding its idempotency key records the cuts too.
         call.cuts = cuts_before_result(events)
-        future = self.conclude(call, None, None)
-        if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
-            return  # committed already (the stored record), not written, or not waited for
+        # Held from before its record is written (which closes the Execute) until the
+        # Result may go: a draining server waits for it all along (executes_ended).
         self._held_results += 1
-        self._none_held.clear()
         try:
-            # The future is this call's alone. The writer bounds the wait itself (one timer
-            # per batch that has to wait for the store, none for a commit done at once).
-            await future
-        except AuditCommitPending:
-            log.warning("audit_commit_slow", run_id=call.record.run_id,
-                        waited_seconds=self.commit_timeout)
-        except RuntimeError:
-            pass  # the writer closed; _write logged it
+            future = self.conclude(call, None, None)
+            if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
+                return  # committed already (the stored record), not written, or not waited
+            try:
+                # The future is this call's alone. The writer bounds the wait itself (one
+                # timer per batch that has to wait for the store, none for a commit done at
+                # once).
+                await future
+            except AuditCommitPending:
+                log.warning("audit_commit_slow", run_id=call.record.run_id,
+                            waited_seconds=self.commit_timeout)
+            except RuntimeError:
+                pass  # the writer closed; _write logged it
         finally:
             self._held_results -= 1
-            if not self._held_results:
-                self._none_held.set()
+            self._settle()
 
     def conclude(self, call: _AuditedCall, context: grpc.aio.ServicerContext | None,
                  exc: BaseException | None) -> _Written:
@@ -312,6 +322,7 @@ class AuditInterceptor(ComposedInterceptor):
         self._open_calls -= 1
         if call.record.method == _EXECUTE:
             self._open_executes -= 1
+            self._settle()
         record = self._audit_record(call)
         # The call's record lives on in the context of the run's task, which the run
         # holds: a reference back to the run (or its Result) would keep both alive until
