@@ -121,8 +121,10 @@ class McpServerEntry(BaseModel):
 class Settings(BaseSettings):
     """Every setting of the server. Environment: ``STARGRPC_<NAME>``; TOML: ``name = …``."""
 
+    # hide_input_in_errors: a refused setting's error is printed and logged, and a check
+    # of the whole model would quote every input given — secrets included.
     model_config = SettingsConfigDict(env_prefix="STARGRPC_", extra="forbid",
-                                      validate_default=True)
+                                      validate_default=True, hide_input_in_errors=True)
 
     # -- listening -------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address to listen on.")

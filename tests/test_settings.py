@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +46,19 @@ def test_urls_with_passwords_are_masked() -> None:
     assert mask_url("redis://cache:6379") == "redis://cache:6379"
     shown = Settings.load().masked()
     assert shown["port"] == 50051
+
+
+def test_a_refused_setting_never_quotes_a_secret(tmp_path: Path) -> None:
+    # The CLI prints a refused configuration's error (to a container's log, a journal): a
+    # check of the whole model quoted every input, a JWT secret's first and last characters
+    # with it.
+    secret = "9f8e7d6c5b4a39281706f5e4d3c2b1a0aa99887766554433221100ffeeddccbb"
+    done = subprocess.run(
+        [sys.executable, "-m", "stargrpc.cli", "serve", "--port", "0"],
+        env={**os.environ, "STARGRPC_JWT_SECRET": secret,
+             "STARGRPC_STATE_DIR": str(tmp_path / "state")},
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert "jwt_issuer" in done.stderr
+    assert secret[:8] not in done.stdout + done.stderr
+    assert secret[-8:] not in done.stdout + done.stderr
