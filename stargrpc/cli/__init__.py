@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from stargrpc import __version__
@@ -20,7 +22,28 @@ from stargrpc.cli.sessions import session
 from stargrpc.cli.state import state
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _BadInput(click.ClickException):
+    """Input a command passed on that cannot be sent: said in a line, exit 2 (as a usage
+    error), not a traceback."""
+
+    exit_code = 2
+
+
+class _Main(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UnicodeError as exc:
+            # An argument of bytes that are not UTF-8 (kept by surrogateescape).
+            raise _BadInput("an argument is not UTF-8 text") from exc
+        except RecursionError as exc:
+            raise _BadInput("an argument is nested too deeply") from exc
+        except ValueError as exc:
+            # A number past what its field holds, a key no header carries, …
+            raise _BadInput(str(exc) or type(exc).__name__) from exc
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """stargrpc: run tools for AI agents over gRPC, and talk to a running server."""
 

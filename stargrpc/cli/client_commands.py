@@ -121,7 +121,7 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
                    "runs another call.")
 @click.option("--lane", default="", help="Run in this lane instead of the tool's (needs the "
               "server's lane_override_role).")
-@click.option("--priority", type=int, default=0, show_default=True,
+@click.option("--priority", type=click.IntRange(0, 1000), default=0, show_default=True,
               help="Priority in the lane's queue (higher starts first; 0: the default).")
 @click.option("--max-wait", "max_wait", type=float, default=0.0, show_default=True,
               help="Refuse at once (LANE_BUSY) rather than wait longer than this many "
@@ -148,6 +148,8 @@ def call(client_options: dict[str, Any], tool_name: str, positional_arguments: s
         parsed = json.loads(arguments)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=hint) from exc
+    except RecursionError:
+        raise click.BadParameter("not valid JSON: nested too deeply", param_hint=hint) from None
     if not isinstance(parsed, dict):
         raise click.BadParameter("must be a JSON object", param_hint=hint)
     with Client(**client_options) as client:
@@ -161,7 +163,7 @@ def call(client_options: dict[str, Any], tool_name: str, positional_arguments: s
 @click.command()
 @connection_options
 @click.argument("run_id")
-@click.option("--after-seq", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--after-seq", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
               help="Show only the events after this seq.")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
 def watch(client_options: dict[str, Any], run_id: str, after_seq: int, as_json: bool) -> None:

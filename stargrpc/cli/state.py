@@ -84,6 +84,8 @@ def set_(client_options: dict[str, Any], scope: str, run_id: str, principal: str
     except ValueError as exc:
         raise click.BadParameter(f"not JSON ({exc}); quote a string as '\"text\"'",
                                  param_hint="VALUE") from None
+    except RecursionError:
+        raise click.BadParameter("not JSON: nested too deeply", param_hint="VALUE") from None
     _ask(client_options, lambda client: client.set_state(scope, key, parsed, ttl=ttl,
                                                           timeout=30, **where))
 

@@ -21,11 +21,16 @@ def bearer_metadata(api_key: str | None = None, token: str | None = None
     """The ``authorization`` metadata for an API key or a JWT (both travel as bearer).
 
     Raises:
-        ValueError: Both were given.
+        ValueError: Both were given, or it holds characters a header cannot carry (a
+            stray carriage return from a file with CRLF line ends, say).
     """
     if api_key and token:
         raise ValueError("give an API key or a token, not both")
     secret = api_key or token
+    if secret and not (secret.isascii() and secret.isprintable()):
+        # Named before any call: gRPC would refuse the metadata with no word of which.
+        raise ValueError("the API key or token holds characters a header cannot carry "
+                         "(a line end, a control or non-ASCII character)")
     return (("authorization", f"Bearer {secret}"),) if secret else ()
 
 

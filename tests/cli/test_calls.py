@@ -167,3 +167,32 @@ async def test_call_takes_the_arguments_after_the_tools_name_or_from_standard_in
     assert "ARGUMENTS" in not_object[2]
     assert not_json[0] == 2 and "not valid JSON" in not_json[2]
     assert len(recorder.seen("Execute")) == 2  # the refused ones never reached the server
+
+
+async def _stargrpc_bytes(*args: str | bytes) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stargrpc.cli", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_input_that_cannot_be_sent_is_a_one_line_error_not_a_traceback(
+        recorded_server: StargrpcServer) -> None:
+    # Each is refused before any call: exit 2 and a line saying what, never a traceback.
+    target = f"127.0.0.1:{recorded_server.port}"
+    cases: list[tuple[tuple[str | bytes, ...], str]] = [
+        (("call", "--target", target, "echo", "[" * 3000 + "]" * 3000), "nested too deeply"),
+        (("state", "set", "--target", target, "--scope", "global", "k",
+          "[" * 3000 + "]" * 3000),
+         "nested too deeply"),
+        (("watch", "--target", target, "r", "--after-seq", str(2**70)), "--after-seq"),
+        (("call", "--target", target, "echo", "{}", "--priority", str(10**12)), "--priority"),
+        (("cancel", "--target", target, b"\x80"), "not UTF-8"),
+        (("runs", "--target", target, "--api-key", "key\r"), "header cannot carry"),
+    ]
+    for args, said in cases:
+        code, _, err = await _stargrpc_bytes(*args)
+        assert (code, "Traceback" in err) == (2, False), (args, err)
+        assert said in err, (args, err)
