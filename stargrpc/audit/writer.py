@@ -72,6 +72,7 @@ class AuditWriter:
     _release_timer: asyncio.TimerHandle | None
     _started: bool
     _closed: bool
+    _interrupted: set[str]
 
     def __init__(self, store: AuditStore, *, max_batch: int = 500,
                  close_timeout: float = 30.0, commit_wait: float = 0.0,
@@ -92,6 +93,7 @@ class AuditWriter:
         self._release_timer = None
         self._started = False
         self._closed = False
+        self._interrupted = set()
 
     async def start(self) -> None:
         """Opens the store; records submitted before are written from now on."""
@@ -243,7 +245,9 @@ class AuditWriter:
         try:
             self._settle(batch, await self._write(batch))
         except asyncio.CancelledError:
-            # Closing: the records of this batch were not written; their callers learn it.
+            # Closing: this batch's write was cut off — the store may still commit it (a
+            # thread's statement runs on, a commit may have reached the server).
+            self._interrupted.update(record.id for record, _ in batch)
             self._queue.extendleft(reversed(batch))
             raise
         finally:
@@ -295,9 +299,14 @@ class AuditWriter:
         while self._queue:
             record, future = self._queue.popleft()
             # The log is the last place this record is kept: in full, as the operator may
-            # need to put it in the trail by hand.
-            log.error("audit_record_not_stored", reason="the writer closed before the store "
-                      "accepted it", record=record.as_dict())
+            # need to put it in the trail by hand (unless its cut-off write went through).
+            if record.id in self._interrupted:
+                log.error("audit_record_not_stored", record=record.as_dict(),
+                          reason="its write was cut off as the writer closed: the trail may "
+                          "hold it; look for its id before adding it")
+            else:
+                log.error("audit_record_not_stored", record=record.as_dict(),
+                          reason="the writer closed before the store accepted it")
             if not future.done():
                 future.set_exception(RuntimeError("the audit writer closed first"))
                 future.exception()  # mark retrieved: nobody may be waiting
