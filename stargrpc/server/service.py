@@ -107,7 +107,17 @@ def _well_formed(request: Any) -> None:
         raise request.to_error()
 
 
-log = structlog.get_logger("stargrpc.server")
+#: (Not ``log``: the handlers name a run's log so.)
+server_log = structlog.get_logger("stargrpc.server")
+
+
+async def _internal_failure(context: grpc.aio.ServicerContext, method: str) -> None:
+    """Ends the call with INTERNAL for an unexpected exception being handled: grpc.aio
+    would answer UNKNOWN with the exception's text (a server path, say); the traceback goes
+    to the log, the caller learns only that the fault was the server's. Never returns."""
+    server_log.exception("rpc_failed", method=method)
+    await Internal("the server failed to serve this request (an internal error; its log "
+                   "has the details)").abort(context)
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
 
@@ -128,11 +138,7 @@ def _statuses(handler: _Handler) -> _Handler:
         except grpc.aio.AbortError:
             raise  # the handler ended the call itself
         except Exception:
-            # grpc.aio would answer UNKNOWN with the exception's text (a path, say): the
-            # traceback goes to the log, the caller learns only that it was the server's.
-            log.exception("rpc_failed", method=handler.__name__)
-            await Internal("the server failed to serve this request (an internal error; "
-                           "its log has the details)").abort(context)
+            await _internal_failure(context, handler.__name__)
             raise  # abort never returns
 
     return mapped  # type: ignore[return-value]
@@ -174,9 +180,15 @@ class ToolService:
             _well_formed(request)
         except RequestError as error:
             await error.abort(context)
-        async for registry in self.runtime.catalog_updates(request.known_catalog_hash):
-            yield tool_service_pb2.WatchCatalogResponse(
-                tools=self._tools_for_caller(registry), catalog_hash=registry.catalog_hash)
+        try:
+            async for registry in self.runtime.catalog_updates(request.known_catalog_hash):
+                yield tool_service_pb2.WatchCatalogResponse(
+                    tools=self._tools_for_caller(registry),
+                    catalog_hash=registry.catalog_hash)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal_failure(context, "WatchCatalog")
 
     def _tools_for_caller(self, registry: Registry) -> list[catalog_pb2.Tool]:
         cached_hash, messages = self._tool_messages
@@ -267,6 +279,10 @@ class ToolService:
             streamed_to_end = True
         except RequestError as error:  # refused, or an attached run's shared store went away
             await error.abort(context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal_failure(context, "Execute")
         finally:
             if sent:
                 _EXECUTE_EVENTS.inc(sent)
@@ -419,6 +435,10 @@ class ToolService:
                 raise await self._run_finished(finished, after_seq)
         except RequestError as error:  # refused, fell too far behind, or the store went away
             await error.abort(context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            await _internal_failure(context, "WatchRun")
 
     @staticmethod
     async def _run_finished(log: RunLog, after_seq: int) -> RunFinished:
