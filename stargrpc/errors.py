@@ -16,6 +16,7 @@ Hierarchy::
     │   ├── Unavailable             UNAVAILABLE (draining, a backing store down)
     │   ├── Aborted                 ABORTED + google.rpc.ErrorInfo
     │   │   └── WatcherTooSlow          a watcher fell behind; resume from a seq
+    │   ├── Internal                INTERNAL: the server's own fault (details logged only)
     │   └── OutOfRange              OUT_OF_RANGE + google.rpc.ErrorInfo
     │       └── RunFinished             WatchRun past the Result of a finished run
     ├── ToolDefinitionError     a tool module is broken; stops start-up

@@ -86,7 +86,9 @@ class AuditWriter:
         self._pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._append_now = getattr(store, "append_now", None)
+        # A store that appends at once when it can (SQLite, unless told not to on the loop).
+        self._append_now = (getattr(store, "append_now", None)
+                            if getattr(store, "on_loop", True) else None)
         self._scheduled = False
         self._group_timer = None
         self._task = None

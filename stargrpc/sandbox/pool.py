@@ -149,6 +149,10 @@ class WarmPool:
                 except Unfit as exc:
                     self._discard(warm, exc.reason, str(exc))
                     self._changed(lane)
+                    if exc.reason == "setup_failed":
+                        # The disk, not the sandbox: the next would fail the same way, and
+                        # the run's own start says what is wrong.
+                        break
                     continue
                 except BaseException:
                     # Cancelled (or failed) mid-hand-out: it belongs to no run; destroy it.

@@ -353,14 +353,15 @@ class WorkdirUnavailable(OSError):
     a name of its own."""
 
 
-def setup_failed_message(exc: OSError) -> str:
-    """What the caller is told when the run's files under ``sandbox_root`` could not be
-    written: a full disk (or quota) by name, since it passes once space is freed; the OS's
-    words otherwise (never the server's path)."""
+def setup_failed_message(exc: OSError, what: str = "the run's folder") -> str:
+    """What the caller is told when ``what`` under ``sandbox_root`` could not be set up: a
+    full disk (or quota) by name, since it passes once space is freed; the OS's words
+    otherwise (never the server's path)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ("the sandbox is unavailable: no space left on the server's sandbox disk "
-                "(the run's folder could not be set up); try again once space is freed")
-    return f"the sandbox is unavailable: the run's folder could not be set up ({exc.strerror})"
+        return (f"the sandbox is unavailable: no space left on the server's sandbox disk "
+                f"({what} could not be set up); try again once space is freed")
+    said = exc.strerror or type(exc).__name__
+    return f"the sandbox is unavailable: {what} could not be set up ({said})"
 
 
 class Sandbox:
@@ -1085,7 +1086,6 @@ def _disk_used_over(run_fd: int, cap: int) -> bool:
         os.close(run_fd)
 
 
-#: Makes the protocol that feeds a pipe's stream reader.
 async def _read_pipe(pipe: IO[bytes] | None, limit: int = 64 * 1024,
                      reader: asyncio.StreamReader | None = None) -> asyncio.StreamReader:
     """A stream reader on one of the leader's pipes (``reader``, or a new one)."""

@@ -110,7 +110,8 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
     try:
         state_socket = open_state_socket(ctx, sandbox.root)
     except OSError as exc:  # its client is written under sandbox_root on the first call
-        raise ToolFailed(setup_failed_message(exc), code="SANDBOX_UNAVAILABLE") from exc
+        raise ToolFailed(setup_failed_message(exc, "the run's state socket"),
+                         code="SANDBOX_UNAVAILABLE") from exc
     try:
         async with ctx.step(title, kind="sandbox",
                             detail={"isolation": sandbox.isolation.mode}) as step:

@@ -56,7 +56,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     monkeypatch.setattr(warm, "write_inputs", write_inputs)
 
 
-@pytest.mark.parametrize("pool", [0, 1])
+@pytest.mark.parametrize("pool", [0, 1, 2])
 @pytest.mark.parametrize("tool", ["python", "shell"])
 async def test_a_full_sandbox_disk_fails_the_call_clearly_until_space_is_freed(
         make_server, monkeypatch, tool, pool) -> None:
@@ -76,8 +76,9 @@ async def test_a_full_sandbox_disk_fails_the_call_clearly_until_space_is_freed(
     assert FULL_DISK in full.error.message
     assert freed.outcome == events_pb2.OUTCOME_OK, freed.error.message
     assert freed.output.startswith("42\n")
-    # The warm sandbox it was handed first is discarded for what it was: a full disk.
-    assert discarded(KIND[tool], "setup_failed") == setup_failed + pool
+    # The warm sandbox it was handed first is discarded for what it was: a full disk; the
+    # next one is left for a run once space is freed (it would fail the same way).
+    assert discarded(KIND[tool], "setup_failed") == setup_failed + min(pool, 1)
     assert discarded(KIND[tool], "tampered") == tampered
 
 
