@@ -4,6 +4,7 @@ desktop MCP client launches it, against a real server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from typing import Any
@@ -110,3 +111,36 @@ async def test_tasks_over_stdio(mcp_server: McpUnderTest,
         result = await send(client, "tasks/result", {"taskId": task.task_id},
                             types.CallToolResult)
     assert result.content == [types.TextContent(text="through the gate")]
+
+
+async def test_a_line_the_bridge_cannot_read_is_answered_not_dropped(
+        mcp_server: McpUnderTest) -> None:
+    # The SDK's stdio server drops such a line, and its client waits for the answer
+    # forever; each is answered with its JSON-RPC error, and the bridge serves on.
+    params = bridge_command(mcp_server, mcp_server.auth.key)
+    proc = await asyncio.create_subprocess_exec(
+        params.command, *params.args, env=params.env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert proc.stdin is not None and proc.stdout is not None
+    lines = [
+        '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo",'
+        '"arguments":{"text":"\\ud800"}}}',
+        "not json at all",
+        '{"jsonrpc":"2.0","id":"t","method":"tasks/get","params":{"taskId":"\\ud800"}}',
+        '{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"x":"\\ud800"}}',
+        '{"jsonrpc":"2.0","id":2,"method":"ping"}',
+    ]
+    try:
+        proc.stdin.write("".join(line + "\n" for line in lines).encode())
+        await proc.stdin.drain()
+        answers = [json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+                   for _ in range(4)]
+    finally:
+        proc.kill()
+        await proc.wait()
+    by_id = {answer.get("id"): answer for answer in answers}
+    assert by_id[1]["error"]["code"] == types.INVALID_PARAMS
+    assert "lone surrogate" in by_id[1]["error"]["message"]
+    assert by_id[None]["error"]["code"] == types.PARSE_ERROR
+    assert by_id["t"]["error"]["code"] == types.INVALID_PARAMS
+    assert by_id[2] == {"jsonrpc": "2.0", "id": 2, "result": {}}  # the notification: none
