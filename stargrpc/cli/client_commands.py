@@ -31,6 +31,23 @@ EXIT_CODES = {
 EXIT_RPC_ERROR = 1
 EXIT_INTERRUPTED = 130
 
+
+class Seconds(click.ParamType):
+    """A deadline in seconds: a number above 0 and at most a year (not NaN, not infinite:
+    gRPC takes those, and the call fails DEADLINE_EXCEEDED at once)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not 0 < seconds <= 365 * 24 * 3600:  # False for NaN too
+            self.fail(f"{value!r} is not in 0 < seconds <= 31536000", param, ctx)
+        return seconds
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -112,7 +129,7 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print each event as one JSON line.")
 @click.option("--idempotency-key", default="",
               help="Repeat a key to attach to or replay a run; one is generated when empty.")
-@click.option("--timeout", type=float, default=None, help="gRPC deadline in seconds.")
+@click.option("--timeout", type=Seconds(), default=None, help="gRPC deadline in seconds.")
 @click.option("--session", "session_id", default="",
               help="Run in this session (stargrpc session create): python or shell in its "
                    "sandbox, with its files and live interpreter.")

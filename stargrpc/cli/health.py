@@ -9,14 +9,14 @@ import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stargrpc.cli.client_commands import connection_options
+from stargrpc.cli.client_commands import Seconds, connection_options
 from stargrpc.client.channel import bearer_metadata, channel_credentials
 
 
 @click.command()
 @connection_options
 @click.option("--service", default="", help="Service name; empty asks about the server.")
-@click.option("--timeout", type=float, default=3.0, show_default=True)
+@click.option("--timeout", type=Seconds(), default=3.0, show_default=True)
 def health(client_options: dict[str, Any], service: str, timeout: float) -> None:
     """Exit 0 when the server reports SERVING, 1 otherwise."""
     target = client_options["target"]

@@ -191,6 +191,8 @@ async def test_input_that_cannot_be_sent_is_a_one_line_error_not_a_traceback(
         (("call", "--target", target, "echo", "{}", "--priority", str(10**12)), "--priority"),
         (("cancel", "--target", target, b"\x80"), "not UTF-8"),
         (("runs", "--target", target, "--api-key", "key\r"), "header cannot carry"),
+        (("call", "--target", target, "echo", "{}", "--timeout", "nan"), "--timeout"),
+        (("health", "--target", target, "--timeout", "-1"), "--timeout"),
     ]
     for args, said in cases:
         code, _, err = await _stargrpc_bytes(*args)
