@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import grpc
 import structlog
 from mcp.server.transport_security import TransportSecuritySettings
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp
 
 from stargrpc.audit.writer import AuditWriter
@@ -34,6 +35,22 @@ from stargrpc.mcp.sessions import SessionGuard, Sessions
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.mcp")
+
+
+class _ClientWentAway(logging.Filter):
+    """A client that hung up in the middle of its request is its own doing, not a fault of
+    the server: the MCP SDK logs it as an error with a whole traceback, which any caller
+    holding a key could repeat to flood the log. It becomes one line at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ClientDisconnect):
+            record.msg, record.args = f"{record.getMessage()}: the client went away", ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_CLIENT_WENT_AWAY = _ClientWentAway()
 
 #: The path of the endpoint.
 MCP_PATH = "/mcp"
@@ -118,6 +135,8 @@ class McpEndpoint:
         Raises:
             OSError: The port cannot be bound.
         """
+        # On the SDK's logger itself, so every handler (a test's too) sees the one line.
+        logging.getLogger("mcp.server.streamable_http").addFilter(_CLIENT_WENT_AWAY)
         try:
             return await self._start()
         except BaseException:

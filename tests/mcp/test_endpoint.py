@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from typing import Any
 
 import anyio
@@ -15,6 +16,7 @@ from mcp.shared.exceptions import MCPError
 
 from stargrpc.mcp.mapping import IDEMPOTENCY_META_KEY, UNAUTHENTICATED
 from tests.conftest import AuthServerFactory
+from tests.helpers import eventually
 from tests.mcp.conftest import (
     GREET,
     MODES,
@@ -278,3 +280,31 @@ async def test_list_changed_reaches_listen_subscribers(mcp_server: McpUnderTest,
                     break
         tools = {tool.name for tool in (await client.list_tools(cache_mode="refresh")).tools}
     assert "greet" in tools
+
+
+async def test_a_client_hanging_up_mid_request_is_one_line_not_an_error(
+        mcp_server: McpUnderTest, caplog: pytest.LogCaptureFixture) -> None:
+    # Any key holder could repeat it: the SDK's error with a whole traceback each time
+    # becomes one line at INFO, and the endpoint serves on.
+    caplog.set_level(logging.INFO)
+    assert mcp_server.auth.server.mcp is not None
+    port = mcp_server.auth.server.mcp.port
+    for _ in range(3):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                     + mcp_server.auth.key.encode() + b"\r\nContent-Type: application/json"
+                     b"\r\nAccept: application/json, text/event-stream\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"jsonrpc\"")
+        await writer.drain()
+        writer.close()
+
+    def went_away() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "mcp.server.streamable_http"
+                and "the client went away" in r.getMessage()]
+
+    await eventually(lambda: len(went_away()) == 3, what="each hang-up logged")
+    assert all(r.levelno == logging.INFO and not r.exc_info for r in went_away())
+    assert not [r for r in caplog.records if r.name.startswith("mcp.")
+                and r.levelno >= logging.ERROR]
+    async with mcp_server.client() as client:
+        assert (await client.list_tools()).tools
