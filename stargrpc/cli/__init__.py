@@ -33,14 +33,19 @@ class _Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except UnicodeError as exc:
-            # An argument of bytes that are not UTF-8 (kept by surrogateescape).
-            raise _BadInput("an argument is not UTF-8 text") from exc
-        except RecursionError as exc:
-            raise _BadInput("an argument is nested too deeply") from exc
-        except ValueError as exc:
-            # A number past what its field holds, a key no header carries, …
-            raise _BadInput(str(exc) or type(exc).__name__) from exc
+        except (ValueError, RecursionError) as exc:
+            if ctx.invoked_subcommand == "serve":
+                raise  # the server's own fault, with its traceback: not input to refuse
+            raise _BadInput(_why(exc)) from exc
+
+
+def _why(exc: ValueError | RecursionError) -> str:
+    """What was wrong with the input, in a line."""
+    if isinstance(exc, UnicodeError):  # bytes that are not UTF-8 (kept by surrogateescape)
+        return "an argument is not UTF-8 text"
+    if isinstance(exc, RecursionError):
+        return "an argument is nested too deeply"
+    return str(exc) or type(exc).__name__  # a number past its field, a key no header takes
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
