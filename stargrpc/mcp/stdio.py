@@ -17,7 +17,6 @@ import grpc
 import mcp_types as types
 import structlog
 from mcp.server.stdio import stdio_server
-from mcp.shared._context_streams import create_context_streams
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
@@ -57,7 +56,7 @@ async def serve_stdio(target: str, *, api_key: str | None = None, tls: bool = Fa
     try:
         async with stdio_server() as (read_stream, write_stream), \
                 anyio.create_task_group() as tasks:
-            readable, read = create_context_streams[SessionMessage | Exception](0)
+            readable, read = anyio.create_memory_object_stream[SessionMessage | Exception](0)
             tasks.start_soon(_answer_unreadable, read_stream, readable, write_stream)
             await bridge.server.run(read, write_stream,
                                     bridge.server.create_initialization_options())
