@@ -159,6 +159,9 @@ class AuditInterceptor(ComposedInterceptor):
         calls may still be on their way to the Result (a slow reader, a held Result): their
         callers are owed it before the transport stops."""
         while self._open_executes or self._held_results:
+            # Cleared here too, so that a count raised without clearing it can never make
+            # this loop spin (a set event's wait returns without giving the loop a turn).
+            self._executes_settled.clear()
             await self._executes_settled.wait()
 
     def _settle(self) -> None:
@@ -252,6 +255,7 @@ class AuditInterceptor(ComposedInterceptor):
         # Held from before its record is written (which closes the Execute) until the
         # Result may go: a draining server waits for it all along (executes_ended).
         self._held_results += 1
+        self._executes_settled.clear()
         try:
             future = self.conclude(call, None, None)
             if not isinstance(future, asyncio.Future) or self.commit_timeout <= 0:
