@@ -56,6 +56,7 @@ __all__ = [
     "FailedPrecondition",
     "FieldViolation",
     "IdempotencyKeyReused",
+    "Internal",
     "InvalidArgument",
     "KeysFileError",
     "MissingExtra",

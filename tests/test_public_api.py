@@ -43,6 +43,7 @@ PUBLIC: dict[str, set[str]] = {
     "stargrpc.errors": {
         "ERROR_DOMAIN", "Aborted", "AuthConfigError", "CatalogStale", "CredentialsRejected",
         "CriticConfigError", "FailedPrecondition", "FieldViolation", "IdempotencyKeyReused",
+        "Internal",
         "InvalidArgument", "KeysFileError", "MissingExtra", "NotFound", "OutOfRange",
         "PermissionDenied",
         "RequestError", "ResourceExhausted", "RunFinished", "StargrpcError",

@@ -280,21 +280,22 @@ async def test_a_child_of_a_queued_parent_queues_too(lanes_at: LaneServer,
     assert "child" not in holds.started
 
 
-async def test_a_watcher_hanging_a_child_under_anothers_running_run_queues(
+async def test_an_admin_hanging_a_child_under_anothers_running_run_queues(
         lanes_at: LaneServer, holds: Holds) -> None:
-    # A principal that may watch Alice's runs may hang a child under one; it gets no slot
-    # from Alice's run (else any watcher could run past the lane's limit in her slot).
+    # An admin may hang a child under Alice's run (a watcher may not: NOT_FOUND, as in
+    # tests/test_tree_parents.py); it gets no slot from Alice's run (else another principal
+    # could run past the lane's limit in her slot).
     _, channel = await lanes_at()
     stub = stub_for(channel)
     parent = stub.Execute(hold_request("parent"), metadata=ALICE)
     parent_id = (await next_event(parent)).run_id
     await started(holds, 1)
-    watcher = as_principal("carol", "watch")
-    child = stub.Execute(hold_request("child", parent_run_id=parent_id), metadata=watcher)
+    admin = as_principal("carol", "admin")
+    child = stub.Execute(hold_request("child", parent_run_id=parent_id), metadata=admin)
     queued = await next_event(child)
     assert queued.notice.code == "QUEUED" and queued.notice.queued.position == 1, queued
     await stub.CancelRun(tool_service_pb2.CancelRunRequest(run_id=queued.run_id),
-                         metadata=watcher)
+                         metadata=admin)
     ended = (await collect(child))[-1].result
     assert ended.outcome == events_pb2.OUTCOME_CANCELLED, ended
     holds.release("parent")

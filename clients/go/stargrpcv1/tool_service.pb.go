@@ -485,11 +485,12 @@ type ExecuteRequest struct {
 	MaxWaitSeconds float64 `protobuf:"fixed64,11,opt,name=max_wait_seconds,json=maxWaitSeconds,proto3" json:"max_wait_seconds,omitempty"`
 	// Hang this run under a run of the caller's own (a call tree an agent started): the run
 	// gets that run's tree (`root_run_id`), one more level of depth, and is cancelled with
-	// it. A run the caller may not see (unknown, expired, another principal's) is NOT_FOUND,
-	// reason RUN_NOT_FOUND; a finished one FAILED_PRECONDITION, reason PARENT_RUN_ENDED; a
-	// tree at `max_run_depth` FAILED_PRECONDITION, reason RUN_DEPTH_EXCEEDED; at
-	// `max_runs_per_tree` runs RESOURCE_EXHAUSTED, reason RUN_TREE_FULL; past
-	// `max_tree_seconds` FAILED_PRECONDITION, reason RUN_TREE_EXPIRED. Empty: a top-level run.
+	// it. A run not the caller's (unknown, expired, another principal's — even to a holder
+	// of `run_watch_roles`; an admin may use any) is NOT_FOUND, reason RUN_NOT_FOUND; a
+	// finished one FAILED_PRECONDITION, reason PARENT_RUN_ENDED; a tree at `max_run_depth`
+	// FAILED_PRECONDITION, reason RUN_DEPTH_EXCEEDED; at `max_runs_per_tree` runs
+	// RESOURCE_EXHAUSTED, reason RUN_TREE_FULL; past `max_tree_seconds` FAILED_PRECONDITION,
+	// reason RUN_TREE_EXPIRED. Empty: a top-level run.
 	ParentRunId string `protobuf:"bytes,12,opt,name=parent_run_id,json=parentRunId,proto3" json:"parent_run_id,omitempty"`
 	// Run inside this session (CreateSession): `python` or `shell`, as the session's kind
 	// says, runs in its sandbox, with its files and (python) its live interpreter; another
