@@ -106,8 +106,11 @@ async def test_a_sandboxed_run_reports_the_cpu_memory_and_disk_of_its_process_tr
     result = events[-1].result
     usage = result.usage
     assert result.outcome == events_pb2.OUTCOME_OK, result.output
-    assert usage.cpu_user_seconds > 0.3
+    # The command burns a second of its own CPU (time.process_time: user and system
+    # together; how it splits depends on the machine — its clock reads are system calls).
+    assert usage.cpu_user_seconds > 0
     assert usage.HasField("cpu_system_seconds")
+    assert usage.cpu_user_seconds + usage.cpu_system_seconds > 0.9
     assert 64 * MiB <= usage.peak_rss_bytes < 1024 * MiB
     assert usage.wall_seconds >= 1.3  # the second of CPU and the sleep, at least
     assert usage.wall_seconds == pytest.approx(result.duration.ToNanoseconds() / 1e9)

@@ -25,12 +25,15 @@ from stargrpc.server.interceptors.tracing import TracingInterceptor
 from stargrpc.settings import Settings
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.auth_tools import auth_registry
-from tests.helpers import key_channel, run_tool
+from tests.helpers import eventually, key_channel, run_tool
 
 EXECUTE = f"/{SERVICE_NAME}/Execute"
 
 
 async def _records(audit: AuditInterceptor) -> list[AuditRecord]:
+    # A client may hold its status before its call's record is handed over (as the
+    # handler unwinds): every record handed over first, then written.
+    await eventually(lambda: audit.open_calls == 0, what="every record handed over")
     await audit.writer.flush()
     return [record async for record in audit.writer.store.scan()]
 
