@@ -302,13 +302,10 @@ class AuditWriter:
             record, future = self._queue.popleft()
             # The log is the last place this record is kept: in full, as the operator may
             # need to put it in the trail by hand (unless its cut-off write went through).
-            if record.id in self._interrupted:
-                log.error("audit_record_not_stored", record=record.as_dict(),
-                          reason="its write was cut off as the writer closed: the trail may "
-                          "hold it; look for its id before adding it")
-            else:
-                log.error("audit_record_not_stored", record=record.as_dict(),
-                          reason="the writer closed before the store accepted it")
+            reason = ("its write was cut off as the writer closed: the trail may hold it; "
+                      "look for its id before adding it" if record.id in self._interrupted
+                      else "the writer closed before the store accepted it")
+            log.error("audit_record_not_stored", record=record.as_dict(), reason=reason)
             if not future.done():
                 future.set_exception(RuntimeError("the audit writer closed first"))
                 future.exception()  # mark retrieved: nobody may be waiting

@@ -152,15 +152,14 @@ class Flusher:
             self._slot_moving = False
             try:
                 flushed = await self._flush(list(logs.values()))
-            except asyncio.CancelledError:
-                # Stopped mid-round trip: what it carried is still to write (and to tell).
+            except BaseException as exc:
+                # What the round trip carried is still to write (and, stopped, to tell).
                 for run_log in logs.values():
                     self._dirty.setdefault(run_log.run_id, run_log)
-                raise
-            except Exception:  # the flusher writes every run's events: it must go on
+                if not isinstance(exc, Exception):
+                    raise  # stopped (cancelled)
+                # The flusher writes every run's events: it must go on.
                 log.exception("redis_flush_error")
-                for run_log in logs.values():
-                    self._dirty.setdefault(run_log.run_id, run_log)
                 flushed = False
             if flushed:
                 delay = 0.05
