@@ -185,9 +185,12 @@ class RemoteJudge(RunJudge):
         except CriticError as error:
             self._broken(error)
         except grpc.aio.AioRpcError as error:
-            code = error.code()
-            if code == grpc.StatusCode.INTERNAL:  # undecodable bytes land here
-                self._broken(CriticError(f"answered garbage ({error.details()})"))
+            code, details = error.code(), error.details() or ""
+            # Undecodable bytes are INTERNAL, saying so; a connection broken mid-stream (the
+            # critic killed) can be INTERNAL too ("Internal error from Core"): that is a
+            # disconnection, not garbage.
+            if code == grpc.StatusCode.INTERNAL and "serializ" in details.lower():
+                self._broken(CriticError(f"answered garbage ({details})"))
             else:
                 self._broken(CriticError(f"is unreachable or disconnected ({code.name})"))
         except asyncio.CancelledError:
