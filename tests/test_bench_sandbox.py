@@ -24,3 +24,24 @@ def test_bench_sandbox_smoke_prints_every_call() -> None:
     assert [call.split(" (")[0] for call in calls[5:]] == ["Daytona", "E2B"]
     assert all(float(row.split("|")[2]) > 0 for row in rows[1:])
     assert "sandboxes from its pool" in done.stdout
+
+
+def test_a_base_without_a_pool_is_labelled_so() -> None:
+    """A base checkout from before the warm pool runs every call cold: its rows must not
+    read as warm ones."""
+    from bench.sandbox import PEERS_MS, TARGETS_MS, render
+
+    figure = {"p50_ms": 5.0, "p99_ms": 9.0, "calls": 6}
+    measured = {"figures": {f"{server} {call}": figure for server in ("warm", "base", "cold")
+                            for call in ("python", "shell", "echo")},
+                "pool": {kind: {"handouts": 6, "misses": 0} for kind in ("python", "exec")},
+                "think_seconds": 0.0, "targets_ms": TARGETS_MS, "peers_ms": PEERS_MS,
+                "base": "/tmp/old", "base_pooled": False}
+
+    labels = [row.split("|")[1].strip() for row in render(measured) if row.startswith("| ")]
+
+    assert "`python` `print(1)`, base, which has no pool (every call cold)" in labels
+    assert "`shell` `echo 1`, base, which has no pool (every call cold)" in labels
+    measured["base_pooled"] = True
+    labels = [row.split("|")[1].strip() for row in render(measured) if row.startswith("| ")]
+    assert "`python` `print(1)`, warm pool, base" in labels
