@@ -48,6 +48,7 @@ from stargrpc.egress import vet_url
 from stargrpc.errors import Unavailable
 from stargrpc.settings import Settings
 from stargrpc.stores.base import RunLog, RunStore
+from stargrpc.stores.keys import is_reserved_key
 from stargrpc.v1 import events_pb2
 
 log = structlog.get_logger("stargrpc.delivery")
@@ -297,6 +298,8 @@ class Deliveries:
                     result: events_pb2.Result) -> None:
         result_json = json_format.MessageToDict(result)
         if target.kind == "redis_stream":
+            if is_reserved_key(target.address):  # kept by a version that did not refuse it
+                raise DeliveryFailed("the stream name is one of the run store's keys")
             await self._redis.xadd(f"{self._prefix}{target.address}", {
                 "run_id": run_id, "tool_name": tool,
                 "outcome": events_pb2.Outcome.Name(result.outcome),

@@ -15,6 +15,7 @@ from stargrpc.egress import HttpPolicy, Refused, vet_url
 from stargrpc.errors import FailedPrecondition, FieldViolation, InvalidArgument, PermissionDenied
 from stargrpc.errors import reason_name as _reason_name
 from stargrpc.settings import Settings
+from stargrpc.stores.keys import RESERVED_KEY_NAMES, is_reserved_key
 from stargrpc.v1 import errors_pb2, tool_service_pb2
 
 _NOT_ALLOWED = _reason_name(errors_pb2.DELIVERY_NOT_ALLOWED)
@@ -71,6 +72,15 @@ async def checked_target(delivery: tool_service_pb2.Delivery, settings: Settings
         if not _STREAM_NAME.fullmatch(stream):
             raise InvalidArgument("the delivery stream name is not valid", [FieldViolation(
                 "delivery.redis_stream.stream", "1 to 200 characters of [A-Za-z0-9_.:-]")])
+        if is_reserved_key(stream):
+            # The stream is XADDed under the key prefix, beside the store's own keys: a name
+            # of theirs would write into another principal's run log, a lane's queue, the
+            # page token key (every ListRuns of the fleet would fail).
+            raise InvalidArgument("the delivery stream name is one of the run store's keys",
+                                  [FieldViolation("delivery.redis_stream.stream",
+                                                  "a name not starting with one of the run "
+                                                  "store's keys: " + ", ".join(
+                                                      RESERVED_KEY_NAMES))])
         if not fleet:
             raise FailedPrecondition("Redis stream delivery needs a fleet (redis_url)",
                                      reason=_UNAVAILABLE)

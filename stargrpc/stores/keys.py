@@ -58,4 +58,18 @@ class KeyLayout:
         return f"{self.prefix}idem:{{{digest}}}" if self.tagged else f"{self.prefix}idem:{digest}"
 
 
-__all__ = ["KeyLayout"]
+#: The first names of the keys the fleet keeps under ``redis_key_prefix`` (runs, their
+#: indexes, idempotency claims, lanes, approvals, state, deliveries, sessions): no key that a
+#: caller names (a Redis stream delivery's stream) may start with one, or the caller would
+#: write into the store's own keys — another principal's run log, a lane's queue.
+RESERVED_KEY_NAMES = ("run", "runs", "idem", "lane", "approval", "state", "delivery",
+                      "session", "session-lease", "session-index", "page-token-key")
+
+
+def is_reserved_key(name: str) -> bool:
+    """Whether ``name`` (after the key prefix) is, or lies under, a key of the store."""
+    return any(name == reserved or name.startswith((reserved + ":", reserved + "{"))
+               for reserved in RESERVED_KEY_NAMES)
+
+
+__all__ = ["RESERVED_KEY_NAMES", "KeyLayout", "is_reserved_key"]

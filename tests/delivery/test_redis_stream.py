@@ -9,14 +9,24 @@ import signal
 from pathlib import Path
 
 import grpc
+import pytest
+from google.rpc import error_details_pb2
 from redis.asyncio import Redis
 
 from stargrpc.stores.connect import connect
-from stargrpc.v1 import tool_service_pb2_grpc
+from stargrpc.v1 import tool_service_pb2, tool_service_pb2_grpc
 from tests.delivery.helpers import read_entry, start_request
-from tests.helpers import eventually
+from tests.helpers import eventually, status_details
 from tests.procs import ServerProcess, server_env
-from tests.runs_support import RUN_TOOLS_DIR, HeaderPrincipal, run_registry
+from tests.runs_support import (
+    RUN_TOOLS_DIR,
+    HeaderPrincipal,
+    as_principal,
+    collect,
+    execute_request,
+    key,
+    run_registry,
+)
 from tests.stores.conftest import REDIS_URL
 
 
@@ -99,3 +109,58 @@ async def test_the_result_is_added_to_a_stream_of_a_redis_cluster(
 
     assert entry["outcome"] == "OUTCOME_OK"
     assert json.loads(entry["result"])["output"] == "hi"
+
+
+async def test_a_stream_named_after_a_key_of_the_store_is_refused(
+        replicas, redis_prefix: str, tmp_path: Path) -> None:
+    # The stream is XADDed under the key prefix, beside the run store's own keys: a caller
+    # naming one of them wrote into another principal's run log (its watchers on other
+    # replicas were told EVENTS_TRIMMED), or made the page token key a stream (every
+    # ListRuns of the fleet UNAVAILABLE from then on).
+    server = await replicas()
+    redis = Redis.from_url(REDIS_URL)
+    gate = tmp_path / "gate"
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            call = stub.Execute(execute_request(
+                "tally", {"path": str(tmp_path / "tally"), "gate": str(gate)},
+                idempotency_key=key()), metadata=as_principal("alice"))
+            victim = (await call.read()).event.run_id
+            await stub.ListRuns(tool_service_pb2.ListRunsRequest(),
+                                metadata=as_principal("alice"))
+            delivered = await stub.StartRun(start_request("echo", {"text": "hi"}, "results"),
+                                            metadata=as_principal("mallory"))
+            await read_entry(redis, f"{redis_prefix}results", delivered.run_id, 20)
+            names = [k.decode()[len(redis_prefix):]
+                     async for k in redis.scan_iter(match=f"{redis_prefix}*", count=1000)]
+            names = [n for n in names if n != "results"]
+            named = [f"run:{victim}:events", "page-token-key", "runs:running",
+                     "lane:default:queue", "delivery:pending"]
+            refusals = []
+            for stream in [*named, *names]:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.StartRun(start_request("echo", {"text": "evil"}, stream),
+                                        metadata=as_principal("mallory"))
+                refusals.append((stream, refused.value.code(), [
+                    v.field for d in status_details(refused.value)
+                    if isinstance(d, error_details_pb2.BadRequest)
+                    for v in d.field_violations]))
+            gate.touch()
+            executed = await collect(call)
+            watched = await collect(stub.WatchRun(
+                tool_service_pb2.WatchRunRequest(run_id=victim),
+                metadata=as_principal("alice")))
+            await stub.ListRuns(tool_service_pb2.ListRunsRequest(),
+                                metadata=as_principal("alice"))
+        page_key_type = await redis.type(f"{redis_prefix}page-token-key")
+    finally:
+        await redis.aclose()
+
+    assert {"run", "runs", "idem", "page-token-key"} <= {
+        name.split(":")[0] for name in names}
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT
+               and fields == ["delivery.redis_stream.stream"]
+               for _, code, fields in refusals), refusals
+    assert executed[-1].HasField("result") and watched[-1].seq == executed[-1].seq
+    assert page_key_type == b"string"
