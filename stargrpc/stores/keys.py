@@ -22,7 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
+
+#: What a run id can be (the 32 hex digits of :mod:`stargrpc.ids`, a UUID of earlier
+#: versions): a run id a caller names that is not of this form names no run, and is never
+#: made into a key — ``<id>:events`` would name a run's stream, not a run.
+_RUN_ID_FORM = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def could_be_run_id(run_id: str) -> bool:
+    """Whether ``run_id`` has the form of a run id (and so makes a key of that run only)."""
+    return _RUN_ID_FORM.fullmatch(run_id) is not None
 
 
 @dataclass(frozen=True)
@@ -72,4 +83,4 @@ def is_reserved_key(name: str) -> bool:
                for reserved in RESERVED_KEY_NAMES)
 
 
-__all__ = ["RESERVED_KEY_NAMES", "KeyLayout", "is_reserved_key"]
+__all__ = ["RESERVED_KEY_NAMES", "KeyLayout", "could_be_run_id", "is_reserved_key"]

@@ -277,3 +277,42 @@ async def test_a_remote_log_without_the_bytes_of_an_event_raises_index_error(
             remote.encoded(1)
     finally:
         await store.aclose()
+
+
+async def test_a_run_id_naming_a_key_of_a_run_is_not_found_like_an_unknown_one(
+        pair, tmp_path: Path) -> None:
+    # "<run id>:events" was looked up as a run's meta hash: Redis answered WRONGTYPE, told as
+    # UNAVAILABLE (RUN_STORE_FAILED) for a run that exists and NOT_FOUND for one that does
+    # not — an answer that told another principal which of its guesses exist.
+    a, b = pair
+    gate = tmp_path / "gate"
+    call = a.Execute(execute_request("tally", {"path": str(tmp_path / "t"),
+                                               "gate": str(gate)}), metadata=ALICE)
+    run_id = (await call.read()).event.run_id
+    await eventually(lambda: _visible_on(b, run_id), within=10, interval=0.02,
+                     what="the run in Redis")
+    codes = []
+    for name in (f"{run_id}:events", f"{run_id}:lease", f"{run_id}:cancel",
+                 "nosuchrun:events"):
+        for method, request in (
+                (b.CancelRun, tool_service_pb2.CancelRunRequest(run_id=name)),
+                (b.SteerRun, tool_service_pb2.SteerRunRequest(run_id=name, message="hi")),
+                (b.ApproveRun, tool_service_pb2.ApproveRunRequest(
+                    run_id=name, approval_id="x", decision=1))):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await method(request, metadata=as_principal("bob", "approver"))
+            codes.append((name, refused.value.code()))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(b.WatchRun(tool_service_pb2.WatchRunRequest(run_id=name),
+                                     metadata=BOB))
+        codes.append((name, refused.value.code()))
+    gate.touch()
+    executed = await collect(call)
+
+    assert {code for _, code in codes} == {grpc.StatusCode.NOT_FOUND}, codes
+    assert executed[-1].result.outcome == events_pb2.OUTCOME_OK
+
+
+async def _visible_on(stub, run_id: str) -> bool:
+    summaries = await stub.ListRuns(tool_service_pb2.ListRunsRequest(), metadata=ALICE)
+    return any(run.run_id == run_id for run in summaries.runs)

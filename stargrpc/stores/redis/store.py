@@ -27,7 +27,7 @@ from stargrpc.stores.base import (
     run_finished_error,
 )
 from stargrpc.stores.connect import connect
-from stargrpc.stores.keys import KeyLayout
+from stargrpc.stores.keys import KeyLayout, could_be_run_id
 from stargrpc.stores.redis.approvals import RedisApprovalStore
 from stargrpc.stores.redis.claims import SLOT_MOVING_RETRY_SECONDS, Claims
 from stargrpc.stores.redis.errors import RETRY_AFTER_SECONDS, SLOT_MOVING, reachable, request_error
@@ -234,6 +234,10 @@ class RedisRunStore:
         local = self.shared.runs.get(run_id)
         if local is not None:
             return local
+        if not could_be_run_id(run_id):
+            # "<id>:events" would read another run's stream as its meta hash: a WRONGTYPE
+            # told as UNAVAILABLE, and only for a run that exists.
+            return None
         with reachable("looking up the run"):
             meta, last = await self._look_up(run_id)
             if not meta and await self._first_write_of(run_id):
