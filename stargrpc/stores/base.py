@@ -22,11 +22,14 @@ import binascii
 import hashlib
 import hmac
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from stargrpc.errors import (
@@ -252,6 +255,11 @@ class RunPage:
 
 #: Bytes of a page token's MAC (HMAC-SHA-256, cut): enough that guessing one is hopeless.
 PAGE_TOKEN_MAC_BYTES = 16
+#: A page token sealed with AES-GCM starts so (an earlier version's signed one never does:
+#: it starts with base64url of "[").
+_SEALED_PREFIX = "s1."
+_PAGE_TOKEN_NONCE_BYTES = 12
+_PAGE_TOKEN_AAD = b"stargrpc page token"
 
 #: Largest start time (ms) a cursor may hold: a signed 64-bit number, as Redis scores and
 #: every store's arithmetic expect.
@@ -271,18 +279,27 @@ def _page_mac(key: bytes, payload: str) -> bytes:
                     hashlib.sha256).digest()[:PAGE_TOKEN_MAC_BYTES]
 
 
+def _page_cipher(key: bytes) -> AESGCM:
+    return AESGCM(hmac.new(key, b"stargrpc page token cipher", hashlib.sha256).digest())
+
+
 def encode_page_token(cursor: tuple[int, str] | None, key: bytes) -> str:
-    """The opaque page token for ``cursor`` (empty for None), signed with ``key`` (the
+    """The opaque page token for ``cursor`` (empty for None), sealed with ``key`` (the
     store's :meth:`RunStore.page_token_key`) so that only tokens this fleet made are
-    taken back."""
+    taken back, and so that a token tells nothing: its cursor is the page's last run
+    *listed* before the filters, which the caller may not see (an approver's page of runs
+    that wait for approval is cut from every principal's runs)."""
     if cursor is None:
         return ""
-    payload = _b64(json.dumps(list(cursor), separators=(",", ":")).encode())
-    return f"{payload}.{_b64(_page_mac(key, payload))}"
+    nonce = os.urandom(_PAGE_TOKEN_NONCE_BYTES)
+    sealed = _page_cipher(key).encrypt(
+        nonce, json.dumps(list(cursor), separators=(",", ":")).encode(), _PAGE_TOKEN_AAD)
+    return _SEALED_PREFIX + _b64(nonce + sealed)
 
 
 def decode_page_token(token: str, key: bytes) -> tuple[int, str] | None:
-    """The cursor of a page token from :func:`encode_page_token` with the same ``key``.
+    """The cursor of a page token from :func:`encode_page_token` with the same ``key`` (or
+    a signed one of earlier versions, whose cursor showed).
 
     Raises:
         InvalidArgument: The token is not one this server (or a replica sharing its store)
@@ -291,14 +308,20 @@ def decode_page_token(token: str, key: bytes) -> tuple[int, str] | None:
     if not token:
         return None
     try:
-        payload, _, mac = token.partition(".")
-        if not hmac.compare_digest(_unb64(mac), _page_mac(key, payload)):
-            raise ValueError("not signed with this store's key")
-        started, run_id = json.loads(_unb64(payload))
+        if token.startswith(_SEALED_PREFIX):
+            raw = _unb64(token[len(_SEALED_PREFIX):])
+            plain = _page_cipher(key).decrypt(raw[:_PAGE_TOKEN_NONCE_BYTES],
+                                              raw[_PAGE_TOKEN_NONCE_BYTES:], _PAGE_TOKEN_AAD)
+        else:
+            payload, _, mac = token.partition(".")
+            if not hmac.compare_digest(_unb64(mac), _page_mac(key, payload)):
+                raise ValueError("not signed with this store's key")
+            plain = _unb64(payload)
+        started, run_id = json.loads(plain)
         if type(started) is not int or not 0 <= started <= _MAX_CURSOR_MS \
                 or not isinstance(run_id, str):
             raise ValueError("not a cursor")
-    except (ValueError, TypeError, binascii.Error) as exc:
+    except (ValueError, TypeError, binascii.Error, InvalidTag) as exc:
         raise InvalidArgument("the page token is not valid", [FieldViolation(
             "page_token", "not a token from next_page_token; start again without one")]
         ) from exc

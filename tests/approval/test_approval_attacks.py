@@ -4,17 +4,23 @@ the end and runs once."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import secrets
 from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
 
+from stargrpc import ToolContext, tool
+from stargrpc.registry import NoArguments, Registry, spec_of
 from stargrpc.v1 import events_pb2, tool_service_pb2
 from tests.approval.approval_helpers import (
     BODIES_RUN,
     approve_request,
     execute_request,
+    people_of,
     read_until_approval,
     rest_of,
 )
@@ -187,3 +193,55 @@ async def test_a_decision_sent_again_gets_the_same_answer_and_nothing_else_does(
         assert await refusal(stub.ApproveRun(request)) == (
             grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_NOT_PENDING",
             {"run_id": run_id, "state": "approved"}, [])
+
+
+
+#: Opened at the end of a test whose runs linger.
+LINGERING = asyncio.Event()
+
+
+@tool()
+async def linger(ctx: ToolContext, args: NoArguments) -> str:
+    """Runs until the test lets it end; needs nobody's approval."""
+    await LINGERING.wait()
+    return "done"
+
+
+async def test_an_approvers_page_tokens_name_no_run_it_may_not_see(make_auth_server) -> None:
+    # An approver lists every principal's runs that wait for approval, and only those; the
+    # page token carried the cursor of the page's last run in plain base64 JSON — the id
+    # and start of another principal's run that waits for nothing.
+    LINGERING.clear()
+    auth = await make_auth_server(Registry([spec_of(linger)]))  # type: ignore[misc]
+    async with people_of(auth) as people:
+        calls = [people.alice.Execute(execute_request("linger")) for _ in range(3)]
+        runs = [(await call.read()).event.run_id for call in calls]
+        tokens = []
+        request = tool_service_pb2.ListRunsRequest(
+            state=tool_service_pb2.RUN_STATE_AWAITING_APPROVAL, page_size=1)
+        while True:
+            page = await people.bob.ListRuns(request)
+            assert not page.runs
+            if not page.next_page_token:
+                break
+            tokens.append(page.next_page_token)
+            request.page_token = page.next_page_token
+        LINGERING.set()
+        ended = [(await rest_of(call))[-1].result.outcome for call in calls]
+    revealed = [run_id for token in tokens for run_id in runs
+                if run_id in _every_decoding(token) or run_id in token]
+
+    assert len(tokens) == 2 and revealed == []
+    assert ended == [events_pb2.OUTCOME_OK] * 3
+
+
+def _every_decoding(token: str) -> str:
+    """The token's parts, each decoded from base64url where it decodes."""
+    decoded = []
+    for part in token.split("."):
+        try:
+            decoded.append(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+                           .decode("utf-8", "replace"))
+        except (binascii.Error, ValueError):
+            continue
+    return " ".join(decoded)
