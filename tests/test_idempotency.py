@@ -9,8 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stargrpc import ToolContext, tool
+from stargrpc.registry import NoArguments, Registry, spec_of
 from stargrpc.runs.idempotency import fingerprint
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.helpers import status_details
 from tests.runs_support import (
     HeaderPrincipal,
@@ -111,3 +113,37 @@ def test_fingerprint_ignores_key_order_but_not_values() -> None:
     assert fingerprint("t", {"a": 1, "b": [1, 2]}) == fingerprint("t", {"b": [1, 2], "a": 1})
     assert fingerprint("t", {"a": 1}) != fingerprint("t", {"a": 2})
     assert fingerprint("t", {"a": 1}) != fingerprint("u", {"a": 1})
+
+
+@tool()
+async def whoami(ctx: ToolContext, args: NoArguments) -> str:
+    """Names the end user the call is for (or its caller)."""
+    return ctx.principal.acting_for or ctx.principal.id
+
+
+async def test_a_key_never_replays_the_run_of_another_end_user(make_server) -> None:
+    # A gateway acting for its end users: a run's output may be the end user's (tools see
+    # ctx.principal.acting_for); the same key and arguments for another end user replayed
+    # the first one's Result to the second.
+    server = await make_server(registry=Registry([spec_of(whoami)]),  # type: ignore[misc]
+                               interceptors=[HeaderPrincipal()])
+    gateway = as_principal("gateway", "delegate")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        same = key()
+
+        def request(end_user: str) -> tool_service_pb2.ExecuteRequest:
+            made = execute_request("whoami", idempotency_key=same)
+            made.context.end_user = end_user
+            return made
+
+        alice = await collect(stub.Execute(request("alice"), metadata=gateway))
+        alice_again = await collect(stub.Execute(request("alice"), metadata=gateway))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(stub.Execute(request("bob"), metadata=gateway))
+
+    assert alice[-1].result.output == "alice"
+    assert stripped(alice_again) == stripped(alice)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert any(getattr(d, "reason", "") == "IDEMPOTENCY_KEY_REUSED"
+               for d in status_details(refused.value))

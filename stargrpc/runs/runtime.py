@@ -560,7 +560,8 @@ class Runtime:
             try:
                 await self.store.publish(run.log)
                 if key:
-                    wanted = fingerprint(run.spec.name, request.arguments)
+                    wanted = fingerprint(run.spec.name, request.arguments,
+                                         run.principal.acting_for)
                     claim = await self.store.claim(principal.id, key, wanted, run.log)
                     if not claim.won:
                         await self.store.discard(run.log)
