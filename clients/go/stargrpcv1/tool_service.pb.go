@@ -818,6 +818,9 @@ type RedisStreamTarget struct {
 	unknownFields protoimpl.UnknownFields
 
 	// The stream's name, after the key prefix: 1 to 200 characters of [A-Za-z0-9_.:-].
+	// Names of the run store's own keys are refused INVALID_ARGUMENT: run, runs, idem,
+	// lane, approval, state, delivery, session, session-lease, session-index and
+	// page-token-key, alone or followed by ":" or "{".
 	Stream string `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
 }
 
