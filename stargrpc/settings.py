@@ -651,6 +651,10 @@ class Settings(BaseSettings):
     delivery_retry_seconds: float = Field(600.0, ge=0, description="How long a delivery is "
                                           "retried before it is given up (an audit record "
                                           "and the delivery_failed log line say so).")
+    delivery_redis_stream_maxlen: int = Field(
+        10_000, ge=0, description="Entries a redis_stream delivery's stream keeps: each "
+        "XADD trims it to the newest this many (any caller may name a stream, and Redis "
+        "holds every entry in memory); 0 keeps them all.")
 
     @model_validator(mode="after")
     def _check_critic(self) -> Settings:

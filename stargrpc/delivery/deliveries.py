@@ -303,7 +303,8 @@ class Deliveries:
             await self._redis.xadd(f"{self._prefix}{target.address}", {
                 "run_id": run_id, "tool_name": tool,
                 "outcome": events_pb2.Outcome.Name(result.outcome),
-                "result": json.dumps(result_json)})
+                "result": json.dumps(result_json)},
+                maxlen=self.settings.delivery_redis_stream_maxlen or None, approximate=False)
             return
         body = json.dumps({"run_id": run_id, "tool_name": tool, "result": result_json}
                           ).encode()

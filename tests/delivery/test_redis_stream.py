@@ -164,3 +164,30 @@ async def test_a_stream_named_after_a_key_of_the_store_is_refused(
                for _, code, fields in refusals), refusals
     assert executed[-1].HasField("result") and watched[-1].seq == executed[-1].seq
     assert page_key_type == b"string"
+
+
+async def test_a_stream_keeps_only_its_newest_entries(replicas, redis_prefix: str) -> None:
+    """Any caller may name a stream, and Redis holds it in memory: each delivery trims it to
+    delivery_redis_stream_maxlen entries, the newest."""
+    server = await replicas(delivery_redis_stream_maxlen=3)
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            runs = [(await stub.StartRun(start_request("echo", {"text": str(n)}, "capped")
+                                         )).run_id for n in range(5)]
+
+            async def all_delivered() -> bool:
+                # Each was pending before its StartRun was answered, until delivered.
+                return await redis.hlen(f"{redis_prefix}delivery:pending") == 0
+
+            await eventually(all_delivered, within=20, interval=0.05,
+                             what="the five deliveries made")
+            length = await redis.xlen(f"{redis_prefix}capped")
+            kept = [entry[b"run_id"].decode()
+                    for _, entry in await redis.xrange(f"{redis_prefix}capped")]
+    finally:
+        await redis.aclose()
+
+    assert length == 3
+    assert set(kept) <= set(runs)
