@@ -111,7 +111,9 @@ async def http_fetch(ctx: ToolContext, args: HttpFetchArgs) -> ToolResult:
                                     method, body = "GET", ""
                                 url = str(following)
                                 continue
-                            data = await _read_body(ctx, response, settings.http_fetch_max_bytes)
+                            data = (b"" if method == "HEAD" else  # a length, no body
+                                    await _read_body(ctx, response,
+                                                     settings.http_fetch_max_bytes))
                         finally:
                             await response.aclose()
                             ctx.usage.add_network(received=response.num_bytes_downloaded)

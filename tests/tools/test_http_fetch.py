@@ -204,6 +204,15 @@ async def test_body_over_the_cap_fails(stub, web) -> None:
     assert result.error.message == "the response body (300000 bytes) is over the 100000 byte cap"
 
 
+async def test_head_of_a_body_over_the_cap_answers_its_length(stub, web) -> None:
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/big"), "method": "HEAD"})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK
+    assert as_dict(result)["structured_output"]["headers"]["content-length"] == "300000"
+    assert Handler.seen[-1].method == "HEAD"
+
+
 async def test_redirect_loop_stops_at_the_cap(stub, web) -> None:
     events = await run_tool(stub, "http_fetch", {"url": url(web, "/loop")})
 
