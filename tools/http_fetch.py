@@ -40,6 +40,10 @@ _RESERVED_HEADERS = {"host", "content-length", "transfer-encoding", "connection"
 _FIRST_HOP_HEADERS = {"proxy-authorization"}
 #: A heartbeat at most every this many bytes received.
 _PROGRESS_EVERY = 64 * 1024
+#: Charsets a body is never decoded with: not encodings of text on the web, and
+#: punycode's decoder takes time quadratic in the body (a 5 MB body would hold the
+#: server's event loop for minutes).
+_UNDECODED_CHARSETS = {"punycode", "idna"}
 #: What HTTP/1.1 allows in a header name (a token) and value (visible ASCII, space, tab).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
@@ -230,7 +234,8 @@ def _as_text(data: bytes, content_type: str, charset: str | None) -> str | None:
     if not textual or b"\0" in data:
         return None
     try:
-        codecs.lookup(charset or "utf-8")
+        if codecs.lookup(charset or "utf-8").name in _UNDECODED_CHARSETS:
+            return None
         return data.decode(charset or "utf-8")
     except (LookupError, UnicodeDecodeError):
         return None
