@@ -3,7 +3,7 @@ dangerous bundled tool, so callers need the privileged role to run it."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from stargrpc import ToolContext, ToolResult, tool
 from stargrpc.sandbox import run_in_sandbox
@@ -13,6 +13,15 @@ from stargrpc.sessions.tooling import run_in_session
 class ShellArgs(BaseModel):
     command: str = Field(min_length=1, max_length=20_000,
                          description="A POSIX shell command line, run with sh -c.")
+
+    @field_validator("command")
+    @classmethod
+    def _no_nul(cls, command: str) -> str:
+        # An argument of a program cannot hold a NUL byte: refused here, before the run,
+        # rather than failing as the sandbox starts.
+        if "\0" in command:
+            raise ValueError("the command holds a NUL byte, which no command line can hold")
+        return command
 
 
 @tool(kind="sandbox", categories=("code",), privileged=True, destructive=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import run_tool
+from tests.helpers import run_tool, status_details
 
 LIMITS = {"sandbox_cpu_seconds": 2, "sandbox_memory_mb": 256, "sandbox_file_size_mb": 16,
           "sandbox_wall_clock_seconds": 10, "sandbox_warm_pool": 1}
@@ -52,6 +53,21 @@ async def test_the_server_environment_is_not_visible(stub) -> None:
     shown = "".join(e.step.delta for e in events) + events[-1].result.output
     assert "PATH=" in shown
     assert "hunter2-secret" not in shown
+
+
+async def test_a_command_with_a_nul_byte_is_refused_before_the_run(stub) -> None:
+    # Once an internal error (TOOL_EXCEPTION, a traceback in the log) as the command
+    # started: no argument of a program can hold a NUL byte.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await run_tool(stub, "shell", {"command": "echo 'a\0b'"})
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    [violation] = [v for d in status_details(caught.value)
+                   if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations]
+    assert violation.field == "arguments.command"
+    assert "NUL byte" in violation.description
+    events = await run_tool(stub, "shell", {"command": "echo still serving"})
+    assert events[-1].result.output.startswith("still serving\n")
 
 
 async def test_a_10_gb_write_stops_at_the_file_size_limit(stub) -> None:
