@@ -150,6 +150,11 @@ class _Walk:
         """Does not enter the folder just yielded."""
         self._enter = False
 
+    @property
+    def too_deep(self) -> bool:
+        """Whether the entry just yielded is a folder left unentered for ``max_depth``."""
+        return not self._enter and len(self.frames) > self.max_depth
+
     def _descend(self, name: str, prefix: str) -> None:
         try:
             child = open_dir(self.fd, name)

@@ -87,6 +87,8 @@ def read_out(out_fd: int, owner: fsops.Owner, into: SentFiles, *, budget: int,
                 if not owner.is_own(info):
                     tree.skip()
                     into.skip(f"{name}: not a plain folder")
+                elif tree.too_deep:
+                    into.skip(f"{name}: more than {MAX_DEPTH} folders deep; not looked into")
                 continue
             if len(into.files) >= MAX_SENT_FILES:
                 into.skip(f"{name}: more than {MAX_SENT_FILES} files")

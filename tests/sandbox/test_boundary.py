@@ -172,6 +172,21 @@ async def test_fifos_devices_and_hard_links_in_the_output_folder_are_skipped(
         "hard: not a plain file", "pipe: not a plain file"]
 
 
+async def test_a_file_deeper_than_the_walk_goes_is_told_not_dropped_silently(
+        served: tool_service_pb2_grpc.ToolServiceStub) -> None:
+    # out/ is read 64 folders deep; what lies below was once dropped without a word.
+    code = ("import os\nos.chdir(os.environ['OUTPUT_DIR'])\n"
+            "open('top.txt', 'w').write('top')\n"
+            "for _ in range(70):\n    os.mkdir('d')\n    os.chdir('d')\n"
+            "open('bottom.txt', 'w').write('x')\n")
+    events = await asyncio.wait_for(run_tool(served, "python", {"code": code}), 30)
+
+    result = events[-1].result
+    assert [f.name for f in result.writeback.sent_files] == ["top.txt"]
+    assert as_dict(result)["structured_output"]["skipped_files"] == [
+        "/".join(["d"] * 65) + ": more than 64 folders deep; not looked into"]
+
+
 @pytest.fixture
 def shared_root() -> Iterator[Path]:
     """A sandbox root of this test alone (its parent traversable by every run user), so
