@@ -22,11 +22,10 @@ import os
 import sys
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
-from stargrpc.settings import Settings
+from stargrpc.settings import Settings, url_has_password
 
 #: Names the inherited memory file in the re-executed program's environment.
 HANDOVER_VARIABLE = "_STARGRPC_SECRETS_FD"
@@ -41,7 +40,7 @@ def secret_variables(environ: Mapping[str, str]) -> dict[str, str]:
         if not name.upper().startswith(_PREFIX):
             continue
         field = name[len(_PREFIX):].lower()
-        if field in secret_fields or _has_password(value):
+        if field in secret_fields or url_has_password(value):
             found[name] = value
     return found
 
@@ -129,15 +128,6 @@ def _secret_fields() -> frozenset[str]:
     """The settings whose type is a secret."""
     return frozenset(name for name, info in Settings.model_fields.items()
                      if info.annotation is not None and SecretStr in _members(info.annotation))
-
-
-def _has_password(value: str) -> bool:
-    if "://" not in value:
-        return False
-    try:
-        return urlsplit(value).password is not None
-    except ValueError:
-        return False
 
 
 def _members(annotation: object) -> tuple[object, ...]:

@@ -896,8 +896,28 @@ def _read_secret_file(path: Path) -> str:
     return text
 
 
+#: A query parameter of a URL that holds a password (``?password=``, which redis-py,
+#: asyncpg and libpq take as the password; libpq's ``sslpassword``).
+_PASSWORD_PARAMETER = re.compile(r"([?&;])([^=&;#]*pass(?:word|wd)?|pwd)=([^&;#]*)",
+                                 re.IGNORECASE)
+
+
+def url_has_password(url: str) -> bool:
+    """Whether ``url`` holds a password: in its user part or as a query parameter."""
+    if "://" not in url:
+        return False
+    if _PASSWORD_PARAMETER.search(url.split("#", 1)[0]) is not None:
+        return True
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
+
+
 def mask_url(url: str) -> str:
-    """``redis://:secret@host`` → ``redis://:***@host``; other URLs unchanged."""
+    """``redis://:secret@host`` → ``redis://:***@host``, and ``?password=secret`` →
+    ``?password=***``; other URLs unchanged."""
+    url = _PASSWORD_PARAMETER.sub(r"\1\2=***", url)
     if "," in url.split("://", 1)[-1].split("/", 1)[0]:  # several hosts: not urlsplit's
         return re.sub(r"^([a-z+]+://[^:@/]*):[^@/]*@", r"\1:***@", url)
     parts = urlsplit(url)

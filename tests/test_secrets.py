@@ -169,6 +169,24 @@ def test_serve_removes_secret_variables_from_proc_environ(tmp_path: Path) -> Non
                        for line in server.lines)
 
 
+def test_a_password_given_as_a_url_query_parameter_is_neither_logged_nor_left_in_environ(
+        tmp_path: Path) -> None:
+    # asyncpg, libpq and redis-py all take ?password=: it was logged in clear with the
+    # settings at start-up and stayed in /proc/<server>/environ.
+    audit_url = f"postgresql://postgres@127.0.0.1:5432/test?password={PG_PASSWORD}"
+    with serve(tmp_path / "state", STARGRPC_AUDIT_STORE=audit_url) as server:
+        environ = environ_of(server.proc.pid)
+        assert PG_PASSWORD not in environ and "STARGRPC_AUDIT_STORE" not in environ
+        settings = server.wait_for(lambda line: line.get("event") == "settings", 5)
+        assert settings["audit_store"] == (
+            "postgresql://postgres@127.0.0.1:5432/test?password=***")
+        with grpc.insecure_channel(server.target) as channel:  # the store works
+            listed = tool_service_pb2_grpc.ToolServiceStub(channel).ListTools(
+                tool_service_pb2.ListToolsRequest(), timeout=10)
+        assert "echo" in {tool.name for tool in listed.tools}
+        assert not any(PG_PASSWORD in json.dumps(line) for line in server.lines)
+
+
 def test_a_weakly_isolated_snippet_finds_no_secret_in_the_server_environment(
         image: ImageUser) -> None:
     """Even when the operator opts into rlimits (commands run as the server's user and

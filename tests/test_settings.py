@@ -44,6 +44,7 @@ def test_urls_with_passwords_are_masked() -> None:
     assert mask_url("redis://:s3cret@cache:6379/0") == "redis://:***@cache:6379/0"
     assert mask_url("postgresql://app:pw@db/audit") == "postgresql://app:***@db/audit"
     assert mask_url("redis://cache:6379") == "redis://cache:6379"
+    assert mask_url("redis://cache/0?ssl=1&password=s3cret") == "redis://cache/0?ssl=1&password=***"
     shown = Settings.load().masked()
     assert shown["port"] == 50051
 
