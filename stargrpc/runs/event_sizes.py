@@ -20,6 +20,7 @@ So nothing a tool controls may make one event larger than the limit:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,12 +122,34 @@ def cut_text(text: str, limit: int) -> str:
     return text[:limit - 1] + "…"
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity written as proto3 JSON writes a double's
+    (``"NaN"``, ``"Infinity"``, ``"-Infinity"``): a protobuf Value takes them as numbers but
+    no JSON form of it can be written, so a Result holding one broke every reader (the
+    audit record, the gateway, the clients). Nesting too deep for protobuf is left as it
+    is (refused where it is set)."""
+    try:
+        return _finite(value)
+    except RecursionError:
+        return value
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def size_with(message: Message, struct: struct_pb2.Struct, value: Mapping[str, Any]
               ) -> int | None:
     """The size of ``message`` once ``struct`` (a field of it) is filled from ``value``, or
     None when ``value`` cannot be a Struct (nested beyond what protobuf takes, say)."""
     try:
-        struct.update(value)
+        struct.update(finite(value))
     except Exception:
         return None
     return message.ByteSize()

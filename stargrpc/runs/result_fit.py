@@ -33,6 +33,7 @@ from stargrpc.runs.event_sizes import (
     STRUCTURED_FILE_NAME,
     EventSizes,
     cut_text,
+    finite,
     size_with,
     utf8_head,
 )
@@ -228,6 +229,7 @@ def _list_writeback(listing: events_pb2.WriteBack, writeback: WriteBack, to_stre
 def _structured_over(result: events_pb2.Result, structured: Any, room: int) -> bytes | None:
     """Sets the structured output; when it is larger than ``room`` (or cannot be a
     protobuf Value) clears it again and returns it as JSON, for a sent file."""
+    structured = finite(structured)
     try:
         json_format.ParseDict(structured, result.structured_output)
         size = result.structured_output.ByteSize()
