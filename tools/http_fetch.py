@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import codecs
 import re
+import zlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx
@@ -40,6 +42,13 @@ _RESERVED_HEADERS = {"host", "content-length", "transfer-encoding", "connection"
 _FIRST_HOP_HEADERS = {"proxy-authorization"}
 #: A heartbeat at most every this many bytes received.
 _PROGRESS_EVERY = 64 * 1024
+#: Bytes a decompressor hands on at a time: what a body inflates to is produced piece by
+#: piece, so that the byte cap stops it however much one compressed chunk would make.
+_PIECE = 64 * 1024
+#: Content codings decoded (as httpx does: others are left as they came), and how many
+#: layers of them at most.
+_CODINGS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+_MAX_CODINGS = 4
 #: Charsets a body is never decoded with: not encodings of text on the web, and
 #: punycode's decoder takes time quadratic in the body (a 5 MB body would hold the
 #: server's event loop for minutes).
@@ -185,20 +194,101 @@ async def _read_body(ctx: ToolContext, response: httpx.Response, cap: int) -> by
     if total is not None and total > cap:
         raise ToolFailed(f"the response body ({total} bytes) is over the {cap} byte cap",
                          code="HTTP_TOO_LARGE")
+    # Decompressed here, bounded, not by httpx: its decoders inflate a whole chunk at
+    # once, so a few hundred bytes of "Content-Encoding: gzip, gzip" became gigabytes in
+    # the server's memory (and its event loop) before any cap could be checked.
+    inflate = _Inflater(response.headers.get_list("content-encoding", split_commas=True))
     chunks: list[bytes] = []
     received = reported = 0
-    async for chunk in response.aiter_bytes():
+    async for raw in response.aiter_raw():
+        for chunk in inflate.feed(raw):
+            received += len(chunk)
+            if received > cap:
+                raise ToolFailed(f"the response body is over the {cap} byte cap",
+                                 code="HTTP_TOO_LARGE")
+            chunks.append(chunk)
+        if received - reported >= _PROGRESS_EVERY:
+            reported = received
+            await ctx.heartbeat(f"received {received} bytes",
+                                progress=received / total if total else None)
+    for chunk in inflate.end():
         received += len(chunk)
         if received > cap:
             raise ToolFailed(f"the response body is over the {cap} byte cap",
                              code="HTTP_TOO_LARGE")
         chunks.append(chunk)
-        if received - reported >= _PROGRESS_EVERY:
-            reported = received
-            await ctx.heartbeat(f"received {received} bytes",
-                                progress=received / total if total else None)
     await ctx.heartbeat(f"received {received} bytes", progress=1.0)
     return b"".join(chunks)
+
+
+class _Inflater:
+    """Undoes a body's content codings (gzip, deflate; the others are left as they came,
+    as httpx leaves them), yielding at most :data:`_PIECE` bytes at a time at every layer:
+    the caller stops pulling at its cap, so what one compressed chunk would inflate to is
+    never held at once."""
+
+    def __init__(self, codings: list[str]) -> None:
+        # Listed in the order they were applied: undone in the reverse order.
+        names = [c.strip().lower() for c in codings if c.strip().lower() in _CODINGS]
+        if len(names) > _MAX_CODINGS:
+            raise ToolFailed(f"the response has {len(names)} layers of content coding; at "
+                             f"most {_MAX_CODINGS} are decoded", code="HTTP_ERROR")
+        self._layers = [_Layer(name) for name in reversed(names)]
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The decoded pieces of ``data``, the next raw bytes of the body."""
+        return self._through(0, data)
+
+    def end(self) -> Iterator[bytes]:
+        """What the decompressors still hold at the end of the body."""
+        for index, layer in enumerate(self._layers):
+            for piece in layer.flush():
+                yield from self._through(index + 1, piece)
+
+    def _through(self, index: int, data: bytes) -> Iterator[bytes]:
+        if index == len(self._layers):
+            if data:
+                yield data
+            return
+        for piece in self._layers[index].pieces(data):
+            yield from self._through(index + 1, piece)
+
+
+class _Layer:
+    """One content coding being undone, its output in bounded pieces."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._first = name == "deflate"  # zlib-wrapped, else raw deflate (as httpx tries)
+        self._inflate = zlib.decompressobj(_CODINGS[name])
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        while True:
+            try:
+                piece = self._inflate.decompress(data, _PIECE)
+            except zlib.error as exc:
+                if self._first:
+                    self._first = False
+                    self._inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+                    continue
+                raise ToolFailed(f"request failed: the body's {self.name} coding is broken "
+                                 f"({exc})", code="HTTP_ERROR") from exc
+            self._first = False
+            data = self._inflate.unconsumed_tail
+            if piece:
+                yield piece
+            if not data and len(piece) < _PIECE:
+                return
+
+    def flush(self) -> Iterator[bytes]:
+        # Every input was drained by pieces(): what is left is at most a last short piece.
+        try:
+            rest = self._inflate.flush()
+        except zlib.error as exc:
+            raise ToolFailed(f"request failed: the body's {self.name} coding is broken "
+                             f"({exc})", code="HTTP_ERROR") from exc
+        for start in range(0, len(rest), _PIECE):
+            yield rest[start:start + _PIECE]
 
 
 def _result(ctx: ToolContext, url: httpx.URL, response: httpx.Response, data: bytes,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import gzip
 import ipaddress
 import ssl
 import threading
+import tracemalloc
+import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +27,15 @@ from tests.auth.certs import TestCA
 from tests.helpers import as_dict, run_tool, status_details
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+
+
+@functools.cache
+def double_gzip_bomb() -> bytes:
+    """256 MB of zeros, gzipped twice: well under a kilobyte on the wire."""
+    inner = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zeros = bytes(1 << 20)
+    layer = b"".join([inner.compress(zeros) for _ in range(256)] + [inner.flush()])
+    return gzip.compress(layer, 9)
 
 
 class Seen(NamedTuple):
@@ -72,6 +85,18 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/hello":
             self._send(200, "héllo, wörld\n".encode(), "text/plain; charset=utf-8",
                        {"X-Test": "yes"})
+        elif self.path == "/gzip":
+            self._send(200, gzip.compress("héllo, gzip\n".encode()), "text/plain; charset=utf-8",
+                       {"Content-Encoding": "gzip"})
+        elif self.path == "/raw-deflate":
+            squeeze = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+            body = squeeze.compress(b"raw deflate " * 1000) + squeeze.flush()
+            self._send(200, body, "text/plain", {"Content-Encoding": "deflate"})
+        elif self.path == "/broken-gzip":
+            self._send(200, b"\x1f\x8b not really gzip", "text/plain",
+                       {"Content-Encoding": "gzip"})
+        elif self.path == "/bomb":
+            self._send(200, double_gzip_bomb(), "text/plain", {"Content-Encoding": "gzip, gzip"})
         elif self.path == "/punycode":
             self._send(200, b"a" * 3000 + b"-" + b"b" * 3000, "text/plain; charset=PunyCode")
         elif self.path == "/image.png":
@@ -213,6 +238,36 @@ async def test_head_of_a_body_over_the_cap_answers_its_length(stub, web) -> None
     assert result.outcome == events_pb2.OUTCOME_OK
     assert as_dict(result)["structured_output"]["headers"]["content-length"] == "300000"
     assert Handler.seen[-1].method == "HEAD"
+
+
+async def test_compressed_bodies_are_decoded(stub, web) -> None:
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/gzip")})
+    assert events[-1].result.output == "HTTP 200 OK\n\nhéllo, gzip\n"
+
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/raw-deflate")})
+    assert events[-1].result.output == "HTTP 200 OK\n\n" + "raw deflate " * 1000
+
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/broken-gzip")})
+    result = events[-1].result
+    assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED, "HTTP_ERROR")
+    assert "gzip coding is broken" in result.error.message
+
+
+async def test_a_compression_bomb_stops_at_the_cap_without_inflating_it(stub, web) -> None:
+    # Less than a kilobyte gzipped twice: httpx inflated each layer of a chunk at once,
+    # 256 MB here (gigabytes from a few kilobytes more) before the cap was looked at.
+    double_gzip_bomb()
+    tracemalloc.start()
+    try:
+        events = await run_tool(stub, "http_fetch", {"url": url(web, "/bomb")})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    result = events[-1].result
+    assert result.error.message == "the response body is over the 100000 byte cap"
+    assert peak < 32 * 1024 * 1024
+    await assert_still_serving(stub, web)
 
 
 async def test_a_body_in_punycode_is_not_decoded_but_sent_as_a_file(stub, web) -> None:
