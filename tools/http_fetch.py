@@ -209,8 +209,10 @@ async def _read_body(ctx: ToolContext, response: httpx.Response, cap: int) -> by
             chunks.append(chunk)
         if received - reported >= _PROGRESS_EVERY:
             reported = received
+            # The share of the body as it comes (Content-Length counts it before decoding).
             await ctx.heartbeat(f"received {received} bytes",
-                                progress=received / total if total else None)
+                                progress=(min(response.num_bytes_downloaded / total, 1.0)
+                                          if total else None))
     for chunk in inflate.end():
         received += len(chunk)
         if received > cap:

@@ -88,6 +88,9 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/gzip":
             self._send(200, gzip.compress("héllo, gzip\n".encode()), "text/plain; charset=utf-8",
                        {"Content-Encoding": "gzip"})
+        elif self.path == "/gzip-big":
+            self._send(200, gzip.compress(b"z" * 90_000), "text/plain",
+                       {"Content-Encoding": "gzip"})
         elif self.path == "/raw-deflate":
             squeeze = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
             body = squeeze.compress(b"raw deflate " * 1000) + squeeze.flush()
@@ -251,6 +254,18 @@ async def test_compressed_bodies_are_decoded(stub, web) -> None:
     result = events[-1].result
     assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_FAILED, "HTTP_ERROR")
     assert "gzip coding is broken" in result.error.message
+
+
+async def test_progress_of_a_compressed_body_stays_between_0_and_1(stub, web) -> None:
+    # Counted against Content-Length, which is the body's size before decoding: 90 kB of
+    # text gzipped to a few hundred bytes once reported progress 100 and more.
+    events = await run_tool(stub, "http_fetch", {"url": url(web, "/gzip-big")})
+
+    progress = [e.heartbeat.progress for e in events
+                if e.HasField("heartbeat") and e.heartbeat.HasField("progress")]
+    assert len(progress) >= 2 and progress[-1] == 1.0
+    assert all(0.0 <= p <= 1.0 for p in progress), progress
+    assert events[-1].result.output == "HTTP 200 OK\n\n" + "z" * 90_000
 
 
 async def test_a_compression_bomb_stops_at_the_cap_without_inflating_it(stub, web) -> None:
