@@ -287,7 +287,7 @@ def _leave(code):
 
 #: The launcher of the python tool: the interpreter started with the tool's flags and
 #: environment, then given the script's arguments and running it as ``__main__`` as
-#: ``python3 -I -u SCRIPT`` would (``__file__`` absolute, ``sys.argv`` the arguments, no
+#: ``python3 -s -u SCRIPT`` would (``__file__`` absolute, ``sys.argv`` the arguments, no
 #: launcher frame in a traceback, exit status 1 on an uncaught exception and 2 when the
 #: script cannot be opened). What differs: ``sys.orig_argv`` and ``/proc/self/cmdline``
 #: show the launcher, a frame of it sits under the script's on the stack, and a source the
