@@ -5,9 +5,13 @@ starts."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import socket
+import ssl
 import threading
+import tracemalloc
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -226,3 +230,67 @@ async def test_a_delivery_given_up_is_what_the_contract_says_an_audit_record_not
     # ... and the contract promises exactly that: the audit record, no notice in the log.
     assert f"audit record (method `{DELIVERY_METHOD}`, outcome `failed`)" in comment
     assert "Notice with code DELIVERY_FAILED in the run's log" not in comment
+
+
+class _BombingHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every POST 200 with a gzip body inflating to :data:`_BOMB_BYTES`."""
+
+    body = b""
+    posts = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        type(self).posts += 1
+        self.send_response(200)
+        self.send_header("content-encoding", "gzip")
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+_BOMB_BYTES = 256 * 1024 * 1024
+
+
+def _gzip_of_zeros(size: int) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip format
+    chunk = bytes(1024 * 1024)
+    return b"".join([*(packer.compress(chunk) for _ in range(size // len(chunk))),
+                     packer.flush()])
+
+
+async def test_a_receiver_answering_with_a_compression_bomb_costs_the_server_nothing(
+        make_server, tmp_path, tls) -> None:
+    """Only the receiver's status counts: its body (here 256 MB of zeros in ~250 KB of gzip)
+    is never read, let alone inflated into the server's memory."""
+    _BombingHandler.body = _gzip_of_zeros(_BOMB_BYTES)
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BombingHandler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls["tls_cert_file"], tls["tls_key_file"])
+    receiver.socket = context.wrap_socket(receiver.socket, server_side=True)
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    delivered = metrics.DELIVERIES.labels("webhook", "delivered")
+    before = delivered._value.get()
+    tracemalloc.start()
+    try:
+        channel, stub = await make_delivering_server(make_server, tmp_path, tls)
+        url = f"https://127.0.0.1:{receiver.server_address[1]}/hook"
+        async with channel:
+            await stub.StartRun(with_webhook(url))
+
+            async def made() -> bool:
+                return delivered._value.get() == before + 1
+
+            await eventually(made, within=30, interval=0.05, what="the delivery made")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        receiver.shutdown()
+        receiver.server_close()
+        thread.join(5)
+
+    assert _BombingHandler.posts == 1
+    assert peak < 64 * 1024 * 1024, f"the server held {peak / 2**20:.0f} MiB at its peak"
