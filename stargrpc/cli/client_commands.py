@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -87,10 +88,10 @@ def connection_options(command: F) -> F:
 
 
 def _fail(error: ClientError) -> NoReturn:
-    click.echo(f"error: {error}", err=True)
+    click.echo(terminal_safe(f"error: {error}"), err=True)
     if isinstance(error, CallError):
         for violation in error.violations:
-            click.echo(f"  {violation.field}: {violation.description}", err=True)
+            click.echo(terminal_safe(f"  {violation.field}: {violation.description}"), err=True)
     sys.exit(EXIT_RPC_ERROR)
 
 
@@ -115,7 +116,7 @@ def tools(client_options: dict[str, Any], as_json: bool) -> None:
     for item in catalog.tools:
         flags = " [privileged]" if item.privileged else ""
         flags += "" if item.callable else " [not allowed]"
-        click.echo(f"{item.name.ljust(width)}  {item.description}{flags}")
+        click.echo(terminal_safe(f"{item.name.ljust(width)}  {item.description}{flags}"))
     click.echo(f"catalog {catalog.catalog_hash}", err=True)
 
 
@@ -310,19 +311,46 @@ class JsonRenderer:
         self.out.flush()
 
 
+#: What a terminal would act on rather than show: the C0 controls but tab and newline
+#: (ESC starts the sequences that set a window's title, write the clipboard or redraw the
+#: screen), DEL, the C1 controls, and the bidirectional overrides that reorder what is
+#: shown ("Trojan source"). A tool's output may come from anywhere (a fetched page).
+_TERMINAL_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f"
+                              "\u202a-\u202e\u2066-\u2069]")
+
+
+def _spelt(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every character a terminal would act on (:data:`_TERMINAL_UNSAFE`)
+    spelt out as an escape (``\\x1b``), so that what a run sends is shown, never obeyed."""
+    return _TERMINAL_UNSAFE.sub(_spelt, text)
+
+
 class TextRenderer:
-    """Steps as an indented tree, deltas as they arrive, then the outcome and output."""
+    """Steps as an indented tree, deltas as they arrive, then the outcome and output.
+
+    What the server sends — titles, file names, messages and, on a terminal, the output
+    too — is shown through :func:`terminal_safe`: a run cannot move the cursor, retitle the
+    window or write the clipboard of whoever watches it. Piped, the output is written as it
+    came (``--json`` gives every event exactly)."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.depth: dict[str, int] = {}
         self.at_line_start = True
         self.streamed: list[str] = []  # the text of every DELTA shown, stderr aside
+        self.tty = out.isatty()
 
-    def _line(self, text: str) -> None:
+    def _line(self, text: str, output: bool = False) -> None:
+        """Writes ``text`` on a line of its own; ``output`` (the run's own text, not its
+        metadata) is written as it came when piped."""
         if not self.at_line_start:
             self.out.write("\n")
-        self.out.write(text + "\n")
+        self.out.write((text if output and not self.tty else terminal_safe(text)) + "\n")
         self.at_line_start = True
         self.out.flush()
 
@@ -352,8 +380,10 @@ class TextRenderer:
             text = step_event.delta
             if step_event.channel != "stderr":
                 self.streamed.append(text)
-            if step_event.channel == "stderr":
-                text = click.style(text, fg="red") if self.out.isatty() else text
+            if self.tty:
+                text = terminal_safe(text)
+                if step_event.channel == "stderr":
+                    text = click.style(text, fg="red")
             self.out.write(text)
             self.at_line_start = text.endswith("\n")
             self.out.flush()
@@ -374,7 +404,7 @@ class TextRenderer:
         self._line(f"= {outcome}")
         unseen = self._not_streamed(result.output)
         if unseen:
-            self._line(unseen)
+            self._line(unseen, output=True)
         if result.HasField("error"):
             self._line(f"error {result.error.code}: {result.error.message}")
         for sent in result.writeback.sent_files:

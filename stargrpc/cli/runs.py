@@ -10,7 +10,7 @@ from typing import Any
 import click
 from google.protobuf import json_format
 
-from stargrpc.cli.client_commands import _fail, connection_options
+from stargrpc.cli.client_commands import _fail, connection_options, terminal_safe
 from stargrpc.client import Client, ClientError
 from stargrpc.v1 import events_pb2, tool_service_pb2
 
@@ -54,7 +54,7 @@ def runs(client_options: dict[str, Any], tool: str, state: str | None, outcome: 
                               indent=2))
         return
     for run in page.runs:
-        click.echo("  ".join(_columns(run)))
+        click.echo(terminal_safe("  ".join(_columns(run))))
     if not page.runs:
         click.echo("no runs", err=True)
     if page.next_page_token:
@@ -96,7 +96,7 @@ def _print_tree(client_options: dict[str, Any], root: str, as_json: bool) -> Non
     pending = [(tops[0], 0)]
     while pending:
         run, level = pending.pop()
-        click.echo("  " * level + "  ".join(_columns(run)))
+        click.echo(terminal_safe("  " * level + "  ".join(_columns(run))))
         pending.extend((child, level + 1) for child in reversed(children.get(run.run_id, [])))
 
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from stargrpc.cli.client_commands import _fail, connection_options
+from stargrpc.cli.client_commands import _fail, connection_options, terminal_safe
 from stargrpc.client import Client, ClientError
 
 _SCOPES = ["run", "tree", "principal", "global"]
@@ -123,7 +123,8 @@ def list_(client_options: dict[str, Any], scope: str, run_id: str, principal: st
         scope, prefix=prefix, page_size=limit, after_key=after_key, with_values=with_values,
         timeout=30, **where))
     for entry in page.entries:
-        click.echo(f"{entry.key}\t{entry.value_json}" if with_values else entry.key)
+        click.echo(terminal_safe(f"{entry.key}\t{entry.value_json}" if with_values
+                                  else entry.key))
     if page.next_after_key:
         click.echo(f"more: --after {page.next_after_key}", err=True)
 

@@ -11,7 +11,7 @@ import sys
 from google.protobuf import json_format
 
 from stargrpc.client import AsyncClient
-from stargrpc.errors import Unavailable
+from stargrpc.errors import FieldViolation, InvalidArgument, Unavailable
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.faults import Recorder
 
@@ -198,3 +198,55 @@ async def test_input_that_cannot_be_sent_is_a_one_line_error_not_a_traceback(
         code, _, err = await _stargrpc_bytes(*args)
         assert (code, "Traceback" in err) == (2, False), (args, err)
         assert said in err, (args, err)
+
+
+async def test_what_a_server_sends_is_shown_to_a_terminal_never_obeyed(
+        recorded_server: StargrpcServer, recorder: Recorder) -> None:
+    """An escape sequence in what comes back (here a refusal's message and field violation)
+    is spelt out: a server cannot retitle the window or write the clipboard of whoever reads
+    the CLI's output (OSC 0 and OSC 52 below)."""
+    target = f"127.0.0.1:{recorded_server.port}"
+    hostile = "\x1b]0;owned\x07\x1b]52;c;ZXZpbA==\x07\u202ex"
+    recorder.fail("Execute", InvalidArgument(f"refused {hostile}",
+                                             [FieldViolation("arguments", hostile)]))
+
+    code, _, err = await _stargrpc("call", "--target", target, "echo", '{"text": "x"}')
+
+    assert code == 1
+    assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err
+    assert "\\x1b]0;owned\\x07" in err and "\\u202e" in err
+
+
+def test_a_terminal_is_shown_escapes_a_pipe_is_given_the_output_as_it_came() -> None:
+    import io
+
+    from stargrpc.cli.client_commands import TextRenderer
+    from stargrpc.v1 import events_pb2
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def rendered(out: io.StringIO) -> str:
+        renderer = TextRenderer(out)
+        start = events_pb2.RunEvent()
+        start.step.phase = events_pb2.STEP_PHASE_START
+        start.step.step.id, start.step.step.title = "s0", "title \x1b[2J"
+        delta = events_pb2.RunEvent()
+        delta.step.phase = events_pb2.STEP_PHASE_DELTA
+        delta.step.step.id, delta.step.delta = "s0", "out \x1b]52;c;eA==\x07\n"
+        result = events_pb2.RunEvent()
+        result.result.outcome = events_pb2.OUTCOME_OK
+        result.result.writeback.sent_files.add(name="a\x1b[8mb.txt", mime_type="text/plain")
+        for event in (start, delta, result):
+            renderer.render(event)
+        renderer.close()
+        return out.getvalue()
+
+    shown, piped = rendered(Terminal()), rendered(io.StringIO())
+
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "title \\x1b[2J" in shown and "out \\x1b]52;c;eA==\\x07" in shown
+    assert "file a\\x1b[8mb.txt" in shown
+    assert "out \x1b]52;c;eA==\x07\n" in piped  # the run's output, as it came
+    assert "title \\x1b[2J" in piped and "file a\\x1b[8mb.txt" in piped  # its metadata not
