@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import re
+import unicodedata
 import zlib
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -310,12 +311,21 @@ def _result(ctx: ToolContext, url: httpx.URL, response: httpx.Response, data: by
     if text is not None:
         output = f"{status_line}\n\n{text}"
     else:
-        name = url.path.rsplit("/", 1)[-1] or "download"
-        sent = ctx.send_file(name, data, content_type.split(";")[0].strip() or None)
+        sent = ctx.send_file(_file_name(url.path), data, content_type.split(";")[0].strip() or None)
         structured["file"] = sent.name
         output = (f"{status_line}\n\nbinary body ({sent.mime_type}, {len(data)} bytes) "
                   f"sent as file {sent.name}")
     return ToolResult(output=output, structured=structured)
+
+
+def _file_name(path: str) -> str:
+    """The name a body is sent under: the URL path's last segment (percent-decoded), made
+    one that a caller saving the file by its name cannot be led astray by: a backslash
+    (``%5C``) or a control character (``%00``, ``%0A``) becomes ``_``, and ``.``, ``..``
+    or nothing becomes ``download`` (a decoded ``%2F`` already ends the segment)."""
+    name = "".join("_" if char in "/\\" or unicodedata.category(char) == "Cc" else char
+                   for char in path.rsplit("/", 1)[-1]).strip()
+    return "download" if name in ("", ".", "..") else name
 
 
 def _as_text(data: bytes, content_type: str, charset: str | None) -> str | None:

@@ -102,7 +102,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, double_gzip_bomb(), "text/plain", {"Content-Encoding": "gzip, gzip"})
         elif self.path == "/punycode":
             self._send(200, b"a" * 3000 + b"-" + b"b" * 3000, "text/plain; charset=PunyCode")
-        elif self.path == "/image.png":
+        elif self.path == "/image.png" or self.path.startswith("/files/"):
             self._send(200, PNG, "image/png")
         elif self.path == "/echo":
             self._send(201, b"got " + body, "text/plain")
@@ -295,6 +295,19 @@ async def test_a_body_in_punycode_is_not_decoded_but_sent_as_a_file(stub, web) -
     assert as_dict(result)["structured_output"]["body"] is None
     [sent] = result.writeback.sent_files
     assert sent.content == b"a" * 3000 + b"-" + b"b" * 3000
+
+
+@pytest.mark.parametrize(("path", "name"), [
+    ("/files/%2e%2e", "download"), ("/files/%2E", "download"), ("/files/", "download"),
+    ("/files/a%00b%0Ac.png", "a_b_c.png"), ("/files/..%5C..%5Cboot.ini", ".._.._boot.ini"),
+    ("/files/x%2F..", "download"), ("/files/%1b%5b2Jx", "_[2Jx")])
+async def test_a_body_is_sent_under_a_name_that_names_one_file(stub, web, path, name) -> None:
+    events = await run_tool(stub, "http_fetch", {"url": url(web, path)})
+
+    result = events[-1].result
+    assert result.outcome == events_pb2.OUTCOME_OK
+    [sent] = result.writeback.sent_files
+    assert sent.name == name
 
 
 async def test_redirect_loop_stops_at_the_cap(stub, web) -> None:
