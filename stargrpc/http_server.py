@@ -10,11 +10,13 @@ serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicor
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import h11
 import structlog
 import uvicorn
 from cryptography import x509
@@ -25,6 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stargrpc.forwarded import ForwardedClient
 from stargrpc.gateway import Gateway
@@ -35,6 +38,72 @@ log = structlog.get_logger("stargrpc.http")
 
 #: How long open HTTP connections get to finish once an HTTP server stops.
 HTTP_SHUTDOWN_GRACE_SECONDS = 3
+
+#: How long a client has to send a request's head (its request line and headers) once the
+#: connection is ready for it: a client that never finishes it is cut off.
+REQUEST_HEAD_SECONDS = 10.0
+
+#: How long a client has to send a request's body once its head is in.
+REQUEST_BODY_SECONDS = 60.0
+
+
+class DeadlineH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline on each request the client sends.
+
+    uvicorn itself waits for ever for a request that does not come whole: a connection
+    opened and left silent, a head sent a byte at a time, a body announced and never
+    finished each held a socket (and, for a body, what had arrived of it) with no
+    credentials asked, so that anyone who reached the port could hold as many as it
+    liked. Here the head must be in within :data:`REQUEST_HEAD_SECONDS` of the connection
+    (or of the previous response, on a kept-alive one), the body within
+    :data:`REQUEST_BODY_SECONDS` of the head; a client that is late is disconnected. The
+    response is not timed: an event stream may last as long as its run.
+    """
+
+    _read_deadline: asyncio.TimerHandle | None = None
+    _read_deadline_state: object = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._time_the_request()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._clear_read_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._time_the_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._time_the_request()
+
+    def _time_the_request(self) -> None:
+        """Arms the deadline of what the client owes now: the head, the body, or nothing."""
+        state = self.conn.their_state
+        owed = {h11.IDLE: REQUEST_HEAD_SECONDS, h11.SEND_BODY: REQUEST_BODY_SECONDS}.get(state)
+        if owed is None or self.transport.is_closing():
+            self._clear_read_deadline()
+            return
+        if self._read_deadline is not None and self._read_deadline_state is state:
+            return  # still owing the same part: its deadline stands
+        self._clear_read_deadline()
+        self._read_deadline_state = state
+        self._read_deadline = self.loop.call_later(owed, self._read_too_late, state)
+
+    def _clear_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_too_late(self, state: object) -> None:
+        self._read_deadline = None
+        if self.conn.their_state is not state or self.transport.is_closing():
+            return
+        log.info("http_request_too_slow", part="head" if state is h11.IDLE else "body",
+                 client=self.client[0] if self.client else None)
+        self.transport.close()
 
 
 def metrics_app(registry: CollectorRegistry | None = None) -> Starlette:
@@ -122,7 +191,7 @@ class AsgiServer:
             self._app, lifespan="off", log_config=None, access_log=False,
             timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_SECONDS,
             # The event loop is the server's; uvicorn must not install another.
-            loop="none", http="h11", ws="none",
+            loop="none", http=DeadlineH11Protocol, ws="none",
             # uvicorn believes 127.0.0.1 by default: any local process could then name
             # any client to the audit (stargrpc.forwarded).
             proxy_headers=bool(self._trusted_proxies),

@@ -46,7 +46,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -601,11 +601,16 @@ class Gateway:
 
     async def _json_body(self, request: Request) -> Any:
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > self._max_body_bytes:
-                raise _BadRequest(f"the body is larger than {self._max_body_bytes} bytes",
-                                  status=413)
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > self._max_body_bytes:
+                    raise _BadRequest(f"the body is larger than {self._max_body_bytes} bytes",
+                                      status=413)
+        except ClientDisconnect:
+            # Gone before the end of its body (or cut off for sending it too slowly,
+            # stargrpc.http_server): answered as a bad request, which nobody reads.
+            raise _BadRequest("the body did not arrive whole") from None
         if not raw.strip():
             return {}
         try:

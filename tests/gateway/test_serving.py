@@ -4,11 +4,13 @@ stops the process cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
 import httpx
 
+from stargrpc import http_server
 from stargrpc.http_server import AsgiServer
 from tests.procs import ServerProcess, serve
 
@@ -55,5 +57,54 @@ async def test_http_connections_send_without_waiting_for_acks(tmp_path: Path) ->
             assert accepted
             assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
                        for sock in accepted)
+    finally:
+        await server.stop()
+
+
+async def test_a_request_that_does_not_come_whole_is_cut_off(monkeypatch) -> None:
+    # uvicorn waits for ever for a request's head or body: a silent connection, a head sent
+    # a byte at a time or a body announced and never finished each held a socket (and what
+    # had come of the body) without any credentials asked.
+    monkeypatch.setattr(http_server, "REQUEST_HEAD_SECONDS", 0.3)
+    monkeypatch.setattr(http_server, "REQUEST_BODY_SECONDS", 0.6)
+    disconnected = asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while True:  # the whole body, or the client gone
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected.set()
+                return
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/slow":  # a response may take its time
+            await asyncio.sleep(1.0)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = AsgiServer("test", app, "127.0.0.1", 0)
+    port = await server.start()
+
+    async def cut_off(sent: bytes) -> bool:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(sent)
+        try:
+            return await asyncio.wait_for(reader.read(), 10) == b""
+        finally:
+            writer.close()
+
+    try:
+        assert await cut_off(b"")  # never a byte
+        assert await cut_off(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no end of head
+        assert await cut_off(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n"
+                             b"\r\n{")  # no end of body
+        await asyncio.wait_for(disconnected.wait(), 10)
+        # A whole request is answered, however long its response takes, and its kept-alive
+        # connection serves the next one.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.post("/slow", content=b"x" * 1000)).text == "ok"
+            assert (await client.get("/")).text == "ok"
     finally:
         await server.stop()
