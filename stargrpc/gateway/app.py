@@ -194,6 +194,18 @@ class _BadRequest(Exception):
                                 status_code=self.status)
 
 
+class _Unauthenticated(_BadRequest):
+    """The server refused the credentials of a request whose body was still coming: its
+    answer is that refusal (a 401), not a refusal of the body."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details() or "unauthenticated", status=401)
+        self.error = error
+
+    def response(self) -> JSONResponse:
+        return rpc_error_response(self.error)
+
+
 class SecurityHeaders:
     """Adds :data:`SECURITY_HEADERS` to every HTTP response (page and API alike)."""
 
@@ -601,12 +613,16 @@ class Gateway:
 
     async def _json_body(self, request: Request) -> Any:
         raw = bytearray()
+        vouched = False
         try:
             async for chunk in request.stream():
                 raw += chunk
                 if len(raw) > self._max_body_bytes:
                     raise _BadRequest(f"the body is larger than {self._max_body_bytes} bytes",
                                       status=413)
+                if not vouched and len(raw) > UNVOUCHED_BODY_BYTES:
+                    await self._refuse_unknown_caller(request)
+                    vouched = True
         except ClientDisconnect:
             # Gone before the end of its body (or cut off for sending it too slowly,
             # stargrpc.http_server): answered as a bad request, which nobody reads.
@@ -621,6 +637,19 @@ class Gateway:
         except ValueError as exc:
             raise _BadRequest("the body is not valid JSON",
                               [("body", str(exc))]) from exc
+
+    async def _refuse_unknown_caller(self, request: Request) -> None:
+        """Raises :class:`_Unauthenticated` when the server refuses the request's
+        credentials (asked with a ListTools of the caller's); any other answer, or none in
+        time, lets the request go on (the call it becomes is checked anyway)."""
+        try:
+            async with asyncio.timeout(_CREDENTIALS_CHECK_SECONDS):
+                await self.client.list_tools(self._metadata(request))
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.UNAUTHENTICATED:
+                raise _Unauthenticated(error) from None
+        except TimeoutError:
+            pass
 
     @staticmethod
     def _execute_request(request: Request, body: ExecuteBody
@@ -664,6 +693,11 @@ def _after_seq(request: Request) -> int:
 
 #: The largest seq (a uint64).
 _MAX_SEQ = 2**64 - 1
+
+#: How much of a request's body the gateway reads before it asks the server whether the
+#: caller's credentials pass: a caller the server refuses makes the gateway hold no more
+#: than this (rather than up to max_body_bytes) per connection.
+UNVOUCHED_BODY_BYTES = 64 * 1024
 
 #: How long the credentials of a malformed request are checked for (see
 #: Gateway._credentials_first).

@@ -638,3 +638,35 @@ async def test_execute_takes_lane_priority_and_max_wait(gateway) -> None:
     assert huge.status_code == 400
     assert unknown.status_code == 400
     assert detail(unknown.json(), "ErrorInfo")["reason"] == "LANE_UNKNOWN"
+
+
+async def test_a_refused_caller_cannot_make_the_gateway_hold_a_large_body(make_server,
+                                                                         tmp_path) -> None:
+    # The body was read whole (up to max_body_bytes) before the server saw the credentials:
+    # anyone could make the gateway hold 8 MiB per connection. Past the first 64 KiB the
+    # credentials are asked for, and a refused caller gets its 401 without the rest read.
+    from stargrpc.auth.keys import KeyStore
+    from tests.gateway.conftest import gateway_registry
+
+    keys = KeyStore(tmp_path / "keys.json")
+    admin = keys.create("web-admin", ["admin"])[1]
+    server = await make_server(registry=gateway_registry(), http_port=0,
+                               insecure_no_auth=False, keys_file=tmp_path / "keys.json")
+    port = server.http.gateway_port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/tools/echo:execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Authorization: Bearer nope\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4000000\r\n\r\n" + b'{"arguments": {"text": "'
+                     + b"x" * 1_000_000)  # a quarter of the body; the rest never comes
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 401 ")
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        large = await http.post("/v1/tools/echo:execute?wait=true", headers={
+            "Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
+            content=b'{"arguments": {"text": "' + b"y" * 90_000 + b'"}}' + b" " * 300_000)
+    assert large.status_code == 200
+    assert large.json()["result"]["output"] == "y" * 90_000
