@@ -31,6 +31,12 @@ TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
 #: The largest message the gateway's channel sends or receives, unless told.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+#: How much of a started run's events may wait for an HTTP client that streams them
+#: (``Accept: text/event-stream``) but does not read them: past it the client's stream ends
+#: and the client reconnects with ``Last-Event-ID``, as a WatchRun watcher too far behind
+#: is cut (``max_watch_lag_events``).
+MAX_QUEUED_EVENT_BYTES = 8 * 1024 * 1024
+
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
 FORWARDED_HEADERS = ("authorization", *TRACE_HEADERS)
 
@@ -51,6 +57,13 @@ class StartedRun:
     first: events_pb2.RunEvent
     result: asyncio.Future[events_pb2.RunEvent]
     events: asyncio.Queue[events_pb2.RunEvent | None] | None = field(default=None)
+    #: The size of the events in ``events`` that nobody has taken yet.
+    queued_bytes: int = 0
+
+    def take(self, event: events_pb2.RunEvent | None) -> None:
+        """``event`` was taken from ``events``."""
+        if event is not None:
+            self.queued_bytes -= event.ByteSize()
 
 
 class GatewayClient:
@@ -225,6 +238,14 @@ class GatewayClient:
                 last = response.event
                 if started.events is not None:
                     started.events.put_nowait(last)
+                    started.queued_bytes += last.ByteSize()
+                    if started.queued_bytes > MAX_QUEUED_EVENT_BYTES:
+                        # A listener that does not keep up: its stream ends here (the
+                        # None), and it follows the run again with Last-Event-ID.
+                        log.info("gateway_listener_behind", run_id=started.run_id,
+                                 queued_bytes=started.queued_bytes)
+                        started.events.put_nowait(None)
+                        started.events = None
             if last is None or not last.HasField("result"):
                 raise RuntimeError("the Execute stream ended before the Result")
             started.result.set_result(last)

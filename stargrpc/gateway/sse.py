@@ -89,7 +89,9 @@ class QueueSource(EventSource):
         if self._first is not None:
             first, self._first = self._first, None
             return first
-        return await self._queue.get()
+        event = await self._queue.get()
+        self._started.take(event)
+        return event
 
     def close(self) -> None:
         """Stops listening; the run goes on."""

@@ -670,3 +670,47 @@ async def test_a_refused_caller_cannot_make_the_gateway_hold_a_large_body(make_s
             content=b'{"arguments": {"text": "' + b"y" * 90_000 + b'"}}' + b" " * 300_000)
     assert large.status_code == 200
     assert large.json()["result"]["output"] == "y" * 90_000
+
+
+async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(gateway,
+                                                                       monkeypatch) -> None:
+    # POST …:execute with Accept: text/event-stream queued every event of the run for a
+    # client that did not read them: a run streaming 100000 deltas to a client that never
+    # read made the gateway hold some 100 MB. Past a bound the stream ends, and the client
+    # follows the run again with Last-Event-ID.
+    import re
+    import socket
+
+    from stargrpc.gateway import client as gateway_client
+
+    monkeypatch.setattr(gateway_client, "MAX_QUEUED_EVENT_BYTES", 64 * 1024)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client reads nothing
+    sock.connect(("127.0.0.1", gateway.server.http.gateway_port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = b'{"arguments": {"to": 30000}}'
+    writer.write(b"POST /v1/tools/count:execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Accept: text/event-stream\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        seen = await asyncio.wait_for(reader.readuntil(b'"run_id":"'), 10)
+        run_id = (await reader.readexactly(32)).decode()
+        # The run goes to its end while the first client reads nothing.
+        async with gateway.http.stream("GET", f"/v1/runs/{run_id}/events") as followed:
+            assert followed.status_code == 200
+            async for line in followed.aiter_lines():
+                if line == "event: result":
+                    break
+        seen += await asyncio.wait_for(reader.read(), 30)  # now all that was sent to it
+    finally:
+        writer.close()
+
+    assert seen.endswith(b"0\r\n\r\n")  # the stream ended, in good order ...
+    assert b"event: result" not in seen  # ... before the Result
+    last_id = re.findall(rb"\nid: (\d+)\n", seen)[-1].decode()
+    async with gateway.http.stream("GET", f"/v1/runs/{run_id}/events",
+                                   headers={"Last-Event-ID": last_id}) as rest:
+        lines = [line async for line in rest.aiter_lines()]
+    assert lines[0] == f"id: {int(last_id) + 1}"
+    assert "event: result" in lines
