@@ -379,3 +379,37 @@ async def test_the_result_shows_what_the_run_used_and_nothing_it_did_not_measure
     await expect(page.locator("#result-output-full")).to_have_text("hi")
     await expect(page.locator("#result-usage dt")).to_have_text(["wall"])
     await expect(page.locator("#result-usage dd")).to_have_text(re.compile(r"^\d+\.\d\d s$"))
+
+
+async def test_a_file_the_tool_calls_html_is_offered_as_a_download_only(
+        make_server, browser: Browser) -> None:
+    """A sent file's link is a blob URL of this page's origin: opened in a tab (a middle
+    click) a blob typed text/html was a page of this origin, the tool's markup rendered
+    in it. The blob is typed as bytes whatever the tool says; the page still shows it."""
+    from stargrpc import ToolContext, tool
+    from stargrpc.registry import Registry, spec_of
+
+    @tool(kind="test")
+    async def html_file(ctx: ToolContext) -> str:
+        """Send a file that calls itself HTML."""
+        ctx.send_file("page.html", b"<h1 id='planted'>planted</h1>", "text/html")
+        return "sent"
+
+    spec = spec_of(html_file)
+    assert spec is not None
+    server = await make_server(registry=Registry([spec]), http_port=0)
+    page = await browser.new_page()
+    # What the page makes blob URLs of (its CSP keeps fetch() off them).
+    await page.add_init_script("""
+        window.blobTypes = [];
+        const make = URL.createObjectURL;
+        URL.createObjectURL = (blob) => { window.blobTypes.push(blob.type); return make(blob); };
+    """)
+    await page.goto(f"http://127.0.0.1:{server.http.gateway_port}/")
+    await expect(page.locator("#tool option[value='html_file']")).to_have_count(1)
+    await page.click("#run-button")
+    await expect(page.locator("#result")).to_have_attribute("data-outcome", "OK")
+    link = page.locator("#result-files a.download")
+    await expect(link).to_have_attribute("download", "page.html")
+    await expect(page.locator("#result-files")).to_contain_text("text/html")
+    assert await page.evaluate("window.blobTypes") == ["application/octet-stream"]

@@ -53,7 +53,9 @@ function renderFiles(files, chunks) {
     const item = el("li");
     const parts = file.streamed ? chunks.get(file.file_id) : [base64Bytes(file.content)];
     if (parts) {
-      const blob = new Blob(parts, { type: file.mime_type || "application/octet-stream" });
+      // Never the tool's own type: a blob URL opened in a tab (a middle click) is a page of
+      // this origin, and a tool's text/html or SVG would render there as one.
+      const blob = new Blob(parts, { type: "application/octet-stream" });
       const link = el("a", "download", file.name);
       link.href = URL.createObjectURL(blob);
       link.download = file.name;
