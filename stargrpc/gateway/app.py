@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -206,6 +207,33 @@ class _Unauthenticated(_BadRequest):
         return rpc_error_response(self.error)
 
 
+class _CallerStream(StreamingResponse):
+    """An SSE response that gives back its caller's stream slot once it is over, sent or
+    not (a client gone before it started never runs its body)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            release, self._release = self._release, lambda: None
+            release()
+
+
+def _caller_key(request: Request) -> str:
+    """Who holds a stream, for :data:`MAX_STREAMS_PER_CALLER`: its credentials (the
+    server has accepted them by then), else its address (a server without
+    authentication)."""
+    credentials = request.headers.get("authorization")
+    if credentials:
+        return "credentials:" + hashlib.sha256(credentials.encode("utf-8", "replace")
+                                               ).hexdigest()
+    return "address:" + (request.client.host if request.client else "")
+
+
 class SecurityHeaders:
     """Adds :data:`SECURITY_HEADERS` to every HTTP response (page and API alike)."""
 
@@ -283,6 +311,7 @@ class Gateway:
     _max_body_bytes: int
     _forwarded: ForwardedClient | None
     _open_streams: int
+    _streams_by_caller: dict[str, int]
     _no_open_streams: asyncio.Event
 
     def __init__(self, grpc_target: str, *, credentials: grpc.ChannelCredentials | None = None,
@@ -317,6 +346,7 @@ class Gateway:
         self._max_body_bytes = max_body_bytes
         self._forwarded = forwarded
         self._open_streams = 0
+        self._streams_by_caller = {}
         self._no_open_streams = asyncio.Event()
         self._no_open_streams.set()
         api = [
@@ -365,7 +395,30 @@ class Gateway:
         self.runs_watch.wake_all()  # a stream waiting for its poll's next answer ends now
         await self.client.aclose()
 
-    def _stream(self, source: EventSource | AsyncIterator[bytes]) -> StreamingResponse:
+    def _stream(self, request: Request, source: EventSource | AsyncIterator[bytes],
+                run_id: str = "") -> Response:
+        """The SSE response of ``source``, or 429 when the caller already has
+        :data:`MAX_STREAMS_PER_CALLER` open (``run_id``: the run a refused stream was of,
+        named in the refusal)."""
+        caller = _caller_key(request)
+        if self._streams_by_caller.get(caller, 0) >= MAX_STREAMS_PER_CALLER:
+            if isinstance(source, EventSource):
+                source.close()  # (a run list's generator has not started: nothing to end)
+            message = (f"too many event streams open with these credentials (at most "
+                       f"{MAX_STREAMS_PER_CALLER}): close one first")
+            if run_id:
+                message += f"; the run {run_id} goes on, at /v1/runs/{run_id}/events"
+            return JSONResponse(error_body(429, "RESOURCE_EXHAUSTED", message),
+                                status_code=429, headers={"Retry-After": "5"})
+        self._streams_by_caller[caller] = self._streams_by_caller.get(caller, 0) + 1
+
+        def release() -> None:
+            left = self._streams_by_caller.get(caller, 0) - 1
+            if left > 0:
+                self._streams_by_caller[caller] = left
+            else:
+                self._streams_by_caller.pop(caller, None)
+
         chunks = (sse_stream(source, self._closing) if isinstance(source, EventSource)
                   else source)
 
@@ -380,8 +433,7 @@ class Gateway:
                 if not self._open_streams:
                     self._no_open_streams.set()
 
-        return StreamingResponse(counted(), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return _CallerStream(counted(), release)
 
     def _credentials_first(self, endpoint: Callable[[Request], Awaitable[Response]]
                            ) -> Callable[[Request], Awaitable[Response]]:
@@ -462,7 +514,7 @@ class Gateway:
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
 
-        return self._stream(self.runs_watch.follow(grpc_request, metadata, first))
+        return self._stream(request, self.runs_watch.follow(grpc_request, metadata, first))
 
     async def execute(self, request: Request) -> Response:
         """``POST /v1/tools/{name}:execute``."""
@@ -483,7 +535,7 @@ class Gateway:
                 "events_url": f"/v1/runs/{started.run_id}/events",
                 "cancel_url": f"/v1/runs/{started.run_id}:cancel"}
         if wants_stream:
-            return self._stream(QueueSource(started))
+            return self._stream(request, QueueSource(started), started.run_id)
         if request.query_params.get("wait", "").lower() in ("1", "true", "yes"):
             try:
                 final = await started.result
@@ -517,7 +569,7 @@ class Gateway:
                 return rpc_error_response(error)
         # A stream cut before its Result (event None) ends this response at once, and the
         # EventSource reconnects with Last-Event-ID.
-        return self._stream(source)
+        return self._stream(request, source)
 
     async def cancel(self, request: Request) -> Response:
         """``POST /v1/runs/{run_id}:cancel``: CancelRun; 200 ``{"cancelled": …}``."""
@@ -698,6 +750,10 @@ _MAX_SEQ = 2**64 - 1
 #: caller's credentials pass: a caller the server refuses makes the gateway hold no more
 #: than this (rather than up to max_body_bytes) per connection.
 UNVOUCHED_BODY_BYTES = 64 * 1024
+
+#: Event streams (``…/events``, ``Accept: text/event-stream``) one caller may hold open at
+#: once: each holds a call on the server, and each live run list a poll of its own.
+MAX_STREAMS_PER_CALLER = 64
 
 #: How long the credentials of a malformed request are checked for (see
 #: Gateway._credentials_first).

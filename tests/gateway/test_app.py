@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -678,7 +679,6 @@ async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(gateway,
     # client that did not read them: a run streaming 100000 deltas to a client that never
     # read made the gateway hold some 100 MB. Past a bound the stream ends, and the client
     # follows the run again with Last-Event-ID.
-    import re
     import socket
 
     from stargrpc.gateway import client as gateway_client
@@ -714,3 +714,42 @@ async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(gateway,
         lines = [line async for line in rest.aiter_lines()]
     assert lines[0] == f"id: {int(last_id) + 1}"
     assert "event: result" in lines
+
+
+async def test_one_caller_holds_a_bounded_number_of_event_streams(gateway, gate,
+                                                                  monkeypatch) -> None:
+    # Each live run list polled the server every second for as long as it was open, each
+    # run's stream held a WatchRun: one caller could open them without end. Past the
+    # bound it gets 429 (a run it started still goes on); a closed stream frees its place.
+    from stargrpc.gateway import app as gateway_app
+
+    monkeypatch.setattr(gateway_app, "MAX_STREAMS_PER_CALLER", 2)
+    name, _ = gate
+    as_one = {"Authorization": "Bearer one"}  # no authentication: the credentials name it
+    async with contextlib.AsyncExitStack() as streams:
+        for query in ("?tool=a", "?tool=b"):
+            opened = await streams.enter_async_context(
+                gateway.http.stream("GET", "/v1/runs/events" + query, headers=as_one))
+            assert opened.status_code == 200
+        third = await gateway.http.get("/v1/runs/events?tool=c", headers=as_one)
+        started = await gateway.http.post(
+            "/v1/tools/staged:execute", json={"arguments": {"gate": name}},
+            headers={**as_one, "Accept": "text/event-stream"})
+        other = await streams.enter_async_context(
+            gateway.http.stream("GET", "/v1/runs/events", headers={
+                "Authorization": "Bearer two"}))
+        assert other.status_code == 200  # another caller's streams are its own
+        assert (third.status_code, started.status_code) == (429, 429)
+        assert third.json()["error"]["status"] == "RESOURCE_EXHAUSTED"
+        run_id = started.json()["error"]["message"].split("the run ")[1].split()[0]
+        listed = await gateway.http.get("/v1/runs", headers=as_one)
+        assert run_id in [run["run_id"] for run in listed.json()["runs"]]
+    served = gateway.server.http.gateway
+    assert served is not None
+    await asyncio.wait_for(served.streams_closed(), 10)  # the server saw them go
+    for _ in range(200):  # ... and has given their places back
+        if not served._streams_by_caller:
+            break
+        await asyncio.sleep(0.01)
+    async with gateway.http.stream("GET", "/v1/runs/events?tool=c", headers=as_one) as again:
+        assert again.status_code == 200
