@@ -235,7 +235,8 @@ def _caller_key(request: Request) -> str:
 
 
 class SecurityHeaders:
-    """Adds :data:`SECURITY_HEADERS` to every HTTP response (page and API alike)."""
+    """Adds :data:`SECURITY_HEADERS` to every HTTP response (page and API alike), and
+    ``Cache-Control: no-store`` to the API's unless a route set its own."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -245,11 +246,17 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
 
+        api = scope["path"].startswith("/v1/")
+
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
                 for name, value in SECURITY_HEADERS.items():
                     headers.setdefault(name, value)
+                if api:
+                    # A caller's runs, sessions and state are kept by no cache, the
+                    # browser's own (on disk) included, unless the route says otherwise.
+                    headers.setdefault("Cache-Control", "no-store")
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
@@ -479,7 +486,8 @@ class Gateway:
             reply = await self.client.list_tools(self._metadata(request), known)
         except grpc.aio.AioRpcError as error:
             return rpc_error_response(error)
-        etag = {"ETag": f'"{reply.catalog_hash}"'}
+        # Kept by the browser only, and asked again each time (a 304 while unchanged).
+        etag = {"ETag": f'"{reply.catalog_hash}"', "Cache-Control": "private, no-cache"}
         if reply.not_modified:
             return Response(status_code=304, headers=etag)
         return JSONResponse(json_format.MessageToDict(reply, preserving_proto_field_name=True),

@@ -753,3 +753,21 @@ async def test_one_caller_holds_a_bounded_number_of_event_streams(gateway, gate,
         await asyncio.sleep(0.01)
     async with gateway.http.stream("GET", "/v1/runs/events?tool=c", headers=as_one) as again:
         assert again.status_code == 200
+
+
+async def test_api_answers_are_kept_by_no_cache(gateway) -> None:
+    # The API's answers (a caller's runs, sessions, state, its refusals) named no caching
+    # rule: a browser could keep them on disk. The catalog is kept privately and asked
+    # again each time (its ETag makes that a 304).
+    answers = [await gateway.http.get(path) for path in
+               ("/v1/runs", "/v1/sessions", "/v1/capabilities", "/v1/runs/nope/events",
+                "/v1/state/nope")]
+    answers.append(await gateway.http.post("/v1/tools/echo:execute?wait=true",
+                                           json={"arguments": {"text": "hi"}}))
+    assert [a.headers.get("cache-control") for a in answers] == ["no-store"] * len(answers)
+    tools = await gateway.http.get("/v1/tools")
+    assert tools.headers["cache-control"] == "private, no-cache"
+    again = await gateway.http.get("/v1/tools", headers={"If-None-Match": tools.headers["etag"]})
+    assert again.status_code == 304
+    page = await gateway.http.get("/")
+    assert page.headers["cache-control"] == "no-cache"  # the page's own rule stands
