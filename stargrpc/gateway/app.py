@@ -229,6 +229,11 @@ def _caller_key(request: Request) -> str:
     authentication)."""
     credentials = request.headers.get("authorization")
     if credentials:
+        # The token as the server reads it: "bearer" in any case and the spaces around
+        # the token change nothing, so they make no other caller.
+        scheme, _, token = credentials.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            credentials = token.strip()
         return "credentials:" + hashlib.sha256(credentials.encode("utf-8", "replace")
                                                ).hexdigest()
     return "address:" + (request.client.host if request.client else "")
