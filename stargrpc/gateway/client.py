@@ -37,6 +37,10 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: is cut (``max_watch_lag_events``).
 MAX_QUEUED_EVENT_BYTES = 8 * 1024 * 1024
 
+#: The same bound in events: a small event's parsed message weighs some ten times its
+#: wire size, so the bytes alone let a stream of small deltas pile up a hundred MB.
+MAX_QUEUED_EVENTS = 1000
+
 #: Request headers passed on to the gRPC call as metadata (credentials, trace context).
 FORWARDED_HEADERS = ("authorization", *TRACE_HEADERS)
 
@@ -239,7 +243,8 @@ class GatewayClient:
                 if started.events is not None:
                     started.events.put_nowait(last)
                     started.queued_bytes += last.ByteSize()
-                    if started.queued_bytes > MAX_QUEUED_EVENT_BYTES:
+                    if (started.queued_bytes > MAX_QUEUED_EVENT_BYTES
+                            or started.events.qsize() > MAX_QUEUED_EVENTS):
                         # A listener that does not keep up: its stream ends here (the
                         # None), and it follows the run again with Last-Event-ID.
                         log.info("gateway_listener_behind", run_id=started.run_id,

@@ -673,8 +673,10 @@ async def test_a_refused_caller_cannot_make_the_gateway_hold_a_large_body(make_s
     assert large.json()["result"]["output"] == "y" * 90_000
 
 
-async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(gateway,
-                                                                       monkeypatch) -> None:
+@pytest.mark.parametrize(("bound", "value"), [("MAX_QUEUED_EVENT_BYTES", 64 * 1024),
+                                              ("MAX_QUEUED_EVENTS", 200)])
+async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(
+        gateway, monkeypatch, bound: str, value: int) -> None:
     # POST …:execute with Accept: text/event-stream queued every event of the run for a
     # client that did not read them: a run streaming 100000 deltas to a client that never
     # read made the gateway hold some 100 MB. Past a bound the stream ends, and the client
@@ -683,7 +685,7 @@ async def test_a_stream_that_is_not_read_ends_rather_than_queue_the_run(gateway,
 
     from stargrpc.gateway import client as gateway_client
 
-    monkeypatch.setattr(gateway_client, "MAX_QUEUED_EVENT_BYTES", 64 * 1024)
+    monkeypatch.setattr(gateway_client, bound, value)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client reads nothing
     sock.connect(("127.0.0.1", gateway.server.http.gateway_port))
