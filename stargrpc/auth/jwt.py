@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import jwt
+import structlog
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
+
+log = structlog.get_logger("stargrpc.auth")
 
 #: How long a verified token is taken without verifying it again (never past its ``exp``;
 #: a change of the JWKS file forgets every token verified before it).
@@ -49,11 +52,17 @@ def _algorithms_for(key: Any) -> list[str]:
 
 
 class _JwksFile:
-    """A JWKS file, re-read when its modification time changes."""
+    """A JWKS file, re-read when its modification time changes.
+
+    A file that changes into something that holds no usable key (half written by whatever
+    rotates it, emptied) leaves the keys read before it in use: it is logged, not read
+    again until it changes once more, and locks no caller out.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._stamp: tuple[int, int] | None = None
+        self._unusable: tuple[int, int] | None = None
         self._keys: dict[str, jwt.PyJWK] = {}
 
     def refresh(self) -> None:
@@ -61,22 +70,33 @@ class _JwksFile:
 
         Raises:
             OSError: The file cannot be read.
-            jwt.PyJWKSetError: It holds no usable key.
+            jwt.PyJWKSetError: It holds no usable key, and no keys were read before.
         """
         info = self.path.stat()
         stamp = (info.st_mtime_ns, info.st_size)
-        if stamp != self._stamp:
-            keys = jwt.PyJWKSet.from_json(self.path.read_text(encoding="utf-8")).keys
-            self._keys = {k.key_id or "": k for k in keys}
-            self._stamp = stamp
+        if stamp in (self._stamp, self._unusable):
+            return
+        text = self.path.read_text(encoding="utf-8")
+        try:
+            keys = jwt.PyJWKSet.from_json(text).keys
+        except (jwt.PyJWKSetError, ValueError) as exc:
+            if self._stamp is None:  # never read: start-up says so
+                raise jwt.PyJWKSetError(str(exc)) from exc
+            self._unusable = stamp
+            log.warning("jwks_file_unusable", path=str(self.path), error=str(exc),
+                        keeping=sorted(self._keys))
+            return
+        self._keys = {k.key_id or "": k for k in keys}
+        self._stamp, self._unusable = stamp, None
 
     def changed(self) -> bool:
-        """Whether the file changed since it was last read (or cannot be looked at)."""
+        """Whether the file changed since it was last read (or cannot be looked at); an
+        unusable version of it, once looked at, is no change."""
         try:
             info = self.path.stat()
         except OSError:
             return True
-        return (info.st_mtime_ns, info.st_size) != self._stamp
+        return (info.st_mtime_ns, info.st_size) not in (self._stamp, self._unusable)
 
     def key(self, kid: str | None) -> jwt.PyJWK:
         """The key with id ``kid`` (or the only key, for a token without one)."""

@@ -217,3 +217,37 @@ def test_a_key_retired_from_the_jwks_file_refuses_its_tokens_at_once(tmp_path: P
     with pytest.raises(CredentialsRejected) as refused:
         check.verify(token)
     assert refused.value.cause == "token_unknown_kid"
+
+
+async def test_a_half_written_jwks_file_keeps_the_keys_read_before(make_auth_server,
+                                                                    tmp_path: Path) -> None:
+    first, second = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    jwks_file = tmp_path / "jwks.json"
+    jwks_file.write_text(jwks(("k1", first)))
+    auth = await make_auth_server(auth_registry(), jwt_jwks_file=jwks_file, jwt_issuer=ISSUER,
+                                  jwt_audience=AUDIENCE)
+
+    def token(kid: str, key: ec.EllipticCurvePrivateKey, subject: str) -> str:
+        return jwt.encode(claims(sub=subject), key, algorithm="ES256", headers={"kid": kid})
+
+    assert await whoami(auth.target, token("k1", first, "a")) == "a jwt ops,reader"
+
+    # Whatever rotates the file writes it in place: a reader sees it half written, then empty.
+    jwks_file.write_text(jwks(("k2", second))[:40])
+    assert await whoami(auth.target, token("k1", first, "b")) == "b jwt ops,reader"
+    jwks_file.write_text(json.dumps({"keys": []}))
+    assert await whoami(auth.target, token("k1", first, "c")) == "c jwt ops,reader"
+    assert await whoami(auth.target, token("k2", second, "c")) == "UNAUTHENTICATED"
+
+    jwks_file.write_text(jwks(("k2", second)) + "\n")  # written in full: k2 now, k1 retired
+
+    assert await whoami(auth.target, token("k2", second, "d")) == "d jwt ops,reader"
+    assert await whoami(auth.target, token("k1", first, "a")) == "UNAUTHENTICATED"
+
+
+def test_a_jwks_file_that_is_not_json_stops_start_up(tmp_path: Path) -> None:
+    jwks_file = tmp_path / "jwks.json"
+    jwks_file.write_text('{"keys": [')
+    with pytest.raises(AuthConfigError):
+        JwtVerifier(Settings(jwt_jwks_file=jwks_file, jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
