@@ -16,6 +16,7 @@ import hmac
 import os
 import re
 import secrets
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -72,6 +73,23 @@ class _KeysFile(BaseModel):
 def digest(key: str) -> str:
     """The stored form of ``key``."""
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
+    """Refuses a keys file others may have written: one any user may write (a key with any
+    role could have been added to it), or one another user owns (only the server's user and
+    root may; a Kubernetes secret is root's).
+
+    Raises:
+        KeysFileError: It is such a file.
+    """
+    if info.st_mode & stat.S_IWOTH:
+        raise KeysFileError(f"keys file {path} is writable by every user, who could add a "
+                            "key of any role: refused (chmod o-w it, 600 is best)")
+    if info.st_uid not in (0, os.geteuid()):
+        raise KeysFileError(f"keys file {path} belongs to another user (uid {info.st_uid}), "
+                            "who could add a key of any role: refused (chown it to the "
+                            "server's user)")
 
 
 class KeyStore:
@@ -142,7 +160,9 @@ class KeyStore:
 
     def _read(self) -> _KeysFile:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            with open(self._path, encoding="utf-8") as file:
+                _check_owner_and_mode(self.path, os.fstat(file.fileno()))
+                text = file.read()
         except FileNotFoundError:
             return _KeysFile()
         except OSError as exc:

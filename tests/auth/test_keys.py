@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 
 from stargrpc.auth.keys import KEY_PREFIX, KeyStore, digest
 from stargrpc.errors import CredentialsRejected, KeysFileError
+from tests.auth.test_jwt import whoami
+from tests.auth_tools import auth_registry
 
 
 def cause_of(store: KeyStore, key: str) -> str:
@@ -110,3 +113,43 @@ async def test_a_server_does_not_start_with_a_broken_keys_file(make_server, tmp_
 
     with pytest.raises(KeysFileError, match="malformed"):
         await make_server(insecure_no_auth=False, keys_file=keys_file)
+
+
+async def test_a_keys_file_others_may_write_is_refused(make_server, tmp_path) -> None:
+    keys_file = tmp_path / "keys.json"
+    KeyStore(keys_file).create("alice", ["admin"])
+    keys_file.chmod(0o666)
+
+    with pytest.raises(KeysFileError, match="writable by every user"):
+        await make_server(insecure_no_auth=False, keys_file=keys_file)
+    with pytest.raises(KeysFileError, match="writable by every user"):
+        KeyStore(keys_file).create("bob", [])  # no command launders what another wrote
+
+
+async def test_a_key_written_into_a_keys_file_others_may_write_is_refused(
+        make_auth_server, tmp_path) -> None:
+    auth = await make_auth_server(auth_registry())
+    assert await whoami(auth.target, auth.key) == "tester api_key admin"
+    _, intruder = KeyStore(tmp_path / "elsewhere.json").create("intruder", ["admin"])
+    added = json.loads((tmp_path / "elsewhere.json").read_text())["keys"]
+
+    # Another user of the machine may write the file: they add a key of their own, in place.
+    auth.keys.path.chmod(0o666)
+    data = json.loads(auth.keys.path.read_text())
+    data["keys"] += added
+    with auth.keys.path.open("w") as out:
+        out.write(json.dumps(data))
+
+    assert await whoami(auth.target, intruder) == "UNAUTHENTICATED"
+    assert await whoami(auth.target, auth.key) == "tester api_key admin"  # the last good set
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_keys_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    _, key = KeyStore(keys_file).create("alice", ["admin"])
+    os.chown(keys_file, 65534, 65534)
+
+    with pytest.raises(KeysFileError, match="belongs to another user"):
+        KeyStore(keys_file).records()
+    assert cause_of(KeyStore(keys_file), key) == "keys_unavailable"
