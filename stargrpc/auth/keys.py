@@ -30,6 +30,7 @@ from stargrpc.errors import CredentialsRejected, KeysFileError
 #: Every key starts with this, so secret scanners and people can recognise one.
 KEY_PREFIX = "sgk_"
 _KEY_SHAPE = re.compile(r"sgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
+_ID_SHAPE = re.compile(r"[0-9a-f]{12}")
 _NAME_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}")
 _ROLE_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}")
 # Compared against when the key id is unknown, so a miss costs the same as a wrong secret.
@@ -200,6 +201,9 @@ class KeyStore:
         if not _NAME_SHAPE.fullmatch(name):
             raise KeysFileError(f"bad key name {name!r}: 1-64 letters, digits and ._@:- "
                                 "starting with a letter or digit")
+        if _ID_SHAPE.fullmatch(name):
+            # `keys revoke` takes a name or an id: this name would be another key's id too.
+            raise KeysFileError(f"bad key name {name!r}: 12 hex digits are a key id")
         for role in roles:
             if not _ROLE_SHAPE.fullmatch(role):
                 raise KeysFileError(f"bad role {role!r}: 1-64 letters, digits and ._:/- "

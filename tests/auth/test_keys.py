@@ -153,3 +153,14 @@ def test_a_keys_file_of_another_user_is_refused(tmp_path: Path) -> None:
     with pytest.raises(KeysFileError, match="belongs to another user"):
         KeyStore(keys_file).records()
     assert cause_of(KeyStore(keys_file), key) == "keys_unavailable"
+
+
+def test_a_key_cannot_be_named_as_another_key_is_identified(tmp_path: Path) -> None:
+    store = KeyStore(tmp_path / "keys.json")
+    alice, _ = store.create("alice", ["admin"])
+
+    # Named so, `keys revoke <alice's id>` would revoke that key as well as alice's.
+    with pytest.raises(KeysFileError, match="12 hex digits are a key id"):
+        store.create(alice.id, ["reader"])
+    assert [k.name for k in store.revoke(alice.id)] == ["alice"]
+    assert store.create("0123456789abcdef", [])[0].name == "0123456789abcdef"  # not an id
