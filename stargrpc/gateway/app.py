@@ -290,7 +290,13 @@ def call_metadata(request: Request, forwarded: ForwardedClient | None = None) ->
     its audit checks), so that the audit records that address as the call's peer."""
     metadata = []
     for name in FORWARDED_HEADERS:
-        value = request.headers.get(name)
+        values = request.headers.getlist(name)
+        if name == "authorization" and len(values) > 1:
+            # Two credentials: which counts is not for the gateway to pick (a proxy may have
+            # added its own after the client's); sent as two, refused as in gRPC.
+            metadata += [(name, _UNPRINTABLE_CREDENTIALS)] * 2
+            continue
+        value = values[0] if values else ""
         if not value:
             continue
         if not (value.isascii() and value.isprintable()):

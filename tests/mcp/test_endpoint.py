@@ -194,6 +194,27 @@ async def test_no_credentials_or_a_wrong_key_is_401_with_an_mcp_error(
     assert result.content == [types.TextContent(text="after")]
 
 
+async def test_two_authorization_headers_are_refused_as_over_grpc(
+        mcp_server: McpUnderTest) -> None:
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    viewer = mcp_server.auth.add_key("viewer")
+
+    async def status(*credentials: str) -> int:
+        headers = [("Accept", "application/json, text/event-stream"),
+                   *(("Authorization", f"Bearer {key}") for key in credentials)]
+        async with httpx2.AsyncClient(timeout=30) as http:
+            return (await http.post(mcp_server.url, json=initialize, headers=headers)
+                    ).status_code
+
+    # Which of two credentials counts is not the endpoint's to pick (a proxy in front may
+    # have added its own after the client's): neither does, as with two in gRPC metadata.
+    assert await status(viewer, mcp_server.auth.key) == 401
+    assert await status(mcp_server.auth.key, "sgk_wrong_key") == 401
+    assert await status(viewer) == 200
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_cancelling_the_request_cancels_the_run(
         mcp_server: McpUnderTest, gate: tuple[str, asyncio.Event, asyncio.Event],
