@@ -9,6 +9,7 @@ expiry are required and checked, not-before when present, with a small leeway fo
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import structlog
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
+from stargrpc.auth.keys import others_may_write
 from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
@@ -76,8 +78,13 @@ class _JwksFile:
         stamp = (info.st_mtime_ns, info.st_size)
         if stamp in (self._stamp, self._unusable):
             return
-        text = self.path.read_text(encoding="utf-8")
+        with self.path.open(encoding="utf-8") as file:
+            others = others_may_write(os.fstat(file.fileno()))
+            text = file.read()
         try:
+            if others is not None:  # anyone could have added a key of their own to it
+                raise jwt.PyJWKSetError(f"the file {others}: refused (make it the server's "
+                                        "user's, mode 600 or 644)")
             keys = jwt.PyJWKSet.from_json(text).keys
         except (jwt.PyJWKSetError, ValueError) as exc:
             if self._stamp is None:  # never read: start-up says so
@@ -137,7 +144,13 @@ class JwtVerifier:
             self._key, self._algorithms = secret, ["HS256"]
         elif settings.jwt_public_key_file is not None:
             try:
-                self._key = load_pem_public_key(settings.jwt_public_key_file.read_bytes())
+                with settings.jwt_public_key_file.open("rb") as file:
+                    others = others_may_write(os.fstat(file.fileno()))
+                    if others is not None:
+                        raise ValueError(f"the file {others}, who could have put a key of "
+                                         "their own in it: refused (make it the server's "
+                                         "user's, mode 600 or 644)")
+                    self._key = load_pem_public_key(file.read())
                 self._algorithms = _algorithms_for(self._key)
             except ValueError as exc:
                 raise AuthConfigError(f"{settings.jwt_public_key_file}: {exc}") from exc

@@ -76,21 +76,29 @@ def digest(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+def others_may_write(info: os.stat_result) -> str | None:
+    """Why a file of credentials (``info``: its ``stat``) may hold what another user wrote:
+    any user may write it, or another user owns it (only the server's user and root may; a
+    Kubernetes secret is root's). None when neither.
+    """
+    if info.st_mode & stat.S_IWOTH:
+        return "is writable by every user"
+    if info.st_uid not in (0, os.geteuid()):
+        return f"belongs to another user (uid {info.st_uid})"
+    return None
+
+
 def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
-    """Refuses a keys file others may have written: one any user may write (a key with any
-    role could have been added to it), or one another user owns (only the server's user and
-    root may; a Kubernetes secret is root's).
+    """Refuses a keys file others may have written (a key with any role could have been
+    added to it).
 
     Raises:
         KeysFileError: It is such a file.
     """
-    if info.st_mode & stat.S_IWOTH:
-        raise KeysFileError(f"keys file {path} is writable by every user, who could add a "
-                            "key of any role: refused (chmod o-w it, 600 is best)")
-    if info.st_uid not in (0, os.geteuid()):
-        raise KeysFileError(f"keys file {path} belongs to another user (uid {info.st_uid}), "
-                            "who could add a key of any role: refused (chown it to the "
-                            "server's user)")
+    why = others_may_write(info)
+    if why is not None:
+        raise KeysFileError(f"keys file {path} {why}, who could add a key of any role: "
+                            "refused (make it the server's user's, mode 600)")
 
 
 class KeyStore:

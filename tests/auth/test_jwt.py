@@ -251,3 +251,40 @@ def test_a_jwks_file_that_is_not_json_stops_start_up(tmp_path: Path) -> None:
     jwks_file.write_text('{"keys": [')
     with pytest.raises(AuthConfigError):
         JwtVerifier(Settings(jwt_jwks_file=jwks_file, jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
+
+
+async def test_a_jwks_file_others_may_write_is_refused(make_auth_server, tmp_path: Path) -> None:
+    idp, intruder = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    jwks_file = tmp_path / "jwks.json"
+    jwks_file.write_text(jwks(("k1", idp)))
+    auth = await make_auth_server(auth_registry(), jwt_jwks_file=jwks_file, jwt_issuer=ISSUER,
+                                  jwt_audience=AUDIENCE)
+
+    def token(kid: str, key: ec.EllipticCurvePrivateKey, subject: str) -> str:
+        return jwt.encode(claims(sub=subject, roles=["admin"]), key, algorithm="ES256",
+                          headers={"kid": kid})
+
+    assert await whoami(auth.target, token("k1", idp, "a")) == "a jwt admin"
+
+    # Another user of the machine may write the file: they add a key of their own, in place.
+    jwks_file.chmod(0o666)
+    with jwks_file.open("w") as out:
+        out.write(jwks(("k1", idp), ("k9", intruder)))
+
+    assert await whoami(auth.target, token("k9", intruder, "b")) == "UNAUTHENTICATED"
+    assert await whoami(auth.target, token("k1", idp, "c")) == "c jwt admin"  # kept as read
+
+
+def test_a_jwt_key_file_others_may_write_stops_start_up(tmp_path: Path) -> None:
+    jwks_file, pem_file = tmp_path / "jwks.json", tmp_path / "idp.pem"
+    jwks_file.write_text(jwks(("k1", ec.generate_private_key(ec.SECP256R1()))))
+    pem_file.write_bytes(pem(ec.generate_private_key(ec.SECP256R1()).public_key()))
+    for path in (jwks_file, pem_file):
+        path.chmod(0o666)
+
+    with pytest.raises(AuthConfigError, match="writable by every user"):
+        JwtVerifier(Settings(jwt_jwks_file=jwks_file, jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
+    with pytest.raises(AuthConfigError, match="writable by every user"):
+        JwtVerifier(Settings(jwt_public_key_file=pem_file, jwt_issuer=ISSUER,
+                             jwt_audience=AUDIENCE))
