@@ -9,6 +9,7 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from stargrpc.errors import CredentialsRejected
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 
@@ -35,19 +36,28 @@ class CertificateIdentity:
     """Maps the client certificate gRPC verified to a :class:`Principal` (method "mtls").
 
     The principal id is the subject's common name, or the whole subject (RFC 4514) when it
-    has none. Roles come from ``mtls_roles`` (by principal id, plus the ``"*"`` entry).
+    has none; a subject with two common names names nobody (refused). Roles come from
+    ``mtls_roles`` (by principal id, plus the ``"*"`` entry).
     """
 
     def __init__(self, roles: Mapping[str, Sequence[str]]) -> None:
         self._roles = {name: frozenset(given) for name, given in roles.items()}
 
     def principal(self, auth_context: Mapping[str, Sequence[bytes]]) -> Principal | None:
-        """The principal of the verified client certificate, if the peer presented one."""
+        """The principal of the verified client certificate, if the peer presented one.
+
+        Raises:
+            CredentialsRejected: Its subject has more than one common name.
+        """
         pem = auth_context.get("x509_pem_cert")
         if not pem:
             return None
         subject = x509.load_pem_x509_certificate(pem[0]).subject
         names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(names) > 1:
+            # Which one names the holder is the reader's guess (the first here, the last in
+            # Go's crypto/x509, which many CAs check): an identity is never a guess.
+            raise CredentialsRejected("certificate_two_common_names")
         principal_id = str(names[0].value) if names else subject.rfc4514_string()
         if not principal_id:
             return None

@@ -7,6 +7,8 @@ import sys
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
@@ -92,3 +94,26 @@ async def test_stargrpc_health_speaks_mtls(make_auth_server, tmp_path) -> None:
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
 
     assert (proc.returncode, out.decode().strip()) == (0, "SERVING")
+
+
+async def test_a_certificate_with_two_common_names_names_nobody(
+        make_auth_server, tmp_path) -> None:
+    ca = TestCA()
+    auth = await make_auth_server(auth_registry(), **ca.server_files(tmp_path),
+                                  mtls_roles={"admin": ["admin"], "*": ["reader"]})
+    # A CA that checks the last common name (as Go's crypto/x509 reads one) let this through.
+    both = ca.issue(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "admin"),
+                               x509.NameAttribute(NameOID.COMMON_NAME, "agent-1")]),
+                    server=False)
+
+    async with grpc.aio.secure_channel(
+            auth.target, client_credentials(ca, both.cert, both.key)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await whoami(channel)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert caught.value.details() == "missing or invalid credentials"
+
+    agent = ca.client("agent-1")
+    async with grpc.aio.secure_channel(
+            auth.target, client_credentials(ca, agent.cert, agent.key)) as channel:
+        assert await whoami(channel) == "agent-1 mtls reader"  # and the server keeps serving
