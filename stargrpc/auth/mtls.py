@@ -3,13 +3,15 @@ a verified client certificate."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from stargrpc.errors import CredentialsRejected
+from stargrpc.auth.keys import others_may_write
+from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 
@@ -22,12 +24,22 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 
     Raises:
         OSError: A certificate or key file cannot be read.
+        AuthConfigError: The client CA file is one any user may write, or another user
+            owns: they could have put a CA of their own in it, and sign any principal.
     """
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
     pair = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
-    client_ca = (settings.tls_client_ca_file.read_bytes()
-                 if settings.tls_client_ca_file is not None else None)
+    client_ca = None
+    if settings.tls_client_ca_file is not None:
+        with settings.tls_client_ca_file.open("rb") as file:
+            others = others_may_write(os.fstat(file.fileno()))
+            if others is not None:
+                raise AuthConfigError(
+                    f"tls_client_ca_file {settings.tls_client_ca_file} {others}, who could "
+                    "have put a CA of their own in it: refused (make it the server's "
+                    "user's, mode 600 or 644)")
+            client_ca = file.read()
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
 

@@ -10,6 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from stargrpc.errors import AuthConfigError
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.auth_tools import auth_registry
@@ -117,3 +118,12 @@ async def test_a_certificate_with_two_common_names_names_nobody(
     async with grpc.aio.secure_channel(
             auth.target, client_credentials(ca, agent.cert, agent.key)) as channel:
         assert await whoami(channel) == "agent-1 mtls reader"  # and the server keeps serving
+
+
+async def test_a_client_ca_file_others_may_write_stops_start_up(make_auth_server,
+                                                                 tmp_path) -> None:
+    files = TestCA().server_files(tmp_path)
+    files["tls_client_ca_file"].chmod(0o666)  # anyone could add a CA of their own to it
+
+    with pytest.raises(AuthConfigError, match="writable by every user"):
+        await make_auth_server(auth_registry(), **files)
