@@ -9,6 +9,7 @@ expiry are required and checked, not-before when present, with a small leeway fo
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -56,9 +57,10 @@ def _algorithms_for(key: Any) -> list[str]:
 class _JwksFile:
     """A JWKS file, re-read when its modification time changes.
 
-    A file that changes into something that holds no usable key (half written by whatever
-    rotates it, emptied) leaves the keys read before it in use: it is logged, not read
-    again until it changes once more, and locks no caller out.
+    A file that changes into something that is not a JWK set (half written by whatever
+    rotates it), or that another user may have written, leaves the keys read before it in
+    use: it is logged, not read again until it changes once more, and locks no caller out.
+    A whole set without a usable key (``{"keys": []}``) is taken as it is: no key.
     """
 
     def __init__(self, path: Path) -> None:
@@ -83,16 +85,25 @@ class _JwksFile:
             text = file.read()
         try:
             if others is not None:  # anyone could have added a key of their own to it
-                raise jwt.PyJWKSetError(f"the file {others}: refused (make it the server's "
-                                        "user's, mode 600 or 644)")
-            keys = jwt.PyJWKSet.from_json(text).keys
-        except (jwt.PyJWKSetError, ValueError) as exc:
+                raise ValueError(f"the file {others}: refused (make it the server's user's, "
+                                 "mode 600 or 644)")
+            listed = json.loads(text)
+            if not isinstance(listed, dict) or not isinstance(listed.get("keys"), list):
+                raise ValueError('not a JWK set: no "keys" list')
+        except (ValueError, RecursionError) as exc:  # half written, or not to be trusted
             if self._stamp is None:  # never read: start-up says so
                 raise jwt.PyJWKSetError(str(exc)) from exc
             self._unusable = stamp
             log.warning("jwks_file_unusable", path=str(self.path), error=str(exc),
                         keeping=sorted(self._keys))
             return
+        try:
+            keys = jwt.PyJWKSet(listed["keys"]).keys
+        except jwt.PyJWKSetError:
+            if self._stamp is None:
+                raise
+            # A whole set of no usable key (emptied on purpose, say): none is taken now.
+            keys = []
         self._keys = {k.key_id or "": k for k in keys}
         self._stamp, self._unusable = stamp, None
 

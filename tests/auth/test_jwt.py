@@ -233,10 +233,10 @@ async def test_a_half_written_jwks_file_keeps_the_keys_read_before(make_auth_ser
 
     assert await whoami(auth.target, token("k1", first, "a")) == "a jwt ops,reader"
 
-    # Whatever rotates the file writes it in place: a reader sees it half written, then empty.
-    jwks_file.write_text(jwks(("k2", second))[:40])
+    # Whatever rotates the file writes it in place: a reader sees it empty, then half written.
+    jwks_file.write_text("")
     assert await whoami(auth.target, token("k1", first, "b")) == "b jwt ops,reader"
-    jwks_file.write_text(json.dumps({"keys": []}))
+    jwks_file.write_text(jwks(("k2", second))[:40])
     assert await whoami(auth.target, token("k1", first, "c")) == "c jwt ops,reader"
     assert await whoami(auth.target, token("k2", second, "c")) == "UNAUTHENTICATED"
 
@@ -244,6 +244,9 @@ async def test_a_half_written_jwks_file_keeps_the_keys_read_before(make_auth_ser
 
     assert await whoami(auth.target, token("k2", second, "d")) == "d jwt ops,reader"
     assert await whoami(auth.target, token("k1", first, "a")) == "UNAUTHENTICATED"
+
+    jwks_file.write_text(json.dumps({"keys": []}))  # a whole set of no key: no key is taken
+    assert await whoami(auth.target, token("k2", second, "e")) == "UNAUTHENTICATED"
 
 
 def test_a_jwks_file_that_is_not_json_stops_start_up(tmp_path: Path) -> None:
