@@ -59,18 +59,25 @@ class CertificateIdentity:
         """The principal of the verified client certificate, if the peer presented one.
 
         Raises:
-            CredentialsRejected: Its subject has more than one common name.
+            CredentialsRejected: Its subject has more than one common name, or does not
+                read (a common name that is not UTF-8).
         """
         pem = auth_context.get("x509_pem_cert")
         if not pem:
             return None
-        subject = x509.load_pem_x509_certificate(pem[0]).subject
-        names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        try:
+            subject = x509.load_pem_x509_certificate(pem[0]).subject
+            names = subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+            principal_id = (str(names[0].value) if len(names) == 1
+                            else "" if names else subject.rfc4514_string())
+        except ValueError as exc:
+            # TLS verified it, but its subject does not read (a common name that is not
+            # UTF-8, say): it names nobody, and the caller is told as any refused one is.
+            raise CredentialsRejected("certificate_unreadable") from exc
         if len(names) > 1:
             # Which one names the holder is the reader's guess (the first here, the last in
             # Go's crypto/x509, which many CAs check): an identity is never a guess.
             raise CredentialsRejected("certificate_two_common_names")
-        principal_id = str(names[0].value) if names else subject.rfc4514_string()
         if not principal_id:
             return None
         roles = self._roles.get(principal_id, frozenset()) | self._roles.get("*", frozenset())

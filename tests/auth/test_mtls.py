@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import sys
 
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from stargrpc.errors import AuthConfigError
+from stargrpc.auth.mtls import CertificateIdentity
+from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.auth_tools import auth_registry
@@ -127,3 +131,44 @@ async def test_a_client_ca_file_others_may_write_stops_start_up(make_auth_server
 
     with pytest.raises(AuthConfigError, match="writable by every user"):
         await make_auth_server(auth_registry(), **files)
+
+
+def _der_length(size: int) -> bytes:
+    if size < 0x80:
+        return bytes([size])
+    octets = size.to_bytes((size.bit_length() + 7) // 8, "big")
+    return bytes([0x80 | len(octets)]) + octets
+
+
+def _unreadable_cn_cert(ca: TestCA, issued_pem: bytes, readable: bytes) -> bytes:
+    """``issued_pem`` with the bytes ``readable`` of its common name made invalid UTF-8,
+    signed again by ``ca``: TLS verifies it, a parser of its subject refuses it."""
+    original = x509.load_pem_x509_certificate(issued_pem)
+    der = original.public_bytes(serialization.Encoding.DER)
+    tbs = original.tbs_certificate_bytes
+    after_tbs = der.index(tbs) + len(tbs)
+    algorithm = der[after_tbs:after_tbs + 2 + der[after_tbs + 1]]  # a short SEQUENCE
+    tbs = tbs.replace(readable, b"\xff\xfe" * (len(readable) // 2), 1)
+    signature = ca._key.sign(tbs, ec.ECDSA(hashes.SHA256()))
+    bits = b"\x03" + _der_length(len(signature) + 1) + b"\x00" + signature
+    body = tbs + algorithm + bits
+    der = b"\x30" + _der_length(len(body)) + body
+    return (b"-----BEGIN CERTIFICATE-----\n" + base64.encodebytes(der)
+            + b"-----END CERTIFICATE-----\n")
+
+
+def test_a_certificate_whose_subject_does_not_read_names_nobody() -> None:
+    """A certificate the CA signed whose common name is not UTF-8: grpc's own TLS client
+    will not even present it (so this is the identity's reading alone), but whatever peer
+    does present one is refused as any unknown credentials are, never with a traceback."""
+    ca = TestCA()
+    issued = ca.client("QQQQQQQQ")
+    unreadable = _unreadable_cn_cert(ca, issued.cert, b"QQQQQQQQ")
+    identity = CertificateIdentity({"*": ["reader"]})
+
+    with pytest.raises(CredentialsRejected) as refused:
+        identity.principal({"x509_pem_cert": [unreadable]})
+
+    assert refused.value.cause == "certificate_unreadable"
+    principal = identity.principal({"x509_pem_cert": [issued.cert]})
+    assert principal is not None and principal.id == "QQQQQQQQ"
