@@ -172,13 +172,37 @@ def check_key(key: object, *, prefix: bool = False) -> str:
     return key
 
 
+#: How deep a state value may nest (a scalar is 1 deep, ``[1]`` 2): the readers of a value
+#: — protobuf's Struct, the gateway's JSON, most clients' parsers — recurse, and the deeper
+#: values Python's own parser took (some 970 levels) could be written but not read back.
+MAX_VALUE_DEPTH = 64
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth >= limit and children:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def encode(value: Any, max_bytes: int) -> str:
     """``value`` as canonical JSON (sorted keys, no spaces: equal values, equal text).
 
     Raises:
-        StateValueNotJson: It is not JSON.
+        StateValueNotJson: It is not JSON, or nests deeper than :data:`MAX_VALUE_DEPTH`.
         StateValueTooLarge: Its JSON is over ``max_bytes``.
     """
+    if _nests_deeper(value, MAX_VALUE_DEPTH):
+        raise StateValueNotJson(f"a state value nests at most {MAX_VALUE_DEPTH} levels deep")
     try:
         text = _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:

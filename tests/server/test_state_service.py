@@ -164,6 +164,9 @@ BAD = {
     "value nested deeply": (state_pb2.SetStateRequest(
         scope=_scope(), key="k", value_json="[" * 100_000 + "]" * 100_000), "value_json",
         "STATE_VALUE_NOT_JSON"),
+    "value nested past what readers take": (state_pb2.SetStateRequest(
+        scope=_scope(), key="k", value_json="[" * 65 + "]" * 65), "value_json",
+        "STATE_VALUE_NOT_JSON"),
     "value too large": (state_pb2.SetStateRequest(scope=_scope(), key="k",
                                                   value_json=json.dumps("x" * 300)),
                         "value_json", "STATE_VALUE_TOO_LARGE"),
@@ -252,3 +255,17 @@ async def test_reflection_describes_the_service(make_auth_server) -> None:
         names = [s.name async for reply in replies
                  for s in reply.list_services_response.service]
     assert "stargrpc.v1.RunStateService" in names
+
+
+async def test_a_value_as_deep_as_allowed_is_written_and_read_back(make_auth_server) -> None:
+    """64 levels (MAX_VALUE_DEPTH) is taken and reads back whole; one more is refused
+    above — a value Python's parser took some 970 levels deep was written and then could
+    not be read back through the HTTP gateway."""
+    auth = await make_auth_server(state_registry(), roles=("admin",), **SETTINGS)
+    deep = "[" * 63 + "1" + "]" * 63
+    async with key_channel(auth.target, auth.key) as channel:
+        stub = state_pb2_grpc.RunStateServiceStub(channel)
+        await stub.SetState(state_pb2.SetStateRequest(scope=_scope(), key="k", value_json=deep))
+        reply = await stub.GetState(state_pb2.GetStateRequest(scope=_scope(), key="k"))
+
+    assert reply.value_json == deep
