@@ -887,8 +887,18 @@ def _secret_or_file(secret: SecretStr | None, path: Path | None, name: str
 
 
 def _read_secret_file(path: Path) -> str:
+    # Here, not at the top: stargrpc.auth builds on these settings.
+    from stargrpc.auth.keys import others_may_write
+
     try:
-        text = path.read_text(encoding="utf-8").rstrip("\r\n")
+        with path.open("rb") as file:
+            # Checked on the file read: one another user may write could hold a secret of
+            # theirs (a JWT secret signs any token; the fleet secret vouches for any caller).
+            others = others_may_write(os.fstat(file.fileno()))
+            if others is not None:
+                raise ValueError(f"the secret file {path} {others}, who could put a secret "
+                                 "of their own in it: make it the server's user's, mode 600")
+            text = file.read().decode("utf-8").rstrip("\r\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read the secret file {path}: {exc}") from exc
     if not text:

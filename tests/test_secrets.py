@@ -72,6 +72,23 @@ def test_jwt_secret_file_errors_are_clear(tmp_path: Path, content: str | None,
                       **extra)
 
 
+@pytest.mark.parametrize("setting", ["jwt_secret_file", "fleet_secret_file"])
+def test_a_secret_file_every_user_may_write_is_refused(tmp_path: Path, setting: str) -> None:
+    """Anyone able to write the JWT secret could sign any token with it; the fleet secret,
+    vouch for any caller to a replica: such a file stops the server from starting."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o666)
+    extra = {"jwt_issuer": ISSUER, "jwt_audience": AUDIENCE} if setting.startswith("jwt") else {}
+
+    with pytest.raises(ValidationError, match="is writable by every user") as refused:
+        Settings.load(**{setting: secret_file}, **extra)
+
+    assert SECRET not in str(refused.value)
+    secret_file.chmod(0o600)
+    assert Settings.load(**{setting: secret_file}, **extra) is not None
+
+
 async def test_tokens_signed_with_the_file_secret_are_accepted(make_auth_server,
                                                                tmp_path: Path) -> None:
     secret_file = tmp_path / "jwt.secret"
