@@ -120,7 +120,8 @@ class FleetAssertions:
     _key: bytes
     _clock: Callable[[], float]
     _monotonic: Callable[[], float]
-    _seen: dict[str, float]
+    _seen: dict[str, tuple[float, float]]
+    _forgotten_up_to: float
 
     def __init__(self, secret: str, replica: Callable[[], str], *,
                  clock: Callable[[], float] = time.time,
@@ -132,6 +133,10 @@ class FleetAssertions:
         self._clock = clock
         self._monotonic = monotonic
         self._seen = {}
+        # The latest assertion time among the nonces forgotten: none at or before it is
+        # taken again, whatever the wall clock does (stepped back, it would otherwise let a
+        # forgotten nonce's assertion back into the window).
+        self._forgotten_up_to = 0.0
 
     def _mac(self, signed: bytes) -> bytes:
         return hmac.new(self._key, signed, hashlib.sha256).digest()
@@ -209,31 +214,37 @@ class FleetAssertions:
             raise CredentialsRejected("forwarded_other_session")
         if not hmac.compare_digest(payload["digest"], request_digest(request)):
             raise CredentialsRejected("forwarded_other_request")
-        self._spend(payload["nonce"])
+        self._spend(payload["nonce"], made)
         principal = Principal(id=payload["principal"], roles=frozenset(payload["roles"]),
                               method=payload["auth"])
         return Forwarded(principal, payload["from"], payload["peer"])
 
-    def _spend(self, nonce: str) -> None:
-        """Remembers ``nonce`` for as long as its assertion could be accepted.
+    def _spend(self, nonce: str, made: float) -> None:
+        """Remembers ``nonce`` (of an assertion made at ``made``, wall clock) for as long as
+        its assertion could be accepted.
 
         Raises:
-            CredentialsRejected: Seen before, or too many remembered already.
+            CredentialsRejected: Seen before, made no later than a nonce already forgotten,
+                or too many remembered already.
         """
         now = self._monotonic()
         seen = self._seen
         # Insertion order is expiry order (one lifetime for all, a monotonic clock).
         while seen:
             oldest = next(iter(seen))
-            if seen[oldest] > now:
+            expires, oldest_made = seen[oldest]
+            if expires > now:
                 break
             del seen[oldest]
+            self._forgotten_up_to = max(self._forgotten_up_to, oldest_made)
+        if made <= self._forgotten_up_to:
+            raise CredentialsRejected("forwarded_expired")
         if nonce in seen:
             raise CredentialsRejected("forwarded_replayed")
         if len(seen) >= MAX_REMEMBERED_NONCES:
             raise CredentialsRejected("forwarded_replay_cache_full")
         # Long enough for any clock this assertion's time was accepted under.
-        seen[nonce] = now + WINDOW_SECONDS + SKEW_SECONDS
+        seen[nonce] = (now + WINDOW_SECONDS + SKEW_SECONDS, made)
 
 
 def _payload(encoded: str) -> dict[str, Any]:

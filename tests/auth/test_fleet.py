@@ -116,15 +116,39 @@ def test_an_assertion_is_accepted_once() -> None:
 
 def test_remembered_nonces_are_forgotten_when_their_assertions_expire(monkeypatch) -> None:
     ticks = [1000.0]
-    checker = FleetAssertions(SECRET, lambda: OWNER, monotonic=lambda: ticks[0])
+    wall = [1_000_000.0]
+    checker = FleetAssertions(SECRET, lambda: OWNER, clock=lambda: wall[0],
+                              monotonic=lambda: ticks[0])
     monkeypatch.setattr("stargrpc.auth.fleet.MAX_REMEMBERED_NONCES", 2)
-    checker.verify([made()], method=EXECUTE, request=REQUEST)
-    checker.verify([made()], method=EXECUTE, request=REQUEST)
+    checker.verify([made(clock=lambda: wall[0])], method=EXECUTE, request=REQUEST)
+    checker.verify([made(clock=lambda: wall[0])], method=EXECUTE, request=REQUEST)
     # Full of live nonces: refused (forgetting one would let its assertion run again).
-    assert cause([made()], checker=checker) == "forwarded_replay_cache_full"
+    assert cause([made(clock=lambda: wall[0])], checker=checker) == "forwarded_replay_cache_full"
     ticks[0] += 36  # past the window and the skew: both forgotten
-    checker.verify([made()], method=EXECUTE, request=REQUEST)
+    wall[0] += 36
+    checker.verify([made(clock=lambda: wall[0])], method=EXECUTE, request=REQUEST)
     assert len(checker._seen) == 1
+
+
+def test_a_forgotten_assertion_stays_refused_when_the_wall_clock_steps_back() -> None:
+    """Nonces are forgotten by the monotonic clock, the window is judged by the wall clock:
+    stepped back past the window, the wall clock would let a forgotten nonce's assertion
+    in again — it does not."""
+    wall, ticks = [1_000_000.0], [0.0]
+    checker = FleetAssertions(SECRET, lambda: OWNER, clock=lambda: wall[0],
+                              monotonic=lambda: ticks[0])
+    replayed = made(clock=lambda: 1_000_000.0)
+    checker.verify([replayed], method=EXECUTE, request=REQUEST)
+    wall[0] += 40
+    ticks[0] += 40
+    checker.verify([made(clock=lambda: wall[0])], method=EXECUTE, request=REQUEST)
+    assert len(checker._seen) == 1  # the first nonce forgotten
+
+    wall[0] = 1_000_001.0  # stepped back 39 s: the first assertion is in its window again
+    ticks[0] += 1
+
+    assert cause([replayed], checker=checker) == "forwarded_expired"
+    checker.verify([made(clock=lambda: wall[0])], method=EXECUTE, request=REQUEST)  # a new one
 
 
 def test_the_wrong_secret_is_refused() -> None:
