@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 
 from stargrpc.errors import Unavailable
 from stargrpc.ids import new_id
+from stargrpc.principal import Principal, current_principal
 from stargrpc.settings import Settings
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.stores.redis import store as redis_store
@@ -243,3 +244,35 @@ async def test_forged_fresh_run_ids_hold_at_most_so_many_redis_waits(store: Redi
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
     assert store._fresh_waits == 0
+
+
+async def test_one_principal_holds_only_its_share_of_the_fresh_run_waits(
+        store: RedisRunStore, monkeypatch) -> None:
+    # One caller naming forged fresh ids takes at most its share of the waits: another's
+    # lookup of a run just admitted elsewhere still waits for its first write.
+    monkeypatch.setattr(redis_store, "MAX_FRESH_RUN_WAITS", 8)
+    monkeypatch.setattr(redis_store, "MAX_FRESH_RUN_WAITS_PER_PRINCIPAL", 2)
+
+    def as_caller(name: str) -> asyncio.Task[Any]:
+        token = current_principal.set(Principal(id=name, roles=frozenset(), method="api_key"))
+        try:  # the task takes a copy of the context as it is now
+            return asyncio.create_task(store.open(new_id()))
+        finally:
+            current_principal.reset(token)
+
+    mallory = [as_caller("mallory") for _ in range(2)]
+    await eventually(lambda: store._fresh_waits == 2, within=10,
+                     what="mallory's two lookups waiting on Redis")
+    beyond = as_caller("mallory")
+    alice = as_caller("alice")
+    try:
+        done, _ = await asyncio.wait([beyond, alice, *mallory],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert done == {beyond} and beyond.result() is None
+        await eventually(lambda: store._fresh_waits == 3, within=10,
+                         what="alice's lookup waiting beside mallory's two")
+    finally:
+        for task in [*mallory, alice]:
+            task.cancel()
+        await asyncio.gather(*mallory, alice, return_exceptions=True)
+    assert store._fresh_waits == 0 and store._fresh_waits_by == {}

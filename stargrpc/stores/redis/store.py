@@ -15,6 +15,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from stargrpc.errors import ResourceExhausted, reason_name
 from stargrpc.ids import minted_ms
+from stargrpc.principal import current_principal
 from stargrpc.settings import LaneConfig, Settings
 from stargrpc.stores.background import stop_background
 from stargrpc.stores.base import (
@@ -45,6 +46,10 @@ log = structlog.get_logger("stargrpc.stores.redis")
 #: Most lookups of runs unknown to Redis but minted a moment ago (by their id) that wait for
 #: the run's first write at once, per store; further ones are not found at once.
 MAX_FRESH_RUN_WAITS = 64
+#: Of those, most one principal's lookups hold at once: one caller naming fresh-looking ids
+#: of runs that do not exist must not take every wait, and so answer others' lookups of
+#: runs just admitted on another replica NOT_FOUND.
+MAX_FRESH_RUN_WAITS_PER_PRINCIPAL = 8
 
 
 class RedisRunStore:
@@ -73,6 +78,7 @@ class RedisRunStore:
     approvals: RedisApprovalStore
     lanes: RedisLanes | None
     _fresh_waits: int
+    _fresh_waits_by: dict[str, int]
     _renewer: asyncio.Task[None] | None
 
     def __init__(self, redis: Redis | RedisCluster, *, prefix: str = "stargrpc:",
@@ -113,6 +119,7 @@ class RedisRunStore:
         self.approvals = RedisApprovalStore(redis, prefix=prefix)
         self.lanes = None
         self._fresh_waits = 0
+        self._fresh_waits_by = {}
         self._renewer = None
 
     @classmethod
@@ -274,13 +281,22 @@ class RedisRunStore:
         minted = minted_ms(run_id)
         # Anyone may name a fresh-looking id of a run that does not exist: each wait holds a
         # Redis connection, so only so many wait at once; the rest are answered at once.
-        if minted is None or self._fresh_waits >= MAX_FRESH_RUN_WAITS:
+        waiter = current_principal.get().id
+        held = self._fresh_waits_by.get(waiter, 0)
+        if (minted is None or self._fresh_waits >= MAX_FRESH_RUN_WAITS
+                or held >= MAX_FRESH_RUN_WAITS_PER_PRINCIPAL):
             return False
         self._fresh_waits += 1
+        self._fresh_waits_by[waiter] = held + 1
         try:
             return await self._first_event_within(run_id, minted)
         finally:
             self._fresh_waits -= 1
+            left = self._fresh_waits_by[waiter] - 1
+            if left:
+                self._fresh_waits_by[waiter] = left
+            else:
+                del self._fresh_waits_by[waiter]
 
     async def _first_event_within(self, run_id: str, minted: int) -> bool:
         shared = self.shared
