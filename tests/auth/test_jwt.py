@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -20,9 +19,8 @@ from pydantic import ValidationError
 from stargrpc.auth.jwt import JwtVerifier, roles_from
 from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.settings import Settings
-from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
+from tests.auth.helpers import whoami
 from tests.auth_tools import auth_registry
-from tests.helpers import key_channel, run_tool
 
 SECRET = "a-test-secret-that-is-long-enough-for-hs256"
 ISSUER, AUDIENCE = "https://idp.example", "stargrpc"
@@ -38,18 +36,6 @@ def claims(**changes: Any) -> dict[str, Any]:
 
 def hs256(**changes: Any) -> str:
     return jwt.encode(claims(**changes), SECRET, algorithm="HS256")
-
-
-async def whoami(target: str, token: str) -> str:
-    """whoami's output, or the status code name when the call is refused."""
-    async with key_channel(target, token) as channel:
-        try:
-            events = await run_tool(tool_service_pb2_grpc.ToolServiceStub(channel), "whoami", {})
-        except grpc.aio.AioRpcError as error:
-            assert error.details() == "missing or invalid credentials"
-            return error.code().name
-    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
-    return events[-1].result.output
 
 
 async def test_hs256_tokens_are_checked_for_signature_issuer_audience_and_time(

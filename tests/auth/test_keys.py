@@ -12,7 +12,7 @@ import pytest
 
 from stargrpc.auth.keys import KEY_PREFIX, KeyStore, digest
 from stargrpc.errors import CredentialsRejected, KeysFileError
-from tests.auth.test_jwt import whoami
+from tests.auth.helpers import whoami
 from tests.auth_tools import auth_registry
 
 
