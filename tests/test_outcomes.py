@@ -174,3 +174,46 @@ async def test_a_tool_that_swallows_cancellation_does_not_hold_its_run(stub) -> 
         RELEASE.set()  # let the stubborn task end, or the event loop cannot close
     assert events[-1].result.outcome == events_pb2.OUTCOME_CANCELLED
     assert events[-1].result.error.message == "enough"
+
+
+@tool()
+async def exits(ctx: ToolContext, args: Nothing) -> str:
+    """Raise SystemExit, as a tool calling sys.exit() would."""
+    async with ctx.step("about to exit"):
+        raise SystemExit(3)
+
+
+@tool()
+async def interrupts(ctx: ToolContext, args: Nothing) -> str:
+    """Raise KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+@tool()
+async def generator_exit(ctx: ToolContext, args: Nothing) -> str:
+    """Raise GeneratorExit."""
+    raise GeneratorExit
+
+
+@tool()
+def exits_in_thread(ctx: object, args: Nothing) -> str:
+    """A plain def tool calling sys.exit()."""
+    raise SystemExit(4)
+
+
+TOOLS.extend([exits, interrupts, generator_exit, exits_in_thread])
+
+
+@pytest.mark.parametrize("name", ["exits", "interrupts", "generator_exit", "exits_in_thread"])
+async def test_a_tool_raising_a_base_exception_fails_its_run_not_the_server(stub, name) -> None:
+    # Raised out of the run's task, SystemExit or KeyboardInterrupt would stop the event
+    # loop: one call would end the server for everybody.
+    events = await run_tool(stub, name, {})
+
+    result = events[-1].result
+    assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_ERROR, "TOOL_EXCEPTION")
+    assert [e for e in events if e.HasField("result")] == [events[-1]]
+    assert phases(events)[-2:] == ["END s0 ERROR", "RESULT ERROR"]
+    # ... and the server goes on serving.
+    after = await run_tool(stub, "explicit", {})
+    assert after[-1].result.outcome == events_pb2.OUTCOME_FAILED

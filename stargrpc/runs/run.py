@@ -570,7 +570,9 @@ class Run:
         except ToolOutcomeError as exc:
             await self._settle_cancel()
             return classify_exception(exc)
-        except Exception:
+        except BaseException:
+            # SystemExit, KeyboardInterrupt and GeneratorExit too: raised out of the run's
+            # task, they would stop the event loop and end the whole server with them.
             await self._settle_cancel()
             if not self._abandoned:
                 log.exception("tool_raised", run_id=self.run_id, tool=self.spec.name)
@@ -585,7 +587,7 @@ class Run:
             return self._stopped_result()
         try:
             return classify_return(value)
-        except Exception:
+        except BaseException:  # the value's own code may raise anything (as above)
             log.exception("tool_return_unusable", run_id=self.run_id, tool=self.spec.name)
             return ToolResult(outcome=Outcome.ERROR, error_code="TOOL_BAD_RETURN",
                               error_message="the tool returned a value that cannot be sent")
