@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -217,3 +219,50 @@ async def test_a_tool_raising_a_base_exception_fails_its_run_not_the_server(stub
     # ... and the server goes on serving.
     after = await run_tool(stub, "explicit", {})
     assert after[-1].result.outcome == events_pb2.OUTCOME_FAILED
+
+
+#: asyncio's default executor: the server's own thread work (sandboxes, sessions) runs there.
+DEFAULT_EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
+HOGS_RELEASE = threading.Event()
+HOGS_IN: list[int] = []
+HOGS_ALL_IN = asyncio.Event()
+HOGS_LOOP: list[asyncio.AbstractEventLoop] = []
+
+
+@tool()
+def hog(ctx: object, args: Nothing) -> str:
+    """A plain def tool that holds its thread until released, whatever happens to its run."""
+    loop = HOGS_LOOP[0]
+    HOGS_IN.append(1)
+    if len(HOGS_IN) > DEFAULT_EXECUTOR_THREADS:
+        loop.call_soon_threadsafe(HOGS_ALL_IN.set)
+    HOGS_RELEASE.wait(30)
+    return "released"
+
+
+@tool()
+def quick(ctx: object, args: Nothing) -> str:
+    """A plain def tool that returns at once."""
+    return "quick"
+
+
+TOOLS.extend([hog, quick])
+
+
+async def test_plain_def_tools_that_never_return_leave_the_others_their_threads(stub) -> None:
+    # More plain def tools than asyncio's default executor has threads, each stuck: the
+    # next plain def tool (and the server's own thread work) must not wait behind them.
+    HOGS_IN.clear()
+    HOGS_ALL_IN.clear()
+    HOGS_RELEASE.clear()
+    HOGS_LOOP[:] = [asyncio.get_running_loop()]
+    hogs = [asyncio.ensure_future(run_tool(stub, "hog", {}))
+            for _ in range(DEFAULT_EXECUTOR_THREADS + 1)]
+    try:
+        await asyncio.wait_for(HOGS_ALL_IN.wait(), 20)
+        events = await asyncio.wait_for(run_tool(stub, "quick", {}), 10)
+        assert events[-1].result.output == "quick"
+    finally:
+        HOGS_RELEASE.set()
+    for events in await asyncio.gather(*hogs):
+        assert events[-1].result.output == "released"

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -550,7 +551,7 @@ class Run:
                 (lambda: spec.fn(sync_ctx, self.args)) if spec.takes_args
                 else (lambda: spec.fn(sync_ctx))
             )
-            coro = asyncio.to_thread(call)
+            coro = _in_own_thread(call, f"tool-{self.run_id}")
         if self.session is not None:
             # Calls in one session run one at a time: the tool starts once it holds its turn.
             coro = self.session.hold(coro)
@@ -873,6 +874,42 @@ class Run:
         self._output_tail_size += len(text)
         while self._output_tail_size > OUTPUT_TAIL_BYTES and len(self._output_tail) > 1:
             self._output_tail_size -= len(self._output_tail.pop(0))
+
+
+async def _in_own_thread(call: Callable[[], Any], name: str) -> Any:
+    """Runs a plain ``def`` tool in a daemon thread of its own and returns what it returns.
+
+    Not asyncio's default executor: that pool has a handful of threads (the cores plus
+    four), which the server's own work shares (sandbox working directories, the sessions'
+    files, deliveries, name lookups); a few tools that never return would hold them all for
+    good, and every sandboxed run and every plain ``def`` tool after them would wait until
+    the critic stopped it. A daemon thread also lets the server's process exit while such a
+    tool is still running, where joining the executor's threads would hang it after
+    "stopped". Cancelling the await ends the run, not the thread (no thread can be
+    interrupted): the function goes on until it checks ``ctx.cancelled``.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # the run stopped waiting
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = context.run(call), None
+        except BaseException as exc:  # handed to the run, which classifies it
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return await future
 
 
 def check_steer_message(message: str, max_bytes: int) -> None:
