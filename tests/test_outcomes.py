@@ -203,14 +203,21 @@ def exits_in_thread(ctx: object, args: Nothing) -> str:
     raise SystemExit(4)
 
 
-TOOLS.extend([exits, interrupts, generator_exit, exits_in_thread])
+@tool()
+def stops_iteration(ctx: object, args: Nothing) -> str:
+    """A plain def tool whose next() ran dry (a future refuses StopIteration)."""
+    raise StopIteration
 
 
-@pytest.mark.parametrize("name", ["exits", "interrupts", "generator_exit", "exits_in_thread"])
+TOOLS.extend([exits, interrupts, generator_exit, exits_in_thread, stops_iteration])
+
+
+@pytest.mark.parametrize("name", ["exits", "interrupts", "generator_exit", "exits_in_thread",
+                                  "stops_iteration"])
 async def test_a_tool_raising_a_base_exception_fails_its_run_not_the_server(stub, name) -> None:
     # Raised out of the run's task, SystemExit or KeyboardInterrupt would stop the event
     # loop: one call would end the server for everybody.
-    events = await run_tool(stub, name, {})
+    events = await asyncio.wait_for(run_tool(stub, name, {}), 20)
 
     result = events[-1].result
     assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_ERROR, "TOOL_EXCEPTION")

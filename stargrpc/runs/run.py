@@ -901,8 +901,15 @@ async def _in_own_thread(call: Callable[[], Any], name: str) -> Any:
             future.set_result(value)
 
     def target() -> None:
+        value: Any
+        error: BaseException | None
         try:
             value, error = context.run(call), None
+        except StopIteration as exc:
+            # A future refuses StopIteration (the run would wait for its Result until the
+            # hard timeout): it ends the run as any other exception, as in a coroutine.
+            value, error = None, RuntimeError("the tool raised StopIteration")
+            error.__cause__ = exc
         except BaseException as exc:  # handed to the run, which classifies it
             value, error = None, exc
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
