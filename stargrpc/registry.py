@@ -34,6 +34,12 @@ ENTRY_POINT_GROUP = "stargrpc.tools"
 
 _SPEC_ATTRIBUTE = "__stargrpc_tool__"
 
+#: The most a tool's description, input and output JSON Schemas may take together, as JSON.
+#: ListTools sends the whole catalog in one message, which a client built with gRPC's
+#: defaults refuses over 4 MiB: one tool much larger would take the catalog away from
+#: every caller.
+MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
+
 
 class NoArguments(BaseModel):
     """The argument model of a tool that takes no arguments."""
@@ -224,6 +230,7 @@ def tool(
             or len(inspect.signature(fn).parameters) == 2,
         )
         _check_name(spec)
+        _check_size(spec)
         setattr(fn, _SPEC_ATTRIBUTE, spec)
         return fn
 
@@ -279,6 +286,15 @@ def _args_model_of(fn: Callable[..., Any]) -> type[BaseModel]:
             "pydantic BaseModel subclass"
         )
     return model
+
+
+def _check_size(spec: ToolSpec) -> None:
+    size = len(json.dumps(spec.descriptor(), separators=(",", ":")).encode())
+    if size > MAX_TOOL_DESCRIPTOR_BYTES:
+        raise ToolDefinitionError(
+            f"{spec.source}: tool {spec.name!r} describes itself in {size} bytes (its "
+            f"description and JSON Schemas); at most {MAX_TOOL_DESCRIPTOR_BYTES} are taken, "
+            "or ListTools could not send the catalog")
 
 
 class Registry(Mapping[str, ToolSpec]):

@@ -77,6 +77,29 @@ def test_bare_decorator_stops_loading_with_the_file_named(tmp_path: Path) -> Non
     assert "@tool()" in str(caught.value)
 
 
+def test_a_tool_too_large_to_list_stops_loading_with_the_file_named(tmp_path: Path) -> None:
+    # ListTools sends the whole catalog in one message: one tool of megabytes of schema would
+    # make it too large for a default client, and every caller would lose the catalog.
+    path = _write(tmp_path, "huge.py", """
+        from pydantic import Field, create_model
+        from stargrpc import ToolContext, tool
+
+        Huge = create_model("Huge", **{f"field_{i}": (int, Field(0, description="d" * 100))
+                                       for i in range(3000)})
+
+        @tool()
+        async def huge(ctx: ToolContext, args: Huge) -> str:
+            \"\"\"Take three thousand arguments.\"\"\"
+            return "ok"
+    """)
+
+    with pytest.raises(ToolDefinitionError) as caught:
+        load_directory(tmp_path)
+
+    assert str(path) in str(caught.value)
+    assert "tool 'huge' describes itself in" in str(caught.value)
+
+
 def test_duplicate_names_across_directories_are_refused(tmp_path: Path) -> None:
     _write(tmp_path / "a", "one.py", GOOD)
     _write(tmp_path / "b", "two.py", GOOD)
