@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import math
 import re
 import sys
 import typing
@@ -263,6 +264,14 @@ def _check_name(spec: ToolSpec) -> None:
     if not 0 <= spec.default_priority <= 1000:
         raise ToolDefinitionError(f"{spec.source}: priority {spec.default_priority} of tool "
                                   f"{spec.name!r} must be 0 to 1000")
+    timeout = spec.soft_timeout
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or math.isnan(timeout) or timeout < 0):
+        # Else every run of the tool failed: INTERNAL (not a number, NaN), or stopped for
+        # no progress the moment it started (negative).
+        raise ToolDefinitionError(f"{spec.source}: soft_timeout {timeout!r} of tool "
+                                  f"{spec.name!r} must be a number of seconds (0 or none "
+                                  "for the server's critic_soft_timeout)")
 
 
 def _args_model_of(fn: Callable[..., Any]) -> type[BaseModel]:

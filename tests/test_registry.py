@@ -100,6 +100,26 @@ def test_a_tool_too_large_to_list_stops_loading_with_the_file_named(tmp_path: Pa
     assert "tool 'huge' describes itself in" in str(caught.value)
 
 
+@pytest.mark.parametrize("value", ["-1.0", "float('nan')", "'5'", "True"])
+def test_a_soft_timeout_that_is_no_number_of_seconds_stops_loading(tmp_path: Path,
+                                                                   value: str) -> None:
+    # Taken as given, every run of the tool failed INTERNAL (NaN, a string) or was stopped
+    # for no progress as it started (a negative number).
+    path = _write(tmp_path, "impatient.py", f"""
+        from stargrpc import ToolContext, tool
+
+        @tool(soft_timeout={value})
+        async def impatient(ctx: ToolContext) -> str:
+            return "ok"
+    """)
+
+    with pytest.raises(ToolDefinitionError) as caught:
+        load_directory(tmp_path)
+
+    assert str(path) in str(caught.value)
+    assert "soft_timeout" in str(caught.value) and "'impatient'" in str(caught.value)
+
+
 def test_duplicate_names_across_directories_are_refused(tmp_path: Path) -> None:
     _write(tmp_path / "a", "one.py", GOOD)
     _write(tmp_path / "b", "two.py", GOOD)

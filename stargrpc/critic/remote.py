@@ -74,7 +74,7 @@ def start_message(start: RunStart) -> critic_pb2.SuperviseRequest:
     message.principal = start.principal
     with contextlib.suppress(Exception):  # arguments protobuf cannot hold are left out
         json_format.ParseDict(dict(start.arguments), message.arguments)
-    message.soft_timeout.FromNanoseconds(int(start.soft_timeout * 1e9))
+    message.soft_timeout.FromNanoseconds(int(min(start.soft_timeout, 3e11) * 1e9))
     message.hard_timeout.FromNanoseconds(int(min(start.hard_timeout, 3e11) * 1e9))
     if start.deadline is not None:
         message.caller_deadline.FromNanoseconds(int(start.deadline * 1e9))
