@@ -116,10 +116,18 @@ def check_verdict(verdict: object) -> Verdict:
     Raises:
         CriticError: It is not a verdict, or one with an impossible value.
     """
+    # Each field's type too: a critic is anybody's Python, and a message that is None or a
+    # time that is a string must drop the critic, not fail the run it judges.
     if isinstance(verdict, Extend):
-        if not (verdict.seconds > 0 and verdict.seconds < float("inf")):
+        if not _is_seconds(verdict.seconds):
             raise CriticError(f"an extension must be a positive time, not {verdict.seconds!r}")
+        if not isinstance(verdict.reason, str):
+            raise CriticError(f"an extension's reason must be text, not "
+                              f"{type(verdict.reason).__name__}")
     elif isinstance(verdict, Warn | Steer):
+        if not isinstance(verdict.message, str):
+            raise CriticError(f"a {type(verdict).__name__.lower()} verdict's message must be "
+                              f"text, not {type(verdict.message).__name__}")
         if not verdict.message.strip():
             raise CriticError(f"a {type(verdict).__name__.lower()} verdict needs a message")
         if len(verdict.message.encode()) > MAX_VERDICT_MESSAGE_BYTES:
@@ -127,12 +135,20 @@ def check_verdict(verdict: object) -> Verdict:
     elif isinstance(verdict, Keep):
         pass
     elif isinstance(verdict, Stop):
+        if not isinstance(verdict.code, str) or not isinstance(verdict.reason, str):
+            raise CriticError("a stop verdict's code and reason must be text")
         if len(verdict.code) > 64 or not STOP_CODE.fullmatch(verdict.code):
             raise CriticError(f"a stop code must look like LOOP_DETECTED, not "
                               f"{verdict.code[:64]!r}")
     else:
         raise CriticError(f"not a verdict: {type(verdict).__name__}")
     return verdict
+
+
+def _is_seconds(value: object) -> bool:
+    """Whether ``value`` is a time an extension may give: a finite number above 0."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
 
 
 class RunJudge:

@@ -109,6 +109,10 @@ _KILLS_BY_REASON = {
     HARD_TIMEOUT: metrics.CRITIC_KILLS.labels("hard_timeout"),
     CLIENT_DEADLINE: metrics.CRITIC_KILLS.labels("client_deadline"),
 }
+#: What a quiet extension's seconds may be to be applied on the hot path without a check.
+_TIME_TYPES = (float, int)
+_FOREVER = math.inf
+
 _VERDICT_NAMES = {Extend: "extend", Warn: "warn", Steer: "steer", Stop: "stop", Keep: "keep"}
 
 
@@ -406,7 +410,10 @@ class Supervision:
             verdict = None
             self._fall_back(f"failed ({type(exc).__name__})")
         if verdict is not None:
-            if verdict.__class__ is Extend and verdict.quiet:
+            if (verdict.__class__ is Extend and verdict.quiet
+                    and verdict.seconds.__class__ in _TIME_TYPES
+                    and 0 < verdict.seconds <= _FOREVER):
+                # (any other extension goes through deliver, which checks it)
                 self._soft_at = now + verdict.seconds
                 self._soft_span = verdict.seconds
                 self._last_extend = now

@@ -60,6 +60,40 @@ class CrashingCritic:
         return Crashing()
 
 
+#: What the malformed critic answers when the run says the word: verdicts of the right
+#: class whose fields are not what they must be.
+MALFORMED: dict[str, Verdict] = {
+    "warn_none": Warn(None),  # type: ignore[arg-type]
+    "extend_text": Extend("5"),  # type: ignore[arg-type]
+    "stop_number": Stop(5, "why"),  # type: ignore[arg-type]
+    "steer_bytes": Steer(b"turn left"),  # type: ignore[arg-type]
+    "quiet_nan": Extend(float("nan"), quiet=True),
+    "quiet_negative": Extend(-5.0, quiet=True),
+}
+
+
+class MalformedJudge(RunJudge):
+    def observe(self, event: events_pb2.RunEvent) -> Verdict | None:
+        if event.HasField("step"):
+            return MALFORMED.get(event.step.delta)
+        return None
+
+
+class MalformedCritic:
+    """A critic that answers a malformed verdict to each word of :data:`MALFORMED`."""
+
+    name = "malformed"
+
+    def judge(self, start: RunStart, verdicts: VerdictSink) -> MalformedJudge:
+        del start, verdicts
+        return MalformedJudge()
+
+
+def malformed() -> MalformedCritic:
+    """The factory of ``tests.critic.custom:malformed``."""
+    return MalformedCritic()
+
+
 class NotACritic:
     """What a factory that returns the wrong thing returns."""
 

@@ -19,6 +19,7 @@ from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.testing import run_tool as run_in_harness
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
+from tests.critic.custom import MALFORMED
 from tests.critic.helpers import execute, notices, registry, verdicts
 from tests.critic.tools import hangs
 from tests.helpers import phases
@@ -142,6 +143,21 @@ async def test_a_crashing_critic_falls_back_to_the_rules(make_server) -> None:
     assert ("CRITIC_FALLBACK", "the crashing critic failed (RuntimeError); the rules "
             "supervise the run from here") in notices(events)
     assert verdicts("fallback", "crashing") == fallbacks + 1
+
+
+@pytest.mark.parametrize("word", sorted(MALFORMED))
+async def test_a_malformed_verdict_hands_the_run_to_the_rules(make_server, word: str) -> None:
+    # A verdict of the right class with a field of the wrong type (a None message, a time
+    # in a string) ended the run INTERNAL instead of dropping the critic.
+    server = await make_server(registry=registry(), critic="tests.critic.custom:malformed")
+
+    events = await execute(server, "says", {"words": [word, "after"]})
+
+    result = events[-1].result
+    assert (result.outcome, result.output) == (events_pb2.OUTCOME_OK, "said")
+    [fallback] = [message for code, message in notices(events) if code == "CRITIC_FALLBACK"]
+    assert fallback.startswith("the malformed critic answered garbage (")
+    assert fallback.endswith("; the rules supervise the run from here")
 
 
 async def test_a_run_of_the_test_harness_is_supervised() -> None:
