@@ -109,6 +109,10 @@ _KILLS_BY_REASON = {
     HARD_TIMEOUT: metrics.CRITIC_KILLS.labels("hard_timeout"),
     CLIENT_DEADLINE: metrics.CRITIC_KILLS.labels("client_deadline"),
 }
+# _CRITICS_RAISE: a critic is anybody's Python (a tool's own, or the server's); whatever it
+# raises (SystemExit or KeyboardInterrupt too, which out of a callback of the event loop
+# would stop the loop and the server with it) drops it for the rules.
+
 #: What a quiet extension's seconds may be to be applied on the hot path without a check.
 _TIME_TYPES = (float, int)
 _FOREVER = math.inf
@@ -367,7 +371,7 @@ class Supervision:
             deadline=None if policy.deadline is None else max(0.0, policy.deadline - now))
         try:
             self._judge = critic.judge(start, self.deliver)
-        except Exception as exc:
+        except BaseException as exc:  # a critic's code: even SystemExit (see _CRITICS_RAISE)
             log.exception("critic_failed_to_open", critic=critic.name, run_id=run.run_id)
             self._fall_back(f"could not judge the run ({type(exc).__name__})", announce=False)
 
@@ -405,7 +409,7 @@ class Supervision:
             self._begin(now)  # its first step event is its START
         try:
             verdict = self._judge.observe(event)
-        except Exception as exc:
+        except BaseException as exc:  # a critic's code (see _CRITICS_RAISE)
             log.exception("critic_observe_failed", critic=self.critic, run_id=self.run.run_id)
             verdict = None
             self._fall_back(f"failed ({type(exc).__name__})")
@@ -550,7 +554,7 @@ class Supervision:
         if judge is not self._judge:
             try:
                 judge.close()
-            except Exception:
+            except BaseException:  # a critic's code (see _CRITICS_RAISE)
                 log.exception("critic_close_failed", critic=self.critic)
         log.warning("critic_fallback", critic=self.critic, run_id=self.run.run_id,
                     tool=self.run.spec.name, reason=reason)
@@ -659,7 +663,7 @@ class Supervision:
             return False
         try:
             return bool(self._judge.ask(idle))
-        except Exception as exc:
+        except BaseException as exc:  # a critic's code (see _CRITICS_RAISE)
             log.exception("critic_ask_failed", critic=self.critic, run_id=self.run.run_id)
             self._fall_back(f"failed ({type(exc).__name__})")
             return False
@@ -689,6 +693,6 @@ class Supervision:
             self._timer = None
         try:
             self._judge.close()
-        except Exception:
+        except BaseException:  # a critic's code (see _CRITICS_RAISE)
             log.exception("critic_close_failed", critic=self.critic)
 

@@ -94,6 +94,47 @@ def malformed() -> MalformedCritic:
     return MalformedCritic()
 
 
+class ExitingJudge(RunJudge):
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def observe(self, event: events_pb2.RunEvent) -> Verdict | None:
+        if self.where == "observe" and event.step.phase == events_pb2.STEP_PHASE_END:
+            raise SystemExit(7)  # as the run ends: its steps' ENDs
+        return None
+
+    def close(self) -> None:
+        if self.where == "close":
+            raise KeyboardInterrupt
+
+
+class ExitingCritic:
+    """A critic that calls sys.exit() (or is interrupted) ``where``: judge, observe, close."""
+
+    name = "exiting"
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def judge(self, start: RunStart, verdicts: VerdictSink) -> ExitingJudge:
+        del start, verdicts
+        if self.where == "judge":
+            raise SystemExit(6)
+        return ExitingJudge(self.where)
+
+
+def judged_by_an_exit(where: str) -> object:
+    """A tool named ``exits_in_<where>`` under an :class:`ExitingCritic`."""
+
+    async def fn(ctx: ToolContext) -> str:
+        await ctx.delta("still here")
+        return "survived"
+
+    fn.__name__ = fn.__qualname__ = f"exits_in_{where}"
+    fn.__doc__ = f"Says something under a critic that exits in {where}."
+    return tool(critic=ExitingCritic(where))(fn)
+
+
 class NotACritic:
     """What a factory that returns the wrong thing returns."""
 

@@ -15,11 +15,12 @@ from pydantic import ValidationError
 from stargrpc.cli.serve import serve as serve_command
 from stargrpc.cli.serve import settings_from_flags
 from stargrpc.errors import CriticConfigError
+from stargrpc.registry import Registry, spec_of
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.settings import Settings
 from stargrpc.testing import run_tool as run_in_harness
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.critic.custom import MALFORMED
+from tests.critic.custom import MALFORMED, judged_by_an_exit
 from tests.critic.helpers import execute, notices, registry, verdicts
 from tests.critic.tools import hangs
 from tests.helpers import phases
@@ -158,6 +159,23 @@ async def test_a_malformed_verdict_hands_the_run_to_the_rules(make_server, word:
     [fallback] = [message for code, message in notices(events) if code == "CRITIC_FALLBACK"]
     assert fallback.startswith("the malformed critic answered garbage (")
     assert fallback.endswith("; the rules supervise the run from here")
+
+
+@pytest.mark.parametrize("where", ["judge", "observe", "close"])
+async def test_a_critic_that_exits_fails_no_run_and_stops_no_server(make_server,
+                                                                    where: str) -> None:
+    # SystemExit or KeyboardInterrupt out of a critic went through the run's ending (or a
+    # callback of the event loop) and stopped the loop: the whole server ended.
+    spec = spec_of(judged_by_an_exit(where))
+    assert spec is not None
+    server = await make_server(registry=Registry([spec, *registry().values()]))
+
+    events = await execute(server, spec.name, {})
+
+    assert (events[-1].result.outcome, events[-1].result.output) == (
+        events_pb2.OUTCOME_OK, "survived")
+    again = await execute(server, "says", {"words": ["still", "serving"]})
+    assert again[-1].result.output == "said"
 
 
 async def test_a_run_of_the_test_harness_is_supervised() -> None:
