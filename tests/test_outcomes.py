@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from stargrpc import ToolContext, ToolDenied, ToolResult, tool
 from stargrpc.registry import Registry, spec_of
@@ -209,7 +209,32 @@ def stops_iteration(ctx: object, args: Nothing) -> str:
     raise StopIteration
 
 
-TOOLS.extend([exits, interrupts, generator_exit, exits_in_thread, stops_iteration])
+class ExitingArgs(BaseModel):
+    code: int = 0
+
+    @field_validator("code")
+    @classmethod
+    def _exit(cls, value: int) -> int:
+        raise SystemExit(value)
+
+
+@tool()
+async def exits_validating(ctx: ToolContext, args: ExitingArgs) -> str:
+    """A tool whose argument model calls sys.exit() while validating."""
+    return "unreachable"
+
+
+TOOLS.extend([exits, interrupts, generator_exit, exits_in_thread, stops_iteration,
+              exits_validating])
+
+
+async def test_an_argument_model_that_exits_fails_the_call_not_the_server(stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await run_tool(stub, "exits_validating", {"code": 3})
+
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    after = await run_tool(stub, "explicit", {})
+    assert after[-1].result.outcome == events_pb2.OUTCOME_FAILED
 
 
 @pytest.mark.parametrize("name", ["exits", "interrupts", "generator_exit", "exits_in_thread",

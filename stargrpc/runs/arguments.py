@@ -131,6 +131,11 @@ def validate(model: type[BaseModel], raw: dict[str, Any], *, field_prefix: str =
             if field not in named:  # a non-finite number is named once, for what it is
                 violations.append(FieldViolation(field, error["msg"]))
         value = None
+    except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+        # The model's own validators are the tool's code: out of the call's task these
+        # would stop the event loop, and the server with it. A failure like any other.
+        raise RuntimeError(f"the argument model {model.__name__} raised "
+                           f"{type(exc).__name__}") from exc
     if violations:
         names = ", ".join(v.field for v in violations[:5])
         raise InvalidArgument(f"invalid arguments: {names}", violations)
