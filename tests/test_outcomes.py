@@ -298,3 +298,41 @@ async def test_plain_def_tools_that_never_return_leave_the_others_their_threads(
         HOGS_RELEASE.set()
     for events in await asyncio.gather(*hogs):
         assert events[-1].result.output == "released"
+
+
+@tool()
+async def reenters_a_step(ctx: ToolContext, args: Nothing) -> str:
+    """Enters one step object twice."""
+    step = ctx.step("once")
+    async with step:
+        pass
+    async with step:
+        pass
+    return "unreachable"
+
+
+@tool()
+async def ends_a_step_twice(ctx: ToolContext, args: Nothing) -> str:
+    """Leaves one step twice (by hand)."""
+    step = ctx.step("once")
+    await step.__aenter__()
+    await step.__aexit__(None, None, None)
+    await step.__aexit__(None, None, None)
+    return "ended twice"
+
+
+TOOLS.extend([reenters_a_step, ends_a_step_twice])
+
+
+async def test_a_step_starts_once_and_ends_once(stub) -> None:
+    # Entered again, a step's START followed its own END in the stream, under the same id;
+    # left twice, the second exit failed the tool.
+    events = await run_tool(stub, "reenters_a_step", {})
+    assert phases(events) == ["START s0", "START s1", "END s1 COMPLETE", "END s0 ERROR",
+                              "RESULT ERROR"]
+    assert events[-1].result.error.code == "TOOL_EXCEPTION"
+
+    events = await run_tool(stub, "ends_a_step_twice", {})
+    assert phases(events) == ["START s0", "START s1", "END s1 COMPLETE", "END s0 COMPLETE",
+                              "RESULT OK"]
+    assert events[-1].result.output == "ended twice"

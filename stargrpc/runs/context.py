@@ -186,6 +186,8 @@ class ToolStep:
     detail: dict[str, Any] | None
     _run: RunHandle
     _token: Any
+    #: Whether the step's START has been emitted (a step is entered once).
+    started = False
 
     def __init__(self, run: RunHandle, step_id: str, parent_id: str, title: str, kind: str,
                  detail: Mapping[str, Any] | None = None) -> None:
@@ -218,7 +220,9 @@ class ToolStep:
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._token is not None:
-            _current_step.reset(self._token)
+            # Taken once: a second exit of the step (ended already) must not fail the tool.
+            token, self._token = self._token, None
+            _current_step.reset(token)
         if exc_type is None:
             await self._run.end_step(self, error=False)
         elif not issubclass(exc_type, asyncio.CancelledError):

@@ -784,7 +784,16 @@ class Run:
             event.parent_run_id = self.parent_run_id
 
     async def start_step(self, step: ToolStep) -> None:
-        """Emits the START of ``step``."""
+        """Emits the START of ``step``.
+
+        Raises:
+            RuntimeError: The step has started before (a step object is entered once: a
+                second START of its id would follow its END in the stream).
+        """
+        if step.started:
+            raise RuntimeError(f"step {step.title!r} was entered before: a step is entered "
+                               "once; make a new one with ctx.step()")
+        step.started = True
         event, fields, now = _step_event(events_pb2.STEP_PHASE_START, step,
                                          events_pb2.STEP_STATUS_RUNNING, self._sizes)
         if step is self.root_step:  # the run's first event
