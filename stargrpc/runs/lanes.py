@@ -142,11 +142,19 @@ class LanePlace:
                 or abs(self.position - self.told) >= max(1, self.told * NOTICE_STEP_SHARE))
 
 
+#: The least delay a refusal for a full queue tells its caller to wait: the estimate can be
+#: a few milliseconds (no run of the lane has ended yet, so only how long the running ones
+#: have run so far is known), and a caller honouring it would retry in a tight loop.
+LANE_FULL_RETRY_FLOOR_SECONDS = 1.0
+
+
 def lane_full(lane: str, max_queued: int, retry_after: float) -> ResourceExhausted:
-    """The refusal of a run whose lane's queue is full."""
+    """The refusal of a run whose lane's queue is full: retry after the queue's estimated
+    wait, and never sooner than :data:`LANE_FULL_RETRY_FLOOR_SECONDS`."""
+    retry_after = max(retry_after, LANE_FULL_RETRY_FLOOR_SECONDS)
     return ResourceExhausted(
         f"the queue of lane {lane!r} is full (max_queued {max_queued}); retry after "
-        f"{retry_after:.3g} s", retry_after=max(retry_after, 0.001), reason=LANE_FULL,
+        f"{retry_after:.3g} s", retry_after=retry_after, reason=LANE_FULL,
         metadata={"lane": lane, "max_queued": str(max_queued)})
 
 
