@@ -325,8 +325,11 @@ class Upstream:
             return _process_streams(process), ended
         assert entry.url is not None
         url, headers = await self._vetted(entry.url)
+        # Bodies come uncompressed and a JSON one bounded (:class:`_BoundedBodies`).
         http = await stack.enter_async_context(httpx2.AsyncClient(
-            headers=headers, timeout=httpx2.Timeout(entry.connect_timeout_seconds, read=None)))
+            headers={**headers, "Accept-Encoding": "identity"},
+            timeout=httpx2.Timeout(entry.connect_timeout_seconds, read=None),
+            transport=_BoundedBodies(httpx2.AsyncHTTPTransport())))
         return streamable_http_client(url, http_client=http), None
 
     async def _vetted(self, url: str) -> tuple[str, dict[str, str]]:
@@ -602,6 +605,62 @@ class _Progress:
         self._latest = None
         self.passed += 1
         await self._ctx.heartbeat(shown, progress=fraction)
+
+
+class _BodyRefused(httpx2.StreamError):
+    """A response body of an HTTP server that is not read: compressed though none was
+    asked for, or a JSON one over :data:`MAX_LINE_BYTES`. The SDK answers the request it
+    belonged to with an error saying so; the connection stays."""
+
+
+class _BoundedBodies(httpx2.AsyncBaseTransport):
+    """The HTTP transport to an MCP server, with its bodies bounded: the SDK reads a JSON
+    response whole (and httpx inflates a compressed chunk whole), so a few megabytes of
+    gzip from a hostile server became gigabytes in stargrpc's memory. A compressed body is
+    refused (stargrpc sends ``Accept-Encoding: identity``), a JSON one (one message) is cut
+    at :data:`MAX_LINE_BYTES` as a stdio server's line is; an event stream is left whole
+    (the SDK bounds each event)."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        codings = [c.strip().lower() for c in response.headers.get_list(
+            "content-encoding", split_commas=True) if c.strip().lower() not in ("", "identity")]
+        event_stream = response.headers.get("content-type", "").lower().startswith(
+            "text/event-stream")
+        assert isinstance(response.stream, httpx2.AsyncByteStream)
+        response.stream = _BoundedStream(response.stream, codings,
+                                         None if event_stream else MAX_LINE_BYTES)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _BoundedStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, codings: list[str],
+                 cap: int | None) -> None:
+        self._inner = inner
+        self._codings = codings
+        self._cap = cap
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._codings:
+            raise _BodyRefused(f"the server sent a compressed body (Content-Encoding: "
+                               f"{', '.join(self._codings)[:100]}) although stargrpc asks "
+                               "for none (Accept-Encoding: identity)")
+        received = 0
+        async for chunk in self._inner:
+            received += len(chunk)
+            if self._cap is not None and received > self._cap:
+                raise _BodyRefused(f"the server's JSON response is over {self._cap} bytes "
+                                   "(MAX_LINE_BYTES)")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 class _Unavailable(Exception):

@@ -490,3 +490,98 @@ def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reas
     assert violation.field == "arguments"
     assert "the tool's input schema cannot check them (AttributeError" in violation.description
     assert validate(model, {"a": "not a list"}).model_extra == {"a": "not a list"}
+
+
+# -- bodies an HTTP server sends ---------------------------------------------------------------
+
+#: What the raw server's ``bomb`` tool answers: a JSON-RPC result whose text is this many
+#: bytes, gzipped (some 17 KiB on the wire) or plain.
+BOMB_BYTES = upstream_module.MAX_LINE_BYTES + 1024
+
+
+async def _raw_mcp_server(gzip_bomb: bool) -> asyncio.Server:
+    """A streamable-HTTP MCP server written by hand (no SDK, so it may break the rules):
+    it answers initialize, lists ``fine`` and ``bomb``, and answers ``bomb`` with a body of
+    BOMB_BYTES, gzipped (``gzip_bomb``: although the client asked for no compression) or
+    plain (over the one-message bound)."""
+    import json
+    import zlib
+
+    def reply(writer: asyncio.StreamWriter, body: bytes, extra: bytes = b"") -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+                     + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while request_line := await reader.readline():
+                headers = {}
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if not request_line.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 405 No\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                message = json.loads(body)
+                if "id" not in message:
+                    writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                method, params = message["method"], message.get("params") or {}
+                if method == "tools/call" and params["name"] == "bomb":
+                    text = json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {
+                        "content": [{"type": "text", "text": "a" * BOMB_BYTES}]}}).encode()
+                    if gzip_bomb:
+                        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+                        reply(writer, packer.compress(text) + packer.flush(),
+                              b"content-encoding: gzip\r\n")
+                    else:
+                        reply(writer, text)
+                    await writer.drain()
+                    continue
+                result: dict[str, Any] | None = {
+                    "initialize": {"protocolVersion": params.get("protocolVersion"),
+                                   "capabilities": {"tools": {}},
+                                   "serverInfo": {"name": "raw", "version": "1"}},
+                    "tools/list": {"tools": [
+                        {"name": name, "inputSchema": {"type": "object"}}
+                        for name in ("fine", "bomb")]},
+                    "tools/call": {"content": [{"type": "text", "text": "fine: hi"}]},
+                    "ping": {},
+                }.get(method)
+                answer = ({"result": result} if result is not None else
+                          {"error": {"code": -32601, "message": "Method not found"}})
+                reply(writer, json.dumps({"jsonrpc": "2.0", "id": message["id"],
+                                          **answer}).encode())
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("gzip_bomb", [True, False], ids=["gzip-bomb", "oversized"])
+async def test_a_compressed_or_oversized_answer_fails_the_call_unread(
+        make_server: ServerFactory, gzip_bomb: bool) -> None:
+    # A 17 KiB gzip body of 16 MiB was inflated whole in memory (a few MiB of it, to
+    # gigabytes), and a plain JSON body was read however long it went on.
+    listener = await _raw_mcp_server(gzip_bomb)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        server = await hostile_server(make_server, f"http://127.0.0.1:{port}/mcp")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "up.bomb", {}))
+            assert result.outcome == events_pb2.OUTCOME_FAILED, result.error
+            assert result.error.code == "MCP_ERROR"
+            assert (("compressed body (Content-Encoding: gzip)" if gzip_bomb else
+                     f"JSON response is over {upstream_module.MAX_LINE_BYTES} bytes")
+                    in result.error.message), result.error.message
+            assert not result.output
+            # The connection stays: the next call is answered.
+            result = result_of(await run_tool(stub, "up.fine", {}))
+            assert result.outcome == events_pb2.OUTCOME_OK and result.output == "fine: hi"
+        assert only(server).available
+    finally:
+        listener.close()
