@@ -87,6 +87,9 @@ CATALOG_MAX_BYTES = 3 * 1024 * 1024
 #: one per PROGRESS_INTERVAL_SECONDS, the latest (see :class:`_Progress`).
 PROGRESS_BURST = 32
 PROGRESS_INTERVAL_SECONDS = 0.5
+#: Shortest time between two listings of a server's tools on its ``list_changed``
+#: notifications (those that come meanwhile make one listing).
+RELIST_INTERVAL_SECONDS = 1.0
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # What each tool's entry in a ListTools response adds to its message: its tag and length.
@@ -188,6 +191,8 @@ class Upstream:
     _listed: list[_Listed]
     _checked: dict[str, tuple[str, ArgumentChecker | None]]
     _specs: list[ToolSpec]
+    _relist_wanted: bool
+    _relisting: bool
 
     def __init__(self, entry: McpServerEntry, settings: Settings,
                  on_change: Callable[[], None]) -> None:
@@ -204,6 +209,8 @@ class Upstream:
         self._listed = []
         self._checked = {}
         self._specs = []
+        self._relist_wanted = False
+        self._relisting = False
 
     @property
     def available(self) -> bool:
@@ -432,15 +439,32 @@ class Upstream:
         self._on_change()
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, types.ToolListChangedNotification) and self._client is not None:
-            client = self._client
-            try:
-                await self._set_tools(await _list_all(client))
-            except Exception as exc:
-                log.warning("mcp_tools_relist_failed", server=self.entry.name,
-                            error=_describe(exc))
-                return
-            self._announce()
+        if not isinstance(message, types.ToolListChangedNotification):
+            return
+        # The SDK hands each notification to a task of its own: one list at a time, and
+        # the notifications that come meanwhile make one more, at most one per
+        # RELIST_INTERVAL_SECONDS. A server sending thousands of them had stargrpc list and
+        # vet its tools thousands of times at once (the event loop slowed for minutes).
+        self._relist_wanted = True
+        if self._relisting:
+            return
+        self._relisting = True
+        try:
+            while self._relist_wanted and (client := self._client) is not None:
+                self._relist_wanted = False
+                started = asyncio.get_running_loop().time()
+                try:
+                    await self._set_tools(await _list_all(client))
+                except Exception as exc:
+                    log.warning("mcp_tools_relist_failed", server=self.entry.name,
+                                error=_describe(exc))
+                    return
+                if self._client is client:
+                    self._announce()
+                await asyncio.sleep(max(0.0, started + RELIST_INTERVAL_SECONDS
+                                        - asyncio.get_running_loop().time()))
+        finally:
+            self._relisting = False
 
     async def _on_log(self, params: types.LoggingMessageNotificationParams) -> None:
         data = params.data if isinstance(params.data, str) else json.dumps(

@@ -499,11 +499,14 @@ def test_a_schema_the_validator_cannot_apply_refuses_the_arguments_with_its_reas
 BOMB_BYTES = upstream_module.MAX_LINE_BYTES + 1024
 
 
-async def _raw_mcp_server(gzip_bomb: bool) -> asyncio.Server:
+async def _raw_mcp_server(gzip_bomb: bool = False, listings: list[int] | None = None
+                          ) -> asyncio.Server:
     """A streamable-HTTP MCP server written by hand (no SDK, so it may break the rules):
-    it answers initialize, lists ``fine`` and ``bomb``, and answers ``bomb`` with a body of
-    BOMB_BYTES, gzipped (``gzip_bomb``: although the client asked for no compression) or
-    plain (over the one-message bound)."""
+    it answers initialize, lists ``fine``, ``bomb`` and ``flood`` (each tools/list counted
+    in ``listings``), answers ``bomb`` with a body of BOMB_BYTES, gzipped (``gzip_bomb``:
+    although the client asked for no compression) or plain (over the one-message bound),
+    and ``flood`` with an event stream of ``count`` tools/list_changed notifications before
+    its result."""
     import json
     import zlib
 
@@ -527,6 +530,19 @@ async def _raw_mcp_server(gzip_bomb: bool) -> asyncio.Server:
                     writer.write(b"HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n")
                     continue
                 method, params = message["method"], message.get("params") or {}
+                if method == "tools/list" and listings is not None:
+                    listings.append(1)
+                if method == "tools/call" and params["name"] == "flood":
+                    changed = b"data: %s\n\n" % json.dumps(
+                        {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+                    ).encode()
+                    events = changed * params["arguments"]["count"] + b"data: %s\n\n" % (
+                        json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {
+                            "content": [{"type": "text", "text": "flooded"}]}}).encode())
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"content-length: %d\r\n\r\n" % len(events) + events)
+                    await writer.drain()
+                    continue
                 if method == "tools/call" and params["name"] == "bomb":
                     text = json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": {
                         "content": [{"type": "text", "text": "a" * BOMB_BYTES}]}}).encode()
@@ -544,7 +560,7 @@ async def _raw_mcp_server(gzip_bomb: bool) -> asyncio.Server:
                                    "serverInfo": {"name": "raw", "version": "1"}},
                     "tools/list": {"tools": [
                         {"name": name, "inputSchema": {"type": "object"}}
-                        for name in ("fine", "bomb")]},
+                        for name in ("fine", "bomb", "flood")]},
                     "tools/call": {"content": [{"type": "text", "text": "fine: hi"}]},
                     "ping": {},
                 }.get(method)
@@ -583,5 +599,32 @@ async def test_a_compressed_or_oversized_answer_fails_the_call_unread(
             result = result_of(await run_tool(stub, "up.fine", {}))
             assert result.outcome == events_pb2.OUTCOME_OK and result.output == "fine: hi"
         assert only(server).available
+    finally:
+        listener.close()
+
+
+async def test_a_flood_of_list_changed_notifications_lists_the_tools_a_few_times(
+        make_server: ServerFactory) -> None:
+    # Each notification listed and vetted the tools at once: 300 of them, 300 listings in
+    # parallel (thousands slowed every other call for minutes).
+    listings: list[int] = []
+    listener = await _raw_mcp_server(listings=listings)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        server = await hostile_server(make_server, f"http://127.0.0.1:{port}/mcp")
+        upstream = only(server)
+        assert len(listings) == 1
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            result = result_of(await run_tool(stub, "up.flood", {"count": 300}))
+            assert result.outcome == events_pb2.OUTCOME_OK and result.output == "flooded"
+            # Listed again (at least once, for the notifications), then quiet.
+            await eventually(lambda: len(listings) >= 2
+                             and not getattr(upstream, "_relisting", False),
+                             within=10, what="the tools listed again")
+            assert len(listings) <= 3, len(listings)
+            result = result_of(await run_tool(stub, "up.fine", {}))
+            assert result.outcome == events_pb2.OUTCOME_OK
+        assert upstream.available
     finally:
         listener.close()
