@@ -29,6 +29,7 @@ from pathlib import Path
 
 from stargrpc.kb.passages import INDEXED_SUFFIXES, MARKDOWN_SUFFIXES, split_document
 from stargrpc.settings import Settings
+from stargrpc.text import as_name
 
 #: Files larger than this are skipped (a knowledge base holds documents, not dumps).
 MAX_DOCUMENT_BYTES = 5 * 1024 * 1024
@@ -134,11 +135,11 @@ class KnowledgeBase:
 
     def _refresh(self, db: sqlite3.Connection, root: Path) -> RefreshStats:
         known_root = db.execute("SELECT value FROM meta WHERE key = 'root'").fetchone()
-        if known_root is None or known_root[0] != str(root):
+        if known_root is None or known_root[0] != as_name(str(root)):
             # Another folder: start over rather than mix two collections.
             db.execute("DELETE FROM documents")
             db.execute("DELETE FROM passages")
-            db.execute("INSERT OR REPLACE INTO meta VALUES ('root', ?)", (str(root),))
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('root', ?)", (as_name(str(root)),))
         known = {row[0]: (row[1], row[2], row[3]) for row in
                  db.execute("SELECT path, mtime_ns, size, sha256 FROM documents")}
         added = updated = unchanged = 0
@@ -224,7 +225,9 @@ def _documents(root: Path) -> Iterator[tuple[str, tuple[str, ...]]]:
             except OSError:  # changing under us; the next refresh sees it settled
                 continue
             if real.is_relative_to(root) and _indexable(real.relative_to(root)):
-                yield path.relative_to(root).as_posix(), real.relative_to(root).parts
+                # A name whose bytes are not UTF-8 is stored and shown with them spelt out
+                # (``\xff``): as it was, SQLite refused it and the whole refresh with it.
+                yield as_name(path.relative_to(root).as_posix()), real.relative_to(root).parts
 
 
 def _indexable(relative: Path) -> bool:

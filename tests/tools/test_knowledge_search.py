@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
@@ -75,3 +77,21 @@ async def test_a_link_out_of_the_folder_is_not_searched(docs_and_stub, tmp_path)
     again = await run_tool(stub, "knowledge_search", {"query": "restore a backup"})
     assert as_dict(again[-1].result)["structured_output"]["passages"][0]["path"] == (
         "ops/backups.md")
+
+
+async def test_a_file_whose_name_is_not_utf8_is_indexed_with_its_bytes_spelt_out(
+        docs_and_stub) -> None:
+    # SQLite refused the name (a lone surrogate) and the refresh with it: one such file
+    # made every search fail.
+    docs, stub = docs_and_stub
+    (docs / os.fsdecode(b"caf\xe9.md")).write_text("# Menu\n\nThe quince tart.\n")
+
+    events = await run_tool(stub, "knowledge_search", {"query": "quince"})
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK, events[-1].result.error
+    passages = as_dict(events[-1].result)["structured_output"]["passages"]
+    assert [p["path"] for p in passages] == ["caf\\xe9.md"]
+    # The other documents are searched as before.
+    events = await run_tool(stub, "knowledge_search", {"query": "restore a backup"})
+    assert as_dict(events[-1].result)["structured_output"]["passages"][0]["path"] == \
+        "ops/backups.md"
