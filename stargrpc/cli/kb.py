@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from stargrpc.cli.client_commands import terminal_safe
 from stargrpc.kb import KnowledgeBase, default_index_path
 from stargrpc.settings import Settings
 
@@ -59,4 +60,5 @@ def search_command(query: str, limit: int, index_path: Path | None,
     knowledge, _ = _knowledge_base(index_path, config_file)
     for rank, hit in enumerate(knowledge.search(query, limit), 1):
         where = f"{hit.path} > {hit.heading}" if hit.heading else hit.path
-        click.echo(f"{rank}. {where}  ({hit.score:.3f})\n   {hit.snippet}")
+        # The documents' names and text are shown, never obeyed by the terminal.
+        click.echo(terminal_safe(f"{rank}. {where}  ({hit.score:.3f})\n   {hit.snippet}"))

@@ -145,3 +145,22 @@ def test_kb_index_command_follows_the_same_rule(tmp_path) -> None:
     assert built.exit_code == 0, built.output
     assert built.output.startswith("4 documents indexed: 4 added,")
     assert (found.exit_code, found.output) == (0, "")
+
+
+def test_kb_search_shows_what_the_documents_say_without_the_terminal_obeying_it(
+        tmp_path) -> None:
+    # A document's text (or name) that set the window title or redrew the screen reached
+    # the terminal as it was.
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "title\x1b[2J.md").write_text("# Trap\n\nThe walrus \x1b]0;pwned\x07 sings.\n")
+    index = str(tmp_path / "index.sqlite3")
+    runner = CliRunner()
+
+    assert runner.invoke(main, ["kb", "index", str(docs), "--index", index]).exit_code == 0
+    found = runner.invoke(main, ["kb", "search", "walrus", "--index", index])
+
+    assert found.exit_code == 0, found.output
+    assert "\x1b" not in found.output and "\x07" not in found.output
+    assert "title\\x1b[2J.md > Trap" in found.output
+    assert "\\x1b]0;pwned\\x07" in found.output
