@@ -213,11 +213,9 @@ def _documents(root: Path) -> Iterator[tuple[str, tuple[str, ...]]]:
     """Each document's path relative to ``root`` and, for opening, the components of its
     real path below ``root``; links whose target is outside or would not be indexed
     itself are left out."""
-    # os.walk does not walk into linked folders (followlinks=False).
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
+    for folder, filenames in _walk(root):
+        for name in filenames:
+            path = folder / name
             if not _indexable(path.relative_to(root)):
                 continue
             try:
@@ -230,6 +228,32 @@ def _documents(root: Path) -> Iterator[tuple[str, tuple[str, ...]]]:
                 yield as_name(path.relative_to(root).as_posix()), real.relative_to(root).parts
 
 
+def _walk(root: Path) -> Iterator[tuple[Path, list[str]]]:
+    """Each folder at or below ``root``, top down, with the names in it that are not
+    folders (links included), sorted; hidden folders and linked ones are not walked into,
+    and a folder that cannot be listed is passed over. Iterative: ``os.walk`` recurses, and
+    on Python 3.11 a folder nested a thousand deep raised RecursionError (the refresh, and
+    every knowledge_search, failing with it)."""
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        folders: list[str] = []
+        files: list[str] = []
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        linked_or_file = not entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    (files if linked_or_file else folders).append(entry.name)
+        except OSError:
+            continue
+        yield folder, sorted(files)
+        pending.extend(folder / name for name in sorted(folders, reverse=True)
+                       if not name.startswith("."))
+
+
 def _indexable(relative: Path) -> bool:
     return (relative.suffix.lower() in INDEXED_SUFFIXES
             and not any(part.startswith(".") for part in relative.parts))
@@ -239,16 +263,20 @@ def _open_inside(root_fd: int, parts: tuple[str, ...]) -> int | None:
     """A descriptor of the regular file ``parts`` below ``root_fd``, opened without
     following a link at any component; None when something on the way is a link, is
     missing or unreadable, or the file is not a regular file of at most the size cap."""
-    folders: list[int] = []
+    # One folder descriptor held at a time: a file nested deeper than the descriptor
+    # limit is still opened, and the server's other descriptors are not crowded out.
+    folder: int | None = None
     try:
         for part in parts[:-1]:
-            folders.append(os.open(part, _DIR_FLAGS, dir_fd=folders[-1] if folders
-                                   else root_fd))
-        fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=folders[-1] if folders else root_fd)
+            inner = os.open(part, _DIR_FLAGS, dir_fd=root_fd if folder is None else folder)
+            if folder is not None:
+                os.close(folder)
+            folder = inner
+        fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=root_fd if folder is None else folder)
     except OSError:
         return None
     finally:
-        for folder in folders:
+        if folder is not None:
             os.close(folder)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_DOCUMENT_BYTES:

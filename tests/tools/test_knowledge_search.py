@@ -95,3 +95,26 @@ async def test_a_file_whose_name_is_not_utf8_is_indexed_with_its_bytes_spelt_out
     events = await run_tool(stub, "knowledge_search", {"query": "restore a backup"})
     assert as_dict(events[-1].result)["structured_output"]["passages"][0]["path"] == \
         "ops/backups.md"
+
+
+async def test_a_folder_nested_a_thousand_deep_is_searched(docs_and_stub) -> None:
+    # The walk recursed once a level: on Python 3.11 it raised RecursionError, and every
+    # search failed with it.
+    docs, stub = docs_and_stub
+    levels = [docs]
+    for _ in range(1100):  # one level at a time: pathlib's mkdir(parents=True) recurses
+        levels.append(levels[-1] / "d")
+        levels[-1].mkdir()
+    (levels[-1] / "bottom.md").write_text("# Bottom\n\nThe anglerfish lives here.\n")
+    try:
+        events = await run_tool(stub, "knowledge_search", {"query": "anglerfish"})
+
+        assert events[-1].result.outcome == events_pb2.OUTCOME_OK, events[-1].result.error
+        [passage] = as_dict(events[-1].result)["structured_output"]["passages"]
+        assert passage["path"] == "d/" * 1100 + "bottom.md"
+    finally:
+        # Removed here, bottom up: pytest's clean-up of old temporary folders (shutil's
+        # rmtree) recurses too, and would fail on it in a later session.
+        (levels[-1] / "bottom.md").unlink()
+        for level in reversed(levels[1:]):
+            level.rmdir()
