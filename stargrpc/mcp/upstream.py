@@ -505,9 +505,12 @@ class Upstream:
             name=name, description=description, fn=call,
             args_model=args_model, output_model=output_model,
             kind="mcp", categories=("mcp", entry.name),
+            # MCP's defaults: a tool that does not say it is read-only, nor that its
+            # updates are only additive, may destroy (destructiveHint defaults to true), and
+            # is so for approval_policy's ``destructive``.
             annotations=ToolAnnotations(
                 read_only=bool(hints.read_only_hint),
-                destructive=bool(hints.destructive_hint),
+                destructive=not hints.read_only_hint and hints.destructive_hint is not False,
                 idempotent=bool(hints.idempotent_hint),
                 open_world=hints.open_world_hint is not False),
             privileged=entry.privileged, allowed_roles=tuple(entry.roles),

@@ -317,6 +317,26 @@ def _uid_of(pid: int) -> int:
     raise AssertionError("no Uid line")
 
 
+async def test_a_tool_that_does_not_say_it_is_harmless_is_destructive_for_approval(
+        make_server: ServerFactory, http_upstream: tuple[str, Observed, Any]) -> None:
+    # MCP's destructiveHint defaults to true, but a tool without annotations was taken as
+    # not destructive: approval_policy's destructive let every such tool run unapproved.
+    url, _, _ = http_upstream
+    server = await make_server(mcp_servers=[{"name": "up", "url": url, "roles": ["*"]}],
+                               mcp_servers_allowed_networks=LOOPBACK,
+                               approval_policy={"destructive": True})
+    await tools_of(server, "up.peek")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+        listed = await stub.ListTools(tool_service_pb2.ListToolsRequest())
+    tools = {tool.name: tool for tool in listed.tools}
+    assert {name: (tools[name].annotations.destructive, tools[name].requires_approval)
+            for name in ("up.progress", "up.peek", "up.append")} == {
+        "up.progress": (True, True),  # says nothing: may destroy
+        "up.peek": (False, False),  # read-only
+        "up.append": (False, False)}  # says its updates are only additive
+
+
 async def test_a_server_that_never_answers_does_not_block_the_catalog(
         make_server: ServerFactory) -> None:
     accepted: list[asyncio.StreamWriter] = []

@@ -16,6 +16,7 @@ import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.utilities.types import Image
+from mcp_types import ToolAnnotations
 
 #: A 1x1 PNG.
 PNG = base64.b64decode(
@@ -72,6 +73,16 @@ def build(observed: Observed) -> MCPServer:
     async def crash() -> str:
         """Exits the server process mid-call."""
         os._exit(3)
+
+    @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+    async def peek() -> str:
+        """Reads, changes nothing (annotated read-only)."""
+        return "peeked"
+
+    @server.tool(annotations=ToolAnnotations(destructiveHint=False))
+    async def append() -> str:
+        """Adds, never overwrites (annotated not destructive)."""
+        return "appended"
 
     @server.tool()
     async def was_cancelled() -> bool:
