@@ -166,7 +166,8 @@ class KnowledgeBase:
                 if previous is not None and previous[2] == digest:
                     unchanged += 1
                 else:
-                    self._index_document(db, relative, Path(relative).suffix.lower(), data)
+                    self._index_document(db, relative, Path(relative).suffix.lower(), data,
+                                         replacing=previous is not None)
                     if previous is None:
                         added += 1
                     else:
@@ -183,8 +184,12 @@ class KnowledgeBase:
 
     @staticmethod
     def _index_document(db: sqlite3.Connection, relative: str, suffix: str,
-                        data: bytes) -> None:
-        db.execute("DELETE FROM passages WHERE path = ?", (relative,))
+                        data: bytes, *, replacing: bool) -> None:
+        if replacing:
+            # ``path`` is not indexed: this reads every passage. Only a document that was
+            # indexed before has passages to drop (a new one made a first refresh
+            # quadratic: 20,000 documents took longer than a run may last).
+            db.execute("DELETE FROM passages WHERE path = ?", (relative,))
         text = data.decode("utf-8", errors="replace")
         passages = split_document(text, markdown=suffix in MARKDOWN_SUFFIXES)
         db.executemany("INSERT INTO passages (path, heading, body, ordinal) VALUES (?, ?, ?, ?)",

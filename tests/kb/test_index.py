@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 
 from stargrpc.kb import KnowledgeBase
 from stargrpc.kb.passages import split_document
@@ -57,3 +58,31 @@ def test_markdown_is_cut_at_headings_but_not_inside_code() -> None:
 
     assert [(p.heading, p.body.splitlines()[0]) for p in passages] == [
         ("", "intro"), ("A", "text a"), ("A > B", "text b")]
+
+
+def test_a_new_document_does_not_read_every_passage(tmp_path, monkeypatch) -> None:
+    # Each new document first deleted its passages by path, a column FTS5 does not index:
+    # a scan of every passage per document, so a first refresh of 20,000 documents took
+    # longer than a run may last (knowledge_search never finished it). Only a document
+    # indexed before has passages to drop.
+    docs = write_corpus(tmp_path / "docs")
+    statements: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args, **kwargs):  # the real connection, its statements written down
+        connection = connect(*args, **kwargs)
+        connection.set_trace_callback(statements.append)
+        return connection
+
+    monkeypatch.setattr(sqlite3, "connect", traced)
+    kb = KnowledgeBase(tmp_path / "index.sqlite3")
+    assert kb.refresh(docs).added == 4
+    assert not [s for s in statements if s.startswith("DELETE FROM passages WHERE")]
+
+    (docs / "team/lunch.txt").write_text("Lunch moved: tacos every Thursday.\n")
+    statements.clear()
+    assert kb.refresh(docs).updated == 1
+    assert [s for s in statements if s.startswith("DELETE FROM passages WHERE")] == [
+        "DELETE FROM passages WHERE path = 'team/lunch.txt'"]
+    assert kb.search("tacos")[0].path == "team/lunch.txt"
+    assert kb.search("soup") == []
