@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from stargrpc.errors import ResourceExhausted
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
@@ -200,3 +201,26 @@ async def test_go_hangs_a_call_under_a_parent_run(server: StargrpcServer, go_cli
                                     "-parent-run-id", "0" * 32, "echo", '{"text": "x"}')
         assert code == 1 and "RUN_NOT_FOUND" in err
         holding.cancel()
+
+
+async def test_go_returns_a_refusal_whose_retry_delay_is_past_its_bound_at_once(
+        make_server: ServerFactory, go_cli: str) -> None:
+    recorder = Recorder()
+    server = await make_server(interceptors=[recorder])
+    target = ("-target", f"127.0.0.1:{server.port}")
+    recorder.fail("Execute", ResourceExhausted("busy", retry_after=3600,
+                                               reason="CONCURRENCY_LIMIT"))
+
+    # An hour's RetryInfo is not waited for (it was: the call hung for the hour).
+    code, _, err = await asyncio.wait_for(
+        run_go(go_cli, *target, "call", "echo", '{"text": "x"}'), 20)
+    assert code == 1 and "[CONCURRENCY_LIMIT]" in err and "3600" in err
+    assert len(recorder.seen("Execute")) == 1
+
+    # A short one still is, and the retry runs the tool.
+    recorder.fail("Execute", ResourceExhausted("busy", retry_after=0.05,
+                                               reason="CONCURRENCY_LIMIT"))
+    code, out, _ = await asyncio.wait_for(
+        run_go(go_cli, *target, "call", "echo", '{"text": "x"}'), 20)
+    assert code == 0 and "x" in out
+    assert len(recorder.seen("Execute")) == 3

@@ -46,18 +46,22 @@ type Options struct {
 	// Backoff is the first wait between tries; it doubles on each (default 100 ms, at most
 	// 5 s, with jitter).
 	Backoff time.Duration
+	// MaxRetryDelay is the longest RetryInfo delay the client agrees to wait (default 60 s,
+	// as the Python client's): a refusal asking for more is returned to the caller at once.
+	MaxRetryDelay time.Duration
 	// DialOptions are added to Dial's.
 	DialOptions []grpc.DialOption
 }
 
 // Client calls a stargrpc server. It is safe for concurrent use.
 type Client struct {
-	conn        *grpc.ClientConn
-	ownConn     bool
-	stub        pb.ToolServiceClient
-	state       pb.RunStateServiceClient
-	maxAttempts int
-	backoff     time.Duration
+	conn          *grpc.ClientConn
+	ownConn       bool
+	stub          pb.ToolServiceClient
+	state         pb.RunStateServiceClient
+	maxAttempts   int
+	backoff       time.Duration
+	maxRetryDelay time.Duration
 }
 
 // bearer is the per-RPC credential carrying the API key.
@@ -98,7 +102,10 @@ func Dial(target string, opts Options) (*Client, error) {
 func New(conn *grpc.ClientConn, opts Options) *Client {
 	c := &Client{conn: conn, stub: pb.NewToolServiceClient(conn),
 		state: pb.NewRunStateServiceClient(conn), maxAttempts: opts.MaxAttempts,
-		backoff: opts.Backoff}
+		backoff: opts.Backoff, maxRetryDelay: opts.MaxRetryDelay}
+	if c.maxRetryDelay <= 0 {
+		c.maxRetryDelay = 60 * time.Second
+	}
 	if c.maxAttempts <= 0 {
 		c.maxAttempts = 5
 	}
@@ -487,13 +494,22 @@ func (c *Client) retry(ctx context.Context, call func() error) error {
 	}
 }
 
-// pause waits before another try of a refused call, or returns the error to give up with.
+// pause waits before another try of a refused call, or returns the error to give up with:
+// a RetryInfo delay longer than MaxRetryDelay, or one that would pass ctx's deadline, is
+// not waited for.
 func (c *Client) pause(ctx context.Context, attempt int, err error) error {
 	if !retryable(err) || attempt >= c.maxAttempts || ctx.Err() != nil {
 		return err
 	}
 	e, _ := err.(*Error)
-	if sleepErr := c.sleep(ctx, c.delay(attempt, e)); sleepErr != nil {
+	if e.HasRetryDelay && e.RetryDelay > c.maxRetryDelay {
+		return err
+	}
+	wait := c.delay(attempt, e)
+	if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) <= wait {
+		return err
+	}
+	if sleepErr := c.sleep(ctx, wait); sleepErr != nil {
 		return err
 	}
 	return nil
