@@ -224,3 +224,34 @@ async def test_go_returns_a_refusal_whose_retry_delay_is_past_its_bound_at_once(
         run_go(go_cli, *target, "call", "echo", '{"text": "x"}'), 20)
     assert code == 0 and "x" in out
     assert len(recorder.seen("Execute")) == 3
+
+
+async def test_go_notices_a_connection_gone_silent_and_resumes_the_run(
+        make_server: ServerFactory, go_cli: str) -> None:
+    # No deadline: only the connection's keepalive tells a silent server from a slow run
+    # (there was none, and such a call waited for ever).
+    recorder = Recorder()
+    server = await make_server(interceptors=[recorder])
+    proxy = Proxy(server.port)
+    await proxy.start()
+    proc = await asyncio.create_subprocess_exec(
+        go_cli, "-target", proxy.target, "-json", "call", "count", '{"to": 6, "delay": 0.1}',
+        stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        lines = [await asyncio.wait_for(proc.stdout.readline(), TIMEOUT) for _ in range(2)]
+        proxy.stall()  # a stopped server: nothing more arrives, nothing closes
+        rest, _ = await asyncio.wait_for(proc.communicate(), 90)
+    finally:
+        await proxy.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    events = json_events(b"".join(lines).decode() + rest.decode())
+    assert proc.returncode == 0
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert phases(events) == count_phases(6)
+    assert len(recorder.seen("Execute")) == 1
+    watches = recorder.seen("WatchRun")
+    assert len(watches) == 1 and watches[0].request.after_seq >= 2

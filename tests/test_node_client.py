@@ -306,3 +306,34 @@ async def test_node_hangs_a_call_under_a_parent_run(
                                   "--parent-run-id", "0" * 32, "--target", target)
     assert code == 1 and "NOT_FOUND" in err
     holding.cancel()
+
+
+async def test_node_notices_a_connection_gone_silent_and_resumes_the_run(
+        make_server, node_cli: list[str]) -> None:
+    # No deadline: only the channel's keepalive tells a silent server from a slow run
+    # (there was none, and such a call waited for ever).
+    recorder = Recorder()
+    server = await make_server(interceptors=[recorder])
+    proxy = Proxy(server.port)
+    await proxy.start()
+    proc = await asyncio.create_subprocess_exec(
+        *node_cli, "call", "count", '{"to": 6, "delay": 0.1}', "--json",
+        "--target", proxy.target, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        lines = [await asyncio.wait_for(proc.stdout.readline(), TIMEOUT) for _ in range(2)]
+        proxy.stall()  # a stopped server: nothing more arrives, nothing closes
+        rest, _ = await asyncio.wait_for(proc.communicate(), 90)
+    finally:
+        await proxy.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    events = json_events(b"".join(lines).decode() + rest.decode())
+    assert proc.returncode == 0
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert phases(events) == count_phases(6)
+    assert len(recorder.seen("Execute")) == 1
+    watches = recorder.seen("WatchRun")
+    assert len(watches) == 1 and watches[0].request.after_seq >= 2

@@ -203,6 +203,10 @@ const RESUMABLE = new Set([
   grpc.status.RESOURCE_EXHAUSTED,
 ]);
 
+/** The channel's keepalive pings (see the constructor). */
+const KEEPALIVE_TIME_MS = 20000;
+const KEEPALIVE_TIMEOUT_MS = 10000;
+
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** Reads a server stream as an async iterator of events, ending with its status. */
@@ -227,7 +231,16 @@ class StargrpcClient {
     const credentials = options.tls || options.caPem
       ? grpc.credentials.createSsl(options.caPem || null)
       : grpc.credentials.createInsecure();
-    const channelOptions = { "grpc.primary_user_agent": "stargrpc-node/0.1.0" };
+    const channelOptions = {
+      "grpc.primary_user_agent": "stargrpc-node/0.1.0",
+      // While a call is open, ping after 20 s without news and take the connection for dead
+      // when no answer comes within 10 s: a server that stopped answering (a stopped
+      // process, a host gone silent, a network cut) would otherwise hold a stream for ever.
+      // The call then fails UNAVAILABLE and a run's stream is resumed. A stargrpc server
+      // accepts pings every 10 s.
+      "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+      "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+    };
     this.stub = new ToolService(target, credentials, channelOptions);
     // RunStateService on the same channel (closed with it).
     this.stateStub = new RunStateService(target, credentials,

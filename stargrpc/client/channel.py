@@ -10,9 +10,21 @@ import grpc
 
 from stargrpc import __version__
 
-#: Channel options every channel the client opens gets, before the caller's own.
+#: Seconds between the HTTP/2 pings a channel sends while a call is open, and how long it
+#: waits for the answer before it takes the connection for dead. Without them a server that
+#: stopped answering (a stopped process, a host gone without closing its connections, a
+#: network cut) holds a call with no deadline for ever; with them the call fails UNAVAILABLE
+#: and a run's stream is resumed. A stargrpc server accepts pings every 10 s.
+KEEPALIVE_TIME_SECONDS = 20
+KEEPALIVE_TIMEOUT_SECONDS = 10
+
+#: Channel options every channel the client opens gets, before the caller's own (which win).
 DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.primary_user_agent", f"stargrpc-python/{__version__}"),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_SECONDS * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+    # gRPC's own wait for a ping's answer (a minute) would otherwise outlast the one above.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
 )
 
 

@@ -6,6 +6,8 @@
 - :class:`Proxy`: a TCP proxy in front of the server whose :meth:`Proxy.cut` breaks the
   client's connections while keeping the server's side open, as a network failure between
   the two would: the server never notices, its run goes on, and the client must resume.
+  :meth:`Proxy.stall` keeps the connections open but passes nothing more either way, as a
+  stopped server or a host gone silent would: only the client's keepalive notices.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._clients: list[asyncio.StreamWriter] = []
         self._upstreams: list[asyncio.StreamWriter] = []
+        self._stalled: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> int:
@@ -134,7 +137,7 @@ class Proxy:
         # connection open (keep_open); server → client drains into nowhere once cut.
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
-                if writer.is_closing():
+                if writer.is_closing() or writer in self._stalled:
                     continue
                 with contextlib.suppress(ConnectionError, OSError):
                     writer.write(data)
@@ -147,6 +150,11 @@ class Proxy:
         for writer in self._clients:
             writer.transport.abort()
         self._clients.clear()
+
+    def stall(self) -> None:
+        """Drops every byte of the connections open now, both ways, and closes none of
+        them; connections made later pass as usual."""
+        self._stalled.update(self._clients, self._upstreams)
 
     async def close(self) -> None:
         """Stops listening and closes everything."""

@@ -3,6 +3,7 @@ retries with backoff and RetryInfo, CATALOG_STALE reload, resume through WatchRu
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -20,6 +21,7 @@ from stargrpc.client import (
     StepStarted,
     ToolRunError,
 )
+from stargrpc.client.channel import KEEPALIVE_TIME_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from stargrpc.errors import CatalogStale, RequestError, ResourceExhausted, Unavailable
 from stargrpc.registry import Registry, spec_of, tool
 from stargrpc.server.grpc_server import StargrpcServer
@@ -367,3 +369,24 @@ def test_retry_policy_waits_at_least_what_retry_info_asks() -> None:
     assert not policy.should_retry_call(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x"))
 
 
+
+
+async def test_a_connection_gone_silent_is_noticed_and_the_run_resumed(
+        proxy: Proxy, recorder: Recorder) -> None:
+    # No deadline: only the channel's keepalive can tell a silent server from a slow run
+    # (it was missing, and such a call waited for ever).
+    async with AsyncClient.connect(proxy.target, retry=FAST_RETRY) as client:
+        events = []
+
+        async def read() -> None:
+            async for event in client.execute("count", {"to": 8, "delay": 0.05}):
+                events.append(event)
+                if event.seq == 3:
+                    proxy.stall()  # a stopped server: nothing more arrives, nothing closes
+
+        await asyncio.wait_for(read(), 3 * (KEEPALIVE_TIME_SECONDS + KEEPALIVE_TIMEOUT_SECONDS))
+
+    assert phases([e.raw for e in events]) == count_phases(8)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert len(recorder.seen("Execute")) == 1
+    assert [w.request.after_seq for w in recorder.seen("WatchRun")] == [3]

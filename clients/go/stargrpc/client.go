@@ -31,6 +31,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 
 	pb "github.com/stargrpc/stargrpc/clients/go/stargrpcv1"
 )
@@ -76,6 +77,17 @@ func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]strin
 
 func (b bearer) RequireTransportSecurity() bool { return b.secure }
 
+// KeepaliveTime and KeepaliveTimeout are the HTTP/2 pings of Dial's connection: while a
+// call is open it pings after KeepaliveTime without news and takes the connection for dead
+// when no answer comes within KeepaliveTimeout. Without them a server that stopped
+// answering (a stopped process, a host gone without closing its connections, a network
+// cut) holds a call without a deadline for ever; with them the call fails UNAVAILABLE and
+// a run's stream is resumed. A stargrpc server accepts pings every 10 s.
+const (
+	KeepaliveTime    = 20 * time.Second
+	KeepaliveTimeout = 10 * time.Second
+)
+
 // Dial opens a channel to target (host:port) and returns a client that closes it on Close.
 func Dial(target string, opts Options) (*Client, error) {
 	// grpc.WithInsecure: Debian's grpc (1.33) has no credentials/insecure package yet.
@@ -83,7 +95,9 @@ func Dial(target string, opts Options) (*Client, error) {
 	if opts.TransportCredentials != nil {
 		transport = grpc.WithTransportCredentials(opts.TransportCredentials)
 	}
-	dial := []grpc.DialOption{transport, grpc.WithUserAgent("stargrpc-go/0.1.0")}
+	dial := []grpc.DialOption{transport, grpc.WithUserAgent("stargrpc-go/0.1.0"),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: KeepaliveTime,
+			Timeout: KeepaliveTimeout})}
 	if opts.APIKey != "" {
 		dial = append(dial, grpc.WithPerRPCCredentials(
 			bearer{token: opts.APIKey, secure: opts.TransportCredentials != nil}))
