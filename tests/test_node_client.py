@@ -13,6 +13,7 @@ import signal
 
 import grpc
 
+from stargrpc.errors import ResourceExhausted
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
@@ -337,3 +338,29 @@ async def test_node_notices_a_connection_gone_silent_and_resumes_the_run(
     assert len(recorder.seen("Execute")) == 1
     watches = recorder.seen("WatchRun")
     assert len(watches) == 1 and watches[0].request.after_seq >= 2
+
+
+async def test_node_retries_a_refusal_with_retry_info_after_its_delay(
+        make_server, node_cli: list[str]) -> None:
+    recorder = Recorder()
+    server = await make_server(interceptors=[recorder])
+    target = ("--target", f"127.0.0.1:{server.port}")
+    recorder.fail("Execute", ResourceExhausted("busy", retry_after=0.3,
+                                               reason="CONCURRENCY_LIMIT"))
+
+    # Retried once the delay passed, as in Python and Go (it was refused at once).
+    code, out, _ = await run_node(node_cli, "call", "echo", '{"text": "x"}', *target)
+    assert code == 0 and "x" in out
+    first, again = recorder.seen("Execute")
+    assert again.request.idempotency_key == first.request.idempotency_key
+
+    # Neither LANE_BUSY nor a delay past the bound is waited for.
+    recorder.fail("Execute", ResourceExhausted("busy", retry_after=3600,
+                                               reason="CONCURRENCY_LIMIT"))
+    code, _, err = await asyncio.wait_for(
+        run_node(node_cli, "call", "echo", '{"text": "x"}', *target), 20)
+    assert code == 1 and "retry after 3600s" in err
+    recorder.fail("Execute", ResourceExhausted("busy", retry_after=0.1, reason="LANE_BUSY"))
+    code, _, err = await run_node(node_cli, "call", "echo", '{"text": "x"}', *target)
+    assert code == 1 and "[LANE_BUSY]" in err
+    assert len(recorder.seen("Execute")) == 4

@@ -203,6 +203,20 @@ const RESUMABLE = new Set([
   grpc.status.RESOURCE_EXHAUSTED,
 ]);
 
+/** The longest RetryInfo delay waited for before another try, in seconds (as in Python and Go). */
+const MAX_RETRY_DELAY = 60;
+
+/**
+ * Whether a call refused before its run started may be sent again: UNAVAILABLE, and
+ * RESOURCE_EXHAUSTED when the server said when to come back (RetryInfo), except LANE_BUSY
+ * (the caller's own maxWaitSeconds declined that wait).
+ */
+function retryable(error) {
+  if (error.code === grpc.status.UNAVAILABLE) return true;
+  return error.code === grpc.status.RESOURCE_EXHAUSTED && error.retryDelay !== null &&
+    error.retryDelay !== undefined && error.reason !== "LANE_BUSY";
+}
+
 /** The channel's keepalive pings (see the constructor). */
 const KEEPALIVE_TIME_MS = 20000;
 const KEEPALIVE_TIMEOUT_MS = 10000;
@@ -442,11 +456,19 @@ class StargrpcClient {
           if (!RESUMABLE.has(error.code)) throw error;
           break; // the run started: never run it again, resume it
         }
-        if (error.code !== grpc.status.UNAVAILABLE) throw error;
+        if (!retryable(error)) throw error;
         failure = error;
       }
       if (attempt >= this.maxAttempts) throw failure;
-      await sleep(100 * 2 ** (attempt - 1)); // refused before the run started: same key again
+      // Refused before the run started: the same key again, after the server's RetryInfo
+      // delay when it sent one (one over MAX_RETRY_DELAY is the caller's to judge).
+      const backoff = 100 * 2 ** (attempt - 1);
+      if (failure.retryDelay !== null && failure.retryDelay !== undefined) {
+        if (failure.retryDelay > MAX_RETRY_DELAY) throw failure;
+        await sleep(Math.max(failure.retryDelay * 1000, backoff));
+      } else {
+        await sleep(backoff);
+      }
     }
     yield* this.follow(cursor);
   }
