@@ -581,7 +581,7 @@ def _keep_chunk(event: Event, chunks: StreamedFiles) -> None:
 
 def _assembled(sent: SentFile, chunks: StreamedFiles) -> SentFile:
     """``sent`` with the content of its chunks, when they make up the whole file."""
-    data = chunks.content(sent.file_id, sent.size) if sent.streamed else None
+    data = chunks.content(sent.file_id, sent.size, sent.sha256) if sent.streamed else None
     return sent if data is None else dataclasses.replace(sent, content=data)
 
 

@@ -3,12 +3,14 @@
 A large sent file comes as FileChunk events (``file_id``, ``offset``, ``data``) before the
 Result that lists it with ``streamed`` set and its ``size``. The client, the test harness
 and the MCP endpoint all rebuild it here, by offset, and only when the chunks cover the
-whole file exactly: a file with a chunk missing (a stream resumed past it, say) is never
+whole file exactly and, when the Result gives its sha256, hash to it: a file with a chunk
+missing (a stream resumed past it, say) or with bytes that are not the file's is never
 handed on as if it were whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -25,9 +27,10 @@ class StreamedFiles:
         """Keeps one chunk; the same chunk seen twice (a replay) is kept once."""
         self._chunks.setdefault(file_id, {})[offset] = bytes(data)
 
-    def content(self, file_id: str, size: int) -> bytes | None:
+    def content(self, file_id: str, size: int, sha256: str = "") -> bytes | None:
         """The whole file ``file_id`` of ``size`` bytes; None unless its chunks, in offset
-        order, follow one another from 0 to ``size`` with no gap and no overlap."""
+        order, follow one another from 0 to ``size`` with no gap and no overlap, and (when
+        ``sha256`` is given, the hex digest the Result lists) hash to ``sha256``."""
         pieces = []
         position = 0
         for offset, data in sorted(self._chunks.get(file_id, {}).items()):
@@ -35,4 +38,9 @@ class StreamedFiles:
                 return None
             pieces.append(data)
             position += len(data)
-        return b"".join(pieces) if position == size else None
+        if position != size:
+            return None
+        data = b"".join(pieces)
+        if sha256 and hashlib.sha256(data).hexdigest() != sha256.lower():
+            return None
+        return data

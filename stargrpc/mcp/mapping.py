@@ -184,7 +184,8 @@ def call_result(final: events_pb2.RunEvent, view: ProgressView | None = None, *,
     for sent in result.writeback.sent_files:
         if sent.file_id == moved and sent.streamed:
             continue  # the output text itself, shown above (and linked when cut)
-        data = (chunks.content(sent.file_id, sent.size) or b"") if sent.streamed else sent.content
+        data = (chunks.content(sent.file_id, sent.size, sent.sha256) or b"") if sent.streamed \
+            else sent.content
         content.append(_file_content(run_id, sent, data))
     structured = None
     if result.HasField("structured_output"):
@@ -214,7 +215,7 @@ def output_text(result: events_pb2.Result, run_id: str, chunks: StreamedFiles) -
     moved = moved_file_id(run_id, OUTPUT_FILE_NAME)
     for sent in result.writeback.sent_files:
         if sent.file_id == moved and sent.streamed:
-            data = chunks.content(sent.file_id, sent.size)
+            data = chunks.content(sent.file_id, sent.size, sent.sha256)
             if data is not None:
                 return data.decode("utf-8", errors="replace")
     return result.output

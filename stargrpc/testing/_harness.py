@@ -194,7 +194,8 @@ class RecordedRun:
                 chunks.add(chunk.file_id, chunk.offset, chunk.data)
         files = []
         for f in self.result.writeback.sent_files:
-            content = (chunks.content(f.file_id, f.size) or b"") if f.streamed else f.content
+            content = (chunks.content(f.file_id, f.size, f.sha256) or b"") if f.streamed \
+                else f.content
             files.append(SentFile(file_id=f.file_id, name=f.name, mime_type=f.mime_type,
                                   size=f.size, sha256=f.sha256, content=content,
                                   streamed=f.streamed))

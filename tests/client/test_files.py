@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from stargrpc.client._files import StreamedFiles
 
 
@@ -33,3 +35,13 @@ def test_a_replayed_chunk_counts_once_and_an_empty_file_needs_none() -> None:
     assert files.content("f", 4) == b"abcd"
     assert StreamedFiles().content("empty", 0) == b""
     assert files and not StreamedFiles()
+
+
+def test_a_file_whose_bytes_do_not_hash_to_its_sha256_is_not_whole() -> None:
+
+    files = chunks(("f", 0, b"12"), ("f", 2, b"34"))
+    digest = hashlib.sha256(b"1234").hexdigest()
+
+    assert files.content("f", 4, digest) == b"1234"
+    assert files.content("f", 4, digest.upper()) == b"1234"
+    assert chunks(("f", 0, b"12"), ("f", 2, b"35")).content("f", 4, digest) is None

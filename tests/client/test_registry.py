@@ -45,7 +45,9 @@ from stargrpc.remote_registry import (
 )
 from stargrpc.runs.outcome import Outcome
 from stargrpc.server.grpc_server import StargrpcServer
+from stargrpc.server.streaming import serialize_response
 from stargrpc.settings import Settings
+from stargrpc.v1 import tool_service_pb2
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Recorder
 from tests.conftest import ServerFactory
@@ -561,3 +563,42 @@ async def test_a_local_audit_record_says_what_was_cut_as_the_servers_do(
     (record,) = await audit_store.query(Query())
     assert record.outcome == "ok"
     assert record.detail.startswith("OUTPUT_TRUNCATED: the output (")
+
+
+class _CorruptChunks(grpc.aio.ServerInterceptor):
+    """Flips the first byte of every FileChunk an Execute stream sends: the file arrives
+    whole in size, and not the file the Result's sha256 names."""
+
+    async def intercept_service(self, continuation: Any,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.endswith("/Execute"):
+            return handler
+        inner = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for frame in inner(request, context):
+                response = tool_service_pb2.ExecuteResponse.FromString(
+                    serialize_response(frame))
+                chunk = response.event.file_chunk
+                if response.event.HasField("file_chunk") and chunk.data:
+                    chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer)
+
+
+async def test_a_chunked_file_whose_bytes_do_not_match_its_sha256_is_not_handed_on(
+        make_server: ServerFactory, recorder: Recorder, open_registry: Opener) -> None:
+    server = await _recorded(make_server, recorder, _CorruptChunks())
+    registry = await open_registry(f"127.0.0.1:{server.port}")
+    into = CollectedWriteBack()
+
+    result = await registry.call("blob", {"size": 3 * 1024 * 1024, "seed": 7}, into=into)
+
+    # As with a chunk missing: listed, never with bytes that are not the file's (they were
+    # handed on as its content).
+    (sent,) = result.files
+    assert sent.streamed and sent.size == 3 * 1024 * 1024 and sent.content == b""
+    assert into.sent_files == [sent]
