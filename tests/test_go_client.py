@@ -19,6 +19,7 @@ from stargrpc.errors import ResourceExhausted
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
+from tests.client.garbled import BAD_ERROR_INFO, TRUNCATED, garbled_server
 from tests.client_builds import GO_DIR, GO_PACKAGE, go, json_events, run_go
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.helpers import COUNT_TO_3, count_phases, key_channel, phases, run_tool
@@ -255,3 +256,14 @@ async def test_go_notices_a_connection_gone_silent_and_resumes_the_run(
     assert len(recorder.seen("Execute")) == 1
     watches = recorder.seen("WatchRun")
     assert len(watches) == 1 and watches[0].request.after_seq >= 2
+
+
+async def test_go_reports_a_refusal_whose_details_do_not_read(go_cli: str) -> None:
+    # grpc-go's transport turns a Status that does not read into INTERNAL itself.
+    async with garbled_server(TRUNCATED) as target:
+        code, _, err = await run_go(go_cli, "-target", target, "tools")
+    assert code == 1 and err.startswith("INTERNAL: transport: malformed grpc-status-details-bin")
+    async with garbled_server(BAD_ERROR_INFO) as target:
+        code, _, err = await run_go(go_cli, "-target", target, "tools")
+    assert code == 1 and err.startswith("NOT_FOUND: nope"), err
+    assert "tool_name: unknown" in err  # what reads is kept

@@ -17,6 +17,7 @@ from stargrpc.errors import ResourceExhausted
 from stargrpc.server.grpc_server import StargrpcServer
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.client.faults import Proxy, Recorder
+from tests.client.garbled import BAD_ERROR_INFO, TRUNCATED, garbled_server
 from tests.client_builds import NODE_DIR, json_events, run_node
 from tests.helpers import COUNT_TO_3, count_phases, phases, run_tool
 from tests.runs_support import collect
@@ -364,3 +365,11 @@ async def test_node_retries_a_refusal_with_retry_info_after_its_delay(
     code, _, err = await run_node(node_cli, "call", "echo", '{"text": "x"}', *target)
     assert code == 1 and "[LANE_BUSY]" in err
     assert len(recorder.seen("Execute")) == 4
+
+
+async def test_node_reports_a_refusal_whose_details_do_not_read(node_cli: list[str]) -> None:
+    for details in (TRUNCATED, BAD_ERROR_INFO):
+        async with garbled_server(details) as target:
+            code, _, err = await run_node(node_cli, "tools", "--target", target)
+        assert code == 1 and err.startswith("error: NOT_FOUND: nope"), err
+    assert "tool_name: unknown" in err  # what reads is kept

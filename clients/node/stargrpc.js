@@ -172,7 +172,12 @@ function withDetails(error) {
   for (const detail of status.details || []) {
     const type = DETAIL_TYPES[detail.type_url.slice(detail.type_url.lastIndexOf("/") + 1)];
     if (!type) continue;
-    const message = type.decode(detail.value);
+    let message;
+    try {
+      message = type.decode(detail.value);
+    } catch {
+      continue; // a detail that does not read is left out; the others still count
+    }
     if (type.name === "ErrorInfo") {
       error.errorInfo = { reason: message.reason, domain: message.domain,
         metadata: { ...message.metadata } };

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -76,24 +77,31 @@ class CallError(ClientError):
             return cls(grpc.StatusCode.UNKNOWN, str(error))
         code = error.code() or grpc.StatusCode.UNKNOWN
         message = error.details() or ""
+        # Details that do not read (inconsistent with the status, or not a google.rpc
+        # Status at all: a proxy's, a damaged trailer) are left out, one by one; the code
+        # and message still say what happened.
         try:
             status = rpc_status.from_call(error)
-        except ValueError:  # details inconsistent with the status: ignore the details
+        except (ValueError, DecodeError):
             status = None
         reason, metadata, violations, retry_delay = "", {}, [], None
         for detail in status.details if status is not None else ():
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason, metadata = info.reason, dict(info.metadata)
-            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad = error_details_pb2.BadRequest()
-                detail.Unpack(bad)
-                violations = [Violation(v.field, v.description) for v in bad.field_violations]
-            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                retry = error_details_pb2.RetryInfo()
-                detail.Unpack(retry)
-                retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
+            try:
+                if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                    info = error_details_pb2.ErrorInfo()
+                    detail.Unpack(info)
+                    reason, metadata = info.reason, dict(info.metadata)
+                elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    bad = error_details_pb2.BadRequest()
+                    detail.Unpack(bad)
+                    violations = [Violation(v.field, v.description)
+                                  for v in bad.field_violations]
+                elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    retry = error_details_pb2.RetryInfo()
+                    detail.Unpack(retry)
+                    retry_delay = retry.retry_delay.ToNanoseconds() / 1e9
+            except (ValueError, DecodeError):
+                continue
         return cls(code, message, reason=reason, metadata=metadata, violations=violations,
                    retry_delay=retry_delay)
 

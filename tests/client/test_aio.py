@@ -27,6 +27,7 @@ from stargrpc.registry import Registry, spec_of, tool
 from stargrpc.server.grpc_server import StargrpcServer
 from tests.client.conftest import FAST_RETRY
 from tests.client.faults import Proxy, Recorder
+from tests.client.garbled import BAD_ERROR_INFO, TRUNCATED, garbled_server
 from tests.helpers import COUNT_TO_3, count_phases, phases
 
 
@@ -390,3 +391,15 @@ async def test_a_connection_gone_silent_is_noticed_and_the_run_resumed(
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert len(recorder.seen("Execute")) == 1
     assert [w.request.after_seq for w in recorder.seen("WatchRun")] == [3]
+
+
+async def test_refusal_details_that_do_not_read_still_give_a_call_error() -> None:
+    # They raised protobuf's DecodeError out of the client: no CallError, no retry policy.
+    for details in (TRUNCATED, BAD_ERROR_INFO):
+        async with garbled_server(details) as target, \
+                AsyncClient.connect(target, retry=FAST_RETRY) as client:
+            with pytest.raises(CallError) as caught:
+                await client.list_tools()
+        assert (caught.value.code, caught.value.message) == (grpc.StatusCode.NOT_FOUND, "nope")
+        assert caught.value.reason == ""
+    assert [v.field for v in caught.value.violations] == ["tool_name"]  # what reads is kept
