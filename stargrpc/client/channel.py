@@ -25,6 +25,10 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
     # gRPC's own wait for a ping's answer (a minute) would otherwise outlast the one above.
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+    # gRPC stops pinging after two pings with no data between them (its default): a run
+    # silent for a minute (a long sleep, a wait for approval) would then lose the watch.
+    # The server's floor between pings is 10 s; these come every 20 s at most.
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 
