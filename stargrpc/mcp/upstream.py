@@ -87,6 +87,10 @@ CATALOG_MAX_BYTES = 3 * 1024 * 1024
 #: one per PROGRESS_INTERVAL_SECONDS, the latest (see :class:`_Progress`).
 PROGRESS_BURST = 32
 PROGRESS_INTERVAL_SECONDS = 0.5
+#: Bytes of a server's log notifications one call passes on as its ``log`` output; past
+#: them the rest are counted, not kept (a notice says how many): a server logging without
+#: end would otherwise grow the run's log, and the server's memory, until the call ends.
+MAX_LOG_BYTES_PER_CALL = 1024 * 1024
 #: Shortest time between two listings of a server's tools on its ``list_changed``
 #: notifications (those that come meanwhile make one listing).
 RELIST_INTERVAL_SECONDS = 1.0
@@ -185,7 +189,7 @@ class Upstream:
     _on_change: Callable[[], None]
     _client: Client | None
     _process: SandboxProcess | None
-    _calls: list[ToolContext]
+    _calls: list[_Progress]
     _lost: asyncio.Event
     _task: asyncio.Task[None] | None
     _listed: list[_Listed]
@@ -470,7 +474,7 @@ class Upstream:
         data = params.data if isinstance(params.data, str) else json.dumps(
             params.data, ensure_ascii=False, default=str)
         if len(self._calls) == 1:
-            await self._calls[0].delta(f"[{params.level}] {data}\n", channel="log")
+            await self._calls[0].log(f"[{params.level}] {data}\n")
         else:  # no request is named: with several calls in flight, it belongs to none
             log.info("mcp_server_log", server=self.entry.name, level=params.level,
                      logger=params.logger, data=data[:2000])
@@ -533,7 +537,7 @@ class Upstream:
                              code="MCP_SERVER_UNAVAILABLE")
 
         progress = _Progress(ctx)
-        self._calls.append(ctx)
+        self._calls.append(progress)
         # The receipt counts the call's own messages (the connection is shared by every
         # call, so its wire bytes are nobody's alone): the request's parameters now, the
         # result when it comes.
@@ -557,7 +561,7 @@ class Upstream:
                 OSError) as exc:
             raise self._died(client) from exc
         finally:
-            self._calls.remove(ctx)
+            self._calls.remove(progress)
         ctx.usage.add_network(received=len(result.model_dump_json(
             by_alias=True, exclude_none=True).encode()))
         await progress.finish(name)
@@ -580,12 +584,15 @@ class _Progress:
     before its turn waits as the latest, and a later one replaces it; the latest still
     waiting when the call ends is passed on then, with a notice saying how many were
     replaced. The run log holds at most PROGRESS_BURST + 1 + (duration / interval)
-    heartbeats from a call, however many the server sends.
+    heartbeats from a call, however many the server sends. Its log notifications, likewise,
+    at most :data:`MAX_LOG_BYTES_PER_CALL` bytes (:meth:`log`).
     """
 
     received: int
     passed: int
-    _ctx: ToolContext
+    logged_bytes: int
+    unlogged: int
+    ctx: ToolContext
     _tokens: float
     _refilled: float
     _latest: tuple[str, float | None] | None
@@ -593,7 +600,9 @@ class _Progress:
     def __init__(self, ctx: ToolContext) -> None:
         self.received = 0
         self.passed = 0
-        self._ctx = ctx
+        self.logged_bytes = 0
+        self.unlogged = 0
+        self.ctx = ctx
         self._tokens = float(PROGRESS_BURST)
         self._refilled = asyncio.get_running_loop().time()
         self._latest = None
@@ -612,14 +621,29 @@ class _Progress:
             self._tokens -= 1
             await self._pass_latest()
 
+    async def log(self, text: str) -> None:
+        """A log notification of the server's, as the call's ``log`` output while the call
+        has logged less than :data:`MAX_LOG_BYTES_PER_CALL`; counted after that."""
+        size = len(text.encode(errors="replace"))
+        if self.unlogged or self.logged_bytes + size > MAX_LOG_BYTES_PER_CALL:
+            self.unlogged += 1
+            return
+        self.logged_bytes += size
+        await self.ctx.delta(text, channel="log")
+
     async def finish(self, server: str) -> None:
         """Passes on the latest notification still waiting, and says how many were
-        replaced before their turn."""
+        replaced before their turn, and how many log notifications were not kept."""
+        if self.unlogged:
+            await self.ctx.notice(
+                "MCP_LOG_TRUNCATED",
+                f"the MCP server {server!r} logged more than {MAX_LOG_BYTES_PER_CALL} bytes "
+                f"during the call: the {self.unlogged} notifications after them were not kept")
         if self._latest is not None:
             await self._pass_latest()
         replaced = self.received - self.passed
         if replaced:
-            await self._ctx.notice(
+            await self.ctx.notice(
                 "MCP_PROGRESS_COALESCED",
                 f"the MCP server {server!r} sent {self.received} progress notifications: "
                 f"{self.passed} became heartbeats, {replaced} were replaced by later ones "
@@ -631,7 +655,7 @@ class _Progress:
         shown, fraction = self._latest
         self._latest = None
         self.passed += 1
-        await self._ctx.heartbeat(shown, progress=fraction)
+        await self.ctx.heartbeat(shown, progress=fraction)
 
 
 class _BodyRefused(httpx2.StreamError):

@@ -409,10 +409,10 @@ async def test_what_a_server_lists_is_bounded_and_the_catalog_fits_a_default_cli
             # A 6 MiB description is trimmed, and the log names the server and the tool.
             assert len(catalog["up.huge"].description) <= upstream_module.MAX_DESCRIPTION_CHARS
             assert catalog["up.huge"].description.startswith("A tool. xxx")
-            # 309 listed: the first 256 kept.
+            # 310 listed: the first 256 kept.
             ours = [name for name in catalog if name.startswith("up.")]
             assert len(ours) <= upstream_module.MAX_TOOLS_PER_SERVER
-            assert "up.bulk_246" in catalog and "up.bulk_247" not in catalog
+            assert "up.bulk_245" in catalog and "up.bulk_246" not in catalog
             # 80 tools of 60 KiB schemas would make 5 MB: the catalog keeps what fits of
             # them beside every smaller tool.
             big = [n for n in catalog if "up.bulk_000" <= n < "up.bulk_080"]
@@ -495,6 +495,29 @@ async def test_a_flood_of_progress_becomes_a_bounded_number_of_heartbeats(
         assert isinstance(log, MemoryRunLog)
         assert log.last_seq < 400
         assert log.size < 64 * 1024, log.size
+        await still_serving(server)
+
+
+async def test_a_flood_of_log_messages_keeps_a_bounded_share_of_them(
+        make_server: ServerFactory) -> None:
+    # 3,000 log messages of 1 KB: the run keeps the first MiB of them as its log output and
+    # counts the rest, where it kept every one (the server's memory grew with them).
+    count, size = 3_000, 1_000
+    async with serve_http(hostile=True) as (url, _, _):
+        server = await hostile_server(make_server, url)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = tool_service_pb2_grpc.ToolServiceStub(channel)
+            events = await run_tool(stub, "up.chatter", {"count": count, "size": size})
+        result = result_of(events)
+        assert result.outcome == events_pb2.OUTCOME_OK, result
+        logged = [e.step.delta for e in events
+                  if e.HasField("step") and e.step.channel == "log"]
+        kept = sum(len(text.encode()) for text in logged)
+        assert 0 < kept <= upstream_module.MAX_LOG_BYTES_PER_CALL
+        assert logged[0].startswith("[info] 000000 ")
+        [notice] = [e.notice for e in events if e.HasField("notice")]
+        assert notice.code == "MCP_LOG_TRUNCATED"
+        assert f"the {count - len(logged)} notifications after them" in notice.message
         await still_serving(server)
 
 

@@ -119,7 +119,8 @@ def _nested(levels: int) -> dict[str, Any]:
 def build_hostile(observed: Observed, *, bulk: int = 0) -> MCPServer:
     """A server that lists what no server should (each schema with the top-level ``type``
     the SDK insists on): a 6 MiB description, schemas that loop,
-    nest or refer elsewhere, a tool that floods progress, and ``bulk`` more tools (the
+    nest or refer elsewhere, a tool that floods progress, one that floods log messages, and
+    ``bulk`` more tools (the
     first 80 with 60 KiB schemas); ``fine`` is an ordinary tool beside them."""
     server = MCPServer("upstream-hostile")
 
@@ -136,6 +137,14 @@ def build_hostile(observed: Observed, *, bulk: int = 0) -> MCPServer:
         for step in range(1, count + 1):
             await ctx.report_progress(step, count, f"step {step}")
         return f"flooded {count}"
+
+    @server.tool()
+    async def chatter(count: int, size: int, ctx: Context) -> str:
+        """Logs count messages of size characters each."""
+        observed.calls.append("chatter")
+        for index in range(count):
+            await ctx.info(f"{index:06d} " + "z" * size)
+        return f"chattered {count}"
 
     async def anything(children: list[Any] | None = None, x: Any = None) -> str:
         observed.calls.append("anything")
