@@ -22,6 +22,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from stargrpc.file_trust import others_may_write
 from stargrpc.http_guard import HostRule, normal_origin
 
 MiB = 1024 * 1024
@@ -887,9 +888,6 @@ def _secret_or_file(secret: SecretStr | None, path: Path | None, name: str
 
 
 def _read_secret_file(path: Path) -> str:
-    # Here, not at the top: stargrpc.auth builds on these settings.
-    from stargrpc.auth.keys import others_may_write
-
     try:
         with path.open("rb") as file:
             # Checked on the file read: one another user may write could hold a secret of

@@ -21,8 +21,8 @@ import structlog
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-from stargrpc.auth.keys import others_may_write
 from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.file_trust import others_may_write
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 

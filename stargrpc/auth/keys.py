@@ -16,7 +16,6 @@ import hmac
 import os
 import re
 import secrets
-import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stargrpc.errors import CredentialsRejected, KeysFileError
+from stargrpc.file_trust import others_may_write
 
 #: Every key starts with this, so secret scanners and people can recognise one.
 KEY_PREFIX = "sgk_"
@@ -74,18 +74,6 @@ class _KeysFile(BaseModel):
 def digest(key: str) -> str:
     """The stored form of ``key``."""
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def others_may_write(info: os.stat_result) -> str | None:
-    """Why a file of credentials (``info``: its ``stat``) may hold what another user wrote:
-    any user may write it, or another user owns it (only the server's user and root may; a
-    Kubernetes secret is root's). None when neither.
-    """
-    if info.st_mode & stat.S_IWOTH:
-        return "is writable by every user"
-    if info.st_uid not in (0, os.geteuid()):
-        return f"belongs to another user (uid {info.st_uid})"
-    return None
 
 
 def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:

@@ -10,8 +10,8 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from stargrpc.auth.keys import others_may_write
 from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.file_trust import others_may_write
 from stargrpc.principal import Principal
 from stargrpc.settings import Settings
 
