@@ -9,11 +9,18 @@ index incrementally (only changed files are re-read), so edits show up without a
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from pydantic import BaseModel, Field
 
 from stargrpc import ToolContext, ToolFailed, tool
 from stargrpc.kb import KnowledgeBase, default_index_path
+
+#: The threads the index's work runs in: not asyncio's default executor, whose handful of
+#: threads the server's own work shares (a sandbox's folder, a session's files). Calls that
+#: wait for the index's write lock while another refreshes it (up to SQLite's 30 s) wait
+#: here, holding none of those.
+_KB_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="knowledge-base")
 
 
 class KnowledgeSearchArgs(BaseModel):
@@ -49,12 +56,14 @@ async def knowledge_search(ctx: ToolContext, args: KnowledgeSearchArgs) -> Knowl
     kb = KnowledgeBase(default_index_path(ctx.settings))
     async with ctx.step("Refreshing the index", kind="search") as step:
         try:
-            stats = await asyncio.to_thread(kb.refresh, folder)
+            stats = await asyncio.get_running_loop().run_in_executor(
+                _KB_THREADS, kb.refresh, folder)
         except FileNotFoundError as exc:
             raise ToolFailed(str(exc), code="KB_MISSING") from exc
         await step.delta(stats.describe() + "\n")
     async with ctx.step(f"Searching for {args.query[:80]!r}", kind="search") as step:
-        hits = await asyncio.to_thread(kb.search, args.query, args.limit)
+        hits = await asyncio.get_running_loop().run_in_executor(
+            _KB_THREADS, kb.search, args.query, args.limit)
         for rank, hit in enumerate(hits, 1):
             where = f"{hit.path} > {hit.heading}" if hit.heading else hit.path
             await step.delta(f"{rank}. {where}\n")

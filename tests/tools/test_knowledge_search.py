@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -118,3 +121,22 @@ async def test_a_folder_nested_a_thousand_deep_is_searched(docs_and_stub) -> Non
         (levels[-1] / "bottom.md").unlink()
         for level in reversed(levels[1:]):
             level.rmdir()
+
+
+async def test_a_search_needs_none_of_the_threads_the_server_shares(docs_and_stub) -> None:
+    """The index's work (and its waits for the index's lock while another call refreshes
+    it) runs in threads of its own: with every thread of asyncio's default executor taken
+    (by sandbox set-ups, say), a search still answers."""
+    _, stub = docs_and_stub
+    loop = asyncio.get_running_loop()
+    shared = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(shared)
+    held = threading.Event()
+    taken = loop.run_in_executor(None, held.wait, 30)
+    try:
+        async with asyncio.timeout(20):
+            events = await run_tool(stub, "knowledge_search", {"query": "restore a backup"})
+    finally:
+        held.set()
+        await taken
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK
