@@ -87,6 +87,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MCP_CALL_TIMEOUT: _ClassVar[ErrorReason]
     MCP_TOOL_UNAVAILABLE: _ClassVar[ErrorReason]
     MCP_PROGRESS_COALESCED: _ClassVar[ErrorReason]
+    MCP_LOG_TRUNCATED: _ClassVar[ErrorReason]
     STATE_ERROR: _ClassVar[ErrorReason]
     STATE_BAD_KEY: _ClassVar[ErrorReason]
     STATE_VALUE_NOT_JSON: _ClassVar[ErrorReason]
@@ -209,6 +210,7 @@ MCP_ERROR: ErrorReason
 MCP_CALL_TIMEOUT: ErrorReason
 MCP_TOOL_UNAVAILABLE: ErrorReason
 MCP_PROGRESS_COALESCED: ErrorReason
+MCP_LOG_TRUNCATED: ErrorReason
 STATE_ERROR: ErrorReason
 STATE_BAD_KEY: ErrorReason
 STATE_VALUE_NOT_JSON: ErrorReason

@@ -30,7 +30,9 @@ async def redis_prefix() -> AsyncIterator[str]:
     """A fresh key prefix; every key under it is deleted after the test."""
     prefix = f"stargrpc-test:{uuid.uuid4().hex[:12]}:"
     yield prefix
-    client = Redis.from_url(REDIS_URL)
+    # A generous timeout: the test's own loop may have been busy (a server it ran going
+    # down) for longer than redis-py's default of 5 s, which then fails the cleanup.
+    client = Redis.from_url(REDIS_URL, socket_timeout=30, socket_connect_timeout=30)
     try:
         keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
         if keys:
