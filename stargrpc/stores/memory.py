@@ -320,8 +320,11 @@ class MemoryRunStore:
     async def list_runs(self, query: RunQuery) -> RunPage:
         self._expire()
         runs: list[RunSummary] = []
-        # Logs are kept in creation order: newest first is the dict reversed.
-        for log in reversed(self._logs.values()):
+        # Newest first in the cursor's own order, (start, run id) descending: the logs' own
+        # order (creation) differs from it for runs started in the same millisecond (ids are
+        # not ordered within one) or across a step of the clock, and a page's cursor then
+        # skipped the runs out of that order.
+        for log in sorted(self._logs.values(), key=_position, reverse=True):
             if not query.is_after_cursor((log.started_ms, log.run_id)):
                 continue
             if query.owner is not None and log.owner != query.owner:
@@ -358,6 +361,10 @@ class MemoryRunStore:
             claim_key = self._claim_of_run.pop(run_id, None)
             if claim_key is not None and self._claims.get(claim_key, ("", ""))[1] == run_id:
                 del self._claims[claim_key]
+
+
+def _position(log: MemoryRunLog) -> tuple[int, str]:
+    return (log.started_ms, log.run_id)
 
 
 class _Scope:

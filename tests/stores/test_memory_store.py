@@ -9,7 +9,7 @@ import time
 import pytest
 
 from stargrpc.errors import WatcherTooSlow
-from stargrpc.stores.base import ENCODED_KEEP_BYTES
+from stargrpc.stores.base import ENCODED_KEEP_BYTES, RunQuery
 from stargrpc.stores.memory import MemoryRunStore
 from stargrpc.v1 import events_pb2
 
@@ -186,3 +186,23 @@ async def test_a_finished_log_is_sized_by_its_events_whoever_read_them(reader: s
     assert [events_pb2.RunEvent.FromString(log.encoded(seq)) for seq in (1, 2, 3, 4)] == events
     if waiting is not None:
         assert [e.seq for e in await waiting] == [4]
+
+
+async def test_pages_list_every_run_started_in_one_millisecond() -> None:
+    # Ids are not ordered within a millisecond: runs created "b", "c", "a" in the same one
+    # are listed c, b, a (the cursor's order), and every page picks up where the last one
+    # ended; in creation order the page after "a" skipped "c".
+    store = MemoryRunStore()
+    for run_id in ("b", "c", "a"):
+        store.create(run_id, owner="alice").started_ms = 1_795_000_000_000
+
+    listed: list[str] = []
+    after = None
+    for _ in range(5):
+        page = await store.list_runs(RunQuery(owner=None, limit=1, after=after))
+        listed += [run.run_id for run in page.runs]
+        if page.cursor is None:
+            break
+        after = page.cursor
+
+    assert listed == ["c", "b", "a"]
