@@ -248,12 +248,20 @@ def _struct_to_dict(struct: struct_pb2.Struct, limit: int) -> dict[str, Any]:
 
 
 def _check_depth_json(value: Any, limit: int, field: str) -> None:
+    if nests_deeper(value, limit):
+        raise _too_deep(field, limit)
+
+
+def nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON: dicts, lists, scalars) nests deeper than ``limit``
+    levels, a scalar being one level deep and ``[1]`` two; walked without recursion."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > limit:
-            raise _too_deep(field, limit)
+            return True
         if isinstance(node, dict):
             stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
+        elif isinstance(node, (list, tuple)):
             stack.extend((v, depth + 1) for v in node)
+    return False

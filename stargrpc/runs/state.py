@@ -43,6 +43,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stargrpc.errors import RequestError, ToolDenied, ToolFailed
+from stargrpc.runs.arguments import nests_deeper
 from stargrpc.settings import Settings
 from stargrpc.stores.base import (
     STATE_NOT_INTEGER,
@@ -178,22 +179,6 @@ def check_key(key: object, *, prefix: bool = False) -> str:
 MAX_VALUE_DEPTH = 64
 
 
-def _nests_deeper(value: Any, limit: int) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            continue
-        if depth >= limit and children:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
-
-
 def encode(value: Any, max_bytes: int) -> str:
     """``value`` as canonical JSON (sorted keys, no spaces: equal values, equal text).
 
@@ -201,7 +186,7 @@ def encode(value: Any, max_bytes: int) -> str:
         StateValueNotJson: It is not JSON, or nests deeper than :data:`MAX_VALUE_DEPTH`.
         StateValueTooLarge: Its JSON is over ``max_bytes``.
     """
-    if _nests_deeper(value, MAX_VALUE_DEPTH):
+    if nests_deeper(value, MAX_VALUE_DEPTH):
         raise StateValueNotJson(f"a state value nests at most {MAX_VALUE_DEPTH} levels deep")
     try:
         text = _CANONICAL.encode(value)
