@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import structlog
@@ -130,22 +131,26 @@ class WarmPool:
 
     async def take(self, sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
                    files: Mapping[str, str | bytes], pass_fds: tuple[int, ...] = (),
-                   read_only_paths: tuple[Path, ...] = ()) -> WarmStart | None:
-        """A ready sandbox, handed to the run of ``argv`` (and handed its state socket,
-        when ``pass_fds`` is that), when one fits it exactly; None when none does (the run
-        starts its own)."""
+                   read_only_paths: tuple[Path, ...] = (),
+                   adopt_state: Callable[[socket.socket], None] | None = None
+                   ) -> WarmStart | None:
+        """A ready sandbox, handed to the run of ``argv``, when one fits it exactly; None
+        when none does (the run starts its own). A run whose one descriptor ``pass_fds``
+        is its state socket takes a sandbox started with a state socket of its own, which
+        ``adopt_state`` (the run's state socket's ``adopt``) then serves as the run's."""
         if self._closing or sandbox.start_key() != self._key:
             return None
         for lane in self._lanes.values():
-            matched = lane.kind.match(argv, env, files, pass_fds, read_only_paths)
-            if matched is None:
+            arguments = lane.kind.match(argv, env, files, pass_fds, read_only_paths,
+                                        adoptable=adopt_state is not None)
+            if arguments is None:
                 continue
-            arguments, fds = matched
+            adopt = adopt_state if lane.kind.takes_state else None
             while lane.ready:
                 warm = lane.ready.popleft()
                 self._changed(lane, refill=False)
                 try:
-                    handed = await warm.hand_out(arguments, files, sandbox.limits, fds)
+                    handed = await warm.hand_out(arguments, files, sandbox.limits, adopt)
                 except Unfit as exc:
                     self._discard(warm, exc.reason, str(exc))
                     self._changed(lane)

@@ -59,6 +59,7 @@ import resource
 import secrets
 import select
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -200,12 +201,15 @@ class WarmStart:
     ended: asyncio.Future[None]
 
 
+#: Makes a pooled sandbox's own state socket the run's (``StateSocket.adopt``).
+AdoptState = Callable[[socket.socket], None]
 #: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
 #: sandbox, the command, its extra environment, its input files, the descriptors it
-#: inherits and the host folders it is shown (a source that cannot hand over each of
-#: those exactly as a started sandbox would have them gives None).
+#: inherits, the host folders it is shown and how its state socket adopts a pooled
+#: sandbox's (a source that cannot give it each of those exactly as a started sandbox
+#: would have them gives None).
 WarmSource = Callable[["Sandbox", list[str], Mapping[str, str], Mapping[str, str | bytes],
-                       tuple[int, ...], tuple[Path, ...]],
+                       tuple[int, ...], tuple[Path, ...], AdoptState | None],
                       Awaitable[WarmStart | None]]
 #: The warm pools of this process (:mod:`stargrpc.sandbox.pool` adds and removes them).
 warm_sources: list[WarmSource] = []
@@ -213,9 +217,11 @@ warm_sources: list[WarmSource] = []
 
 async def _take_warm(sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
                      files: Mapping[str, str | bytes], pass_fds: tuple[int, ...],
-                     read_only_paths: tuple[Path, ...]) -> WarmStart | None:
+                     read_only_paths: tuple[Path, ...],
+                     adopt_state: AdoptState | None) -> WarmStart | None:
     for source in list(warm_sources):
-        warm = await source(sandbox, argv, env, files, pass_fds, read_only_paths)
+        warm = await source(sandbox, argv, env, files, pass_fds, read_only_paths,
+                            adopt_state)
         if warm is not None:
             return warm
     return None
@@ -403,7 +409,8 @@ class Sandbox:
                   steering: AsyncIterator[str] | None = None,
                   on_usage: UsageCallback | None = None,
                   pass_fds: Sequence[int] = (),
-                  read_only_paths: Sequence[Path] = ()) -> SandboxResult:
+                  read_only_paths: Sequence[Path] = (),
+                  adopt_state: AdoptState | None = None) -> SandboxResult:
         """Runs ``argv`` in a fresh working directory and waits for it.
 
         Args:
@@ -417,6 +424,9 @@ class Sandbox:
                 cancelled, which returns no result (bytes written are then not measured).
             pass_fds: Descriptors the command inherits (the run's state socket).
             read_only_paths: Host folders shown read-only inside bubblewrap.
+            adopt_state: With ``pass_fds`` the run's state socket, its ``adopt``: how a
+                sandbox of the warm pool, started with a state socket of its own, has
+                that socket served as the run's (without it the run starts its own).
 
         Returns:
             How it ended, once every process of the run is gone and ``out/`` is read.
@@ -435,11 +445,12 @@ class Sandbox:
         check_input_names(files)
         # A pre-started sandbox of the warm pool when one fits this run exactly, else one
         # started now: the same folder, user, limits and isolation either way.
-        # A pooled sandbox shows the folders it was started with, and is handed at most
-        # the run's state socket: a run that needs another folder or descriptor starts
-        # its own (the pool decides, see stargrpc.sandbox.warm.WarmKind.match).
+        # A pooled sandbox shows the folders it was started with, and holds at most a
+        # state socket, which the run's adopts: a run that needs another folder or
+        # descriptor starts its own (the pool decides, see
+        # stargrpc.sandbox.warm.WarmKind.match).
         warm = await _take_warm(self, argv, env, files, tuple(pass_fds),
-                                tuple(read_only_paths))
+                                tuple(read_only_paths), adopt_state)
         workdir = warm.workdir if warm is not None else self._make_workdir(files)
         try:
             started = time.monotonic()

@@ -176,6 +176,28 @@ class StateSocket:
         self.env = state_env(client_dir, fd)
         self._read_broker()
 
+    def adopt(self, broker: socket.socket) -> None:
+        """Serves ``broker`` from now on instead of the pair made for the command: the
+        server's end of a pooled sandbox's own state socket, which that sandbox held from
+        its start and which nothing served before (:mod:`stargrpc.sandbox.warm`). The pair
+        made here is closed; ``pass_fds`` and ``env`` no longer name a socket of this run.
+        """
+        if self._closed:
+            broker.close()
+            return
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        if self._reading:
+            self._loop.remove_reader(self._broker.fileno())
+            self._reading = False
+        self._broker.close()
+        self._child.close()
+        broker.setblocking(False)
+        self._broker = broker
+        self.pass_fds = ()
+        self._read_broker()
+
     @property
     def connections(self) -> int:
         """Conversations open now."""

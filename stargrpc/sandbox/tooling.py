@@ -122,13 +122,15 @@ async def run_in_sandbox(ctx: ToolContext, argv: list[str], *, title: str,
             extra_env = dict(env or {})
             pass_fds: tuple[int, ...] = ()
             shown: tuple[Path, ...] = ()
+            adopt_state = None
             if state_socket is not None:
                 extra_env.update(state_socket.env)
                 pass_fds, shown = state_socket.pass_fds, state_socket.read_only_paths
+                adopt_state = state_socket.adopt  # (a pooled sandbox's own, at hand-out)
             result = await sandbox.run(argv, files=files, env=extra_env, on_output=on_output,
                                        on_tick=on_tick, steering=ctx.steering(),
                                        on_usage=on_usage, pass_fds=pass_fds,
-                                       read_only_paths=shown)
+                                       read_only_paths=shown, adopt_state=adopt_state)
             step.summary = result.verdict.message
             if not result.verdict.ok:
                 raise _CommandFailed

@@ -12,53 +12,51 @@ environment (the server's allowlisted variables and the run's extra ones: a
 :class:`WarmKind` serves one extra environment only), the host folders it is shown, and the
 interpreter for ``python``. With the state socket on (``sandbox_state_scopes`` not empty)
 the kinds are started as a run with a state socket is: the client's folder shown
-read-only, the client on ``PATH`` and ``PYTHONPATH``, and ``$STARGRPC_STATE_FD`` the fixed
-:data:`STATE_FD`; they serve only runs that inherit exactly their state socket.
-What is given at hand-out: the input files (written by the server through the folder's fd,
-as for any run), the command's arguments and, with the state socket on, the run's end of
-its state socket (``SCM_RIGHTS``), which the launcher puts at :data:`STATE_FD`.
+read-only, the client on ``PATH`` and ``PYTHONPATH``, and a state socket inherited at
+``$STARGRPC_STATE_FD``; they serve only runs with a state socket. That socket is the
+sandbox's own, made at its start (a ``SOCK_SEQPACKET`` pair, as a run's): nothing serves
+the server's end of it while the sandbox waits, and at hand-out the run's
+:class:`~stargrpc.sandbox.state_socket.StateSocket` adopts that end, so that from then on
+what comes on it is served as the run's (no descriptor crosses at hand-out, so the
+launcher can be ``sh``). What is given at hand-out: the input files (written by the server
+through the folder's fd, as for any run) and the command's arguments.
 
 The hand-out, over the control channel and the sandbox's stdout (one line each)::
 
     launcher -> server   ready                 (once started; on stdout)
     server -> launcher   <nonce>               (128 random bits, hex), then <count>, then
-                         <count> lines: the arguments, with "\\" written "\\\\" and a
-                         newline "\\n" (one write)
+                         for each argument the number of its lines and those lines (the
+                         argument split at its newlines) (one write)
     launcher -> server   fresh <nonce>         (on stdout)
-    server -> launcher   one byte, carrying the run's state socket (SCM_RIGHTS): only
-                         with the state socket on, and only once the answer is right
-    server               closes the control channel
-    launcher             stdin becomes /dev/null; the state socket (if any) is moved to
-                         STATE_FD; runs the command (``exec``, or the Python snippet in the
-                         interpreter already started)
+    server               closes the control channel; with the state socket on, the run's
+                         state socket adopts the sandbox's (only now)
+    launcher             stdin becomes /dev/null; runs the command (``exec``, or the Python
+                         snippet in the interpreter already started)
 
-The server writes the run's input files before the launcher can run anything: before the
-nonce when no state socket is handed over, else while the launcher answers (it runs
-nothing before it has the state socket). It starts streaming the command's output only
-once the answer is right; a sandbox that answers wrongly or not within
-:data:`HANDSHAKE_SECONDS` is destroyed with whatever it began, and the run starts its own.
-The run's state socket is never in a sandbox before it proved itself fresh: one that does
-not answer right never receives it (its launcher exits when the channel closes).
+The server writes the run's input files before it sends the nonce: the launcher runs the
+command as soon as it has its arguments. It starts streaming the command's output, and
+serving the sandbox's state socket as the run's, only once the answer is right; a sandbox
+that answers wrongly or not within :data:`HANDSHAKE_SECONDS` is destroyed with whatever it
+began (what it sent on its state socket is never served), and the run starts its own.
 
 Before anything is written, :meth:`WarmSandbox.unfit` checks that nothing touched it while it
 waited: its leader alive (through its pidfd), its process tree the same processes (pid and
 start time), none stopped or traced, with the same user ids; nothing on its stderr; its
 folder the same inode at the same name with the same entries, each unchanged (inode, size,
 mode, owner, links, mtime, ctime; ``out/`` and ``tmp/`` empty, so anything added below them
-changes them too). A sandbox that fails a check, or does not answer the nonce, is destroyed
-and never given to a run.
+changes them too); nothing sent on its state socket. A sandbox that fails a check, or does
+not answer the nonce, is destroyed and never given to a run.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import os
 import secrets
 import select
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import SupportsIndex
@@ -88,73 +86,62 @@ START_SECONDS = 30.0
 #: Seconds a warm sandbox may take to answer the hand-out's nonce before it is given up.
 HANDSHAKE_SECONDS = 5.0
 
-#: The descriptor number a pooled sandbox's command finds its run's state socket at
-#: (``$STARGRPC_STATE_FD``): the first after stdin, stdout and stderr.
-STATE_FD = 3
+#: The most bytes of arguments (as the hand-out sends them) a command served by the ``sh``
+#: launcher may have: ``read`` in ``sh`` takes a byte per system call (0.5-0.8 us a byte
+#: measured), so 16 KiB take about as long as starting a sandbox for the command.
+MAX_SH_HANDOUT_BYTES = 16 * 1024
 
-#: The launcher of commands run with ``exec`` when no state socket is handed over (the
-#: shell tool's ``sh -c …`` and any other command with no extra environment), in POSIX
-#: sh: its builtins only, so that what it costs the run before ``exec`` (CPU time counts
-#: against the run's limit) is a few microseconds. ``read -r`` takes a line as it is;
-#: ``printf %b`` undoes the escapes (only "\\\\" and "\\n" occur), and the "x" keeps the
-#: trailing newlines that "$(…)" would drop. (Its stdin is the control channel, a socket.)
+#: The launcher of commands run with ``exec`` (the shell tool's ``sh -c …`` and any other
+#: command with no extra environment but the state socket's), in POSIX sh: its builtins
+#: only, so that what it costs the run before ``exec`` (CPU time counts against the run's
+#: limit) is a few microseconds. ``read -r`` takes a line as it is (an argument's newlines
+#: are where it was split into lines), and ``exec`` keeps the descriptors it was started
+#: with (the state socket). (Its stdin is the control channel, a socket.)
 SH_LAUNCHER = r"""printf 'ready\n'
 IFS= read -r nonce || exit 0
 printf 'fresh %s\n' "$nonce"
 IFS= read -r count || exit 0
 set --
 while [ "$count" -gt 0 ]; do
-  IFS= read -r arg || exit 0
-  case $arg in *\\*) arg=$(printf '%bx' "$arg"); arg=${arg%x} ;; esac
+  IFS= read -r lines || exit 0
+  arg=
+  while [ "$lines" -gt 0 ]; do
+    IFS= read -r line || exit 0
+    arg=$arg$line
+    lines=$((lines - 1))
+    if [ "$lines" -gt 0 ]; then arg="$arg
+"; fi
+  done
   set -- "$@" "$arg"
   count=$((count - 1))
 done
 exec "$@" </dev/null
 """
 
-#: How the Python launchers take their command (``_STATE_FD`` is set before it): the
-#: hand-out's lines from the control channel on fd 0, then, when ``_STATE_FD`` is not None,
-#: the run's state socket, moved to that number (inheritable, as a cold run's is). Every
-#: read takes descriptors too (``recvmsg`` with room for one): a plain ``recv`` would drop
-#: one that came early. The control channel closed before the end (the hand-out given up):
-#: exit 0. Only the built-in ``_socket`` is imported, not ``socket`` (which brings
-#: ``enum``, ``selectors`` and their classes): the interpreter a run is handed holds the
-#: modules a cold one would, and its exit has no more of them to tear down.
+#: How the Python launcher takes its command: the hand-out's lines from the control
+#: channel on fd 0, then stdin made ``/dev/null``. The control channel closed before the
+#: end (the hand-out given up): exit 0. Only the built-in ``_socket`` is imported, not
+#: ``socket`` (which brings ``enum``, ``selectors`` and their classes): the interpreter a
+#: run is handed holds the modules a cold one would, and its exit has no more of them to
+#: tear down.
 _PY_TAKE = r"""import os, sys, _socket
 def _take():
     os.write(1, b"ready\n")
     control = _socket.socket(fileno=0)
     pending = b""
-    fds = []
-    def receive():
-        nonlocal pending
-        chunk, ancillary, _, _ = control.recvmsg(65536, _socket.CMSG_LEN(4))
-        for level, kind, data in ancillary:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
-        if not chunk:
-            os._exit(0)
-        pending += chunk
     def line():
         nonlocal pending
         while b"\n" not in pending:
-            receive()
+            chunk = control.recv(65536)
+            if not chunk:
+                os._exit(0)
+            pending += chunk
         head, _, pending = pending.partition(b"\n")
         return head
     nonce = line()
     os.write(1, b"fresh " + nonce + b"\n")
-    args = [os.fsdecode(b"\\".join(part.replace(b"\\n", b"\n")
-                                   for part in line().split(b"\\\\")))
+    args = [os.fsdecode(b"\n".join([line() for _ in range(int(line()))]))
             for _ in range(int(line()))]
-    if _STATE_FD is not None:
-        while not fds:
-            receive()
-        if fds[0] != _STATE_FD:
-            os.dup2(fds[0], _STATE_FD)
-            os.close(fds[0])
-        os.set_inheritable(_STATE_FD, True)
-    for extra in fds[1:]:
-        os.close(extra)
     control.detach()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -340,37 +327,6 @@ if _code:
     raise SystemExit(_code)
 """
 
-#: The launcher of commands run with ``exec`` when a state socket is handed over (``sh``
-#: cannot receive a descriptor): Python, without ``site`` (``-I -S``), that takes the
-#: command and the state socket and ``exec``s the command as the shell launcher would: on
-#: ``PATH``, with the environment it was started with (read back from
-#: ``/proc/self/environ``, so nothing the interpreter set at start-up leaks through; the
-#: lookup's one import made before the hand-out), and the signals Python ignores
-#: (``SIGPIPE``, ``SIGXFSZ``) back to their default, as ``exec`` from a shell leaves them.
-#: A command not found exits 127 (126 when it cannot be run).
-EXEC_PY_LAUNCHER = _PY_TAKE + r"""import signal
-with open("/proc/self/environ", "rb") as _handle:
-    _env = dict(entry.split(b"=", 1) for entry in _handle.read().split(b"\0")
-                if b"=" in entry)
-# os.execvpe finds the command through os.get_exec_path, whose first call imports
-# ``warnings`` (0.4-0.7 ms): made here, so that the import is over before the hand-out.
-os.get_exec_path(_env)
-_args = _take()
-for _name in ("SIGPIPE", "SIGXFSZ"):
-    if hasattr(signal, _name):
-        signal.signal(getattr(signal, _name), signal.SIG_DFL)
-try:
-    os.execvpe(_args[0], _args, _env)
-except OSError as exc:
-    os.write(2, os.fsencode(f"{_args[0]}: {exc.strerror}\n"))
-    os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
-"""
-
-
-def _with_state_fd(launcher: str, state_fd: int | None) -> str:
-    return f"_STATE_FD = {state_fd!r}\n" + launcher
-
-
 @dataclass(frozen=True)
 class WarmKind:
     """What a warm sandbox runs once handed out, and so which runs it can serve.
@@ -379,12 +335,14 @@ class WarmKind:
         name: "python" (the python tool's interpreter, started) or "exec" (any command
             with no extra environment but the state socket's: the shell tool's ``sh -c …``).
         prefix: The start of the commands it serves; the rest are the arguments it is given.
-        env: The extra environment of the commands it serves (exactly this one; with
-            ``$STARGRPC_STATE_FD`` at :data:`STATE_FD` when it takes a state socket).
+        env: The extra environment of the commands it serves (exactly this one, but for
+            ``$STARGRPC_STATE_FD``: each sandbox of a kind that takes the state socket gets
+            the number of its own).
         launcher: The command started ahead.
         read_only_paths: The host folders it is shown (the state client's, or none).
-        takes_state: It serves only runs that inherit exactly one descriptor, their state
-            socket, which it is handed at hand-out.
+        takes_state: It serves only runs with a state socket (and no other descriptor):
+            it is started with a state socket of its own, which the run's adopts at
+            hand-out.
     """
 
     name: str
@@ -395,30 +353,30 @@ class WarmKind:
     takes_state: bool = False
 
     def match(self, argv: list[str], env: Mapping[str, str], files: Mapping[str, str | bytes],
-              pass_fds: Sequence[int], read_only_paths: Sequence[Path]
-              ) -> tuple[list[str], tuple[int, ...]] | None:
-        """The arguments and the descriptors to hand a sandbox of this kind for ``argv``
-        run with ``env``, inheriting ``pass_fds`` and shown ``read_only_paths``; None when
-        this kind cannot run it exactly as a sandbox started for it would. The one
-        descriptor it can hand over is a state socket: the run's only one, named by its
-        ``$STARGRPC_STATE_FD`` (which a pooled sandbox finds at :data:`STATE_FD`)."""
+              pass_fds: Sequence[int], read_only_paths: Sequence[Path], *,
+              adoptable: bool = False) -> list[str] | None:
+        """The arguments to hand a sandbox of this kind for ``argv`` run with ``env``,
+        inheriting ``pass_fds`` and shown ``read_only_paths``; None when this kind cannot
+        run it exactly as a sandbox started for it would. A kind that takes the state
+        socket serves a run whose one descriptor is its state socket (named by its
+        ``$STARGRPC_STATE_FD``) when that socket can adopt the sandbox's own
+        (``adoptable``); the others, runs that inherit none."""
         if tuple(read_only_paths) != self.read_only_paths:
             return None
-        handed: tuple[int, ...] = ()
         if self.takes_state:
-            if len(pass_fds) != 1 or env.get(FD_VARIABLE) != str(pass_fds[0]):
+            if (not adoptable or len(pass_fds) != 1
+                    or env.get(FD_VARIABLE) != str(pass_fds[0])):
                 return None
-            env = {**env, FD_VARIABLE: str(STATE_FD)}
-            handed = (pass_fds[0],)
+            env = {name: value for name, value in env.items() if name != FD_VARIABLE}
         elif pass_fds:
             return None
-        arguments = self.arguments_for(argv, env, files)
-        return None if arguments is None else (arguments, handed)
+        return self.arguments_for(argv, env, files)
 
     def arguments_for(self, argv: list[str], env: Mapping[str, str],
                       files: Mapping[str, str | bytes]) -> list[str] | None:
-        """The arguments to hand a sandbox of this kind for ``argv`` run with ``env``, or
-        None when this kind cannot run it exactly as a sandbox started for it would."""
+        """The arguments to hand a sandbox of this kind for ``argv`` run with ``env``
+        (without its ``$STARGRPC_STATE_FD``), or None when this kind cannot run it exactly
+        as a sandbox started for it would."""
         if dict(self.env) != dict(env) or tuple(argv[:len(self.prefix)]) != self.prefix:
             return None
         rest = argv[len(self.prefix):]
@@ -428,6 +386,8 @@ class WarmKind:
         # -c or -m, or a script path elsewhere, needs the interpreter's own handling.
         if self.name == "python" and (rest[0] not in files or _has_nul(files[rest[0]])):
             return None  # (the interpreters differ on a NUL byte in a source file)
+        if self.name == "exec" and len(encode_arguments(rest)) > MAX_SH_HANDOUT_BYTES:
+            return None  # quicker started for it than read by sh a byte at a time
         return rest
 
 
@@ -443,21 +403,21 @@ def kinds_for(settings: Settings) -> dict[str, WarmKind]:
     (``sandbox_state_scopes``), both started as a run with a state socket is, to serve
     only such runs."""
     python = (settings.sandbox_python, *PYTHON_FLAGS)
+    launchers = {"python": (*python, "-c", PY_LAUNCHER), "exec": ("sh", "-c", SH_LAUNCHER)}
     if not settings.sandbox_state_scopes:
         return {
             "python": WarmKind("python", python, tuple(sorted(PYTHON_ENV.items())),
-                               (*python, "-c", _with_state_fd(PY_LAUNCHER, None))),
-            "exec": WarmKind("exec", (), (), ("sh", "-c", SH_LAUNCHER)),
+                               launchers["python"]),
+            "exec": WarmKind("exec", (), (), launchers["exec"]),
         }
     client = client_dir(sandbox_root(settings), settings.sandbox_python)
-    state = state_env(client, STATE_FD)
+    # The client on PATH and PYTHONPATH; $STARGRPC_STATE_FD is set per sandbox.
+    state = {name: value for name, value in state_env(client, -1).items()
+             if name != FD_VARIABLE}
     return {
         "python": WarmKind("python", python, tuple(sorted({**PYTHON_ENV, **state}.items())),
-                           (*python, "-c", _with_state_fd(PY_LAUNCHER, STATE_FD)),
-                           (client,), takes_state=True),
-        "exec": WarmKind("exec", (), tuple(sorted(state.items())),
-                         (settings.sandbox_python, "-I", "-S", "-c",
-                          _with_state_fd(EXEC_PY_LAUNCHER, STATE_FD)),
+                           launchers["python"], (client,), takes_state=True),
+        "exec": WarmKind("exec", (), tuple(sorted(state.items())), launchers["exec"],
                          (client,), takes_state=True),
     }
 
@@ -466,7 +426,9 @@ def encode_arguments(args: list[str]) -> bytes:
     """The argument lines of the hand-out (see the module docstring)."""
     lines = [str(len(args)).encode()]
     for arg in args:
-        lines.append(os.fsencode(arg).replace(b"\\", b"\\\\").replace(b"\n", b"\\n"))
+        parts = os.fsencode(arg).split(b"\n")
+        lines.append(str(len(parts)).encode())
+        lines.extend(parts)
     return b"\n".join(lines) + b"\n"
 
 
@@ -611,13 +573,15 @@ class WarmSandbox:
     _stdout: asyncio.StreamReader | None
     _stderr: _NotingReader | None
     _control: socket.socket
+    #: The server's end of its own state socket (kinds that take one), until adopted.
+    _state: socket.socket | None
     _folder: tuple[object, ...]
     _processes: dict[int, _Process]
     _handed: bool
     _closed: bool
 
     def __init__(self, kind: WarmKind, workdir: _Workdir, leader: _Leader,
-                 control: socket.socket) -> None:
+                 control: socket.socket, state: socket.socket | None = None) -> None:
         self.kind = kind
         self.workdir = workdir
         self.pid = leader.proc.pid
@@ -625,6 +589,7 @@ class WarmSandbox:
         self._stdout = None
         self._stderr = None
         self._control = control
+        self._state = state
         self._folder = ()
         self._processes = {}
         self._handed = False
@@ -651,21 +616,35 @@ class WarmSandbox:
         except asyncio.CancelledError:
             making.add_done_callback(_remove_unused)
             raise
-        # The control channel: a socket pair, so that a descriptor can go over it.
+        # The control channel: a socket pair (its stdin); and, for a kind that takes the
+        # state socket, a state socket of its own, made as a run's is.
         control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        state: socket.socket | None = None
+        inherited: list[socket.socket] = [child]
+        env = dict(kind.env)
         try:
+            if kind.takes_state:
+                state, state_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                inherited.append(state_child)
+                env[FD_VARIABLE] = str(state_child.fileno())
             leader = _Leader(sandbox._command(list(kind.launcher), workdir,
                                               kind.read_only_paths),
-                             workdir, sandbox._environment(workdir.path, dict(kind.env)),
-                             stdin=child.fileno())
+                             workdir, sandbox._environment(workdir.path, env),
+                             stdin=child.fileno(),
+                             pass_fds=[end.fileno() for end in inherited[1:]])
         except BaseException:
             control.close()
+            if state is not None:
+                state.close()
             await asyncio.shield(asyncio.to_thread(_finish, workdir, False))
             raise
         finally:
-            child.close()
+            for end in inherited:
+                end.close()
         control.setblocking(False)
-        warm = cls(kind, workdir, leader, control)
+        if state is not None:
+            state.setblocking(False)
+        warm = cls(kind, workdir, leader, control, state)
         try:
             warm._stdout = await leader.read_pipe(leader.proc.stdout)
             try:
@@ -714,6 +693,10 @@ class WarmSandbox:
             if (stderr is None or self._stderr is None or self._stderr.came
                     or select.select([stderr], [], [], 0)[0]):
                 return "its stderr was written to or closed while it waited"
+            # Its state socket: nothing serves it before the hand-out, so whatever waits
+            # there was sent while it waited.
+            if self._state is not None and select.select([self._state], [], [], 0)[0]:
+                return "its state socket was used or closed while it waited"
             folder = _folder_state(self.workdir)
         except (OSError, ValueError) as exc:
             return f"its folder could not be checked: {exc}"
@@ -731,64 +714,61 @@ class WarmSandbox:
         return None
 
     async def hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
-                       limits: Limits, fds: Sequence[int] = ()) -> WarmStart:
-        """Checks it (:meth:`unfit`), writes the run's input files into its folder and
-        gives it a nonce and the arguments (the files first when its kind takes no state
-        socket), reads its answer to the nonce and, once the answer is right, hands it
-        ``fds`` (the run's state socket, when its kind takes one): from then on it runs the
-        run's command and belongs to that run.
+                       limits: Limits,
+                       adopt_state: Callable[[socket.socket], None] | None = None
+                       ) -> WarmStart:
+        """Checks it (:meth:`unfit`), writes the run's input files into its folder, gives
+        it a nonce and the arguments and reads its answer to the nonce; once the answer is
+        right, gives its own state socket to ``adopt_state`` (the run's state socket's
+        :meth:`~stargrpc.sandbox.state_socket.StateSocket.adopt`, required when its kind
+        takes the state socket): from then on it runs the run's command and belongs to
+        that run.
 
         Raises:
             Unfit: It must not be handed out; the caller destroys it (:meth:`aclose`),
                 and with it whatever of the command it may have begun (in its own folder,
                 which is removed; the run then starts a sandbox of its own).
         """
-        if bool(fds) != self.kind.takes_state:
-            raise ValueError(f"a {self.kind.name} sandbox takes "
-                             f"{'one' if self.kind.takes_state else 'no'} state socket")
+        if (adopt_state is not None) != self.kind.takes_state:
+            raise ValueError(f"a {self.kind.name} sandbox "
+                             f"{'needs' if self.kind.takes_state else 'takes no'} "
+                             "state socket to adopt its own")
         try:
-            await self._hand_out(arguments, files, limits, fds)
+            await self._hand_out(arguments, files, limits)
         except Unfit:
             self._control.close()  # its launcher, if it still listens, gets nothing more
             raise
         assert self._stdout is not None and self._stderr is not None
         self._handed = True
+        if adopt_state is not None and self._state is not None:
+            # Only now, from a sandbox that proved itself fresh: what it sends on its
+            # state socket is served as the run's.
+            state, self._state = self._state, None
+            adopt_state(state)
         return WarmStart(self.workdir, self._leader, self._stdout, self._stderr,
                          asyncio.get_running_loop().create_future())
 
     async def _hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
-                        limits: Limits, fds: Sequence[int]) -> None:
+                        limits: Limits) -> None:
         reason = self.unfit()
         if reason is not None:
             raise Unfit(reason)
         assert self._stdout is not None
         nonce = secrets.token_hex(16).encode()
+        # Its launcher runs the command as soon as it has the arguments: the files first.
+        self._write_inputs(files, limits)
         try:
-            if not fds:  # its launcher runs the command as soon as it has the arguments
-                self._write_inputs(files, limits)
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 # The nonce and the arguments in one write: the launcher answers and goes
                 # on at once, rather than sleeping until a second write wakes it (two
                 # process switches fewer per call on a busy machine).
                 await asyncio.get_running_loop().sock_sendall(
                     self._control, nonce + b"\n" + encode_arguments(arguments))
-                if fds:
-                    # Its launcher runs nothing before it has the state socket, which goes
-                    # only after the answer: the files are written while it answers.
-                    self._write_inputs(files, limits)
                 answer = await self._stdout.readline()
         except (TimeoutError, OSError, ConnectionError) as exc:
             raise Unfit(f"it did not answer the hand-out ({type(exc).__name__})") from exc
         if answer != b"fresh " + nonce + b"\n":
             raise Unfit("it answered the hand-out wrongly")
-        if fds:
-            # Only now, to a sandbox that proved itself fresh: one byte, carrying them
-            # (a fresh socket whose peer read all before answering: room for it).
-            try:
-                self._control.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                array.array("i", fds))])
-            except OSError as exc:
-                raise Unfit(f"its state socket could not be handed over: {exc}") from exc
         self._control.close()
 
     def _write_inputs(self, files: Mapping[str, str | bytes], limits: Limits) -> None:
@@ -811,5 +791,8 @@ class WarmSandbox:
             return
         self._closed = True
         self._control.close()
+        if self._state is not None:
+            self._state.close()
+            self._state = None
         await self._leader.end(self.workdir, [], drain=False)
         await asyncio.shield(asyncio.to_thread(_finish, self.workdir, False))

@@ -33,9 +33,9 @@ from stargrpc.sandbox.runner import (
 from stargrpc.sandbox.state_socket import StateSocket, client_dir
 from stargrpc.sandbox.warm import (
     _PY_LEAVE,
+    MAX_SH_HANDOUT_BYTES,
     PYTHON_ENV,
     PYTHON_FLAGS,
-    STATE_FD,
     Unfit,
     WarmSandbox,
     _tree,
@@ -129,7 +129,8 @@ class Box:
             return await self.sandbox.run(
                 argv, files=files, env={**(env or {}), **state_socket.env},
                 pass_fds=(*state_socket.pass_fds, *pass_fds),
-                read_only_paths=state_socket.read_only_paths, on_output=on_output)
+                read_only_paths=state_socket.read_only_paths, on_output=on_output,
+                adopt_state=state_socket.adopt)
         finally:
             await state_socket.aclose()
 
@@ -428,6 +429,44 @@ async def test_a_snippet_with_a_nul_byte_runs_as_it_would_cold(make_pool, tmp_pa
     assert pool.waiting("python") == [waiting]
 
 
+#: Arguments the hand-out must carry exactly: newlines (trailing ones too), backslashes,
+#: escapes sh's printf would read, empty ones, spaces, a carriage return, bytes that are
+#: not UTF-8.
+AWKWARD_ARGUMENTS = ["a\\nb", "", "  spaced  ", "line1\nline2\n\n", "\\", "\\\\n",
+                     "%b %s \\c", "tab\there", "\r\n", "\n", os.fsdecode(b"\xff\xfe"),
+                     "-c", "--", "$HOME `x` $(y)"]
+
+
+@pytest.mark.parametrize("scopes", ["run,tree", ""])
+async def test_a_warm_run_gets_its_arguments_exactly(make_pool, tmp_path, scopes) -> None:
+    command = ["sh", "-c", 'for a; do printf "[%s]" "$a" | od -An -c; done', "sh",
+               *AWKWARD_ARGUMENTS]
+    cold = await box(tmp_path, sandbox_state_scopes=scopes).run(command)
+    await make_pool(("exec",), sandbox_state_scopes=scopes)
+    handed = metric("handouts", kind="exec")
+
+    warm = await box(tmp_path, sandbox_state_scopes=scopes).run(command)
+
+    assert metric("handouts", kind="exec") == handed + 1
+    assert cold.verdict.ok and cold.stdout.count("[") == len(AWKWARD_ARGUMENTS)
+    assert (warm.stdout, warm.stderr, warm.exit_status) == (
+        cold.stdout, cold.stderr, cold.exit_status)
+
+
+async def test_a_warm_python_run_gets_its_arguments_exactly(make_pool, tmp_path) -> None:
+    command = [sandbox_python(), *PYTHON_FLAGS, "snippet.py", *AWKWARD_ARGUMENTS]
+    files = {"snippet.py": "import os, sys\nprint([os.fsencode(a) for a in sys.argv])"}
+    cold = await box(tmp_path).run(command, files=files, env=dict(PYTHON_ENV))
+    await make_pool(("python",))
+    handed = metric("handouts", kind="python")
+
+    warm = await box(tmp_path).run(command, files=files, env=dict(PYTHON_ENV))
+
+    assert metric("handouts", kind="python") == handed + 1
+    assert cold.verdict.ok and str(os.fsencode(AWKWARD_ARGUMENTS[-4])) in cold.stdout
+    assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
+
+
 async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_path) -> None:
     pool = await make_pool(("exec",))
     [waiting] = pool.waiting("exec")
@@ -439,6 +478,18 @@ async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_p
 
     # No state socket, or a descriptor besides it: the pooled one was handed neither.
     without_state = await box(tmp_path).run(["sh", "-c", "echo none"], state=False)
+    # A state socket that cannot adopt the pooled sandbox's own.
+    unadoptable = box(tmp_path)
+    own = unadoptable.state_socket("run-a")
+    try:
+        not_adopting = await unadoptable.sandbox.run(
+            ["sh", "-c", "stargrpc-state set k 1 && echo set"], env=own.env,
+            pass_fds=own.pass_fds, read_only_paths=own.read_only_paths)
+    finally:
+        await own.aclose()
+    # Arguments longer than sh would read in the time a start takes.
+    long_command = await box(tmp_path).run(
+        ["sh", "-c", f": {'x' * MAX_SH_HANDOUT_BYTES}; echo long"])
     read_end, write_end = os.pipe()
     try:
         other_fd = await box(tmp_path).run(
@@ -451,6 +502,8 @@ async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_p
     assert with_env.stdout == "mine\n"
     assert other_limits.stdout == "2\n"  # the soft CPU limit of SMALL
     assert (without_state.stdout, other_fd.stdout) == ("none\n", "inherited\n")
+    assert (not_adopting.stdout, long_command.stdout) == ("set\n", "long\n")
+    assert await unadoptable.store.get("run:run-a", "k") == "1"
     assert metric("handouts", kind="exec") == handed
     assert metric("misses", kind="exec") == missed  # not a miss: nothing could serve them
     assert pool.waiting("exec") == [waiting]
@@ -606,14 +659,34 @@ def test_the_pool_size_defaults_to_two_per_core(monkeypatch, tmp_path) -> None:
         settings(tmp_path)
 
 
-async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
+def state_socket_of(warm: WarmSandbox) -> str:
+    """The socket a pooled sandbox holds as its state socket (``socket:[inode]``)."""
+    fd = int(dict(kind_env(warm))["STARGRPC_STATE_FD"])
+    [target] = {entry.split("=", 1)[1] for entries in held(warm).values()
+                for entry in entries if entry.startswith(f"{fd}=")}
+    return target
+
+
+def kind_env(warm: WarmSandbox) -> dict[str, str]:
+    """The environment its launcher was started with."""
+    with open(f"/proc/{warm.pid}/environ", "rb") as handle:
+        entries = handle.read().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
+async def test_a_pooled_sandbox_holds_a_state_socket_of_its_own_served_as_its_runs_state(
         make_pool, tmp_path) -> None:
+    # Each pooled sandbox is started with a state socket of its own; nothing serves it
+    # while it waits, and the run's state socket adopts it at hand-out: the run's command
+    # reaches its run's state through it, and never the state of another run.
     pool = await make_pool(("python",), size=2)
     first, second = pool.waiting("python")
     sandbox = box(tmp_path)
     mine = sandbox.state_socket("run-a")
-    socket_name = os.readlink(f"/proc/self/fd/{mine.pass_fds[0]}")  # socket:[inode]
+    runs_own = os.readlink(f"/proc/self/fd/{mine.pass_fds[0]}")  # socket:[inode]
     before = {**held(first), **held(second)}
+    owned = state_socket_of(first), state_socket_of(second)
+    first_fd = int(kind_env(first)["STARGRPC_STATE_FD"])
     code = ("import json, os, stargrpc_state as s\n"
             "s.state('run').set('mine', 'A')\n"
             "fd = int(os.environ['STARGRPC_STATE_FD'])\n"
@@ -623,7 +696,7 @@ async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
         result = await sandbox.sandbox.run(
             [sandbox_python(), *PYTHON_FLAGS, "snippet.py"], files={"snippet.py": code},
             env={**PYTHON_ENV, **mine.env}, pass_fds=mine.pass_fds,
-            read_only_paths=mine.read_only_paths)
+            read_only_paths=mine.read_only_paths, adopt_state=mine.adopt)
     finally:
         await mine.aclose()
     # The next run, handed the other pooled sandbox: its own state only.
@@ -631,33 +704,45 @@ async def test_a_pooled_sandbox_is_handed_its_runs_state_socket_and_no_other(
                                       "print(s.state('run').keys(), s.state('tree').keys())",
                              run_id="run-b")
 
-    # Before hand-out neither held a descriptor of the run, nor anything at STATE_FD: only
-    # stdin (the control channel), stdout and stderr (and bubblewrap's own).
+    # While they waited they held no descriptor of the run: their sockets are their
+    # control channel (at 0) and a state socket each, of their own.
     entries = [entry for fds in before.values() for entry in fds]
-    assert entries and not any(entry.endswith(f"={socket_name}") for entry in entries)
-    # Its only socket is its control channel, at 0; the rest are its stdout and stderr
-    # pipes and bubblewrap's own (a signalfd, an eventfd).
-    assert all(entry.startswith("0=socket:") or "socket:" not in entry
-               for entry in entries), before
+    assert entries and not any(entry.endswith(f"={runs_own}") for entry in entries)
+    assert len(set(owned)) == 2 and all(name.startswith("socket:") for name in owned)
+    sockets = {entry.split("=", 1)[1] for entry in entries if "socket:" in entry}
+    assert sockets - set(owned) == {entry.split("=", 1)[1] for entry in entries
+                                    if entry.startswith("0=socket:")}, before
     assert result.verdict.ok, result.stderr
     fd, inode, keys = json.loads(result.stdout)
-    assert (fd, keys) == (STATE_FD, ["mine"])
-    assert f"socket:[{inode}]" == socket_name  # the very socket of its run
+    assert keys == ["mine"]
+    assert f"socket:[{inode}]" == owned[0]  # the first sandbox's own, now the run's
+    assert fd == first_fd
     assert other.stdout == "[] []\n"
     assert pool.waiting("python") == [] or second not in pool.waiting("python")
     assert await sandbox.store.get("run:run-a", "mine") == '"A"'
+    assert await sandbox.store.get("run:run-b", "mine") is None
 
 
-#: A launcher that takes whatever the hand-out sends, answers the nonce wrongly (and, with
-#: "stderr" as its argument, writes to its stderr as it starts, which a check sees), then
-#: takes whatever else comes until the channel closes and says what it got.
-ROGUE_LAUNCHER = """import json, os, socket, sys, time
-if sys.argv[1:] == ["stderr"]:
-    os.write(2, b"touched\\n")
+#: A launcher that uses its own state socket (a request to set "stolen" in the run's
+#: state) at the moment named by its argument — "early": before it says ready (which the
+#: hand-out's check sees), "late": once it has the nonce, to which it then answers
+#: wrongly — then takes whatever else comes on its control channel until it closes and
+#: says what it got.
+ROGUE_LAUNCHER = """import array, json, os, socket, sys, time
+def use_state():
+    broker = socket.socket(fileno=os.dup(int(os.environ["STARGRPC_STATE_FD"])))
+    mine, theirs = socket.socketpair()
+    broker.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                             array.array("i", [theirs.fileno()]))])
+    mine.sendall(b'{"op": "set", "scope": "run", "key": "stolen", "value": 1}\\n')
+    return mine
+held = [use_state()] if sys.argv[1:] == ["early"] else []
 os.write(1, b"ready\\n")
 control, taken, got = socket.socket(fileno=0), 0, b""
 chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
 taken, got = taken + len(fds), got + chunk
+if sys.argv[1:] == ["late"]:
+    held.append(use_state())
 os.write(1, b"fresh not-the-nonce\\n")
 while chunk:
     chunk, fds, _, _ = socket.recv_fds(control, 65536, 4)
@@ -667,37 +752,42 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("rogue_is", ["answering wrongly", "touched"])
-async def test_a_sandbox_that_fails_the_hand_out_never_gets_the_state_socket(tmp_path,
-                                                                            rogue_is) -> None:
-    # One that answers the nonce wrongly never receives the state socket; one that failed
-    # a check (here: its stderr written to) receives nothing at all, nor are the run's
-    # files written into its folder.
+@pytest.mark.parametrize("rogue_uses_its_state", ["early", "late"])
+async def test_a_sandbox_that_fails_the_hand_out_is_never_served_as_the_run(
+        tmp_path, rogue_uses_its_state) -> None:
+    # One that used its state socket while it waited fails the check and is given
+    # nothing (not the nonce, nor the run's files); one that answers the nonce wrongly
+    # has its state socket never adopted: what it sent there is never served as the run's.
     sandbox = box(tmp_path)
     state_socket = sandbox.state_socket("run-a")
     [kind] = [kind for kind in kinds_for(sandbox.settings).values() if kind.name == "exec"]
     rogue = replace(kind, launcher=(sandbox_python(), "-I", "-c", ROGUE_LAUNCHER,
-                                    *(["stderr"] if rogue_is == "touched" else [])))
+                                    rogue_uses_its_state))
     warm = await WarmSandbox.start(sandbox.sandbox, rogue)
-    why = "answered the hand-out wrongly" if rogue_is == "answering wrongly" else "stderr"
+    why = "state socket was used" if rogue_uses_its_state == "early" else "wrongly"
+    adopted: list[object] = []
     try:
+        if rogue_uses_its_state == "early":  # (sent before it said ready)
+            assert "state socket" in (warm.unfit() or "")
         with pytest.raises(Unfit, match=why):
             await warm.hand_out(["sh", "-c", "echo the-secret-command"],
                                 {"input.txt": "the-secret-file"}, sandbox.sandbox.limits,
-                                state_socket.pass_fds)
+                                adopted.append)
         assert warm._stdout is not None
-        if rogue_is == "touched":  # given up before anything was sent: it got no nonce
+        if rogue_uses_its_state == "early":  # given up before anything was sent
             assert not (warm.workdir.path / "input.txt").exists()
             assert await warm._stdout.readline() == b"fresh not-the-nonce\n"
         taken, got = json.loads(await warm._stdout.readline())  # the channel closed on it
     finally:
         await warm.aclose()
         await state_socket.aclose()
+    assert adopted == []  # its state socket never became the run's
+    assert await sandbox.store.get("run:run-a", "stolen") is None
     assert taken == 0
-    if rogue_is == "touched":
+    if rogue_uses_its_state == "early":
         assert got == ""
     else:
-        assert got.split("\n", 1)[1].startswith("3\nsh\n-c\n")  # the nonce came first
+        assert got.split("\n", 1)[1].startswith("3\n1\nsh\n1\n-c\n")  # the nonce first
     assert gone(warm)
 
 
@@ -742,11 +832,11 @@ async def test_warm_tool_runs_reach_their_own_state_and_not_each_others(make_ser
             "echo $STARGRPC_STATE_FD; stargrpc-state get secret; echo absent:$?; "
             "stargrpc-state set k '[1]' && stargrpc-state get k && stargrpc-state keys")})
 
-    assert first[-1].result.output.startswith(f"{STATE_FD} ['secret']\n")
-    assert second[-1].result.output.startswith(f"{STATE_FD} [] []\n")
+    assert first[-1].result.output.split(" ", 1)[1].startswith("['secret']\n")
+    assert second[-1].result.output.split(" ", 1)[1].startswith("[] []\n")
     assert shell_run[-1].result.outcome == events_pb2.OUTCOME_OK, shell_run[-1].result.output
-    assert shell_run[-1].result.output.startswith(f"{STATE_FD}\nabsent:3\n[1]\nk\n")
-    # Every run was handed a pooled sandbox (the fd number says so too).
+    assert shell_run[-1].result.output.split("\n", 1)[1].startswith("absent:3\n[1]\nk\n")
+    # Every run was handed a pooled sandbox (the handouts say so).
     assert metric("handouts", kind="python") == python + 2
     assert metric("handouts", kind="exec") == shell + 1
     store = server.runtime.state_store
