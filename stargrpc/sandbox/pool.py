@@ -27,17 +27,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import structlog
 
 from stargrpc.metrics import POOL_DISCARDED, POOL_HANDOUTS, POOL_MISSES, POOL_READY
 from stargrpc.sandbox import runner
-from stargrpc.sandbox.runner import Sandbox, WarmStart
+from stargrpc.sandbox.runner import AdoptState, Sandbox, WarmStart
 from stargrpc.sandbox.warm import Unfit, WarmKind, WarmSandbox, kinds_for
 from stargrpc.settings import Settings
 
@@ -132,7 +131,7 @@ class WarmPool:
     async def take(self, sandbox: Sandbox, argv: list[str], env: Mapping[str, str],
                    files: Mapping[str, str | bytes], pass_fds: tuple[int, ...] = (),
                    read_only_paths: tuple[Path, ...] = (),
-                   adopt_state: Callable[[socket.socket], None] | None = None
+                   adopt_state: AdoptState | None = None
                    ) -> WarmStart | None:
         """A ready sandbox, handed to the run of ``argv``, when one fits it exactly; None
         when none does (the run starts its own). A run whose one descriptor ``pass_fds``

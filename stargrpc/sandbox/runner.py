@@ -201,8 +201,9 @@ class WarmStart:
     ended: asyncio.Future[None]
 
 
-#: Makes a pooled sandbox's own state socket the run's (``StateSocket.adopt``).
-AdoptState = Callable[[socket.socket], None]
+#: Makes a pooled sandbox's own state socket the run's (``StateSocket.adopt``): called
+#: with the server's end and the sandbox's.
+AdoptState = Callable[[socket.socket, socket.socket], None]
 #: Gives a run a sandbox started ahead that fits it exactly, or None: called with the
 #: sandbox, the command, its extra environment, its input files, the descriptors it
 #: inherits, the host folders it is shown and how its state socket adopts a pooled

@@ -176,14 +176,17 @@ class StateSocket:
         self.env = state_env(client_dir, fd)
         self._read_broker()
 
-    def adopt(self, broker: socket.socket) -> None:
+    def adopt(self, broker: socket.socket, child: socket.socket) -> None:
         """Serves ``broker`` from now on instead of the pair made for the command: the
         server's end of a pooled sandbox's own state socket, which that sandbox held from
-        its start and which nothing served before (:mod:`stargrpc.sandbox.warm`). The pair
-        made here is closed; ``pass_fds`` and ``env`` no longer name a socket of this run.
-        """
+        its start and which nothing served before (:mod:`stargrpc.sandbox.warm`), and
+        ``child``, the sandbox's end, which the server keeps open as it does a run's own
+        (so the broker never reads an end of file: the sandbox's processes exiting close
+        only their copies). The pair made here is closed; ``pass_fds`` and ``env`` no
+        longer name a socket of this run."""
         if self._closed:
             broker.close()
+            child.close()
             return
         if self._resume is not None:
             self._resume.cancel()
@@ -194,7 +197,7 @@ class StateSocket:
         self._broker.close()
         self._child.close()
         broker.setblocking(False)
-        self._broker = broker
+        self._broker, self._child = broker, child
         self.pass_fds = ()
         self._read_broker()
 

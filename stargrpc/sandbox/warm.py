@@ -56,13 +56,14 @@ import os
 import secrets
 import select
 import socket
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import SupportsIndex
 
 from stargrpc.sandbox.rlimits import Limits
 from stargrpc.sandbox.runner import (
+    AdoptState,
     Sandbox,
     WarmStart,
     _finish,
@@ -573,15 +574,18 @@ class WarmSandbox:
     _stdout: asyncio.StreamReader | None
     _stderr: _NotingReader | None
     _control: socket.socket
-    #: The server's end of its own state socket (kinds that take one), until adopted.
-    _state: socket.socket | None
+    #: Its own state socket (kinds that take one), until adopted: the server's end and
+    #: the sandbox's, which the server keeps open too, as it does a run's (see
+    #: StateSocket.adopt).
+    _state: tuple[socket.socket, socket.socket] | None
     _folder: tuple[object, ...]
     _processes: dict[int, _Process]
     _handed: bool
     _closed: bool
 
     def __init__(self, kind: WarmKind, workdir: _Workdir, leader: _Leader,
-                 control: socket.socket, state: socket.socket | None = None) -> None:
+                 control: socket.socket,
+                 state: tuple[socket.socket, socket.socket] | None = None) -> None:
         self.kind = kind
         self.workdir = workdir
         self.pid = leader.proc.pid
@@ -619,31 +623,27 @@ class WarmSandbox:
         # The control channel: a socket pair (its stdin); and, for a kind that takes the
         # state socket, a state socket of its own, made as a run's is.
         control, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        state: socket.socket | None = None
-        inherited: list[socket.socket] = [child]
+        state: tuple[socket.socket, socket.socket] | None = None
         env = dict(kind.env)
         try:
             if kind.takes_state:
-                state, state_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                inherited.append(state_child)
-                env[FD_VARIABLE] = str(state_child.fileno())
+                state = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                state[0].setblocking(False)
+                env[FD_VARIABLE] = str(state[1].fileno())
             leader = _Leader(sandbox._command(list(kind.launcher), workdir,
                                               kind.read_only_paths),
                              workdir, sandbox._environment(workdir.path, env),
                              stdin=child.fileno(),
-                             pass_fds=[end.fileno() for end in inherited[1:]])
+                             pass_fds=[state[1].fileno()] if state is not None else [])
         except BaseException:
             control.close()
-            if state is not None:
-                state.close()
+            for end in state or ():
+                end.close()
             await asyncio.shield(asyncio.to_thread(_finish, workdir, False))
             raise
         finally:
-            for end in inherited:
-                end.close()
+            child.close()
         control.setblocking(False)
-        if state is not None:
-            state.setblocking(False)
         warm = cls(kind, workdir, leader, control, state)
         try:
             warm._stdout = await leader.read_pipe(leader.proc.stdout)
@@ -695,8 +695,8 @@ class WarmSandbox:
                 return "its stderr was written to or closed while it waited"
             # Its state socket: nothing serves it before the hand-out, so whatever waits
             # there was sent while it waited.
-            if self._state is not None and select.select([self._state], [], [], 0)[0]:
-                return "its state socket was used or closed while it waited"
+            if self._state is not None and select.select([self._state[0]], [], [], 0)[0]:
+                return "its state socket was used while it waited"
             folder = _folder_state(self.workdir)
         except (OSError, ValueError) as exc:
             return f"its folder could not be checked: {exc}"
@@ -715,8 +715,7 @@ class WarmSandbox:
 
     async def hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
                        limits: Limits,
-                       adopt_state: Callable[[socket.socket], None] | None = None
-                       ) -> WarmStart:
+                       adopt_state: AdoptState | None = None) -> WarmStart:
         """Checks it (:meth:`unfit`), writes the run's input files into its folder, gives
         it a nonce and the arguments and reads its answer to the nonce; once the answer is
         right, gives its own state socket to ``adopt_state`` (the run's state socket's
@@ -743,8 +742,8 @@ class WarmSandbox:
         if adopt_state is not None and self._state is not None:
             # Only now, from a sandbox that proved itself fresh: what it sends on its
             # state socket is served as the run's.
-            state, self._state = self._state, None
-            adopt_state(state)
+            (broker, child), self._state = self._state, None
+            adopt_state(broker, child)
         return WarmStart(self.workdir, self._leader, self._stdout, self._stderr,
                          asyncio.get_running_loop().create_future())
 
@@ -791,8 +790,8 @@ class WarmSandbox:
             return
         self._closed = True
         self._control.close()
-        if self._state is not None:
-            self._state.close()
-            self._state = None
+        for end in self._state or ():
+            end.close()
+        self._state = None
         await self._leader.end(self.workdir, [], drain=False)
         await asyncio.shield(asyncio.to_thread(_finish, self.workdir, False))

@@ -697,6 +697,10 @@ async def test_a_pooled_sandbox_holds_a_state_socket_of_its_own_served_as_its_ru
             [sandbox_python(), *PYTHON_FLAGS, "snippet.py"], files={"snippet.py": code},
             env={**PYTHON_ENV, **mine.env}, pass_fds=mine.pass_fds,
             read_only_paths=mine.read_only_paths, adopt_state=mine.adopt)
+        # Its command has exited: the sandbox's end of the adopted socket is still held
+        # by the server, as a run's own is, so the socket shows no end of file (which
+        # would wake the loop for it again and again until the run's socket closed).
+        assert not select.select([mine._broker], [], [], 0)[0]
     finally:
         await mine.aclose()
     # The next run, handed the other pooled sandbox: its own state only.
@@ -772,7 +776,7 @@ async def test_a_sandbox_that_fails_the_hand_out_is_never_served_as_the_run(
         with pytest.raises(Unfit, match=why):
             await warm.hand_out(["sh", "-c", "echo the-secret-command"],
                                 {"input.txt": "the-secret-file"}, sandbox.sandbox.limits,
-                                adopted.append)
+                                lambda *ends: adopted.append(ends))
         assert warm._stdout is not None
         if rogue_uses_its_state == "early":  # given up before anything was sent
             assert not (warm.workdir.path / "input.txt").exists()
