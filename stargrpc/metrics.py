@@ -124,6 +124,12 @@ RUNS_LOST = Counter(
     "ended RUN_LOST, by what noticed (sweep: the background sweep; call: a watch, a retry "
     "or a delivery looking at the run).", ["noticed_by"], registry=REGISTRY)
 
+#: Set by a fleet replica only (label ``store``: ``redis``), so an embedded server shows none.
+RUN_STORE_REACHABLE = Gauge(
+    "stargrpc_run_store_reachable", "Whether the shared run store answers this process "
+    "(1) or not (0: its health is NOT_SERVING), by store; under --workers the lowest.",
+    ["store"], registry=REGISTRY, multiprocess_mode="livemin")
+
 
 def scrape_registry() -> CollectorRegistry:
     """What ``/metrics`` serves: :data:`REGISTRY`, or in multiprocess mode a registry that

@@ -212,6 +212,10 @@ class Settings(BaseSettings):
                                               "looks for runs of dead replicas to end "
                                               "RUN_LOST (jittered; at most a quarter of "
                                               "run_lease_seconds).")
+    redis_ping_interval_seconds: float = Field(1.0, gt=0, description="How often each replica "
+                                               "PINGs Redis (each bounded by "
+                                               "redis_timeout_seconds): health is NOT_SERVING "
+                                               "while a PING or a write of its gets no answer.")
     run_max_events: int = Field(100_000, ge=100, description="Events kept per run in Redis "
                                 "(older ones are trimmed).")
     max_watch_lag_events: int = Field(10_000, ge=0, description="A live watcher further "

@@ -1,8 +1,14 @@
 """The gRPC server: ToolService, health, reflection, and an orderly shutdown.
 
-Shutdown (SIGTERM or SIGINT) goes: health flips to NOT_SERVING, new Executes are refused
-with UNAVAILABLE, runs in flight get the grace period to finish (then are cancelled, still
-ending with their Result), and the transport stops.
+Health: ToolService and the overall ``""`` service are SERVING once started; a fleet
+replica's are NOT_SERVING while its Redis does not answer, and SERVING again when it does
+(:mod:`stargrpc.stores.redis.reachability`), so a balancer or a readiness probe sends its
+calls elsewhere meanwhile. The name :data:`LIVENESS_SERVICE` is SERVING from the start until
+the shutdown, whatever the store does (for liveness probes).
+
+Shutdown (SIGTERM or SIGINT) goes: health flips to NOT_SERVING for good, new Executes are
+refused with UNAVAILABLE, runs in flight get the grace period to finish (then are cancelled,
+still ending with their Result), and the transport stops.
 """
 
 from __future__ import annotations
@@ -59,8 +65,24 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("stargrpc.server")
 
+#: The health service name that says only that the process serves: it stays SERVING while
+#: the run store is out of reach (until the shutdown), for a liveness probe — restarting a
+#: replica does not bring its Redis back.
+LIVENESS_SERVICE = "liveness"
+
 # After the runs have drained, how long the transport gets to flush their last messages.
 _TRANSPORT_GRACE_SECONDS = 2.0
+
+
+@runtime_checkable
+class Reachable(Protocol):
+    """What a run store that can be out of reach (a fleet's Redis) reports of it."""
+
+    reachable: bool
+
+    async def changed(self, seen: bool) -> bool:
+        """Waits until ``reachable`` is other than ``seen``; returns it."""
+        ...
 
 
 @runtime_checkable
@@ -147,6 +169,7 @@ class StargrpcServer:
     _forwarded: ForwardedClient | None
     _server: grpc.aio.Server
     _health: health.aio.HealthServicer
+    _store_health: asyncio.Task[None] | None
     _stopping: asyncio.Event
     _stopped: asyncio.Event
 
@@ -189,6 +212,7 @@ class StargrpcServer:
             max_send_message_bytes=settings.max_send_message_bytes)
         registrar = self.inprocess.registrar(self._server)
         self._health = health.aio.HealthServicer()
+        self._store_health = None
         self.service = ToolService(self.runtime)
         if audit is not None:  # each delivery's final state goes into the trail
             self.service.deliveries.on_final = delivery_auditor(audit.writer)
@@ -304,8 +328,15 @@ class StargrpcServer:
                                    audit=audit.writer if audit is not None else None,
                                    channel=self._inprocess_channel("mcp"))
             await self.mcp.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        reachability = getattr(self.runtime.store, "reachability", None)
+        if isinstance(reachability, Reachable):  # a fleet's: SERVING while Redis answers
+            reachable = reachability.reachable
+            await self._set_health(reachable)
+            self._store_health = asyncio.create_task(
+                self._follow_store(reachability, reachable), name="run-store-health")
+        else:
+            await self._set_health(True)
         log.info("serving", address=f"{self.settings.host}:{self.port}",
                  tools=sorted(self.runtime.registry),
                  catalog_hash=self.runtime.registry.catalog_hash)
@@ -325,6 +356,11 @@ class StargrpcServer:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         log.info("shutting_down", grace_seconds=grace, runs_in_flight=len(self.runtime.runs))
         deadline = time.monotonic() + grace
+        if self._store_health is not None:  # NOT_SERVING from here on, whatever Redis does
+            self._store_health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._store_health
+            self._store_health = None
         await self._health.enter_graceful_shutdown()
         await self.runtime.drain(grace)
         # The runs have ended, but their calls may still be on the way to the Result (a
@@ -361,6 +397,19 @@ class StargrpcServer:
                 await component.aclose()
         log.info("stopped")
         self._stopped.set()
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def _follow_store(self, reachability: Reachable, seen: bool) -> None:
+        """Sets the health status each time the run store's reachability changes from
+        ``seen`` (until the shutdown, whose NOT_SERVING is final)."""
+        while True:
+            seen = await reachability.changed(seen)
+            await self._set_health(seen)
 
     def reload_tools(self) -> None:
         """Reloads the catalog; a broken module keeps the current catalog and is logged."""

@@ -213,7 +213,7 @@ class Flusher:
                 self._dirty[run_log.run_id] = run_log
                 ok = False
                 continue
-            shared.healthy = True
+            shared.answered()
             run_log.registered = True
             if reply[0] == -1:
                 self.fence(run_log)

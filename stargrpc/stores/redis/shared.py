@@ -18,7 +18,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from stargrpc.stores.base import CancelHandler, SteerHandler
 from stargrpc.stores.keys import KeyLayout
+from stargrpc.stores.redis.errors import NotReplicated
 from stargrpc.stores.redis.logs import LocalRuns
+from stargrpc.stores.redis.reachability import Reachability
 from stargrpc.stores.redis.scripts import Scripts
 
 log = structlog.get_logger("stargrpc.stores.redis")
@@ -45,6 +47,8 @@ class Shared:
         healthy: False until Redis has answered, and again after a background write failed:
             then a new run without a key (which would reach Redis only after it started) is
             refused unless a PING gets through.
+        reachability: Whether Redis answers, as the server's health reports it (a PING
+            probe and this replica's background writes).
         clock_ahead_ms: How far Redis's clock runs ahead of this host's, as last seen by a
             claim.
         cancel_handler: Set by the runtime; stops a run of this process.
@@ -66,6 +70,7 @@ class Shared:
     flush_timeout: float
     max_pending_steers: int
     healthy: bool
+    reachability: Reachability
     clock_ahead_ms: int
     cancel_handler: CancelHandler | None
     steer_handler: SteerHandler | None
@@ -73,7 +78,7 @@ class Shared:
     def __init__(self, redis: Redis | RedisCluster, *, prefix: str, retention: float,
                  lease: float, max_events: int, block_seconds: float, flush_timeout: float,
                  timeout: float, wait_replicas: int, wait_timeout_ms: int,
-                 max_pending_steers: int) -> None:
+                 max_pending_steers: int, probe_interval: float = 1.0) -> None:
         self.redis = redis
         self.cluster = isinstance(redis, RedisCluster)
         self.keys = KeyLayout(prefix, tagged=self.cluster)
@@ -90,6 +95,7 @@ class Shared:
         self.flush_timeout = flush_timeout
         self.max_pending_steers = max_pending_steers
         self.healthy = False
+        self.reachability = Reachability(redis, interval=probe_interval, timeout=timeout)
         self.clock_ahead_ms = 0
         self.cancel_handler = None
         self.steer_handler = None
@@ -126,10 +132,18 @@ class Shared:
 
     def failed(self, exc: BaseException) -> None:
         """Notes a failed write: when Redis was unreachable, new runs without a key are
-        refused until a PING gets through (a full pool is load, not an outage)."""
+        refused until a PING gets through, and the server's health is NOT_SERVING until
+        Redis answers again (a full pool is load, not an outage)."""
         if isinstance(exc, (RedisConnectionError, RedisTimeoutError, TimeoutError)) and \
                 not isinstance(exc, MaxConnectionsError):
             self.healthy = False
+            if not isinstance(exc, NotReplicated):  # Redis answered; its replicas lag
+                self.reachability.unanswered(str(exc) or "no answer in time")
+
+    def answered(self) -> None:
+        """Notes a write (or PING) Redis answered."""
+        self.healthy = True
+        self.reachability.answered()
 
     def deadline_ms(self, deadline: float) -> int:
         """A call's ``deadline`` (monotonic) by Redis's clock, in ms since the epoch."""

@@ -37,6 +37,7 @@ from stargrpc.stores.redis.index import RunIndex, tree_of
 from stargrpc.stores.redis.lanes import RedisLanes
 from stargrpc.stores.redis.leases import Leases, Sweep
 from stargrpc.stores.redis.logs import LocalRuns, RedisRunLog, RemoteRunLog
+from stargrpc.stores.redis.reachability import Reachability
 from stargrpc.stores.redis.shared import Shared
 from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.v1 import errors_pb2
@@ -86,7 +87,7 @@ class RedisRunStore:
                  block_seconds: float = 1.0, flush_timeout: float = 5.0,
                  timeout: float = 2.0, wait_replicas: int = 0,
                  wait_timeout_ms: int = 500, max_pending_steers: int = 16,
-                 sweep_interval: float = 1.0) -> None:
+                 sweep_interval: float = 1.0, probe_interval: float = 1.0) -> None:
         """
         Args:
             redis: The client (one Redis, or a cluster: then claims take two steps).
@@ -104,12 +105,15 @@ class RedisRunStore:
             max_pending_steers: Steering messages left for another replica's run at most.
             sweep_interval: Seconds between two sweeps for lost runs (on average three
                 quarters of it: jittered), at most a quarter of the lease.
+            probe_interval: Seconds between two PINGs that tell whether Redis answers (the
+                server's health: :mod:`.reachability`), each bounded by ``timeout``.
         """
         self.shared = Shared(redis, prefix=prefix, retention=retention, lease=lease,
                              max_events=max_events, block_seconds=block_seconds,
                              flush_timeout=flush_timeout, timeout=timeout,
                              wait_replicas=wait_replicas, wait_timeout_ms=wait_timeout_ms,
-                             max_pending_steers=max_pending_steers)
+                             max_pending_steers=max_pending_steers,
+                             probe_interval=probe_interval)
         self.leases = Leases(self.shared)
         self.sweep = Sweep(self.shared, self.leases, sweep_interval)
         self.index = RunIndex(self.shared, self.sweep)
@@ -137,7 +141,8 @@ class RedisRunStore:
                    wait_replicas=settings.redis_wait_replicas,
                    wait_timeout_ms=settings.redis_wait_timeout_ms,
                    max_pending_steers=settings.steer_max_pending,
-                   sweep_interval=settings.run_sweep_interval_seconds)
+                   sweep_interval=settings.run_sweep_interval_seconds,
+                   probe_interval=settings.redis_ping_interval_seconds)
 
     # -- what the store shares, as the runtime and operators read it --------------------------
 
@@ -205,6 +210,11 @@ class RedisRunStore:
     @healthy.setter
     def healthy(self, value: bool) -> None:
         self.shared.healthy = value
+
+    @property
+    def reachability(self) -> Reachability:
+        """Whether Redis answers this replica (its health status follows it)."""
+        return self.shared.reachability
 
     @property
     def cancel_handler(self) -> CancelHandler | None:
@@ -325,7 +335,7 @@ class RedisRunStore:
                         await shared.redis.ping()
             except TimeoutError as exc:
                 raise request_error(exc, "registering the run") from exc
-            shared.healthy = True
+            shared.answered()
         shared.runs.add(log)
         log.start_flushing()
         if self._renewer is None or self._renewer.done():
@@ -414,9 +424,11 @@ class RedisRunStore:
         return await self.flusher.flushed(within)
 
     async def start(self) -> None:
-        """Starts sweeping for lost runs in the background (see :mod:`stargrpc.stores.redis`):
-        the server calls it when it starts, whether or not this replica runs anything."""
+        """Starts sweeping for lost runs in the background (see :mod:`stargrpc.stores.redis`)
+        and probing whether Redis answers (after a first PING, bounded by the timeout): the
+        server calls it when it starts, whether or not this replica runs anything."""
         self.sweep.start()
+        await self.shared.reachability.start()
 
     async def aclose(self) -> None:
         """Flushes what runs of this replica still hold, stops renewing and sweeping,
@@ -427,6 +439,7 @@ class RedisRunStore:
         await self.stop_renewing()
         await self.flusher.aclose()
         await self.sweep.stop()
+        await self.shared.reachability.stop()
         await self.shared.redis.aclose()
 
     async def stop_renewing(self) -> None:
