@@ -84,6 +84,10 @@ AUTH_FAILURES = Counter(
 AUDIT_QUEUE_DEPTH = Gauge(
     "tool_executor_audit_queue_depth", "Audit records waiting to be written.",
     registry=REGISTRY, multiprocess_mode="livesum")
+AUDIT_RECORDS_REFUSED = Counter(
+    "stargrpc_audit_records_refused", "Audit records the audit store refused for their "
+    "content, each replaced in the trail by a substitute saying so (the record itself is in "
+    "the log line audit_record_refused).", registry=REGISTRY)
 DELIVERY_ATTEMPTS = Counter(
     "tool_executor_delivery_attempts", "Attempts to deliver a Result, by target kind and "
     "result (ok, failed).", ["kind", "result"], registry=REGISTRY)

@@ -55,6 +55,9 @@ from stargrpc.audit.sql import (
     select_sql,
 )
 
+#: SQLSTATE classes that refuse an append for its records' content (see ``refuses``).
+_REFUSED_CLASSES = ("22", "23", "54")
+
 _TYPES = {"seq": "BIGINT PRIMARY KEY", "id": "TEXT NOT NULL UNIQUE",
           "duration_ms": "DOUBLE PRECISION NOT NULL", "privileged": "BOOLEAN NOT NULL"}
 
@@ -191,6 +194,19 @@ class PostgresAuditStore:
             raise
         finally:
             watchdog.cancel()
+
+    @staticmethod
+    def refuses(exc: BaseException) -> bool:
+        """Whether ``exc``, raised by :meth:`append`, says the records themselves cannot be
+        stored, so trying them again fails again: the server refused their data (SQLSTATE
+        class 22), a constraint (23), or a limit such as an indexed text over a third of a
+        page (54: ``index row size … exceeds btree version 4 maximum 2704``); or asyncpg
+        could not encode a value (a ValueError: an integer no float holds). A lost or
+        silent connection, a lock not granted in time and the like are the store's trouble
+        and pass."""
+        if isinstance(exc, asyncpg.PostgresError):
+            return str(getattr(exc, "sqlstate", "") or "")[:2] in _REFUSED_CLASSES
+        return isinstance(exc, (ValueError, TypeError, OverflowError))
 
     async def _append_on(self, conn: asyncpg.Connection, records: Sequence[AuditRecord]
                          ) -> list[AuditRecord]:

@@ -8,6 +8,7 @@ run's Result (:func:`outcome_for_result`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from stargrpc.ids import new_id
 from stargrpc.text import as_text
 from stargrpc.v1 import events_pb2
 
@@ -212,3 +214,39 @@ def _storable(text: str) -> str:
     if "\x00" in text:
         text = text.replace("\x00", "\\x00")
     return as_text(text)
+
+
+#: Longest text a substitute (:func:`refused_substitute`) keeps of a refused record's field.
+_SUBSTITUTE_TEXT = 200
+
+
+def refused_substitute(record: AuditRecord, error: str) -> AuditRecord:
+    """What stands in the trail for ``record``, which the store refused for its content
+    (the audit writer stores it in its place, and logs ``record`` whole).
+
+    Only what identifies the call is kept, each text cut to 200 characters, since any field
+    may be what the store refused: ``id`` (a new one when the record's own is no such
+    text), ``time``, ``method``, ``principal``, ``acting_for``, ``auth_method``, ``tool``,
+    ``run_id`` and ``outcome``; no arguments, result or invocation. ``detail`` says that the
+    record was refused and why (``error``); a duration that is no finite number is 0.
+    """
+    record_id = _short(record.id)
+    duration = record.duration_ms
+    finite = type(duration) in (int, float) and math.isfinite(duration)
+    return AuditRecord(
+        id=record_id if record_id and record_id == record.id else new_id(),
+        time=_short(record.time) or utc_now(), method=_short(record.method),
+        principal=_short(record.principal), acting_for=_short(record.acting_for),
+        auth_method=_short(record.auth_method), tool=_short(record.tool),
+        run_id=_short(record.run_id),
+        outcome=record.outcome if record.outcome in OUTCOMES else "error",
+        detail=_short(f"audit record refused by the store, this substitute stands in for it "
+                      f"(the record is in the server log as audit_record_refused): {error}",
+                      limit=1000),
+        duration_ms=float(duration) if finite and abs(duration) < 1e15 else 0.0,
+        privileged=record.privileged is True)
+
+
+def _short(value: object, limit: int = _SUBSTITUTE_TEXT) -> str:
+    """``value`` as a substitute keeps it: text only, storable, at most ``limit`` long."""
+    return _storable(value[:limit]) if isinstance(value, str) else ""

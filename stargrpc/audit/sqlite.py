@@ -204,6 +204,17 @@ class SqliteAuditStore:
             return sealed
         return await self._run(_append, self._conn, records, self.key)
 
+    @staticmethod
+    def refuses(exc: BaseException) -> bool:
+        """Whether ``exc``, raised by :meth:`append`, says the records themselves cannot be
+        stored (a constraint such as a NaN duration, which SQLite stores as NULL; a value
+        SQLite cannot bind, an integer too large; a text too big), so trying them again
+        fails again — unlike a locked, full, read-only or failing file (OperationalError),
+        which is the store's trouble and passes."""
+        return isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError,
+                                sqlite3.ProgrammingError, sqlite3.InterfaceError,
+                                OverflowError, TypeError, ValueError))
+
     def append_now(self, records: Sequence[AuditRecord]) -> list[AuditRecord] | None:
         """Appends ``records`` right here on the event loop when that needs no waiting.
 

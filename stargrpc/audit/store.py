@@ -25,7 +25,13 @@ __all__ = ["TABLE", "AuditStore", "Query", "default_store_url", "open_store", "s
 
 
 class AuditStore(Protocol):
-    """A durable, append-only, hash-chained audit trail."""
+    """A durable, append-only, hash-chained audit trail.
+
+    A store may also offer ``refuses(exc) -> bool``: whether an error its ``append`` raised
+    is about the records' content (trying them again fails again), which the audit writer
+    then isolates and replaces (:mod:`stargrpc.audit.writer`); without it every failure
+    counts as the store's, and is retried.
+    """
 
     url: str
 

@@ -14,7 +14,16 @@ callback: no task and no thread hop per batch. Otherwise, or when that fast path
 task writes the batch with the store's ``append``.
 
 Nothing is dropped: a failed write is retried (with backoff) until it succeeds or the
-writer is closed, and :meth:`AuditWriter.aclose` writes everything still queued. A caller
+writer is closed, and :meth:`AuditWriter.aclose` writes everything still queued. A batch the
+store *refuses* for its records' content (the store's ``refuses(exc)`` says so: a
+constraint, a value it cannot hold — trying again would fail again) is not retried as it
+is, or the trail would stop behind it: it is split in halves, written in order, until the
+records refused alone are found. Each of those is replaced in the trail by a substitute that
+says it was refused and why (:func:`~stargrpc.audit.record.refused_substitute`), chained
+like any record, while the record itself goes whole into the error log line
+``audit_record_refused`` and the counter ``stargrpc_audit_records_refused_total`` counts
+it. Should the store refuse the substitute too, the trouble is the store's, not the
+record's: the record is retried with backoff like any failed write. A caller
 that must know its record is durable awaits the future :meth:`AuditWriter.submit` returns
 (:meth:`AuditWriter.submit_alone` returns the stored record itself when it committed it at
 once); when the store keeps it waiting longer than ``commit_wait``, the future fails with
@@ -31,7 +40,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from stargrpc import metrics
-from stargrpc.audit.record import AuditRecord, storable
+from stargrpc.audit.record import AuditRecord, refused_substitute, storable
 from stargrpc.audit.store import AuditStore
 
 log = structlog.get_logger("stargrpc.audit")
@@ -272,18 +281,59 @@ class AuditWriter:
             self.commit_wait, self._release_waiting, batch)
 
     async def _write(self, batch: list[_Entry]) -> list[AuditRecord]:
+        return await self._append([record for record, _ in batch])
+
+    async def _append(self, records: list[AuditRecord]) -> list[AuditRecord]:
+        """``records`` as stored, in order: retried while the store fails; split when it
+        refuses them; a record refused alone replaced by its substitute."""
         delay = 0.05
         while True:
             try:
-                return await self.store.append([record for record, _ in batch])
+                return await self.store.append(records)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._refuses(exc):
+                    if len(records) > 1:  # which of them? Each half in turn, in order
+                        log.warning("audit_batch_refused", records=len(records),
+                                    error=_said(exc),
+                                    action="writing it in halves to find the records refused")
+                        half = len(records) // 2
+                        return [*await self._append(records[:half]),
+                                *await self._append(records[half:])]
+                    stored = await self._substitute(records[0], exc)
+                    if stored is not None:
+                        return [stored]
                 # Keep the batch and try again: the trail must not lose records.
-                log.error("audit_write_failed", error=str(exc) or type(exc).__name__,
-                          records=len(batch), retry_in_seconds=delay)
+                log.error("audit_write_failed", error=_said(exc), records=len(records),
+                          retry_in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    def _refuses(self, exc: Exception) -> bool:
+        refuses = getattr(self.store, "refuses", None)
+        return bool(refuses(exc)) if refuses is not None else False
+
+    async def _substitute(self, record: AuditRecord, exc: Exception) -> AuditRecord | None:
+        """Stores the substitute of ``record``, which the store refused alone (``exc``),
+        and logs ``record`` whole; the substitute as stored, or None when the store refused
+        it too (then the store is at fault, not the record)."""
+        substitute = refused_substitute(record, _said(exc))
+        try:
+            [stored] = await self.store.append([substitute])
+        except asyncio.CancelledError:
+            raise
+        except Exception as again:
+            log.error("audit_substitute_refused", record_id=record.id, error=_said(exc),
+                      substitute_error=_said(again),
+                      action="retrying the record: the store refuses even its substitute")
+            return None
+        metrics.AUDIT_RECORDS_REFUSED.inc()
+        # The log is the only place the record itself is kept: whole, for the operator.
+        log.error("audit_record_refused", record=record.as_dict(), error=_said(exc),
+                  substitute_seq=stored.seq, substitute_id=stored.id,
+                  action="stored a substitute in its place; the trail goes on")
+        return stored
 
     def _settle(self, batch: list[_Entry], stored: list[AuditRecord]) -> None:
         for (_, future), record in zip(batch, stored, strict=True):
@@ -311,6 +361,12 @@ class AuditWriter:
                 future.exception()  # mark retrieved: nobody may be waiting
         if self._pending:  # queued, or in the batch the close interrupted
             self._done(self._pending)
+
+
+def _said(exc: BaseException) -> str:
+    """What a log line (and a substitute) says of a store's error: its type and message."""
+    text = str(exc).split("\n", 1)[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _release(batch: list[_Entry]) -> None:
