@@ -1,11 +1,14 @@
 """A fleet replica's health follows its Redis: NOT_SERVING while Redis is stalled or down,
 SERVING again when it answers, seen by Check and by Watch over a real channel, and on the
-``stargrpc_run_store_reachable`` gauge; an embedded server is SERVING with no Redis at all.
+``stargrpc_run_store_reachable`` gauge; a shutdown's NOT_SERVING stays whatever Redis does; an
+embedded server is SERVING with no Redis at all.
 Each test stalls or kills a redis-server of its own, never the shared one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,7 +17,9 @@ from structlog.testing import capture_logs
 from stargrpc import metrics
 from stargrpc.contract import SERVICE_NAME
 from stargrpc.server.grpc_server import LIVENESS_SERVICE, StargrpcServer
-from tests.runs_support import HeaderPrincipal, run_registry
+from stargrpc.stores.redis import RedisRunStore
+from stargrpc.v1 import tool_service_pb2_grpc
+from tests.runs_support import HeaderPrincipal, execute_request, key, run_registry
 from tests.stores.conftest import StallableRedis
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -113,3 +118,37 @@ async def test_an_embedded_server_is_serving_without_any_redis(make_server) -> N
                    for name in ("", SERVICE_NAME)]
 
     assert [answer.status for answer in answers] == [SERVING, SERVING]
+
+
+async def test_shutdown_stays_not_serving_when_redis_answers_again(
+        make_server, stallable_redis: StallableRedis, tmp_path: Path) -> None:
+    server = await _serve(make_server, stallable_redis.url)
+    store = server.runtime.store
+    assert isinstance(store, RedisRunStore)
+    gate = tmp_path / "gate"
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        first = await _next(watch)
+        # A run in flight holds the drain (and the transport) open until the gate opens.
+        run = tool_service_pb2_grpc.ToolServiceStub(channel).Execute(execute_request(
+            "tally", {"path": str(tmp_path / "tally"), "gate": str(gate), "deltas": 0},
+            idempotency_key=key()))
+        await asyncio.wait_for(run.read(), WAIT)
+        stopping = asyncio.create_task(server.stop(grace=WAIT))
+        draining = await _next(watch)
+        stallable_redis.stall()
+        try:
+            await asyncio.wait_for(store.reachability.changed(True), WAIT)
+        finally:
+            stallable_redis.resume()
+        await asyncio.wait_for(store.reachability.changed(False), WAIT)  # Redis answers
+        gate.touch()
+        later: list[int] = []
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the stream ends with the server
+            while (answer := await asyncio.wait_for(watch.read(), WAIT)) is not grpc.aio.EOF:
+                later.append(answer.status)
+        await asyncio.wait_for(stopping, WAIT)
+
+    assert (first, draining) == (SERVING, NOT_SERVING)
+    assert SERVING not in later
