@@ -305,8 +305,8 @@ class AuditWriter:
                     if stored is not None:
                         return [stored]
                 # Keep the batch and try again: the trail must not lose records.
-                log.error("audit_write_failed", error=_said(exc), records=len(records),
-                          retry_in_seconds=delay)
+                log.error("audit_write_failed", error=str(exc) or type(exc).__name__,
+                          records=len(records), retry_in_seconds=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
