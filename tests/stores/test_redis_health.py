@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.asyncio.cluster import RedisCluster
 from structlog.testing import capture_logs
 
 from stargrpc import metrics
@@ -20,7 +23,7 @@ from stargrpc.server.grpc_server import LIVENESS_SERVICE, StargrpcServer
 from stargrpc.stores.redis import RedisRunStore
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.runs_support import HeaderPrincipal, execute_request, key, run_registry
-from tests.stores.conftest import StallableRedis
+from tests.stores.conftest import LoopbackCluster, StallableRedis
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -152,3 +155,27 @@ async def test_shutdown_stays_not_serving_when_redis_answers_again(
 
     assert (first, draining) == (SERVING, NOT_SERVING)
     assert SERVING not in later
+
+
+async def test_a_cluster_replica_is_not_serving_while_any_primary_is_stalled(
+        make_server, redis_cluster: LoopbackCluster) -> None:
+    server = await _serve(make_server, redis_cluster.url)
+    store = server.runtime.store
+    assert isinstance(store, RedisRunStore) and isinstance(store.redis, RedisCluster)
+    # Not the node the client sends single-node commands to: every primary is looked at.
+    default = store.redis.get_default_node()
+    stalled = next(port for port in redis_cluster.primary_ports()
+                   if default is None or port != default.port)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        first = await _next(watch)
+        os.kill(redis_cluster.procs[stalled].pid, signal.SIGSTOP)
+        try:
+            down = await _next(watch)
+        finally:
+            os.kill(redis_cluster.procs[stalled].pid, signal.SIGCONT)
+        back = await _next(watch)  # it answers again (or a replica took its slots over)
+        watch.cancel()
+
+    assert (first, down, back) == (SERVING, NOT_SERVING, SERVING)

@@ -8,7 +8,8 @@ gets an answer. An error Redis answers with (a script refused, a slot moving, a 
 connection pool) says nothing of whether it is reachable and changes nothing.
 
 No call pays a round trip for this: the probe PINGs once every ``interval`` seconds in the
-background, each PING bounded by ``timeout`` (``redis_timeout_seconds``), so a replica that
+background (on a Redis Cluster, every primary: a run's keys may be on any), each PING
+bounded by ``timeout`` (``redis_timeout_seconds``), so a replica that
 runs nothing notices an outage within about ``interval + timeout``; a failing write of a
 busy replica is noticed at once. Each change is logged once (``run_store_unreachable`` at
 warning, ``run_store_reachable`` at info), set on the gauge ``stargrpc_run_store_reachable``
@@ -91,7 +92,10 @@ class Reachability:
             # The deadline outside as_redis_error(): running out of it is no answer either way.
             async with asyncio.timeout(self.timeout):
                 with as_redis_error():
-                    await self._redis.ping()
+                    if isinstance(self._redis, RedisCluster):  # each primary, not just one
+                        await self._redis.ping(target_nodes=RedisCluster.PRIMARIES)
+                    else:
+                        await self._redis.ping()
         except MaxConnectionsError:
             return self.reachable
         except (RedisError, TimeoutError) as exc:
