@@ -322,3 +322,37 @@ def test_brackets_inside_strings_do_not_make_arguments_deep() -> None:
     limits = ArgumentLimits()
     text = json.dumps({"code": "{[" * 500, "more": {"x": "]}" * 100}})
     assert decode_json(text, limits) == json.loads(text)
+
+
+@pytest.mark.parametrize(("context", "field"), [
+    ({"end_user": "u" * 257}, "context.end_user"),
+    ({"channel": "c" * 10_000}, "context.channel"),
+    ({"trace_id": "t" * 257, "session_id": "s" * 257}, "context.trace_id"),
+    ({"labels": {f"k{i}": "v" for i in range(65)}}, "context.labels"),
+    ({"labels": {"k" * 129: "v"}}, "context.labels"),
+    ({"labels": {"k": "v" * 1025}}, "context.labels"),
+])
+async def test_an_invocation_context_over_its_limits_is_refused(stub, context, field) -> None:
+    # Each of its texts goes into the run's audit record (end_user as whom the call acts
+    # for, which the trail indexes): a caller may not make them as large as a request.
+    request = tool_service_pb2.ExecuteRequest(
+        tool_name="echo", arguments_json='{"text": "hi"}',
+        context=tool_service_pb2.InvocationContext(**context))
+
+    error = await _refused(stub, request)
+
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in _violations(error), _violations(error)
+    await _still_serving(stub)
+
+
+async def test_an_invocation_context_at_its_limits_runs(stub) -> None:
+    request = tool_service_pb2.ExecuteRequest(
+        tool_name="echo", arguments_json='{"text": "hi"}',
+        context=tool_service_pb2.InvocationContext(
+            end_user="u" * 256, channel="c" * 256, trace_id="t" * 256,
+            labels={f"{i:03d}" + "k" * 125: "v" * 1024 for i in range(64)}))
+
+    events = [response.event async for response in stub.Execute(request)]
+
+    assert events[-1].result.outcome == events_pb2.OUTCOME_OK

@@ -107,6 +107,33 @@ def _well_formed(request: Any) -> None:
         raise request.to_error()
 
 
+#: The longest text of an invocation context's ``end_user``, ``channel``, ``trace_id`` and
+#: ``session_id``: each goes into the run's audit record (``end_user`` as the principal the
+#: call acts for, which the trail indexes), so a caller must not make it as large as the
+#: request may be.
+MAX_CONTEXT_TEXT = 256
+#: The most labels an invocation context may carry, and the longest key and value of one.
+MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE = 64, 128, 1024
+
+
+def _check_context(context: tool_service_pb2.InvocationContext) -> None:
+    """Raises the INVALID_ARGUMENT of an invocation context over its limits (each field
+    that is, named)."""
+    violations = [FieldViolation(f"context.{name}", f"at most {MAX_CONTEXT_TEXT} characters")
+                  for name in ("end_user", "channel", "trace_id", "session_id")
+                  if len(getattr(context, name)) > MAX_CONTEXT_TEXT]
+    labels = context.labels
+    if len(labels) > MAX_LABELS:
+        violations.append(FieldViolation("context.labels", f"at most {MAX_LABELS} labels"))
+    elif any(len(key) > MAX_LABEL_KEY or len(value) > MAX_LABEL_VALUE
+             for key, value in labels.items()):
+        violations.append(FieldViolation(
+            "context.labels", f"keys of at most {MAX_LABEL_KEY} characters and values of "
+            f"at most {MAX_LABEL_VALUE}"))
+    if violations:
+        raise InvalidArgument("the invocation context is over its limits", violations)
+
+
 #: (Not ``log``: the handlers name a run's log so.)
 server_log = structlog.get_logger("stargrpc.server")
 
@@ -394,9 +421,11 @@ class ToolService:
         else:
             arguments = {}
         # Most calls carry no invocation context: skip the (slow) generic conversion for them.
-        invocation = (json_format.MessageToDict(request.context,
-                                                preserving_proto_field_name=True)
-                      if request.HasField("context") else {})
+        invocation: dict[str, Any] = {}
+        if request.HasField("context"):
+            _check_context(request.context)
+            invocation = json_format.MessageToDict(request.context,
+                                                   preserving_proto_field_name=True)
         session_id = request.session_id
         return RunRequest(tool_name=request.tool_name, arguments=arguments,
                            catalog_hash=request.catalog_hash,

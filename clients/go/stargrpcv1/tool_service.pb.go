@@ -356,6 +356,9 @@ func (x *WatchCatalogResponse) GetCatalogHash() string {
 
 // Who a call is for and where it comes from. Identity fields are honoured only when the
 // authenticated caller may act on behalf of others.
+// Each text is at most 256 characters; at most 64 labels, each key at most 128 characters
+// and each value at most 1024. A context over these limits is refused INVALID_ARGUMENT, the
+// fields over them named ("context.end_user", "context.labels", ...).
 type InvocationContext struct {
 	state         protoimpl.MessageState
 	sizeCache     protoimpl.SizeCache
