@@ -68,6 +68,8 @@ from stargrpc.sandbox.runner import (
     WarmStart,
     _finish,
     _Leader,
+    _read_proc,
+    _status_line,
     _Workdir,
     sandbox_root,
     write_inputs,
@@ -493,25 +495,6 @@ class _Process:
     tracer: bytes
 
 
-def _read(path: str) -> bytes:
-    """A small file of /proc, read with one system call (no file object: the hand-out's
-    checks read a few per process)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 16384)
-    finally:
-        os.close(fd)
-
-
-def _status_field(status: bytes, name: bytes) -> bytes:
-    """The value of the line ``name:`` of a /proc status file, stripped (b"" if absent)."""
-    at = status.find(b"\n" + name + b":")
-    if at < 0:
-        return b""
-    at += len(name) + 2
-    return status[at:status.find(b"\n", at)].strip()
-
-
 def _tree(root: int) -> dict[int, _Process]:
     """The live processes of ``root``'s tree, from /proc (a process gone meanwhile is
     left out)."""
@@ -522,19 +505,19 @@ def _tree(root: int) -> dict[int, _Process]:
         if pid in found:
             continue
         try:
-            fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-            status = _read(f"/proc/{pid}/status")
+            fields = _read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+            status = _read_proc(f"/proc/{pid}/status")
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
         # After the ")" of the command name: the state is the 1st field, the start time
         # (clock ticks since boot) the 20th.
-        found[pid] = _Process(pid, int(fields[19]), _status_field(status, b"Uid"),
-                              fields[0], _status_field(status, b"TracerPid"))
+        found[pid] = _Process(pid, int(fields[19]), _status_line(status, b"Uid"),
+                              fields[0], _status_line(status, b"TracerPid"))
         for task in tasks:
             with contextlib.suppress(OSError):
                 pending.extend(int(child) for child in
-                               _read(f"/proc/{pid}/task/{task}/children").split())
+                               _read_proc(f"/proc/{pid}/task/{task}/children").split())
     return found
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from stargrpc.sandbox.runner import (
     _entries_within,
     _few_entries,
     _live_processes,
+    _read_proc,
     removals,
 )
 from stargrpc.settings import MiB, Settings
@@ -371,16 +374,30 @@ async def test_one_pass_over_proc_finds_a_group_and_a_user() -> None:
         "sleep", "600", start_new_session=True)
     other = await asyncio.create_subprocess_exec(
         "sleep", "600", user=65533 if os.geteuid() == 0 else None)
+    # A process whose saved uid alone is 65533 (root may set it so): it could take that uid
+    # back at any time, so it counts as running as it.
+    saved = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import os, sys, time\n"
+        "if os.geteuid() == 0: os.setresuid(0, 0, 65533)\n"
+        "print(flush=True); time.sleep(600)", stdout=asyncio.subprocess.PIPE)
+    # A zombie of that uid (exited, not yet reaped) runs nothing: not counted.
+    # (Popen: asyncio's child watcher reaps its children at once.)
+    zombie = subprocess.Popen(["true"],  # noqa: ASYNC220 (spawns only; reaped below)
+                              user=65533 if os.geteuid() == 0 else None)
     try:
+        assert saved.stdout is not None and await saved.stdout.readline() == b"\n"
+        await eventually(lambda: _read_proc(f"/proc/{zombie.pid}/stat").rsplit(
+            b")", 1)[1].split()[0] == b"Z")
         assert _live_processes(pgid=group.pid) == [group.pid]
         if os.geteuid() == 0:
-            assert _live_processes(uid=65533) == [other.pid]
+            assert sorted(_live_processes(uid=65533)) == sorted([other.pid, saved.pid])
             assert sorted(_live_processes(pgid=group.pid, uid=65533)) == sorted(
-                [group.pid, other.pid])
+                [group.pid, other.pid, saved.pid])
     finally:
-        for proc in (group, other):
+        for proc in (group, other, saved):
             proc.kill()
             await proc.wait()
+        zombie.wait()
     assert _live_processes(pgid=group.pid) == []
 
 
