@@ -11,7 +11,9 @@ serves each HTTP port through ``SO_REUSEPORT``, as it does the gRPC port. uvicor
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,37 @@ from stargrpc.metrics import scrape_registry
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.http")
+
+#: Seconds between two log lines of requests refused for ``http_max_connections``.
+CONNECTIONS_FULL_LOG_SECONDS = 60.0
+
+
+class _ConnectionsFullOnce(logging.Filter):
+    """Lets uvicorn's warning of a request refused 503 for ``http_max_connections``
+    ("Exceeded concurrency limit.") through at most once a minute, saying how many were
+    refused since the last one: a flood of requests must not become a flood of log lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -CONNECTIONS_FULL_LOG_SECONDS
+        self._refused = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Exceeded concurrency limit.":
+            return True
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._last < CONNECTIONS_FULL_LOG_SECONDS:
+            return False
+        self._last = now
+        record.msg = ("%d request(s) answered 503: as many connections open (or requests in "
+                      "progress) as http_max_connections allows")
+        record.args = (self._refused,)
+        self._refused = 0
+        return True
+
+
+_CONNECTIONS_FULL = _ConnectionsFullOnce()
 
 #: How long open HTTP connections get to finish once an HTTP server stops.
 HTTP_SHUTDOWN_GRACE_SECONDS = 3
@@ -161,12 +194,17 @@ class AsgiServer:
     _requested_port: int
     _server: uvicorn.Server | None
     _socket: socket.socket | None
+    _max_connections: int | None
 
     def __init__(self, name: str, app: Any, host: str, port: int, *,
-                 reuse_port: bool = False, trusted_proxies: Sequence[str] = ()) -> None:
+                 reuse_port: bool = False, trusted_proxies: Sequence[str] = (),
+                 max_connections: int | None = None) -> None:
         """``app`` served on ``host:port``; the X-Forwarded-For of ``trusted_proxies``
-        (addresses or networks) names the client, nobody else's."""
+        (addresses or networks) names the client, nobody else's. With ``max_connections``,
+        a request arriving while that many connections are open (or that many requests in
+        progress) is answered 503 (``http_max_connections``)."""
         self.name = name
+        self._max_connections = max_connections
         self._trusted_proxies = list(trusted_proxies)
         self.port = 0
         self.reuse_port = reuse_port
@@ -185,6 +223,8 @@ class AsgiServer:
         Raises:
             OSError: The address cannot be bound.
         """
+        if self._max_connections is not None:
+            logging.getLogger("uvicorn.error").addFilter(_CONNECTIONS_FULL)  # (idempotent)
         self._socket = _bind(self._host, self._requested_port, self.reuse_port)
         self.port = self._socket.getsockname()[1]
         config = uvicorn.Config(
@@ -196,6 +236,10 @@ class AsgiServer:
             # any client to the audit (stargrpc.forwarded).
             proxy_headers=bool(self._trusted_proxies),
             forwarded_allow_ips=self._trusted_proxies,
+            # uvicorn counts the connection a request came on among those open: one more,
+            # so that max_connections connections are served at once.
+            limit_concurrency=(self._max_connections + 1 if self._max_connections is not None
+                               else None),
         )
         config.load()
         server = uvicorn.Server(config)
@@ -291,7 +335,8 @@ class HttpEndpoints:
         try:
             if s.metrics_port is not None:
                 metrics = AsgiServer("metrics", metrics_app(), s.metrics_host or s.host,
-                                     s.metrics_port, reuse_port=s.workers > 1)
+                                     s.metrics_port, reuse_port=s.workers > 1,
+                                     max_connections=s.http_max_connections)
                 self._servers.append(metrics)
                 self.metrics_port = await metrics.start()
             if s.http_port is not None:
@@ -307,7 +352,8 @@ class HttpEndpoints:
                 await self.gateway.start()
                 web = AsgiServer("gateway", self.gateway.app, s.http_host or s.host,
                                  s.http_port, reuse_port=s.workers > 1,
-                                 trusted_proxies=s.http_trusted_proxies)
+                                 trusted_proxies=s.http_trusted_proxies,
+                                 max_connections=s.http_max_connections)
                 self._servers.append(web)
                 self.gateway_port = await web.start()
         except BaseException:

@@ -328,6 +328,11 @@ class Settings(BaseSettings):
         default_factory=list, description="Web origins (https://name[:port]) that may call "
         "the HTTP gateway and the MCP endpoint besides the server's own (comma-separated); "
         "requests from other origins are refused 403.")
+    http_max_connections: int = Field(
+        1000, ge=1, description="Connections each HTTP port (the gateway, the MCP endpoint, "
+        "the metrics) serves at once; a request arriving while that many are open (or that "
+        "many requests are in progress) is answered 503 at once. Each open connection "
+        "holds a descriptor and memory: keep it below the process's open-file limit.")
     http_trusted_proxies: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Addresses or networks (comma-separated) of "
         "proxies in front of the HTTP gateway and the MCP endpoint whose X-Forwarded-For "

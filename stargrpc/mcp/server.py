@@ -169,7 +169,8 @@ class McpEndpoint:
         self._manager_task = asyncio.create_task(run_sessions(), name="mcp-sessions")
         await started.wait()
         self._http = AsgiServer("mcp", app, host, s.mcp_port or 0, reuse_port=s.workers > 1,
-                                trusted_proxies=s.http_trusted_proxies)
+                                trusted_proxies=s.http_trusted_proxies,
+                                max_connections=s.http_max_connections)
         self.port = await self._http.start()
         log.info("mcp_serving", url=f"http://{host}:{self.port}{MCP_PATH}")
         return self.port

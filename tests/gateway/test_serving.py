@@ -108,3 +108,32 @@ async def test_a_request_that_does_not_come_whole_is_cut_off(monkeypatch) -> Non
             assert (await client.get("/")).text == "ok"
     finally:
         await server.stop()
+
+
+async def test_a_port_serves_at_most_http_max_connections_at_once(caplog) -> None:
+    # Each open connection holds a descriptor and memory: beyond the cap a request is
+    # answered 503 at once, and a flood of them is one log line a minute, not one each.
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = AsgiServer("test", app, "127.0.0.1", 0, max_connections=2)
+    port = await server.start()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        async with httpx.AsyncClient() as first, httpx.AsyncClient() as second:
+            # Two kept-alive connections, each open once its first answer is in.
+            assert [(await first.get(url)).text, (await second.get(url)).text] == ["ok"] * 2
+            async with httpx.AsyncClient() as third:
+                refused = [(await third.get(url)).status_code for _ in range(3)]
+            assert (await first.get(url)).text == "ok"  # the open ones go on
+        # Their connections closed: there is room again.
+        async with httpx.AsyncClient() as later:
+            assert (await later.get(url)).text == "ok"
+    finally:
+        await server.stop()
+    assert refused == [503] * 3
+    full = [record for record in caplog.records if "503" in record.getMessage()]
+    assert len(full) == 1 and "http_max_connections" in full[0].getMessage()
