@@ -954,7 +954,7 @@ class _Leader:
         if fd < 0:
             return False
         try:
-            if select.select([fd], [], [], 0)[0]:
+            if _readable_now(fd):
                 return True
             exited = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().add_reader(fd, _set_done, exited)
@@ -1266,6 +1266,15 @@ def _live_processes(*, pgid: int | None = None, uid: int | None = None) -> list[
         if wanted_uid in _status_line(status, b"Uid").split()[:3]:
             found.append(int(name))
     return found
+
+
+def _readable_now(target: int | IO[bytes] | socket.socket) -> bool:
+    """Whether ``target`` (a descriptor, a file or a socket) can be read now without
+    waiting: data, its end, or an exited process's pidfd. ``poll``, not ``select``, which
+    refuses descriptors numbered 1024 and above (a server holding many connections)."""
+    poller = select.poll()
+    poller.register(target, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _read_proc(path: str) -> bytes:

@@ -54,7 +54,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import select
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +68,7 @@ from stargrpc.sandbox.runner import (
     _finish,
     _Leader,
     _read_proc,
+    _readable_now,
     _status_line,
     _Workdir,
     sandbox_root,
@@ -657,7 +657,7 @@ class WarmSandbox:
     def _stderr_now(self) -> str:
         """What it wrote on stderr so far (for the error of a start that failed)."""
         pipe = self._leader.proc.stderr
-        if pipe is None or pipe.closed or not select.select([pipe], [], [], 0)[0]:
+        if pipe is None or pipe.closed or not _readable_now(pipe):
             return ""
         with contextlib.suppress(OSError):
             return f"; on stderr: {os.read(pipe.fileno(), 500)!r}"
@@ -674,11 +674,11 @@ class WarmSandbox:
         try:
             # What its reader took off the pipe, or what waits there for the reader.
             if (stderr is None or self._stderr is None or self._stderr.came
-                    or select.select([stderr], [], [], 0)[0]):
+                    or _readable_now(stderr)):
                 return "its stderr was written to or closed while it waited"
             # Its state socket: nothing serves it before the hand-out, so whatever waits
             # there was sent while it waited.
-            if self._state is not None and select.select([self._state[0]], [], [], 0)[0]:
+            if self._state is not None and _readable_now(self._state[0]):
                 return "its state socket was used while it waited"
             folder = _folder_state(self.workdir)
         except (OSError, ValueError) as exc:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -845,3 +846,29 @@ async def test_warm_tool_runs_reach_their_own_state_and_not_each_others(make_ser
     assert metric("handouts", kind="exec") == shell + 1
     store = server.runtime.state_store
     assert await store.get(f"run:{first[0].run_id}", "secret") == '"A"'
+
+
+async def test_a_server_holding_many_descriptors_still_hands_out_and_ends_runs(
+        make_pool, tmp_path) -> None:
+    # A server with many connections numbers its new descriptors past 1023, where select()
+    # refuses them: the hand-out's checks and the run's end must not use it.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.fail(f"this test needs an open-file limit of 1400 or more (hard: {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        pool = await make_pool(("exec",))
+        [waiting] = pool.waiting("exec")
+        stderr = waiting._leader.proc.stderr
+        assert stderr is not None and stderr.fileno() >= 1024
+        handed = metric("handouts", kind="exec")
+
+        result = await box(tmp_path).run(["sh", "-c", "echo hi"])
+
+        assert result.verdict.ok and result.stdout == "hi\n"
+        assert metric("handouts", kind="exec") == handed + 1
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
