@@ -74,7 +74,15 @@ def npm_ci(folder: Path, installed: Path, *, timeout: float = 600) -> None:
 async def _run(command: Sequence[str], *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         *command, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+    except BaseException:
+        # A client that hangs (or a test cancelled meanwhile) must not outlive the test:
+        # it would hold its connection to a server the next test may need gone.
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
