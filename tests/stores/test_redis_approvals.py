@@ -31,6 +31,7 @@ from tests.approval.approval_helpers import (
     read_until_approval,
     rest_of,
 )
+from tests.helpers import eventually
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import HeaderPrincipal, as_principal
 from tests.stores.conftest import REDIS_URL, LoopbackCluster
@@ -52,10 +53,16 @@ async def _approved_and_denied_across(stub_a, stub_b) -> None:
     call = stub_a.Execute(execute_request("deploy", {"service": "api"}), metadata=ALICE)
     head, approval = await read_until_approval(call)
     run_id = head[0].run_id
-    listed = await stub_b.ListRuns(tool_service_pb2.ListRunsRequest(
-        state=tool_service_pb2.RUN_STATE_AWAITING_APPROVAL), metadata=BOB)
-    assert [(r.run_id, r.approval.approval_id) for r in listed.runs] == [
-        (run_id, approval.approval_id)]
+
+    async def listed_on_b() -> list[tuple[str, str]]:
+        listed = await stub_b.ListRuns(tool_service_pb2.ListRunsRequest(
+            state=tool_service_pb2.RUN_STATE_AWAITING_APPROVAL), metadata=BOB)
+        return [(r.run_id, r.approval.approval_id) for r in listed.runs]
+
+    # The ListRuns index takes a run in with its replica's next flush, a moment after the
+    # call was answered (by design: a listing may lag, a call must not wait for it); the
+    # request itself is in Redis before the caller hears of it, so B could decide at once.
+    assert await eventually(listed_on_b) == [(run_id, approval.approval_id)]
     await stub_b.ApproveRun(approve_request(run_id, approval.approval_id,
                                             digest=approval.arguments_digest), metadata=BOB)
     events = await rest_of(call)
