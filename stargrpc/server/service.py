@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
 from typing import Any, TypeVar
 
 import grpc
@@ -286,8 +285,10 @@ class ToolService:
                 await asyncio.sleep(0)
             # Pre-serialised responses (and the Result as a message), as
             # stargrpc.server.streaming.event_responses makes them, written out here: one async
-            # generator less for every message of every Execute.
-            async with aclosing(log.follow_batches(0)) as batches:
+            # generator less for every message of every Execute. (aclose in a finally rather
+            # than contextlib.aclosing: two coroutines less per call.)
+            batches = log.follow_batches(0)
+            try:
                 async for batch in batches:
                     for response in batch_responses(log, batch, coalesce):
                         if response is None:  # the Result, the run's last event
@@ -303,6 +304,8 @@ class ToolService:
                     if sent:
                         _EXECUTE_EVENTS.inc(sent)
                         sent = 0
+            finally:
+                await batches.aclose()
             streamed_to_end = True
         except RequestError as error:  # refused, or an attached run's shared store went away
             await error.abort(context)

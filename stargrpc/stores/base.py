@@ -24,7 +24,7 @@ import hmac
 import json
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +52,19 @@ def stamp_now(timestamp: Timestamp) -> None:
     value from one ``time.time_ns()``, and it runs for every event.
     """
     timestamp.seconds, timestamp.nanos = divmod(time.time_ns(), 1_000_000_000)
+
+
+class EventBatches(Protocol):
+    """What :meth:`RunLog.follow_batches` gives: an async iterator of the batches with
+    ``aclose`` (an async generator is one; so is :class:`stargrpc.stores.memory.Batches`)."""
+
+    def __aiter__(self) -> AsyncIterator[Sequence[events_pb2.RunEvent]]: ...
+
+    def __anext__(self) -> Awaitable[Sequence[events_pb2.RunEvent]]: ...
+
+    def aclose(self) -> Awaitable[None]:
+        """Lets go of whatever the follower holds."""
+        ...
 
 
 class RunLog(Protocol):
@@ -118,8 +131,7 @@ class RunLog(Protocol):
         """
         ...
 
-    def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0
-                       ) -> AsyncGenerator[Sequence[events_pb2.RunEvent], None]:
+    def follow_batches(self, after_seq: int = 0, *, max_lag: int = 0) -> EventBatches:
         """As :meth:`follow`, but yields every event waiting at once, in order: what a
         stream that fell behind its run may send as fewer messages."""
         ...

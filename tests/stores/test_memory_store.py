@@ -104,6 +104,25 @@ async def test_a_follower_that_falls_behind_a_live_run_is_told_where_to_resume()
     assert [(await anext(replay)).seq for _ in range(12)] == list(range(1, 13))
 
 
+async def test_a_follower_cancelled_while_waiting_leaves_the_others_waiting() -> None:
+    log = MemoryRunStore().create("r1")
+    first, second = log.follow_batches(0), log.follow_batches(0)
+    cancelled = asyncio.ensure_future(anext(first))
+    waiting = asyncio.ensure_future(anext(second))
+    await asyncio.sleep(0)  # both caught up: each waits for the next event
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    log.append_nowait(heartbeat("a"))
+    assert [e.seq for e in await asyncio.wait_for(waiting, 10)] == [1]
+    # The cancelled one follows on from where it was.
+    assert [e.seq for e in await anext(first)] == [1]
+    log.append_nowait(result())
+    assert [e.seq for e in await anext(second)] == [2]
+    with pytest.raises(StopAsyncIteration):
+        await anext(second)
+
+
 async def test_batches_hold_every_waiting_event_and_bytes_are_made_once() -> None:
     log = MemoryRunStore().create("r1")
     log.append_nowait(heartbeat("a"))
