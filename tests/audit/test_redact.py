@@ -145,3 +145,16 @@ def test_secrets_inside_argument_values_are_redacted_before_values_are_cut() -> 
     assert shown["dsn"] == REDACTED  # "dsn" names a secret
     assert shown["note"] == "use postgresql://u:<redacted>@h/db please"
     assert shown["cmd"] == ["psql", "host=h password=<redacted>"]
+
+
+def test_the_recorded_text_is_compact_json_of_the_redacted_value() -> None:
+    # The record's text is what json.dumps writes for the redacted value, whatever it holds
+    # (the encoder is made once and reused, and must write each value as dumps does).
+    value = {"name": "caf\u00e9 \u2028", "n": [1, 2.5, None, True, float("nan")],
+             "nested": {"deeper": {"list": [[], {}]}}, 7: "key not a string",
+             "object": object()}
+    redacted = redact(value)
+    once = redacted_json(value)
+    assert once == json.dumps(redacted, ensure_ascii=False, separators=(",", ":"), default=str)
+    assert redacted_json(value) == once  # the same text again: nothing carried over
+    assert redacted_json("a plain string") == '"a plain string"'

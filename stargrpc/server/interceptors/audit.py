@@ -290,26 +290,27 @@ class AuditInterceptor(ComposedInterceptor):
         elif not record.outcome:
             record.outcome, detail = _outcome_of_call(context, exc)
             record.detail = record.detail or detail
-        critic = record.extra.get("critic")
-        if critic:  # what the run's critic decided (verdicts, a fallback to the rules)
-            record.detail = "; ".join(filter(None, (record.detail, critic)))
-        # Where the run waited its turn (a limited lane), and a priority it was refused.
-        lane, priority = record.extra.get("lane"), record.extra.get("priority")
-        if lane or priority:
-            record.detail = "; ".join(filter(None, (
-                record.detail, lane and f"lane {lane}", priority and f"priority {priority}")))
-        if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
-            # The idempotency key was already held: this call attached to (or replayed) the
-            # run that holds it instead of running the tool again.
-            record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
-        # A call for a session another replica holds: which replica sent it here, or which
-        # one this replica forwarded it to.
-        forwarded_from, forwarded_to = (record.extra.get("forwarded_from"),
-                                        record.extra.get("forwarded_to"))
-        if forwarded_from or forwarded_to:
-            record.detail = "; ".join(filter(None, (
-                record.detail, forwarded_from and f"forwarded from replica {forwarded_from}",
-                forwarded_to and f"forwarded to replica {forwarded_to}")))
+        if record.extra:  # most calls note nothing more: none of the lookups below
+            critic = record.extra.get("critic")
+            if critic:  # what the run's critic decided (verdicts, a fallback to the rules)
+                record.detail = "; ".join(filter(None, (record.detail, critic)))
+            # Where the run waited its turn (a limited lane), and a priority it was refused.
+            lane, priority = record.extra.get("lane"), record.extra.get("priority")
+            if lane or priority:
+                record.detail = "; ".join(filter(None, (
+                    record.detail, lane and f"lane {lane}", priority and f"priority {priority}")))
+            if record.outcome == "ok" and not record.detail and record.extra.get("idempotent"):
+                # The idempotency key was already held: this call attached to (or replayed) the
+                # run that holds it instead of running the tool again.
+                record.detail = f"{record.extra['idempotent']} the run holding the idempotency key"
+            # A call for a session another replica holds: which replica sent it here, or which
+            # one this replica forwarded it to.
+            forwarded_from, forwarded_to = (record.extra.get("forwarded_from"),
+                                            record.extra.get("forwarded_to"))
+            if forwarded_from or forwarded_to:
+                record.detail = "; ".join(filter(None, (
+                    record.detail, forwarded_from and f"forwarded from replica {forwarded_from}",
+                    forwarded_to and f"forwarded to replica {forwarded_to}")))
         return self._write(call)
 
     def _write_unwritten(self, call: _AuditedCall) -> None:
