@@ -10,7 +10,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 from stargrpc.errors import WatcherTooSlow
 from stargrpc.stores.base import (
@@ -207,6 +207,10 @@ class MemoryRunLog:
         self._waiters.append(waiter)
         return waiter
 
+    def _stop_waiting(self, waiter: asyncio.Future[None]) -> None:
+        with suppress(ValueError):  # (already taken by an append)
+            self._waiters.remove(waiter)
+
 
 class Batches:
     """The batches of one follower of a :class:`MemoryRunLog`
@@ -248,7 +252,14 @@ class Batches:
             if log._finished:
                 raise StopAsyncIteration
             self._caught_up = True
-            await log._next_append()
+            waiter = log._next_append()
+            try:
+                await waiter
+            except BaseException:
+                # Cancelled (the stream went away): take its future off the log at once,
+                # or a quiet run would keep one for every watcher that came and went.
+                log._stop_waiting(waiter)
+                raise
 
     async def aclose(self) -> None:
         """Nothing to release (see the class docstring)."""

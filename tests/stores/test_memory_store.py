@@ -123,6 +123,17 @@ async def test_a_follower_cancelled_while_waiting_leaves_the_others_waiting() ->
         await anext(second)
 
 
+async def test_followers_that_come_and_go_on_a_quiet_run_leave_nothing_behind() -> None:
+    log = MemoryRunStore().create("r1")
+    for _ in range(50):  # watchers of a run that says nothing for a long while
+        waiting = asyncio.ensure_future(anext(log.follow_batches(0)))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    assert log._waiters == []
+
+
 async def test_batches_hold_every_waiting_event_and_bytes_are_made_once() -> None:
     log = MemoryRunStore().create("r1")
     log.append_nowait(heartbeat("a"))
