@@ -44,10 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import grpc
 import redis
 
 from bench import profiling
 from bench import sandbox as bench_sandbox
+from bench import sessions as bench_sessions
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -98,6 +100,8 @@ class Sizes:
     layers: bool
     #: Sequential calls per figure of the sandboxed calls (bench/sandbox.py).
     sandbox_calls: int = 60
+    #: Timed calls of each kind of the session calls (bench/sessions.py).
+    session_calls: int = 25
 
 
 MODES = {
@@ -106,13 +110,13 @@ MODES = {
                   concurrency=200, concurrency_rounds=5, concurrency_many=1000,
                   concurrency_many_rounds=3, held=5000, held_seconds=120.0, held_open_timeout=100.0,
                   held_fresh_server=True, cpu_calls=1000, cpu_warmup=60, cpu_repeats=3,
-                  cpu_block=25, layers=True, sandbox_calls=60),
+                  cpu_block=25, layers=True, sandbox_calls=60, session_calls=25),
     "quick": Sizes(latency_calls=200, latency_warmup=30, latency_block=10, stream_n=5000,
                    stream_runs=1, slow_n=2000, slow_every=10, slow_ms=1.0, coalesce=10,
                    concurrency=200, concurrency_rounds=2, concurrency_many=1000,
                    concurrency_many_rounds=1, held=500, held_seconds=60.0, held_open_timeout=40.0,
                    held_fresh_server=False, cpu_calls=200, cpu_warmup=30, cpu_repeats=1,
-                   cpu_block=20, layers=True, sandbox_calls=20),
+                   cpu_block=20, layers=True, sandbox_calls=20, session_calls=10),
     # The tiniest pass, for the smoke test: every code path, no meaningful numbers — but
     # CPU calls enough for each server to use several of the kernel's 10 ms clock ticks
     # (/proc counts no less): ten calls of the leanest server could read as no CPU at all.
@@ -122,7 +126,7 @@ MODES = {
                    concurrency_many_rounds=1,
                    held=5, held_seconds=10.0, held_open_timeout=10.0, held_fresh_server=False,
                    cpu_calls=200, cpu_warmup=2, cpu_repeats=1, cpu_block=20, layers=True,
-                   sandbox_calls=4),
+                   sandbox_calls=4, session_calls=3),
 }
 
 
@@ -1105,6 +1109,18 @@ def run_sandboxed(sizes: Sizes, say: Any) -> dict[str, Any] | None:
         return None
 
 
+def run_sessions(sizes: Sizes, say: Any) -> list[str] | None:
+    """The session calls' table (``python`` in a session, one-off, CreateSession, ``echo``;
+    None when sessions do not run here: the reason is said)."""
+    say(f"session calls: python in a session, one-off, CreateSession, echo, "
+        f"{sizes.session_calls} each")
+    try:
+        return asyncio.run(bench_sessions.measure(sizes.session_calls))
+    except (RuntimeError, OSError, grpc.RpcError) as exc:
+        say(f"session calls not measured: {exc}")
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="A reduced pass, a minute or two.")
@@ -1156,6 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
             profiles = (run_profiles(sizes, stack, workdir, args.results_dir, stamp, say)
                         if args.profile else None)
             sandboxed = run_sandboxed(sizes, say)
+            sessions = run_sessions(sizes, say)
         except BenchFailure as exc:
             print(f"bench: {exc}", file=sys.stderr)
             # The servers' last words, before their folder goes.
@@ -1173,6 +1190,10 @@ def main(argv: list[str] | None = None) -> int:
     if sandboxed:
         report += "\n".join(["", "**Sandboxed calls** (`python -m bench.sandbox`):", "",
                               *bench_sandbox.render(sandboxed), ""])
+    if sessions:
+        report += "\n".join(["", "**Session calls** (`python -m bench.sessions`: `python` "
+                              "`print(1)` in one session, whose interpreter is running, "
+                              "beside a one-off call and `echo`):", "", *sessions, ""])
     if profiles:
         report += render_profiles(profiles)
     print(report)
@@ -1182,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".json").write_text(json.dumps(
             {**info, "peers": peers, "targets": [asdict(t) for t in targets],
              "rows": [asdict(r) for r in rows], "raw": pair, "layers_cpu": layers,
-             "sandboxed": sandboxed,
+             "sandboxed": sandboxed, "sessions": sessions,
              "profiles": profiles}, indent=1, default=str))
         say(f"saved {base}.md and .json")
     say(f"done in {info['seconds']} s")

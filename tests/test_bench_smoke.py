@@ -102,6 +102,11 @@ def test_bench_smoke_pass_produces_every_figure(tmp_path: Path) -> None:
             continue  # no working sandbox here: the run says why
         assert isinstance(row["value"], float) and isinstance(row["met"], bool), row
     assert "| measure | stargrpc | bare grpc.aio | unit | ratio | target | met |" in done.stdout
+    # Issue 28's session calls beside one-off ones and echo, when sandboxes run here.
+    if results["sandboxed"] is not None:
+        assert results["sessions"] is not None and "**Session calls**" in done.stdout
+        assert any(line.startswith("| python print(1) in a session |")
+                   for line in results["sessions"])
     assert (tmp_path / saved.name.replace(".json", ".md")).exists()
 
 
