@@ -89,10 +89,13 @@ START_SECONDS = 30.0
 #: Seconds a warm sandbox may take to answer the hand-out's nonce before it is given up.
 HANDSHAKE_SECONDS = 5.0
 
-#: The most bytes of arguments (as the hand-out sends them) a command served by the ``sh``
-#: launcher may have: ``read`` in ``sh`` takes a byte per system call (0.5-0.8 us a byte
-#: measured), so 16 KiB take about as long as starting a sandbox for the command.
+#: The most bytes, and lines, of arguments (as the hand-out sends them) a command served by
+#: the ``sh`` launcher may have: ``read`` in ``sh`` takes a byte per system call (0.5-0.8 us
+#: a byte measured), and each line joined to an argument copies it whole (16,000 newlines
+#: took 150 ms, 256 lines of 60 bytes 11 ms): past these, starting a sandbox for the
+#: command is quicker.
 MAX_SH_HANDOUT_BYTES = 16 * 1024
+MAX_SH_HANDOUT_LINES = 256
 
 #: The launcher of commands run with ``exec`` (the shell tool's ``sh -c …`` and any other
 #: command with no extra environment but the state socket's), in POSIX sh: its builtins
@@ -389,8 +392,11 @@ class WarmKind:
         # -c or -m, or a script path elsewhere, needs the interpreter's own handling.
         if self.name == "python" and (rest[0] not in files or _has_nul(files[rest[0]])):
             return None  # (the interpreters differ on a NUL byte in a source file)
-        if self.name == "exec" and len(encode_arguments(rest)) > MAX_SH_HANDOUT_BYTES:
-            return None  # quicker started for it than read by sh a byte at a time
+        if self.name == "exec":
+            handed = encode_arguments(rest)
+            if (len(handed) > MAX_SH_HANDOUT_BYTES
+                    or handed.count(b"\n") > MAX_SH_HANDOUT_LINES):
+                return None  # quicker started for it than read by sh a byte at a time
         return rest
 
 

@@ -35,6 +35,7 @@ from stargrpc.sandbox.state_socket import StateSocket, client_dir
 from stargrpc.sandbox.warm import (
     _PY_LEAVE,
     MAX_SH_HANDOUT_BYTES,
+    MAX_SH_HANDOUT_LINES,
     PYTHON_ENV,
     PYTHON_FLAGS,
     Unfit,
@@ -491,6 +492,8 @@ async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_p
     # Arguments longer than sh would read in the time a start takes.
     long_command = await box(tmp_path).run(
         ["sh", "-c", f": {'x' * MAX_SH_HANDOUT_BYTES}; echo long"])
+    many_lines = await box(tmp_path).run(
+        ["sh", "-c", "\n" * MAX_SH_HANDOUT_LINES + "echo lines"])
     read_end, write_end = os.pipe()
     try:
         other_fd = await box(tmp_path).run(
@@ -504,6 +507,7 @@ async def test_a_run_that_does_not_match_exactly_starts_its_own(make_pool, tmp_p
     assert other_limits.stdout == "2\n"  # the soft CPU limit of SMALL
     assert (without_state.stdout, other_fd.stdout) == ("none\n", "inherited\n")
     assert (not_adopting.stdout, long_command.stdout) == ("set\n", "long\n")
+    assert many_lines.stdout == "lines\n"
     assert await unadoptable.store.get("run:run-a", "k") == "1"
     assert metric("handouts", kind="exec") == handed
     assert metric("misses", kind="exec") == missed  # not a miss: nothing could serve them
