@@ -4,9 +4,9 @@ A server with sandboxed tools keeps ``sandbox_warm_pool`` sandboxes of each warm
 needs ready (``python`` for the python tool, ``exec`` for the shell tool; see
 :mod:`stargrpc.sandbox.warm`), per process: under ``serve --workers N`` each worker keeps
 its own. A run whose command, environment, limits, isolation and folders shown match a
-ready one takes it (the oldest first), and with it is handed its state socket, the one
-descriptor a pooled sandbox can be given (see :class:`~stargrpc.sandbox.warm.WarmKind`);
-it is never given to another run, and is destroyed when its run ends.
+ready one takes it (the oldest first), and the run's state socket adopts the one the pooled
+sandbox was started with (see :class:`~stargrpc.sandbox.warm.WarmKind`); it is never given
+to another run, and is destroyed when its run ends.
 The refill starts replacements in the background, one at a time, once the run that took
 one has ended (its processes gone, its output read, its folder removed: its Result gone
 out a moment before) and a moment more, or a second after the hand-out at the latest, so
@@ -140,16 +140,16 @@ class WarmPool:
         if self._closing or sandbox.start_key() != self._key:
             return None
         for lane in self._lanes.values():
-            arguments = lane.kind.match(argv, env, files, pass_fds, read_only_paths,
-                                        adoptable=adopt_state is not None)
-            if arguments is None:
+            handed = lane.kind.match(argv, env, files, pass_fds, read_only_paths,
+                                     adoptable=adopt_state is not None)
+            if handed is None:
                 continue
             adopt = adopt_state if lane.kind.takes_state else None
             while lane.ready:
                 warm = lane.ready.popleft()
                 self._changed(lane, refill=False)
                 try:
-                    handed = await warm.hand_out(arguments, files, sandbox.limits, adopt)
+                    started = await warm.hand_out(handed, files, sandbox.limits, adopt)
                 except Unfit as exc:
                     self._discard(warm, exc.reason, str(exc))
                     self._changed(lane)
@@ -164,8 +164,8 @@ class WarmPool:
                     self._changed(lane)
                     raise
                 POOL_HANDOUTS.labels(lane.kind.name).inc()
-                self._refill_after(lane, handed)
-                return handed
+                self._refill_after(lane, started)
+                return started
             POOL_MISSES.labels(lane.kind.name).inc()
             return None
         return None

@@ -360,8 +360,9 @@ class WarmKind:
 
     def match(self, argv: list[str], env: Mapping[str, str], files: Mapping[str, str | bytes],
               pass_fds: Sequence[int], read_only_paths: Sequence[Path], *,
-              adoptable: bool = False) -> list[str] | None:
-        """The arguments to hand a sandbox of this kind for ``argv`` run with ``env``,
+              adoptable: bool = False) -> bytes | None:
+        """The argument lines (:func:`encode_arguments`) to hand a sandbox of this kind for
+        ``argv`` run with ``env``,
         inheriting ``pass_fds`` and shown ``read_only_paths``; None when this kind cannot
         run it exactly as a sandbox started for it would. A kind that takes the state
         socket serves a run whose one descriptor is its state socket (named by its
@@ -379,8 +380,8 @@ class WarmKind:
         return self.arguments_for(argv, env, files)
 
     def arguments_for(self, argv: list[str], env: Mapping[str, str],
-                      files: Mapping[str, str | bytes]) -> list[str] | None:
-        """The arguments to hand a sandbox of this kind for ``argv`` run with ``env``
+                      files: Mapping[str, str | bytes]) -> bytes | None:
+        """The argument lines to hand a sandbox of this kind for ``argv`` run with ``env``
         (without its ``$STARGRPC_STATE_FD``), or None when this kind cannot run it exactly
         as a sandbox started for it would."""
         if dict(self.env) != dict(env) or tuple(argv[:len(self.prefix)]) != self.prefix:
@@ -392,12 +393,11 @@ class WarmKind:
         # -c or -m, or a script path elsewhere, needs the interpreter's own handling.
         if self.name == "python" and (rest[0] not in files or _has_nul(files[rest[0]])):
             return None  # (the interpreters differ on a NUL byte in a source file)
-        if self.name == "exec":
-            handed = encode_arguments(rest)
-            if (len(handed) > MAX_SH_HANDOUT_BYTES
-                    or handed.count(b"\n") > MAX_SH_HANDOUT_LINES):
-                return None  # quicker started for it than read by sh a byte at a time
-        return rest
+        handed = encode_arguments(rest)
+        if self.name == "exec" and (len(handed) > MAX_SH_HANDOUT_BYTES
+                                    or handed.count(b"\n") > MAX_SH_HANDOUT_LINES):
+            return None  # quicker started for it than read by sh a byte at a time
+        return handed
 
 
 def _has_nul(content: str | bytes) -> bool:
@@ -702,11 +702,12 @@ class WarmSandbox:
                 return f"process {pid} of it was stopped or traced while it waited"
         return None
 
-    async def hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
+    async def hand_out(self, handed: bytes, files: Mapping[str, str | bytes],
                        limits: Limits,
                        adopt_state: AdoptState | None = None) -> WarmStart:
         """Checks it (:meth:`unfit`), writes the run's input files into its folder, gives
-        it a nonce and the arguments and reads its answer to the nonce; once the answer is
+        it a nonce and the argument lines ``handed`` (:func:`encode_arguments`, as
+        :meth:`WarmKind.match` gives them) and reads its answer to the nonce; once the answer is
         right, gives its own state socket to ``adopt_state`` (the run's state socket's
         :meth:`~stargrpc.sandbox.state_socket.StateSocket.adopt`, required when its kind
         takes the state socket): from then on it runs the run's command and belongs to
@@ -722,7 +723,7 @@ class WarmSandbox:
                              f"{'needs' if self.kind.takes_state else 'takes no'} "
                              "state socket to adopt its own")
         try:
-            await self._hand_out(arguments, files, limits)
+            await self._hand_out(handed, files, limits)
         except Unfit:
             self._control.close()  # its launcher, if it still listens, gets nothing more
             raise
@@ -736,7 +737,7 @@ class WarmSandbox:
         return WarmStart(self.workdir, self._leader, self._stdout, self._stderr,
                          asyncio.get_running_loop().create_future())
 
-    async def _hand_out(self, arguments: list[str], files: Mapping[str, str | bytes],
+    async def _hand_out(self, handed: bytes, files: Mapping[str, str | bytes],
                         limits: Limits) -> None:
         reason = self.unfit()
         if reason is not None:
@@ -751,7 +752,7 @@ class WarmSandbox:
                 # on at once, rather than sleeping until a second write wakes it (two
                 # process switches fewer per call on a busy machine).
                 await asyncio.get_running_loop().sock_sendall(
-                    self._control, nonce + b"\n" + encode_arguments(arguments))
+                    self._control, nonce + b"\n" + handed)
                 answer = await self._stdout.readline()
         except (TimeoutError, OSError, ConnectionError) as exc:
             raise Unfit(f"it did not answer the hand-out ({type(exc).__name__})") from exc

@@ -41,6 +41,7 @@ from stargrpc.sandbox.warm import (
     Unfit,
     WarmSandbox,
     _tree,
+    encode_arguments,
     kinds_for,
 )
 from stargrpc.settings import MiB, Settings
@@ -779,7 +780,7 @@ async def test_a_sandbox_that_fails_the_hand_out_is_never_served_as_the_run(
         if rogue_uses_its_state == "early":  # (sent before it said ready)
             assert "state socket" in (warm.unfit() or "")
         with pytest.raises(Unfit, match=why):
-            await warm.hand_out(["sh", "-c", "echo the-secret-command"],
+            await warm.hand_out(encode_arguments(["sh", "-c", "echo the-secret-command"]),
                                 {"input.txt": "the-secret-file"}, sandbox.sandbox.limits,
                                 lambda *ends: adopted.append(ends))
         assert warm._stdout is not None
