@@ -188,6 +188,14 @@ class StateSocket:
             broker.close()
             child.close()
             return
+        self._drop_pair()
+        broker.setblocking(False)
+        self._broker, self._child = broker, child
+        self.pass_fds = ()
+        self._read_broker()
+
+    def _drop_pair(self) -> None:
+        """Stops reading the broker and closes both ends of the pair it serves."""
         if self._resume is not None:
             self._resume.cancel()
             self._resume = None
@@ -196,10 +204,6 @@ class StateSocket:
             self._reading = False
         self._broker.close()
         self._child.close()
-        broker.setblocking(False)
-        self._broker, self._child = broker, child
-        self.pass_fds = ()
-        self._read_broker()
 
     @property
     def connections(self) -> int:
@@ -384,13 +388,7 @@ class StateSocket:
         if self._closed:
             return
         self._closed = True
-        if self._resume is not None:
-            self._resume.cancel()
-        if self._reading:
-            self._loop.remove_reader(self._broker.fileno())
-            self._reading = False
-        self._broker.close()
-        self._child.close()
+        self._drop_pair()
         if self.refusals:  # what the command tried that the socket refused
             log.warning("state_socket_refusals", run_id=self._run_id,
                         refusals=dict(self.refusals))
