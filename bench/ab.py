@@ -19,6 +19,12 @@ own CPU (the server's CPU less the floor's).
 servers taking turns round by round): calls/s (median and best round) and the server's CPU
 per call over those rounds. The CPU per call is the steadier figure on a shared machine:
 calls/s also moves with what else runs on the cores, the CPU a call costs much less.
+
+``--without NAME=LAYER[,LAYER]`` starts tree ``NAME``'s server with those layers of the
+interceptor chain left out (``python -m bench.launch``): give the same tree twice, once
+whole and once without a layer, and the rounds show what the layer costs the server.
+
+    python -m bench.ab --tree all=. --tree noaudit=. --without noaudit=audit --concurrent 1000
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ from bench.__main__ import (
 )
 
 
-def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Path
-                ) -> list[ServerSpec]:
+def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Path,
+                without: dict[str, list[str]] | None = None) -> list[ServerSpec]:
     specs = []
+    without = without or {}
     state = Path(env["STARGRPC_STATE_DIR"])
     for name, path in trees:
         own = workdir / f"{name}-state"
@@ -55,8 +62,12 @@ def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Pat
         tree_env = {**env, "STARGRPC_STATE_DIR": str(own),
                     "PYTHONPATH": str(path.resolve())}
         # -P: the tree on PYTHONPATH comes first (not the working directory, this checkout).
-        argv = [sys.executable, "-P", "-m", "stargrpc.cli", "serve", "--tools-dir",
-                str(ROOT / "bench" / "tools")]
+        tools = ["--tools-dir", str(ROOT / "bench" / "tools")]
+        if name in without:  # the tree's own launcher, its chain less these layers
+            layers = [f"--without={layer}" for layer in without[name]]
+            argv = [sys.executable, "-P", "-m", "bench.launch", *layers, *tools]
+        else:
+            argv = [sys.executable, "-P", "-m", "stargrpc.cli", "serve", *tools]
         specs.append(ServerSpec(name, argv, tree_env))
     return specs
 
@@ -126,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", action="append", required=True,
                         help="NAME=PATH of a stargrpc checkout (repeatable)")
+    parser.add_argument("--without", action="append", default=[], metavar="NAME=LAYER[,LAYER]",
+                        help="start tree NAME without these layers of the interceptor chain "
+                             "(audit, auth, critic; repeatable)")
     parser.add_argument("--redis", action="store_true",
                         help="the Redis run log instead of the in-memory one")
     parser.add_argument("--calls", type=int, default=600, help="CPU calls per repeat")
@@ -151,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     for entry in args.tree:
         name, _, path = entry.partition("=")
         trees.append((name, Path(path or ".")))
+    without: dict[str, list[str]] = {}
+    for entry in args.without:
+        name, _, layers = entry.partition("=")
+        if name not in {tree for tree, _ in trees} or not layers:
+            parser.error(f"--without {entry}: give NAME=LAYER[,LAYER] for a --tree NAME")
+        without.setdefault(name, []).extend(filter(None, layers.split(",")))
     with tempfile.TemporaryDirectory(prefix="stargrpc-ab-") as tmp:
         workdir = Path(tmp)
         stack = stargrpc_stack(workdir)
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_floor:
             floor = floor_spec(stack, workdir)
             specs.append(ServerSpec("floor", floor.argv, floor.env))
-        specs += _tree_specs(trees, env, workdir)
+        specs += _tree_specs(trees, env, workdir, without)
         cpu: dict[str, list[float]] = {s.name: [] for s in specs}
         p50: dict[str, list[float]] = {s.name: [] for s in specs}
         p99: dict[str, list[float]] = {s.name: [] for s in specs}

@@ -30,8 +30,14 @@ def layer_of(interceptor: grpc.aio.ServerInterceptor) -> str:
 
 def chain_without(settings: Settings, without: Sequence[str]
                   ) -> list[grpc.aio.ServerInterceptor]:
-    """The server's interceptor chain minus the layers named in ``without``."""
-    return [i for i in build_chain(settings) if layer_of(i) not in set(without)]
+    """The server's interceptor chain minus the layers named in ``without``; a name that is
+    no layer of the chain is refused (a typo would otherwise measure the whole chain)."""
+    chain = build_chain(settings)
+    unknown = set(without) - {layer_of(i) for i in chain}
+    if unknown:
+        raise SystemExit(f"bench.launch: no layer {', '.join(sorted(unknown))} in the chain "
+                         f"(it has: {', '.join(layer_of(i) for i in chain)})")
+    return [i for i in chain if layer_of(i) not in set(without)]
 
 
 def main(argv: list[str] | None = None) -> None:
