@@ -36,6 +36,11 @@ class Principal:
         return f"{self.id} acting for {self.acting_for}" if self.acting_for else self.id
 
 
+#: Longest principal id credentials may name (a JWT's subject, a certificate's subject): as
+#: long as an ``end_user`` may be. A longer one is refused, not cut: two identities that
+#: differ only past a cut would become one caller.
+MAX_PRINCIPAL_CHARS = 256
+
 #: The caller when no authentication is configured (local experiments only).
 ANONYMOUS = Principal(id="anonymous", roles=frozenset(), method="none")
 

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.file_trust import others_may_write
-from stargrpc.principal import Principal
+from stargrpc.principal import MAX_PRINCIPAL_CHARS, Principal
 from stargrpc.settings import Settings
 
 log = structlog.get_logger("stargrpc.auth")
@@ -218,6 +218,8 @@ class JwtVerifier:
         subject = claims[self._principal_claim]
         if not isinstance(subject, str) or not subject:
             raise CredentialsRejected("token_missing_claim")
+        if len(subject) > MAX_PRINCIPAL_CHARS:
+            raise CredentialsRejected("token_subject_too_long")
         principal = Principal(id=subject, roles=frozenset(roles_from(claims, self._roles_claim)),
                               method="jwt")
         return principal, float(claims["exp"]) - time.time()

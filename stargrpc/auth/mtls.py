@@ -12,7 +12,7 @@ from cryptography.x509.oid import NameOID
 
 from stargrpc.errors import AuthConfigError, CredentialsRejected
 from stargrpc.file_trust import others_may_write
-from stargrpc.principal import Principal
+from stargrpc.principal import MAX_PRINCIPAL_CHARS, Principal
 from stargrpc.settings import Settings
 
 
@@ -80,5 +80,8 @@ class CertificateIdentity:
             raise CredentialsRejected("certificate_two_common_names")
         if not principal_id:
             return None
+        if len(principal_id) > MAX_PRINCIPAL_CHARS:
+            # A subject of many long attributes and no common name (its RFC 4514 string).
+            raise CredentialsRejected("certificate_subject_too_long")
         roles = self._roles.get(principal_id, frozenset()) | self._roles.get("*", frozenset())
         return Principal(id=principal_id, roles=roles, method="mtls")

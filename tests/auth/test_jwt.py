@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from stargrpc.auth.jwt import JwtVerifier, roles_from
 from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.principal import MAX_PRINCIPAL_CHARS
 from stargrpc.settings import Settings
 from tests.auth.helpers import whoami
 from tests.auth_tools import auth_registry
@@ -133,12 +134,25 @@ def verifier(**settings: Any) -> JwtVerifier:
     (hs256(iss="other"), "token_wrong_issuer"),
     (hs256(aud="other"), "token_wrong_audience"),
     (hs256(exp=None), "token_missing_claim"),
+    (hs256(sub="u" * 257), "token_subject_too_long"),
     ("not-a-jwt", "token_invalid"),
 ])
 def test_each_refusal_has_a_cause_for_the_log(token: str, cause: str) -> None:
     with pytest.raises(CredentialsRejected) as caught:
         verifier().verify(token)
     assert caught.value.cause == cause
+
+
+async def test_a_subject_longer_than_a_principal_may_be_is_refused_not_cut(
+        make_auth_server) -> None:
+    # Cut, two subjects that differ only past the cut would be one caller (and one audit
+    # principal); a subject of exactly the limit is a caller like any other.
+    auth = await make_auth_server(auth_registry(), jwt_secret=SECRET, jwt_issuer=ISSUER,
+                                  jwt_audience=AUDIENCE)
+    longest = "u" * MAX_PRINCIPAL_CHARS
+
+    assert await whoami(auth.target, hs256(sub=longest + "a")) == "UNAUTHENTICATED"
+    assert await whoami(auth.target, hs256(sub=longest)) == f"{longest} jwt ops,reader"
 
 
 def test_roles_come_from_a_configurable_claim() -> None:

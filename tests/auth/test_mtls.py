@@ -15,6 +15,7 @@ from cryptography.x509.oid import NameOID
 
 from stargrpc.auth.mtls import CertificateIdentity
 from stargrpc.errors import AuthConfigError, CredentialsRejected
+from stargrpc.principal import MAX_PRINCIPAL_CHARS
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.auth.certs import TestCA
 from tests.auth_tools import auth_registry
@@ -155,6 +156,25 @@ def _unreadable_cn_cert(ca: TestCA, issued_pem: bytes, readable: bytes) -> bytes
     der = b"\x30" + _der_length(len(body)) + body
     return (b"-----BEGIN CERTIFICATE-----\n" + base64.encodebytes(der)
             + b"-----END CERTIFICATE-----\n")
+
+
+def test_a_certificate_subject_longer_than_a_principal_may_be_names_nobody() -> None:
+    """No common name and many long attributes: the subject's RFC 4514 string would be
+    the principal; past MAX_PRINCIPAL_CHARS it is refused rather than cut (cut, two
+    subjects alike up to the cut would be one caller)."""
+    ca = TestCA()
+    units = [x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, f"{k:02d}" + "u" * 60)
+             for k in range(4)]  # "OU=…" 65 characters each, joined by commas
+    too_long, fits = x509.Name(units), x509.Name(units[:3])
+    assert len(fits.rfc4514_string()) <= MAX_PRINCIPAL_CHARS < len(too_long.rfc4514_string())
+    identity = CertificateIdentity({"*": ["reader"]})
+
+    with pytest.raises(CredentialsRejected) as refused:
+        identity.principal({"x509_pem_cert": [ca.issue(too_long, server=False).cert]})
+
+    assert refused.value.cause == "certificate_subject_too_long"
+    principal = identity.principal({"x509_pem_cert": [ca.issue(fits, server=False).cert]})
+    assert principal is not None and principal.id == fits.rfc4514_string()
 
 
 def test_a_certificate_whose_subject_does_not_read_names_nobody() -> None:
