@@ -194,6 +194,19 @@ def test_stargrpc_call_prints_the_receipt_above_the_outcome() -> None:
     ]
 
 
+def test_a_fast_run_s_receipt_shows_milliseconds_not_zero_seconds() -> None:
+    event = events_pb2.RunEvent()
+    event.result.outcome = events_pb2.OUTCOME_OK
+    usage = event.result.usage
+    usage.wall_seconds, usage.queued_seconds = 0.00042, 0.0031
+    usage.cpu_user_seconds, usage.cpu_system_seconds = 0.0003, 0.0
+    out = io.StringIO()
+    TextRenderer(out).render(event)
+
+    assert out.getvalue().splitlines()[0] == (
+        "usage: wall 0.4ms, queued 3.1ms, cpu 0.3ms (0.3ms user + 0s system)")
+
+
 #: Burns CPU without end, saying so once it has burnt a second (by then the tree has been
 #: sampled: twice a second).
 BURN_FOREVER = """

@@ -266,12 +266,13 @@ def usage_line(usage: events_pb2.Usage) -> str:
     """
     parts = []
     if usage.HasField("wall_seconds"):
-        parts.append(f"wall {usage.wall_seconds:.2f}s")
+        parts.append(f"wall {_seconds(usage.wall_seconds)}")
     if usage.queued_seconds:
-        parts.append(f"queued {usage.queued_seconds:.2f}s")
+        parts.append(f"queued {_seconds(usage.queued_seconds)}")
     if usage.HasField("cpu_user_seconds") or usage.HasField("cpu_system_seconds"):
         user, system = usage.cpu_user_seconds, usage.cpu_system_seconds
-        parts.append(f"cpu {user + system:.2f}s ({user:.2f}s user + {system:.2f}s system)")
+        parts.append(f"cpu {_seconds(user + system)} ({_seconds(user)} user + "
+                     f"{_seconds(system)} system)")
     if usage.HasField("peak_rss_bytes"):
         parts.append(f"peak memory {_size(usage.peak_rss_bytes)}")
     if usage.HasField("bytes_written"):
@@ -282,6 +283,16 @@ def usage_line(usage: events_pb2.Usage) -> str:
     if usage.child_runs:
         parts.append(f"{usage.child_runs} child runs")
     return "usage: " + ", ".join(parts)
+
+
+def _seconds(value: float) -> str:
+    """A duration for people: 1.50s, 0.25s; under 10 ms in ms (3.2ms, 0.4ms), which two
+    decimals of a second would show as 0.00s; 0s for nothing measured."""
+    if value <= 0:
+        return "0s"
+    if value < 0.01:
+        return f"{value * 1000:.1f}ms"
+    return f"{value:.2f}s"
 
 
 def _size(count: int) -> str:
@@ -393,7 +404,7 @@ class TextRenderer:
             took = ""
             if step.HasField("started_at") and step.HasField("ended_at"):
                 seconds = (step.ended_at.ToNanoseconds() - step.started_at.ToNanoseconds()) / 1e9
-                took = f" ({seconds:.2f}s)"
+                took = f" ({_seconds(seconds)})"
             summary = f": {step.summary}" if step.summary else ""
             self._line(f"{'  ' * depth}{'✓' if ok else '✗'} {step.title}{took}{summary}")
 
