@@ -114,13 +114,13 @@ function usageLine(usage) {
   const has = (name) => usage[name] !== undefined && usage[name] !== null;
   const num = (name) => Number(usage[name] || 0); // 64-bit integers arrive as strings
   const parts = [];
-  if (has("wall_seconds")) parts.push(`wall ${num("wall_seconds").toFixed(2)}s`);
-  if (num("queued_seconds")) parts.push(`queued ${num("queued_seconds").toFixed(2)}s`);
+  if (has("wall_seconds")) parts.push(`wall ${seconds(num("wall_seconds"))}`);
+  if (num("queued_seconds")) parts.push(`queued ${seconds(num("queued_seconds"))}`);
   if (has("cpu_user_seconds") || has("cpu_system_seconds")) {
     const user = num("cpu_user_seconds");
     const system = num("cpu_system_seconds");
-    parts.push(`cpu ${(user + system).toFixed(2)}s (${user.toFixed(2)}s user + ` +
-               `${system.toFixed(2)}s system)`);
+    parts.push(`cpu ${seconds(user + system)} (${seconds(user)} user + ` +
+               `${seconds(system)} system)`);
   }
   if (has("peak_rss_bytes")) parts.push(`peak memory ${size(num("peak_rss_bytes"))}`);
   if (has("bytes_written")) parts.push(`wrote ${size(num("bytes_written"))}`);
@@ -133,6 +133,13 @@ function usageLine(usage) {
 }
 
 /** `count` bytes for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB. */
+/** A duration for people, as `stargrpc call` shows it: 1.50s; under 10 ms in ms (0.4ms). */
+function seconds(value) {
+  if (!(value > 0)) return "0s";
+  if (value < 0.01) return `${(value * 1000).toFixed(1)}ms`;
+  return `${value.toFixed(2)}s`;
+}
+
 function size(count) {
   if (count < 1024) return `${count} B`;
   let value = count;

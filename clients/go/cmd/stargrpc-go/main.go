@@ -423,15 +423,15 @@ func (p *printer) event(event *pb.RunEvent) error {
 func usageLine(u *pb.Usage) string {
 	var parts []string
 	if u.WallSeconds != nil {
-		parts = append(parts, fmt.Sprintf("wall %.2fs", u.GetWallSeconds()))
+		parts = append(parts, "wall "+seconds(u.GetWallSeconds()))
 	}
 	if u.GetQueuedSeconds() != 0 {
-		parts = append(parts, fmt.Sprintf("queued %.2fs", u.GetQueuedSeconds()))
+		parts = append(parts, "queued "+seconds(u.GetQueuedSeconds()))
 	}
 	if u.CpuUserSeconds != nil || u.CpuSystemSeconds != nil {
 		user, system := u.GetCpuUserSeconds(), u.GetCpuSystemSeconds()
-		parts = append(parts, fmt.Sprintf("cpu %.2fs (%.2fs user + %.2fs system)",
-			user+system, user, system))
+		parts = append(parts, fmt.Sprintf("cpu %s (%s user + %s system)",
+			seconds(user+system), seconds(user), seconds(system)))
 	}
 	if u.PeakRssBytes != nil {
 		parts = append(parts, "peak memory "+size(u.GetPeakRssBytes()))
@@ -450,6 +450,18 @@ func usageLine(u *pb.Usage) string {
 }
 
 // size is a byte count for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB.
+// seconds is a duration for people, as `stargrpc call` shows it: 1.50s; under 10 ms in ms
+// (0.4ms), which two decimals of a second would show as 0.00s.
+func seconds(value float64) string {
+	switch {
+	case !(value > 0):
+		return "0s"
+	case value < 0.01:
+		return fmt.Sprintf("%.1fms", value*1000)
+	}
+	return fmt.Sprintf("%.2fs", value)
+}
+
 func size(count uint64) string {
 	if count < 1024 {
 		return fmt.Sprintf("%d B", count)
