@@ -728,12 +728,14 @@ class WarmSandbox:
             self._control.close()  # its launcher, if it still listens, gets nothing more
             raise
         assert self._stdout is not None and self._stderr is not None
-        self._handed = True
-        if adopt_state is not None and self._state is not None:
+        if adopt_state is not None:
             # Only now, from a sandbox that proved itself fresh: what it sends on its
-            # state socket is served as the run's.
-            (broker, child), self._state = self._state, None
-            adopt_state(broker, child)
+            # state socket is served as the run's. Before it is marked handed: should the
+            # adoption fail, the caller's aclose still destroys it, its ends included.
+            assert self._state is not None
+            adopt_state(*self._state)
+            self._state = None
+        self._handed = True
         return WarmStart(self.workdir, self._leader, self._stdout, self._stderr,
                          asyncio.get_running_loop().create_future())
 

@@ -801,6 +801,27 @@ async def test_a_sandbox_that_fails_the_hand_out_is_never_served_as_the_run(
     assert gone(warm)
 
 
+async def test_a_sandbox_whose_state_socket_cannot_be_adopted_is_destroyed_not_left(
+        tmp_path) -> None:
+    # The adoption fails after the sandbox answered the nonce (the run's state socket could
+    # not take it over): it belongs to no run, so closing it must still end it and remove
+    # its folder, rather than leave it running as if a run had it.
+    sandbox = box(tmp_path)
+    [kind] = [kind for kind in kinds_for(sandbox.settings).values() if kind.name == "exec"]
+    warm = await WarmSandbox.start(sandbox.sandbox, kind)
+
+    def refuse(*ends: object) -> None:
+        raise OSError("the run's state socket could not take it")
+
+    try:
+        with pytest.raises(OSError, match="could not take it"):
+            await warm.hand_out(encode_arguments(["sh", "-c", "sleep 60"]), {},
+                                sandbox.sandbox.limits, refuse)
+    finally:
+        await warm.aclose()
+    assert gone(warm)
+
+
 async def test_the_python_tool_takes_a_warm_sandbox_end_to_end(make_server) -> None:
     # With the default state scopes: the pooled sandbox is handed the run's state socket.
     server = await make_server(sandbox_warm_pool=1)
