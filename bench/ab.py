@@ -41,12 +41,12 @@ from typing import Any
 from bench import profiling
 from bench.__main__ import (
     REDIS_URL,
-    ROOT,
     ServerSpec,
     baseline_argv,
     floor_spec,
     run_plan,
     servers,
+    stargrpc_argv,
     stargrpc_stack,
 )
 
@@ -61,13 +61,9 @@ def _tree_specs(trees: list[tuple[str, Path]], env: dict[str, str], workdir: Pat
         shutil.copytree(state, own)
         tree_env = {**env, "STARGRPC_STATE_DIR": str(own),
                     "PYTHONPATH": str(path.resolve())}
-        # -P: the tree on PYTHONPATH comes first (not the working directory, this checkout).
-        tools = ["--tools-dir", str(ROOT / "bench" / "tools")]
-        if name in without:  # the tree's own launcher, its chain less these layers
-            layers = [f"--without={layer}" for layer in without[name]]
-            argv = [sys.executable, "-P", "-m", "bench.launch", *layers, *tools]
-        else:
-            argv = [sys.executable, "-P", "-m", "stargrpc.cli", "serve", *tools]
+        # The tree's own launcher when layers are left out, else its `stargrpc serve`.
+        argv = stargrpc_argv(without.get(name))
+        argv.insert(1, "-P")  # the tree on PYTHONPATH first, not this checkout (the cwd)
         specs.append(ServerSpec(name, argv, tree_env))
     return specs
 
@@ -168,9 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     without: dict[str, list[str]] = {}
     for entry in args.without:
         name, _, layers = entry.partition("=")
-        if name not in {tree for tree, _ in trees} or not layers:
+        named = [layer for layer in layers.split(",") if layer]
+        if name not in {tree for tree, _ in trees} or not named:
             parser.error(f"--without {entry}: give NAME=LAYER[,LAYER] for a --tree NAME")
-        without.setdefault(name, []).extend(filter(None, layers.split(",")))
+        without.setdefault(name, []).extend(named)
     with tempfile.TemporaryDirectory(prefix="stargrpc-ab-") as tmp:
         workdir = Path(tmp)
         stack = stargrpc_stack(workdir)

@@ -32,12 +32,13 @@ def chain_without(settings: Settings, without: Sequence[str]
                   ) -> list[grpc.aio.ServerInterceptor]:
     """The server's interceptor chain minus the layers named in ``without``; a name that is
     no layer of the chain is refused (a typo would otherwise measure the whole chain)."""
-    chain = build_chain(settings)
-    unknown = set(without) - {layer_of(i) for i in chain}
+    chain = [(layer_of(i), i) for i in build_chain(settings)]
+    left_out = set(without)
+    unknown = left_out - {layer for layer, _ in chain}
     if unknown:
         raise SystemExit(f"bench.launch: no layer {', '.join(sorted(unknown))} in the chain "
-                         f"(it has: {', '.join(layer_of(i) for i in chain)})")
-    return [i for i in chain if layer_of(i) not in set(without)]
+                         f"(it has: {', '.join(layer for layer, _ in chain)})")
+    return [i for layer, i in chain if layer not in left_out]
 
 
 def main(argv: list[str] | None = None) -> None:

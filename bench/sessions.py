@@ -63,7 +63,8 @@ async def measure(calls: int, warmup: int = 3) -> list[str]:
 
                 async def in_session() -> object:
                     result = await client.call("python", code, session_id=session.session_id)
-                    assert result.output == "1", result.output
+                    if result.output != "1":
+                        raise RuntimeError(f"python in a session printed {result.output!r}")
                     return result
 
                 async def one_off() -> object:

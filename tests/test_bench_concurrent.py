@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,13 +39,15 @@ def test_ab_gives_the_cpu_per_call_of_each_server_under_concurrent_runs() -> Non
     assert any(line.startswith("| server | 4 concurrent 10 ms runs") for line in lines)
 
 
-def test_ab_refuses_a_layer_left_out_of_a_tree_it_was_not_given() -> None:
+@pytest.mark.parametrize("without", ["that=audit", "this=,", "this="])
+def test_ab_refuses_a_layer_left_out_of_a_tree_it_was_not_given_or_no_layer(
+        without: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.ab", "--tree", f"this={ROOT}", "--without", "that=audit"],
+        [sys.executable, "-m", "bench.ab", "--tree", f"this={ROOT}", "--without", without],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
 
     assert done.returncode == 2
-    assert "--without that=audit" in done.stderr
+    assert f"--without {without}:" in done.stderr
 
 
 def test_ab_starts_a_tree_without_a_layer_through_the_launcher_which_refuses_a_typo() -> None:
