@@ -257,8 +257,10 @@ class Batches:
                 await waiter
             except BaseException:
                 # Cancelled (the stream went away): take its future off the log at once,
-                # or a quiet run would keep one for every watcher that came and went.
-                log._stop_waiting(waiter)
+                # or a quiet run would keep one for every watcher that came and went. (One
+                # an append already took is off the list: no scan of the others for it.)
+                if waiter.cancelled():
+                    log._stop_waiting(waiter)
                 raise
 
     async def aclose(self) -> None:
