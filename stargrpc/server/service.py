@@ -32,7 +32,7 @@ from stargrpc.errors import (
     Unavailable,
     reason_name,
 )
-from stargrpc.principal import Principal, current_principal
+from stargrpc.principal import MAX_PRINCIPAL_CHARS, Principal, current_principal
 from stargrpc.registry import Registry, ToolSpec
 from stargrpc.runs.approval import check_decision, fill_request
 from stargrpc.runs.arguments import decode_json, decode_struct
@@ -108,9 +108,9 @@ def _well_formed(request: Any) -> None:
 
 #: The longest text of an invocation context's ``end_user``, ``channel``, ``trace_id`` and
 #: ``session_id``: each goes into the run's audit record (``end_user`` as the principal the
-#: call acts for, which the trail indexes), so a caller must not make it as large as the
-#: request may be.
-MAX_CONTEXT_TEXT = 256
+#: call acts for, so as long as a principal id may be), so a caller must not make it as
+#: large as the request may be.
+MAX_CONTEXT_TEXT = MAX_PRINCIPAL_CHARS
 #: The most labels an invocation context may carry, and the longest key and value of one.
 MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE = 64, 128, 1024
 
