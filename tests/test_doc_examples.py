@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import eventually_sync
+from tests.helpers import eventually_sync, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", "docs/use/grpcurl.md", "docs/use/cli.md", "docs/operate/sandbox.md"]
@@ -74,11 +74,6 @@ def _accepts(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 @dataclass
 class Served:
@@ -94,7 +89,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
     kb.mkdir()
     (kb / "backups.md").write_text("# Backups\n\nTo restore a backup, stop the service "
                                    "first, then copy the snapshot back.\n")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "STARGRPC_STATE_DIR": str(tmp_path / "state"),
            "STARGRPC_KB_DIR": str(kb), "STARGRPC_LOG_FORMAT": "json",
            "HOME": str(tmp_path)}

@@ -16,11 +16,10 @@ from stargrpc.runs.state import RunState, StateUnavailable, StateValueNotJson, e
 from stargrpc.settings import Settings
 from stargrpc.stores.redis.state import RedisStateStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
-from tests.helpers import eventually
+from tests.helpers import eventually, free_port
 from tests.runs_support import HeaderPrincipal
 from tests.state_tools import call_state_tool as state_call
 from tests.state_tools import state_registry, value_of
-from tests.stores.helpers import free_port
 
 TOOLS = ["state_op", "state_op_sync"]
 

@@ -29,16 +29,11 @@ from stargrpc.audit.key import load_key
 from stargrpc.audit.store import open_store
 from stargrpc.v1 import tool_service_pb2_grpc
 from tests.conftest import ServerFactory
-from tests.helpers import eventually_sync, run_tool
+from tests.helpers import eventually_sync, free_port, run_tool
 
 _BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
 TIMEOUT = 60
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _accepts(port: int) -> bool:
@@ -68,7 +63,7 @@ def own_postgres() -> Iterator[tuple[str, list[int]]]:
     subprocess.run(_as_postgres(f"{_BIN[-1]}/initdb", "-D", str(data), "-A", "trust",
                                 "-U", "postgres"), check=True, capture_output=True,
                    timeout=TIMEOUT)
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(_as_postgres(
         f"{_BIN[-1]}/postgres", "-D", str(data), "-p", str(port), "-k", str(home),
         "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -19,7 +18,7 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
-from tests.helpers import eventually
+from tests.helpers import eventually, free_ports
 from tests.stores.helpers import redis_cli
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -65,9 +64,7 @@ class StallableRedis:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.proc = None
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
+        [self.port] = free_ports(1)  # restarted on it after a kill: not an ephemeral one
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     async def start(self) -> None:
@@ -77,7 +74,7 @@ class StallableRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.folder)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await eventually(_off_loop(lambda: redis_cli(self.port, "ping") == "PONG"), within=20,
+        await eventually(_off_loop(lambda: _answers(self.proc, self.port)), within=20,
                          interval=0.05, what="redis-server answering PING")
 
     def stall(self) -> None:
@@ -108,30 +105,6 @@ async def stallable_redis(tmp_path: Path) -> AsyncIterator[StallableRedis]:
         redis.kill()
 
 
-def _free_ports(count: int, *, bus: bool = False) -> list[int]:
-    """``count`` free loopback ports (and, for cluster nodes, each port + 10000 free too: the
-    cluster bus). Held open together while chosen, so no two are the same."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            held.append(probe)
-            port = int(probe.getsockname()[1])
-            if bus:
-                if port + 10000 > 65535:
-                    continue
-                with socket.socket() as other:
-                    try:
-                        other.bind(("127.0.0.1", port + 10000))
-                    except OSError:
-                        continue
-            ports.append(port)
-    finally:
-        for probe in held:
-            probe.close()
-    return ports
 
 
 def _node(port: int) -> SyncRedis:
@@ -145,6 +118,15 @@ def _each(node: SyncRedis, commands: list[tuple[Any, ...]]) -> list[Any]:
     for command in commands:
         pipe.execute_command(*command)
     return list(pipe.execute())
+
+
+def _answers(proc: subprocess.Popen[bytes] | None, port: int) -> bool:
+    """Whether the redis-server ``proc`` on ``port`` answers PING; fails at once, saying so,
+    when it has exited (its port taken, say) rather than waiting out the test's bound."""
+    if proc is not None and proc.poll() is not None:
+        raise AssertionError(f"redis-server for port {port} exited ({proc.returncode}) "
+                             "before answering: was its port taken?")
+    return redis_cli(port, "ping") == "PONG"
 
 
 def _off_loop(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
@@ -176,7 +158,7 @@ class RedisProcesses:
         # Popen returns once the process is forked: nothing to wait for on the loop.
         self.procs[port] = subprocess.Popen(command, stdout=subprocess.DEVNULL,  # noqa: ASYNC220
                                             stderr=subprocess.DEVNULL)
-        await eventually(_off_loop(lambda: redis_cli(port, "ping") == "PONG"), within=20,
+        await eventually(_off_loop(lambda: _answers(self.procs[port], port)), within=20,
                          interval=0.05, what=f"redis on {port} answering")
 
     def kill(self, port: int) -> None:
@@ -200,7 +182,7 @@ class LoopbackCluster(RedisProcesses):
 
     async def create(self) -> None:
         """Starts the six nodes and joins them into a cluster whose every slot is served."""
-        self.ports = _free_ports(6, bus=True)
+        self.ports = free_ports(6, bus=True)
         for port in self.ports:
             await self.start(port, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
                        "--cluster-config-file", f"nodes-{port}.conf")
@@ -321,7 +303,7 @@ class LoopbackSentinel(RedisProcesses):
 
     async def create(self) -> None:
         """Starts the primary, its replica (in sync) and the Sentinels (which know both)."""
-        self.primary, self.replica, *self.sentinels = _free_ports(5)
+        self.primary, self.replica, *self.sentinels = free_ports(5)
         await self.start(self.primary)
         await self.start(self.replica, "--replicaof", "127.0.0.1", str(self.primary))
         await eventually(_off_loop(lambda: "master_link_status:up" in redis_cli(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,6 @@ def redis_cli(port: int, *args: str, timeout: float = 10) -> str:
     """``redis-cli -p port args...``'s output, stripped (a node of a test's own)."""
     return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True,
                           text=True, timeout=timeout).stdout.strip()
-
-
-def free_port() -> int:
-    """A loopback port free when asked (the OS's choice)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class OwnRedis:

@@ -22,9 +22,9 @@ from stargrpc.settings import Settings
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.stores.redis import store as redis_store
 from stargrpc.v1 import events_pb2
-from tests.helpers import eventually
+from tests.helpers import eventually, free_port
 from tests.stores.conftest import REDIS_URL
-from tests.stores.helpers import OwnRedis, free_port
+from tests.stores.helpers import OwnRedis
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from stargrpc.stores.approvals import ApprovalRecord, now_ms
 from stargrpc.stores.background import stop_background
 from stargrpc.stores.redis import RedisRunStore
 from stargrpc.v1 import events_pb2
-from tests.helpers import eventually
-from tests.stores.helpers import OwnRedis, free_port
+from tests.helpers import eventually, free_port
+from tests.stores.helpers import OwnRedis
 
 #: Bound on the whole shutdown: each loop is sent its cancellation for at most ten seconds.
 SHUTDOWN_WITHIN = 30

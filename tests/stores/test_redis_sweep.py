@@ -27,11 +27,11 @@ from stargrpc.stores.connect import connect
 from stargrpc.stores.redis import RedisRunLog, RedisRunStore
 from stargrpc.v1 import events_pb2, tool_service_pb2_grpc
 from tests.delivery.helpers import read_entry, start_request
-from tests.helpers import eventually
+from tests.helpers import eventually, free_port
 from tests.procs import ServerProcess, server_env
 from tests.runs_support import RUN_TOOLS_DIR
 from tests.stores.conftest import REDIS_URL, LoopbackCluster, StallableRedis
-from tests.stores.helpers import OwnRedis, free_port
+from tests.stores.helpers import OwnRedis
 
 #: run_lease_seconds of the replicas here.
 LEASE = 2.0

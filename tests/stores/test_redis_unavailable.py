@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stargrpc.errors import Unavailable
 from stargrpc.stores.redis.errors import reachable
 from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
-from tests.helpers import status_details
+from tests.helpers import free_port, status_details
 from tests.runs_support import HeaderPrincipal, collect, execute_request, key, run_registry
-from tests.stores.helpers import OwnRedis, free_port
+from tests.stores.helpers import OwnRedis
 
 
 @pytest.fixture
