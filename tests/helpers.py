@@ -219,7 +219,7 @@ _BUS_OFFSET = 10000
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
     """The lowest port the kernel gives outgoing connections (and ``bind(0)``)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -235,7 +235,7 @@ def free_ports(count: int, *, bus: bool = False) -> list[int]:
     chosen and the server binding it (and again between a kill and a restart on it), and
     any outgoing connection of the suite (thousands, from every worker) could take an
     ephemeral one meanwhile: a Redis Cluster node then never answered."""
-    highest = _ephemeral_low() - 1 - (_BUS_OFFSET if bus else 0)
+    highest = ephemeral_low() - 1 - (_BUS_OFFSET if bus else 0)
     held: list[socket.socket] = []
     ports: list[int] = []
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from tests.helpers import _ephemeral_low, free_port, free_ports
+from tests.helpers import ephemeral_low, free_port, free_ports
 
 
 def test_ports_for_servers_are_chosen_below_the_ephemeral_range_and_free() -> None:
@@ -14,8 +14,8 @@ def test_ports_for_servers_are_chosen_below_the_ephemeral_range_and_free() -> No
     single = free_port()
 
     assert len(set(nodes)) == 6
-    assert all(port + 10000 < _ephemeral_low() for port in nodes)  # the cluster bus too
-    assert single < _ephemeral_low()
+    assert all(port + 10000 < ephemeral_low() for port in nodes)  # the cluster bus too
+    assert single < ephemeral_low()
     for port in (*nodes, *(port + 10000 for port in nodes), single):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))  # free once chosen
