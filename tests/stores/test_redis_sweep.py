@@ -198,6 +198,50 @@ async def test_two_sweepers_end_a_lost_run_once_and_leave_a_live_run_alone(
     assert not [line for line in logs if line["log_level"] in ("error", "critical")]
 
 
+async def _lost_after_registering(dead: RedisRunStore, survivor: RedisRunStore,
+                                  monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """A run registered in Redis by ``dead``, a replica that dies right after the round trip
+    registering it (before the next: the ListRuns indexes): its state in Redis then, and the
+    code of the Result the sweep of ``survivor`` ends it with."""
+    await survivor.start()
+    died = asyncio.Event()
+
+    async def death(*_: Any) -> None:
+        died.set()
+        await asyncio.Event().wait()  # nothing more is written: the flusher is cancelled
+
+    monkeypatch.setattr(dead.index, "add", death)
+    run_log = dead.create(str(uuid.uuid4()), owner="alice", tool="tally")
+    await dead.publish(run_log)
+    run_log.append_nowait(_step(events_pb2.STEP_PHASE_START))
+    await died.wait()
+    await _abandon(dead)
+    registered = await survivor.leases.state(run_log.run_id)
+    result = await _result_in_redis(survivor.redis, survivor.shared.key(run_log.run_id, "events"),
+                                    2 * 1.0 + 3 * 0.05 + 5)
+    return registered, result.result.error.code
+
+
+# The sweep's set is written in the round trip registering a run: a replica killed between
+# that round trip and the next leaves no run "running" for good, unswept.
+
+
+async def test_a_replica_dying_right_after_registering_a_run_leaves_it_to_the_sweep(
+        stores: list[RedisRunStore], redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    stores.extend(RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix, lease=1.0,
+                                sweep_interval=0.05) for _ in range(2))
+    assert await _lost_after_registering(*stores, monkeypatch) == ("running", "RUN_LOST")
+
+
+async def test_a_replica_dying_right_after_registering_a_run_on_a_cluster_leaves_it_to_the_sweep(
+        redis_cluster: LoopbackCluster, stores: list[RedisRunStore],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stores.extend(RedisRunStore(connect(redis_cluster.url, timeout=2.0)[0], lease=1.0,
+                                sweep_interval=0.05) for _ in range(2))
+    assert await _lost_after_registering(*stores, monkeypatch) == ("running", "RUN_LOST")
+
+
 async def test_a_finished_run_leaves_the_sweep_set_and_a_short_one_never_enters_it(
         stores: list[RedisRunStore], redis_prefix: str) -> None:
     store = RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix, lease=1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -46,20 +47,22 @@ class FlushConnection:
         return self._conn.socket_timeout
 
     async def call_all(self, sha: str, calls: list[tuple[list[str], list[Any]]],
-                       wait: tuple[int, int] | None = None) -> list[Any]:
+                       wait: tuple[int, int] | None = None,
+                       before: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
         """Each call's reply, or the error Redis answered it with; with ``wait`` (replicas,
-        timeout in ms), WAIT follows the calls on the same connection.
+        timeout in ms), WAIT follows the calls on the same connection. The commands
+        ``before`` go ahead of the calls in the same write; their replies are dropped.
 
         Raises:
             RedisError: Redis could not be reached (or cut the connection), or
                 (:class:`~stargrpc.stores.redis.errors.NotReplicated`) not enough replicas
                 acknowledged the calls.
         """
-        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(keys), *keys, *args)
-                                           for keys, args in calls]
+        commands: list[tuple[Any, ...]] = [*before, *(("EVALSHA", sha, len(keys), *keys, *args)
+                                                      for keys, args in calls)]
         if wait is not None:
             commands.append(("WAIT", *wait))
-        replies = await self.commands(commands)
+        replies = (await self.commands(commands))[len(before):]
         if wait is not None:
             try:
                 check_acknowledged(replies[len(calls):], *wait)

@@ -185,13 +185,18 @@ class Flusher:
         # Runs this round trip registers or ends go into (or stay in) the ListRuns indexes.
         to_index = [run_log for run_log, batch in batches
                     if not run_log.registered or batch[-1][2]]
+        # A run registered without its Result enters the sweep's set in the same round trip,
+        # ahead of its registration: were this replica to die between this round trip and
+        # the next, a registered run outside the set would stay "running", never swept.
+        swept = self._index.sweep_commands([run_log for run_log, batch in batches
+                                            if not run_log.registered and not batch[-1][2]])
         # Whatever fails is kept and written again: local readers are unaffected, remote
         # watchers wait, and the lease (renewed by these writes) is at stake.
         try:
             async with asyncio.timeout(shared.flush_timeout):
                 replies = await shared.scripts.call_all(shared.scripts.append, [
                     self._append_call(run_log, batch) for run_log, batch in batches],
-                    self.line, durable=True)
+                    self.line, durable=True, before=swept)
         except (RedisError, TimeoutError) as exc:
             shared.failed(exc)
             log.warning("redis_flush_failed", runs=len(batches),

@@ -106,6 +106,13 @@ class RunIndex:
         except (RedisError, TimeoutError) as exc:
             log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
 
+    def sweep_commands(self, logs: list[RedisRunLog]) -> list[tuple[Any, ...]]:
+        """What puts runs about to be registered into ``runs:running`` (see
+        :meth:`~stargrpc.stores.redis.leases.Sweep.commands`); :meth:`add` puts them there
+        again once registered (a sweep that looked before the registration landed took
+        them out)."""
+        return [command for run_log in logs for command in self._sweep.commands(run_log)]
+
     async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int:
         """Adds ``delta`` to the count of runs the call tree of ``root_run_id`` started on
         every replica (``runs:tree:<hash>:count``, gone ``ttl_ms`` after its last change);

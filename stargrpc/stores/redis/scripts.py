@@ -11,6 +11,7 @@ write.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -368,12 +369,14 @@ class Scripts:
         return reply
 
     async def call_all(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]],
-                       line: FlushConnection | None = None, *, durable: bool = False
-                       ) -> list[Any]:
+                       line: FlushConnection | None = None, *, durable: bool = False,
+                       before: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
         """Runs ``script`` once per (keys, args) in one pipeline (one round trip), on
         ``line`` when given; each reply, or the error of that call. Loads the script first
         if Redis lost it (it was restarted). A ``durable`` write then waits (WAIT, on the
-        same connections) for ``wait_replicas`` replicas to acknowledge it.
+        same connections) for ``wait_replicas`` replicas to acknowledge it. ``before``:
+        commands sent ahead of the calls in the same round trip, best effort (their replies
+        are not returned, nor waited for: the caller writes them again later).
 
         Raises:
             RedisError: Redis could not be reached, or (``NotReplicated``) not enough
@@ -382,11 +385,12 @@ class Scripts:
         wait = self._wait if durable else None
         with as_redis_error():
             if line is not None:
-                replies = await line.call_all(script.sha, calls, wait)
-            elif len(calls) == 1 and wait is None and not isinstance(self._redis, RedisCluster):
+                replies = await line.call_all(script.sha, calls, wait, before)
+            elif (len(calls) == 1 and wait is None and not before
+                  and not isinstance(self._redis, RedisCluster)):
                 replies = [await self._one(script.sha, *calls[0])]
             else:
-                replies = await self._pipelined(script.sha, calls, wait)
+                replies = await self._pipelined(script.sha, calls, wait, before)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             await self._redis.script_load(script.script)
@@ -403,12 +407,16 @@ class Scripts:
             return exc
 
     async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]],
-                         wait: tuple[int, int] | None = None) -> list[Any]:
+                         wait: tuple[int, int] | None = None,
+                         before: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
         """The calls in one pipeline of the client (on a cluster: one per node, sent
-        together), then WAIT on each connection that carried a write when ``wait`` says."""
+        together) after the commands ``before`` (best effort), then WAIT on each connection
+        that carried a call when ``wait`` says."""
         redis = self._redis
         nodes: dict[str, Any] = {}
         async with redis.pipeline(transaction=False) as pipe:
+            for command in before:
+                pipe.execute_command(*command)
             for keys, args in calls:
                 pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
                 if wait is not None and isinstance(redis, RedisCluster):
@@ -432,6 +440,7 @@ class Scripts:
                                                   allow_redirections=False))
             else:
                 replies = list(await pipe.execute(raise_on_error=False))
+        del replies[:len(before)]
         redirected = [i for i, reply in enumerate(replies[:len(calls)])
                       if isinstance(reply, AskError)]  # MOVED or ASK
         if redirected and wait is not None:
