@@ -8,6 +8,7 @@ run's stream), never a fixed sleep."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -199,22 +200,34 @@ async def test_two_sweepers_end_a_lost_run_once_and_leave_a_live_run_alone(
 
 
 async def _lost_after_registering(dead: RedisRunStore, survivor: RedisRunStore,
-                                  monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
-    """A run registered in Redis by ``dead``, a replica that dies right after the round trip
-    registering it (before the next: the ListRuns indexes): its state in Redis then, and the
-    code of the Result the sweep of ``survivor`` ends it with."""
+                                  monkeypatch: pytest.MonkeyPatch, registered_by: str
+                                  ) -> tuple[str, str]:
+    """A run registered in Redis by ``dead`` (by its first flush, its idempotency claim, or
+    ahead of its start), a replica that dies right after the round trip registering it,
+    before the next (the ListRuns indexes): its state in Redis then, and the code of the
+    Result the sweep of ``survivor`` ends it with."""
     await survivor.start()
     died = asyncio.Event()
 
     async def death(*_: Any) -> None:
         died.set()
-        await asyncio.Event().wait()  # nothing more is written: the flusher is cancelled
+        await asyncio.Event().wait()  # nothing more is written: the replica is gone
 
     monkeypatch.setattr(dead.index, "add", death)
     run_log = dead.create(str(uuid.uuid4()), owner="alice", tool="tally")
     await dead.publish(run_log)
-    run_log.append_nowait(_step(events_pb2.STEP_PHASE_START))
+    registering = None
+    if registered_by == "claim":
+        registering = asyncio.create_task(dead.claim("alice", run_log.run_id, "fp", run_log))
+    elif registered_by == "register":
+        registering = asyncio.create_task(dead.register(run_log))
+    else:
+        run_log.append_nowait(_step(events_pb2.STEP_PHASE_START))
     await died.wait()
+    if registering is not None:
+        registering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await registering
     await _abandon(dead)
     registered = await survivor.leases.state(run_log.run_id)
     result = await _result_in_redis(survivor.redis, survivor.shared.key(run_log.run_id, "events"),
@@ -222,24 +235,29 @@ async def _lost_after_registering(dead: RedisRunStore, survivor: RedisRunStore,
     return registered, result.result.error.code
 
 
-# The sweep's set is written in the round trip registering a run: a replica killed between
+# A run enters the sweep's set in the round trip registering it: a replica killed between
 # that round trip and the next leaves no run "running" for good, unswept.
+REGISTERED_BY = ["flush", "claim", "register"]
 
 
+@pytest.mark.parametrize("registered_by", REGISTERED_BY)
 async def test_a_replica_dying_right_after_registering_a_run_leaves_it_to_the_sweep(
-        stores: list[RedisRunStore], redis_prefix: str, monkeypatch: pytest.MonkeyPatch
-        ) -> None:
+        registered_by: str, stores: list[RedisRunStore], redis_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     stores.extend(RedisRunStore(Redis.from_url(REDIS_URL), prefix=redis_prefix, lease=1.0,
                                 sweep_interval=0.05) for _ in range(2))
-    assert await _lost_after_registering(*stores, monkeypatch) == ("running", "RUN_LOST")
+    assert await _lost_after_registering(*stores, monkeypatch, registered_by) == (
+        "running", "RUN_LOST")
 
 
+@pytest.mark.parametrize("registered_by", REGISTERED_BY)
 async def test_a_replica_dying_right_after_registering_a_run_on_a_cluster_leaves_it_to_the_sweep(
-        redis_cluster: LoopbackCluster, stores: list[RedisRunStore],
+        registered_by: str, redis_cluster: LoopbackCluster, stores: list[RedisRunStore],
         monkeypatch: pytest.MonkeyPatch) -> None:
     stores.extend(RedisRunStore(connect(redis_cluster.url, timeout=2.0)[0], lease=1.0,
                                 sweep_interval=0.05) for _ in range(2))
-    assert await _lost_after_registering(*stores, monkeypatch) == ("running", "RUN_LOST")
+    assert await _lost_after_registering(*stores, monkeypatch, registered_by) == (
+        "running", "RUN_LOST")
 
 
 async def test_a_finished_run_leaves_the_sweep_set_and_a_short_one_never_enters_it(

@@ -69,7 +69,8 @@ class Claims:
                                 shared.scripts.register_run, shared.run_keys(run_log.run_id), [
                                     shared.token(run_log.run_id), shared.lease_ms,
                                     shared.running_ttl_ms, run_log.owner, run_log.tool,
-                                    shared.replica, shared.deadline_ms(run_log.deadline)])
+                                    shared.replica, shared.deadline_ms(run_log.deadline)],
+                                before=self._index.sweep_commands([run_log]))
                         except SLOT_MOVING:
                             await asyncio.sleep(SLOT_MOVING_RETRY_SECONDS)
                             continue
@@ -127,13 +128,17 @@ class Claims:
             register = [shared.token(run_log.run_id), shared.lease_ms, shared.running_ttl_ms,
                         run_log.owner, run_log.tool, shared.replica]
             reply: Any
+            # A run registered here enters the sweep's set in the same round trip (see
+            # RunIndex.sweep_commands): its replica may die before the next.
             if not shared.cluster:  # one script: the claim and its run, atomically
                 reply = await scripts.call(scripts.claim, shared.with_claim(
                     shared.run_keys(run_log.run_id), claim_key),
-                    [*register, expected, mine, shared.deadline_ms(run_log.deadline)])
+                    [*register, expected, mine, shared.deadline_ms(run_log.deadline)],
+                    before=self._index.sweep_commands([run_log]))
             elif not run_log.registered:  # two steps, the run first (see scripts.REGISTER_RUN)
                 reply = await scripts.call(scripts.register_run, shared.run_keys(run_log.run_id),
-                                           [*register, shared.deadline_ms(run_log.deadline)])
+                                           [*register, shared.deadline_ms(run_log.deadline)],
+                                           before=self._index.sweep_commands([run_log]))
                 if reply[0] == 1:
                     run_log.registered = True
                     continue

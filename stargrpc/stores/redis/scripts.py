@@ -355,15 +355,17 @@ class Scripts:
         self.steer = redis.register_script(STEER)
         self.sweep_take = redis.register_script(SWEEP_TAKE)
 
-    async def call(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
-        """Runs ``script`` once, waiting for ``wait_replicas`` acknowledgements; its reply.
+    async def call(self, script: AsyncScript, keys: list[str], args: list[Any], *,
+                   before: Sequence[tuple[Any, ...]] = ()) -> Any:
+        """Runs ``script`` once (after the commands ``before``, in the same round trip: see
+        :meth:`call_all`), waiting for ``wait_replicas`` acknowledgements; its reply.
 
         Raises:
             RedisError: Redis could not be reached, answered with an error, or (see
                 :class:`~stargrpc.stores.redis.errors.NotReplicated`) not enough replicas
                 acknowledged the write.
         """
-        reply = (await self.call_all(script, [(keys, args)], durable=True))[0]
+        reply = (await self.call_all(script, [(keys, args)], durable=True, before=before))[0]
         if isinstance(reply, Exception):
             raise reply
         return reply
