@@ -3,6 +3,10 @@ lanes in memory, in Redis, in a Redis Cluster)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import grpc
+
 from stargrpc.v1 import events_pb2, tool_service_pb2
 from tests.helpers import eventually
 from tests.lanes.conftest import LaneServer
@@ -15,7 +19,7 @@ from tests.lanes.lane_helpers import (
     started,
     stub_for,
 )
-from tests.runs_support import as_principal, collect
+from tests.runs_support import as_principal, collect, key
 
 ALICE = as_principal("alice")
 BOB = as_principal("bob")
@@ -86,9 +90,16 @@ async def test_the_callers_deadline_applies_while_queued(lanes_at: LaneServer,
     stub = stub_for(channel)
     first = stub.Execute(hold_request("a"), metadata=ALICE)
     await started(holds, 1)
-    late = stub.Execute(hold_request("b"), metadata=ALICE, timeout=1.0)
-    await first_notice(late)
-    events = await collect(late)
+    # With a key the run outlives its stream: only the deadline, applied by the server, can
+    # end it. Its Result may reach the stream after the client gave up: it is read back.
+    late = stub.Execute(hold_request("b", idempotency_key=key()), metadata=ALICE,
+                        timeout=1.0)
+    queued = await next_event(late)
+    assert queued.notice.code == "QUEUED"
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await collect(late)
+    events = await collect(stub.WatchRun(tool_service_pb2.WatchRunRequest(run_id=queued.run_id),
+                                         metadata=ALICE, timeout=30))
     result = events[-1].result
     assert (result.outcome, result.error.code) == (events_pb2.OUTCOME_TIMEOUT,
                                                    "CLIENT_DEADLINE")
