@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,41 @@ async def test_a_replica_dying_right_after_registering_a_run_on_a_cluster_leaves
                                 sweep_interval=0.05) for _ in range(2))
     assert await _lost_after_registering(*stores, monkeypatch, registered_by) == (
         "running", "RUN_LOST")
+
+
+async def test_a_stalled_node_of_the_sweeps_set_holds_up_no_claim_on_a_cluster(
+        redis_cluster: LoopbackCluster, stores: list[RedisRunStore]) -> None:
+    # runs:running lives on one node, a run's keys and its claim on others: with that node
+    # stalled, a claim still registers its run and wins (the set is written beside it).
+    client, _ = connect(redis_cluster.url, timeout=1.0)
+    store = RedisRunStore(client, lease=2.0, timeout=1.0)
+    stores.append(store)
+    assert isinstance(client, RedisCluster)
+    await client.initialize()  # the slots' map, read while every node answers
+    node = client.get_node_from_key(store.sweep.key)
+    assert node is not None
+
+    def elsewhere(name: Callable[[str], str]) -> str:
+        return next(candidate for candidate in (uuid.uuid4().hex for _ in range(1000))
+                    if client.get_node_from_key(name(candidate)) != node)
+
+    # A first claim while every node answers loads the scripts on every primary (a script
+    # missing on a node is loaded on all of them).
+    warm = store.create(uuid.uuid4().hex, owner="alice", tool="tally")
+    await store.publish(warm)
+    assert (await store.claim("alice", uuid.uuid4().hex, "fp", warm)).won
+    run_log = store.create(elsewhere(store.shared.key), owner="alice", tool="tally")
+    key = elsewhere(lambda candidate: store.keys.claim("alice", candidate))
+    await store.publish(run_log)
+    stalled = redis_cluster.procs[int(node.port)]
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        claim = await store.claim("alice", key, "fp", run_log)
+        state = await store.leases.state(run_log.run_id)
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+
+    assert claim.won and state == "running"
 
 
 async def test_a_finished_run_leaves_the_sweep_set_and_a_short_one_never_enters_it(

@@ -103,7 +103,8 @@ class Claims:
                 with reachable("claiming the idempotency key"):
                     while True:
                         try:
-                            return await self._claim(run_log, claim_key, fingerprint, mine)
+                            claim = await self._claim(run_log, claim_key, fingerprint, mine)
+                            break
                         except SLOT_MOVING:
                             # The run's slot or the claim's is being moved (TRYAGAIN until
                             # its keys are all on one node): every step of a claim is safe
@@ -117,6 +118,11 @@ class Claims:
             if isinstance(exc, Unavailable):
                 raise
             raise request_error(exc, "claiming the idempotency key") from exc
+        if claim.won:
+            # Past the call's deadline, best effort (bounded by the store's timeout): the key
+            # is claimed, whatever the nodes of the indexes (other slots) do meanwhile.
+            await self._index.add([run_log])
+        return claim
 
     async def _claim(self, run_log: RedisRunLog, claim_key: str, fingerprint: str, mine: str
                      ) -> Claim:
@@ -149,7 +155,6 @@ class Claims:
                 run_log.claim_key = claim_key
                 run_log.claim_value = mine
                 run_log.registered = True
-                await self._index.add([run_log])
                 return Claim(run_log.run_id, fingerprint, won=True)
             if reply[0] == -2:
                 # Not late when Redis's clock is ahead of this host's: count with it from
