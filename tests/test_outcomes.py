@@ -129,7 +129,7 @@ async def test_writeback_channels_and_structured_output(stub) -> None:
     assert result.writeback.sent_rich_messages[0].payload["title"] == "Done"
 
 
-async def test_client_cancel_reaches_the_tool_promptly(stub) -> None:
+async def test_client_cancel_reaches_the_tool(stub) -> None:
     STARTED.clear()
     CANCELLED.clear()
     call = stub.Execute(tool_service_pb2.ExecuteRequest(tool_name="waits_forever"))

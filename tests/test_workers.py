@@ -327,7 +327,7 @@ async def test_two_workers_share_a_lanes_one_slot(tmp_path: Path) -> None:
             await stubs[running_at].CancelRun(tool_service_pb2.CancelRunRequest(
                 run_id=behind_id), timeout=30)
             assert (await last_event(behind)).result.outcome == events_pb2.OUTCOME_CANCELLED
-            # No listing ever showed both running.
+            # No listing while the first run held the slot showed both running.
             assert all(sum(state == tool_service_pb2.RUN_STATE_RUNNING for _, state in listed)
                        <= 1 for listed in listings)
         finally:
