@@ -409,6 +409,15 @@ class Scripts:
                 replies[i] = reply
         return replies
 
+    async def settle(self) -> None:
+        """Waits for the commands sent aside (each bounded by the store's timeout; a task
+        still going past that, as a release of redis-py that swallows cancellations can
+        leave it, is cancelled)."""
+        if self._aside:
+            await asyncio.wait(set(self._aside), timeout=self._timeout + 1.0)
+            for task in self._aside:
+                task.cancel()
+
     def _send_aside(self, commands: Sequence[tuple[Any, ...]]) -> None:
         """Sends ``commands`` in a pipeline of their own, in the background: best effort
         (their writer writes them again later), a failure logged."""
