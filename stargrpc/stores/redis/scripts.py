@@ -403,11 +403,26 @@ class Scripts:
                 replies = await self._pipelined(script.sha, calls, wait, before)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
-            await self._redis.script_load(script.script)
+            await self._load(script, [calls[i][0] for i in missing])
             again = await self._pipelined(script.sha, [calls[i] for i in missing], wait)
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         return replies
+
+    async def _load(self, script: AsyncScript, keys_of_calls: list[list[str]]) -> None:
+        """Loads ``script`` where Redis lost it (restarted, or a replica promoted): on a
+        cluster only on the nodes of the calls that missed it, since a load sent to every
+        primary waits for any of them that stalls."""
+        redis = self._redis
+        if isinstance(redis, RedisCluster):
+            nodes = {node.name: node for node in (redis.get_node_from_key(keys[0])
+                                                  for keys in keys_of_calls)
+                     if node is not None}
+            if nodes:
+                await redis.execute_command("SCRIPT LOAD", script.script,
+                                            target_nodes=list(nodes.values()))
+                return
+        await redis.script_load(script.script)
 
     async def settle(self) -> None:
         """Waits for the commands sent aside (each bounded by the store's timeout; a task
