@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.ports import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Longest wait for a server (Redis or stargrpc) to answer, and for the cluster to form.
 _START_SECONDS = 90.0
@@ -52,36 +54,6 @@ MODES = {
     "quick": Mode(calls=500, warmup=50, concurrent=100, rounds=3),
     "smoke": Mode(calls=30, warmup=5, concurrent=10, rounds=1),
 }
-
-
-def _free_ports(count: int, *, bus: bool = False) -> list[int]:
-    """``count`` distinct free loopback ports (with ``bus``, each port + 10000 free too: a
-    cluster node's bus port)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        for _ in range(200):
-            if len(ports) == count:
-                break
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            held.append(probe)
-            port = int(probe.getsockname()[1])
-            if bus:
-                if port + 10000 > 65535:
-                    continue
-                with socket.socket() as other:
-                    try:
-                        other.bind(("127.0.0.1", port + 10000))
-                    except OSError:
-                        continue
-            ports.append(port)
-    finally:
-        for probe in held:
-            probe.close()
-    if len(ports) < count:
-        raise RuntimeError("no free loopback ports")
-    return ports
 
 
 def _until(what: str, check: Callable[[], bool]) -> None:
@@ -118,7 +90,7 @@ class Processes:
     def cluster(self) -> str:
         """A 3-primary, 3-replica cluster, every slot served and every replica in sync; its
         ``redis+cluster://`` URL."""
-        ports = _free_ports(6, bus=True)
+        ports = free_ports(6, bus=True)
         for port in ports:
             self.redis(port, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
                        "--cluster-config-file", f"nodes-{port}.conf")
@@ -138,7 +110,7 @@ class Processes:
     def stargrpc(self, redis_url: str) -> str:
         """A stargrpc server (the bench tools, no auth) whose run store is ``redis_url``;
         its target once it listens."""
-        port = _free_ports(1)[0]
+        port = free_ports(1)[0]
         state = self.folder / f"state-{port}"
         env = {**os.environ, "STARGRPC_STATE_DIR": str(state), "STARGRPC_LOG_LEVEL": "error",
                "STARGRPC_SHUTDOWN_GRACE_SECONDS": "1"}
@@ -178,7 +150,7 @@ def _servers() -> Iterator[tuple[str, str]]:
         procs = Processes(Path(folder))
         try:
             cluster_url = procs.cluster()
-            single_port = _free_ports(1)[0]
+            single_port = free_ports(1)[0]
             procs.redis(single_port)
             yield (procs.stargrpc(cluster_url),
                    procs.stargrpc(f"redis://127.0.0.1:{single_port}/0"))

@@ -74,7 +74,6 @@ def _accepts(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-
 @dataclass
 class Served:
     port: int

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import socket
 
-from tests.helpers import ephemeral_low, free_port, free_ports
+from bench.ports import ephemeral_low, free_ports
+from tests.helpers import free_port
 
 
 def test_ports_for_servers_are_chosen_below_the_ephemeral_range_and_free() -> None:

@@ -35,7 +35,6 @@ _BIN = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
 TIMEOUT = 60
 
 
-
 def _accepts(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0

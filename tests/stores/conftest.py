@@ -18,7 +18,8 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
-from tests.helpers import eventually, free_ports
+from bench.ports import free_ports
+from tests.helpers import eventually
 from tests.stores.helpers import redis_cli
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -103,8 +104,6 @@ async def stallable_redis(tmp_path: Path) -> AsyncIterator[StallableRedis]:
         yield redis
     finally:
         redis.kill()
-
-
 
 
 def _node(port: int) -> SyncRedis:
