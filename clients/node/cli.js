@@ -132,7 +132,6 @@ function usageLine(usage) {
   return `usage: ${parts.join(", ")}`;
 }
 
-/** `count` bytes for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB. */
 /** A duration for people, as `stargrpc call` shows it: 1.50s; under 10 ms in ms (0.4ms). */
 function seconds(value) {
   if (!(value > 0)) return "0s";
@@ -140,6 +139,7 @@ function seconds(value) {
   return `${value.toFixed(2)}s`;
 }
 
+/** `count` bytes for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB. */
 function size(count) {
   if (count < 1024) return `${count} B`;
   let value = count;

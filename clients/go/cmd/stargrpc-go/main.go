@@ -449,7 +449,6 @@ func usageLine(u *pb.Usage) string {
 	return "usage: " + strings.Join(parts, ", ")
 }
 
-// size is a byte count for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB.
 // seconds is a duration for people, as `stargrpc call` shows it: 1.50s; under 10 ms in ms
 // (0.4ms), which two decimals of a second would show as 0.00s.
 func seconds(value float64) string {
@@ -462,6 +461,7 @@ func seconds(value float64) string {
 	return fmt.Sprintf("%.2fs", value)
 }
 
+// size is a byte count for people: 512 B, 12.0 KiB, 58.0 MiB, 1.5 GiB.
 func size(count uint64) string {
 	if count < 1024 {
 		return fmt.Sprintf("%d B", count)
