@@ -185,9 +185,8 @@ class Flusher:
         # Runs this round trip registers or ends go into (or stay in) the ListRuns indexes.
         to_index = [run_log for run_log, batch in batches
                     if not run_log.registered or batch[-1][2]]
-        # A run registered without its Result enters the sweep's set in the same round trip,
-        # ahead of its registration: were this replica to die between this round trip and
-        # the next, a registered run outside the set would stay "running", never swept.
+        # A run registered without its Result enters the sweep's set with its registration
+        # (RunIndex.sweep_commands says why and how).
         swept = self._index.sweep_commands([run_log for run_log, batch in batches
                                             if not run_log.registered and not batch[-1][2]])
         # Whatever fails is kept and written again: local readers are unaffected, remote

@@ -13,6 +13,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from stargrpc.ids import minted_ms
+from stargrpc.stores.background import stop_background
 from stargrpc.stores.base import RunPage, RunQuery, RunSummary
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import KeyVanished, as_redis_error, reachable, request_error
@@ -38,11 +39,13 @@ class RunIndex:
 
     _shared: Shared
     _sweep: Sweep
+    _aside: set[asyncio.Task[None]]
     _page_token_key: bytes | None
 
     def __init__(self, shared: Shared, sweep: Sweep) -> None:
         self._shared = shared
         self._sweep = sweep
+        self._aside = set()  # sweep-set writes sent beside a registration (cluster)
         self._page_token_key = None  # read from Redis when first needed
 
     def keys_of(self, owner: str) -> list[str]:
@@ -87,6 +90,12 @@ class RunIndex:
                                  minted_ms(root) or run_log.started_ms, root))
                 commands.append(("PEXPIRE", key, shared.running_ttl_ms))
             commands.extend(self._sweep.commands(run_log))
+        await self._write(commands, len(logs), line)
+
+    async def _write(self, commands: list[tuple[Any, ...]], runs: int,
+                     line: FlushConnection | None = None) -> None:
+        """Sends index ``commands`` (of ``runs`` runs), best effort: a failure is logged."""
+        shared = self._shared
         try:
             async with asyncio.timeout(shared.timeout):
                 if line is not None:
@@ -104,14 +113,34 @@ class RunIndex:
                             pipe.execute_command(*command)
                         await pipe.execute()
         except (RedisError, TimeoutError) as exc:
-            log.warning("redis_run_index_failed", runs=len(logs), error=str(exc) or "timeout")
+            log.warning("redis_run_index_failed", runs=runs, error=str(exc) or "timeout")
 
     def sweep_commands(self, logs: list[RedisRunLog]) -> list[tuple[Any, ...]]:
         """What puts runs about to be registered into ``runs:running`` (see
-        :meth:`~stargrpc.stores.redis.leases.Sweep.commands`); :meth:`add` puts them there
-        again once registered (a sweep that looked before the registration landed took
-        them out)."""
-        return [command for run_log in logs for command in self._sweep.commands(run_log)]
+        :meth:`~stargrpc.stores.redis.leases.Sweep.commands`), for the caller to send
+        ahead of the registering script in its round trip: were the replica to die before
+        its next round trip, a registered run outside the set would never be swept.
+        :meth:`add` puts them there again once registered.
+
+        On a cluster the set lives in a slot of its own, maybe on another node than the
+        runs': the commands are sent here, beside the registration, in the background (a
+        node down or stalled there must neither fail nor hold it up), and none returned."""
+        commands = [command for run_log in logs for command in self._sweep.commands(run_log)]
+        if commands and self._shared.cluster:
+            task = asyncio.create_task(self._write(commands, len(logs)),
+                                       name="redis-sweep-set-aside")
+            self._aside.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(self._aside.discard)
+            return []
+        return commands
+
+    async def aclose(self) -> None:
+        """Lets the writes sent in the background end (each bounded by the store's
+        timeout); stops any still going past that."""
+        if self._aside:
+            await asyncio.wait(set(self._aside), timeout=self._shared.timeout + 1.0)
+        for task in list(self._aside):
+            await stop_background(task, "redis-sweep-set-aside")
 
     async def count_tree_runs(self, root_run_id: str, delta: int, ttl_ms: int) -> int:
         """Adds ``delta`` to the count of runs the call tree of ``root_run_id`` started on

@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
@@ -23,14 +22,11 @@ from redis.exceptions import (
     MovedError,
     NoScriptError,
     RedisClusterException,
-    RedisError,
     ResponseError,
 )
 
 from stargrpc.stores.redis.connection import FlushConnection
 from stargrpc.stores.redis.errors import as_redis_error, check_acknowledged
-
-log = structlog.get_logger("stargrpc.stores.redis")
 
 # Redis's clock, in ms since the epoch. Prepended to the scripts that read it.
 NOW_MS = """
@@ -341,16 +337,12 @@ class Scripts:
     sweep_take: AsyncScript
     _redis: Redis | RedisCluster
     _wait: tuple[int, int] | None
-    _aside: set[asyncio.Task[None]]
-    _timeout: float
 
     def __init__(self, redis: Redis | RedisCluster, *, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 500, timeout: float = 2.0) -> None:
+                 wait_timeout_ms: int = 500) -> None:
         self._redis = redis
-        self._timeout = timeout  # longest a pipeline sent aside may take
         # What a durable write waits for: replicas, and how long (ms).
         self._wait = (wait_replicas, wait_timeout_ms) if wait_replicas else None
-        self._aside = set()  # best-effort commands sent beside calls on a cluster
         self.append = redis.register_script(APPEND)
         self.renew = redis.register_script(RENEW)
         self.end = redis.register_script(END)
@@ -424,37 +416,6 @@ class Scripts:
                 return
         await redis.script_load(script.script)
 
-    async def settle(self) -> None:
-        """Waits for the commands sent aside (each bounded by the store's timeout; a task
-        still going past that, as a release of redis-py that swallows cancellations can
-        leave it, is cancelled)."""
-        if self._aside:
-            await asyncio.wait(set(self._aside), timeout=self._timeout + 1.0)
-            for task in self._aside:
-                task.cancel()
-
-    def _send_aside(self, commands: Sequence[tuple[Any, ...]]) -> None:
-        """Sends ``commands`` in a pipeline of their own, in the background: best effort
-        (their writer writes them again later), a failure logged."""
-        task = asyncio.ensure_future(self._aside_pipeline(commands))
-        self._aside.add(task)  # held until done: a task only the loop knows may be collected
-        task.add_done_callback(self._aside.discard)
-
-    async def _aside_pipeline(self, commands: Sequence[tuple[Any, ...]]) -> None:
-        try:
-            # Bounded: a stalled node would hold the task (and a pooled connection) until it
-            # resumes when the client has no socket timeout of its own.
-            async with asyncio.timeout(self._timeout):
-                with as_redis_error():
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for command in commands:
-                            pipe.execute_command(*command)
-                        await pipe.execute(raise_on_error=False)
-        except (RedisError, TimeoutError) as exc:
-            log.info("redis_commands_aside_failed", commands=len(commands),
-                     error=str(exc) or type(exc).__name__,
-                     detail="written again with the run's next index update")
-
     async def _one(self, sha: str, keys: list[str], args: list[Any]) -> Any:
         # As one reply of a pipeline: Redis's answer, or the error Redis answered with.
         try:
@@ -469,11 +430,6 @@ class Scripts:
         together) after the commands ``before`` (best effort), then WAIT on each connection
         that carried a call when ``wait`` says."""
         redis = self._redis
-        if before and isinstance(redis, RedisCluster):
-            # Keys of other slots than the calls', maybe on other nodes: sent beside them, so
-            # that a node down or stalled there neither fails nor holds up the calls.
-            self._send_aside(before)
-            before = ()
         nodes: dict[str, Any] = {}
         async with redis.pipeline(transaction=False) as pipe:
             for command in before:

@@ -84,7 +84,7 @@ class Shared:
         self.keys = KeyLayout(prefix, tagged=self.cluster)
         self.prefix = prefix
         self.scripts = Scripts(redis, wait_replicas=wait_replicas,
-                               wait_timeout_ms=wait_timeout_ms, timeout=timeout)
+                               wait_timeout_ms=wait_timeout_ms)
         self.replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.runs = LocalRuns()
         self.retention_ms = max(1, int(retention * 1000))

@@ -440,7 +440,7 @@ class RedisRunStore:
         await self.flusher.aclose()
         await self.sweep.stop()
         await self.shared.reachability.stop()
-        await self.shared.scripts.settle()
+        await self.index.aclose()
         await self.shared.redis.aclose()
 
     async def stop_renewing(self) -> None:
