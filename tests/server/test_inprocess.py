@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import contextvars
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from stargrpc.v1 import events_pb2, tool_service_pb2, tool_service_pb2_grpc
 from tests.conftest import AuthServerFactory, ServerFactory
 from tests.helpers import records_of
 from tests.mcp.mcp_tools import CANCELLED, GATES, mcp_registry
+from tests.runs_support import collect, execute_request, key
 
 # -- the same handlers behind a grpc.aio server and an InProcessServer ------------------------
 
@@ -418,12 +418,10 @@ async def _ended_by_the_deadline(stub: tool_service_pb2_grpc.ToolServiceStub, ga
     With a key it outlives its stream, so only the deadline the server applies can end it;
     its Result, which may come after the client gave up, is read back by a retry with the
     key."""
-    request = tool_service_pb2.ExecuteRequest(
-        tool_name="pause_at_gate", arguments_json=json.dumps({"gate": gate}),
-        idempotency_key=uuid.uuid4().hex)
+    request = execute_request("pause_at_gate", {"gate": gate}, idempotency_key=key())
     with contextlib.suppress(grpc.aio.AioRpcError):
-        [_ async for _ in stub.Execute(request, timeout=0.2)]
-    result = [response.event async for response in stub.Execute(request, timeout=30)][-1].result
+        await collect(stub.Execute(request, timeout=0.2))
+    result = (await collect(stub.Execute(request, timeout=30)))[-1].result
     return result.outcome, result.error.code
 
 
